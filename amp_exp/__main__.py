@@ -1,0 +1,46 @@
+"""Entry point: ``python -m amp_exp [overrides]`` and the ``amp-exp`` console script."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from amp_exp.cli import CONF_DIR, CONFIG_NAME, check_overrides
+from amp_exp.config import ConfigError, register_configs, validate
+
+log = logging.getLogger("amp_exp")
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
+def hydra_main(cfg: DictConfig) -> float | None:
+    """One job: validate, train, and return the final loss for sweepers that optimize it."""
+    from amp_exp.run import train
+
+    try:
+        summary = train(validate(cfg), Path(HydraConfig.get().runtime.output_dir))
+    except ConfigError as error:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # the sweep records this job as failed and runs the others
+        log.error("%s", error)
+        sys.exit(2)
+    return summary["final_loss"]
+
+
+def main() -> None:
+    register_configs()
+    try:
+        check_overrides(sys.argv[1:])
+    except ConfigError as error:
+        print(f"amp_exp: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Command-line preflight: check every override before Hydra starts a single job.
+
+Hydra reports a bad value with a multi-line message and, in a sweep, only when the job that uses
+it starts. Composing each override value here first means ``precision=fp8`` or a typo in job 7 of
+a sweep fails at once, with one line that names the valid choices, before any model is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
+
+from amp_exp.config import ConfigError, validate
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONFIG_NAME = "config"
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def describe_error(error: Exception) -> str:
+    """One line that says what is wrong and what would be right."""
+    if isinstance(error, ConfigError):
+        return str(error)
+    if isinstance(error, MissingConfigException) and error.options:
+        group, _, option = (error.missing_cfg_file or "").rpartition("/")
+        return f"{group}={option} is not an option; valid choices: {', '.join(error.options)}"
+    cause = error.__cause__
+    if isinstance(cause, ConfigAttributeError) and cause.object_type is not None:
+        keys = ", ".join(sorted(f.name for f in fields(cause.object_type)))
+        return f"{cause.full_key} is not a known key; valid keys: {keys}"
+    if isinstance(error, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
+        override = str(error).removeprefix("Error merging override ")
+        return f"{first_line(override)}: {first_line(str(cause))}"
+    return first_line(str(error))
+
+
+def compose_variants(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """The base overrides, plus one variant per value of each sweep override."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    task = [o for o in parsed if not o.key_or_group.startswith("hydra")]
+    fixed = [o.input_line for o in task if not o.is_sweep_override()]
+    variants = [fixed]
+    if multirun:
+        for override in task:
+            if override.is_sweep_override():
+                key = override.get_key_element()
+                variants += [[*fixed, f"{key}={v}"] for v in override.sweep_string_iterator()]
+    return variants
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Raise ConfigError, with a one-line message, if any override cannot run."""
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
+        return
+    try:
+        variants = compose_variants(args.overrides, args.multirun)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            for overrides in variants:
+                validate(compose(args.config_name or CONFIG_NAME, overrides=overrides))
+    except (ConfigError, OmegaConfBaseException, HydraException) as error:
+        raise ConfigError(describe_error(error)) from error

@@ -1,0 +1,233 @@
+"""Datasets and loaders: synthetic images on the device, torchvision data sets, image folders.
+
+Every train loader has ``set_epoch``: the shuffle order of epoch e depends only on (seed, e), so
+all jobs of a sweep see the same batches in the same order, whatever model or precision they use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+from amp_exp.config import ConfigError, DatasetConfig, DatasetName
+
+
+class Batches(Protocol):
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def __len__(self) -> int: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+@dataclass
+class DataBundle:
+    train: Batches
+    eval: Batches
+    input_shape: tuple[int, int, int]
+    num_classes: int
+
+
+def epoch_permutation(size: int, seed: int, epoch: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(size, generator=generator)
+
+
+class DeviceTensorLoader:
+    """Batches sliced from tensors that already live on the training device."""
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+    ) -> None:
+        self.images, self.labels = images, labels
+        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        # Training drops the ragged last batch so every timed step has the same shape.
+        if self.shuffle:
+            return len(self.labels) // self.batch_size
+        return -(-len(self.labels) // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.shuffle:
+            order = epoch_permutation(len(self.labels), self.seed, self.epoch)
+            order = order.to(self.images.device)
+        for i in range(len(self)):
+            if self.shuffle:
+                index = order[i * self.batch_size : (i + 1) * self.batch_size]
+                yield self.images[index], self.labels[index]
+            else:
+                batch = slice(i * self.batch_size, (i + 1) * self.batch_size)
+                yield self.images[batch], self.labels[batch]
+
+
+def make_synthetic(
+    cfg: DatasetConfig, size: int, seed: int, split: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images = a smooth per-class prototype plus noise: learnable, but not in one step.
+
+    The prototypes depend only on ``seed``, so the train split (0) and the eval split (1) share
+    their classes and differ only in labels and noise.
+    """
+    prototypes_rng = torch.Generator().manual_seed(seed)
+    coarse = torch.randn(cfg.num_classes, cfg.channels, 4, 4, generator=prototypes_rng)
+    prototypes = F.interpolate(coarse, size=cfg.image_size, mode="bilinear", align_corners=False)
+    samples_rng = torch.Generator().manual_seed(seed * 1_000_003 + 1 + split)
+    labels = torch.randint(cfg.num_classes, (size,), generator=samples_rng)
+    noise = torch.randn(size, cfg.channels, cfg.image_size, cfg.image_size, generator=samples_rng)
+    images = prototypes[labels] + cfg.noise_std * noise
+    return images.to(device), labels.to(device)
+
+
+class EpochShuffleSampler(Sampler[int]):
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(epoch_permutation(self.size, self.seed, self.epoch).tolist())
+
+
+class EpochDataLoader(DataLoader):
+    def set_epoch(self, epoch: int) -> None:
+        if isinstance(self.sampler, EpochShuffleSampler):
+            self.sampler.set_epoch(epoch)
+
+
+TORCHVISION_SETS = {
+    # name: (class name, input shape, classes, normalization mean, std)
+    DatasetName.cifar10: (
+        "CIFAR10",
+        (3, 32, 32),
+        10,
+        (0.4914, 0.4822, 0.4465),
+        (0.247, 0.243, 0.261),
+    ),
+    DatasetName.cifar100: (
+        "CIFAR100",
+        (3, 32, 32),
+        100,
+        (0.5071, 0.4865, 0.4409),
+        (0.267, 0.256, 0.276),
+    ),
+    DatasetName.mnist: ("MNIST", (1, 28, 28), 10, (0.1307,), (0.3081,)),
+    DatasetName.fashion_mnist: ("FashionMNIST", (1, 28, 28), 10, (0.2860,), (0.3530,)),
+}
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def _torchvision_splits(cfg: DatasetConfig, root: Path):
+    import torchvision
+    from torchvision import transforms
+
+    class_name, shape, classes, mean, std = TORCHVISION_SETS[cfg.name]
+    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
+    dataset_class = getattr(torchvision.datasets, class_name)
+    try:
+        splits = [
+            dataset_class(str(root), train=train, download=cfg.download, transform=transform)
+            for train in (True, False)
+        ]
+    except RuntimeError as error:
+        raise ConfigError(
+            f"dataset={cfg.name.value}: no usable copy under {root} ({error}); "
+            "set dataset.root to it, or dataset.download=true to fetch it"
+        ) from None
+    return splits[0], splits[1], shape, classes
+
+
+def _image_folder_splits(cfg: DatasetConfig, root: Path, seed: int):
+    from torchvision import datasets, transforms
+
+    if not root.is_dir():
+        raise ConfigError(f"dataset.root={root} is not a directory of class sub-folders")
+    transform = transforms.Compose(
+        [
+            transforms.Resize(cfg.image_size),
+            transforms.CenterCrop(cfg.image_size),
+            transforms.ToTensor(),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
+    eval_dir = next((root / d for d in ("val", "test") if (root / d).is_dir()), None)
+    if (root / "train").is_dir() and eval_dir is not None:
+        train = datasets.ImageFolder(str(root / "train"), transform=transform)
+        held_out = datasets.ImageFolder(str(eval_dir), transform=transform)
+        classes = len(train.classes)
+    else:
+        full = datasets.ImageFolder(str(root), transform=transform)
+        order = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed)).tolist()
+        eval_count = max(1, round(len(full) * cfg.eval_fraction))
+        train, held_out = Subset(full, order[eval_count:]), Subset(full, order[:eval_count])
+        classes = len(full.classes)
+    return train, held_out, (3, cfg.image_size, cfg.image_size), classes
+
+
+def _loaders(
+    cfg: DatasetConfig, train: Dataset, held_out: Dataset, seed: int, device: torch.device
+) -> tuple[EpochDataLoader, EpochDataLoader]:
+    if len(train) < cfg.batch_size:
+        raise ConfigError(
+            f"dataset.batch_size={cfg.batch_size} exceeds the {len(train)} training samples"
+        )
+    common = dict(
+        num_workers=cfg.num_workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=cfg.num_workers > 0,
+    )
+    train_loader = EpochDataLoader(
+        train,
+        batch_size=cfg.batch_size,
+        sampler=EpochShuffleSampler(len(train), seed),
+        drop_last=True,
+        **common,
+    )
+    eval_loader = EpochDataLoader(
+        held_out, batch_size=cfg.eval_batch_size or cfg.batch_size, shuffle=False, **common
+    )
+    return train_loader, eval_loader
+
+
+def build_data(cfg: DatasetConfig, seed: int, device: torch.device) -> DataBundle:
+    eval_batch_size = cfg.eval_batch_size or cfg.batch_size
+    if cfg.name is DatasetName.synthetic:
+        if cfg.train_size < cfg.batch_size:
+            raise ConfigError(
+                f"dataset.batch_size={cfg.batch_size} exceeds dataset.train_size={cfg.train_size}"
+            )
+        train = DeviceTensorLoader(
+            *make_synthetic(cfg, cfg.train_size, seed, 0, device), cfg.batch_size, True, seed
+        )
+        held_out = DeviceTensorLoader(
+            *make_synthetic(cfg, cfg.eval_size, seed, 1, device), eval_batch_size, False, seed
+        )
+        return DataBundle(
+            train, held_out, (cfg.channels, cfg.image_size, cfg.image_size), cfg.num_classes
+        )
+    root = Path(cfg.root).expanduser().resolve()
+    if cfg.name is DatasetName.image_folder:
+        train_set, eval_set, shape, classes = _image_folder_splits(cfg, root, seed)
+    else:
+        train_set, eval_set, shape, classes = _torchvision_splits(cfg, root)
+    train_loader, eval_loader = _loaders(cfg, train_set, eval_set, seed, device)
+    return DataBundle(train_loader, eval_loader, shape, classes)

@@ -1,0 +1,83 @@
+"""Where metric rows go: the console and metrics.jsonl (the source of truth for reports).
+
+A logger has ``log(row)`` and ``close()``. Rows hold plain Python numbers only; loggers never
+touch tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger("amp_exp")
+
+
+class Logger(Protocol):
+    def log(self, row: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _json_safe(value: Any) -> Any:
+    # JSON has no inf or NaN; null keeps every line parseable by strict readers.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class JsonlLogger:
+    """One JSON object per line, flushed per row so a killed run keeps everything logged."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: _json_safe(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    filled = width * done // max(total, 1)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+class ConsoleLogger:
+    """A progress line per log interval, through ``logging`` so Hydra also files it in train.log."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+
+    def log(self, row: dict[str, Any]) -> None:
+        if "eval_acc" in row:
+            log.info(
+                "eval @ step %d: loss %s, accuracy %s",
+                row["step"],
+                _fmt(row["eval_loss"], ".4f"),
+                _fmt(row["eval_acc"], ".2%"),
+            )
+            return
+        scale = "" if row["scale"] is None else f" | scale {row['scale']:g}"
+        skipped = f" | skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
+        log.info(
+            "%s | loss %s | lr %s%s%s | %s samples/s",
+            progress_bar(row["step"], self.total_steps),
+            _fmt(row["loss"], ".4f"),
+            _fmt(row["lr"], ".3g"),
+            scale,
+            skipped,
+            _fmt(row["samples_per_s"], ".0f"),
+        )
+
+    def close(self) -> None:
+        pass

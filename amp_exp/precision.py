@@ -1,0 +1,157 @@
+"""PrecisionPolicy: which precision runs, and the AMP sequence every training step follows.
+
+One code path serves fp32, bf16 and fp16. The GradScaler exists only for fp16 (bf16 keeps fp32's
+exponent range, so its gradients do not underflow); everything else is the same call sequence:
+autocast forward and loss -> scaled backward -> unscale_ -> clip -> step -> update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from amp_exp.config import ConfigError, Precision, PrecisionConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    Precision.fp32: torch.float32,
+    Precision.fp16: torch.float16,
+    Precision.bf16: torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ResolvedPrecision:
+    precision: Precision
+    reason: str
+
+
+def cuda_has_tensor_cores(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (7, 0)
+
+
+def resolve_precision(requested: Precision, device: torch.device) -> ResolvedPrecision:
+    """Pick the precision for ``auto`` and reject requests the hardware cannot run."""
+    if requested is Precision.auto:
+        if device.type == "cuda" and cuda_has_tensor_cores(device):
+            return ResolvedPrecision(
+                Precision.fp16,
+                "auto: CUDA GPU with Tensor Cores, so fp16 autocast with dynamic loss scaling",
+            )
+        if device.type == "cuda":
+            return ResolvedPrecision(
+                Precision.fp32, "auto: this CUDA GPU has no Tensor Cores, so fp32 is fastest"
+            )
+        return ResolvedPrecision(
+            Precision.fp32,
+            "auto: on the CPU autocast rarely pays and fp16 has no fast kernels, so fp32",
+        )
+    if (
+        requested is Precision.bf16
+        and device.type == "cuda"
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
+        raise ConfigError(
+            f"precision=bf16 needs a GPU with native bf16 (compute capability 8.0+), but "
+            f"{torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or precision=fp32"
+        )
+    if requested is Precision.fp16 and device.type == "cpu":
+        log.warning(
+            "precision=fp16 on the CPU: there are no fast fp16 CPU kernels, so training runs "
+            "about 20-60x slower than fp32; use precision=bf16 or fp32 for speed on the CPU"
+        )
+    return ResolvedPrecision(requested, f"requested: precision={requested.value}")
+
+
+class PrecisionPolicy:
+    """Autocast context, GradScaler and the backward/unscale/clip/step/update sequence."""
+
+    def __init__(self, precision: Precision, cfg: PrecisionConfig, device: torch.device) -> None:
+        if precision is Precision.auto:
+            raise ValueError("resolve precision=auto with resolve_precision() first")
+        self.precision = precision
+        self.device = device
+        self.clip_grad_norm = cfg.clip_grad_norm
+        self.dtype = DTYPES[precision]
+        self.scaler: torch.amp.GradScaler | None = None
+        if precision is Precision.fp16:
+            self.scaler = torch.amp.GradScaler(
+                device.type,
+                init_scale=cfg.init_scale,
+                growth_factor=cfg.growth_factor,
+                backoff_factor=cfg.backoff_factor,
+                growth_interval=cfg.growth_interval,
+            )
+        self._optimizer_stepped = False
+
+    @property
+    def uses_autocast(self) -> bool:
+        return self.precision is not Precision.fp32
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if not self.uses_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Learn whether the scaler ran ``optimizer.step()`` without reading found_inf.
+
+        GradScaler calls ``optimizer.step()`` only when the gradients are finite, so a post-step
+        hook tells a skipped step from a real one with no extra device sync.
+        """
+        optimizer.register_step_post_hook(self._on_optimizer_step)
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._optimizer_stepped = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is None:
+            loss.backward()
+        else:
+            self.scaler.scale(loss).backward()
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        parameters: list[torch.nn.Parameter],
+        want_grad_norm: bool,
+    ) -> tuple[bool, torch.Tensor | None]:
+        """Unscale, clip, step and update. Returns (stepped, grad_norm tensor or None).
+
+        The gradient norm is computed when clipping needs it or when the caller asks for it (at
+        log intervals), so a step without clipping reads its gradients only once.
+        """
+        if self.scaler is not None:
+            # Clipping thresholds refer to true gradients, so unscale before measuring them.
+            self.scaler.unscale_(optimizer)
+        grad_norm = None
+        if self.clip_grad_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm)
+        elif want_grad_norm:
+            grad_norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in parameters if p.grad is not None]
+            )
+        if self.scaler is None:
+            optimizer.step()
+            return True, grad_norm
+        self._optimizer_stepped = False
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # Fused optimizers take found_inf into their kernel and always "step"; whether they
+            # skipped is only known on the device, so this choice costs one sync per step.
+            norm = grad_norm
+            if norm is None:
+                norm = torch.nn.utils.get_total_norm(
+                    [p.grad for p in parameters if p.grad is not None]
+                )
+            return bool(torch.isfinite(norm)), grad_norm
+        return self._optimizer_stepped, grad_norm
+
+    def scale(self) -> float | None:
+        """The current loss scale; reads the device, so call it only at log intervals."""
+        return None if self.scaler is None else self.scaler.get_scale()

@@ -1,0 +1,141 @@
+"""Build everything a run needs from its config, train it, and write its results to disk."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from amp_exp.config import RunConfig
+from amp_exp.data import build_data
+from amp_exp.engine import Engine, LossFn, TrainResult, plan_total_steps
+from amp_exp.hardware import (
+    configure_backends,
+    device_name,
+    git_sha,
+    resolve_device,
+    seed_everything,
+)
+from amp_exp.loggers import ConsoleLogger, JsonlLogger, Logger
+from amp_exp.models import build_model, is_convolutional
+from amp_exp.optim import build_optimizer, build_scheduler
+from amp_exp.precision import PrecisionPolicy, ResolvedPrecision, resolve_precision
+
+log = logging.getLogger("amp_exp")
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def build_summary(
+    cfg: RunConfig,
+    resolved: ResolvedPrecision,
+    device: torch.device,
+    result: TrainResult,
+    parameters: int,
+    channels_last: bool,
+    wall_s: float,
+) -> dict[str, Any]:
+    return {
+        "status": "completed",
+        "precision": resolved.precision.value,
+        "precision_reason": resolved.reason,
+        "model": cfg.model.name,
+        "dataset": cfg.dataset.name.value,
+        "optimizer": cfg.optimizer.name,
+        "device": device.type,
+        "device_name": device_name(device),
+        "seed": cfg.seed,
+        "batch_size": cfg.dataset.batch_size,
+        "grad_accum_steps": cfg.trainer.grad_accum_steps,
+        "parameters": parameters,
+        "channels_last": channels_last,
+        "compile": cfg.trainer.compile,
+        "steps": result.steps,
+        "samples_seen": result.samples_seen,
+        "timed_steps": result.timed_steps,
+        "warmup_s": result.warmup_s,
+        "samples_per_s": result.samples_per_s,
+        "step_time_ms": result.step_time_ms,
+        "peak_mem_bytes": result.peak_mem_bytes,
+        "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_peak_rss",
+        "final_loss": result.final_loss,
+        "eval_loss": result.eval_loss,
+        "eval_acc": result.eval_acc,
+        "loss_scale": result.loss_scale,
+        "skipped_steps": result.skipped_steps,
+        "wall_s": wall_s,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "git_sha": git_sha(),
+    }
+
+
+def train(cfg: RunConfig, output_dir: Path, loss_fn: LossFn | None = None) -> dict[str, Any]:
+    """Run one experiment; writes metrics.jsonl and summary.json into ``output_dir``."""
+    started = time.perf_counter()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.trainer.device)
+    resolved = resolve_precision(cfg.precision.name, device)
+    configure_backends(device, cfg.trainer.deterministic)
+    seed_everything(cfg.seed)
+    log.info(
+        "precision %s (%s) on %s", resolved.precision.value, resolved.reason, device_name(device)
+    )
+
+    data = build_data(cfg.dataset, cfg.seed, device)
+    model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+    channels_last = cfg.trainer.channels_last
+    if channels_last is None:
+        channels_last = device.type == "cuda" and is_convolutional(model)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(cfg.optimizer, model, device, resolved.precision)
+    total_steps = plan_total_steps(cfg.trainer, len(data.train))
+    scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps)
+    policy = PrecisionPolicy(resolved.precision, cfg.precision, device)
+    runnable = (
+        torch.compile(model, mode=cfg.trainer.compile_mode.value) if cfg.trainer.compile else model
+    )
+    engine = Engine(
+        runnable,
+        optimizer,
+        scheduler,
+        policy,
+        data,
+        cfg.trainer,
+        device,
+        total_steps,
+        channels_last=channels_last,
+        loss_fn=loss_fn,
+    )
+    loggers: list[Logger] = [ConsoleLogger(total_steps), JsonlLogger(output_dir / "metrics.jsonl")]
+    try:
+        result = engine.fit(lambda row: [logger.log(row) for logger in loggers])
+    finally:
+        for logger in loggers:
+            logger.close()
+    parameters = sum(p.numel() for p in model.parameters())
+    summary = build_summary(
+        cfg, resolved, device, result, parameters, channels_last, time.perf_counter() - started
+    )
+    write_json(output_dir / "summary.json", summary)
+    log.info(
+        "done: %s %s on %s, %s samples/s, final loss %.4f, eval acc %s -> %s",
+        summary["model"],
+        summary["precision"],
+        summary["device"],
+        "-" if result.samples_per_s is None else f"{result.samples_per_s:.0f}",
+        result.final_loss,
+        "-" if result.eval_acc is None else f"{result.eval_acc:.2%}",
+        output_dir,
+    )
+    return summary

@@ -1,0 +1,130 @@
+"""Every config option composes and validates; every bad input fails early with one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from amp_exp.cli import CONF_DIR, check_overrides
+from amp_exp.config import (
+    AdamWConfig,
+    ConfigError,
+    Precision,
+    SGDConfig,
+    TinyCNNConfig,
+    TorchvisionModelConfig,
+)
+
+GROUPS = ("model", "dataset", "optimizer", "scheduler", "precision", "trainer")
+# Options that need a value the YAML cannot know.
+REQUIRED = {
+    ("model", "torchvision"): ["model.name=mobilenet_v3_small"],
+    ("dataset", "image_folder"): [f"dataset.root={CONF_DIR}"],
+}
+
+
+def all_options() -> list[tuple[str, str]]:
+    return [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
+
+
+def test_every_group_has_options() -> None:
+    options = all_options()
+    for group in GROUPS:
+        assert any(g == group for g, _ in options), group
+
+
+@pytest.mark.parametrize(("group", "option"), all_options())
+def test_every_option_composes_and_validates(run_cfg, group: str, option: str) -> None:
+    cfg = run_cfg(f"{group}={option}", *REQUIRED.get((group, option), []))
+    section = getattr(cfg, group)
+    if group == "model" and option != "torchvision":
+        assert section.name == option
+    if group in ("dataset", "scheduler", "precision"):
+        assert section.name.value == option
+
+
+def test_group_options_pick_their_schema(run_cfg) -> None:
+    assert isinstance(run_cfg().model, TinyCNNConfig)
+    assert isinstance(run_cfg("model=resnet18").model, TorchvisionModelConfig)
+    assert isinstance(run_cfg("optimizer=adamw").optimizer, AdamWConfig)
+    assert isinstance(run_cfg("optimizer=sgd").optimizer, SGDConfig)
+    assert run_cfg("precision=bf16").precision.name is Precision.bf16
+
+
+def test_defaults_are_the_documented_ones(compose_cfg) -> None:
+    from amp_exp.config import validate
+
+    cfg = validate(compose_cfg(fast=False))
+    assert (cfg.model.name, cfg.dataset.name.value, cfg.precision.name.value) == (
+        "tiny_cnn",
+        "synthetic",
+        "auto",
+    )
+    assert cfg.precision.init_scale == 65536.0
+    assert cfg.precision.clip_grad_norm is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["precision=fp8"], "valid choices: auto, bf16, fp16, fp32"),
+        (["model=nope"], "valid choices: mlp, resnet18, resnet50, tiny_cnn, torchvision"),
+        (["trainer.max_steps=abc"], "trainer.max_steps=abc: Value 'abc'"),
+        (["dataset.batch_size=-4"], "dataset.batch_size=-4 must be positive"),
+        (["trainer.foo=1"], "trainer.foo is not a known key; valid keys: channels_last"),
+        (["+trainer.foo=1"], "trainer.foo is not a known key"),
+        (["precision.name=fp8"], "expected one of [auto, fp32, fp16, bf16]"),
+        (["model=torchvision", "model.name=nope"], "valid choices: alexnet"),
+        (["dataset=image_folder", "dataset.root=/no/such/dir"], "dataset=image_folder needs"),
+        (["model=torchvision"], "model.name must be set"),
+        (["trainer.max_steps=null"], "set trainer.max_steps or trainer.epochs"),
+        (["precision.backoff_factor=2"], "precision.backoff_factor must lie strictly between"),
+        (["-m", "precision=fp32,fp8"], "precision=fp8 is not an option"),
+        (["-m", "trainer.max_steps=3,0"], "trainer.max_steps=0 must be positive"),
+    ],
+)
+def test_bad_input_is_rejected_with_one_line(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        check_overrides(overrides)
+    message = str(raised.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_good_sweep_passes_preflight() -> None:
+    check_overrides(["-m", "precision=fp32,fp16,bf16", "model=tiny_cnn,mlp"])
+
+
+def test_cli_rejects_bad_value_before_building_anything(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "amp_exp", "precision=fp8", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "amp_exp: error: precision=fp8 is not an option; valid choices: auto, bf16, fp16, fp32"
+    ]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA"
+)
+def test_cli_rejects_cuda_without_cuda(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "amp_exp", "trainer.device=cuda", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    error_lines = [line for line in (result.stdout + result.stderr).splitlines() if "ERROR" in line]
+    assert len(error_lines) == 1
+    assert "trainer.device=cuda, but no CUDA device" in error_lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
