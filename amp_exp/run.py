@@ -6,8 +6,9 @@ import json
 import logging
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -79,18 +80,22 @@ def build_summary(
     }
 
 
-def train(cfg: RunConfig, output_dir: Path, loss_fn: LossFn | None = None) -> dict[str, Any]:
-    """Run one experiment; writes metrics.jsonl and summary.json into ``output_dir``."""
-    started = time.perf_counter()
-    output_dir.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Built:
+    """Everything a run needs, built from its config before the first step."""
+
+    device: torch.device
+    resolved: ResolvedPrecision
+    model: torch.nn.Module
+    channels_last: bool
+    engine: Engine
+
+
+def build(cfg: RunConfig, loss_fn: Optional[LossFn] = None) -> Built:
     device = resolve_device(cfg.trainer.device)
     resolved = resolve_precision(cfg.precision.name, device)
     configure_backends(device, cfg.trainer.deterministic)
     seed_everything(cfg.seed)
-    log.info(
-        "precision %s (%s) on %s", resolved.precision.value, resolved.reason, device_name(device)
-    )
-
     data = build_data(cfg.dataset, cfg.seed, device)
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
     channels_last = cfg.trainer.channels_last
@@ -100,16 +105,12 @@ def train(cfg: RunConfig, output_dir: Path, loss_fn: LossFn | None = None) -> di
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(cfg.optimizer, model, device, resolved.precision)
     total_steps = plan_total_steps(cfg.trainer, len(data.train))
-    scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps)
-    policy = PrecisionPolicy(resolved.precision, cfg.precision, device)
-    runnable = (
-        torch.compile(model, mode=cfg.trainer.compile_mode.value) if cfg.trainer.compile else model
-    )
+    compiled = cfg.trainer.compile
     engine = Engine(
-        runnable,
+        torch.compile(model, mode=cfg.trainer.compile_mode.value) if compiled else model,
         optimizer,
-        scheduler,
-        policy,
+        build_scheduler(cfg.scheduler, optimizer, total_steps),
+        PrecisionPolicy(resolved.precision, cfg.precision, device),
         data,
         cfg.trainer,
         device,
@@ -117,15 +118,37 @@ def train(cfg: RunConfig, output_dir: Path, loss_fn: LossFn | None = None) -> di
         channels_last=channels_last,
         loss_fn=loss_fn,
     )
-    loggers: list[Logger] = [ConsoleLogger(total_steps), JsonlLogger(output_dir / "metrics.jsonl")]
+    return Built(device, resolved, model, channels_last, engine)
+
+
+def train(cfg: RunConfig, output_dir: Path, loss_fn: Optional[LossFn] = None) -> dict[str, Any]:
+    """Run one experiment; writes metrics.jsonl and summary.json into ``output_dir``."""
+    started = time.perf_counter()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    built = build(cfg, loss_fn)
+    log.info(
+        "precision %s (%s) on %s",
+        built.resolved.precision.value,
+        built.resolved.reason,
+        device_name(built.device),
+    )
+    loggers: list[Logger] = [
+        ConsoleLogger(built.engine.total_steps),
+        JsonlLogger(output_dir / "metrics.jsonl"),
+    ]
     try:
-        result = engine.fit(lambda row: [logger.log(row) for logger in loggers])
+        result = built.engine.fit(lambda row: [logger.log(row) for logger in loggers])
     finally:
         for logger in loggers:
             logger.close()
-    parameters = sum(p.numel() for p in model.parameters())
     summary = build_summary(
-        cfg, resolved, device, result, parameters, channels_last, time.perf_counter() - started
+        cfg,
+        built.resolved,
+        built.device,
+        result,
+        sum(p.numel() for p in built.model.parameters()),
+        built.channels_last,
+        time.perf_counter() - started,
     )
     write_json(output_dir / "summary.json", summary)
     log.info(

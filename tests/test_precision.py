@@ -53,7 +53,11 @@ def test_fp16_scaler_takes_every_knob() -> None:
 
 @pytest.mark.parametrize(
     ("precision", "dtype"),
-    [(Precision.fp32, torch.float32), (Precision.bf16, torch.bfloat16), (Precision.fp16, torch.float16)],
+    [
+        (Precision.fp32, torch.float32),
+        (Precision.bf16, torch.bfloat16),
+        (Precision.fp16, torch.float16),
+    ],
 )
 def test_autocast_runs_the_forward_in_the_chosen_dtype(precision, dtype) -> None:
     model, _, policy = tiny_setup(precision)
@@ -85,13 +89,13 @@ def test_fp16_overflow_is_skipped_and_backs_off_the_scale() -> None:
     stepped, _ = policy.step(optimizer, list(model.parameters()), want_grad_norm=False)
     assert not stepped
     assert policy.scale() == 128.0
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     # The next finite step goes through.
     optimizer.zero_grad()
     forward_backward(model, policy)
     stepped, _ = policy.step(optimizer, list(model.parameters()), want_grad_norm=False)
     assert stepped
-    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_auto_on_cpu_picks_fp32_and_says_why() -> None:

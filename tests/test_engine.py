@@ -1,0 +1,132 @@
+"""The engine on real (tiny) runs: every precision, skipped steps, accumulation, learning."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from amp_exp.run import build, train
+from conftest import read_jsonl
+
+# fp16 autocast on the CPU is 20-60x slower than fp32: keep its runs tiny.
+TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_few_steps_of_each_precision_complete(run_cfg, tmp_path, precision: str) -> None:
+    summary = train(run_cfg(f"precision={precision}", *TINY), tmp_path)
+    assert summary["precision"] == precision
+    assert summary["steps"] == 4
+    assert summary["skipped_steps"] == 0
+    assert (summary["loss_scale"] is not None) == (precision == "fp16")
+    assert summary["samples_per_s"] > 0
+    assert 0 <= summary["eval_acc"] <= 1
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [2, 4]
+    assert all(r["grad_norm"] > 0 for r in train_rows)
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+
+def inf_loss_at(steps: set[int], accum: int = 1):
+    """A loss function that overflows on the given optimizer steps (1-based)."""
+    calls = 0
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        loss = F.cross_entropy(logits, labels)
+        step = (calls - 1) // accum + 1
+        return loss * float("inf") if step in steps else loss
+
+    return loss_fn
+
+
+def test_forced_overflow_is_skipped_counted_and_holds_the_scheduler(run_cfg) -> None:
+    cfg = run_cfg("precision=fp16", "precision.init_scale=1024", "trainer.max_steps=3", *TINY)
+    built = build(cfg, loss_fn=inf_loss_at({1}))
+    rows: list[dict] = []
+    with warnings.catch_warnings():
+        # The skipped first step is exactly when PyTorch would warn about scheduler order.
+        warnings.simplefilter("error")
+        result = built.engine.fit(rows.append)
+    assert result.skipped_steps == 1
+    assert result.loss_scale == 512.0
+    assert built.engine.scheduler.last_epoch == 2
+    assert [r["skipped_steps"] for r in rows if "loss" in r] == [1, 1]
+
+
+def test_overflowed_step_leaves_the_parameters_alone(run_cfg) -> None:
+    cfg = run_cfg("precision=fp16", "trainer.max_steps=1", *TINY)
+    built = build(cfg, loss_fn=inf_loss_at({1}))
+    before = {k: v.clone() for k, v in built.model.state_dict().items() if v.is_floating_point()}
+    built.engine.fit(lambda row: None)
+    after = built.model.state_dict()
+    # BatchNorm running stats move in the forward pass; the trained parameters must not.
+    for name, parameter in built.model.named_parameters():
+        assert torch.equal(before[name], parameter), name
+    assert any(not torch.equal(before[k], after[k]) for k in before if "running_mean" in k)
+
+
+def test_accumulation_matches_one_big_batch(run_cfg) -> None:
+    def params_after(batch_size: int, accum: int) -> list[torch.Tensor]:
+        cfg = run_cfg(
+            "model=mlp",
+            "precision=fp32",
+            "scheduler=none",
+            "trainer.max_steps=2",
+            f"dataset.batch_size={batch_size}",
+            f"trainer.grad_accum_steps={accum}",
+        )
+        built = build(cfg)
+        built.engine.fit(lambda row: None)
+        return [p.detach().clone() for p in built.model.parameters()]
+
+    for big, small in zip(params_after(32, 1), params_after(8, 4), strict=True):
+        torch.testing.assert_close(big, small, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulation_unscales_once_per_optimizer_step(run_cfg) -> None:
+    cfg = run_cfg("precision=fp16", "trainer.grad_accum_steps=2", "trainer.max_steps=2", *TINY)
+    built = build(cfg)
+    scaler = built.engine.policy.scaler
+    unscales = []
+    original = scaler.unscale_
+    scaler.unscale_ = lambda optimizer: (unscales.append(1), original(optimizer))
+    result = built.engine.fit(lambda row: None)
+    assert len(unscales) == 2
+    assert result.samples_seen == 2 * 2 * 16
+
+
+def test_synthetic_data_is_learnable_and_bf16_tracks_fp32(run_cfg) -> None:
+    def final(precision: str) -> dict:
+        cfg = run_cfg(
+            f"precision={precision}",
+            "trainer.max_steps=80",
+            "trainer.log_every=20",
+            "dataset.noise_std=1.0",
+            "model.width=16",
+        )
+        return build(cfg).engine.fit(lambda row: None).__dict__
+
+    fp32, bf16 = final("fp32"), final("bf16")
+    assert fp32["final_loss"] < 0.5 * 2.3026  # well below chance (ln 10)
+    assert fp32["eval_acc"] > 0.6
+    assert abs(bf16["final_loss"] - fp32["final_loss"]) < 0.15
+    assert abs(bf16["eval_acc"] - fp32["eval_acc"]) < 0.1
+
+
+def test_epochs_bound_the_run(run_cfg) -> None:
+    cfg = run_cfg("trainer.max_steps=null", "trainer.epochs=2", *TINY)
+    # 256 samples / batch 16 = 16 steps per epoch.
+    assert build(cfg).engine.total_steps == 32
+
+
+def test_eval_every_adds_eval_rows(run_cfg, tmp_path) -> None:
+    train(run_cfg("trainer.eval_every=2", *TINY), tmp_path)
+    eval_rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_acc" in r]
+    assert [r["step"] for r in eval_rows] == [2, 4]
