@@ -52,6 +52,12 @@ class SchedulerName(str, Enum):
     onecycle = "onecycle"
 
 
+class NonFiniteAction(str, Enum):
+    skip = "skip"
+    stop = "stop"
+    off = "off"
+
+
 class CompileMode(str, Enum):
     default = "default"
     reduce_overhead = "reduce-overhead"
@@ -164,6 +170,10 @@ class PrecisionConfig:
     growth_interval: int = 2000
     # Max total gradient norm after unscaling; null = no clipping.
     clip_grad_norm: float | None = None
+    # fp16 stops with a diagnosis after this many skipped steps in a row, or when the loss scale
+    # falls below min_scale (below 1 the true gradients themselves overflow fp16).
+    max_consecutive_skips: int = 50
+    min_scale: float = 1.0
 
 
 @dataclass
@@ -185,6 +195,17 @@ class TrainerConfig:
     compile: bool = False
     compile_mode: CompileMode = CompileMode.default
     deterministic: bool = False
+    # fp32/bf16 have no scaler to skip a step with inf/NaN gradients: skip it here, stop the
+    # run, or (off) apply it. skip and stop read one flag from the device per step.
+    on_nonfinite: NonFiniteAction = NonFiniteAction.skip
+
+
+@dataclass
+class CheckpointConfig:
+    # Write checkpoints/last.pt every this many steps; 0 = only at the end, null = never.
+    every_steps: int | None = 0
+    # Numbered step checkpoints kept besides last.pt.
+    keep: int = 0
 
 
 @dataclass
@@ -195,6 +216,10 @@ class RunConfig:
     scheduler: SchedulerConfig = MISSING
     precision: PrecisionConfig = MISSING
     trainer: TrainerConfig = MISSING
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # null = start fresh; auto = the newest valid checkpoint in this run directory, if any;
+    # or the path of a run directory or checkpoint file.
+    resume: str | None = None
     seed: int = 0
 
 
@@ -277,6 +302,9 @@ def validate(cfg: DictConfig) -> RunConfig:
         "trainer.eval_every must be 0 (only at the end), a positive step interval, or null (never)",
     )
     _check(run.trainer.timing_warmup_steps >= 0, "trainer.timing_warmup_steps must be 0 or more")
+    every = run.checkpoint.every_steps
+    _check(every is None or every >= 0, "checkpoint.every_steps must be 0 (at the end), N or null")
+    _check(run.checkpoint.keep >= 0, "checkpoint.keep must be 0 or more")
     _validate_precision(run.precision)
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)
@@ -286,7 +314,7 @@ def validate(cfg: DictConfig) -> RunConfig:
 
 def _reject_unknown_keys(cfg: DictConfig) -> None:
     """``+group.key=value`` opens a typed node; a key its schema lacks would be silently lost."""
-    for section in SCHEMAS:
+    for section in [*SCHEMAS, "checkpoint"]:
         node = cfg[section]
         known = {f.name for f in fields(OmegaConf.get_type(node))}
         unknown = sorted(set(node.keys()) - known)
@@ -300,6 +328,8 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
 def _validate_precision(precision: PrecisionConfig) -> None:
     _check(precision.init_scale > 0, "precision.init_scale must be positive")
     _check(precision.growth_factor > 1, "precision.growth_factor must be greater than 1")
+    _check(precision.max_consecutive_skips > 0, "precision.max_consecutive_skips must be positive")
+    _check(precision.min_scale > 0, "precision.min_scale must be positive")
     _check(
         0 < precision.backoff_factor < 1,
         "precision.backoff_factor must lie strictly between 0 and 1",

@@ -2,6 +2,8 @@
 
 Every train loader has ``set_epoch``: the shuffle order of epoch e depends only on (seed, e), so
 all jobs of a sweep see the same batches in the same order, whatever model or precision they use.
+Its ``start_batch`` lets a resumed run pick up in the middle of an epoch without loading the
+batches it already trained on.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class Batches(Protocol):
 
     def __len__(self) -> int: ...
 
-    def set_epoch(self, epoch: int) -> None: ...
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None: ...
 
 
 @dataclass
@@ -52,10 +54,10 @@ class DeviceTensorLoader:
     ) -> None:
         self.images, self.labels = images, labels
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
-        self.epoch = 0
+        self.epoch = self.start_batch = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch, self.start_batch = epoch, start_batch
 
     def __len__(self) -> int:
         # Training drops the ragged last batch so every timed step has the same shape.
@@ -67,7 +69,7 @@ class DeviceTensorLoader:
         if self.shuffle:
             order = epoch_permutation(len(self.labels), self.seed, self.epoch)
             order = order.to(self.images.device)
-        for i in range(len(self)):
+        for i in range(self.start_batch, len(self)):
             if self.shuffle:
                 index = order[i * self.batch_size : (i + 1) * self.batch_size]
                 yield self.images[index], self.labels[index]
@@ -96,22 +98,24 @@ def make_synthetic(
 
 class EpochShuffleSampler(Sampler[int]):
     def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
+        self.size, self.seed = size, seed
+        self.epoch = self.start = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return self.size
+        return self.size - self.start
 
     def __iter__(self) -> Iterator[int]:
-        return iter(epoch_permutation(self.size, self.seed, self.epoch).tolist())
+        order = epoch_permutation(self.size, self.seed, self.epoch)
+        return iter(order[self.start :].tolist())
 
 
 class EpochDataLoader(DataLoader):
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         if isinstance(self.sampler, EpochShuffleSampler):
-            self.sampler.set_epoch(epoch)
+            self.sampler.set_epoch(epoch, start_batch * self.batch_size)
 
 
 TORCHVISION_SETS = {

@@ -2,21 +2,23 @@
 
 The engine works on already-built objects and hands metric dicts to ``emit``; it does no I/O.
 Nothing in the per-step path reads a device value back to the host: loss, scale and gradient
-norm stay on the device and are read only at log intervals.
+norm stay on the device and are read only at log intervals. The exceptions are rare events: a
+skipped step is examined when it happens, and the fp32/bf16 non-finite guard reads one flag.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_exp.config import TrainerConfig
+from amp_exp.config import NonFiniteAction, PrecisionConfig, TrainerConfig
 from amp_exp.data import DataBundle
 from amp_exp.meters import Throughput, peak_memory_bytes, reset_peak_memory, synchronize
 from amp_exp.precision import PrecisionPolicy
@@ -25,20 +27,48 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Emit = Callable[[dict], None]
 
 
+class NumericalFault(RuntimeError):
+    """Training cannot go on in this precision; the message says why and what to try."""
+
+
+@dataclass
+class Progress:
+    """Where training stands: all a checkpoint needs to continue the loop exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    # Batches of ``epoch`` already trained on.
+    batch_in_epoch: int = 0
+    samples: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    # The partly filled log interval, so a resumed run logs the same rows.
+    interval_steps: int = 0
+    interval_loss: float = 0.0
+    final_loss: float | None = None
+    eval_loss: float | None = None
+    eval_acc: float | None = None
+
+
 @dataclass
 class TrainResult:
-    steps: int
-    samples_seen: int
-    skipped_steps: int
-    final_loss: float | None
-    eval_loss: float | None
-    eval_acc: float | None
+    progress: Progress
     samples_per_s: float | None
     step_time_ms: float | None
     timed_steps: int
     warmup_s: float
     peak_mem_bytes: int
     loss_scale: float | None
+    # Set when a stop request (a preemption signal) ended the run before total_steps.
+    stopped_early: bool = False
+
+
+@dataclass
+class SkipForensics:
+    """What the skipped steps looked like, kept for the message when a run has to stop."""
+
+    first_nonfinite: list[str] = field(default_factory=list)
+    scale_history: deque = field(default_factory=lambda: deque(maxlen=8))
 
 
 def plan_total_steps(trainer: TrainerConfig, batches_per_epoch: int) -> int:
@@ -66,6 +96,7 @@ class Engine:
         policy: PrecisionPolicy,
         data: DataBundle,
         trainer: TrainerConfig,
+        limits: PrecisionConfig,
         device: torch.device,
         total_steps: int,
         channels_last: bool = False,
@@ -73,21 +104,30 @@ class Engine:
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.policy, self.data, self.trainer, self.device = policy, data, trainer, device
+        self.limits = limits
         self.loss_fn = loss_fn or F.cross_entropy
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.parameter_names = {id(p): name for name, p in model.named_parameters()}
         self.total_steps = total_steps
+        self.progress = Progress()
+        self.forensics = SkipForensics()
         policy.watch(optimizer)
 
     def _to_device(self, images: torch.Tensor, labels: torch.Tensor):
         images = images.to(self.device, non_blocking=True, memory_format=self.memory_format)
         return images, labels.to(self.device, non_blocking=True)
 
-    def _train_batches(self) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
-        for epoch in itertools.count():
-            self.data.train.set_epoch(epoch)
+    def _train_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches from where ``progress`` stands, keeping its epoch position current."""
+        progress = self.progress
+        for epoch in itertools.count(progress.epoch):
+            start = progress.batch_in_epoch if epoch == progress.epoch else 0
+            progress.epoch, progress.batch_in_epoch = epoch, start
+            self.data.train.set_epoch(epoch, start)
             for batch in self.data.train:
-                yield epoch, batch
+                progress.batch_in_epoch += 1
+                yield batch
 
     def _is_eval_step(self, step: int) -> bool:
         every = self.trainer.eval_every
@@ -113,83 +153,147 @@ class Engine:
             return {"eval_loss": None, "eval_acc": None}
         return {"eval_loss": loss_sum.item() / count, "eval_acc": correct.item() / count}
 
-    def fit(self, emit: Emit) -> TrainResult:
-        trainer, policy, optimizer = self.trainer, self.policy, self.optimizer
+    def nonfinite_parameters(self) -> list[str]:
+        """Names of parameters whose current gradients hold inf or NaN (reads the device)."""
+        return [
+            self.parameter_names.get(id(p), "?")
+            for p in self.parameters
+            if p.grad is not None and not torch.isfinite(p.grad).all()
+        ]
+
+    def _on_skipped_step(self, step: int) -> None:
+        """Examine a skipped step while its gradients still exist; stop if training is stuck."""
+        progress, forensics = self.progress, self.forensics
+        if progress.consecutive_skips == 1:
+            forensics.first_nonfinite = self.nonfinite_parameters()
+        layer = forensics.first_nonfinite[0] if forensics.first_nonfinite else "unknown"
+        scale = self.policy.scale()
+        if scale is None:
+            if self.trainer.on_nonfinite is NonFiniteAction.stop:
+                raise NumericalFault(
+                    f"non-finite gradients at step {step} in {self.policy.precision.value} "
+                    f"(first in {layer}), and trainer.on_nonfinite=stop. Try a lower "
+                    "optimizer.lr or precision.clip_grad_norm=1.0; the last good checkpoint "
+                    "is kept"
+                )
+            return
+        forensics.scale_history.append(f"{step}:{scale:g}")
+        too_many = progress.consecutive_skips >= self.limits.max_consecutive_skips
+        if too_many or scale < self.limits.min_scale:
+            reason = (
+                f"{progress.consecutive_skips} consecutive skipped steps"
+                if too_many
+                else f"loss scale {scale:g} fell below precision.min_scale"
+            )
+            raise NumericalFault(
+                f"fp16 loss scaling collapsed at step {step}: {reason}. Scale history "
+                f"(step:scale): {', '.join(forensics.scale_history)}. Gradients first went "
+                f"non-finite in {layer}. Try a lower precision.init_scale, precision=bf16, or "
+                "precision.clip_grad_norm=1.0; the last good checkpoint is kept"
+            )
+
+    def fit(
+        self,
+        emit: Emit,
+        checkpoint: Callable[[Progress], None] | None = None,
+        checkpoint_every: int = 0,
+        stop_requested: Callable[[], bool] = lambda: False,
+    ) -> TrainResult:
+        """Train from ``self.progress`` to ``total_steps``.
+
+        ``checkpoint`` (if any) is called every ``checkpoint_every`` steps (0: only at the end),
+        and when ``stop_requested()`` turns true, after which the run returns early.
+        """
+        trainer, policy, optimizer, progress = (
+            self.trainer,
+            self.policy,
+            self.optimizer,
+            self.progress,
+        )
         accum = trainer.grad_accum_steps
-        warmup_steps = min(trainer.timing_warmup_steps, max(self.total_steps - 1, 0))
+        first_step = progress.step + 1
+        warmup_steps = min(trainer.timing_warmup_steps, max(self.total_steps - first_step, 0))
         batches = self._train_batches()
         throughput = Throughput(self.device)
         reset_peak_memory(self.device)
-        interval_loss = torch.zeros((), device=self.device)
-        interval_steps = 0
-        samples = skipped = 0
-        final_loss = scale = None
-        eval_metrics: dict = {"eval_loss": None, "eval_acc": None}
+        interval_loss = torch.tensor(progress.interval_loss, device=self.device)
+        scale = policy.scale()
         started = time.perf_counter()
         warmup_s = 0.0
+        stopped_early = False
         self.model.train()
         if warmup_steps == 0:
-            throughput.start(samples, 0)
-        for step in range(1, self.total_steps + 1):
+            throughput.start(progress.samples, progress.step)
+        for step in range(first_step, self.total_steps + 1):
             for _ in range(accum):
-                epoch, (images, labels) = next(batches)
-                images, labels = self._to_device(images, labels)
+                images, labels = self._to_device(*next(batches))
                 with policy.autocast():
                     # Dividing by accum makes k micro-batches sum to one batch k times larger.
                     loss = self.loss_fn(self.model(images), labels) / accum
                 policy.backward(loss)
                 interval_loss += loss.detach()
-                samples += labels.shape[0]
+                progress.samples += labels.shape[0]
             is_log_step = step % trainer.log_every == 0 or step == self.total_steps
             stepped, grad_norm = policy.step(optimizer, self.parameters, want_grad_norm=is_log_step)
-            optimizer.zero_grad(set_to_none=True)
+            progress.step = step
+            progress.interval_steps += 1
             if stepped:
+                progress.consecutive_skips = 0
                 if self.scheduler is not None:
                     self.scheduler.step()
             else:
-                skipped += 1
-            interval_steps += 1
-            if step == warmup_steps:
-                throughput.start(samples, step)
+                progress.skipped_steps += 1
+                progress.consecutive_skips += 1
+                self._on_skipped_step(step)
+            optimizer.zero_grad(set_to_none=True)
+            if step == first_step - 1 + warmup_steps:
+                throughput.start(progress.samples, step)
                 warmup_s = time.perf_counter() - started
             if is_log_step:
-                samples_per_s, step_time_ms = throughput.lap(samples, step)
-                final_loss = interval_loss.item() / interval_steps
+                samples_per_s, step_time_ms = throughput.lap(progress.samples, step)
+                progress.final_loss = interval_loss.item() / progress.interval_steps
                 scale = policy.scale()
                 emit(
                     {
                         "step": step,
-                        "epoch": epoch,
-                        "samples": samples,
-                        "loss": final_loss,
+                        "epoch": progress.epoch,
+                        "samples": progress.samples,
+                        "loss": progress.final_loss,
                         "lr": optimizer.param_groups[0]["lr"],
                         "grad_norm": None if grad_norm is None else grad_norm.item(),
                         "scale": scale,
-                        "skipped_steps": skipped,
+                        "skipped_steps": progress.skipped_steps,
                         "samples_per_s": samples_per_s,
                         "step_time_ms": step_time_ms,
                         "peak_mem_bytes": peak_memory_bytes(self.device),
                     }
                 )
                 interval_loss.zero_()
-                interval_steps = 0
+                progress.interval_steps = 0
             if self._is_eval_step(step):
                 throughput.pause()
-                eval_metrics = self.evaluate()
-                emit({"step": step, **eval_metrics})
+                metrics = self.evaluate()
+                progress.eval_loss, progress.eval_acc = metrics["eval_loss"], metrics["eval_acc"]
+                emit({"step": step, **metrics})
                 throughput.resume()
+            stopped_early = stop_requested() and step < self.total_steps
+            if checkpoint is not None:
+                due = step == self.total_steps or stopped_early
+                if due or (checkpoint_every > 0 and step % checkpoint_every == 0):
+                    throughput.pause()
+                    progress.interval_loss = interval_loss.item()
+                    checkpoint(progress)
+                    throughput.resume()
+            if stopped_early:
+                break
         synchronize(self.device)
         return TrainResult(
-            steps=self.total_steps,
-            samples_seen=samples,
-            skipped_steps=skipped,
-            final_loss=final_loss,
-            eval_loss=eval_metrics["eval_loss"],
-            eval_acc=eval_metrics["eval_acc"],
+            progress=progress,
             samples_per_s=throughput.samples_per_s(),
             step_time_ms=throughput.step_time_ms(),
             timed_steps=throughput.total_steps,
             warmup_s=warmup_s,
             peak_mem_bytes=peak_memory_bytes(self.device),
             loss_scale=scale,
+            stopped_early=stopped_early,
         )

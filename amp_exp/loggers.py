@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 log = logging.getLogger("amp_exp")
 
+METRICS_FILE = "metrics.jsonl"
+
 
 class Logger(Protocol):
     def log(self, row: dict[str, Any]) -> None: ...
@@ -41,6 +43,21 @@ class JsonlLogger:
 
     def close(self) -> None:
         self._file.close()
+
+
+def keep_metrics_until(source: Path, destination: Path, last_step: int) -> None:
+    """Carry ``source``'s rows up to ``last_step`` into ``destination``, which a resumed run
+    then appends to; rows logged after the checkpoint would otherwise appear twice."""
+    if not source.is_file():
+        return
+    rows = [
+        line
+        for line in source.read_text(encoding="utf-8").splitlines()
+        if line.strip() and json.loads(line)["step"] <= last_step
+    ]
+    tmp = destination.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in rows), encoding="utf-8")
+    tmp.replace(destination)
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:

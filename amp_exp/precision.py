@@ -70,7 +70,14 @@ def resolve_precision(requested: Precision, device: torch.device) -> ResolvedPre
 class PrecisionPolicy:
     """Autocast context, GradScaler and the backward/unscale/clip/step/update sequence."""
 
-    def __init__(self, precision: Precision, cfg: PrecisionConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        precision: Precision,
+        cfg: PrecisionConfig,
+        device: torch.device,
+        guard_nonfinite: bool = False,
+    ) -> None:
+        """``guard_nonfinite``: without a scaler, skip steps whose gradients are inf or NaN."""
         if precision is Precision.auto:
             raise ValueError("resolve precision=auto with resolve_precision() first")
         self.precision = precision
@@ -86,6 +93,7 @@ class PrecisionPolicy:
                 backoff_factor=cfg.backoff_factor,
                 growth_interval=cfg.growth_interval,
             )
+        self.guard_nonfinite = guard_nonfinite
         self._optimizer_stepped = False
 
     @property
@@ -128,29 +136,26 @@ class PrecisionPolicy:
         if self.scaler is not None:
             # Clipping thresholds refer to true gradients, so unscale before measuring them.
             self.scaler.unscale_(optimizer)
+        # A fused optimizer under a scaler hides its skip inside the kernel, and without a scaler
+        # only the guard can skip: both must read the norm on the host (one sync per step).
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        checks_on_host = self.guard_nonfinite if self.scaler is None else fused
         grad_norm = None
         if self.clip_grad_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm)
-        elif want_grad_norm:
+        elif want_grad_norm or checks_on_host:
             grad_norm = torch.nn.utils.get_total_norm(
                 [p.grad for p in parameters if p.grad is not None]
             )
+        finite = bool(torch.isfinite(grad_norm)) if checks_on_host else True
         if self.scaler is None:
-            optimizer.step()
-            return True, grad_norm
+            if finite:
+                optimizer.step()
+            return finite, grad_norm
         self._optimizer_stepped = False
         self.scaler.step(optimizer)
         self.scaler.update()
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            # Fused optimizers take found_inf into their kernel and always "step"; whether they
-            # skipped is only known on the device, so this choice costs one sync per step.
-            norm = grad_norm
-            if norm is None:
-                norm = torch.nn.utils.get_total_norm(
-                    [p.grad for p in parameters if p.grad is not None]
-                )
-            return bool(torch.isfinite(norm)), grad_norm
-        return self._optimizer_stepped, grad_norm
+        return (finite if fused else self._optimizer_stepped), grad_norm
 
     def scale(self) -> float | None:
         """The current loss scale; reads the device, so call it only at log intervals."""

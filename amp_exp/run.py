@@ -11,10 +11,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from omegaconf import OmegaConf
 
-from amp_exp.config import RunConfig
+from amp_exp.checkpoint import (
+    CHECKPOINT_DIR,
+    CheckpointWriter,
+    checkpoint_payload,
+    load_newest_valid,
+    restore,
+)
+from amp_exp.config import ConfigError, NonFiniteAction, RunConfig, to_plain_dict
 from amp_exp.data import build_data
-from amp_exp.engine import Engine, LossFn, TrainResult, plan_total_steps
+from amp_exp.engine import Engine, LossFn, Progress, TrainResult, plan_total_steps
 from amp_exp.hardware import (
     configure_backends,
     device_name,
@@ -22,10 +30,11 @@ from amp_exp.hardware import (
     resolve_device,
     seed_everything,
 )
-from amp_exp.loggers import ConsoleLogger, JsonlLogger, Logger
+from amp_exp.loggers import METRICS_FILE, ConsoleLogger, JsonlLogger, Logger, keep_metrics_until
 from amp_exp.models import build_model, is_convolutional
 from amp_exp.optim import build_optimizer, build_scheduler
 from amp_exp.precision import PrecisionPolicy, ResolvedPrecision, resolve_precision
+from amp_exp.signals import StopRequest
 
 log = logging.getLogger("amp_exp")
 
@@ -37,18 +46,14 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def build_summary(
-    cfg: RunConfig,
-    resolved: ResolvedPrecision,
-    device: torch.device,
-    result: TrainResult,
-    parameters: int,
-    channels_last: bool,
-    wall_s: float,
+    cfg: RunConfig, built: Built, result: TrainResult, stop: StopRequest, wall_s: float
 ) -> dict[str, Any]:
+    progress, device = result.progress, built.device
     return {
-        "status": "completed",
-        "precision": resolved.precision.value,
-        "precision_reason": resolved.reason,
+        "status": "stopped" if result.stopped_early else "completed",
+        "stop_signal": None if stop.requested is None else stop.requested.name,
+        "precision": built.resolved.precision.value,
+        "precision_reason": built.resolved.reason,
         "model": cfg.model.name,
         "dataset": cfg.dataset.name.value,
         "optimizer": cfg.optimizer.name,
@@ -57,22 +62,24 @@ def build_summary(
         "seed": cfg.seed,
         "batch_size": cfg.dataset.batch_size,
         "grad_accum_steps": cfg.trainer.grad_accum_steps,
-        "parameters": parameters,
-        "channels_last": channels_last,
+        "parameters": sum(p.numel() for p in built.model.parameters()),
+        "channels_last": built.channels_last,
         "compile": cfg.trainer.compile,
-        "steps": result.steps,
-        "samples_seen": result.samples_seen,
+        "steps": progress.step,
+        "total_steps": built.engine.total_steps,
+        "samples_seen": progress.samples,
         "timed_steps": result.timed_steps,
         "warmup_s": result.warmup_s,
         "samples_per_s": result.samples_per_s,
         "step_time_ms": result.step_time_ms,
         "peak_mem_bytes": result.peak_mem_bytes,
         "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_peak_rss",
-        "final_loss": result.final_loss,
-        "eval_loss": result.eval_loss,
-        "eval_acc": result.eval_acc,
+        "final_loss": progress.final_loss,
+        "eval_loss": progress.eval_loss,
+        "eval_acc": progress.eval_acc,
         "loss_scale": result.loss_scale,
-        "skipped_steps": result.skipped_steps,
+        "skipped_steps": progress.skipped_steps,
+        "resumed_from": built.resumed_from,
         "wall_s": wall_s,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
@@ -89,6 +96,7 @@ class Built:
     model: torch.nn.Module
     channels_last: bool
     engine: Engine
+    resumed_from: str | None = None
 
 
 def build(cfg: RunConfig, loss_fn: Optional[LossFn] = None) -> Built:
@@ -110,9 +118,15 @@ def build(cfg: RunConfig, loss_fn: Optional[LossFn] = None) -> Built:
         torch.compile(model, mode=cfg.trainer.compile_mode.value) if compiled else model,
         optimizer,
         build_scheduler(cfg.scheduler, optimizer, total_steps),
-        PrecisionPolicy(resolved.precision, cfg.precision, device),
+        PrecisionPolicy(
+            resolved.precision,
+            cfg.precision,
+            device,
+            guard_nonfinite=cfg.trainer.on_nonfinite is not NonFiniteAction.off,
+        ),
         data,
         cfg.trainer,
+        cfg.precision,
         device,
         total_steps,
         channels_last=channels_last,
@@ -121,44 +135,76 @@ def build(cfg: RunConfig, loss_fn: Optional[LossFn] = None) -> Built:
     return Built(device, resolved, model, channels_last, engine)
 
 
-def train(cfg: RunConfig, output_dir: Path, loss_fn: Optional[LossFn] = None) -> dict[str, Any]:
-    """Run one experiment; writes metrics.jsonl and summary.json into ``output_dir``."""
+def resume(cfg: RunConfig, built: Built, output_dir: Path) -> None:
+    """Restore ``built`` from the checkpoint ``cfg.resume`` points at, if there is one."""
+    if cfg.resume is None:
+        return
+    auto = cfg.resume == "auto"
+    target = output_dir if auto else Path(cfg.resume).expanduser().resolve()
+    if not auto and not target.exists():
+        raise ConfigError(f"resume={cfg.resume}: no such file or directory")
+    found = load_newest_valid(target)
+    if found is None:
+        if not auto:
+            raise ConfigError(f"resume={cfg.resume}: no usable checkpoint there")
+        log.info("resume=auto: no checkpoint in %s yet, starting fresh", output_dir)
+        return
+    path, payload = found
+    restore(built.engine, built.model, payload)
+    # The run directory holds checkpoints/<file>; its history up to the checkpoint carries over.
+    keep_metrics_until(
+        path.parent.parent / METRICS_FILE, output_dir / METRICS_FILE, payload["step"]
+    )
+    built.resumed_from = str(path)
+    log.info("resumed from %s at step %d", path, payload["step"])
+
+
+def train(cfg: RunConfig, output_dir: Path, loss_fn: LossFn | None = None) -> dict[str, Any]:
+    """Run one experiment; writes metrics.jsonl, checkpoints and summary.json to ``output_dir``."""
     started = time.perf_counter()
     output_dir.mkdir(parents=True, exist_ok=True)
     built = build(cfg, loss_fn)
+    resume(cfg, built, output_dir)
     log.info(
         "precision %s (%s) on %s",
         built.resolved.precision.value,
         built.resolved.reason,
         device_name(built.device),
     )
+    save = None
+    if cfg.checkpoint.every_steps is not None:
+        writer = CheckpointWriter(output_dir / CHECKPOINT_DIR, cfg.checkpoint.keep)
+        config = to_plain_dict(OmegaConf.structured(cfg))
+
+        def save(progress: Progress) -> None:
+            writer.save(checkpoint_payload(built.engine, built.model, progress, config))
+
     loggers: list[Logger] = [
         ConsoleLogger(built.engine.total_steps),
-        JsonlLogger(output_dir / "metrics.jsonl"),
+        JsonlLogger(output_dir / METRICS_FILE),
     ]
-    try:
-        result = built.engine.fit(lambda row: [logger.log(row) for logger in loggers])
-    finally:
-        for logger in loggers:
-            logger.close()
-    summary = build_summary(
-        cfg,
-        built.resolved,
-        built.device,
-        result,
-        sum(p.numel() for p in built.model.parameters()),
-        built.channels_last,
-        time.perf_counter() - started,
-    )
+    with StopRequest() as stop:
+        try:
+            result = built.engine.fit(
+                lambda row: [logger.log(row) for logger in loggers],
+                checkpoint=save,
+                checkpoint_every=cfg.checkpoint.every_steps or 0,
+                stop_requested=stop,
+            )
+        finally:
+            for logger in loggers:
+                logger.close()
+    summary = build_summary(cfg, built, result, stop, time.perf_counter() - started)
     write_json(output_dir / "summary.json", summary)
     log.info(
-        "done: %s %s on %s, %s samples/s, final loss %.4f, eval acc %s -> %s",
+        "%s: %s %s on %s, %s samples/s, final loss %s, eval acc %s -> %s",
+        summary["status"],
         summary["model"],
         summary["precision"],
         summary["device"],
         "-" if result.samples_per_s is None else f"{result.samples_per_s:.0f}",
-        result.final_loss,
-        "-" if result.eval_acc is None else f"{result.eval_acc:.2%}",
+        "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}",
+        "-" if summary["eval_acc"] is None else f"{summary['eval_acc']:.2%}",
         output_dir,
     )
     return summary

@@ -54,7 +54,7 @@ def test_forced_overflow_is_skipped_counted_and_holds_the_scheduler(run_cfg) -> 
         # The skipped first step is exactly when PyTorch would warn about scheduler order.
         warnings.simplefilter("error")
         result = built.engine.fit(rows.append)
-    assert result.skipped_steps == 1
+    assert result.progress.skipped_steps == 1
     assert result.loss_scale == 512.0
     assert built.engine.scheduler.last_epoch == 2
     assert [r["skipped_steps"] for r in rows if "loss" in r] == [1, 1]
@@ -99,7 +99,7 @@ def test_accumulation_unscales_once_per_optimizer_step(run_cfg) -> None:
     scaler.unscale_ = lambda optimizer: (unscales.append(1), original(optimizer))
     result = built.engine.fit(lambda row: None)
     assert len(unscales) == 2
-    assert result.samples_seen == 2 * 2 * 16
+    assert result.progress.samples == 2 * 2 * 16
 
 
 def test_synthetic_data_is_learnable_and_bf16_tracks_fp32(run_cfg) -> None:
@@ -111,7 +111,7 @@ def test_synthetic_data_is_learnable_and_bf16_tracks_fp32(run_cfg) -> None:
             "dataset.noise_std=1.0",
             "model.width=16",
         )
-        return build(cfg).engine.fit(lambda row: None).__dict__
+        return build(cfg).engine.fit(lambda row: None).progress.__dict__
 
     fp32, bf16 = final("fp32"), final("bf16")
     assert fp32["final_loss"] < 0.5 * 2.3026  # well below chance (ln 10)

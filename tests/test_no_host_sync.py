@@ -38,24 +38,39 @@ def count_host_reads(monkeypatch) -> Counter:
     return counts
 
 
+def host_reads(run_cfg, monkeypatch, steps: int, log_every: int, *overrides: str) -> Counter:
+    built = build(
+        run_cfg(
+            f"trainer.max_steps={steps}",
+            f"trainer.log_every={log_every}",
+            "precision.clip_grad_norm=1.0",
+            *TINY,
+            *overrides,
+        )
+    )
+    with monkeypatch.context() as patch:
+        counts = count_host_reads(patch)
+        built.engine.fit(lambda row: None)
+    return counts
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_host_reads_depend_only_on_log_intervals(run_cfg, monkeypatch, precision) -> None:
-    def reads(steps: int, log_every: int) -> Counter:
-        built = build(
-            run_cfg(
-                f"precision={precision}",
-                f"trainer.max_steps={steps}",
-                f"trainer.log_every={log_every}",
-                "precision.clip_grad_norm=1.0",
-                *TINY,
-            )
-        )
-        with monkeypatch.context() as patch:
-            counts = count_host_reads(patch)
-            built.engine.fit(lambda row: None)
-        return counts
-
-    short, long = reads(steps=6, log_every=3), reads(steps=24, log_every=12)
+    # The fp32/bf16 non-finite guard reads one flag per step by design; it is measured below.
+    overrides = (f"precision={precision}", "trainer.on_nonfinite=off")
+    short = host_reads(run_cfg, monkeypatch, 6, 3, *overrides)
+    long = host_reads(run_cfg, monkeypatch, 24, 12, *overrides)
     assert short == long
     # Per log interval: the loss, the grad norm and, in fp16, the scale; then eval's two reads.
     assert 0 < sum(short.values()) <= 2 * 4 + 2 + 4
+
+
+@pytest.mark.parametrize("action", ["skip", "stop"])
+def test_nonfinite_guard_costs_exactly_one_read_per_step(run_cfg, monkeypatch, action) -> None:
+    def extra_reads(steps: int) -> int:
+        guarded = host_reads(run_cfg, monkeypatch, steps, 3, f"trainer.on_nonfinite={action}")
+        unguarded = host_reads(run_cfg, monkeypatch, steps, 3, "trainer.on_nonfinite=off")
+        return sum(guarded.values()) - sum(unguarded.values())
+
+    assert extra_reads(6) == 6
+    assert extra_reads(12) == 12
