@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -17,18 +18,27 @@ from amp_exp.config import ConfigError, register_configs, validate
 log = logging.getLogger("amp_exp")
 
 
+# Exit statuses: 0 done, 2 bad config or hardware request, 3 numerical fault (see the message),
+# 128 + N when signal N stopped the run after a checkpoint (143 SIGTERM, 130 SIGINT, 138 SIGUSR1).
+EXIT_CONFIG_ERROR = 2
+EXIT_NUMERICAL_FAULT = 3
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
 def hydra_main(cfg: DictConfig) -> float | None:
     """One job: validate, train, and return the final loss for sweepers that optimize it."""
+    from amp_exp.engine import NumericalFault
     from amp_exp.run import train
 
     try:
         summary = train(validate(cfg), Path(HydraConfig.get().runtime.output_dir))
-    except ConfigError as error:
+    except (ConfigError, NumericalFault) as error:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # the sweep records this job as failed and runs the others
         log.error("%s", error)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG_ERROR if isinstance(error, ConfigError) else EXIT_NUMERICAL_FAULT)
+    if summary["stop_signal"] is not None:
+        sys.exit(128 + signal.Signals[summary["stop_signal"]])
     return summary["final_loss"]
 
 
@@ -38,7 +48,7 @@ def main() -> None:
         check_overrides(sys.argv[1:])
     except ConfigError as error:
         print(f"amp_exp: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG_ERROR)
     hydra_main()
 
 

@@ -102,7 +102,8 @@ def checkpoint_payload(
         "rng": rng_state(),
         "precision": engine.policy.precision.value,
         "config": config,
-        "torch_version": torch.__version__,
+        # TorchVersion is a str subclass that weights_only refuses.
+        "torch_version": str(torch.__version__),
     }
 
 
@@ -149,7 +150,8 @@ def load_newest_valid(target: Path) -> tuple[Path, dict[str, Any]] | None:
             if not isinstance(payload, dict) or "progress" not in payload:
                 raise ValueError("not an amp_exp checkpoint")
         except Exception as error:  # a truncated, foreign or malicious file: try an older one
-            log.warning("checkpoint %s is unusable (%s); trying the one before it", path, error)
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            log.warning("checkpoint %s is unusable (%s); trying the one before it", path, reason)
             continue
         return path, payload
     return None

@@ -279,7 +279,10 @@ class Engine:
             stopped_early = stop_requested() and step < self.total_steps
             if checkpoint is not None:
                 due = step == self.total_steps or stopped_early
-                if due or (checkpoint_every > 0 and step % checkpoint_every == 0):
+                # Inside a run of skipped steps a collapse may be starting: keep the last good
+                # checkpoint rather than replace it with one that carries the collapsing scale.
+                healthy = progress.consecutive_skips == 0
+                if due or (healthy and checkpoint_every > 0 and step % checkpoint_every == 0):
                     throughput.pause()
                     progress.interval_loss = interval_loss.item()
                     checkpoint(progress)

@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import read_jsonl
 
 from amp_exp.run import build, train
-from conftest import read_jsonl
 
 # fp16 autocast on the CPU is 20-60x slower than fp32: keep its runs tiny.
 TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]

@@ -1,0 +1,261 @@
+"""Checkpoints: exact resume, atomic saves, safe loads, preemption and numerical faults."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FAST, read_jsonl
+
+from amp_exp.checkpoint import CheckpointWriter, load_newest_valid
+from amp_exp.engine import NumericalFault
+from amp_exp.run import build, train
+
+TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=32"]
+# 256 samples / batch 32 = 8 batches an epoch; 12 steps cross one epoch boundary.
+EXACT = [*TINY, "trainer.max_steps=12", "trainer.log_every=2", "trainer.eval_every=null"]
+TIMING_KEYS = {"samples_per_s", "step_time_ms", "peak_mem_bytes"}
+
+
+def signal_self_at_call(n: int, signum: int = signal.SIGUSR1):
+    """A loss function that delivers a preemption signal to this process on its n-th call."""
+    calls = 0
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            os.kill(os.getpid(), signum)
+        return F.cross_entropy(logits, labels)
+
+    return loss_fn
+
+
+def assert_same_state(a, b, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            assert_same_state(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [
+        "precision=fp32",
+        "precision=bf16",
+        # A huge initial scale makes the first steps skip, so the scaler state really evolves.
+        "precision=fp16 precision.init_scale=16777216 precision.growth_interval=3",
+    ],
+)
+def test_stopped_and_resumed_run_matches_uninterrupted_run(run_cfg, tmp_path, precision) -> None:
+    overrides = [*EXACT, *precision.split()]
+    whole = train(run_cfg(*overrides), tmp_path / "whole")
+    # The signal arrives during step 5 (mid-epoch, mid-log-interval); the run stops after it.
+    first = train(run_cfg(*overrides), tmp_path / "split", loss_fn=signal_self_at_call(5))
+    assert (first["status"], first["steps"], first["stop_signal"]) == ("stopped", 5, "SIGUSR1")
+    second = train(run_cfg(*overrides, "resume=auto"), tmp_path / "split")
+    assert second["status"] == "completed" and second["steps"] == 12
+    assert second["resumed_from"].endswith("last.pt")
+    assert second["skipped_steps"] == whole["skipped_steps"]
+    if "fp16" in precision:
+        assert whole["skipped_steps"] > 0
+
+    ends = [
+        torch.load(tmp_path / run / "checkpoints" / "last.pt", weights_only=True)
+        for run in ("whole", "split")
+    ]
+    for part in ("model", "optimizer", "scaler", "scheduler", "progress"):
+        assert_same_state(ends[0][part], ends[1][part], part)
+    whole_rows = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
+    split_rows = read_jsonl(tmp_path / "split" / "metrics.jsonl")
+    assert without_timing(split_rows) == without_timing(whole_rows)
+
+
+def test_checkpoint_holds_the_documented_fields(run_cfg, tmp_path) -> None:
+    train(run_cfg(*TINY, "precision=bf16"), tmp_path)
+    payload = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert {"model", "optimizer", "scaler", "scheduler", "step", "epoch", "batch_in_epoch"} <= set(
+        payload
+    )
+    assert payload["scaler"] is None and payload["precision"] == "bf16"
+    assert set(payload["rng"]) == {"torch", "cuda", "python", "numpy"}
+    assert payload["config"]["precision"]["name"] == "bf16"
+    assert (payload["step"], payload["epoch"], payload["batch_in_epoch"]) == (4, 0, 4)
+
+
+def test_keep_prunes_numbered_checkpoints(run_cfg, tmp_path) -> None:
+    train(run_cfg(*TINY, "checkpoint.every_steps=1", "checkpoint.keep=2"), tmp_path)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["last.pt", "step_00000003.pt", "step_00000004.pt"]
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -> None:
+    writer = CheckpointWriter(tmp_path, keep=0)
+    writer.save({"progress": {}, "step": 1, "model": {"w": torch.ones(3)}})
+    real_save = torch.save
+
+    def crash_midway(obj, f, *args, **kwargs):
+        f.write(b"partial bytes")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash_midway)
+    with pytest.raises(OSError, match="disk full"):
+        writer.save({"progress": {}, "step": 2, "model": {"w": torch.zeros(3)}})
+    monkeypatch.setattr(torch, "save", real_save)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+    _, payload = load_newest_valid(tmp_path / "last.pt")
+    assert payload["step"] == 1
+
+
+def test_truncated_newest_checkpoint_falls_back_with_a_warning(run_cfg, tmp_path, caplog) -> None:
+    cfg = [*TINY, "checkpoint.every_steps=2", "checkpoint.keep=1", "trainer.max_steps=6"]
+    train(run_cfg(*cfg), tmp_path, loss_fn=signal_self_at_call(4))
+    last = tmp_path / "checkpoints" / "last.pt"
+    last.write_bytes(last.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING):
+        summary = train(run_cfg(*cfg, "resume=auto"), tmp_path)
+    assert "last.pt is unusable" in caplog.text
+    assert summary["resumed_from"].endswith("step_00000004.pt")
+    assert summary["steps"] == 6
+
+
+class Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_pickled_code_payload_is_refused_and_never_runs(tmp_path, caplog) -> None:
+    marker = tmp_path / "payload-ran"
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "last.pt").write_bytes(pickle.dumps({"progress": Payload(marker)}, protocol=2))
+    with caplog.at_level(logging.WARNING):
+        assert load_newest_valid(tmp_path) is None
+    assert not marker.exists()
+    assert "unusable" in caplog.text
+    # Without weights_only the same file would have run its payload.
+    pickle.loads((checkpoints / "last.pt").read_bytes())
+    assert marker.exists()
+
+
+def test_resume_in_another_precision_warns_what_is_reset(run_cfg, tmp_path, caplog) -> None:
+    train(run_cfg(*TINY, "precision=fp16", "trainer.max_steps=2"), tmp_path / "a")
+    with caplog.at_level(logging.WARNING):
+        summary = train(
+            run_cfg(*TINY, "precision=bf16", f"resume={tmp_path / 'a'}"), tmp_path / "b"
+        )
+    assert "resuming a fp16 checkpoint in bf16: its GradScaler state is dropped" in caplog.text
+    assert summary["steps"] == 4
+    assert [r["step"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl") if "loss" in r] == [
+        2,
+        4,
+    ]
+
+
+def inf_after(calls_ok: int):
+    calls = 0
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        loss = F.cross_entropy(logits, labels)
+        return loss if calls <= calls_ok else loss * float("inf")
+
+    return loss_fn
+
+
+def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoint(
+    run_cfg, tmp_path
+) -> None:
+    cfg = run_cfg(
+        *TINY,
+        "precision=fp16",
+        "precision.max_consecutive_skips=5",
+        "precision.min_scale=1e-30",
+        "checkpoint.every_steps=2",
+        "trainer.max_steps=20",
+    )
+    with pytest.raises(NumericalFault) as fault:
+        train(cfg, tmp_path, loss_fn=inf_after(4))
+    message = str(fault.value)
+    assert "collapsed at step 9: 5 consecutive skipped steps" in message
+    assert "Scale history (step:scale): 5:32768, 6:16384" in message
+    assert "non-finite in features.0.weight" in message
+    assert "lower precision.init_scale, precision=bf16, or precision.clip_grad_norm" in message
+    last = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert last["step"] == 4
+
+
+def test_fp16_scale_below_min_scale_stops_the_run(run_cfg) -> None:
+    cfg = run_cfg(*TINY, "precision=fp16", "precision.init_scale=4", "precision.min_scale=1")
+    with pytest.raises(NumericalFault, match=r"at step 3: loss scale 0\.5 fell below"):
+        build(cfg, loss_fn=inf_after(0)).engine.fit(lambda row: None)
+
+
+def test_nan_loss_in_bf16_is_skipped_and_leaves_the_weights(run_cfg) -> None:
+    built = build(run_cfg(*TINY, "precision=bf16", "trainer.max_steps=2"), inf_after(0))
+    before = [p.detach().clone() for p in built.model.parameters()]
+    result = built.engine.fit(lambda row: None)
+    assert result.progress.skipped_steps == 2
+    assert all(torch.equal(a, b) for a, b in zip(before, built.model.parameters(), strict=True))
+
+
+def test_nan_loss_in_fp32_with_stop_stops(run_cfg) -> None:
+    built = build(run_cfg(*TINY, "trainer.on_nonfinite=stop"), inf_after(1))
+    with pytest.raises(NumericalFault, match="non-finite gradients at step 2 in fp32"):
+        built.engine.fit(lambda row: None)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path) -> None:
+    args = [
+        sys.executable,
+        "-m",
+        "amp_exp",
+        *FAST,
+        *TINY,
+        "trainer.max_steps=3000",
+        "trainer.log_every=10",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert "SIGTERM received" in output
+    stopped = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert 0 < stopped["step"] < 3000
+
+    resumed = subprocess.run([*args, "resume=auto"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    steps = [r["step"] for r in read_jsonl(metrics) if "loss" in r]
+    assert steps == list(range(10, 3001, 10))
