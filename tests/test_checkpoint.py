@@ -259,3 +259,14 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path) -> None:
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     steps = [r["step"] for r in read_jsonl(metrics) if "loss" in r]
     assert steps == list(range(10, 3001, 10))
+
+
+def test_second_sigint_exits_at_once() -> None:
+    from amp_exp.signals import StopRequest
+
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop() and stop.exit_status == 130
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
