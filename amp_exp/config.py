@@ -74,6 +74,8 @@ class TinyCNNConfig:
 
     name: str = "tiny_cnn"
     width: int = 32
+    # L2-normalize the pooled features with a custom autograd function that runs in fp32.
+    normalize_features: bool = False
 
 
 @dataclass
@@ -209,6 +211,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class DiagnosticsConfig:
+    # Check master weights and unscaled gradients on the first check_steps optimizer steps.
+    checks: bool = True
+    check_steps: int = 3
+    # Measure how fp16 would treat the gradients every this many steps; 0 = off.
+    underflow_every: int = 100
+
+
+@dataclass
 class RunConfig:
     model: Any = MISSING
     dataset: DatasetConfig = MISSING
@@ -217,6 +228,7 @@ class RunConfig:
     precision: PrecisionConfig = MISSING
     trainer: TrainerConfig = MISSING
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     # null = start fresh; auto = the newest valid checkpoint in this run directory, if any;
     # or the path of a run directory or checkpoint file.
     resume: str | None = None
@@ -305,6 +317,10 @@ def validate(cfg: DictConfig) -> RunConfig:
     every = run.checkpoint.every_steps
     _check(every is None or every >= 0, "checkpoint.every_steps must be 0 (at the end), N or null")
     _check(run.checkpoint.keep >= 0, "checkpoint.keep must be 0 or more")
+    _check(run.diagnostics.check_steps >= 0, "diagnostics.check_steps must be 0 or more")
+    _check(
+        run.diagnostics.underflow_every >= 0, "diagnostics.underflow_every must be 0 (off) or more"
+    )
     _validate_precision(run.precision)
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)
@@ -314,7 +330,7 @@ def validate(cfg: DictConfig) -> RunConfig:
 
 def _reject_unknown_keys(cfg: DictConfig) -> None:
     """``+group.key=value`` opens a typed node; a key its schema lacks would be silently lost."""
-    for section in [*SCHEMAS, "checkpoint"]:
+    for section in [*SCHEMAS, "checkpoint", "diagnostics"]:
         node = cfg[section]
         known = {f.name for f in fields(OmegaConf.get_type(node))}
         unknown = sorted(set(node.keys()) - known)

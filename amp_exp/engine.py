@@ -9,6 +9,7 @@ skipped step is examined when it happens, and the fp32/bf16 non-finite guard rea
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -22,6 +23,8 @@ from amp_exp.config import NonFiniteAction, PrecisionConfig, TrainerConfig
 from amp_exp.data import DataBundle
 from amp_exp.meters import Throughput, peak_memory_bytes, reset_peak_memory, synchronize
 from amp_exp.precision import PrecisionPolicy
+
+log = logging.getLogger("amp_exp")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Emit = Callable[[dict], None]
@@ -48,6 +51,9 @@ class Progress:
     final_loss: float | None = None
     eval_loss: float | None = None
     eval_acc: float | None = None
+    # The first skipped step: when, which parameters had non-finite gradients, and whether the
+    # loss itself was finite (if it was, the overflow happened in the backward pass).
+    first_overflow: dict | None = None
 
 
 @dataclass
@@ -161,11 +167,26 @@ class Engine:
             if p.grad is not None and not torch.isfinite(p.grad).all()
         ]
 
-    def _on_skipped_step(self, step: int) -> None:
+    def _on_skipped_step(self, step: int, interval_loss: torch.Tensor) -> None:
         """Examine a skipped step while its gradients still exist; stop if training is stuck."""
         progress, forensics = self.progress, self.forensics
         if progress.consecutive_skips == 1:
             forensics.first_nonfinite = self.nonfinite_parameters()
+        if progress.first_overflow is None:
+            # Every earlier step was applied, so its loss was finite: the interval's sum is
+            # finite exactly when this step's loss is.
+            progress.first_overflow = {
+                "step": step,
+                "loss_finite": bool(torch.isfinite(interval_loss)),
+                "parameters": forensics.first_nonfinite[:10],
+                "nonfinite_parameter_count": len(forensics.first_nonfinite),
+            }
+            log.warning(
+                "first non-finite gradients at step %d (loss %s): %s",
+                step,
+                "finite" if progress.first_overflow["loss_finite"] else "non-finite",
+                ", ".join(forensics.first_nonfinite[:10]) or "none found",
+            )
         layer = forensics.first_nonfinite[0] if forensics.first_nonfinite else "unknown"
         scale = self.policy.scale()
         if scale is None:
@@ -244,7 +265,7 @@ class Engine:
             else:
                 progress.skipped_steps += 1
                 progress.consecutive_skips += 1
-                self._on_skipped_step(step)
+                self._on_skipped_step(step, interval_loss)
             optimizer.zero_grad(set_to_none=True)
             if step == first_step - 1 + warmup_steps:
                 throughput.start(progress.samples, step)

@@ -84,6 +84,16 @@ class ConsoleLogger:
                 _fmt(row["eval_acc"], ".2%"),
             )
             return
+        if "grad_underflow_frac" in row:
+            log.info(
+                "fp16 gradient range @ step %d: %s would flush to zero unscaled, %s at the "
+                "current scale, %s would overflow",
+                row["step"],
+                _fmt(row["grad_underflow_frac"], ".3%"),
+                _fmt(row["grad_underflow_frac_scaled"], ".3%"),
+                _fmt(row["grad_overflow_frac_scaled"], ".3%"),
+            )
+            return
         scale = "" if row["scale"] is None else f" | scale {row['scale']:g}"
         skipped = f" | skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
         log.info(

@@ -59,11 +59,6 @@ def resolve_precision(requested: Precision, device: torch.device) -> ResolvedPre
             f"precision=bf16 needs a GPU with native bf16 (compute capability 8.0+), but "
             f"{torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or precision=fp32"
         )
-    if requested is Precision.fp16 and device.type == "cpu":
-        log.warning(
-            "precision=fp16 on the CPU: there are no fast fp16 CPU kernels, so training runs "
-            "about 20-60x slower than fp32; use precision=bf16 or fp32 for speed on the CPU"
-        )
     return ResolvedPrecision(requested, f"requested: precision={requested.value}")
 
 

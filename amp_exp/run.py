@@ -6,6 +6,7 @@ import json
 import logging
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -22,11 +23,15 @@ from amp_exp.checkpoint import (
 )
 from amp_exp.config import ConfigError, NonFiniteAction, RunConfig, to_plain_dict
 from amp_exp.data import build_data
+from amp_exp.diagnostics import Diagnostics, forward_activation_bytes
 from amp_exp.engine import Engine, LossFn, Progress, TrainResult, plan_total_steps
 from amp_exp.hardware import (
     configure_backends,
     device_name,
     git_sha,
+    inspect_hardware,
+    precision_advice,
+    recommend_precision,
     resolve_device,
     seed_everything,
 )
@@ -80,6 +85,8 @@ def build_summary(
         "loss_scale": result.loss_scale,
         "skipped_steps": progress.skipped_steps,
         "resumed_from": built.resumed_from,
+        "hardware": built.hardware,
+        "first_overflow": progress.first_overflow,
         "wall_s": wall_s,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
@@ -96,6 +103,7 @@ class Built:
     model: torch.nn.Module
     channels_last: bool
     engine: Engine
+    hardware: dict
     resumed_from: str | None = None
 
 
@@ -132,7 +140,37 @@ def build(cfg: RunConfig, loss_fn: Optional[LossFn] = None) -> Built:
         channels_last=channels_last,
         loss_fn=loss_fn,
     )
-    return Built(device, resolved, model, channels_last, engine)
+    hardware = inspect_hardware(device)
+    hardware["advice"] = precision_advice(resolved.precision.value, hardware)
+    hardware["recommended_precision"], hardware["recommendation"] = recommend_precision(hardware)
+    for advice in hardware["advice"]:
+        log.warning("%s", advice)
+    return Built(device, resolved, model, channels_last, engine, hardware)
+
+
+def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None]) -> Diagnostics:
+    engine = built.engine
+    diagnostics = Diagnostics(
+        cfg.diagnostics,
+        built.model,
+        engine.optimizer,
+        # Optimizer hooks run inside the step that engine.progress is about to record.
+        current_step=lambda: engine.progress.step + 1,
+        current_scale=engine.policy.scale,
+        emit=emit,
+    )
+    measure = None
+    if built.device.type == "cuda" and engine.policy.uses_autocast:
+        images, _ = next(iter(engine.data.train))
+        images = images.to(built.device, memory_format=engine.memory_format)
+
+        def measure(use_autocast: bool) -> int:
+            return forward_activation_bytes(
+                engine.model, images, engine.policy.autocast, use_autocast
+            )
+
+    diagnostics.activation_memory(measure)
+    return diagnostics
 
 
 def resume(cfg: RunConfig, built: Built, output_dir: Path) -> None:
@@ -183,10 +221,16 @@ def train(cfg: RunConfig, output_dir: Path, loss_fn: LossFn | None = None) -> di
         ConsoleLogger(built.engine.total_steps),
         JsonlLogger(output_dir / METRICS_FILE),
     ]
+
+    def emit(row: dict[str, Any]) -> None:
+        for logger in loggers:
+            logger.log(row)
+
+    diagnostics = attach_diagnostics(cfg, built, emit)
     with StopRequest() as stop:
         try:
             result = built.engine.fit(
-                lambda row: [logger.log(row) for logger in loggers],
+                emit,
                 checkpoint=save,
                 checkpoint_every=cfg.checkpoint.every_steps or 0,
                 stop_requested=stop,
@@ -195,6 +239,7 @@ def train(cfg: RunConfig, output_dir: Path, loss_fn: LossFn | None = None) -> di
             for logger in loggers:
                 logger.close()
     summary = build_summary(cfg, built, result, stop, time.perf_counter() - started)
+    summary.update(diagnostics.summary())
     write_json(output_dir / "summary.json", summary)
     log.info(
         "%s: %s %s on %s, %s samples/s, final loss %s, eval acc %s -> %s",

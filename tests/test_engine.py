@@ -109,6 +109,7 @@ def test_synthetic_data_is_learnable_and_bf16_tracks_fp32(run_cfg) -> None:
             "trainer.max_steps=80",
             "trainer.log_every=20",
             "dataset.noise_std=1.0",
+            "dataset.image_size=8",
             "model.width=16",
         )
         return build(cfg).engine.fit(lambda row: None).progress.__dict__

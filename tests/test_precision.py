@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from torch import nn
@@ -121,10 +119,3 @@ def test_bf16_on_a_gpu_without_bf16_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     with pytest.raises(ConfigError, match="Tesla T4 lacks it; use precision=fp16"):
         resolve_precision(Precision.bf16, torch.device("cuda", 0))
-
-
-def test_fp16_on_cpu_runs_but_warns(caplog) -> None:
-    with caplog.at_level(logging.WARNING):
-        resolved = resolve_precision(Precision.fp16, CPU)
-    assert resolved.precision is Precision.fp16
-    assert "20-60x slower" in caplog.text
