@@ -69,10 +69,13 @@ def gradient_ranges(
     return totals, worst[:WORST_LAYERS], max_abs
 
 
-def largest_safe_scale(max_abs_grad: float) -> float:
-    """The largest power of two that keeps the largest gradient below fp16's maximum."""
+def largest_safe_scale(max_abs_grad: float) -> float | None:
+    """The largest power of two that keeps the largest gradient below fp16's maximum.
+
+    None when the gradients give no magnitude to go by (all zero, or not finite).
+    """
     if max_abs_grad <= 0 or not math.isfinite(max_abs_grad):
-        return 2.0**24
+        return None
     exponent = math.floor(math.log2(FP16_MAX / max_abs_grad))
     # Halve once more when the bound is met exactly: the limit itself is not "below" it.
     if 2.0**exponent * max_abs_grad >= FP16_MAX:
@@ -143,7 +146,7 @@ class Diagnostics:
         scale = self.current_scale() or 1.0
         totals, worst, max_abs = gradient_ranges(grads, scale)
         suggestion = largest_safe_scale(max_abs)
-        if self.suggested_init_scale is None or suggestion < self.suggested_init_scale:
+        if suggestion is not None and suggestion < (self.suggested_init_scale or math.inf):
             self.suggested_init_scale = suggestion
         self.underflow = {"step": self.current_step(), "scale": scale, **totals, "worst": worst}
         self.emit({"step": self.current_step(), **{f"grad_{k}": v for k, v in totals.items()}})

@@ -88,6 +88,11 @@ def test_suggested_scale_is_a_power_of_two_below_the_overflow_limit(max_grad: fl
     assert 2 * scale * max_grad >= FP16_MAX or scale == 2.0**24
 
 
+def test_no_suggestion_without_a_gradient_magnitude() -> None:
+    assert largest_safe_scale(0.0) is None
+    assert largest_safe_scale(float("inf")) is None
+
+
 def test_tiny_loss_scale_shows_as_underflow_and_a_sane_one_does_not(run_cfg, tmp_path) -> None:
     def underflow_run(init_scale: str) -> dict:
         overrides = ("precision=fp16", "diagnostics.underflow_every=2", *TINY)
