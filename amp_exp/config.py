@@ -197,6 +197,8 @@ class TrainerConfig:
     compile: bool = False
     compile_mode: CompileMode = CompileMode.default
     deterministic: bool = False
+    # Let fp32 matmuls and convolutions use TF32 Tensor Cores on CUDA (Ampere and newer).
+    tf32: bool = True
     # fp32/bf16 have no scaler to skip a step with inf/NaN gradients: skip it here, stop the
     # run, or (off) apply it. skip and stop read one flag from the device per step.
     on_nonfinite: NonFiniteAction = NonFiniteAction.skip

@@ -29,7 +29,11 @@ def resolve_device(choice: DeviceChoice) -> torch.device:
     return torch.device("cpu")
 
 
-def configure_backends(device: torch.device, deterministic: bool) -> None:
+def configure_backends(device: torch.device, deterministic: bool, tf32: bool) -> None:
+    # TF32 runs fp32 matmuls and convolutions on Tensor Cores (Ampere+): the "fp32" baseline
+    # NVIDIA publishes. tf32=false gives true IEEE fp32 for a strict comparison.
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
     if deterministic:
         # cuBLAS needs this before its first call to make reductions reproducible.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

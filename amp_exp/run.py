@@ -110,7 +110,7 @@ class Built:
 def build(cfg: RunConfig, loss_fn: Optional[LossFn] = None) -> Built:
     device = resolve_device(cfg.trainer.device)
     resolved = resolve_precision(cfg.precision.name, device)
-    configure_backends(device, cfg.trainer.deterministic)
+    configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
     seed_everything(cfg.seed)
     data = build_data(cfg.dataset, cfg.seed, device)
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
