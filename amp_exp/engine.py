@@ -176,7 +176,7 @@ class Engine:
             if self._is_eval_step(step):
                 throughput.pause()
                 eval_metrics = self.evaluate()
-                emit({"step": step, **eval_metrics})
+                emit({"step": step, "samples": samples, **eval_metrics})
                 throughput.resume()
         synchronize(self.device)
         return TrainResult(

@@ -26,6 +26,8 @@ from amp_exp.loggers import ConsoleLogger, JsonlLogger, Logger
 from amp_exp.models import build_model, is_convolutional
 from amp_exp.optim import build_optimizer, build_scheduler
 from amp_exp.precision import PrecisionPolicy, ResolvedPrecision, resolve_precision
+from amp_exp.sweep import SweepJob
+from amp_exp.wandb_logger import open_wandb_logger
 
 log = logging.getLogger("amp_exp")
 
@@ -121,7 +123,12 @@ def build(cfg: RunConfig, loss_fn: Optional[LossFn] = None) -> Built:
     return Built(device, resolved, model, channels_last, engine)
 
 
-def train(cfg: RunConfig, output_dir: Path, loss_fn: Optional[LossFn] = None) -> dict[str, Any]:
+def train(
+    cfg: RunConfig,
+    output_dir: Path,
+    loss_fn: Optional[LossFn] = None,
+    sweep: Optional[SweepJob] = None,
+) -> dict[str, Any]:
     """Run one experiment; writes metrics.jsonl and summary.json into ``output_dir``."""
     started = time.perf_counter()
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -132,25 +139,35 @@ def train(cfg: RunConfig, output_dir: Path, loss_fn: Optional[LossFn] = None) ->
         built.resolved.reason,
         device_name(built.device),
     )
+    wandb_logger = open_wandb_logger(
+        cfg,
+        output_dir,
+        built.resolved.precision.value,
+        built.device.type,
+        built.engine.total_steps,
+        sweep,
+    )
     loggers: list[Logger] = [
         ConsoleLogger(built.engine.total_steps),
         JsonlLogger(output_dir / "metrics.jsonl"),
+        *([wandb_logger] if wandb_logger else []),
     ]
     try:
         result = built.engine.fit(lambda row: [logger.log(row) for logger in loggers])
+        summary = build_summary(
+            cfg,
+            built.resolved,
+            built.device,
+            result,
+            sum(p.numel() for p in built.model.parameters()),
+            built.channels_last,
+            time.perf_counter() - started,
+        )
+        write_json(output_dir / "summary.json", summary)
     finally:
+        # W&B closes last: whatever its finish() does, the result files are already written.
         for logger in loggers:
             logger.close()
-    summary = build_summary(
-        cfg,
-        built.resolved,
-        built.device,
-        result,
-        sum(p.numel() for p in built.model.parameters()),
-        built.channels_last,
-        time.perf_counter() - started,
-    )
-    write_json(output_dir / "summary.json", summary)
     log.info(
         "done: %s %s on %s, %s samples/s, final loss %.4f, eval acc %s -> %s",
         summary["model"],

@@ -64,7 +64,7 @@ def test_cifar10_loads_real_files(run_cfg, tmp_path, monkeypatch) -> None:
     cfg = run_cfg("dataset=cifar10", f"dataset.root={tmp_path}", "dataset.batch_size=8")
     data = build_data(cfg.dataset, 0, CPU)
     assert data.input_shape == (3, 32, 32) and data.num_classes == 10
-    images, labels = first_batch(data.train)
+    images, _ = first_batch(data.train)
     assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
     assert len(data.train) == 100 // 8
     assert sum(len(y) for _, y in data.eval) == 20
@@ -72,7 +72,7 @@ def test_cifar10_loads_real_files(run_cfg, tmp_path, monkeypatch) -> None:
 
 def test_missing_dataset_says_how_to_get_it(run_cfg, tmp_path) -> None:
     cfg = run_cfg("dataset=cifar10", f"dataset.root={tmp_path}")
-    with pytest.raises(ConfigError, match="dataset.download=true") as raised:
+    with pytest.raises(ConfigError, match=r"dataset\.download=true") as raised:
         build_data(cfg.dataset, 0, CPU)
     assert "\n" not in str(raised.value)
 
