@@ -40,7 +40,7 @@ ENV_MODES = {
     "dryrun": WandbMode.offline,
     "disabled": WandbMode.disabled,
 }
-NO_API_KEY = "no W&B API key is configured (set WANDB_API_KEY or run `wandb login`)"
+NO_API_KEY = "no API key is configured (set WANDB_API_KEY or run `wandb login`)"
 
 
 def resolve_mode(configured: WandbMode, environ: Mapping[str, str]) -> WandbMode:
@@ -64,8 +64,9 @@ def wandb_settings(wandb_cfg: WandbConfig, mode: WandbMode) -> dict[str, Any]:
         # An online attempt needs online global settings, or login() refuses under
         # WANDB_MODE=offline even when wandb.mode=online says otherwise.
         "mode": "offline" if mode is WandbMode.offline else "online",
-        # Our one-line messages replace W&B's console output. Silence also skips W&B's lookup of
-        # the user name, which costs 5 s per call when the server cannot be reached.
+        # Our one-line messages replace W&B's console output. Silence also turns off W&B's
+        # terminal prompt for an API key, and its lookup of the user name, which costs 5 s per
+        # call when the server cannot be reached.
         "silent": True,
         "init_timeout": wandb_cfg.init_timeout,
         "finish_timeout": wandb_cfg.finish_timeout,
@@ -81,18 +82,20 @@ def wandb_settings(wandb_cfg: WandbConfig, mode: WandbMode) -> dict[str, Any]:
 def start_online(wandb: Any, init_args: dict[str, Any]) -> tuple[Any, str | None]:
     """(online run, None), or (None, why not)."""
     try:
-        # Looking for credentials first keeps wandb.init from asking for a key at a terminal
-        # prompt, which waits forever and can only be left with KeyboardInterrupt.
+        # Without credentials, wandb.init would ask for a key at a terminal prompt that waits
+        # forever and only KeyboardInterrupt leaves; so look first, and never prompt.
         if not wandb.login(prompt=False, verify=False):
             return None, NO_API_KEY
         run = wandb.init(mode="online", **init_args)
     except Exception as error:
-        return None, f"W&B could not start online ({describe(error)})"
+        return None, f"could not start online ({describe(error)})"
     log.info("W&B: logging online to %s", run.url)
     return run, None
 
 
-def start_run(wandb: Any, mode: WandbMode, wandb_cfg: WandbConfig, init_args: dict[str, Any]):
+def start_run(
+    wandb: Any, mode: WandbMode, wandb_cfg: WandbConfig, init_args: dict[str, Any]
+) -> Any:
     """An online run if possible, else an offline one, else None; says which in one line."""
     fallback = None
     try:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,6 +65,15 @@ def run_cfg(compose_cfg) -> Callable[..., RunConfig]:
         return validate(compose_cfg(*overrides))
 
     return _run_cfg
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m amp_exp`` as a user runs it; fails the test unless it succeeds."""
+    result = subprocess.run(
+        [sys.executable, "-m", "amp_exp", *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, read_jsonl
+from conftest import FAST, read_jsonl, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +42,6 @@ SUMMARY_KEYS = {
     "torch_version",
     "git_sha",
 }
-
-
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp", *args], capture_output=True, text=True, timeout=timeout
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result
 
 
 def test_run_writes_metrics_summary_config_and_log(tmp_path: Path) -> None:

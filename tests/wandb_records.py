@@ -110,13 +110,14 @@ def read_run(path: Path) -> WandbRun:
 
 
 def run_files(output_dir: Path) -> list[Path]:
-    """The run files W&B wrote under a run's output directory, oldest first."""
-    # wandb/latest-run is a link to the newest run directory.
-    files = output_dir.glob("wandb/*/run-*.wandb")
-    return sorted(path for path in files if not path.parent.is_symlink())
+    """The offline run files under a run's output directory, oldest first.
+
+    An online attempt that failed leaves its own ``wandb/run-*`` directory; it is not read here.
+    """
+    return sorted(output_dir.glob("wandb/offline-run-*/run-*.wandb"))
 
 
 def read_only_run(output_dir: Path) -> WandbRun:
     files = run_files(output_dir)
-    assert len(files) == 1, f"expected one W&B run under {output_dir}, found {files}"
+    assert len(files) == 1, f"expected one offline W&B run under {output_dir}, found {files}"
     return read_run(files[0])
