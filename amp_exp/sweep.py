@@ -32,12 +32,13 @@ def sweep_job(hydra_cfg: DictConfig) -> SweepJob | None:
     """The sweep of a multirun job (from ``HydraConfig.get()``); None for a single run."""
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
-    sweep_dir = Path(hydra_cfg.sweep.dir)
-    spec = sweep_dir / "multirun.yaml"
+    sweep_dir = hydra_cfg.sweep.dir
+    # Relative to where the sweep was launched, even if the job changed its directory.
+    spec = Path(hydra_cfg.runtime.cwd, sweep_dir, "multirun.yaml")
     # A launcher that writes no sweep spec leaves the job's name without sweep values.
     swept = swept_keys(list(OmegaConf.load(spec).hydra.overrides.task)) if spec.is_file() else set()
     job = OverridesParser.create().parse_overrides(list(hydra_cfg.overrides.task))
     choices = tuple(
         (o.key_or_group, o.get_value_element_as_str()) for o in job if o.key_or_group in swept
     )
-    return SweepJob(str(sweep_dir), choices)
+    return SweepJob(sweep_dir, choices)

@@ -56,7 +56,8 @@ def resolve_mode(configured: WandbMode, environ: Mapping[str, str]) -> WandbMode
 
 
 def describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {first_line(str(error))}"
+    message = first_line(str(error))
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def wandb_settings(wandb_cfg: WandbConfig, mode: WandbMode) -> dict[str, Any]:

@@ -185,11 +185,12 @@ def test_a_sweep_job_knows_its_sweep_and_what_it_varies(tmp_path) -> None:
     job = OmegaConf.create(
         {
             "mode": RunMode.MULTIRUN,
-            "sweep": {"dir": str(tmp_path)},
+            "runtime": {"cwd": str(tmp_path.parent)},
+            "sweep": {"dir": tmp_path.name},
             "overrides": {"task": ["optimizer.lr=0.01", "model=mlp", "seed=1"]},
         }
     )
-    assert sweep_job(job) == SweepJob(str(tmp_path), (("optimizer.lr", "0.01"), ("seed", "1")))
+    assert sweep_job(job) == SweepJob(tmp_path.name, (("optimizer.lr", "0.01"), ("seed", "1")))
     assert sweep_job(OmegaConf.create({"mode": RunMode.RUN})) is None
 
 
