@@ -77,6 +77,12 @@ def test_run_identity_config_and_what_is_not_uploaded(run_cfg, tmp_path) -> None
     assert not list(tmp_path.glob("wandb/*/files/code")) and not list(tmp_path.rglob("*.patch"))
 
 
+def test_save_metadata_turns_w_and_b_run_metadata_on(run_cfg, tmp_path) -> None:
+    train(run_cfg("wandb.mode=offline", "wandb.save_metadata=true"), tmp_path)
+    environments = read_only_run(tmp_path).environments
+    assert any(env.python and env.program for env in environments)
+
+
 def test_a_log_that_raises_is_reported_once_and_training_goes_on(
     run_cfg, tmp_path, monkeypatch, caplog
 ) -> None:
