@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from amp_exp.cli import CONF_DIR, CONFIG_NAME, check_overrides
 from amp_exp.config import ConfigError, register_configs, validate
+from amp_exp.sweep import sweep_job
 
 log = logging.getLogger("amp_exp")
 
@@ -30,10 +31,13 @@ def hydra_main(cfg: DictConfig) -> float | None:
     from amp_exp.engine import NumericalFault
     from amp_exp.run import train
 
+    hydra_cfg = HydraConfig.get()
     try:
-        summary = train(validate(cfg), Path(HydraConfig.get().runtime.output_dir))
+        summary = train(
+            validate(cfg), Path(hydra_cfg.runtime.output_dir), sweep=sweep_job(hydra_cfg)
+        )
     except (ConfigError, NumericalFault) as error:
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
+        if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # the sweep records this job as failed and runs the others
         log.error("%s", error)
         sys.exit(EXIT_CONFIG_ERROR if isinstance(error, ConfigError) else EXIT_NUMERICAL_FAULT)

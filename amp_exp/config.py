@@ -58,6 +58,13 @@ class NonFiniteAction(str, Enum):
     off = "off"
 
 
+class WandbMode(str, Enum):
+    auto = "auto"
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
 class CompileMode(str, Enum):
     default = "default"
     reduce_overhead = "reduce-overhead"
@@ -221,6 +228,40 @@ class DiagnosticsConfig:
     underflow_every: int = 100
 
 
+# --- Weights & Biases ----------------------------------------------------------------------------
+
+# W&B rejects longer tags at init, which would cost the run its dashboard entry.
+WANDB_TAG_MAX_CHARS = 64
+
+
+@dataclass
+class WandbConfig:
+    # auto: online when an API key is configured, else offline. While this is auto, WANDB_MODE
+    # in the environment decides; an explicit value here wins over it.
+    mode: WandbMode = WandbMode.auto
+    project: str = "amp_exp"
+    # null = the API key's default entity.
+    entity: str | None = None
+    # null = the sweep in a multirun; no group for a single run.
+    group: str | None = None
+    # null = model-precision-s<seed>, plus this job's values of the swept keys in a multirun.
+    name: str | None = None
+    # Added to the automatic tags: model, precision, dataset and device.
+    tags: list[str] = field(default_factory=list)
+    # null = every trainer.log_every row; else a multiple of it, as W&B only sees rows the
+    # trainer already read from the device.
+    log_every: int | None = None
+    # Seconds to wait for the W&B server before the run logs offline instead. With W&B's import
+    # and the offline start, the fallback then comes within about 20 s even on a busy machine.
+    init_timeout: float = 15.0
+    # Seconds finish() may spend uploading; what is left stays on disk for `wandb sync`.
+    finish_timeout: float = 60.0
+    # Upload the code, the git state and the pip requirements (W&B's save_code and friends).
+    save_code: bool = False
+    # Record W&B's run metadata: command-line arguments, program, host, OS and hardware.
+    save_metadata: bool = False
+
+
 @dataclass
 class RunConfig:
     model: Any = MISSING
@@ -234,6 +275,7 @@ class RunConfig:
     # null = start fresh; auto = the newest valid checkpoint in this run directory, if any;
     # or the path of a run directory or checkpoint file.
     resume: str | None = None
+    wandb: WandbConfig = MISSING
     seed: int = 0
 
 
@@ -244,6 +286,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "scheduler": {"scheduler": SchedulerConfig},
     "precision": {"precision": PrecisionConfig},
     "trainer": {"trainer": TrainerConfig},
+    "wandb": {"wandb": WandbConfig},
 }
 
 
@@ -268,6 +311,7 @@ _POSITIVE = (
     "trainer.grad_accum_steps",
     "trainer.log_every",
     "precision.growth_interval",
+    "wandb.init_timeout",
 )
 _POSITIVE_OR_NULL = (
     "dataset.eval_batch_size",
@@ -275,6 +319,7 @@ _POSITIVE_OR_NULL = (
     "trainer.epochs",
     "trainer.eval_batches",
     "precision.clip_grad_norm",
+    "wandb.log_every",
 )
 
 
@@ -327,6 +372,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)
     _validate_model(run.model)
+    _validate_wandb(run.wandb, run.trainer)
     return run
 
 
@@ -391,6 +437,22 @@ def _validate_model(model: ModelConfig) -> None:
             f"model.name={model.name!r} is not a torchvision classification model; "
             f"valid choices: {', '.join(names)}",
         )
+
+
+def _validate_wandb(wandb: WandbConfig, trainer: TrainerConfig) -> None:
+    _check(bool(wandb.project.strip()), "wandb.project must not be empty")
+    _check(wandb.finish_timeout >= 0, "wandb.finish_timeout must be 0 (wait for all) or more")
+    _check(
+        wandb.log_every is None or wandb.log_every % trainer.log_every == 0,
+        f"wandb.log_every={wandb.log_every} must be a multiple of "
+        f"trainer.log_every={trainer.log_every}, the interval at which metrics are read",
+    )
+    long_tags = [tag for tag in wandb.tags if len(tag) > WANDB_TAG_MAX_CHARS]
+    _check(
+        not long_tags,
+        f"wandb.tags: {long_tags[0] if long_tags else ''!r} is longer than "
+        f"{WANDB_TAG_MAX_CHARS} characters",
+    )
 
 
 def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:

@@ -295,7 +295,7 @@ class Engine:
                 throughput.pause()
                 metrics = self.evaluate()
                 progress.eval_loss, progress.eval_acc = metrics["eval_loss"], metrics["eval_acc"]
-                emit({"step": step, **metrics})
+                emit({"step": step, "samples": progress.samples, **metrics})
                 throughput.resume()
             stopped_early = stop_requested() and step < self.total_steps
             if checkpoint is not None:

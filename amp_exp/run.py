@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -40,6 +40,8 @@ from amp_exp.models import build_model, is_convolutional
 from amp_exp.optim import build_optimizer, build_scheduler
 from amp_exp.precision import PrecisionPolicy, ResolvedPrecision, resolve_precision
 from amp_exp.signals import StopRequest
+from amp_exp.sweep import SweepJob
+from amp_exp.wandb_logger import open_wandb_logger
 
 log = logging.getLogger("amp_exp")
 
@@ -107,7 +109,7 @@ class Built:
     resumed_from: str | None = None
 
 
-def build(cfg: RunConfig, loss_fn: Optional[LossFn] = None) -> Built:
+def build(cfg: RunConfig, loss_fn: LossFn | None = None) -> Built:
     device = resolve_device(cfg.trainer.device)
     resolved = resolve_precision(cfg.precision.name, device)
     configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
@@ -197,7 +199,12 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path) -> None:
     log.info("resumed from %s at step %d", path, payload["step"])
 
 
-def train(cfg: RunConfig, output_dir: Path, loss_fn: LossFn | None = None) -> dict[str, Any]:
+def train(
+    cfg: RunConfig,
+    output_dir: Path,
+    loss_fn: LossFn | None = None,
+    sweep: SweepJob | None = None,
+) -> dict[str, Any]:
     """Run one experiment; writes metrics.jsonl, checkpoints and summary.json to ``output_dir``."""
     started = time.perf_counter()
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -217,30 +224,40 @@ def train(cfg: RunConfig, output_dir: Path, loss_fn: LossFn | None = None) -> di
         def save(progress: Progress) -> None:
             writer.save(checkpoint_payload(built.engine, built.model, progress, config))
 
+    wandb_logger = open_wandb_logger(
+        cfg,
+        output_dir,
+        built.resolved.precision.value,
+        built.device.type,
+        built.engine.total_steps,
+        sweep,
+    )
     loggers: list[Logger] = [
         ConsoleLogger(built.engine.total_steps),
         JsonlLogger(output_dir / METRICS_FILE),
+        *([wandb_logger] if wandb_logger else []),
     ]
 
     def emit(row: dict[str, Any]) -> None:
         for logger in loggers:
             logger.log(row)
 
-    diagnostics = attach_diagnostics(cfg, built, emit)
-    with StopRequest() as stop:
-        try:
+    try:
+        diagnostics = attach_diagnostics(cfg, built, emit)
+        with StopRequest() as stop:
             result = built.engine.fit(
                 emit,
                 checkpoint=save,
                 checkpoint_every=cfg.checkpoint.every_steps or 0,
                 stop_requested=stop,
             )
-        finally:
-            for logger in loggers:
-                logger.close()
-    summary = build_summary(cfg, built, result, stop, time.perf_counter() - started)
-    summary.update(diagnostics.summary())
-    write_json(output_dir / "summary.json", summary)
+        summary = build_summary(cfg, built, result, stop, time.perf_counter() - started)
+        summary.update(diagnostics.summary())
+        write_json(output_dir / "summary.json", summary)
+    finally:
+        # W&B closes last: whatever its finish() does, the result files are already written.
+        for logger in loggers:
+            logger.close()
     log.info(
         "%s: %s %s on %s, %s samples/s, final loss %s, eval acc %s -> %s",
         summary["status"],

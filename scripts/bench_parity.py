@@ -12,6 +12,7 @@ loop is the textbook one: autocast, scale, backward, unscale_, clip, step, updat
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -70,7 +71,7 @@ def run_side(side: str, args: argparse.Namespace, state_path: Path) -> dict:
     else:
         hand_written_loop(engine, built.model, F, torch)
     torch.save(built.model.state_dict(), state_path)
-    step_times = [b - a for a, b in zip(stamps, stamps[1:], strict=False)][args.warmup :]
+    step_times = [b - a for a, b in itertools.pairwise(stamps)][args.warmup :]
     return {"step_times": step_times, "peak_mem_bytes": peak_memory_bytes(device)}
 
 

@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -21,12 +25,27 @@ FAST = [
     "dataset.batch_size=32",
     "dataset.image_size=16",
     "dataset.num_workers=0",
+    "wandb.mode=disabled",
 ]
+# fp16 autocast on the CPU is 20-60x slower than fp32: keep its runs tiny.
+TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _registered_schemas() -> None:
     register_configs()
+
+
+@pytest.fixture(autouse=True)
+def _wandb_kept_local(monkeypatch, tmp_path_factory) -> None:
+    """No test, nor any subprocess it starts, reaches W&B or the user's W&B files by accident.
+
+    Tests that want W&B set wandb.mode explicitly, which wins over WANDB_MODE.
+    """
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    wandb_home = tmp_path_factory.getbasetemp() / "wandb_home"
+    for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(variable, str(wandb_home))
 
 
 @pytest.fixture
@@ -48,7 +67,30 @@ def run_cfg(compose_cfg) -> Callable[..., RunConfig]:
     return _run_cfg
 
 
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m amp_exp`` as a user runs it; fails the test unless it succeeds."""
+    result = subprocess.run(
+        [sys.executable, "-m", "amp_exp", *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
 def read_jsonl(path: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def inf_loss_at(steps: set[int], accum: int = 1) -> Callable[..., torch.Tensor]:
+    """A loss function that overflows on the given optimizer steps (1-based)."""
+    calls = 0
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        loss = F.cross_entropy(logits, labels)
+        step = (calls - 1) // accum + 1
+        return loss * float("inf") if step in steps else loss
+
+    return loss_fn

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAST, read_jsonl
 
 from amp_exp.checkpoint import CheckpointWriter, load_newest_valid
 from amp_exp.engine import NumericalFault
 from amp_exp.run import build, train
+from conftest import FAST, read_jsonl
 
 TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=32"]
 # 256 samples / batch 32 = 8 batches an epoch; 12 steps cross one epoch boundary.

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, read_jsonl
+
+from conftest import FAST, read_jsonl, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -43,14 +44,6 @@ SUMMARY_KEYS = {
 }
 
 
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp", *args], capture_output=True, text=True, timeout=timeout
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result
-
-
 def test_run_writes_metrics_summary_config_and_log(tmp_path: Path) -> None:
     run_cli(
         *FAST,
@@ -70,11 +63,8 @@ def test_run_writes_metrics_summary_config_and_log(tmp_path: Path) -> None:
     assert [r["step"] for r in eval_rows] == [6]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary.keys() >= SUMMARY_KEYS
-    assert (summary["precision"], summary["model"], summary["device"]) == (
-        "bf16",
-        "tiny_cnn",
-        "cpu",
-    )
+    identity = (summary["precision"], summary["model"], summary["device"])
+    assert identity == ("bf16", "tiny_cnn", "cpu")
     assert summary["final_loss"] == train_rows[-1]["loss"]
     assert summary["eval_acc"] == eval_rows[-1]["eval_acc"]
     assert "precision=bf16" in summary["precision_reason"]
@@ -94,9 +84,8 @@ def test_fp16_run_logs_the_loss_scale(tmp_path: Path) -> None:
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["precision"] == "fp16" and summary["loss_scale"] == 1024.0
-    assert [r["scale"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r] == [
-        1024.0
-    ] * 2
+    scales = [r["scale"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert scales == [1024.0] * 2
 
 
 def test_multirun_gives_each_job_its_own_results(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from amp_exp.config import (
     TorchvisionModelConfig,
 )
 
-GROUPS = ("model", "dataset", "optimizer", "scheduler", "precision", "trainer")
+GROUPS = ("model", "dataset", "optimizer", "scheduler", "precision", "trainer", "wandb")
 # Options that need a value the YAML cannot know.
 REQUIRED = {
     ("model", "torchvision"): ["model.name=mobilenet_v3_small"],
@@ -64,6 +64,12 @@ def test_defaults_are_the_documented_ones(compose_cfg) -> None:
     )
     assert cfg.precision.init_scale == 65536.0
     assert cfg.precision.clip_grad_norm is None
+    assert (cfg.wandb.mode.value, cfg.wandb.project, cfg.wandb.log_every) == (
+        "auto",
+        "amp_exp",
+        None,
+    )
+    assert cfg.wandb.init_timeout + 10 <= 30  # W&B's import and offline start fit in the rest
 
 
 @pytest.mark.parametrize(
@@ -83,6 +89,12 @@ def test_defaults_are_the_documented_ones(compose_cfg) -> None:
         (["precision.backoff_factor=2"], "precision.backoff_factor must lie strictly between"),
         (["-m", "precision=fp32,fp8"], "precision=fp8 is not an option"),
         (["-m", "trainer.max_steps=3,0"], "trainer.max_steps=0 must be positive"),
+        (["wandb.mode=sometimes"], "expected one of [auto, online, offline, disabled]"),
+        (["wandb.log_every=30"], "wandb.log_every=30 must be a multiple of trainer.log_every=25"),
+        (["wandb.init_timeout=0"], "wandb.init_timeout=0.0 must be positive"),
+        (["wandb.project=' '"], "wandb.project must not be empty"),
+        ([f"wandb.tags=[ok,{'x' * 65}]"], "is longer than 64 characters"),
+        (["wandb.api_key=secret"], "wandb.api_key is not a known key"),
     ],
 )
 def test_bad_input_is_rejected_with_one_line(overrides: list[str], expected: str) -> None:

@@ -13,8 +13,8 @@ from amp_exp.diagnostics import FP16_MAX, gradient_ranges, largest_safe_scale
 from amp_exp.hardware import inspect_hardware, precision_advice, recommend_precision
 from amp_exp.models import l2_normalize_function
 from amp_exp.run import train
+from conftest import TINY
 
-TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
 CPU = torch.device("cpu")
 
 

@@ -7,13 +7,9 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import read_jsonl
 
 from amp_exp.run import build, train
-
-# fp16 autocast on the CPU is 20-60x slower than fp32: keep its runs tiny.
-TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
+from conftest import TINY, inf_loss_at, read_jsonl
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -30,20 +26,6 @@ def test_a_few_steps_of_each_precision_complete(run_cfg, tmp_path, precision: st
     assert [r["step"] for r in train_rows] == [2, 4]
     assert all(r["grad_norm"] > 0 for r in train_rows)
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
-
-
-def inf_loss_at(steps: set[int], accum: int = 1):
-    """A loss function that overflows on the given optimizer steps (1-based)."""
-    calls = 0
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        loss = F.cross_entropy(logits, labels)
-        step = (calls - 1) // accum + 1
-        return loss * float("inf") if step in steps else loss
-
-    return loss_fn
 
 
 def test_forced_overflow_is_skipped_counted_and_holds_the_scheduler(run_cfg) -> None:

@@ -10,9 +10,9 @@ import torch
 
 import amp_exp.meters
 from amp_exp.run import build
+from conftest import TINY
 
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__")
-TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
 
 
 def count_host_reads(monkeypatch) -> Counter:

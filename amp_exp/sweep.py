@@ -1,0 +1,44 @@
+"""Where a Hydra job sits in its multirun: which sweep it belongs to and what this job varies.
+
+A job's own config only lists its values; which keys the sweep varies is in the sweep's
+``multirun.yaml``, which Hydra writes into the sweep directory before it launches any job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    # The sweep's output directory: one per sweep, shared by all its jobs.
+    dir: str
+    # This job's (key, value) for each key the sweep varies, in command-line order.
+    choices: tuple[tuple[str, str], ...]
+
+
+def swept_keys(task_overrides: list[str]) -> set[str]:
+    """Keys given more than one value, like ``optimizer.lr`` in ``optimizer.lr=0.1,0.01``."""
+    parsed = OverridesParser.create().parse_overrides(task_overrides)
+    return {o.key_or_group for o in parsed if o.is_sweep_override()}
+
+
+def sweep_job(hydra_cfg: DictConfig) -> SweepJob | None:
+    """The sweep of a multirun job (from ``HydraConfig.get()``); None for a single run."""
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    sweep_dir = hydra_cfg.sweep.dir
+    # Relative to where the sweep was launched, even if the job changed its directory.
+    spec = Path(hydra_cfg.runtime.cwd, sweep_dir, "multirun.yaml")
+    # A launcher that writes no sweep spec leaves the job's name without sweep values.
+    swept = swept_keys(list(OmegaConf.load(spec).hydra.overrides.task)) if spec.is_file() else set()
+    job = OverridesParser.create().parse_overrides(list(hydra_cfg.overrides.task))
+    choices = tuple(
+        (o.key_or_group, o.get_value_element_as_str()) for o in job if o.key_or_group in swept
+    )
+    return SweepJob(sweep_dir, choices)

@@ -1,0 +1,219 @@
+"""W&B logging, read back from the run file that W&B writes offline."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+
+import pytest
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from amp_exp.config import ConfigError, WandbMode
+from amp_exp.dashboard import choice_label, run_config, run_group, run_name, run_tags
+from amp_exp.run import train
+from amp_exp.sweep import SweepJob, sweep_job
+from amp_exp.wandb_logger import WandbLogger, open_wandb_logger, resolve_mode
+from conftest import TINY, inf_loss_at, read_jsonl
+from wandb_records import read_only_run, read_run, run_files
+
+TRAIN_KEYS = {
+    "samples",
+    "epoch",
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "amp/scale",
+    "amp/skipped_steps",
+    "amp/skip_rate",
+    "perf/samples_per_s",
+    "perf/step_time_ms",
+    "perf/peak_mem_bytes",
+}
+EVAL_KEYS = {"eval/loss", "eval/acc"}
+
+
+def test_fp16_run_logs_every_key_at_its_steps_and_the_scale_falls_on_overflow(
+    run_cfg, tmp_path
+) -> None:
+    cfg = run_cfg("precision=fp16", "precision.init_scale=1024", "wandb.mode=offline", *TINY)
+    summary = train(cfg, tmp_path, loss_fn=inf_loss_at({3}))
+    run = read_only_run(tmp_path)
+    assert run.kinds[-1] == "exit"  # finished, and the file is complete
+    assert [row["_step"] for row in run.history] == [2, 4]
+    assert all(row.keys() >= TRAIN_KEYS for row in run.history)
+    assert EVAL_KEYS.isdisjoint(run.history[0]) and run.history[1].keys() >= EVAL_KEYS
+    assert [row["amp/scale"] for row in run.history] == [1024.0, 512.0]
+    assert [row["amp/skipped_steps"] for row in run.history] == [0, 1]
+    assert [row["amp/skip_rate"] for row in run.history] == [0.0, 0.5]
+    train_rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    # The forced overflow makes the second interval's loss infinite; JSON lines write null.
+    assert run.history[0]["train/loss"] == train_rows[0]["loss"]
+    assert run.history[1]["train/loss"] == math.inf and train_rows[1]["loss"] is None
+    assert [row["samples"] for row in run.history] == [32, 64]
+    assert run.summary["amp/scale"] == {"last": summary["loss_scale"]}
+    assert run.summary["amp/skipped_steps"] == {"last": summary["skipped_steps"]}
+    assert run.summary["perf/samples_per_s"] == {"last": train_rows[-1]["samples_per_s"]}
+    assert run.summary["perf/peak_mem_bytes"] == {"max": train_rows[-1]["peak_mem_bytes"]}
+    assert run.summary["eval/acc"] == summary["eval_acc"]
+    for pattern in ("train/*", "amp/*", "perf/*", "eval/*"):
+        assert run.metrics[pattern].step_metric == "samples"
+
+
+def test_run_identity_config_and_what_is_not_uploaded(run_cfg, tmp_path) -> None:
+    cfg = run_cfg("precision=bf16", "wandb.mode=offline", "wandb.tags=[baseline]")
+    train(cfg, tmp_path)
+    run = read_only_run(tmp_path)
+    assert (run.name, run.group, run.job_type) == ("tiny_cnn-bf16-s0", "", "train")
+    assert run.tags == ["tiny_cnn", "bf16", "synthetic", "cpu", "baseline"]
+    assert run.config["precision.name"] == "bf16" and run.config["precision.resolved"] == "bf16"
+    assert run.config["precision.init_scale"] == 65536.0
+    assert run.config["model"] == {"name": "tiny_cnn", "width": 32, "normalize_features": False}
+    assert "precision" not in run.config and "wandb" not in run.config
+    # Metadata (command line, program, host) and code stay home unless turned on.
+    assert run.environments == []
+    assert not list(tmp_path.glob("wandb/*/files/code")) and not list(tmp_path.rglob("*.patch"))
+
+
+def test_save_metadata_turns_w_and_b_run_metadata_on(run_cfg, tmp_path) -> None:
+    train(run_cfg("wandb.mode=offline", "wandb.save_metadata=true"), tmp_path)
+    environments = read_only_run(tmp_path).environments
+    assert any(env.python and env.program for env in environments)
+
+
+def test_a_log_that_raises_is_reported_once_and_training_goes_on(
+    run_cfg, tmp_path, monkeypatch, caplog
+) -> None:
+    import wandb
+
+    def broken_log(self, *args, **kwargs):
+        raise RuntimeError("the W&B service went away")
+
+    monkeypatch.setattr(wandb.Run, "log", broken_log)
+    with caplog.at_level(logging.WARNING, logger="amp_exp"):
+        summary = train(run_cfg("wandb.mode=offline", "trainer.max_steps=6"), tmp_path)
+    assert summary["steps"] == 6
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6]
+    assert [r["step"] for r in rows if "eval_acc" in r] == [6]
+    warnings = [r.getMessage() for r in caplog.records if "W&B" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "could not log step 2" in warnings[0] and "went away" in warnings[0]
+
+
+def test_wandb_log_every_thins_train_rows_and_keeps_the_last() -> None:
+    class RecordingRun:
+        def __init__(self) -> None:
+            self.logged: list[tuple[int, dict]] = []
+
+        def define_metric(self, *args, **kwargs) -> None:
+            pass
+
+        def log(self, metrics: dict, step: int) -> None:
+            self.logged.append((step, metrics))
+
+    run = RecordingRun()
+    logger = WandbLogger(wandb=None, run=run, log_every=4, total_steps=10)
+    for step, skipped in [(2, 1), (4, 1), (6, 1), (8, 3), (10, 3)]:
+        logger.log({"step": step, "loss": 1.0, "skipped_steps": skipped, "scale": None})
+    logger.log({"step": 10, "samples": 40, "eval_loss": 2.0, "eval_acc": 0.5})
+    assert [step for step, _ in run.logged] == [4, 8, 10, 10]
+    assert [m["amp/skip_rate"] for _, m in run.logged[:3]] == [0.25, 0.5, 0.0]
+    assert all("amp/scale" not in m for _, m in run.logged)  # no scale outside fp16
+    assert run.logged[-1][1] == {"samples": 40, "eval/loss": 2.0, "eval/acc": 0.5}
+
+
+def test_disabled_never_imports_wandb(run_cfg, tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # any import of wandb would now fail
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    for mode in ("disabled", "auto"):
+        cfg = run_cfg(f"wandb.mode={mode}")
+        assert open_wandb_logger(cfg, tmp_path, "fp32", "cpu", 4, None) is None
+    assert not (tmp_path / "wandb").exists()
+
+
+@pytest.mark.parametrize(
+    ("configured", "environ", "expected"),
+    [
+        ("auto", {}, "auto"),
+        ("auto", {"WANDB_MODE": "offline"}, "offline"),
+        ("auto", {"WANDB_MODE": "dryrun"}, "offline"),
+        ("auto", {"WANDB_MODE": "Disabled"}, "disabled"),
+        ("auto", {"WANDB_MODE": "run"}, "online"),
+        ("online", {"WANDB_MODE": "disabled"}, "online"),
+        ("disabled", {"WANDB_MODE": "online"}, "disabled"),
+    ],
+)
+def test_wandb_mode_env_decides_only_under_auto(configured, environ, expected) -> None:
+    assert resolve_mode(WandbMode(configured), environ) is WandbMode(expected)
+
+
+def test_an_unknown_wandb_mode_env_is_one_line_error() -> None:
+    with pytest.raises(ConfigError, match="WANDB_MODE=sideways is not a W&B mode"):
+        resolve_mode(WandbMode.auto, {"WANDB_MODE": "sideways"})
+
+
+def test_names_groups_and_tags(run_cfg) -> None:
+    cfg = run_cfg("model=mlp", "seed=3", "wandb.tags=[mlp,night]")
+    sweep = SweepJob("outputs/multirun/d/t", (("optimizer.lr", "0.01"), ("seed", "3")))
+    assert run_name(cfg, "bf16", None) == "mlp-bf16-s3"
+    assert run_name(cfg, "bf16", sweep) == "mlp-bf16-lr0.01-s3"
+    assert run_group(cfg, None) is None and run_group(cfg, sweep) == "outputs/multirun/d/t"
+    assert run_tags(cfg, "bf16", "cuda") == ["mlp", "bf16", "synthetic", "cuda", "night"]
+    named = run_cfg("wandb.name=mine", "wandb.group=g")
+    assert (run_name(named, "fp32", sweep), run_group(named, sweep)) == ("mine", "g")
+    assert choice_label("optimizer", "adamw") == "adamw"
+    assert choice_label("dataset.batch_size", "64") == "batch_size64"
+
+
+def test_config_is_plain_with_precision_flat(run_cfg) -> None:
+    config = run_config(run_cfg("precision=fp16", "optimizer=adamw"), "fp16")
+    assert json.loads(json.dumps(config)) == config  # plain types only, enums as values
+    assert config["optimizer"]["betas"] == [0.9, 0.999]
+    assert {k for k in config if k.startswith("precision.")} == {
+        "precision.name",
+        "precision.init_scale",
+        "precision.growth_factor",
+        "precision.backoff_factor",
+        "precision.growth_interval",
+        "precision.clip_grad_norm",
+        "precision.max_consecutive_skips",
+        "precision.min_scale",
+        "precision.resolved",
+    }
+
+
+def test_a_sweep_job_knows_its_sweep_and_what_it_varies(tmp_path) -> None:
+    OmegaConf.save(
+        {"hydra": {"overrides": {"task": ["optimizer.lr=0.1,0.01", "model=mlp", "seed=0,1"]}}},
+        tmp_path / "multirun.yaml",
+    )
+    job = OmegaConf.create(
+        {
+            "mode": RunMode.MULTIRUN,
+            "runtime": {"cwd": str(tmp_path.parent)},
+            "sweep": {"dir": tmp_path.name},
+            "overrides": {"task": ["optimizer.lr=0.01", "model=mlp", "seed=1"]},
+        }
+    )
+    assert sweep_job(job) == SweepJob(tmp_path.name, (("optimizer.lr", "0.01"), ("seed", "1")))
+    assert sweep_job(OmegaConf.create({"mode": RunMode.RUN})) is None
+
+
+def test_the_record_reader_follows_records_across_blocks(tmp_path) -> None:
+    import wandb
+
+    run = wandb.init(mode="offline", dir=tmp_path, settings=wandb.Settings(silent=True))
+    for step in range(1, 1001):
+        run.log({"x": step}, step=step)
+    run.log({"long": "z" * 80_000}, step=1001)  # one record over several 32 KiB blocks
+    run.finish()
+    wandb.teardown()
+    (path,) = run_files(tmp_path)
+    assert path.stat().st_size > 3 * 32 * 1024
+    history = read_run(path).history
+    assert [row["_step"] for row in history] == list(range(1, 1002))
+    assert [row["x"] for row in history[:-1]] == list(range(1, 1001))
+    assert len(history[-1]["long"]) == 80_000

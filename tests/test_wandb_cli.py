@@ -1,0 +1,140 @@
+"""W&B end to end: sweeps, and the fallbacks that keep a run going without a W&B server."""
+
+from __future__ import annotations
+
+import os
+import pty
+import subprocess
+import sys
+import threading
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, run_cli
+from wandb_records import read_only_run
+
+pytestmark = pytest.mark.slow
+
+# W&B checks a key's shape (40+ characters) before it ever talks to a server.
+FAKE_API_KEY = "f00dfeed" * 5
+# Nothing listens on the discard port, so every connection is refused.
+UNREACHABLE_SERVER = "http://127.0.0.1:9"
+
+
+def env_without_wandb(home: Path, **extra: str) -> dict[str, str]:
+    """This environment without W&B variables, and a home without W&B credentials."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    home.mkdir(parents=True, exist_ok=True)
+    return {**env, "HOME": str(home), **extra}
+
+
+def run_at_terminal(args: list[str], env: dict[str, str], timeout: int) -> tuple[int, str]:
+    """Run with a pseudo-terminal for stdin and output, where W&B would prompt for a key."""
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(args, stdin=terminal, stdout=terminal, stderr=terminal, env=env)
+    os.close(terminal)
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        # A full terminal buffer would block the child, so read while it runs.
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        returncode = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        returncode = None
+    reader.join(timeout=5)
+    os.close(controller)
+    output = b"".join(chunks).decode(errors="replace")
+    assert returncode is not None, f"hung at the terminal:\n{output[-2000:]}"
+    return returncode, output
+
+
+def log_time(line: str) -> datetime:
+    # Hydra's log lines start with "[2026-01-31 12:00:00,123]".
+    return datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f")
+
+
+def wandb_start_seconds(train_log: str) -> tuple[float, list[str]]:
+    """Seconds from the last line before W&B starts to its message, and all W&B lines."""
+    lines = train_log.splitlines()
+    (before,) = [line for line in lines if "] - precision " in line]
+    wandb_lines = [line for line in lines if "W&B" in line]
+    return (log_time(wandb_lines[0]) - log_time(before)).total_seconds(), wandb_lines
+
+
+def test_a_multirun_gives_each_job_its_own_run_in_one_group(tmp_path: Path) -> None:
+    lrs = ["0.1", "0.05", "0.02"]
+    run_cli(
+        "-m",
+        *FAST,
+        "wandb.mode=offline",
+        f"optimizer.lr={','.join(lrs)}",
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    runs = [read_only_run(tmp_path / str(job)) for job in range(3)]
+    assert [run.name for run in runs] == [f"tiny_cnn-fp32-lr{lr}-s0" for lr in lrs]
+    assert {run.group for run in runs} == {str(tmp_path)}
+    assert [run.config["optimizer"]["lr"] for run in runs] == [float(lr) for lr in lrs]
+    assert all([row["_step"] for row in run.history] == [2, 4] for run in runs)
+    assert all(run.kinds[-1] == "exit" for run in runs)
+
+
+def test_online_without_a_key_at_a_terminal_falls_back_offline_at_once(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    returncode, console = run_at_terminal(
+        [sys.executable, "-m", "amp_exp", *FAST, "wandb.mode=online", f"hydra.run.dir={out}"],
+        env_without_wandb(tmp_path / "home"),
+        timeout=180,
+    )
+    assert returncode == 0, console[-2000:]
+    seconds, wandb_lines = wandb_start_seconds((out / "train.log").read_text())
+    assert len(wandb_lines) == 1 and "WARNING" in wandb_lines[0]
+    assert "W&B: no API key is configured" in wandb_lines[0]
+    assert "logging offline" in wandb_lines[0] and "wandb sync" in wandb_lines[0]
+    print(f"fallback after {seconds:.1f} s")
+    assert seconds < 10
+    # The one message is all the console shows of W&B: no prompt, no W&B output of its own.
+    console_wandb = [line for line in console.splitlines() if "W&B" in line or "wandb:" in line]
+    assert len(console_wandb) == 1 and "W&B: no API key" in console_wandb[0]
+    assert [row["_step"] for row in read_only_run(out).history] == [2, 4]
+
+
+def test_unreachable_server_falls_back_within_the_timeout_and_keeps_the_key_out(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    env = env_without_wandb(
+        tmp_path / "home", WANDB_API_KEY=FAKE_API_KEY, WANDB_BASE_URL=UNREACHABLE_SERVER
+    )
+    args = [*FAST, "wandb.mode=online", "wandb.init_timeout=3", f"hydra.run.dir={out}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "amp_exp", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    seconds, wandb_lines = wandb_start_seconds((out / "train.log").read_text())
+    assert len(wandb_lines) == 1 and "W&B: could not start online" in wandb_lines[0]
+    print(f"fallback after {seconds:.1f} s")
+    assert 3 <= seconds < 3 + 5
+    assert [row["_step"] for row in read_only_run(out).history] == [2, 4]
+    files = [path for path in out.rglob("*") if path.is_file()]
+    assert any(path.suffix == ".wandb" for path in files) and (out / ".hydra/config.yaml") in files
+    leaks = [path for path in files if FAKE_API_KEY.encode() in path.read_bytes()]
+    assert leaks == []
