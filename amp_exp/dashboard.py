@@ -29,6 +29,9 @@ WANDB_KEYS = {
     "peak_mem_bytes": "perf/peak_mem_bytes",
     "eval_loss": "eval/loss",
     "eval_acc": "eval/acc",
+    "grad_underflow_frac": "amp/grad_underflow_frac",
+    "grad_underflow_frac_scaled": "amp/grad_underflow_frac_scaled",
+    "grad_overflow_frac_scaled": "amp/grad_overflow_frac_scaled",
 }
 SKIP_RATE = "amp/skip_rate"
 # Samples seen compares runs with different batch sizes fairly; the step stays selectable.

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from amp_exp.config import DiagnosticsConfig
+from amp_exp.engine import Progress
 
 log = logging.getLogger("amp_exp")
 
@@ -91,13 +92,15 @@ class Diagnostics:
         cfg: DiagnosticsConfig,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        current_step: Callable[[], int],
+        progress: Callable[[], Progress],
         current_scale: Callable[[], float | None],
         emit: Callable[[dict], None],
     ) -> None:
+        """``progress`` is the engine's; optimizer hooks run inside the step it is about to
+        record, so the step being examined is ``progress().step + 1``."""
         self.cfg = cfg
         self.named_parameters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.current_step, self.current_scale, self.emit = current_step, current_scale, emit
+        self.progress, self.current_scale, self.emit = progress, current_scale, emit
         self.steps_checked = 0
         self.checks: dict[str, dict] = {
             "master_weights_fp32": {"passed": True, "offenders": []},
@@ -132,7 +135,7 @@ class Diagnostics:
                 "unscaled_grads_fp32_finite", bad, "gradients after unscale_ not fp32 and finite"
             )
         every = self.cfg.underflow_every
-        if every and grads and self.current_step() % every == 0:
+        if every and grads and (self.progress().step + 1) % every == 0:
             self._measure_underflow(grads)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
@@ -148,8 +151,16 @@ class Diagnostics:
         suggestion = largest_safe_scale(max_abs)
         if suggestion is not None and suggestion < (self.suggested_init_scale or math.inf):
             self.suggested_init_scale = suggestion
-        self.underflow = {"step": self.current_step(), "scale": scale, **totals, "worst": worst}
-        self.emit({"step": self.current_step(), **{f"grad_{k}": v for k, v in totals.items()}})
+        progress = self.progress()
+        step = progress.step + 1
+        self.underflow = {"step": step, "scale": scale, **totals, "worst": worst}
+        self.emit(
+            {
+                "step": step,
+                "samples": progress.samples,
+                **{f"grad_{name}": value for name, value in totals.items()},
+            }
+        )
 
     def activation_memory(self, measure: Callable[[bool], int] | None) -> None:
         """Compare the autocast forward's activation memory with fp32's (CUDA only).

@@ -156,8 +156,7 @@ def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None
         cfg.diagnostics,
         built.model,
         engine.optimizer,
-        # Optimizer hooks run inside the step that engine.progress is about to record.
-        current_step=lambda: engine.progress.step + 1,
+        progress=lambda: engine.progress,
         current_scale=engine.policy.scale,
         emit=emit,
     )
@@ -231,6 +230,7 @@ def train(
         built.device.type,
         built.engine.total_steps,
         sweep,
+        resumed_run_dir=Path(built.resumed_from).parent.parent if built.resumed_from else None,
     )
     loggers: list[Logger] = [
         ConsoleLogger(built.engine.total_steps),
@@ -254,6 +254,8 @@ def train(
         summary = build_summary(cfg, built, result, stop, time.perf_counter() - started)
         summary.update(diagnostics.summary())
         write_json(output_dir / "summary.json", summary)
+        if wandb_logger:
+            wandb_logger.record_summary(summary)
     finally:
         # W&B closes last: whatever its finish() does, the result files are already written.
         for logger in loggers:

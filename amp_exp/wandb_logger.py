@@ -32,6 +32,9 @@ from amp_exp.sweep import SweepJob
 
 log = logging.getLogger("amp_exp")
 
+# Where a run directory keeps its W&B run id, for a resumed run to continue that run.
+RUN_ID_FILE = "wandb_run_id"
+
 # WANDB_MODE values that wandb.init accepts, including its legacy spellings.
 ENV_MODES = {
     "online": WandbMode.online,
@@ -128,8 +131,13 @@ def open_wandb_logger(
     device_type: str,
     total_steps: int,
     sweep: SweepJob | None,
+    resumed_run_dir: Path | None = None,
 ) -> WandbLogger | None:
-    """A logger for the run's W&B run, or None when W&B is disabled or cannot start at all."""
+    """A logger for the run's W&B run, or None when W&B is disabled or cannot start at all.
+
+    A run resumed from a checkpoint continues the W&B run whose id its run directory kept, so
+    the dashboard shows one unbroken curve.
+    """
     mode = resolve_mode(cfg.wandb.mode, os.environ)
     if mode is WandbMode.disabled:
         return None
@@ -149,9 +157,13 @@ def open_wandb_logger(
         # Jobs of a basic-launcher multirun share a process; each must get its own run.
         "reinit": "finish_previous",
     }
+    id_file = resumed_run_dir / RUN_ID_FILE if resumed_run_dir else None
+    if id_file is not None and id_file.is_file():
+        init_args.update(id=id_file.read_text(encoding="utf-8").strip(), resume="allow")
     run = start_run(wandb, mode, cfg.wandb, init_args)
     if run is None:
         return None
+    (output_dir / RUN_ID_FILE).write_text(run.id, encoding="utf-8")
     return WandbLogger(wandb, run, cfg.wandb.log_every, total_steps)
 
 
@@ -184,8 +196,8 @@ class WandbLogger:
             self.failed = True
 
     def _is_logged(self, row: dict[str, Any]) -> bool:
-        is_eval_row = "loss" not in row  # eval rows are few: W&B gets them all
-        if is_eval_row or self.log_every is None:
+        is_occasional = "loss" not in row  # eval and diagnostics rows are few: W&B gets them all
+        if is_occasional or self.log_every is None:
             return True
         return row["step"] % self.log_every == 0 or row["step"] == self.total_steps
 
@@ -204,6 +216,20 @@ class WandbLogger:
             return
         with self._contained(f"log step {row['step']}"):
             self.run.log(self._metrics(row), step=row["step"])
+
+    def record_summary(self, summary: dict[str, Any]) -> None:
+        """Put the run's AMP health verdicts where the runs table can compare them."""
+        if self.failed:
+            return
+        overflow = summary.get("first_overflow")
+        checks = summary.get("checks") or {}
+        health = {
+            "amp/suggested_init_scale": summary.get("suggested_init_scale"),
+            "amp/first_overflow_step": overflow["step"] if overflow else None,
+            "amp/checks_passed": all(c["passed"] is not False for c in checks.values()),
+        }
+        with self._contained("write the summary"):
+            self.run.summary.update({k: v for k, v in health.items() if v is not None})
 
     def close(self) -> None:
         with self._contained("finish the run"):

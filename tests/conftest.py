@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -92,5 +94,19 @@ def inf_loss_at(steps: set[int], accum: int = 1) -> Callable[..., torch.Tensor]:
         loss = F.cross_entropy(logits, labels)
         step = (calls - 1) // accum + 1
         return loss * float("inf") if step in steps else loss
+
+    return loss_fn
+
+
+def signal_self_at_call(n: int, signum: int = signal.SIGUSR1):
+    """A loss function that delivers a preemption signal to this process on its n-th call."""
+    calls = 0
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            os.kill(os.getpid(), signum)
+        return F.cross_entropy(logits, labels)
 
     return loss_fn

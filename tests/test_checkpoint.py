@@ -18,26 +18,12 @@ import torch.nn.functional as F
 from amp_exp.checkpoint import CheckpointWriter, load_newest_valid
 from amp_exp.engine import NumericalFault
 from amp_exp.run import build, train
-from conftest import FAST, read_jsonl
+from conftest import FAST, read_jsonl, signal_self_at_call
 
 TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=32"]
 # 256 samples / batch 32 = 8 batches an epoch; 12 steps cross one epoch boundary.
 EXACT = [*TINY, "trainer.max_steps=12", "trainer.log_every=2", "trainer.eval_every=null"]
 TIMING_KEYS = {"samples_per_s", "step_time_ms", "peak_mem_bytes"}
-
-
-def signal_self_at_call(n: int, signum: int = signal.SIGUSR1):
-    """A loss function that delivers a preemption signal to this process on its n-th call."""
-    calls = 0
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        if calls == n:
-            os.kill(os.getpid(), signum)
-        return F.cross_entropy(logits, labels)
-
-    return loss_fn
 
 
 def assert_same_state(a, b, path: str = "") -> None:

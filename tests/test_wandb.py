@@ -16,7 +16,7 @@ from amp_exp.dashboard import choice_label, run_config, run_group, run_name, run
 from amp_exp.run import train
 from amp_exp.sweep import SweepJob, sweep_job
 from amp_exp.wandb_logger import WandbLogger, open_wandb_logger, resolve_mode
-from conftest import TINY, inf_loss_at, read_jsonl
+from conftest import TINY, inf_loss_at, read_jsonl, signal_self_at_call
 from wandb_records import read_only_run, read_run, run_files
 
 TRAIN_KEYS = {
@@ -217,3 +217,24 @@ def test_the_record_reader_follows_records_across_blocks(tmp_path) -> None:
     assert [row["_step"] for row in history] == list(range(1, 1002))
     assert [row["x"] for row in history[:-1]] == list(range(1, 1001))
     assert len(history[-1]["long"]) == 80_000
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(run_cfg, tmp_path) -> None:
+    overrides = ("wandb.mode=offline", "trainer.max_steps=6", *TINY)
+    train(run_cfg(*overrides), tmp_path, loss_fn=signal_self_at_call(3))
+    train(run_cfg(*overrides, "resume=auto"), tmp_path)
+    first, second = (read_run(path) for path in run_files(tmp_path))
+    assert first.id == second.id == (tmp_path / "wandb_run_id").read_text()
+    assert [row["_step"] for row in first.history] == [2]
+    assert [row["_step"] for row in second.history] == [4, 6]
+
+
+def test_amp_health_reaches_the_wandb_summary(run_cfg, tmp_path) -> None:
+    cfg = run_cfg("precision=fp16", "wandb.mode=offline", "diagnostics.underflow_every=2", *TINY)
+    summary = train(cfg, tmp_path, loss_fn=inf_loss_at({3}))
+    run = read_only_run(tmp_path)
+    assert run.summary["amp/checks_passed"] is True
+    assert run.summary["amp/first_overflow_step"] == 3
+    assert run.summary["amp/suggested_init_scale"] == summary["suggested_init_scale"]
+    underflow_rows = [row for row in run.history if "amp/grad_underflow_frac" in row]
+    assert [row["_step"] for row in underflow_rows] == [2, 4]

@@ -57,6 +57,7 @@ def _values(items: Any) -> dict[str, Any]:
 class WandbRun:
     """One run as W&B recorded it."""
 
+    id: str
     name: str
     group: str
     tags: list[str]
@@ -96,6 +97,7 @@ def read_run(path: Path) -> WandbRun:
             environments.append(record.environment)
     config.pop("_wandb", None)
     return WandbRun(
+        id=run.run_id,
         name=run.display_name,
         group=run.run_group,
         tags=list(run.tags),
