@@ -1,9 +1,11 @@
-"""Start-up cost: time to the first training step of ``python -m amp_exp`` vs ``import torch``.
+"""Start-up cost: time to the first training step of ``python -m amp_exp``.
 
     python scripts/bench_startup.py --repeats 5
 
-The first step is taken to be done when the run logs step 1 (``trainer.log_every=1``); the
-baseline is a whole ``python -c "import torch"`` process. Medians over the repeats.
+Three clocks, each from process start to a line it prints, medians over the repeats:
+``import torch``; a minimal hand-written script that takes one SGD step on a small CNN
+(constructing any torch.optim optimizer imports torch._dynamo, a cost every PyTorch training
+script pays); and ``python -m amp_exp`` until it logs step 1 (``trainer.log_every=1``).
 """
 
 from __future__ import annotations
@@ -19,37 +21,32 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+IMPORT_TORCH = "import torch; print('ready', flush=True)"
+HAND_WRITTEN_FIRST_STEP = """
+import torch
+from torch import nn
+model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                      nn.Flatten(), nn.Linear(32, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+images, labels = torch.randn(128, 3, 32, 32), torch.randint(10, (128,))
+nn.functional.cross_entropy(model(images), labels).backward()
+optimizer.step()
+print('ready', flush=True)
+"""
 
-def import_torch_s() -> float:
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True)
-    return time.perf_counter() - started
 
-
-def first_step_s(run_dir: Path) -> float:
-    command = [
-        sys.executable,
-        "-m",
-        "amp_exp",
-        "trainer.max_steps=2",
-        "trainer.log_every=1",
-        f"hydra.run.dir={run_dir}",
-        *EXTRA,
-    ]
+def seconds_to_line(command: list[str], marker: str) -> float:
     started = time.perf_counter()
     process = subprocess.Popen(
         command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    first = None
+    seen = None
     for line in process.stdout:
-        if first is None and "] 1/2" in line:
-            first = time.perf_counter() - started
-    if process.wait() != 0 or first is None:
-        raise SystemExit(f"the run failed or never logged step 1: {command}")
-    return first
-
-
-EXTRA: list[str] = []
+        if seen is None and marker in line:
+            seen = time.perf_counter() - started
+    if process.wait() != 0 or seen is None:
+        raise SystemExit(f"{command} failed or never printed {marker!r}")
+    return seen
 
 
 def main() -> None:
@@ -57,15 +54,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("overrides", nargs="*", help="extra config overrides for the run")
     args = parser.parse_args()
-    EXTRA.extend(args.overrides)
+    python = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
-        torch_s = [import_torch_s() for _ in range(args.repeats)]
-        run_s = [first_step_s(Path(tmp) / str(i)) for i in range(args.repeats)]
-    result = {
-        "import_torch_s": statistics.median(torch_s),
-        "first_step_s": statistics.median(run_s),
-    }
-    result["overhead_s"] = result["first_step_s"] - result["import_torch_s"]
+        amp_exp = [
+            python,
+            "-m",
+            "amp_exp",
+            "trainer.max_steps=2",
+            "trainer.log_every=1",
+            "wandb.mode=disabled",
+            f"hydra.run.dir={tmp}",
+            *args.overrides,
+        ]
+        clocks = {
+            "import_torch_s": ([python, "-c", IMPORT_TORCH], "ready"),
+            "hand_written_first_step_s": ([python, "-c", HAND_WRITTEN_FIRST_STEP], "ready"),
+            "amp_exp_first_step_s": (amp_exp, "] 1/2"),
+        }
+        result = {
+            name: statistics.median(seconds_to_line(*clock) for _ in range(args.repeats))
+            for name, clock in clocks.items()
+        }
+    first = result["amp_exp_first_step_s"]
+    result["overhead_vs_import_torch_s"] = first - result["import_torch_s"]
+    result["overhead_vs_hand_written_s"] = first - result["hand_written_first_step_s"]
     print(json.dumps(result, indent=2))
 
 

@@ -1,0 +1,34 @@
+"""The benchmark scripts run end to end on the CPU (their figures live in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def test_gpu_bench_smoke_writes_a_table_and_checks_parity(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "gpu_bench.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    cells = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert {(c["precision"], c["channels_last"]) for c in cells} == {
+        ("fp32", False),
+        ("bf16", False),
+        ("fp32", True),
+        ("bf16", True),
+    }
+    assert all(c["samples_per_s"] > 0 for c in cells)
+    markdown = (tmp_path / "gpu_bench.md").read_text()
+    assert "| fp32 | False | False |" in markdown and "1.00x" in markdown
+    assert '"state_dicts_identical": true' in markdown
