@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_exp.config import NonFiniteAction, PrecisionConfig, TrainerConfig
+from amp_exp.config import ConfigError, NonFiniteAction, PrecisionConfig, TrainerConfig
 from amp_exp.data import DataBundle
 from amp_exp.meters import Throughput, peak_memory_bytes, reset_peak_memory, synchronize
 from amp_exp.precision import PrecisionPolicy
@@ -85,9 +85,9 @@ def plan_total_steps(trainer: TrainerConfig, batches_per_epoch: int) -> int:
     if trainer.epochs is not None:
         steps_per_epoch = batches_per_epoch // trainer.grad_accum_steps
         if steps_per_epoch == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"an epoch has {batches_per_epoch} batches, fewer than "
-                f"trainer.grad_accum_steps={trainer.grad_accum_steps}"
+                f"trainer.grad_accum_steps={trainer.grad_accum_steps}; lower it or the batch size"
             )
         limits.append(trainer.epochs * steps_per_epoch)
     return min(limits)
