@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +232,7 @@ def _accuracy_phrase(delta_points: float | None, tolerance: float) -> str:
 def _judge(row: dict[str, Any], tolerance: float) -> str:
     precision = row["precision"]
     if row["status"] != "completed":
-        return f"{precision} failed ({row['error']})"
+        return f"{precision} {_ended(row)}"
     notes = f", skipped {row['skipped_steps']} steps" if row["skipped_steps"] else ""
     if row["final_loss"] is not None and not math.isfinite(row["final_loss"]):
         notes += f", the loss diverged ({row['final_loss']})"
@@ -305,15 +306,21 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _ended(row: dict[str, Any]) -> str:
+    """How a run that did not complete ended: failed (with its error) or stopped by a signal."""
+    return f"{row['status']} ({row['error']})" if row["error"] else str(row["status"])
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     rows = report["runs"]
-    failed = [row for row in rows if row["status"] != "completed"]
+    unfinished = [row for row in rows if row["status"] != "completed"]
+    statuses = Counter(row["status"] for row in rows)
     devices = sorted({row["device_name"] for row in rows if row["device_name"]})
     memory_kinds = sorted({MEMORY_KINDS.get(row["peak_mem_kind"], "") for row in rows} - {""})
     lines = [
         "# amp_exp sweep report",
         "",
-        f"{len(rows)} runs, {len(failed)} failed"
+        f"{len(rows)} runs ({', '.join(f'{n} {status}' for status, n in sorted(statuses.items()))})"
         + (f", on {', '.join(devices)}" if devices else "")
         + f". Each run is compared with the completed {BASELINE} run of the same model and "
         f"setting; accuracy tolerance {report['accuracy_tolerance']:g} percentage points "
@@ -331,11 +338,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         + ("; ".join(memory_kinds) or "not recorded")
         + ".",
     ]
-    if failed:
-        lines += ["", "## Failed runs", ""]
+    if unfinished:
+        lines += ["", "## Runs that did not complete", ""]
         lines += [
-            f"- `{row['run']}` ({row['model']} {row['precision']}): {row['error']}"
-            for row in failed
+            f"- `{row['run']}` ({row['model']} {row['precision']}) {_ended(row)}"
+            for row in unfinished
         ]
     if report["plots"] or report["plot_errors"]:
         lines += ["", "## Plots", ""]

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from amp_exp.run import build, train
 from conftest import TINY, inf_loss_at, read_jsonl

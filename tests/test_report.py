@@ -57,10 +57,12 @@ def write_run(
     return summary
 
 
-def write_failed_run(path: Path, model: str, precision: str, error: str) -> None:
+def write_failed_run(
+    path: Path, model: str, precision: str, error: str | None, status: str = "failed"
+) -> None:
     path.mkdir(parents=True)
     summary = {
-        "status": "failed",
+        "status": status,
         "error": error,
         "model": model,
         "precision": precision,
@@ -122,22 +124,23 @@ def test_verdict_names_a_diverged_run(tmp_path: Path) -> None:
     assert "| 1 | mlp | fp16 | completed | 50.0 | 0.50x |" in (tmp_path / "report.md").read_text()
 
 
-def test_a_failed_run_is_shown_failed_and_the_others_still_count(tmp_path: Path) -> None:
+def test_runs_that_failed_or_stopped_are_shown_and_the_others_still_count(tmp_path: Path) -> None:
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     write_failed_run(tmp_path / "1", "tiny_cnn", "fp16", "RuntimeError: CUDA out of memory")
     write_run(tmp_path / "2", "tiny_cnn", "bf16", 1200.0, 0.8)
+    write_failed_run(tmp_path / "3", "tiny_cnn", "bf16", None, status="stopped")
     report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
     rows = rows_by_run(report)
     assert rows["1"]["status"] == "failed" and rows["1"]["speedup"] is None
     assert rows["2"]["speedup"] == 1.2
     assert report["verdicts"] == [
         "tiny_cnn: bf16 1.20x faster and 1.00x the memory of fp32, accuracy within 0.5 points "
-        "(+0.00); fp16 failed (RuntimeError: CUDA out of memory)"
+        "(+0.00); bf16 stopped; fp16 failed (RuntimeError: CUDA out of memory)"
     ]
     report_md = (tmp_path / "report.md").read_text()
-    assert "3 runs, 1 failed" in report_md
+    assert "4 runs (2 completed, 1 failed, 1 stopped)" in report_md
     assert "| 1 | tiny_cnn | fp16 | failed | - |" in report_md
-    assert "- `1` (tiny_cnn fp16): RuntimeError: CUDA out of memory" in report_md
+    assert "- `1` (tiny_cnn fp16) failed (RuntimeError: CUDA out of memory)" in report_md
 
 
 def test_without_a_completed_fp32_run_the_verdict_says_so(tmp_path: Path) -> None:
