@@ -229,6 +229,11 @@ def _accuracy_phrase(delta_points: float | None, tolerance: float) -> str:
     )
 
 
+def _ended(row: dict[str, Any]) -> str:
+    """How a run that did not complete ended: failed (with its error) or stopped by a signal."""
+    return f"{row['status']} ({row['error']})" if row["error"] else str(row["status"])
+
+
 def _judge(row: dict[str, Any], tolerance: float) -> str:
     precision = row["precision"]
     if row["status"] != "completed":
@@ -304,11 +309,6 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         lines.append("| " + " | ".join(show(row[key]) for _, key, show in columns) + " |")
     return lines
-
-
-def _ended(row: dict[str, Any]) -> str:
-    """How a run that did not complete ended: failed (with its error) or stopped by a signal."""
-    return f"{row['status']} ({row['error']})" if row["error"] else str(row["status"])
 
 
 def render_markdown(report: dict[str, Any]) -> str:
