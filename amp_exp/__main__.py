@@ -13,7 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from amp_exp.cli import CONF_DIR, CONFIG_NAME, check_overrides
-from amp_exp.config import ConfigError, register_configs, validate
+from amp_exp.config import ConfigError, register_configs, to_plain_dict, validate
 from amp_exp.sweep import sweep_job
 
 log = logging.getLogger("amp_exp")
@@ -29,16 +29,18 @@ EXIT_NUMERICAL_FAULT = 3
 def hydra_main(cfg: DictConfig) -> float | None:
     """One job: validate, train, and return the final loss for sweepers that optimize it."""
     from amp_exp.engine import NumericalFault
-    from amp_exp.run import train
+    from amp_exp.run import failure_summary, train, write_json
 
     hydra_cfg = HydraConfig.get()
+    output_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        summary = train(
-            validate(cfg), Path(hydra_cfg.runtime.output_dir), sweep=sweep_job(hydra_cfg)
-        )
-    except (ConfigError, NumericalFault) as error:
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            raise  # the sweep records this job as failed and runs the others
+        summary = train(validate(cfg), output_dir, sweep=sweep_job(hydra_cfg))
+    except Exception as error:
+        # Every run leaves a summary.json, so a sweep report shows this one as failed.
+        write_json(output_dir / "summary.json", failure_summary(to_plain_dict(cfg), error))
+        one_line = isinstance(error, (ConfigError, NumericalFault))
+        if hydra_cfg.mode == RunMode.MULTIRUN or not one_line:
+            raise  # in a sweep, Hydra records this job as failed and runs the others
         log.error("%s", error)
         sys.exit(EXIT_CONFIG_ERROR if isinstance(error, ConfigError) else EXIT_NUMERICAL_FAULT)
     if summary["stop_signal"] is not None:

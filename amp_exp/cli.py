@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from hydra.types import RunMode
 from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
 
 from amp_exp.config import ConfigError, validate
@@ -44,17 +45,32 @@ def describe_error(error: Exception) -> str:
 
 
 def compose_variants(overrides: list[str], multirun: bool) -> list[list[str]]:
-    """The base overrides, plus one variant per value of each sweep override."""
+    """The base overrides, plus one variant per value of each sweep override.
+
+    A later override of a key replaces an earlier one, as in Hydra's basic sweeper, so a value on
+    the command line wins over a preset's sweep of the same key.
+    """
     parsed = OverridesParser.create().parse_overrides(overrides)
-    task = [o for o in parsed if not o.key_or_group.startswith("hydra")]
-    fixed = [o.input_line for o in task if not o.is_sweep_override()]
+    latest = {o.get_key_element(): o for o in parsed if not o.key_or_group.startswith("hydra")}
+    fixed = [o.input_line for o in latest.values() if not o.is_sweep_override()]
     variants = [fixed]
     if multirun:
-        for override in task:
+        for key, override in latest.items():
             if override.is_sweep_override():
-                key = override.get_key_element()
                 variants += [[*fixed, f"{key}={v}"] for v in override.sweep_string_iterator()]
     return variants
+
+
+def preset_sweep(config_name: str, overrides: list[str]) -> tuple[bool, list[str]]:
+    """Whether the composed config asks for a multirun, and its ``hydra.sweeper.params``.
+
+    Presets under conf/experiment/ set both, so ``experiment=precision_sweep`` sweeps without -m.
+    """
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    hydra_cfg = compose(config_name, overrides=fixed, return_hydra_config=True).hydra
+    params = hydra_cfg.sweeper.get("params") or {}
+    return hydra_cfg.mode == RunMode.MULTIRUN, [f"{key}={value}" for key, value in params.items()]
 
 
 def check_overrides(argv: list[str]) -> None:
@@ -62,10 +78,14 @@ def check_overrides(argv: list[str]) -> None:
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
         return
+    config_name = args.config_name or CONFIG_NAME
     try:
-        variants = compose_variants(args.overrides, args.multirun)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            preset_multirun, preset_params = preset_sweep(config_name, args.overrides)
+            variants = compose_variants(
+                [*preset_params, *args.overrides], args.multirun or preset_multirun
+            )
             for overrides in variants:
-                validate(compose(args.config_name or CONFIG_NAME, overrides=overrides))
+                validate(compose(config_name, overrides=overrides))
     except (ConfigError, OmegaConfBaseException, HydraException) as error:
         raise ConfigError(describe_error(error)) from error

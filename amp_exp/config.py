@@ -262,6 +262,16 @@ class WandbConfig:
     save_metadata: bool = False
 
 
+# --- report ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReportConfig:
+    # A low-precision run whose eval accuracy lies further than this many percentage points from
+    # its fp32 run's is called out in the sweep report's verdict.
+    accuracy_tolerance: float = 0.5
+
+
 @dataclass
 class RunConfig:
     model: Any = MISSING
@@ -276,6 +286,7 @@ class RunConfig:
     # or the path of a run directory or checkpoint file.
     resume: str | None = None
     wandb: WandbConfig = MISSING
+    report: ReportConfig = MISSING
     seed: int = 0
 
 
@@ -287,6 +298,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "precision": {"precision": PrecisionConfig},
     "trainer": {"trainer": TrainerConfig},
     "wandb": {"wandb": WandbConfig},
+    "report": {"report": ReportConfig},
 }
 
 
@@ -368,6 +380,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     _check(
         run.diagnostics.underflow_every >= 0, "diagnostics.underflow_every must be 0 (off) or more"
     )
+    _check(run.report.accuracy_tolerance >= 0, "report.accuracy_tolerance must be 0 or more")
     _validate_precision(run.precision)
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)

@@ -21,6 +21,7 @@ from amp_exp.checkpoint import (
     load_newest_valid,
     restore,
 )
+from amp_exp.cli import first_line
 from amp_exp.config import ConfigError, NonFiniteAction, RunConfig, to_plain_dict
 from amp_exp.data import build_data
 from amp_exp.diagnostics import Diagnostics, forward_activation_bytes
@@ -93,6 +94,23 @@ def build_summary(
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "git_sha": git_sha(),
+        "config": to_plain_dict(OmegaConf.structured(cfg)),
+    }
+
+
+def failure_summary(config: dict[str, Any], error: Exception) -> dict[str, Any]:
+    """What a run that raised leaves in summary.json, so a sweep report can show it as failed."""
+    return {
+        "status": "failed",
+        "error": f"{type(error).__name__}: {first_line(str(error))}",
+        "precision": config["precision"]["name"],
+        "model": config["model"]["name"],
+        "dataset": config["dataset"]["name"],
+        "seed": config["seed"],
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "git_sha": git_sha(),
+        "config": config,
     }
 
 

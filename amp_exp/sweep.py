@@ -1,7 +1,8 @@
 """Where a Hydra job sits in its multirun: which sweep it belongs to and what this job varies.
 
 A job's own config only lists its values; which keys the sweep varies is in the sweep's
-``multirun.yaml``, which Hydra writes into the sweep directory before it launches any job.
+``multirun.yaml`` (its command line and, for presets, ``hydra.sweeper.params``), which Hydra
+writes into the sweep directory before it launches any job.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def swept_keys(task_overrides: list[str]) -> set[str]:
     return {o.key_or_group for o in parsed if o.is_sweep_override()}
 
 
+def sweep_overrides(spec: DictConfig) -> list[str]:
+    """A sweep's overrides: a preset's ``hydra.sweeper.params``, then the command line's."""
+    params = OmegaConf.select(spec, "hydra.sweeper.params") or {}
+    return [*(f"{key}={value}" for key, value in params.items()), *spec.hydra.overrides.task]
+
+
 def sweep_job(hydra_cfg: DictConfig) -> SweepJob | None:
     """The sweep of a multirun job (from ``HydraConfig.get()``); None for a single run."""
     if hydra_cfg.mode != RunMode.MULTIRUN:
@@ -36,7 +43,7 @@ def sweep_job(hydra_cfg: DictConfig) -> SweepJob | None:
     # Relative to where the sweep was launched, even if the job changed its directory.
     spec = Path(hydra_cfg.runtime.cwd, sweep_dir, "multirun.yaml")
     # A launcher that writes no sweep spec leaves the job's name without sweep values.
-    swept = swept_keys(list(OmegaConf.load(spec).hydra.overrides.task)) if spec.is_file() else set()
+    swept = swept_keys(sweep_overrides(OmegaConf.load(spec))) if spec.is_file() else set()
     job = OverridesParser.create().parse_overrides(list(hydra_cfg.overrides.task))
     choices = tuple(
         (o.key_or_group, o.get_value_element_as_str()) for o in job if o.key_or_group in swept

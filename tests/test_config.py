@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -15,9 +16,10 @@ from amp_exp.config import (
     SGDConfig,
     TinyCNNConfig,
     TorchvisionModelConfig,
+    validate,
 )
 
-GROUPS = ("model", "dataset", "optimizer", "scheduler", "precision", "trainer", "wandb")
+GROUPS = ("model", "dataset", "optimizer", "scheduler", "precision", "trainer", "wandb", "report")
 # Options that need a value the YAML cannot know.
 REQUIRED = {
     ("model", "torchvision"): ["model.name=mobilenet_v3_small"],
@@ -43,6 +45,8 @@ def test_every_option_composes_and_validates(run_cfg, group: str, option: str) -
         assert section.name == option
     if group in ("dataset", "scheduler", "precision"):
         assert section.name.value == option
+    if group == "report":
+        assert section.accuracy_tolerance == 0.5
 
 
 def test_group_options_pick_their_schema(run_cfg) -> None:
@@ -54,8 +58,6 @@ def test_group_options_pick_their_schema(run_cfg) -> None:
 
 
 def test_defaults_are_the_documented_ones(compose_cfg) -> None:
-    from amp_exp.config import validate
-
     cfg = validate(compose_cfg(fast=False))
     assert (cfg.model.name, cfg.dataset.name.value, cfg.precision.name.value) == (
         "tiny_cnn",
@@ -95,6 +97,8 @@ def test_defaults_are_the_documented_ones(compose_cfg) -> None:
         (["wandb.project=' '"], "wandb.project must not be empty"),
         ([f"wandb.tags=[ok,{'x' * 65}]"], "is longer than 64 characters"),
         (["wandb.api_key=secret"], "wandb.api_key is not a known key"),
+        (["report.accuracy_tolerance=-1"], "report.accuracy_tolerance must be 0 or more"),
+        (["experiment=init_scale_sweep", "precision.init_scale=8,-2"], "init_scale must be pos"),
     ],
 )
 def test_bad_input_is_rejected_with_one_line(overrides: list[str], expected: str) -> None:
@@ -107,6 +111,33 @@ def test_bad_input_is_rejected_with_one_line(overrides: list[str], expected: str
 
 def test_good_sweep_passes_preflight() -> None:
     check_overrides(["-m", "precision=fp32,fp16,bf16", "model=tiny_cnn,mlp"])
+
+
+def validated_configs(monkeypatch, argv: list[str]) -> set[tuple[str, str]]:
+    """The (model, precision) of every config the preflight validates for ``argv``."""
+    seen = set()
+
+    def spy(cfg):
+        seen.add((cfg.model.name, cfg.precision.name.value))
+        return validate(cfg)
+
+    monkeypatch.setattr("amp_exp.cli.validate", spy)
+    check_overrides(argv)
+    return seen
+
+
+@pytest.mark.parametrize("preset", [p.stem for p in sorted((CONF_DIR / "experiment").glob("*"))])
+def test_every_preset_passes_preflight(preset: str) -> None:
+    check_overrides([f"experiment={preset}"])
+
+
+def test_preflight_checks_every_value_a_preset_sweeps(monkeypatch) -> None:
+    seen = validated_configs(monkeypatch, ["experiment=precision_sweep"])
+    assert {model for model, _ in seen} == {"tiny_cnn", "resnet18"}
+    assert {precision for _, precision in seen} >= {"fp32", "fp16", "bf16"}
+    # A value on the command line replaces the preset's sweep of that key, as in Hydra.
+    seen = validated_configs(monkeypatch, ["experiment=precision_sweep", "model=mlp"])
+    assert {model for model, _ in seen} == {"mlp"}
 
 
 def test_cli_rejects_bad_value_before_building_anything(tmp_path) -> None:
@@ -140,3 +171,6 @@ def test_cli_rejects_cuda_without_cuda(tmp_path) -> None:
     assert "trainer.device=cuda, but no CUDA device" in error_lines[0]
     assert "Traceback" not in result.stdout + result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+    # The run still leaves a summary, so a report over several runs shows it as failed.
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "no CUDA device" in summary["error"]

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from amp_exp.run import build, train
 from conftest import TINY, inf_loss_at, read_jsonl
@@ -113,3 +114,37 @@ def test_eval_every_adds_eval_rows(run_cfg, tmp_path) -> None:
     train(run_cfg("trainer.eval_every=2", *TINY), tmp_path)
     eval_rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_acc" in r]
     assert [r["step"] for r in eval_rows] == [2, 4]
+
+
+def test_every_job_of_a_sweep_trains_on_the_same_batches(run_cfg) -> None:
+    """Jobs differ only in what the grid varies: same batches, same order, same initial weights."""
+
+    def observe(*overrides: str):
+        # 96 samples in batches of 32: 12 steps cross three epoch boundaries.
+        cfg = run_cfg(
+            "trainer.max_steps=12", "dataset.train_size=96", "dataset.image_size=8", *overrides
+        )
+        labels: list[torch.Tensor] = []
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            labels.append(target.clone())
+            return F.cross_entropy(logits, target)
+
+        built = build(cfg, loss_fn=loss_fn)
+        inputs: list[torch.Tensor] = []
+        built.model.register_forward_pre_hook(lambda module, args: inputs.append(args[0].clone()))
+        initial = {k: v.clone() for k, v in built.model.state_dict().items()}
+        steps = built.engine.fit(lambda row: None).progress.step
+        return labels, inputs, initial, steps
+
+    fp32 = observe("precision=fp32", "model.width=4")
+    fp16 = observe("precision=fp16", "model.width=4")
+    mlp_bf16 = observe("precision=bf16", "model=mlp")
+    for other in (fp16, mlp_bf16):
+        assert len(other[0]) == len(fp32[0]) == 12
+        assert all(torch.equal(a, b) for a, b in zip(fp32[0], other[0], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(fp32[1], other[1], strict=True))
+        assert other[3] == fp32[3]
+    assert fp32[2].keys() == fp16[2].keys()
+    assert all(torch.equal(fp32[2][k], fp16[2][k]) for k in fp32[2])
+    assert not torch.equal(fp32[0][0], fp32[0][3])  # a new epoch is a new order

@@ -202,6 +202,30 @@ def test_a_sweep_job_knows_its_sweep_and_what_it_varies(tmp_path) -> None:
     assert sweep_job(OmegaConf.create({"mode": RunMode.RUN})) is None
 
 
+def test_a_preset_sweep_job_knows_what_it_varies(tmp_path) -> None:
+    # Presets (conf/experiment/) sweep through hydra.sweeper.params, not the command line.
+    OmegaConf.save(
+        {
+            "hydra": {
+                "overrides": {"task": ["experiment=init_scale_sweep", "seed=0,1"]},
+                "sweeper": {"params": {"precision.init_scale": "1024,65536"}},
+            }
+        },
+        tmp_path / "multirun.yaml",
+    )
+    job = OmegaConf.create(
+        {
+            "mode": RunMode.MULTIRUN,
+            "runtime": {"cwd": str(tmp_path.parent)},
+            "sweep": {"dir": tmp_path.name},
+            "overrides": {
+                "task": ["precision.init_scale=1024", "experiment=init_scale_sweep", "seed=1"]
+            },
+        }
+    )
+    assert sweep_job(job).choices == (("precision.init_scale", "1024"), ("seed", "1"))
+
+
 def test_the_record_reader_follows_records_across_blocks(tmp_path) -> None:
     import wandb
 

@@ -1,0 +1,227 @@
+"""The report on hand-made run directories: baselines, verdicts, failures, and plots that fail."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import amp_exp
+from amp_exp import plots
+from amp_exp.report import build_report, main
+
+MiB = 2**20
+
+
+def write_run(
+    path: Path,
+    model: str,
+    precision: str,
+    samples_per_s: float,
+    eval_acc: float,
+    peak_mem_bytes: int = 400 * MiB,
+    clip: float | None = None,
+    skipped_steps: int = 0,
+    final_loss: float = 1.5,
+) -> dict:
+    """A run directory as python -m amp_exp leaves it: summary.json and metrics.jsonl."""
+    path.mkdir(parents=True)
+    scale = 1024.0 if precision == "fp16" else None
+    summary = {
+        "status": "completed",
+        "model": model,
+        "precision": precision,
+        "device_name": "test-cpu",
+        "samples_per_s": samples_per_s,
+        "peak_mem_bytes": peak_mem_bytes,
+        "peak_mem_kind": "cpu_peak_rss",
+        "final_loss": final_loss,
+        "eval_acc": eval_acc,
+        "skipped_steps": skipped_steps,
+        "loss_scale": scale,
+        "config": {
+            "model": {"name": model},
+            "precision": {"name": precision, "clip_grad_norm": clip},
+            "seed": 0,
+        },
+    }
+    (path / "summary.json").write_text(json.dumps(summary))
+    rows = [
+        {"step": step, "loss": 2.0 / step, "scale": scale, "skipped_steps": skipped_steps}
+        for step in (1, 2, 3)
+    ]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return summary
+
+
+def write_failed_run(
+    path: Path, model: str, precision: str, error: str | None, status: str = "failed"
+) -> None:
+    path.mkdir(parents=True)
+    summary = {
+        "status": status,
+        "error": error,
+        "model": model,
+        "precision": precision,
+        "config": {"model": {"name": model}, "precision": {"name": precision}, "seed": 0},
+    }
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+def rows_by_run(report: dict) -> dict[str, dict]:
+    return {row["run"]: row for row in report["runs"]}
+
+
+def test_each_run_is_compared_with_fp32_of_its_model_and_setting(tmp_path: Path) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.80, peak_mem_bytes=400 * MiB)
+    write_run(tmp_path / "1", "mlp", "fp32", 4000.0, 0.70)
+    write_run(tmp_path / "2", "tiny_cnn", "bf16", 2000.0, 0.80, peak_mem_bytes=200 * MiB)
+    write_run(tmp_path / "3", "mlp", "bf16", 1000.0, 0.70)
+    write_run(tmp_path / "10", "tiny_cnn", "fp32", 500.0, 0.80, clip=1.0)
+    write_run(tmp_path / "11", "tiny_cnn", "bf16", 1500.0, 0.80, clip=1.0)
+    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    rows = rows_by_run(report)
+    assert rows["2"]["speedup"] == 2.0 and rows["2"]["baseline"] == "0"
+    assert rows["2"]["peak_mem_ratio"] == 0.5
+    assert rows["3"]["speedup"] == 0.25 and rows["3"]["baseline"] == "1"
+    assert rows["11"]["speedup"] == 3.0 and rows["11"]["baseline"] == "10"
+    assert rows["0"]["speedup"] == 1.0
+    assert rows["2"]["setting"] == "precision.clip_grad_norm=null"
+    assert rows["11"]["setting"] == "precision.clip_grad_norm=1.0"
+    assert rows["1"]["setting"] == ""  # the mlp runs differ only in precision
+    # Grouped by model and setting, fp32 first; job 10 sorts after job 3, not after job 1.
+    assert [row["run"] for row in report["runs"]] == ["0", "2", "10", "11", "1", "3"]
+    assert report["verdicts"][0].startswith(
+        "tiny_cnn (precision.clip_grad_norm=null): bf16 2.00x faster and 0.50x the memory of fp32"
+    )
+    assert report["verdicts"][2].startswith("mlp: bf16 4.00x slower")
+
+
+def test_verdict_says_plainly_when_accuracy_falls_outside_the_tolerance(tmp_path: Path) -> None:
+    write_run(tmp_path / "0", "resnet18", "fp32", 100.0, 0.900)
+    write_run(tmp_path / "1", "resnet18", "bf16", 190.0, 0.898)
+    write_run(tmp_path / "2", "resnet18", "fp16", 200.0, 0.870, skipped_steps=4)
+    (verdict,) = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)["verdicts"]
+    assert verdict == (
+        "resnet18: bf16 1.90x faster and 1.00x the memory of fp32, accuracy within 0.5 points "
+        "(-0.20); fp16 2.00x faster and 1.00x the memory of fp32, accuracy 3.00 points below "
+        "fp32, OUTSIDE the 0.5-point tolerance, skipped 4 steps"
+    )
+    (lenient,) = build_report([tmp_path], tmp_path, accuracy_tolerance=3.5)["verdicts"]
+    assert "OUTSIDE" not in lenient and "accuracy within 3.5 points (-3.00)" in lenient
+    report_md = (tmp_path / "report.md").read_text()
+    assert "accuracy tolerance 3.5 percentage points" in report_md
+
+
+def test_verdict_names_a_diverged_run(tmp_path: Path) -> None:
+    write_run(tmp_path / "0", "mlp", "fp32", 100.0, 0.10)
+    write_run(tmp_path / "1", "mlp", "fp16", 50.0, 0.10, skipped_steps=28, final_loss=float("nan"))
+    (verdict,) = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)["verdicts"]
+    assert verdict.endswith("skipped 28 steps, the loss diverged (nan)")
+    assert "| 1 | mlp | fp16 | completed | 50.0 | 0.50x |" in (tmp_path / "report.md").read_text()
+
+
+def test_runs_that_failed_or_stopped_are_shown_and_the_others_still_count(tmp_path: Path) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    write_failed_run(tmp_path / "1", "tiny_cnn", "fp16", "RuntimeError: CUDA out of memory")
+    write_run(tmp_path / "2", "tiny_cnn", "bf16", 1200.0, 0.8)
+    write_failed_run(tmp_path / "3", "tiny_cnn", "bf16", None, status="stopped")
+    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    rows = rows_by_run(report)
+    assert rows["1"]["status"] == "failed" and rows["1"]["speedup"] is None
+    assert rows["2"]["speedup"] == 1.2
+    assert report["verdicts"] == [
+        "tiny_cnn: bf16 1.20x faster and 1.00x the memory of fp32, accuracy within 0.5 points "
+        "(+0.00); bf16 stopped; fp16 failed (RuntimeError: CUDA out of memory)"
+    ]
+    report_md = (tmp_path / "report.md").read_text()
+    assert "4 runs (2 completed, 1 failed, 1 stopped)" in report_md
+    assert "| 1 | tiny_cnn | fp16 | failed | - |" in report_md
+    assert "- `1` (tiny_cnn fp16) failed (RuntimeError: CUDA out of memory)" in report_md
+
+
+def test_without_a_completed_fp32_run_the_verdict_says_so(tmp_path: Path) -> None:
+    write_failed_run(tmp_path / "0", "mlp", "fp32", "ConfigError: no")
+    write_run(tmp_path / "1", "mlp", "fp16", 50.0, 0.5, skipped_steps=2)
+    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    assert report["verdicts"] == [
+        "mlp: no completed fp32 run to compare with; fp32 failed (ConfigError: no); "
+        "fp16 final loss 1.5000, skipped 2 steps"
+    ]
+    assert rows_by_run(report)["1"]["speedup"] is None
+
+
+def test_a_plot_that_fails_never_costs_the_table(tmp_path: Path, monkeypatch) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    write_run(tmp_path / "1", "tiny_cnn", "fp16", 900.0, 0.8)
+
+    def broken(rows, metrics):
+        raise ValueError("no room for bars")
+
+    monkeypatch.setitem(plots.PLOTS, "throughput.png", broken)
+    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    assert report["plot_errors"] == {"throughput.png": "ValueError: no room for bars"}
+    assert report["plots"] == ["loss_curves.png", "loss_scale.png", "peak_memory.png"]
+    assert all((tmp_path / name).stat().st_size > 0 for name in report["plots"])
+    assert not (tmp_path / "throughput.png").exists()
+    report_md = (tmp_path / "report.md").read_text()
+    assert "| 1 | tiny_cnn | fp16 | completed | 900.0 | 0.90x |" in report_md
+    assert "throughput.png could not be drawn: ValueError: no room for bars" in report_md
+
+
+def test_without_matplotlib_the_report_keeps_its_table(tmp_path: Path, monkeypatch) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    # Importing the plots fails, as it does where matplotlib is not installed.
+    monkeypatch.delattr(amp_exp, "plots", raising=False)
+    monkeypatch.setitem(sys.modules, "amp_exp.plots", None)
+    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    assert report["plots"] == [] and "amp_exp[report]" in report["plot_errors"]["plots"]
+    assert "| 0 | tiny_cnn | fp32 | completed | 1,000.0 |" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["runs"] == report["runs"]
+
+
+def test_a_line_cut_short_by_a_killed_run_is_skipped(tmp_path: Path) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    with (tmp_path / "0" / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"step": 4, "lo')
+    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    assert report["runs"][0]["status"] == "completed"
+    assert "loss_curves.png" in report["plots"]
+
+
+def test_several_run_directories_are_reported_together(tmp_path: Path, capsys) -> None:
+    write_run(tmp_path / "runs" / "a", "tiny_cnn", "fp32", 1000.0, 0.8)
+    write_run(tmp_path / "runs" / "b", "tiny_cnn", "bf16", 700.0, 0.8)
+    assert main([str(tmp_path / "runs" / "a"), str(tmp_path / "runs" / "b")]) == 0
+    report = json.loads((tmp_path / "runs" / "report.json").read_text())
+    assert [row["run"] for row in report["runs"]] == ["a", "b"]
+    assert rows_by_run(report)["b"]["speedup"] == 0.7
+    assert "tiny_cnn: bf16 1.43x slower" in capsys.readouterr().out
+
+
+def test_a_missing_directory_is_a_one_line_error(tmp_path: Path, capsys) -> None:
+    assert main([str(tmp_path / "nope")]) == 1
+    assert (
+        capsys.readouterr().err
+        == f"amp_exp.report: error: {tmp_path / 'nope'} is not a directory\n"
+    )
+
+
+@pytest.mark.slow
+def test_report_cli_on_a_directory_without_runs_exits_non_zero(tmp_path: Path) -> None:
+    (tmp_path / "empty" / "0").mkdir(parents=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "amp_exp.report", str(tmp_path / "empty")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"amp_exp.report: error: no runs under {tmp_path / 'empty'}: found no summary.json; give "
+        "a sweep directory or run directories written by python -m amp_exp"
+    ]
+    assert not (tmp_path / "empty" / "report.md").exists()

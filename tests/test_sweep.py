@@ -1,0 +1,151 @@
+"""Sweeps end to end: ``python -m amp_exp -m ...`` leaves a report built from the jobs' results."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, TINY
+
+pytestmark = pytest.mark.slow
+
+# TINY without model.width, so that a sweep can cross tiny_cnn with mlp.
+SMALL = [*FAST, "dataset.image_size=8", "dataset.batch_size=16"]
+PLOTS = ("loss_curves.png", "loss_scale.png", "throughput.png", "peak_memory.png")
+
+
+def sweep(*args: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-m", "amp_exp", *args], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == expect_rc, result.stderr[-3000:]
+    return result
+
+
+def summaries(sweep_dir: Path) -> dict[str, dict]:
+    return {
+        path.parent.name: json.loads(path.read_text()) for path in sweep_dir.glob("*/summary.json")
+    }
+
+
+def markdown_rows(report_md: str) -> dict[str, dict[str, str]]:
+    """The run table of report.md, as {run: {header: cell}}."""
+    lines = [line for line in report_md.splitlines() if line.startswith("| ")]
+    headers = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = [
+        dict(zip(headers, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        for line in lines[1:]
+    ]
+    return {row["run"]: row for row in rows}
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    return struct.unpack(">II", data[16:24])
+
+
+def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
+    sweep("-m", *SMALL, "precision=fp32,fp16", "model=tiny_cnn,mlp", f"hydra.sweep.dir={tmp_path}")
+    jobs = summaries(tmp_path)
+    assert len(jobs) == 4
+    report = json.loads((tmp_path / "report.json").read_text())
+    rows = {row["run"]: row for row in report["runs"]}
+    table = markdown_rows((tmp_path / "report.md").read_text())
+    assert rows.keys() == table.keys() == jobs.keys()
+    fp32_of = {s["model"]: s for s in jobs.values() if s["precision"] == "fp32"}
+    for job, summary in jobs.items():
+        row, cells, baseline = rows[job], table[job], fp32_of[summary["model"]]
+        for key in ("model", "precision", "samples_per_s", "peak_mem_bytes", "final_loss"):
+            assert row[key] == summary[key], key
+        for key in ("eval_acc", "skipped_steps", "loss_scale"):
+            assert row[key] == summary[key], key
+        assert row["speedup"] == summary["samples_per_s"] / baseline["samples_per_s"]
+        assert row["peak_mem_ratio"] == summary["peak_mem_bytes"] / baseline["peak_mem_bytes"]
+        assert row["eval_acc_delta_points"] == 100 * (summary["eval_acc"] - baseline["eval_acc"])
+        assert cells["samples/s"] == f"{summary['samples_per_s']:,.1f}"
+        speedup = summary["samples_per_s"] / baseline["samples_per_s"]
+        assert cells["speedup vs fp32"] == f"{speedup:.2f}x"
+        assert cells["peak memory"] == f"{summary['peak_mem_bytes'] / 2**20:,.1f} MiB"
+        assert cells["final loss"] == f"{summary['final_loss']:.4f}"
+        assert cells["eval acc"] == f"{100 * summary['eval_acc']:.2f}%"
+        assert cells["skipped steps"] == str(summary["skipped_steps"])
+        expected_scale = "-" if summary["loss_scale"] is None else f"{summary['loss_scale']:g}"
+        assert cells["final loss scale"] == expected_scale
+    assert [line.split(":")[0] for line in report["verdicts"]] == ["tiny_cnn", "mlp"]
+    assert report["plots"] == list(PLOTS) and report["plot_errors"] == {}
+    for name in PLOTS:
+        width, height = png_size(tmp_path / name)
+        assert 400 <= width <= 3000 and 300 <= height <= 2000, (name, width, height)
+        assert 10_000 < (tmp_path / name).stat().st_size < 1_000_000, name
+        assert f"![{name.removesuffix('.png')}]({name})" in (tmp_path / "report.md").read_text()
+
+
+def test_a_failed_job_is_reported_failed_and_the_others_still_count(tmp_path: Path) -> None:
+    # Jobs with 16 training samples cannot fill a batch of 32: they fail once they start.
+    result = sweep(
+        "-m",
+        *FAST,
+        "precision=fp32,bf16",
+        "dataset.train_size=256,16",
+        f"hydra.sweep.dir={tmp_path}",
+        expect_rc=1,  # Hydra still reports the sweep as failed
+    )
+    assert "dataset.batch_size=32 exceeds dataset.train_size=16" in result.stderr
+    jobs = summaries(tmp_path)
+    job_of = {
+        (s["precision"], s["config"]["dataset"]["train_size"]): job for job, s in jobs.items()
+    }
+    assert len(job_of) == 4
+    failed = {job for job, summary in jobs.items() if summary["status"] == "failed"}
+    assert failed == {job_of["fp32", 16], job_of["bf16", 16]}
+    assert jobs[job_of["fp32", 16]]["error"] == (
+        "ConfigError: dataset.batch_size=32 exceeds dataset.train_size=16"
+    )
+    rows = {row["run"]: row for row in json.loads((tmp_path / "report.json").read_text())["runs"]}
+    assert {job for job, row in rows.items() if row["status"] == "failed"} == failed
+    # bf16 with 256 samples is compared with fp32 with 256 samples, not with the failed fp32 job.
+    bf16, fp32 = job_of["bf16", 256], job_of["fp32", 256]
+    assert rows[bf16]["baseline"] == fp32
+    assert rows[bf16]["speedup"] == jobs[bf16]["samples_per_s"] / jobs[fp32]["samples_per_s"]
+    report_md = (tmp_path / "report.md").read_text()
+    assert "4 runs (2 completed, 2 failed)" in report_md
+    assert "(tiny_cnn bf16) failed (ConfigError: dataset.batch_size=32 exceeds" in report_md
+
+
+def test_a_preset_sweeps_without_dash_m(tmp_path: Path) -> None:
+    sweep("experiment=init_scale_sweep", *FAST, *TINY, f"hydra.sweep.dir={tmp_path}")
+    jobs = summaries(tmp_path)
+    scales = {s["config"]["precision"]["init_scale"]: s for s in jobs.values()}
+    assert sorted(scales) == [1024.0, 65536.0, 16777216.0, 4294967296.0]
+    assert all(s["precision"] == "fp16" for s in jobs.values())
+    # 2**32 times the loss overflows fp16 gradients: the scaler skips steps and backs off.
+    assert scales[4294967296.0]["skipped_steps"] > 0
+    assert scales[4294967296.0]["loss_scale"] < 4294967296.0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {row["setting"] for row in report["runs"]} == {
+        f"precision.init_scale={scale}" for scale in scales
+    }
+    assert "loss_scale.png" in report["plots"]
+
+
+def test_joblib_launcher_runs_jobs_in_parallel_and_reports_them(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    sweep(
+        "-m",
+        *FAST,
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "precision=fp32,bf16",
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(row["precision"], row["status"]) for row in report["runs"]] == [
+        ("fp32", "completed"),
+        ("bf16", "completed"),
+    ]
