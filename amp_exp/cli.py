@@ -15,6 +15,7 @@ from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
 from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict
 from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
 
 from amp_exp.config import ConfigError, validate
@@ -61,16 +62,19 @@ def compose_variants(overrides: list[str], multirun: bool) -> list[list[str]]:
     return variants
 
 
-def preset_sweep(config_name: str, overrides: list[str]) -> tuple[bool, list[str]]:
-    """Whether the composed config asks for a multirun, and its ``hydra.sweeper.params``.
-
-    Presets under conf/experiment/ set both, so ``experiment=precision_sweep`` sweeps without -m.
-    """
+def compose_base(config_name: str, overrides: list[str]) -> tuple[DictConfig, bool, list[str]]:
+    """The config of the non-sweep overrides, whether it asks for a multirun, and its
+    ``hydra.sweeper.params``: presets under conf/experiment/ set both, so
+    ``experiment=precision_sweep`` sweeps without -m."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-    hydra_cfg = compose(config_name, overrides=fixed, return_hydra_config=True).hydra
+    cfg = compose(config_name, overrides=fixed, return_hydra_config=True)
+    hydra_cfg = cfg.hydra
     params = hydra_cfg.sweeper.get("params") or {}
-    return hydra_cfg.mode == RunMode.MULTIRUN, [f"{key}={value}" for key, value in params.items()]
+    with open_dict(cfg):
+        del cfg["hydra"]
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    return cfg, multirun, [f"{key}={value}" for key, value in params.items()]
 
 
 def check_overrides(argv: list[str]) -> None:
@@ -81,10 +85,13 @@ def check_overrides(argv: list[str]) -> None:
     config_name = args.config_name or CONFIG_NAME
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            preset_multirun, preset_params = preset_sweep(config_name, args.overrides)
-            variants = compose_variants(
+            base, preset_multirun, preset_params = compose_base(config_name, args.overrides)
+            base_variant, *variants = compose_variants(
                 [*preset_params, *args.overrides], args.multirun or preset_multirun
             )
+            # Composing is the slow part of start-up: without preset values the base variant
+            # is exactly the config composed above.
+            validate(base if not preset_params else compose(config_name, overrides=base_variant))
             for overrides in variants:
                 validate(compose(config_name, overrides=overrides))
     except (ConfigError, OmegaConfBaseException, HydraException) as error:
