@@ -161,6 +161,23 @@ def _ratio(value: float | None, baseline: float | None) -> float | None:
     return value / baseline
 
 
+def amp_health(summary: dict[str, Any]) -> dict[str, Any]:
+    """The run's diagnostics (see amp_exp.diagnostics), reduced to what a reader acts on."""
+    checks = summary.get("checks") or {}
+    underflow = summary.get("underflow") or {}
+    return {
+        "failed_checks": {
+            name: check.get("offenders", [])
+            for name, check in checks.items()
+            if check.get("passed") is False
+        },
+        "first_overflow": summary.get("first_overflow"),
+        "underflow_frac_scaled": underflow.get("underflow_frac_scaled"),
+        "suggested_init_scale": summary.get("suggested_init_scale"),
+        "hardware_advice": (summary.get("hardware") or {}).get("advice", []),
+    }
+
+
 def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, Any]:
     summary = run.summary
     base = baseline.summary if baseline is not None else {}
@@ -186,6 +203,7 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "baseline": None if baseline is None else os.path.relpath(baseline.path, out_dir),
         "device_name": summary.get("device_name"),
         "error": summary.get("error"),
+        "health": amp_health(summary),
     }
 
 
@@ -311,6 +329,28 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def health_line(row: dict[str, Any]) -> str:
+    health = row["health"]
+    failed = health["failed_checks"]
+    parts = [
+        "checks FAILED: "
+        + "; ".join(f"{name} ({', '.join(who) or '?'})" for name, who in failed.items())
+        if failed
+        else "checks passed"
+    ]
+    overflow = health["first_overflow"]
+    if overflow:
+        where = ", ".join(overflow["parameters"]) or "no parameter found"
+        loss = "finite" if overflow["loss_finite"] else "non-finite"
+        parts.append(f"first overflow at step {overflow['step']} (loss {loss}; {where})")
+    if health["underflow_frac_scaled"] is not None:
+        parts.append(f"{health['underflow_frac_scaled']:.2%} of gradients lost to fp16 underflow")
+    if health["suggested_init_scale"] is not None:
+        parts.append(f"suggested init_scale {health['suggested_init_scale']:g}")
+    parts += health["hardware_advice"]
+    return f"- `{row['run']}` ({row['model']} {row['precision']}): " + "; ".join(parts)
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     rows = report["runs"]
     unfinished = [row for row in rows if row["status"] != "completed"]
@@ -338,6 +378,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         + ("; ".join(memory_kinds) or "not recorded")
         + ".",
     ]
+    completed = [row for row in rows if row["status"] == "completed"]
+    if completed:
+        lines += ["", "## AMP health", "", *(health_line(row) for row in completed)]
     if unfinished:
         lines += ["", "## Runs that did not complete", ""]
         lines += [

@@ -225,3 +225,33 @@ def test_report_cli_on_a_directory_without_runs_exits_non_zero(tmp_path: Path) -
         "a sweep directory or run directories written by python -m amp_exp"
     ]
     assert not (tmp_path / "empty" / "report.md").exists()
+
+
+def test_amp_health_section_names_failed_checks_overflow_and_advice(tmp_path: Path) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.9)
+    fp16 = tmp_path / "1"
+    write_run(fp16, "tiny_cnn", "fp16", 900.0, 0.9)
+    summary = json.loads((fp16 / "summary.json").read_text())
+    summary.update(
+        checks={
+            "master_weights_fp32": {"passed": False, "offenders": ["head.bias"]},
+            "unscaled_grads_fp32_finite": {"passed": True, "offenders": []},
+            "activation_memory_lower": {"passed": None, "note": "not measurable on the CPU"},
+        },
+        first_overflow={"step": 3, "loss_finite": True, "parameters": ["head.weight"]},
+        underflow={"underflow_frac_scaled": 0.25},
+        suggested_init_scale=262144.0,
+        hardware={"advice": ["fp16 on this CPU: no fast fp16 kernels"]},
+    )
+    (fp16 / "summary.json").write_text(json.dumps(summary))
+    build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    markdown = (tmp_path / "report.md").read_text()
+    section = markdown.split("## AMP health\n\n")[1].split("\n\n")[0].splitlines()
+    assert section == [
+        "- `0` (tiny_cnn fp32): checks passed",
+        "- `1` (tiny_cnn fp16): checks FAILED: master_weights_fp32 (head.bias); first overflow "
+        "at step 3 (loss finite; head.weight); 25.00% of gradients lost to fp16 underflow; "
+        "suggested init_scale 262144; fp16 on this CPU: no fast fp16 kernels",
+    ]
+    health = rows_by_run(json.loads((tmp_path / "report.json").read_text()))["1"]["health"]
+    assert health["failed_checks"] == {"master_weights_fp32": ["head.bias"]}
