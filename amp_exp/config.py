@@ -101,7 +101,6 @@ class TorchvisionModelConfig:
     name: str = MISSING
 
 
-BUILTIN_MODELS = ("tiny_cnn", "mlp")
 ModelConfig = Union[TinyCNNConfig, MLPConfig, TorchvisionModelConfig]
 
 # --- dataset -----------------------------------------------------------------------------------

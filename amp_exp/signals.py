@@ -47,8 +47,3 @@ class StopRequest:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-    @property
-    def exit_status(self) -> int:
-        """The shell's convention for "ended by this signal": 128 + its number."""
-        return 128 + int(self.requested) if self.requested is not None else 0
