@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from amp_exp.cli import CONF_DIR, CONFIG_NAME, check_overrides
 from amp_exp.config import ConfigError, register_configs, to_plain_dict, validate
+from amp_exp.ranks import worker_rank
 from amp_exp.sweep import sweep_job
 
 log = logging.getLogger("amp_exp")
@@ -23,6 +24,11 @@ log = logging.getLogger("amp_exp")
 # 128 + N when signal N stopped the run after a checkpoint (143 SIGTERM, 130 SIGINT, 138 SIGUSR1).
 EXIT_CONFIG_ERROR = 2
 EXIT_NUMERICAL_FAULT = 3
+
+
+# At import, not in main(): a submitit job unpickles hydra_main and composes its config without
+# ever calling main().
+register_configs()
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
@@ -37,7 +43,9 @@ def hydra_main(cfg: DictConfig) -> float | None:
         summary = train(validate(cfg), output_dir, sweep=sweep_job(hydra_cfg))
     except Exception as error:
         # Every run leaves a summary.json, so a sweep report shows this one as failed.
-        write_json(output_dir / "summary.json", failure_summary(to_plain_dict(cfg), error))
+        rank = worker_rank()
+        if rank is None or rank.is_main:
+            write_json(output_dir / "summary.json", failure_summary(to_plain_dict(cfg), error))
         one_line = isinstance(error, (ConfigError, NumericalFault))
         if hydra_cfg.mode == RunMode.MULTIRUN or not one_line:
             raise  # in a sweep, Hydra records this job as failed and runs the others
@@ -49,7 +57,6 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    register_configs()
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as error:

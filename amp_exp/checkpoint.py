@@ -18,6 +18,7 @@ from typing import Any
 import numpy
 import torch
 
+from amp_exp.config import ConfigError
 from amp_exp.engine import Engine, Progress
 
 log = logging.getLogger("amp_exp")
@@ -101,6 +102,8 @@ def checkpoint_payload(
         "batch_in_epoch": progress.batch_in_epoch,
         "rng": rng_state(),
         "precision": engine.policy.precision.value,
+        # Each rank's place in the epoch is counted in batches of its own shard.
+        "world_size": engine.world_size,
         "config": config,
         # TorchVersion is a str subclass that weights_only refuses.
         "torch_version": str(torch.__version__),
@@ -159,6 +162,13 @@ def load_newest_valid(target: Path) -> tuple[Path, dict[str, Any]] | None:
 
 def restore(engine: Engine, model: torch.nn.Module, payload: dict[str, Any]) -> None:
     """Put a built run back in the state the checkpoint recorded."""
+    saved_world_size = payload.get("world_size", 1)
+    if saved_world_size != engine.world_size:
+        raise ConfigError(
+            f"the checkpoint was written by {saved_world_size} data-parallel ranks and this run "
+            f"has {engine.world_size}; resume with the same number of processes "
+            "(torchrun --nnodes x --nproc_per_node)"
+        )
     model.load_state_dict(payload["model"])
     engine.optimizer.load_state_dict(payload["optimizer"])
     if engine.scheduler is not None and payload["scheduler"] is not None:

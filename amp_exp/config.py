@@ -302,7 +302,11 @@ SCHEMAS: dict[str, dict[str, type]] = {
 
 
 def register_configs() -> None:
-    """Store the schemas under ``schema/<group>/`` so they never show up as group options."""
+    """Store the schemas under ``schema/<group>/`` so they never show up as group options, and
+    register the resolvers conf/config.yaml uses."""
+    from amp_exp.ranks import register_resolvers
+
+    register_resolvers()
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
     for group, schemas in SCHEMAS.items():

@@ -3,7 +3,8 @@
 Every train loader has ``set_epoch``: the shuffle order of epoch e depends only on (seed, e), so
 all jobs of a sweep see the same batches in the same order, whatever model or precision they use.
 Its ``start_batch`` lets a resumed run pick up in the middle of an epoch without loading the
-batches it already trained on.
+batches it already trained on. Under torchrun each rank trains on its own shard of that order and
+evaluates its own share of the eval split.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def epoch_permutation(size: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(size, generator=generator)
 
 
+def shard(order: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank's share of an epoch's order, dealt as DistributedSampler deals it: every
+    world_size-th index, after dropping the tail that would give ranks unequal shares."""
+    usable = len(order) - len(order) % world_size
+    return order[:usable][rank::world_size]
+
+
 class DeviceTensorLoader:
     """Batches sliced from tensors that already live on the training device."""
 
@@ -51,9 +59,13 @@ class DeviceTensorLoader:
         batch_size: int,
         shuffle: bool,
         seed: int,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
+        """``rank`` and ``world_size`` shard the shuffled order; unshuffled data is used whole."""
         self.images, self.labels = images, labels
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        self.rank, self.world_size = rank, world_size
         self.epoch = self.start_batch = 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
@@ -62,13 +74,13 @@ class DeviceTensorLoader:
     def __len__(self) -> int:
         # Training drops the ragged last batch so every timed step has the same shape.
         if self.shuffle:
-            return len(self.labels) // self.batch_size
+            return len(self.labels) // self.world_size // self.batch_size
         return -(-len(self.labels) // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.shuffle:
             order = epoch_permutation(len(self.labels), self.seed, self.epoch)
-            order = order.to(self.images.device)
+            order = shard(order, self.rank, self.world_size).to(self.images.device)
         for i in range(self.start_batch, len(self)):
             if self.shuffle:
                 index = order[i * self.batch_size : (i + 1) * self.batch_size]
@@ -97,18 +109,22 @@ def make_synthetic(
 
 
 class EpochShuffleSampler(Sampler[int]):
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed = size, seed
+    """A DistributedSampler that can also start mid-epoch; one rank of one is a plain shuffle."""
+
+    def __init__(self, size: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        self.size, self.seed, self.rank, self.world_size = size, seed, rank, world_size
         self.epoch = self.start = 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return self.size - self.start
+        return self.size // self.world_size - self.start
 
     def __iter__(self) -> Iterator[int]:
-        order = epoch_permutation(self.size, self.seed, self.epoch)
+        order = shard(
+            epoch_permutation(self.size, self.seed, self.epoch), self.rank, self.world_size
+        )
         return iter(order[self.start :].tolist())
 
 
@@ -187,13 +203,23 @@ def _image_folder_splits(cfg: DatasetConfig, root: Path, seed: int):
     return train, held_out, (3, cfg.image_size, cfg.image_size), classes
 
 
+def check_batch_fits(batch_size: int, samples: int, described: str, world_size: int) -> None:
+    """Each rank needs at least one full batch of its share of the training samples."""
+    if samples // world_size < batch_size:
+        shared = f" shared by {world_size} ranks" if world_size > 1 else ""
+        raise ConfigError(f"dataset.batch_size={batch_size} exceeds {described}{shared}")
+
+
 def _loaders(
-    cfg: DatasetConfig, train: Dataset, held_out: Dataset, seed: int, device: torch.device
+    cfg: DatasetConfig,
+    train: Dataset,
+    held_out: Dataset,
+    seed: int,
+    device: torch.device,
+    rank: int,
+    world_size: int,
 ) -> tuple[EpochDataLoader, EpochDataLoader]:
-    if len(train) < cfg.batch_size:
-        raise ConfigError(
-            f"dataset.batch_size={cfg.batch_size} exceeds the {len(train)} training samples"
-        )
+    check_batch_fits(cfg.batch_size, len(train), f"the {len(train)} training samples", world_size)
     common = dict(
         num_workers=cfg.num_workers,
         pin_memory=device.type == "cuda",
@@ -202,28 +228,41 @@ def _loaders(
     train_loader = EpochDataLoader(
         train,
         batch_size=cfg.batch_size,
-        sampler=EpochShuffleSampler(len(train), seed),
+        sampler=EpochShuffleSampler(len(train), seed, rank, world_size),
         drop_last=True,
         **common,
     )
+    eval_share = Subset(held_out, range(rank, len(held_out), world_size))
     eval_loader = EpochDataLoader(
-        held_out, batch_size=cfg.eval_batch_size or cfg.batch_size, shuffle=False, **common
+        eval_share, batch_size=cfg.eval_batch_size or cfg.batch_size, shuffle=False, **common
     )
     return train_loader, eval_loader
 
 
-def build_data(cfg: DatasetConfig, seed: int, device: torch.device) -> DataBundle:
+def build_data(
+    cfg: DatasetConfig, seed: int, device: torch.device, rank: int = 0, world_size: int = 1
+) -> DataBundle:
+    """The splits for ``rank`` of ``world_size`` data-parallel ranks (0 of 1: all of them)."""
     eval_batch_size = cfg.eval_batch_size or cfg.batch_size
     if cfg.name is DatasetName.synthetic:
-        if cfg.train_size < cfg.batch_size:
-            raise ConfigError(
-                f"dataset.batch_size={cfg.batch_size} exceeds dataset.train_size={cfg.train_size}"
-            )
-        train = DeviceTensorLoader(
-            *make_synthetic(cfg, cfg.train_size, seed, 0, device), cfg.batch_size, True, seed
+        check_batch_fits(
+            cfg.batch_size, cfg.train_size, f"dataset.train_size={cfg.train_size}", world_size
         )
+        train = DeviceTensorLoader(
+            *make_synthetic(cfg, cfg.train_size, seed, 0, device),
+            cfg.batch_size,
+            True,
+            seed,
+            rank,
+            world_size,
+        )
+        eval_images, eval_labels = make_synthetic(cfg, cfg.eval_size, seed, 1, device)
         held_out = DeviceTensorLoader(
-            *make_synthetic(cfg, cfg.eval_size, seed, 1, device), eval_batch_size, False, seed
+            eval_images[rank::world_size],
+            eval_labels[rank::world_size],
+            eval_batch_size,
+            False,
+            seed,
         )
         return DataBundle(
             train, held_out, (cfg.channels, cfg.image_size, cfg.image_size), cfg.num_classes
@@ -233,5 +272,5 @@ def build_data(cfg: DatasetConfig, seed: int, device: torch.device) -> DataBundl
         train_set, eval_set, shape, classes = _image_folder_splits(cfg, root, seed)
     else:
         train_set, eval_set, shape, classes = _torchvision_splits(cfg, root)
-    train_loader, eval_loader = _loaders(cfg, train_set, eval_set, seed, device)
+    train_loader, eval_loader = _loaders(cfg, train_set, eval_set, seed, device, rank, world_size)
     return DataBundle(train_loader, eval_loader, shape, classes)

@@ -4,10 +4,15 @@ The engine works on already-built objects and hands metric dicts to ``emit``; it
 Nothing in the per-step path reads a device value back to the host: loss, scale and gradient
 norm stay on the device and are read only at log intervals. The exceptions are rare events: a
 skipped step is examined when it happens, and the fp32/bf16 non-finite guard reads one flag.
+
+Under torchrun (``distributed``) every rank runs this loop on its own shard. The ranks agree on
+whatever a host decision depends on (the logged loss, a stop request, evaluation sums) at log
+intervals, so they always take the same branch and meet in the same collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -21,7 +26,9 @@ from torch import nn
 
 from amp_exp.config import ConfigError, NonFiniteAction, PrecisionConfig, TrainerConfig
 from amp_exp.data import DataBundle
+from amp_exp.distributed import Distributed
 from amp_exp.meters import Throughput, peak_memory_bytes, reset_peak_memory, synchronize
+from amp_exp.models import unwrap
 from amp_exp.precision import PrecisionPolicy
 
 log = logging.getLogger("amp_exp")
@@ -107,6 +114,7 @@ class Engine:
         total_steps: int,
         channels_last: bool = False,
         loss_fn: LossFn | None = None,
+        distributed: Distributed | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.policy, self.data, self.trainer, self.device = policy, data, trainer, device
@@ -114,7 +122,9 @@ class Engine:
         self.loss_fn = loss_fn or F.cross_entropy
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        self.parameter_names = {id(p): name for name, p in model.named_parameters()}
+        self.parameter_names = {id(p): name for name, p in unwrap(model).named_parameters()}
+        self.distributed = distributed
+        self.world_size = 1 if distributed is None else distributed.world_size
         self.total_steps = total_steps
         self.progress = Progress()
         self.forensics = SkipForensics()
@@ -134,6 +144,22 @@ class Engine:
             for batch in self.data.train:
                 progress.batch_in_epoch += 1
                 yield batch
+
+    def _sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.distributed is None else self.distributed.sum(tensor)
+
+    def _gradient_sync(self, micro_batch: int) -> contextlib.AbstractContextManager:
+        """DDP all-reduces gradients on the last micro-batch of a step only."""
+        last = micro_batch == self.trainer.grad_accum_steps - 1
+        if self.distributed is None or last:
+            return contextlib.nullcontext()
+        return self.distributed.no_sync()
+
+    def _stop_agreed(self, requested: bool, is_log_step: bool) -> bool:
+        """A signal may reach the ranks at different steps; they agree at a log step."""
+        if self.distributed is None:
+            return requested
+        return is_log_step and self.distributed.any(requested)
 
     def _is_eval_step(self, step: int) -> bool:
         every = self.trainer.eval_every
@@ -155,9 +181,13 @@ class Engine:
                 correct += (logits.argmax(dim=1) == labels).sum()
                 count += labels.shape[0]
         self.model.train()
-        if count == 0:
+        totals = self._sum_over_ranks(
+            torch.stack([loss_sum.double(), correct.double(), loss_sum.new_tensor(count).double()])
+        )
+        loss_total, correct_total, count_total = totals.tolist()
+        if count_total == 0:
             return {"eval_loss": None, "eval_acc": None}
-        return {"eval_loss": loss_sum.item() / count, "eval_acc": correct.item() / count}
+        return {"eval_loss": loss_total / count_total, "eval_acc": correct_total / count_total}
 
     def nonfinite_parameters(self) -> list[str]:
         """Names of parameters whose current gradients hold inf or NaN (reads the device)."""
@@ -177,7 +207,7 @@ class Engine:
             # finite exactly when this step's loss is.
             progress.first_overflow = {
                 "step": step,
-                "loss_finite": bool(torch.isfinite(interval_loss)),
+                "loss_finite": bool(torch.isfinite(self._sum_over_ranks(interval_loss))),
                 "parameters": forensics.first_nonfinite[:10],
                 "nonfinite_parameter_count": len(forensics.first_nonfinite),
             }
@@ -246,14 +276,15 @@ class Engine:
         if warmup_steps == 0:
             throughput.start(progress.samples, progress.step)
         for step in range(first_step, self.total_steps + 1):
-            for _ in range(accum):
+            for micro_batch in range(accum):
                 images, labels = self._to_device(*next(batches))
-                with policy.autocast():
-                    # Dividing by accum makes k micro-batches sum to one batch k times larger.
-                    loss = self.loss_fn(self.model(images), labels) / accum
-                policy.backward(loss)
+                with self._gradient_sync(micro_batch):
+                    with policy.autocast():
+                        # Dividing by accum makes k micro-batches sum to one batch k times larger.
+                        loss = self.loss_fn(self.model(images), labels) / accum
+                    policy.backward(loss)
                 interval_loss += loss.detach()
-                progress.samples += labels.shape[0]
+                progress.samples += labels.shape[0] * self.world_size
             is_log_step = step % trainer.log_every == 0 or step == self.total_steps
             stepped, grad_norm = policy.step(optimizer, self.parameters, want_grad_norm=is_log_step)
             progress.step = step
@@ -272,7 +303,8 @@ class Engine:
                 warmup_s = time.perf_counter() - started
             if is_log_step:
                 samples_per_s, step_time_ms = throughput.lap(progress.samples, step)
-                progress.final_loss = interval_loss.item() / progress.interval_steps
+                interval_total = self._sum_over_ranks(interval_loss).item()
+                progress.final_loss = interval_total / (progress.interval_steps * self.world_size)
                 scale = policy.scale()
                 emit(
                     {
@@ -297,7 +329,9 @@ class Engine:
                 progress.eval_loss, progress.eval_acc = metrics["eval_loss"], metrics["eval_acc"]
                 emit({"step": step, "samples": progress.samples, **metrics})
                 throughput.resume()
-            stopped_early = stop_requested() and step < self.total_steps
+            stopped_early = (
+                self._stop_agreed(stop_requested(), is_log_step) and step < self.total_steps
+            )
             if checkpoint is not None:
                 due = step == self.total_steps or stopped_early
                 # Inside a run of skipped steps a collapse may be starting: keep the last good
@@ -305,7 +339,9 @@ class Engine:
                 healthy = progress.consecutive_skips == 0
                 if due or (healthy and checkpoint_every > 0 and step % checkpoint_every == 0):
                     throughput.pause()
-                    progress.interval_loss = interval_loss.item()
+                    # The ranks' mean, so that every rank resumes the interval from the same sum.
+                    interval_mean = self._sum_over_ranks(interval_loss) / self.world_size
+                    progress.interval_loss = interval_mean.item()
                     checkpoint(progress)
                     throughput.resume()
             if stopped_early:

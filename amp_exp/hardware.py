@@ -16,11 +16,20 @@ from amp_exp.config import ConfigError, DeviceChoice
 REPO_DIR = Path(__file__).resolve().parent.parent
 
 
-def resolve_device(choice: DeviceChoice) -> torch.device:
+def resolve_device(choice: DeviceChoice, local_rank: int | None = None) -> torch.device:
+    """The device to train on; ``local_rank`` pins a torchrun worker to its own GPU."""
     if choice is DeviceChoice.cpu:
         return torch.device("cpu")
     if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        if local_rank is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK={local_rank}, but this node has {torch.cuda.device_count()} GPUs; "
+                "start at most that many processes per node (torchrun --nproc_per_node)"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     if choice is DeviceChoice.cuda:
         raise ConfigError(
             f"trainer.device=cuda, but no CUDA device is available to torch {torch.__version__}; "

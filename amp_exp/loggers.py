@@ -33,9 +33,10 @@ def _json_safe(value: Any) -> Any:
 class JsonlLogger:
     """One JSON object per line, flushed per row so a killed run keeps everything logged."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, append: bool = False) -> None:
+        """``append`` continues the rows a resumed run carried over; otherwise start afresh."""
         self.path = path
-        self._file = path.open("a", encoding="utf-8")
+        self._file = path.open("a" if append else "w", encoding="utf-8")
 
     def log(self, row: dict[str, Any]) -> None:
         self._file.write(json.dumps({k: _json_safe(v) for k, v in row.items()}) + "\n")

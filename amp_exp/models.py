@@ -124,3 +124,14 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, int, int], num_classes
 
 def is_convolutional(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module the user built, inside the wrappers of torch.compile and DDP."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model

@@ -25,6 +25,7 @@ from amp_exp.cli import first_line
 from amp_exp.config import ConfigError, NonFiniteAction, RunConfig, to_plain_dict
 from amp_exp.data import build_data
 from amp_exp.diagnostics import Diagnostics, forward_activation_bytes
+from amp_exp.distributed import Distributed, process_group
 from amp_exp.engine import Engine, LossFn, Progress, TrainResult, plan_total_steps
 from amp_exp.hardware import (
     configure_backends,
@@ -70,6 +71,8 @@ def build_summary(
         "seed": cfg.seed,
         "batch_size": cfg.dataset.batch_size,
         "grad_accum_steps": cfg.trainer.grad_accum_steps,
+        "world_size": built.engine.world_size,
+        "global_batch_size": global_batch_size(cfg, built.engine.world_size),
         "parameters": sum(p.numel() for p in built.model.parameters()),
         "channels_last": built.channels_last,
         "compile": cfg.trainer.compile,
@@ -114,6 +117,11 @@ def failure_summary(config: dict[str, Any], error: Exception) -> dict[str, Any]:
     }
 
 
+def global_batch_size(cfg: RunConfig, world_size: int) -> int:
+    """Samples per optimizer step: dataset.batch_size is per rank and per micro-batch."""
+    return cfg.dataset.batch_size * cfg.trainer.grad_accum_steps * world_size
+
+
 @dataclass
 class Built:
     """Everything a run needs, built from its config before the first step."""
@@ -124,15 +132,24 @@ class Built:
     channels_last: bool
     engine: Engine
     hardware: dict
+    distributed: Distributed | None = None
     resumed_from: str | None = None
 
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes the run's files: always, but for ranks 1+ under torchrun."""
+        return self.distributed is None or self.distributed.is_main
 
-def build(cfg: RunConfig, loss_fn: LossFn | None = None) -> Built:
-    device = resolve_device(cfg.trainer.device)
+
+def build(
+    cfg: RunConfig, loss_fn: LossFn | None = None, distributed: Distributed | None = None
+) -> Built:
+    device = distributed.device if distributed else resolve_device(cfg.trainer.device)
     resolved = resolve_precision(cfg.precision.name, device)
     configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
     seed_everything(cfg.seed)
-    data = build_data(cfg.dataset, cfg.seed, device)
+    rank, world_size = (distributed.rank.rank, distributed.world_size) if distributed else (0, 1)
+    data = build_data(cfg.dataset, cfg.seed, device, rank, world_size)
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
     channels_last = cfg.trainer.channels_last
     if channels_last is None:
@@ -141,9 +158,12 @@ def build(cfg: RunConfig, loss_fn: LossFn | None = None) -> Built:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(cfg.optimizer, model, device, resolved.precision)
     total_steps = plan_total_steps(cfg.trainer, len(data.train))
-    compiled = cfg.trainer.compile
+    # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
+    trained = distributed.wrap(model) if distributed else model
+    if cfg.trainer.compile:
+        trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
     engine = Engine(
-        torch.compile(model, mode=cfg.trainer.compile_mode.value) if compiled else model,
+        trained,
         optimizer,
         build_scheduler(cfg.scheduler, optimizer, total_steps),
         PrecisionPolicy(
@@ -159,13 +179,14 @@ def build(cfg: RunConfig, loss_fn: LossFn | None = None) -> Built:
         total_steps,
         channels_last=channels_last,
         loss_fn=loss_fn,
+        distributed=distributed,
     )
     hardware = inspect_hardware(device)
     hardware["advice"] = precision_advice(resolved.precision.value, hardware)
     hardware["recommended_precision"], hardware["recommendation"] = recommend_precision(hardware)
     for advice in hardware["advice"]:
         log.warning("%s", advice)
-    return Built(device, resolved, model, channels_last, engine, hardware)
+    return Built(device, resolved, model, channels_last, engine, hardware, distributed)
 
 
 def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None]) -> Diagnostics:
@@ -184,8 +205,10 @@ def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None
         images = images.to(built.device, memory_format=engine.memory_format)
 
         def measure(use_autocast: bool) -> int:
+            # The bare model: a DDP forward with gradients but no backward would break DDP's
+            # next step.
             return forward_activation_bytes(
-                engine.model, images, engine.policy.autocast, use_autocast
+                built.model, images, engine.policy.autocast, use_autocast
             )
 
     diagnostics.activation_memory(measure)
@@ -208,12 +231,28 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path) -> None:
         return
     path, payload = found
     restore(built.engine, built.model, payload)
-    # The run directory holds checkpoints/<file>; its history up to the checkpoint carries over.
-    keep_metrics_until(
-        path.parent.parent / METRICS_FILE, output_dir / METRICS_FILE, payload["step"]
-    )
+    if built.is_main:
+        # The run directory holds checkpoints/<file>; its history up to the checkpoint carries
+        # over.
+        keep_metrics_until(
+            path.parent.parent / METRICS_FILE, output_dir / METRICS_FILE, payload["step"]
+        )
     built.resumed_from = str(path)
     log.info("resumed from %s at step %d", path, payload["step"])
+
+
+def replicas_identical(built: Built) -> bool | None:
+    """Under DDP, whether all ranks ended with bit-identical weights, buffers and loss scale."""
+    if built.distributed is None:
+        return None
+    state = [*built.model.parameters(), *built.model.buffers()]
+    scale = built.engine.policy.scale()
+    if scale is not None:
+        state.append(torch.tensor(scale))
+    identical = built.distributed.replicas_identical(state)
+    if not identical:
+        log.error("the ranks' model replicas differ at the end of the run")
+    return identical
 
 
 def train(
@@ -222,39 +261,66 @@ def train(
     loss_fn: LossFn | None = None,
     sweep: SweepJob | None = None,
 ) -> dict[str, Any]:
-    """Run one experiment; writes metrics.jsonl, checkpoints and summary.json to ``output_dir``."""
+    """Run one experiment; writes metrics.jsonl, checkpoints and summary.json to ``output_dir``.
+
+    Under torchrun every rank calls this and trains its shard; rank 0 alone writes the files and
+    the W&B run, so a job has one of each.
+    """
     started = time.perf_counter()
+    with process_group(cfg.trainer.device) as distributed:
+        return train_in_group(cfg, output_dir, distributed, loss_fn, sweep, started)
+
+
+def train_in_group(
+    cfg: RunConfig,
+    output_dir: Path,
+    distributed: Distributed | None,
+    loss_fn: LossFn | None,
+    sweep: SweepJob | None,
+    started: float,
+) -> dict[str, Any]:
     output_dir.mkdir(parents=True, exist_ok=True)
-    built = build(cfg, loss_fn)
+    built = build(cfg, loss_fn, distributed)
     resume(cfg, built, output_dir)
     log.info(
-        "precision %s (%s) on %s",
+        "precision %s (%s) on %s%s",
         built.resolved.precision.value,
         built.resolved.reason,
         device_name(built.device),
+        ""
+        if distributed is None
+        else f", {distributed.world_size} ranks, global batch "
+        f"{global_batch_size(cfg, distributed.world_size)}",
     )
     save = None
     if cfg.checkpoint.every_steps is not None:
         writer = CheckpointWriter(output_dir / CHECKPOINT_DIR, cfg.checkpoint.keep)
         config = to_plain_dict(OmegaConf.structured(cfg))
 
+        # Every rank calls this at the same steps (it takes part in a collective first); the
+        # replicas are identical, so rank 0's state stands for all of them.
         def save(progress: Progress) -> None:
-            writer.save(checkpoint_payload(built.engine, built.model, progress, config))
+            if built.is_main:
+                writer.save(checkpoint_payload(built.engine, built.model, progress, config))
 
-    wandb_logger = open_wandb_logger(
-        cfg,
-        output_dir,
-        built.resolved.precision.value,
-        built.device.type,
-        built.engine.total_steps,
-        sweep,
-        resumed_run_dir=Path(built.resumed_from).parent.parent if built.resumed_from else None,
-    )
-    loggers: list[Logger] = [
-        ConsoleLogger(built.engine.total_steps),
-        JsonlLogger(output_dir / METRICS_FILE),
-        *([wandb_logger] if wandb_logger else []),
-    ]
+    loggers: list[Logger] = []
+    wandb_logger = None
+    if built.is_main:
+        wandb_logger = open_wandb_logger(
+            cfg,
+            output_dir,
+            built.resolved.precision.value,
+            built.device.type,
+            built.engine.total_steps,
+            sweep,
+            resumed_run_dir=Path(built.resumed_from).parent.parent if built.resumed_from else None,
+        )
+        loggers = [
+            ConsoleLogger(built.engine.total_steps),
+            # A fresh start replaces the rows of an earlier attempt in this directory.
+            JsonlLogger(output_dir / METRICS_FILE, append=built.resumed_from is not None),
+            *([wandb_logger] if wandb_logger else []),
+        ]
 
     def emit(row: dict[str, Any]) -> None:
         for logger in loggers:
@@ -271,7 +337,9 @@ def train(
             )
         summary = build_summary(cfg, built, result, stop, time.perf_counter() - started)
         summary.update(diagnostics.summary())
-        write_json(output_dir / "summary.json", summary)
+        summary["replicas_identical"] = replicas_identical(built)
+        if built.is_main:
+            write_json(output_dir / "summary.json", summary)
         if wandb_logger:
             wandb_logger.record_summary(summary)
     finally:

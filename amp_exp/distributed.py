@@ -1,0 +1,95 @@
+"""Data-parallel training under torchrun: the process group and the few collectives a run needs.
+
+Gradients are averaged by DistributedDataParallel during backward, before the GradScaler looks
+for inf, so every rank skips the same steps and keeps the same scale. Everything else here runs
+only at log intervals, checkpoints and the end of a run, never per step, so the hot loop gains no
+host sync beyond DDP's own gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from amp_exp.config import DeviceChoice
+from amp_exp.hardware import resolve_device
+from amp_exp.ranks import WorkerRank, worker_rank
+
+log = logging.getLogger("amp_exp")
+
+
+class Distributed:
+    """This process's share of a data-parallel run: its rank, device and model replica."""
+
+    def __init__(self, rank: WorkerRank, device: torch.device) -> None:
+        self.rank, self.device = rank, device
+        self.world_size = rank.world_size
+        self.is_main = rank.is_main
+        self.replica: DistributedDataParallel | None = None
+
+    def wrap(self, model: nn.Module) -> DistributedDataParallel:
+        """DDP broadcasts rank 0's parameters and buffers here, so all replicas start equal."""
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        self.replica = DistributedDataParallel(model, device_ids=device_ids)
+        return self.replica
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """For all but the last micro-batch of an accumulated step: no gradient all-reduce."""
+        assert self.replica is not None, "wrap() the model first"
+        return self.replica.no_sync()
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.sum(tensor) / self.world_size
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is true on one (reads the device: log intervals only)."""
+        return bool(self.sum(torch.tensor(float(flag), device=self.device)) > 0)
+
+    def replicas_identical(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether every rank holds bit for bit what rank 0 holds in ``tensors``."""
+        local = torch.cat([t.detach().reshape(-1).to(self.device, torch.float64) for t in tensors])
+        reference = local.clone()
+        dist.broadcast(reference, src=0)
+        # NaN != NaN, so compare bits: a replica that diverged to NaN still counts as equal to
+        # another that holds the same NaNs.
+        mismatch = not torch.equal(local.view(torch.int64), reference.view(torch.int64))
+        return not self.any(mismatch)
+
+
+@contextlib.contextmanager
+def process_group(choice: DeviceChoice) -> Iterator[Distributed | None]:
+    """Join torchrun's process group for the length of a run; None outside torchrun.
+
+    NCCL on CUDA, with each rank pinned to its local GPU; gloo on the CPU. A group the caller
+    already initialized is used as it is and left open.
+    """
+    rank = worker_rank()
+    if rank is None:
+        yield None
+        return
+    device = resolve_device(choice, rank.local_rank)
+    owned = not dist.is_initialized()
+    if owned:
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    if not rank.is_main:
+        # Rank 0 speaks for the job; the other ranks report only errors.
+        log.setLevel(logging.ERROR)
+    try:
+        yield Distributed(rank, device)
+    finally:
+        if owned:
+            dist.destroy_process_group()
