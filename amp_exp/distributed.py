@@ -52,9 +52,15 @@ class Distributed:
     def mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.sum(tensor) / self.world_size
 
+    def max(self, value: float) -> float:
+        """The largest of the ranks' values, on every rank (reads the device)."""
+        largest = torch.tensor(float(value), device=self.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return largest.item()
+
     def any(self, flag: bool) -> bool:
         """True on every rank if it is true on one (reads the device: log intervals only)."""
-        return bool(self.sum(torch.tensor(float(flag), device=self.device)) > 0)
+        return self.max(flag) > 0
 
     def replicas_identical(self, tensors: list[torch.Tensor]) -> bool:
         """Whether every rank holds bit for bit what rank 0 holds in ``tensors``."""

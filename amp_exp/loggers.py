@@ -23,10 +23,18 @@ class Logger(Protocol):
     def close(self) -> None: ...
 
 
-def _json_safe(value: Any) -> Any:
-    # JSON has no inf or NaN; null keeps every line parseable by strict readers.
+def json_safe(value: Any) -> Any:
+    """``value`` with every inf and NaN, however deeply nested, replaced by None.
+
+    JSON has no inf or NaN (Python writes bare ``NaN``, which strict readers such as jq or a
+    browser refuse), and a diverged run is exactly when those values appear.
+    """
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
     return value
 
 
@@ -39,7 +47,7 @@ class JsonlLogger:
         self._file = path.open("a" if append else "w", encoding="utf-8")
 
     def log(self, row: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _json_safe(v) for k, v in row.items()}) + "\n")
+        self._file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.config import ReportConfig
+from amp_exp.loggers import json_safe
 
 log = logging.getLogger("amp_exp")
 
@@ -397,7 +398,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(out_dir: Path, report: dict[str, Any]) -> None:
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    text = json.dumps(json_safe(report), indent=2, allow_nan=False)
+    (out_dir / "report.json").write_text(text + "\n", encoding="utf-8")
     (out_dir / "report.md").write_text(render_markdown(report), encoding="utf-8")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,14 @@ from amp_exp.hardware import (
     resolve_device,
     seed_everything,
 )
-from amp_exp.loggers import METRICS_FILE, ConsoleLogger, JsonlLogger, Logger, keep_metrics_until
+from amp_exp.loggers import (
+    METRICS_FILE,
+    ConsoleLogger,
+    JsonlLogger,
+    Logger,
+    json_safe,
+    keep_metrics_until,
+)
 from amp_exp.models import build_model, is_convolutional
 from amp_exp.optim import build_optimizer, build_scheduler
 from amp_exp.precision import PrecisionPolicy, ResolvedPrecision, resolve_precision
@@ -50,17 +58,22 @@ log = logging.getLogger("amp_exp")
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    text = json.dumps(json_safe(payload), indent=2, allow_nan=False)
+    tmp.write_text(text + "\n", encoding="utf-8")
     tmp.replace(path)
 
 
 def build_summary(
-    cfg: RunConfig, built: Built, result: TrainResult, stop: StopRequest, wall_s: float
+    cfg: RunConfig,
+    built: Built,
+    result: TrainResult,
+    stop_signal: signal.Signals | None,
+    wall_s: float,
 ) -> dict[str, Any]:
     progress, device = result.progress, built.device
     return {
         "status": "stopped" if result.stopped_early else "completed",
-        "stop_signal": None if stop.requested is None else stop.requested.name,
+        "stop_signal": None if stop_signal is None else stop_signal.name,
         "precision": built.resolved.precision.value,
         "precision_reason": built.resolved.reason,
         "model": cfg.model.name,
@@ -335,13 +348,22 @@ def train_in_group(
                 checkpoint_every=cfg.checkpoint.every_steps or 0,
                 stop_requested=stop,
             )
-        summary = build_summary(cfg, built, result, stop, time.perf_counter() - started)
+        stop_signal = stop.requested
+        if distributed is not None and result.stopped_early:
+            # The ranks stopped together, but the signal may have reached only some of them:
+            # all report it, and all exit with its status.
+            stop_signal = signal.Signals(int(distributed.max(stop_signal or 0)))
+        summary = build_summary(cfg, built, result, stop_signal, time.perf_counter() - started)
         summary.update(diagnostics.summary())
         summary["replicas_identical"] = replicas_identical(built)
         if built.is_main:
             write_json(output_dir / "summary.json", summary)
         if wandb_logger:
             wandb_logger.record_summary(summary)
+    except BaseException:
+        if wandb_logger:
+            wandb_logger.exit_code = 1
+        raise
     finally:
         # W&B closes last: whatever its finish() does, the result files are already written.
         for logger in loggers:

@@ -174,6 +174,8 @@ class WandbLogger:
         self._wandb, self.run = wandb, run
         self.log_every, self.total_steps = log_every, total_steps
         self.failed = False
+        # Set to 1 when training raised, so the dashboard shows the run as failed, not finished.
+        self.exit_code = 0
         self._last_step = self._last_skipped = 0
         with self._contained("define metrics"):
             run.define_metric(X_AXIS)
@@ -233,7 +235,7 @@ class WandbLogger:
 
     def close(self) -> None:
         with self._contained("finish the run"):
-            self.run.finish()
+            self.run.finish(exit_code=self.exit_code)
         # Offline, finish() can return before the run file is complete; teardown waits for it.
         with self._contained("shut W&B down"):
             self._wandb.teardown()

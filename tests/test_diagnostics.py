@@ -143,8 +143,8 @@ def test_a_planted_fp16_master_weight_is_caught_and_named(run_cfg, tmp_path, mon
 
     real_build = amp_exp.run.build
 
-    def build_with_fp16_bias(cfg, loss_fn=None):
-        built = real_build(cfg, loss_fn)
+    def build_with_fp16_bias(*args, **kwargs):
+        built = real_build(*args, **kwargs)
         built.model.head.bias.data = built.model.head.bias.data.half()
         return built
 

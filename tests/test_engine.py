@@ -148,3 +148,17 @@ def test_every_job_of_a_sweep_trains_on_the_same_batches(run_cfg) -> None:
     assert fp32[2].keys() == fp16[2].keys()
     assert all(torch.equal(fp32[2][k], fp16[2][k]) for k in fp32[2])
     assert not torch.equal(fp32[0][0], fp32[0][3])  # a new epoch is a new order
+
+
+def test_results_of_a_diverged_run_are_strict_json(run_cfg, tmp_path) -> None:
+    """Python writes bare NaN and Infinity, which strict JSON readers refuse; results use null."""
+    summary = train(run_cfg("trainer.on_nonfinite=off", *TINY), tmp_path, loss_fn=inf_loss_at({4}))
+    assert summary["final_loss"] == float("inf")
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    written = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
+    assert written["final_loss"] is None
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=refuse)

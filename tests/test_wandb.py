@@ -13,11 +13,12 @@ from omegaconf import OmegaConf
 
 from amp_exp.config import ConfigError, WandbMode
 from amp_exp.dashboard import choice_label, run_config, run_group, run_name, run_tags
+from amp_exp.engine import NumericalFault
 from amp_exp.run import train
 from amp_exp.sweep import SweepJob, sweep_job
 from amp_exp.wandb_logger import WandbLogger, open_wandb_logger, resolve_mode
 from conftest import TINY, inf_loss_at, read_jsonl, signal_self_at_call
-from wandb_records import read_only_run, read_run, run_files
+from wandb_records import read_only_run, read_records, read_run, run_files
 
 TRAIN_KEYS = {
     "samples",
@@ -262,3 +263,11 @@ def test_amp_health_reaches_the_wandb_summary(run_cfg, tmp_path) -> None:
     assert run.summary["amp/suggested_init_scale"] == summary["suggested_init_scale"]
     underflow_rows = [row for row in run.history if "amp/grad_underflow_frac" in row]
     assert [row["_step"] for row in underflow_rows] == [2, 4]
+
+
+def test_a_run_that_raises_is_marked_failed_on_wandb(run_cfg, tmp_path) -> None:
+    cfg = run_cfg("trainer.on_nonfinite=stop", "wandb.mode=offline", *TINY)
+    with pytest.raises(NumericalFault):
+        train(cfg, tmp_path, loss_fn=inf_loss_at({2}))
+    records = read_records(run_files(tmp_path)[0])
+    assert [r.exit.exit_code for r in records if r.HasField("exit")] == [1]

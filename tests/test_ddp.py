@@ -1,0 +1,107 @@
+"""Data-parallel training under torchrun, two CPU processes over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, TINY, read_jsonl
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+TWO_RANKS = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+# Two ranks of 32 each draw from 256 training samples: 4 steps per epoch, so 8 steps cross one.
+DDP_RUN = [*FAST, "trainer.max_steps=8", "trainer.log_every=2", "scheduler=none"]
+
+
+def torchrun(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    # One thread per rank: two ranks share the two cores.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*TWO_RANKS, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def run_worker(output_dir: Path, *args: str) -> dict[int, dict]:
+    """Both ranks' final state, as tests/ddp_worker.py saved it."""
+    torchrun(str(WORKER), str(output_dir), *args)
+    return {rank: torch.load(output_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)}
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_torchrun_job_writes_one_set_of_results(tmp_path):
+    """The real command line: one run directory whatever each rank's clock says, one
+    metrics.jsonl and summary.json, the global batch in the logs, rank 1's log kept apart."""
+    torchrun("-m", "amp_exp", *DDP_RUN, "precision=bf16", *TINY, cwd=tmp_path)
+
+    run_dirs = list((tmp_path / "outputs" / "runs").glob("*/*"))
+    assert len(run_dirs) == 1
+    run_dir = run_dirs[0]
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("summary.json")] == [
+        (run_dir / "summary.json").relative_to(tmp_path)
+    ]
+    assert len(list(tmp_path.rglob("metrics.jsonl"))) == 1
+    assert (run_dir / "train.log").is_file() and (run_dir / "train.rank1.log").is_file()
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["world_size"] == 2
+    assert summary["global_batch_size"] == 2 * 16
+    assert summary["samples_seen"] == 8 * 2 * 16
+    assert summary["replicas_identical"] is True
+    rows = [row for row in read_jsonl(run_dir / "metrics.jsonl") if "loss" in row]
+    assert [row["step"] for row in rows] == [2, 4, 6, 8]
+    assert rows[-1]["samples"] == 8 * 2 * 16
+
+
+def test_inf_on_one_rank_makes_every_rank_skip(tmp_path):
+    """DDP averages gradients before the scaler checks them, so rank 1's overflow is everyone's:
+    both ranks skip step 2, back off to the same scale and stay bit-identical."""
+    ranks = run_worker(tmp_path, "--inf-at", "2", *DDP_RUN, "precision=fp16", *TINY)
+
+    for state in ranks.values():
+        assert state["summary"]["skipped_steps"] == 1
+        assert state["summary"]["first_overflow"]["step"] == 2
+        # Rank 0's own loss was finite; the run still reports that a loss overflowed.
+        assert state["summary"]["first_overflow"]["loss_finite"] is False
+    assert ranks[0]["scale"] == ranks[1]["scale"] == 65536.0 / 2
+    assert_bitwise_equal(ranks[0]["model"], ranks[1]["model"])
+    assert ranks[0]["summary"]["replicas_identical"] is True
+
+
+def test_stopped_and_resumed_job_ends_where_an_uninterrupted_one_does(tmp_path):
+    straight = run_worker(tmp_path / "straight", *DDP_RUN)
+
+    # SIGUSR1 reaches rank 1 alone, during step 3; the ranks agree to stop at log step 4.
+    interrupted = tmp_path / "interrupted"
+    stopped = run_worker(interrupted, "--signal-at", "3", *DDP_RUN)
+    for state in stopped.values():
+        assert state["summary"]["status"] == "stopped"
+        assert state["summary"]["steps"] == 4
+    assert torch.load(interrupted / "checkpoints" / "last.pt", weights_only=True)["step"] == 4
+
+    resumed = run_worker(interrupted, *DDP_RUN, "resume=auto")
+    assert resumed[0]["summary"]["resumed_from"] == str(interrupted / "checkpoints" / "last.pt")
+    assert resumed[0]["summary"]["steps"] == 8
+    assert_bitwise_equal(resumed[0]["model"], resumed[1]["model"])
+    assert_bitwise_equal(resumed[0]["model"], straight[0]["model"])
+    assert [row["step"] for row in read_jsonl(interrupted / "metrics.jsonl") if "loss" in row] == [
+        2,
+        4,
+        6,
+        8,
+    ]

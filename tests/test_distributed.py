@@ -1,0 +1,89 @@
+"""The single-process pieces of data-parallel training: sharding, rank detection, agreed names."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from amp_exp import ranks
+from amp_exp.config import ConfigError
+from amp_exp.data import DeviceTensorLoader, EpochShuffleSampler, epoch_permutation, shard
+from amp_exp.ranks import WorkerRank, launch_time, log_file_suffix, worker_rank
+from amp_exp.run import build, resume, train
+
+
+def test_shards_are_disjoint_equal_and_cover_all_but_the_ragged_tail():
+    order = epoch_permutation(103, seed=0, epoch=0)
+    shards = [shard(order, rank, 4) for rank in range(4)]
+    assert {len(s) for s in shards} == {25}
+    assert sorted(torch.cat(shards).tolist()) == sorted(order[:100].tolist())
+    assert torch.equal(shard(order, 0, 1), order)
+
+
+def test_sampler_shards_each_epoch_differently_and_resumes_mid_shard():
+    samplers = [EpochShuffleSampler(40, seed=3, rank=rank, world_size=2) for rank in (0, 1)]
+    epoch0 = [list(s) for s in samplers]
+    assert not set(epoch0[0]) & set(epoch0[1]) and len(epoch0[0]) == len(samplers[0]) == 20
+    for s in samplers:
+        s.set_epoch(1)
+    assert [list(s) for s in samplers] != epoch0
+    samplers[1].set_epoch(0, start=5)
+    assert list(samplers[1]) == epoch0[1][5:] and len(samplers[1]) == 15
+
+
+def test_device_loader_gives_each_rank_batches_of_its_own_shard():
+    images = torch.arange(64.0).reshape(64, 1, 1, 1)
+    loaders = [DeviceTensorLoader(images, images.flatten(), 8, True, 0, r, 2) for r in (0, 1)]
+    seen = [torch.cat([labels for _, labels in loader]).tolist() for loader in loaders]
+    assert [len(loader) for loader in loaders] == [4, 4]
+    assert not set(seen[0]) & set(seen[1]) and len(seen[0] + seen[1]) == 64
+
+
+def test_worker_rank_comes_from_torchruns_environment(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert worker_rank() is None
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match="start data-parallel runs with torchrun"):
+        worker_rank()
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert worker_rank() == WorkerRank(rank=3, world_size=4, local_rank=1)
+    assert log_file_suffix() == ".rank3"
+
+
+def test_every_worker_takes_the_launch_time_the_first_one_published(monkeypatch):
+    """Workers' clocks differ; the run directory must not. The store holds the first answer."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    clocks = iter([datetime(2026, 1, 1, 9, 0, 0), datetime(2026, 1, 1, 9, 0, 1)])
+
+    class SkewedClock(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return next(clocks)
+
+    monkeypatch.setattr(ranks, "datetime", SkewedClock)
+    answers = []
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        launch_time.cache_clear()
+        answers.append(launch_time())
+    launch_time.cache_clear()
+    assert answers == [datetime(2026, 1, 1, 9, 0, 0)] * 2
+    assert store.get("amp_exp/launch_time/job-42") == b"2026-01-01T09:00:00"
+
+
+def test_a_checkpoint_resumes_only_with_the_ranks_that_wrote_it(run_cfg, tmp_path):
+    train(run_cfg(), tmp_path)
+    built = build(run_cfg("resume=auto"))
+    built.engine.world_size = 2
+    with pytest.raises(ConfigError, match="written by 1 data-parallel ranks and this run has 2"):
+        resume(run_cfg("resume=auto"), built, tmp_path)
