@@ -189,6 +189,7 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "model": run.model,
         "precision": run.precision,
         "setting": run.setting,
+        "world_size": summary.get("world_size", 1),
         "samples_per_s": summary.get("samples_per_s"),
         "speedup": _ratio(summary.get("samples_per_s"), base.get("samples_per_s")),
         "peak_mem_bytes": summary.get("peak_mem_bytes"),
@@ -296,12 +297,13 @@ def _formatter(spec: str, scale: float = 1, suffix: str = "") -> Callable[[Any],
     return show
 
 
-# (header, row key, how to show a value); "setting" is shown only when some run has one.
+# (header, row key, how to show a value)
 COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("run", "run", str),
     ("model", "model", str),
     ("precision", "precision", str),
     ("setting", "setting", str),
+    ("ranks", "world_size", _formatter("d")),
     ("status", "status", str),
     ("samples/s", "samples_per_s", _formatter(",.1f")),
     (f"speedup vs {BASELINE}", "speedup", _formatter(".2f", suffix="x")),
@@ -319,8 +321,20 @@ MEMORY_KINDS = {
 }
 
 
+# Columns shown only when some row needs them: a setting that varies, data-parallel ranks. Failed
+# runs carry no world size.
+OPTIONAL_COLUMNS: dict[str, Callable[[Any], bool]] = {
+    "setting": bool,
+    "world_size": lambda ranks: (ranks or 1) > 1,
+}
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
-    columns = [c for c in COLUMNS if c[1] != "setting" or any(row["setting"] for row in rows)]
+    columns = [
+        c
+        for c in COLUMNS
+        if c[1] not in OPTIONAL_COLUMNS or any(OPTIONAL_COLUMNS[c[1]](row[c[1]]) for row in rows)
+    ]
     lines = [
         "| " + " | ".join(header for header, _, _ in columns) + " |",
         "|" + "|".join("---" for _ in columns) + "|",

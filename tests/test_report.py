@@ -26,6 +26,7 @@ def write_run(
     clip: float | None = None,
     skipped_steps: int = 0,
     final_loss: float = 1.5,
+    world_size: int = 1,
 ) -> dict:
     """A run directory as python -m amp_exp leaves it: summary.json and metrics.jsonl."""
     path.mkdir(parents=True)
@@ -42,6 +43,7 @@ def write_run(
         "eval_acc": eval_acc,
         "skipped_steps": skipped_steps,
         "loss_scale": scale,
+        "world_size": world_size,
         "config": {
             "model": {"name": model},
             "precision": {"name": precision, "clip_grad_norm": clip},
@@ -255,3 +257,17 @@ def test_amp_health_section_names_failed_checks_overflow_and_advice(tmp_path: Pa
     ]
     health = rows_by_run(json.loads((tmp_path / "report.json").read_text()))["1"]["health"]
     assert health["failed_checks"] == {"master_weights_fp32": ["head.bias"]}
+
+
+def test_a_ranks_column_appears_only_when_a_run_was_data_parallel(tmp_path: Path) -> None:
+    write_run(tmp_path / "single" / "0", "tiny_cnn", "fp32", 1000.0, 0.80)
+    build_report([tmp_path / "single"], tmp_path / "single", accuracy_tolerance=0.5)
+    assert "| ranks |" not in (tmp_path / "single" / "report.md").read_text()
+
+    write_run(tmp_path / "ddp" / "0", "tiny_cnn", "fp32", 1000.0, 0.80, world_size=2)
+    write_run(tmp_path / "ddp" / "1", "tiny_cnn", "bf16", 1500.0, 0.80, world_size=2)
+    report = build_report([tmp_path / "ddp"], tmp_path / "ddp", accuracy_tolerance=0.5)
+    assert [row["world_size"] for row in report["runs"]] == [2, 2]
+    table = (tmp_path / "ddp" / "report.md").read_text().splitlines()
+    header = next(line for line in table if line.startswith("| run |"))
+    assert "| ranks |" in header
