@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 
 import torch
@@ -86,6 +87,11 @@ def process_group(choice: DeviceChoice) -> Iterator[Distributed | None]:
         return
     device = resolve_device(choice, rank.local_rank)
     owned = not dist.is_initialized()
+    if owned and "MASTER_ADDR" not in os.environ:
+        # submitit's tasks: torch's env:// rendezvous needs the first node's address and a port.
+        import submitit
+
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     if owned:
         if device.type == "cuda":
             dist.init_process_group("nccl", device_id=device)

@@ -1,4 +1,4 @@
-"""Which worker of a torchrun job this process is, and the names all workers must agree on.
+"""Which worker of a data-parallel job this process is, and the names all workers must agree on.
 
 torchrun starts one process per rank and each one composes its own Hydra config. The run
 directory must be the same for all of them, so its timestamp cannot be each process's own clock:
@@ -36,7 +36,13 @@ class WorkerRank:
 
 
 def worker_rank() -> WorkerRank | None:
-    """This process's place in a data-parallel job, or None when it trains alone."""
+    """This process's place in a data-parallel job, or None when it trains alone.
+
+    torchrun describes it in RANK, WORLD_SIZE and LOCAL_RANK; a submitit job with several tasks
+    (SLURM's ntasks, or the local executor's tasks_per_node) in submitit's job environment.
+    """
+    if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR"):
+        return submitit_rank()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return None
@@ -49,6 +55,15 @@ def worker_rank() -> WorkerRank | None:
             f"WORLD_SIZE={world_size} is set but RANK is not; start data-parallel runs with "
             "torchrun, which sets both"
         ) from None
+
+
+def submitit_rank() -> WorkerRank | None:
+    import submitit
+
+    job = submitit.JobEnvironment()
+    if job.num_tasks <= 1:
+        return None
+    return WorkerRank(job.global_rank, job.num_tasks, job.local_rank)
 
 
 @functools.cache
