@@ -162,3 +162,32 @@ def test_results_of_a_diverged_run_are_strict_json(run_cfg, tmp_path) -> None:
     assert written["final_loss"] is None
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=refuse)
+
+
+def test_compiled_model_stays_one_graph_through_scaler_steps_and_skips(
+    run_cfg, tmp_path, monkeypatch
+) -> None:
+    """Only the model is compiled: the scaler's unscale/step/update and a skipped step with its
+    scale back-off run outside the graph, so they neither break it nor make it recompile.
+    (aot_eager captures forward and backward as inductor would, without its code generation.)"""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda model, mode: real_compile(model, backend="aot_eager")
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = run_cfg(
+        "precision=fp16",
+        "trainer.compile=true",
+        "trainer.max_steps=6",
+        "trainer.eval_every=null",
+        *TINY,
+    )
+    summary = train(cfg, tmp_path, loss_fn=inf_loss_at({3}))
+    assert summary["skipped_steps"] == 1 and summary["loss_scale"] == 65536.0 / 2
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
