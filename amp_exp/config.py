@@ -19,6 +19,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 SCHEMA_GROUP = "schema"
+# Optional: hydra/launcher=slurm and submitit_* (amp_exp.launchers).
+SUBMITIT_PLUGIN = "hydra_plugins.hydra_submitit_launcher"
 
 
 class ConfigError(ValueError):
@@ -310,7 +312,7 @@ def register_configs() -> None:
         for name, schema in schemas.items():
             store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=schema)
     # hydra/launcher=submitit_*: jobs that resume when requeued, if the optional plugin is there.
-    if find_spec("hydra_plugins.hydra_submitit_launcher") is not None:
+    if find_spec(SUBMITIT_PLUGIN) is not None:
         from amp_exp.launchers import register_launchers
 
         register_launchers()
