@@ -107,19 +107,25 @@ def test_local_signal_delay_reaches_submitits_executor(tmp_path: Path) -> None:
     assert LocalExecutor._valid_parameters() == {"setup"}  # restored
 
 
-def test_hand_over_calls_the_displaced_python_handler_only() -> None:
+def test_hand_over_passes_each_signal_to_the_python_handler_it_displaced() -> None:
+    # submitit's own handlers: SIGTERM is only logged, SIGUSR2 checkpoints and requeues. SLURM's
+    # preemption sends SIGTERM, then SIGUSR2; SIGUSR1 had no Python handler (SIG_DFL).
     received: list[int] = []
-    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: received.append(signum))
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+        for sig in (signal.SIGTERM, signal.SIGUSR2)
+    }
     try:
         with StopRequest() as stop:
-            os.kill(os.getpid(), signal.SIGUSR2)
-            os.kill(os.getpid(), signal.SIGTERM)  # SIG_DFL before: must not be called
+            for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR1):
+                os.kill(os.getpid(), sig)
         assert received == []  # not before the run is over
+        assert stop.requested is signal.SIGTERM
         stop.hand_over()
-        assert received == [signal.SIGUSR2]
-        assert stop.requested is signal.SIGUSR2
+        assert received == [signal.SIGTERM, signal.SIGUSR2]
     finally:
-        signal.signal(signal.SIGUSR2, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def test_hand_over_leaves_ctrl_c_and_default_handlers_alone() -> None:
