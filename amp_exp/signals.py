@@ -6,11 +6,11 @@ loggers; then ``hand_over`` gives each signal received to the handler ``StopRequ
 - a plain run had no Python handler there (or only Ctrl-C's ``default_int_handler``), so nothing
   happens and ``python -m amp_exp`` exits with 128 + N (143 SIGTERM, 130 SIGINT, 138 SIGUSR1,
   140 SIGUSR2);
-- a job under submitit (``hydra/launcher=submitit_slurm|submitit_local``) runs with submitit's
-  handler on SIGUSR2, SLURM's time-out and preemption signal: it calls the launcher's checkpoint
-  hook (``amp_exp.launchers``: the same job, plus ``resume=auto``), requeues the job and exits,
-  and the requeued job resumes from that checkpoint in the same directory. Submitit's SIGTERM
-  handler only logs, so after SIGTERM alone the job exits with 143 and is not requeued.
+- a job under submitit (``hydra/launcher=slurm``, ``submitit_slurm``, ``submitit_local``) has
+  submitit's handler on SIGUSR2, SLURM's time-out and preemption signal: it calls the launcher's
+  checkpoint hook (``amp_exp.launchers``: the same job, plus ``resume=auto``), requeues the job
+  and exits, and the requeued job resumes from that checkpoint in the same directory. Submitit's
+  SIGTERM handler only logs, so after SIGTERM alone the job exits with 143 and is not requeued.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ class StopRequest:
 
         Only Python handlers are called: SIG_DFL would kill the process before ``__main__`` sets
         the exit status, and ``default_int_handler`` would turn a clean stop into a traceback.
-        A handler may not return (submitit's requeue exits the process).
+        A handler may not return: submitit's requeues the job and exits, or raises when the job
+        has timed out ``max_num_timeout`` times already (the run then ends as failed).
         """
         for received in self._received:
             handler = self._previous.get(received)

@@ -24,7 +24,7 @@ from conftest import FAST, TINY, read_jsonl
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
-from amp_exp.launchers import LocalConf, SlurmConf, with_resume
+from amp_exp.launchers import LocalConf, with_resume
 from amp_exp.signals import StopRequest
 
 slow = pytest.mark.slow
@@ -91,7 +91,6 @@ def test_our_launchers_replace_the_plugins_entries() -> None:
     )
     preset = launcher_cfg("slurm")
     assert preset.max_num_timeout > 0 and preset.gpus_per_node == 1
-    assert SlurmConf.max_num_timeout == 0  # the plugin's default, kept for submitit_slurm itself
 
 
 def test_local_signal_delay_reaches_submitits_executor(tmp_path: Path) -> None:
