@@ -21,7 +21,8 @@ log = logging.getLogger("amp_exp")
 
 
 # Exit statuses: 0 done, 2 bad config or hardware request, 3 numerical fault (see the message),
-# 128 + N when signal N stopped the run after a checkpoint (143 SIGTERM, 130 SIGINT, 138 SIGUSR1).
+# 128 + N when signal N stopped the run after a checkpoint (143 SIGTERM, 130 SIGINT, 138 SIGUSR1,
+# 140 SIGUSR2); under submitit, SIGUSR2 requeues the job instead (amp_exp/signals.py).
 EXIT_CONFIG_ERROR = 2
 EXIT_NUMERICAL_FAULT = 3
 

@@ -8,6 +8,7 @@ a sweep fails at once, with one line that names the valid choices, before any mo
 from __future__ import annotations
 
 from dataclasses import fields
+from importlib.util import find_spec
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -18,10 +19,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
 
-from amp_exp.config import ConfigError, validate
+from amp_exp.config import SUBMITIT_PLUGIN, ConfigError, validate
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 CONFIG_NAME = "config"
+SUBMITIT_LAUNCHERS = "hydra/launcher/submitit_"
 
 
 def first_line(text: str) -> str:
@@ -32,6 +34,10 @@ def describe_error(error: Exception) -> str:
     """One line that says what is wrong and what would be right."""
     if isinstance(error, ConfigError):
         return str(error)
+    missing = getattr(error, "missing_cfg_file", None) or ""
+    # hydra/launcher=slurm and submitit_* come with an optional plugin.
+    if missing.startswith(SUBMITIT_LAUNCHERS) and not find_spec(SUBMITIT_PLUGIN):
+        return f"{missing} needs hydra-submitit-launcher: pip install 'amp_exp[slurm]'"
     if isinstance(error, MissingConfigException) and error.options:
         group, _, option = (error.missing_cfg_file or "").rpartition("/")
         return f"{group}={option} is not an option; valid choices: {', '.join(error.options)}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from importlib.util import find_spec
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, Union
@@ -18,6 +19,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 SCHEMA_GROUP = "schema"
+# Optional: hydra/launcher=slurm and submitit_* (amp_exp.launchers).
+SUBMITIT_PLUGIN = "hydra_plugins.hydra_submitit_launcher"
 
 
 class ConfigError(ValueError):
@@ -312,6 +315,11 @@ def register_configs() -> None:
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
             store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=schema)
+    # hydra/launcher=submitit_*: jobs that resume when requeued, if the optional plugin is there.
+    if find_spec(SUBMITIT_PLUGIN) is not None:
+        from amp_exp.launchers import register_launchers
+
+        register_launchers()
 
 
 # --- validation ----------------------------------------------------------------------------------

@@ -379,4 +379,6 @@ def train_in_group(
         "-" if summary["eval_acc"] is None else f"{summary['eval_acc']:.2%}",
         output_dir,
     )
+    # Under submitit, its SIGUSR2 handler now requeues the job to resume (amp_exp/signals.py).
+    stop.hand_over()
     return summary
