@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,39 @@ def test_submitit_tasks_of_one_job_train_data_parallel(tmp_path):
         assert (tmp_path / job / "train.rank1.log").is_file()
     report = json.loads((tmp_path / "report.json").read_text())
     assert sorted(row["world_size"] for row in report["runs"]) == [2, 2]
+
+
+def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
+    """torchrun passes SIGTERM on to its workers, which stop at the same log step; rank 0 saves."""
+    job = subprocess.Popen(
+        [
+            *TWO_RANKS,
+            "-m",
+            "amp_exp",
+            f"hydra.run.dir={tmp_path}",
+            *FAST,
+            *TINY,
+            "trainer.max_steps=100000",
+            "trainer.log_every=5",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "metrics.jsonl"
+        # The file is created empty when training starts; a byte in it means a logged step.
+        while not (metrics.is_file() and metrics.stat().st_size > 0):
+            assert time.monotonic() < deadline and job.poll() is None, "training never started"
+            time.sleep(0.2)
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["status"], summary["stop_signal"]) == ("stopped", "SIGTERM"), stderr[-2000:]
+    assert summary["steps"] % 5 == 0 and summary["steps"] < 100000
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert checkpoint["step"] == summary["steps"] and checkpoint["world_size"] == 2
