@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import FAST, TINY, read_jsonl
+from wandb_records import read_only_run
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +49,7 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 def test_torchrun_job_writes_one_set_of_results(tmp_path):
     """The real command line: one run directory whatever each rank's clock says, one
     metrics.jsonl and summary.json, the global batch in the logs, rank 1's log kept apart."""
-    torchrun("-m", "amp_exp", *DDP_RUN, "precision=bf16", *TINY, cwd=tmp_path)
+    torchrun("-m", "amp_exp", *DDP_RUN, "precision=bf16", *TINY, "wandb.mode=offline", cwd=tmp_path)
 
     run_dirs = list((tmp_path / "outputs" / "runs").glob("*/*"))
     assert len(run_dirs) == 1
@@ -58,6 +59,15 @@ def test_torchrun_job_writes_one_set_of_results(tmp_path):
     ]
     assert len(list(tmp_path.rglob("metrics.jsonl"))) == 1
     assert (run_dir / "train.log").is_file() and (run_dir / "train.rank1.log").is_file()
+    assert len(list(tmp_path.rglob("*.wandb"))) == 1
+    wandb_run = read_only_run(run_dir)
+    train_rows = [row for row in wandb_run.history if "train/loss" in row]
+    assert [(row["_step"], row["samples"]) for row in train_rows] == [
+        (2, 64),
+        (4, 128),
+        (6, 192),
+        (8, 256),
+    ]
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
