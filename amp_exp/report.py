@@ -27,6 +27,8 @@ log = logging.getLogger("amp_exp")
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
+# Hydra writes a job's config here before the job runs, so it marks a run that left no summary.
+JOB_CONFIG = Path(".hydra") / "config.yaml"
 BASELINE = "fp32"
 # Within a model the baseline comes first, then the precisions compared with it.
 PRECISION_ORDER = {"fp32": 0, "bf16": 1, "fp16": 2}
@@ -80,9 +82,26 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def killed_summary(path: Path) -> dict[str, Any]:
+    """What a job that never wrote summary.json (SIGKILL, the OOM killer) shows in a report."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(OmegaConf.load(path / JOB_CONFIG), resolve=False)
+    return {
+        "status": "killed",
+        "error": f"no {SUMMARY_FILE}: the process was killed (SIGKILL, out of memory) or is "
+        "still running",
+        "model": config.get("model", {}).get("name", "?"),
+        "precision": config.get("precision", {}).get("name", "?"),
+        "config": config,
+    }
+
+
 def load_run(path: Path) -> Run:
     try:
         summary = json.loads((path / SUMMARY_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        summary = killed_summary(path)
     except (OSError, json.JSONDecodeError) as error:
         summary = {"status": "failed", "error": f"unreadable {SUMMARY_FILE}: {error}"}
     return Run(path, summary, read_metrics(path / METRICS_FILE))
@@ -92,7 +111,12 @@ def find_runs(dirs: list[Path]) -> list[Run]:
     for directory in dirs:
         if not directory.is_dir():
             raise ReportError(f"{directory} is not a directory")
-    paths = {summary.parent for directory in dirs for summary in directory.rglob(SUMMARY_FILE)}
+    paths = {
+        found.parents[len(marker.parts) - 1]
+        for directory in dirs
+        for marker in (Path(SUMMARY_FILE), JOB_CONFIG)
+        for found in directory.rglob(str(marker))
+    }
     if not paths:
         raise ReportError(
             f"no runs under {', '.join(map(str, dirs))}: found no {SUMMARY_FILE}; give a sweep "

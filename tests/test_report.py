@@ -271,3 +271,19 @@ def test_a_ranks_column_appears_only_when_a_run_was_data_parallel(tmp_path: Path
     table = (tmp_path / "ddp" / "report.md").read_text().splitlines()
     header = next(line for line in table if line.startswith("| run |"))
     assert "| ranks |" in header
+
+
+def test_a_job_killed_before_its_summary_is_listed_as_killed(tmp_path: Path) -> None:
+    """SIGKILL and the OOM killer leave no summary.json; the config Hydra saved names the job."""
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    killed = tmp_path / "1"
+    (killed / ".hydra").mkdir(parents=True)
+    (killed / ".hydra" / "config.yaml").write_text(
+        "model:\n  name: tiny_cnn\nprecision:\n  name: bf16\nseed: 0\n"
+    )
+    (killed / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    row = rows_by_run(report)["1"]
+    assert (row["status"], row["model"], row["precision"]) == ("killed", "tiny_cnn", "bf16")
+    assert "no summary.json" in row["error"]
+    assert "2 runs (1 completed, 1 killed)" in (tmp_path / "report.md").read_text()
