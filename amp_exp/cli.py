@@ -21,7 +21,8 @@ from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
 
 from amp_exp.config import SUBMITIT_PLUGIN, ConfigError, validate
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# amp_exp/conf is a symlink to the repository's conf/ (a wheel carries a copy of it).
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 CONFIG_NAME = "config"
 SUBMITIT_LAUNCHERS = "hydra/launcher/submitit_"
 
