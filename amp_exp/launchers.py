@@ -5,7 +5,7 @@ preemption, the run saves a checkpoint and hands the signal to submitit (``amp_e
 which calls the launcher's ``checkpoint`` hook and requeues what it returns. The plugin's hook
 requeues the job as it was submitted, which would start it over; ours adds ``resume=auto``, so the
 requeued job continues from its own checkpoint, in its own output directory (the master config,
-resolver cache included, travels with the job, so ``${now:...}`` in ``hydra.sweep.dir`` resolves
+resolver cache included, travels with the job, so the timestamp in ``hydra.sweep.dir`` resolves
 to the same directory).
 
 The launcher classes themselves live in ``hydra_plugins._amp_exp_submitit``, where Hydra requires

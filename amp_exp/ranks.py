@@ -94,7 +94,12 @@ def log_file_suffix() -> str:
 
 def register_resolvers() -> None:
     """``${amp_exp.launch_time:%H-%M-%S}`` and ``${amp_exp.log_suffix:}`` for conf/config.yaml."""
+    # Cached like Hydra's ${now:}: a submitit job rebuilds its config from the launcher's and
+    # copies only cached values over, so only a cached sweep directory stays the launcher's.
     OmegaConf.register_new_resolver(
-        "amp_exp.launch_time", lambda pattern: launch_time().strftime(pattern), replace=True
+        "amp_exp.launch_time",
+        lambda pattern: launch_time().strftime(pattern),
+        replace=True,
+        use_cache=True,
     )
     OmegaConf.register_new_resolver("amp_exp.log_suffix", log_file_suffix, replace=True)

@@ -120,7 +120,8 @@ def test_stopped_and_resumed_job_ends_where_an_uninterrupted_one_does(tmp_path):
 
 
 def test_submitit_tasks_of_one_job_train_data_parallel(tmp_path):
-    """tasks_per_node=2 through submitit's local executor: the two tasks of a job are its ranks."""
+    """tasks_per_node=2 through submitit's local executor: the two tasks of a job are its ranks,
+    and every job writes into the sweep directory the launcher made (the default one)."""
     result = subprocess.run(
         [
             sys.executable,
@@ -129,7 +130,6 @@ def test_submitit_tasks_of_one_job_train_data_parallel(tmp_path):
             "-m",
             "hydra/launcher=submitit_local",
             "hydra.launcher.tasks_per_node=2",
-            f"hydra.sweep.dir={tmp_path}",
             *DDP_RUN,
             *TINY,
             "precision=fp32,bf16",
@@ -137,15 +137,17 @@ def test_submitit_tasks_of_one_job_train_data_parallel(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
     for job in ("0", "1"):
-        summary = json.loads((tmp_path / job / "summary.json").read_text())
+        summary = json.loads((sweep_dir / job / "summary.json").read_text())
         assert (summary["status"], summary["world_size"]) == ("completed", 2)
         assert summary["replicas_identical"] is True
-        assert (tmp_path / job / "train.rank1.log").is_file()
-    report = json.loads((tmp_path / "report.json").read_text())
+        assert (sweep_dir / job / "train.rank1.log").is_file()
+    report = json.loads((sweep_dir / "report.json").read_text())
     assert sorted(row["world_size"] for row in report["runs"]) == [2, 2]
 
 

@@ -201,8 +201,9 @@ def test_a_job_signalled_before_its_time_limit_is_requeued_and_resumes(tmp_path:
         *TINY,
         f"trainer.max_steps={steps}",
         f"trainer.log_every={log_every}",
-        # A ${now:...} sweep directory that a requeued job re-resolved would differ by microseconds.
-        f"hydra.sweep.dir={tmp_path}/${{now:%H-%M-%S-%f}}",
+        # A sweep directory that a requeued job re-resolved would differ by microseconds; this is
+        # the default one's resolver, with microseconds.
+        f"hydra.sweep.dir={tmp_path}/${{amp_exp.launch_time:%H-%M-%S-%f}}",
         timeout=240,
     )
     (sweep_dir,) = tmp_path.iterdir()
