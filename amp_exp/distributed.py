@@ -45,6 +45,11 @@ class Distributed:
         assert self.replica is not None, "wrap() the model first"
         return self.replica.no_sync()
 
+    def broadcast_buffers(self, module: nn.Module) -> None:
+        """Give every rank rank 0's buffers (BatchNorm statistics), as a DDP forward does."""
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         total = tensor.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)

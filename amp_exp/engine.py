@@ -168,19 +168,28 @@ class Engine:
         return step == self.total_steps or (every > 0 and step % every == 0)
 
     def evaluate(self) -> dict:
-        """Loss and accuracy over the eval split, in the training precision."""
-        self.model.eval()
+        """Loss and accuracy over the eval split, in the training precision.
+
+        Under DDP each rank evaluates its share on the bare module, after taking rank 0's buffers
+        as DDP's own forward would: a DDP forward here would be a collective that a rank without
+        eval batches never joins.
+        """
+        model = self.model
+        if self.distributed is not None:
+            model = unwrap(model)
+            self.distributed.broadcast_buffers(model)
+        model.eval()
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), device=self.device, dtype=torch.long)
         count = 0
         with torch.inference_mode(), self.policy.autocast():
             for images, labels in itertools.islice(self.data.eval, self.trainer.eval_batches):
                 images, labels = self._to_device(images, labels)
-                logits = self.model(images)
+                logits = model(images)
                 loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
                 correct += (logits.argmax(dim=1) == labels).sum()
                 count += labels.shape[0]
-        self.model.train()
+        model.train()
         totals = self._sum_over_ranks(
             torch.stack([loss_sum.double(), correct.double(), loss_sum.new_tensor(count).double()])
         )

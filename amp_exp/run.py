@@ -255,10 +255,14 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path) -> None:
 
 
 def replicas_identical(built: Built) -> bool | None:
-    """Under DDP, whether all ranks ended with bit-identical weights, buffers and loss scale."""
+    """Under DDP, whether all ranks ended with bit-identical weights and loss scale.
+
+    Buffers are left out: DDP hands rank 0's to the others at each forward, so between forwards
+    the ranks' BatchNorm statistics differ by design.
+    """
     if built.distributed is None:
         return None
-    state = [*built.model.parameters(), *built.model.buffers()]
+    state = list(built.model.parameters())
     scale = built.engine.policy.scale()
     if scale is not None:
         state.append(torch.tensor(scale))

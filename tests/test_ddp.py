@@ -24,11 +24,13 @@ TWO_RANKS = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--n
 DDP_RUN = [*FAST, "trainer.max_steps=8", "trainer.log_every=2", "scheduler=none"]
 
 
-def torchrun(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    *args: str, cwd: Path | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     # One thread per rank: two ranks share the two cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [*TWO_RANKS, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env
+        [*TWO_RANKS, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -78,6 +80,23 @@ def test_torchrun_job_writes_one_set_of_results(tmp_path):
     rows = [row for row in read_jsonl(run_dir / "metrics.jsonl") if "loss" in row]
     assert [row["step"] for row in rows] == [2, 4, 6, 8]
     assert rows[-1]["samples"] == 8 * 2 * 16
+
+
+def test_a_rank_without_eval_batches_does_not_hang_the_others(tmp_path):
+    """One eval sample for two ranks: rank 1 evaluates nothing, and the sums still add up."""
+    torchrun(
+        "-m",
+        "amp_exp",
+        f"hydra.run.dir={tmp_path}",
+        *DDP_RUN,
+        *TINY,
+        "dataset.eval_size=1",
+        "trainer.eval_every=2",
+        timeout=120,
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["eval_acc"] in (0.0, 1.0)
+    assert len([row for row in read_jsonl(tmp_path / "metrics.jsonl") if "eval_acc" in row]) == 4
 
 
 def test_inf_on_one_rank_makes_every_rank_skip(tmp_path):
