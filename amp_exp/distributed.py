@@ -9,6 +9,7 @@ host sync beyond DDP's own gradient all-reduce.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Iterator
@@ -79,6 +80,27 @@ class Distributed:
         return not self.any(mismatch)
 
 
+# Process groups this process has opened: a multirun opens one per job.
+_groups_opened = itertools.count()
+
+
+def agent_store() -> dist.Store | None:
+    """A fresh corner of torchrun's store for the next process group; None outside torchrun.
+
+    torchrun's store outlives a worker group it restarts, and a multirun opens one process group
+    per job. The default env:// rendezvous uses the same keys every time, so a new group can read
+    the previous one's stale addresses and fail or hang; the restart count and this process's
+    group count, the same on every rank, give each group keys of its own.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"amp_exp/process_group/{attempt}/{next(_groups_opened)}", store)
+
+
 @contextlib.contextmanager
 def process_group(choice: DeviceChoice) -> Iterator[Distributed | None]:
     """Join torchrun's process group for the length of a run; None outside torchrun.
@@ -98,10 +120,14 @@ def process_group(choice: DeviceChoice) -> Iterator[Distributed | None]:
 
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     if owned:
+        store = agent_store()
+        placement = {}
+        if store is not None:
+            placement = {"store": store, "rank": rank.rank, "world_size": rank.world_size}
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, **placement)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", **placement)
     if not rank.is_main:
         # Rank 0 speaks for the job; the other ranks report only errors.
         log.setLevel(logging.ERROR)

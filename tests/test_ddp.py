@@ -36,9 +36,9 @@ def torchrun(
     return result
 
 
-def run_worker(output_dir: Path, *args: str) -> dict[int, dict]:
+def run_worker(output_dir: Path, *args: str, restarts: int = 0) -> dict[int, dict]:
     """Both ranks' final state, as tests/ddp_worker.py saved it."""
-    torchrun(str(WORKER), str(output_dir), *args)
+    torchrun(f"--max-restarts={restarts}", str(WORKER), str(output_dir), *args)
     return {rank: torch.load(output_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)}
 
 
@@ -168,6 +168,26 @@ def test_submitit_tasks_of_one_job_train_data_parallel(tmp_path):
         assert (sweep_dir / job / "train.rank1.log").is_file()
     report = json.loads((sweep_dir / "report.json").read_text())
     assert sorted(row["world_size"] for row in report["runs"]) == [2, 2]
+
+
+def test_a_worker_group_that_torchrun_restarts_resumes_where_it_failed(tmp_path):
+    """Rank 1 dies in step 5 of the first attempt; torchrun restarts both ranks, which resume from
+    the step-4 checkpoint (and meet in a process group of their own, not the dead one's)."""
+    straight = run_worker(tmp_path / "straight", *DDP_RUN)
+    restarted = run_worker(
+        tmp_path / "restarted",
+        "--die-at",
+        "5",
+        *DDP_RUN,
+        "checkpoint.every_steps=2",
+        "resume=auto",
+        restarts=1,
+    )
+    summary = restarted[0]["summary"]
+    assert summary["resumed_from"] == str(tmp_path / "restarted" / "checkpoints" / "last.pt")
+    assert (summary["status"], summary["steps"]) == ("completed", 8)
+    assert_bitwise_equal(restarted[0]["model"], restarted[1]["model"])
+    assert_bitwise_equal(restarted[0]["model"], straight[0]["model"])
 
 
 def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
