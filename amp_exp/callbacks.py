@@ -11,6 +11,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from amp_exp.config import ReportConfig
+from amp_exp.ranks import worker_rank
 
 log = logging.getLogger("amp_exp")
 
@@ -36,6 +37,10 @@ class SweepReport(Callback):
 
     def build(self) -> None:
         from amp_exp.report import build_report
+
+        rank = worker_rank()
+        if rank is not None and not rank.is_main:
+            return  # under torchrun every rank runs the sweep; rank 0 alone writes its report
 
         try:
             report = build_report([self.sweep_dir], self.sweep_dir, self.accuracy_tolerance)

@@ -99,6 +99,13 @@ def test_a_rank_without_eval_batches_does_not_hang_the_others(tmp_path):
     assert len([row for row in read_jsonl(tmp_path / "metrics.jsonl") if "eval_acc" in row]) == 4
 
 
+def test_a_sweep_under_torchrun_runs_every_job_data_parallel(tmp_path):
+    """Each job of the multirun opens a process group of its own; rank 0 writes the report."""
+    torchrun("-m", "amp_exp", "-m", f"hydra.sweep.dir={tmp_path}", *DDP_RUN, *TINY, "seed=0,1")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(row["status"], row["world_size"]) for row in report["runs"]] == [("completed", 2)] * 2
+
+
 def test_inf_on_one_rank_makes_every_rank_skip(tmp_path):
     """DDP averages gradients before the scaler checks them, so rank 1's overflow is everyone's:
     both ranks skip step 2, back off to the same scale and stay bit-identical."""

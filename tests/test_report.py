@@ -287,3 +287,18 @@ def test_a_job_killed_before_its_summary_is_listed_as_killed(tmp_path: Path) -> 
     assert (row["status"], row["model"], row["precision"]) == ("killed", "tiny_cnn", "bf16")
     assert "no summary.json" in row["error"]
     assert "2 runs (1 completed, 1 killed)" in (tmp_path / "report.md").read_text()
+
+
+def test_only_rank_0_of_a_torchrun_sweep_writes_the_report(tmp_path: Path, monkeypatch) -> None:
+    from amp_exp.callbacks import SweepReport
+
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    callback = SweepReport()
+    callback.sweep_dir = tmp_path
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    callback.build()
+    assert not (tmp_path / "report.md").exists()
+    monkeypatch.setenv("RANK", "0")
+    callback.build()
+    assert (tmp_path / "report.md").is_file()
