@@ -272,6 +272,20 @@ def replicas_identical(built: Built) -> bool | None:
     return identical
 
 
+def check_ranks_resumed_alike(built: Built) -> None:
+    """Every rank reads the checkpoint itself; one that saw another file (or none) would train a
+    diverging replica and, a step out of line, hang the others in a collective."""
+    if built.distributed is None:
+        return
+    step = built.engine.progress.step
+    lowest, highest = -built.distributed.max(-step), built.distributed.max(step)
+    if lowest != highest:
+        raise ConfigError(
+            f"the ranks resumed at different steps ({lowest:.0f} to {highest:.0f}): every node "
+            "must see the same run directory, on a file system they share"
+        )
+
+
 def train(
     cfg: RunConfig,
     output_dir: Path,
@@ -299,6 +313,7 @@ def train_in_group(
     output_dir.mkdir(parents=True, exist_ok=True)
     built = build(cfg, loss_fn, distributed)
     resume(cfg, built, output_dir)
+    check_ranks_resumed_alike(built)
     log.info(
         "precision %s (%s) on %s%s",
         built.resolved.precision.value,

@@ -12,7 +12,7 @@ from amp_exp import ranks
 from amp_exp.config import ConfigError
 from amp_exp.data import DeviceTensorLoader, EpochShuffleSampler, epoch_permutation, shard
 from amp_exp.ranks import WorkerRank, launch_time, log_file_suffix, worker_rank
-from amp_exp.run import build, resume, train
+from amp_exp.run import build, check_ranks_resumed_alike, resume, train
 
 
 def test_shards_are_disjoint_equal_and_cover_all_but_the_ragged_tail():
@@ -87,3 +87,22 @@ def test_a_checkpoint_resumes_only_with_the_ranks_that_wrote_it(run_cfg, tmp_pat
     built.engine.world_size = 2
     with pytest.raises(ConfigError, match="written by 1 data-parallel ranks and this run has 2"):
         resume(run_cfg("resume=auto"), built, tmp_path)
+
+
+def test_ranks_that_resumed_at_different_steps_stop_with_one_line(run_cfg):
+    class RanksAt:
+        """Stands in for the process group of this rank and one other, resumed at ``step``."""
+
+        def __init__(self, step: int) -> None:
+            # What the other rank contributes to each all-reduce, in the order they are made.
+            self.contributions = iter([-step, step])
+
+        def max(self, value: float) -> float:
+            return max(value, next(self.contributions))
+
+    built = build(run_cfg())
+    built.distributed = RanksAt(0)
+    check_ranks_resumed_alike(built)
+    built.distributed = RanksAt(4)
+    with pytest.raises(ConfigError, match=r"resumed at different steps \(0 to 4\)"):
+        check_ranks_resumed_alike(built)
