@@ -156,23 +156,36 @@ TORCHVISION_SETS = {
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def _torchvision_splits(cfg: DatasetConfig, root: Path):
+def _torchvision_splits(cfg: DatasetConfig, root: Path, rank: int, world_size: int):
     import torchvision
     from torchvision import transforms
 
     class_name, shape, classes, mean, std = TORCHVISION_SETS[cfg.name]
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
     dataset_class = getattr(torchvision.datasets, class_name)
-    try:
-        splits = [
-            dataset_class(str(root), train=train, download=cfg.download, transform=transform)
-            for train in (True, False)
-        ]
-    except RuntimeError as error:
-        raise ConfigError(
-            f"dataset={cfg.name.value}: no usable copy under {root} ({error}); "
-            "set dataset.root to it, or dataset.download=true to fetch it"
-        ) from None
+
+    def load(download: bool) -> list[Dataset]:
+        try:
+            return [
+                dataset_class(str(root), train=train, download=download, transform=transform)
+                for train in (True, False)
+            ]
+        except RuntimeError as error:
+            raise ConfigError(
+                f"dataset={cfg.name.value}: no usable copy under {root} ({error}); "
+                "set dataset.root to it, or dataset.download=true to fetch it"
+            ) from None
+
+    if cfg.download and world_size > 1:
+        # Rank 0 downloads into the shared root while the other ranks wait: ranks downloading
+        # into one directory at once would overwrite each other's files.
+        if rank == 0:
+            splits = load(download=True)
+        torch.distributed.barrier()
+        if rank != 0:
+            splits = load(download=False)
+    else:
+        splits = load(cfg.download)
     return splits[0], splits[1], shape, classes
 
 
@@ -271,6 +284,6 @@ def build_data(
     if cfg.name is DatasetName.image_folder:
         train_set, eval_set, shape, classes = _image_folder_splits(cfg, root, seed)
     else:
-        train_set, eval_set, shape, classes = _torchvision_splits(cfg, root)
+        train_set, eval_set, shape, classes = _torchvision_splits(cfg, root, rank, world_size)
     train_loader, eval_loader = _loaders(cfg, train_set, eval_set, seed, device, rank, world_size)
     return DataBundle(train_loader, eval_loader, shape, classes)

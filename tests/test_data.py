@@ -132,3 +132,29 @@ def test_image_folder_trains_end_to_end(run_cfg, tmp_path) -> None:
     )
     summary = train(cfg, tmp_path / "run")
     assert summary["dataset"] == "image_folder" and summary["steps"] == 4
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_ddp_rank_0_downloads_while_the_others_wait(run_cfg, tmp_path, monkeypatch, rank):
+    import torchvision
+    from torchvision.datasets import cifar
+
+    write_fake_cifar10(tmp_path)
+    monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: True)
+    events = []
+
+    class RecordingCIFAR10(torchvision.datasets.CIFAR10):
+        def __init__(self, *args, download: bool, **kwargs) -> None:
+            events.append(f"load(download={download})")
+            super().__init__(*args, download=False, **kwargs)
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", RecordingCIFAR10)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: events.append("barrier"))
+    cfg = run_cfg("dataset=cifar10", f"dataset.root={tmp_path}", "dataset.download=true")
+    data = build_data(cfg.dataset, 0, CPU, rank=rank, world_size=2)
+    expected = {
+        0: ["load(download=True)"] * 2 + ["barrier"],
+        1: ["barrier"] + ["load(download=False)"] * 2,
+    }
+    assert events == expected[rank]
+    assert sum(len(y) for _, y in data.eval) == 10  # this rank's half of the 20 test images
