@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from amp_exp.config import DeviceChoice
 from amp_exp.hardware import resolve_device
-from amp_exp.ranks import WorkerRank, worker_rank
+from amp_exp.ranks import WorkerRank, torchrun_store, worker_rank
 
 log = logging.getLogger("amp_exp")
 
@@ -56,9 +56,6 @@ class Distributed:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total
 
-    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.sum(tensor) / self.world_size
-
     def max(self, value: float) -> float:
         """The largest of the ranks' values, on every rank (reads the device)."""
         largest = torch.tensor(float(value), device=self.device)
@@ -92,11 +89,9 @@ def agent_store() -> dist.Store | None:
     the previous one's stale addresses and fail or hang; the restart count and this process's
     group count, the same on every rank, give each group keys of its own.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    store = torchrun_store()
+    if store is None:
         return None
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
-    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"amp_exp/process_group/{attempt}/{next(_groups_opened)}", store)
 

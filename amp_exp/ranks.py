@@ -66,20 +66,26 @@ def submitit_rank() -> WorkerRank | None:
     return WorkerRank(job.global_rank, job.num_tasks, job.local_rank)
 
 
+def torchrun_store(timeout: timedelta | None = None):
+    """A client of the key-value store torchrun's agent keeps for its workers (waiting up to
+    ``timeout``, or torch's default), or None when this process is not a torchrun worker."""
+    if worker_rank() is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed import TCPStore
+
+    waits = {} if timeout is None else {"timeout": timeout}
+    return TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, **waits
+    )
+
+
 @functools.cache
 def launch_time() -> datetime:
     """When this job started: the same instant in every worker of a torchrun job."""
     now = datetime.now()
-    if worker_rank() is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    store = torchrun_store(STORE_TIMEOUT)
+    if store is None:
         return now
-    from torch.distributed import TCPStore
-
-    store = TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=STORE_TIMEOUT,
-    )
     key = LAUNCH_TIME_KEY.format(run_id=os.environ.get("TORCHELASTIC_RUN_ID", "none"))
     # compare_set with an empty expected value writes only if the key is absent: first one wins.
     agreed = store.compare_set(key, "", now.isoformat())
