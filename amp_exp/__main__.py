@@ -12,19 +12,19 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from amp_exp.cli import CONF_DIR, CONFIG_NAME, check_overrides
-from amp_exp.config import ConfigError, register_configs, to_plain_dict, validate
-from amp_exp.ranks import worker_rank
-from amp_exp.sweep import sweep_job
+from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
+from amp_exp.config.store import register_configs
+from amp_exp.config.validate import to_plain_dict, validate
+from amp_exp.errors import EXIT_CONFIG_ERROR, EXPECTED_ERRORS, ConfigError
+from amp_exp.runtime.ranks import worker_rank
+from amp_exp.runtime.sweep import sweep_job
 
 log = logging.getLogger("amp_exp")
 
-
-# Exit statuses: 0 done, 2 bad config or hardware request, 3 numerical fault (see the message),
-# 128 + N when signal N stopped the run after a checkpoint (143 SIGTERM, 130 SIGINT, 138 SIGUSR1,
-# 140 SIGUSR2); under submitit, SIGUSR2 requeues the job instead (amp_exp/signals.py).
-EXIT_CONFIG_ERROR = 2
-EXIT_NUMERICAL_FAULT = 3
+# Exit statuses: 0 done; 2 bad config or hardware request, 3 numerical fault, 4 runtime fault
+# (amp_exp.errors; the message says what to do); 128 + N when signal N stopped the run after a
+# checkpoint (143 SIGTERM, 130 SIGINT, 138 SIGUSR1, 140 SIGUSR2); under submitit, SIGUSR2
+# requeues the job instead (amp_exp/runtime/signals.py).
 
 
 # At import, not in main(): a submitit job unpickles hydra_main and composes its config without
@@ -35,8 +35,7 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
 def hydra_main(cfg: DictConfig) -> float | None:
     """One job: validate, train, and return the final loss for sweepers that optimize it."""
-    from amp_exp.engine import NumericalFault
-    from amp_exp.run import failure_summary, train, write_json
+    from amp_exp.run import record_failure, train
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
@@ -46,12 +45,11 @@ def hydra_main(cfg: DictConfig) -> float | None:
         # Every run leaves a summary.json, so a sweep report shows this one as failed.
         rank = worker_rank()
         if rank is None or rank.is_main:
-            write_json(output_dir / "summary.json", failure_summary(to_plain_dict(cfg), error))
-        one_line = isinstance(error, (ConfigError, NumericalFault))
-        if hydra_cfg.mode == RunMode.MULTIRUN or not one_line:
+            record_failure(output_dir, to_plain_dict(cfg), error)
+        if hydra_cfg.mode == RunMode.MULTIRUN or not isinstance(error, EXPECTED_ERRORS):
             raise  # in a sweep, Hydra records this job as failed and runs the others
         log.error("%s", error)
-        sys.exit(EXIT_CONFIG_ERROR if isinstance(error, ConfigError) else EXIT_NUMERICAL_FAULT)
+        sys.exit(error.exit_status)
     if summary["stop_signal"] is not None:
         sys.exit(128 + signal.Signals[summary["stop_signal"]])
     return summary["final_loss"]

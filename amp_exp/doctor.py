@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from amp_exp.config import DeviceChoice
-from amp_exp.hardware import inspect_hardware, precision_advice, recommend_precision, resolve_device
+from amp_exp.config.schema import DeviceChoice
+from amp_exp.runtime.hardware import (
+    inspect_hardware,
+    precision_advice,
+    recommend_precision,
+    resolve_device,
+)
 
 
 def report(device: torch.device) -> list[str]:

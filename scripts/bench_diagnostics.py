@@ -45,14 +45,15 @@ def hook_share(overrides: list[str]) -> dict[str, float]:
 
     from hydra import compose, initialize_config_dir
 
-    import amp_exp.diagnostics
-    from amp_exp.cli import CONF_DIR
-    from amp_exp.config import register_configs, validate
+    import amp_exp.training.diagnostics
+    from amp_exp.config.preflight import CONF_DIR
+    from amp_exp.config.store import register_configs
+    from amp_exp.config.validate import validate
     from amp_exp.run import train
 
     spent = 0.0
     for name in ("_before_step", "_after_step"):
-        hook = getattr(amp_exp.diagnostics.Diagnostics, name)
+        hook = getattr(amp_exp.training.diagnostics.Diagnostics, name)
 
         def timed(self, *args, _hook=hook):
             nonlocal spent
@@ -62,7 +63,7 @@ def hook_share(overrides: list[str]) -> dict[str, float]:
             finally:
                 spent += time.perf_counter() - started
 
-        setattr(amp_exp.diagnostics.Diagnostics, name, timed)
+        setattr(amp_exp.training.diagnostics.Diagnostics, name, timed)
     register_configs()
     fixed = ["wandb.mode=disabled", "checkpoint.every_steps=null", "trainer.eval_every=null"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

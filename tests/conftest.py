@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from amp_exp.cli import CONF_DIR, CONFIG_NAME
-from amp_exp.config import RunConfig, register_configs, validate
+from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
+from amp_exp.config.schema import RunConfig
+from amp_exp.config.store import register_configs
+from amp_exp.config.validate import validate
 
 # Small enough for 2 CPU cores, large enough that every code path runs.
 FAST = [

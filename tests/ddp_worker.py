@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 import amp_exp.run as run
-from amp_exp.cli import CONF_DIR, CONFIG_NAME
-from amp_exp.config import register_configs, validate
+from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
+from amp_exp.config.store import register_configs
+from amp_exp.config.validate import validate
 from conftest import inf_loss_at, signal_self_at_call
 
 

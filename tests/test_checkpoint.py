@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from amp_exp.checkpoint import CheckpointWriter, load_newest_valid
-from amp_exp.engine import NumericalFault
+from amp_exp.errors import NumericalFault
+from amp_exp.results.checkpoint import Checkpointer, UnusableCheckpoints, load_newest_valid
 from amp_exp.run import build, train
 from conftest import FAST, read_jsonl, signal_self_at_call
 
@@ -97,8 +97,11 @@ def test_keep_prunes_numbered_checkpoints(run_cfg, tmp_path) -> None:
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -> None:
-    writer = CheckpointWriter(tmp_path, keep=0)
-    writer.save({"progress": {}, "step": 1, "model": {"w": torch.ones(3)}})
+    def state(step: int, weight: torch.Tensor) -> dict:
+        return {"progress": {"step": step, "epoch": 0, "batch_in_epoch": step}, "model": weight}
+
+    writer = Checkpointer(tmp_path, every_steps=0, keep=0, metadata={})
+    writer.save(state(1, torch.ones(3)))
     real_save = torch.save
 
     def crash_midway(obj, f, *args, **kwargs):
@@ -107,7 +110,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -
 
     monkeypatch.setattr(torch, "save", crash_midway)
     with pytest.raises(OSError, match="disk full"):
-        writer.save({"progress": {}, "step": 2, "model": {"w": torch.zeros(3)}})
+        writer.save(state(2, torch.zeros(3)))
     monkeypatch.setattr(torch, "save", real_save)
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
     _, payload = load_newest_valid(tmp_path / "last.pt")
@@ -139,8 +142,8 @@ def test_pickled_code_payload_is_refused_and_never_runs(tmp_path, caplog) -> Non
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
     (checkpoints / "last.pt").write_bytes(pickle.dumps({"progress": Payload(marker)}, protocol=2))
-    with caplog.at_level(logging.WARNING):
-        assert load_newest_valid(tmp_path) is None
+    with caplog.at_level(logging.WARNING), pytest.raises(UnusableCheckpoints):
+        load_newest_valid(tmp_path)
     assert not marker.exists()
     assert "unusable" in caplog.text
     # Without weights_only the same file would have run its payload.
@@ -257,7 +260,7 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path) -> None:
 
 
 def test_second_sigint_exits_at_once() -> None:
-    from amp_exp.signals import StopRequest
+    from amp_exp.runtime.signals import StopRequest
 
     with StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGINT)

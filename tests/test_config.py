@@ -8,16 +8,16 @@ import sys
 
 import pytest
 
-from amp_exp.cli import CONF_DIR, check_overrides
-from amp_exp.config import (
+from amp_exp.config.preflight import CONF_DIR, check_overrides
+from amp_exp.config.schema import (
     AdamWConfig,
-    ConfigError,
     Precision,
     SGDConfig,
     TinyCNNConfig,
     TorchvisionModelConfig,
-    validate,
 )
+from amp_exp.config.validate import validate
+from amp_exp.errors import ConfigError
 
 GROUPS = ("model", "dataset", "optimizer", "scheduler", "precision", "trainer", "wandb", "report")
 # Options that need a value the YAML cannot know.
@@ -121,7 +121,7 @@ def validated_configs(monkeypatch, argv: list[str]) -> set[tuple[str, str]]:
         seen.add((cfg.model.name, cfg.precision.name.value))
         return validate(cfg)
 
-    monkeypatch.setattr("amp_exp.cli.validate", spy)
+    monkeypatch.setattr("amp_exp.config.preflight.validate", spy)
     check_overrides(argv)
     return seen
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from amp_exp.config import ConfigError
-from amp_exp.data import DeviceTensorLoader, build_data
+from amp_exp.errors import ConfigError
+from amp_exp.tasks.images import DeviceTensorLoader, build_data
 
 CPU = torch.device("cpu")
 
@@ -34,7 +34,7 @@ def test_synthetic_shapes_follow_the_config(run_cfg) -> None:
     cfg = run_cfg("dataset.channels=1", "dataset.image_size=12", "dataset.num_classes=7")
     data = build_data(cfg.dataset, 0, CPU)
     images, labels = first_batch(data.train)
-    assert data.input_shape == (1, 12, 12) and data.num_classes == 7
+    assert data.facts == {"input_shape": (1, 12, 12), "num_classes": 7}
     assert images.shape == (32, 1, 12, 12)
     assert int(labels.max()) < 7
     assert len(data.train) == 256 // 32
@@ -63,7 +63,7 @@ def test_cifar10_loads_real_files(run_cfg, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: True)
     cfg = run_cfg("dataset=cifar10", f"dataset.root={tmp_path}", "dataset.batch_size=8")
     data = build_data(cfg.dataset, 0, CPU)
-    assert data.input_shape == (3, 32, 32) and data.num_classes == 10
+    assert data.facts == {"input_shape": (3, 32, 32), "num_classes": 10}
     images, _ = first_batch(data.train)
     assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
     assert len(data.train) == 100 // 8
@@ -98,7 +98,7 @@ def test_image_folder_holds_out_a_seeded_eval_split(run_cfg, tmp_path) -> None:
         "dataset.eval_fraction=0.25",
     )
     data = build_data(cfg.dataset, 0, CPU)
-    assert data.input_shape == (3, 16, 16) and data.num_classes == 2
+    assert data.facts == {"input_shape": (3, 16, 16), "num_classes": 2}
     images, _ = first_batch(data.train)
     assert images.shape == (4, 3, 16, 16)
     assert len(data.train) == 9 // 4  # 12 images, 3 held out, ragged batch dropped

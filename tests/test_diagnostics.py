@@ -8,18 +8,18 @@ import sys
 import pytest
 import torch
 
-import amp_exp.hardware
-from amp_exp.diagnostics import FP16_MAX, gradient_ranges, largest_safe_scale
-from amp_exp.hardware import inspect_hardware, precision_advice, recommend_precision
-from amp_exp.models import l2_normalize_function
+import amp_exp.runtime.hardware
 from amp_exp.run import train
+from amp_exp.runtime.hardware import inspect_hardware, precision_advice, recommend_precision
+from amp_exp.tasks.vision_models import l2_normalize_function
+from amp_exp.training.diagnostics import FP16_MAX, gradient_ranges, largest_safe_scale
 from conftest import TINY
 
 CPU = torch.device("cpu")
 
 
 def cpu_with(monkeypatch, *flags: str) -> dict:
-    monkeypatch.setattr(amp_exp.hardware, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(amp_exp.runtime.hardware, "cpu_flags", lambda: set(flags))
     return inspect_hardware(CPU)
 
 
@@ -60,7 +60,7 @@ def test_gpu_capabilities_drive_the_advice(monkeypatch) -> None:
 
 
 def test_run_records_hardware_and_warns_once(run_cfg, tmp_path, monkeypatch, caplog) -> None:
-    monkeypatch.setattr(amp_exp.hardware, "cpu_flags", lambda: set())
+    monkeypatch.setattr(amp_exp.runtime.hardware, "cpu_flags", lambda: set())
     summary = train(run_cfg("precision=fp16", *TINY), tmp_path)
     assert summary["hardware"]["device"] == "cpu"
     assert summary["hardware"]["recommended_precision"] == "fp32"
@@ -190,7 +190,7 @@ def test_doctor_prints_findings_and_a_recommendation() -> None:
 
 
 def test_activation_memory_is_compared_through_the_cuda_allocator(monkeypatch) -> None:
-    from amp_exp.diagnostics import Diagnostics, forward_activation_bytes
+    from amp_exp.training.diagnostics import Diagnostics, forward_activation_bytes
 
     allocated = {"now": 1000, "peak": 1000}
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)

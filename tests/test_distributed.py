@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from amp_exp import ranks
-from amp_exp.config import ConfigError
-from amp_exp.data import DeviceTensorLoader, EpochShuffleSampler, epoch_permutation, shard
-from amp_exp.ranks import WorkerRank, launch_time, log_file_suffix, worker_rank
+from amp_exp.errors import ConfigError, RuntimeFault
 from amp_exp.run import build, check_ranks_resumed_alike, resume, train
+from amp_exp.runtime import ranks
+from amp_exp.runtime.ranks import WorkerRank, launch_time, log_file_suffix, worker_rank
+from amp_exp.tasks.images import DeviceTensorLoader, EpochShuffleSampler, epoch_permutation, shard
 
 
 def test_shards_are_disjoint_equal_and_cover_all_but_the_ragged_tail():
@@ -85,7 +85,7 @@ def test_a_checkpoint_resumes_only_with_the_ranks_that_wrote_it(run_cfg, tmp_pat
     train(run_cfg(), tmp_path)
     built = build(run_cfg("resume=auto"))
     built.engine.world_size = 2
-    with pytest.raises(ConfigError, match="written by 1 data-parallel ranks and this run has 2"):
+    with pytest.raises(RuntimeFault, match="written by 1 data-parallel ranks and this run has 2"):
         resume(run_cfg("resume=auto"), built, tmp_path)
 
 
@@ -104,5 +104,5 @@ def test_ranks_that_resumed_at_different_steps_stop_with_one_line(run_cfg):
     built.distributed = RanksAt(0)
     check_ranks_resumed_alike(built)
     built.distributed = RanksAt(4)
-    with pytest.raises(ConfigError, match=r"resumed at different steps \(0 to 4\)"):
+    with pytest.raises(RuntimeFault, match=r"resumed at different steps \(0 to 4\)"):
         check_ranks_resumed_alike(built)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_exp.meters import peak_memory_bytes, reset_peak_memory
+from amp_exp.training.meters import peak_memory_bytes, reset_peak_memory
 
 CPU = torch.device("cpu")
 MiB = 2**20

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-import amp_exp.meters
+import amp_exp.training.meters
 from amp_exp.run import build
 from conftest import TINY
 
@@ -28,13 +28,13 @@ def count_host_reads(monkeypatch) -> Counter:
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counting)
-    original_sync = amp_exp.meters.synchronize
+    original_sync = amp_exp.training.meters.synchronize
 
     def counting_sync(device):
         counts["synchronize"] += 1
         original_sync(device)
 
-    monkeypatch.setattr(amp_exp.meters, "synchronize", counting_sync)
+    monkeypatch.setattr(amp_exp.training.meters, "synchronize", counting_sync)
     return counts
 
 

@@ -7,7 +7,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from amp_exp.cli import CONF_DIR
+from amp_exp.config.preflight import CONF_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 

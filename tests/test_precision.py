@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from amp_exp.config import ConfigError, Precision, PrecisionConfig
-from amp_exp.precision import PrecisionPolicy, resolve_precision
+from amp_exp.config.schema import Precision, PrecisionConfig
+from amp_exp.errors import ConfigError
+from amp_exp.runtime.hardware import resolve_precision
+from amp_exp.training.precision import PrecisionPolicy
 
 CPU = torch.device("cpu")
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import amp_exp
-from amp_exp import plots
-from amp_exp.report import build_report, main
+import amp_exp.report
+from amp_exp.report import plots
+from amp_exp.report.__main__ import main
+from amp_exp.report.assemble import build_report
 
 MiB = 2**20
 
@@ -52,7 +53,8 @@ def write_run(
     }
     (path / "summary.json").write_text(json.dumps(summary))
     rows = [
-        {"step": step, "loss": 2.0 / step, "scale": scale, "skipped_steps": skipped_steps}
+        {"kind": "train", "step": step, "loss": 2.0 / step, "scale": scale}
+        | {"skipped_steps": skipped_steps}
         for step in (1, 2, 3)
     ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -177,8 +179,8 @@ def test_a_plot_that_fails_never_costs_the_table(tmp_path: Path, monkeypatch) ->
 def test_without_matplotlib_the_report_keeps_its_table(tmp_path: Path, monkeypatch) -> None:
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     # Importing the plots fails, as it does where matplotlib is not installed.
-    monkeypatch.delattr(amp_exp, "plots", raising=False)
-    monkeypatch.setitem(sys.modules, "amp_exp.plots", None)
+    monkeypatch.delattr(amp_exp.report, "plots", raising=False)
+    monkeypatch.setitem(sys.modules, "amp_exp.report.plots", None)
     report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
     assert report["plots"] == [] and "amp_exp[report]" in report["plot_errors"]["plots"]
     assert "| 0 | tiny_cnn | fp32 | completed | 1,000.0 |" in (tmp_path / "report.md").read_text()
@@ -281,7 +283,7 @@ def test_a_job_killed_before_its_summary_is_listed_as_killed(tmp_path: Path) -> 
     (killed / ".hydra" / "config.yaml").write_text(
         "model:\n  name: tiny_cnn\nprecision:\n  name: bf16\nseed: 0\n"
     )
-    (killed / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    (killed / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"st')
     report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
     row = rows_by_run(report)["1"]
     assert (row["status"], row["model"], row["precision"]) == ("killed", "tiny_cnn", "bf16")
@@ -290,7 +292,7 @@ def test_a_job_killed_before_its_summary_is_listed_as_killed(tmp_path: Path) -> 
 
 
 def test_only_rank_0_of_a_torchrun_sweep_writes_the_report(tmp_path: Path, monkeypatch) -> None:
-    from amp_exp.callbacks import SweepReport
+    from amp_exp.report.callback import SweepReport
 
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     callback = SweepReport()

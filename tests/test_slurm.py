@@ -19,13 +19,14 @@ from hydra import compose, initialize_config_dir
 from hydra.core.plugins import Plugins
 from omegaconf import DictConfig
 
-from amp_exp.cli import CONF_DIR, CONFIG_NAME
+from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from conftest import FAST, TINY, read_jsonl
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
-from amp_exp.launchers import LocalConf, with_resume
-from amp_exp.signals import StopRequest
+from amp_exp.runtime.launchers import LocalConf
+from amp_exp.runtime.signals import StopRequest
+from hydra_plugins._amp_exp_submitit import with_resume
 
 slow = pytest.mark.slow
 TESTS_DIR = Path(__file__).resolve().parent
@@ -110,7 +111,7 @@ def test_local_signal_delay_reaches_submitits_executor(tmp_path: Path) -> None:
     import submitit
     from submitit.local.local import LocalExecutor
 
-    from amp_exp.launchers import _local_parameter_accepted
+    from hydra_plugins._amp_exp_submitit import _local_parameter_accepted
 
     executor = submitit.AutoExecutor(folder=tmp_path, cluster="local")
     with _local_parameter_accepted("signal_delay_s"):
@@ -151,7 +152,7 @@ def test_hand_over_leaves_ctrl_c_and_default_handlers_alone() -> None:
 def test_without_the_plugin_the_error_says_what_to_install(monkeypatch) -> None:
     from hydra.errors import MissingConfigException
 
-    from amp_exp import cli
+    from amp_exp.config import preflight as cli
 
     monkeypatch.setattr(cli, "find_spec", lambda name: None)
     error = MissingConfigException("Could not load", "hydra/launcher/submitit_slurm")

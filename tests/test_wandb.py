@@ -11,12 +11,12 @@ import pytest
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from amp_exp.config import ConfigError, WandbMode
-from amp_exp.dashboard import choice_label, run_config, run_group, run_name, run_tags
-from amp_exp.engine import NumericalFault
+from amp_exp.config.schema import WandbMode
+from amp_exp.errors import ConfigError, NumericalFault
+from amp_exp.results.dashboard import choice_label, run_config, run_group, run_name, run_tags
+from amp_exp.results.wandb_logger import WandbLogger, open_wandb_logger, resolve_mode
 from amp_exp.run import train
-from amp_exp.sweep import SweepJob, sweep_job
-from amp_exp.wandb_logger import WandbLogger, open_wandb_logger, resolve_mode
+from amp_exp.runtime.sweep import SweepJob, sweep_job
 from conftest import TINY, inf_loss_at, read_jsonl, signal_self_at_call
 from wandb_records import read_only_run, read_records, read_run, run_files
 
@@ -118,8 +118,8 @@ def test_wandb_log_every_thins_train_rows_and_keeps_the_last() -> None:
     run = RecordingRun()
     logger = WandbLogger(wandb=None, run=run, log_every=4, total_steps=10)
     for step, skipped in [(2, 1), (4, 1), (6, 1), (8, 3), (10, 3)]:
-        logger.log({"step": step, "loss": 1.0, "skipped_steps": skipped, "scale": None})
-    logger.log({"step": 10, "samples": 40, "eval_loss": 2.0, "eval_acc": 0.5})
+        logger.log({"kind": "train", "step": step, "loss": 1.0, "skipped_steps": skipped})
+    logger.log({"kind": "eval", "step": 10, "samples": 40, "eval_loss": 2.0, "eval_acc": 0.5})
     assert [step for step, _ in run.logged] == [4, 8, 10, 10]
     assert [m["amp/skip_rate"] for _, m in run.logged[:3]] == [0.25, 0.5, 0.0]
     assert all("amp/scale" not in m for _, m in run.logged)  # no scale outside fp16

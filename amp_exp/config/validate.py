@@ -1,0 +1,198 @@
+"""Checks a type alone cannot express (ranges, cross-field rules), and the typed ``RunConfig``.
+
+``validate`` turns a composed config into a ``RunConfig`` or raises ``ConfigError`` with one line
+that names the key and the valid choices. Nothing here imports torch: a bad value is rejected
+before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import fields
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from amp_exp.config.schema import (
+    SCHEMAS,
+    WANDB_TAG_MAX_CHARS,
+    AdamWConfig,
+    DatasetName,
+    MLPConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    RunConfig,
+    SchedulerConfig,
+    TinyCNNConfig,
+    TrainerConfig,
+    WandbConfig,
+)
+from amp_exp.errors import ConfigError
+
+_POSITIVE = (
+    "dataset.batch_size",
+    "dataset.num_classes",
+    "dataset.image_size",
+    "dataset.channels",
+    "dataset.train_size",
+    "dataset.eval_size",
+    "trainer.grad_accum_steps",
+    "trainer.log_every",
+    "precision.growth_interval",
+    "wandb.init_timeout",
+)
+_POSITIVE_OR_NULL = (
+    "dataset.eval_batch_size",
+    "trainer.max_steps",
+    "trainer.epochs",
+    "trainer.eval_batches",
+    "precision.clip_grad_norm",
+    "wandb.log_every",
+)
+
+
+@functools.cache
+def torchvision_model_names() -> tuple[str, ...]:
+    """The classification models torchvision can build (imports torchvision: about 1.5 s)."""
+    import torchvision
+
+    return tuple(torchvision.models.list_models(module=torchvision.models))
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: DictConfig) -> RunConfig:
+    """Turn a composed config into a typed ``RunConfig``, or raise ``ConfigError``."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    _check(
+        not missing, f"{', '.join(missing)} must be set, e.g. {missing[0] if missing else ''}=..."
+    )
+    _reject_unknown_keys(cfg)
+    run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    for key in _POSITIVE:
+        value = attrgetter(key)(run)
+        _check(value > 0, f"{key}={value} must be positive")
+    for key in _POSITIVE_OR_NULL:
+        value = attrgetter(key)(run)
+        _check(value is None or value > 0, f"{key}={value} must be positive or null")
+    _check(run.dataset.num_workers >= 0, "dataset.num_workers must be 0 or more")
+    _check(run.dataset.noise_std >= 0, "dataset.noise_std must be 0 or more")
+    _check(
+        run.dataset.name is not DatasetName.image_folder or Path(run.dataset.root).is_dir(),
+        f"dataset.root={run.dataset.root} is not a directory; dataset=image_folder needs "
+        "dataset.root=/path/to/images with one sub-folder per class",
+    )
+    _check(
+        0 < run.dataset.eval_fraction < 1, "dataset.eval_fraction must lie strictly between 0 and 1"
+    )
+    _check(
+        run.trainer.max_steps is not None or run.trainer.epochs is not None,
+        "set trainer.max_steps or trainer.epochs (both are null, so the run would never end)",
+    )
+    _check(
+        run.trainer.eval_every is None or run.trainer.eval_every >= 0,
+        "trainer.eval_every must be 0 (only at the end), a positive step interval, or null (never)",
+    )
+    _check(run.trainer.timing_warmup_steps >= 0, "trainer.timing_warmup_steps must be 0 or more")
+    every = run.checkpoint.every_steps
+    _check(every is None or every >= 0, "checkpoint.every_steps must be 0 (at the end), N or null")
+    _check(run.checkpoint.keep >= 0, "checkpoint.keep must be 0 or more")
+    _check(run.diagnostics.check_steps >= 0, "diagnostics.check_steps must be 0 or more")
+    _check(
+        run.diagnostics.underflow_every >= 0, "diagnostics.underflow_every must be 0 (off) or more"
+    )
+    _check(run.report.accuracy_tolerance >= 0, "report.accuracy_tolerance must be 0 or more")
+    _validate_precision(run.precision)
+    _validate_optimizer(run.optimizer)
+    _validate_scheduler(run.scheduler)
+    _validate_model(run.model)
+    _validate_wandb(run.wandb, run.trainer)
+    return run
+
+
+def _reject_unknown_keys(cfg: DictConfig) -> None:
+    """``+group.key=value`` opens a typed node; a key its schema lacks would be silently lost."""
+    for section in [*SCHEMAS, "checkpoint", "diagnostics"]:
+        node = cfg[section]
+        known = {f.name for f in fields(OmegaConf.get_type(node))}
+        unknown = sorted(set(node.keys()) - known)
+        _check(
+            not unknown,
+            f"{section}.{unknown[0] if unknown else ''} is not a known key; "
+            f"valid keys: {', '.join(sorted(known))}",
+        )
+
+
+def _validate_precision(precision: PrecisionConfig) -> None:
+    _check(precision.init_scale > 0, "precision.init_scale must be positive")
+    _check(precision.growth_factor > 1, "precision.growth_factor must be greater than 1")
+    _check(precision.max_consecutive_skips > 0, "precision.max_consecutive_skips must be positive")
+    _check(precision.min_scale > 0, "precision.min_scale must be positive")
+    _check(
+        0 < precision.backoff_factor < 1,
+        "precision.backoff_factor must lie strictly between 0 and 1",
+    )
+
+
+def _validate_optimizer(optimizer: OptimizerConfig) -> None:
+    _check(optimizer.lr > 0, f"optimizer.lr={optimizer.lr} must be positive")
+    _check(optimizer.weight_decay >= 0, "optimizer.weight_decay must be 0 or more")
+    if isinstance(optimizer, AdamWConfig):
+        _check(
+            len(optimizer.betas) == 2 and all(0 <= b < 1 for b in optimizer.betas),
+            "optimizer.betas must be two numbers in [0, 1)",
+        )
+    else:
+        _check(0 <= optimizer.momentum < 1, "optimizer.momentum must lie in [0, 1)")
+        _check(
+            not optimizer.nesterov or optimizer.momentum > 0,
+            "optimizer.nesterov=true needs optimizer.momentum > 0",
+        )
+
+
+def _validate_scheduler(scheduler: SchedulerConfig) -> None:
+    _check(scheduler.warmup_steps >= 0, "scheduler.warmup_steps must be 0 or more")
+    _check(0 <= scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio must lie in [0, 1]")
+    _check(0 < scheduler.pct_start < 1, "scheduler.pct_start must lie strictly between 0 and 1")
+
+
+def _validate_model(model: ModelConfig) -> None:
+    if isinstance(model, TinyCNNConfig):
+        _check(model.width > 0, "model.width must be a positive integer")
+    elif isinstance(model, MLPConfig):
+        _check(model.hidden_dim > 0, "model.hidden_dim must be a positive integer")
+        _check(model.depth >= 0, "model.depth must be 0 or more")
+    else:
+        names = torchvision_model_names()
+        _check(
+            model.name in names,
+            f"model.name={model.name!r} is not a torchvision classification model; "
+            f"valid choices: {', '.join(names)}",
+        )
+
+
+def _validate_wandb(wandb: WandbConfig, trainer: TrainerConfig) -> None:
+    _check(bool(wandb.project.strip()), "wandb.project must not be empty")
+    _check(wandb.finish_timeout >= 0, "wandb.finish_timeout must be 0 (wait for all) or more")
+    _check(
+        wandb.log_every is None or wandb.log_every % trainer.log_every == 0,
+        f"wandb.log_every={wandb.log_every} must be a multiple of "
+        f"trainer.log_every={trainer.log_every}, the interval at which metrics are read",
+    )
+    long_tags = [tag for tag in wandb.tags if len(tag) > WANDB_TAG_MAX_CHARS]
+    _check(
+        not long_tags,
+        f"wandb.tags: {long_tags[0] if long_tags else ''!r} is longer than "
+        f"{WANDB_TAG_MAX_CHARS} characters",
+    )
+
+
+def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain Python types (enums become their values)."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]

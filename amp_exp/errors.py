@@ -1,0 +1,41 @@
+"""The ways a run can fail on purpose, each with its own exit status. Imports nothing.
+
+- ``ConfigError`` (exit 2): the command asked for something that cannot run. Raised before any
+  training where possible; the message is one line that says what to change.
+- ``RuntimeFault`` (exit 4): the run started, and what it found on disk or among its ranks does
+  not let it go on (a checkpoint from another world size, ranks that resumed at different steps).
+- ``NumericalFault`` (exit 3): training cannot go on in this precision; the message says why and
+  what to try.
+"""
+
+from __future__ import annotations
+
+EXIT_CONFIG_ERROR = 2
+EXIT_NUMERICAL_FAULT = 3
+EXIT_RUNTIME_FAULT = 4
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; its message is one line that says what to change."""
+
+    exit_status = EXIT_CONFIG_ERROR
+
+
+class RuntimeFault(RuntimeError):
+    """The run's files or its ranks disagree with what it was asked to do; one line says why."""
+
+    exit_status = EXIT_RUNTIME_FAULT
+
+
+class NumericalFault(RuntimeError):
+    """Training cannot go on in this precision; the message says why and what to try."""
+
+    exit_status = EXIT_NUMERICAL_FAULT
+
+
+# The errors whose message is the whole story: the entry point prints it as one line.
+EXPECTED_ERRORS = (ConfigError, RuntimeFault, NumericalFault)
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text

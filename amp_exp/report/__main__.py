@@ -1,0 +1,54 @@
+"""``python -m amp_exp.report DIR [DIR ...]``: the comparison report of runs on disk.
+
+It finds every run (a directory with summary.json) under the given directories and writes
+report.md, report.json and PNG plots. The Hydra callback (report/callback.py) builds the same
+report when a multirun ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from amp_exp.config.schema import ReportConfig
+from amp_exp.report.assemble import build_report
+from amp_exp.report.runs import ReportError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m amp_exp.report",
+        description="Compare runs: writes report.md, report.json and PNG plots.",
+    )
+    parser.add_argument(
+        "dirs", nargs="+", type=Path, metavar="DIR", help="a sweep or run directory"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="where to write the report (default: DIR, or the parent of all)"
+    )
+    parser.add_argument(
+        "--accuracy-tolerance",
+        type=float,
+        default=ReportConfig.accuracy_tolerance,
+        help="percentage points of eval accuracy a run may lie from fp32 (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    if args.accuracy_tolerance < 0:
+        parser.error("--accuracy-tolerance must be 0 or more")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out_dir = args.out or Path(os.path.commonpath([d.resolve() for d in args.dirs]))
+    try:
+        report = build_report(args.dirs, out_dir, args.accuracy_tolerance)
+    except ReportError as error:
+        print(f"amp_exp.report: error: {error}", file=sys.stderr)
+        return 1
+    print("\n".join(report["verdicts"]))
+    print(f"report: {out_dir / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

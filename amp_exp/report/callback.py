@@ -1,0 +1,53 @@
+"""Hydra callbacks, registered under ``hydra.callbacks`` in conf/config.yaml."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from amp_exp.config.schema import ReportConfig
+from amp_exp.runtime.ranks import worker_rank
+
+log = logging.getLogger("amp_exp")
+
+
+class SweepReport(Callback):
+    """Builds report.md, report.json and the plots in the sweep directory when a multirun ends."""
+
+    def __init__(self) -> None:
+        self.sweep_dir = Path()
+        self.accuracy_tolerance = ReportConfig.accuracy_tolerance
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Resolving the sweep directory now pins its ${now:...} to the one the jobs use.
+        self.sweep_dir = Path(config.hydra.sweep.dir).absolute()
+        self.accuracy_tolerance = config.report.accuracy_tolerance
+        # Hydra skips on_multirun_end when a job failed (the sweeper re-raises the first failure
+        # once the jobs are done), so the report is also built at exit; on_multirun_end cancels it.
+        atexit.register(self.build)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        atexit.unregister(self.build)
+        self.build()
+
+    def build(self) -> None:
+        from amp_exp.report.assemble import build_report
+
+        rank = worker_rank()
+        if rank is not None and not rank.is_main:
+            return  # under torchrun every rank runs the sweep; rank 0 alone writes its report
+
+        try:
+            report = build_report([self.sweep_dir], self.sweep_dir, self.accuracy_tolerance)
+        except Exception as error:
+            # The report is a by-product: it never turns a finished sweep into a failed one.
+            log.warning("no sweep report: %s", error)
+            return
+        for line in report["verdicts"]:
+            log.info("%s", line)
+        log.info("sweep report: %s", self.sweep_dir / "report.md")

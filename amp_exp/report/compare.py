@@ -1,0 +1,199 @@
+"""The comparison: each run against the completed fp32 run of its model and setting, and the
+verdict line per model that says what each precision bought, and at what cost."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from amp_exp.report.runs import Run
+
+BASELINE = "fp32"
+# Within a model the baseline comes first, then the precisions compared with it.
+PRECISION_ORDER = {"fp32": 0, "bf16": 1, "fp16": 2}
+# The keys a comparison is about; every other config key that differs is part of a run's setting.
+COMPARED_KEYS = {"model.name", "precision.name"}
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _override_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def assign_settings(runs: list[Run]) -> None:
+    """Name, for each run, the config values in which it differs from the runs of its model.
+
+    fp16 with clipping is then compared with fp32 with clipping, not with fp32 without it. Runs
+    whose summary holds no config are left with an empty setting.
+    """
+    for model in dict.fromkeys(run.model for run in runs):
+        group = [run for run in runs if run.model == model and "config" in run.summary]
+        flats = [_flatten(run.summary["config"]) for run in group]
+        keys = [key for flat in flats for key in flat if key not in COMPARED_KEYS]
+        varied = [
+            key
+            for key in dict.fromkeys(keys)
+            if len({json.dumps(flat.get(key)) for flat in flats}) > 1
+        ]
+        for run, flat in zip(group, flats, strict=True):
+            run.setting = ", ".join(f"{key}={_override_value(flat.get(key))}" for key in varied)
+
+
+def find_baseline(run: Run, runs: list[Run]) -> Run | None:
+    """The completed fp32 run of the same model and setting."""
+    return next(
+        (
+            other
+            for other in runs
+            if other.completed
+            and other.precision == BASELINE
+            and other.model == run.model
+            and other.setting == run.setting
+        ),
+        None,
+    )
+
+
+def _ratio(value: float | None, baseline: float | None) -> float | None:
+    if value is None or not baseline:
+        return None
+    return value / baseline
+
+
+def amp_health(summary: dict[str, Any]) -> dict[str, Any]:
+    """The run's diagnostics (training/diagnostics.py), reduced to what a reader acts on."""
+    checks = summary.get("checks") or {}
+    underflow = summary.get("underflow") or {}
+    return {
+        "failed_checks": {
+            name: check.get("offenders", [])
+            for name, check in checks.items()
+            if check.get("passed") is False
+        },
+        "first_overflow": summary.get("first_overflow"),
+        "underflow_frac_scaled": underflow.get("underflow_frac_scaled"),
+        "suggested_init_scale": summary.get("suggested_init_scale"),
+        "hardware_advice": (summary.get("hardware") or {}).get("advice", []),
+    }
+
+
+def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, Any]:
+    summary = run.summary
+    base = baseline.summary if baseline is not None else {}
+    eval_acc, base_acc = summary.get("eval_acc"), base.get("eval_acc")
+    return {
+        "run": os.path.relpath(run.path, out_dir),
+        "status": summary.get("status"),
+        "model": run.model,
+        "precision": run.precision,
+        "setting": run.setting,
+        "world_size": summary.get("world_size", 1),
+        "samples_per_s": summary.get("samples_per_s"),
+        "speedup": _ratio(summary.get("samples_per_s"), base.get("samples_per_s")),
+        "peak_mem_bytes": summary.get("peak_mem_bytes"),
+        "peak_mem_ratio": _ratio(summary.get("peak_mem_bytes"), base.get("peak_mem_bytes")),
+        "peak_mem_kind": summary.get("peak_mem_kind"),
+        "final_loss": summary.get("final_loss"),
+        "eval_acc": eval_acc,
+        "eval_acc_delta_points": (
+            None if eval_acc is None or base_acc is None else 100 * (eval_acc - base_acc)
+        ),
+        "skipped_steps": summary.get("skipped_steps"),
+        "loss_scale": summary.get("loss_scale"),
+        "baseline": None if baseline is None else os.path.relpath(baseline.path, out_dir),
+        "device_name": summary.get("device_name"),
+        "error": summary.get("error"),
+        "health": amp_health(summary),
+    }
+
+
+def comparison_rows(runs: list[Run], out_dir: Path) -> list[dict[str, Any]]:
+    """One row per run, grouped by model and setting, fp32 first within each group."""
+    model_order = {model: i for i, model in enumerate(dict.fromkeys(r.model for r in runs))}
+    setting_order = {setting: i for i, setting in enumerate(dict.fromkeys(r.setting for r in runs))}
+    ordered = sorted(
+        runs,
+        key=lambda r: (
+            model_order[r.model],
+            setting_order[r.setting],
+            PRECISION_ORDER.get(r.precision, len(PRECISION_ORDER)),
+        ),
+    )
+    return [
+        comparison_row(run, find_baseline(run, runs) if run.completed else None, out_dir)
+        for run in ordered
+    ]
+
+
+def _speed_phrase(speedup: float | None) -> str:
+    if speedup is None:
+        return "throughput not measured"
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+
+
+def _accuracy_phrase(delta_points: float | None, tolerance: float) -> str:
+    if delta_points is None:
+        return "no eval accuracy to compare"
+    # Accuracies are ratios of counts; a difference of exactly the tolerance is within it.
+    if abs(delta_points) <= tolerance + 1e-9:
+        return f"accuracy within {tolerance:g} points ({delta_points:+.2f})"
+    side = "below" if delta_points < 0 else "above"
+    return (
+        f"accuracy {abs(delta_points):.2f} points {side} {BASELINE}, "
+        f"OUTSIDE the {tolerance:g}-point tolerance"
+    )
+
+
+def describe_end(row: dict[str, Any]) -> str:
+    """How a run that did not complete ended: failed (with its error) or stopped by a signal."""
+    return f"{row['status']} ({row['error']})" if row["error"] else str(row["status"])
+
+
+def _judge(row: dict[str, Any], tolerance: float) -> str:
+    precision = row["precision"]
+    if row["status"] != "completed":
+        return f"{precision} {describe_end(row)}"
+    notes = f", skipped {row['skipped_steps']} steps" if row["skipped_steps"] else ""
+    if row["final_loss"] is not None and not math.isfinite(row["final_loss"]):
+        notes += f", the loss diverged ({row['final_loss']})"
+    if row["baseline"] is None:
+        final = "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}"
+        return f"{precision} final loss {final}{notes}"
+    memory = "memory not measured"
+    if row["peak_mem_ratio"] is not None:
+        memory = f"{row['peak_mem_ratio']:.2f}x the memory"
+    return (
+        f"{precision} {_speed_phrase(row['speedup'])} and {memory} of {BASELINE}, "
+        f"{_accuracy_phrase(row['eval_acc_delta_points'], tolerance)}{notes}"
+    )
+
+
+def verdicts(rows: list[dict[str, Any]], tolerance: float) -> list[str]:
+    """One line per model (and setting): what each precision bought over fp32, and at what cost."""
+    lines = []
+    for model, setting in dict.fromkeys((row["model"], row["setting"]) for row in rows):
+        group = [row for row in rows if (row["model"], row["setting"]) == (model, setting)]
+        is_baseline = [r["precision"] == BASELINE and r["status"] == "completed" for r in group]
+        parts = [] if any(is_baseline) else [f"no completed {BASELINE} run to compare with"]
+        parts += [
+            _judge(row, tolerance) for row, base in zip(group, is_baseline, strict=True) if not base
+        ]
+        subject = f"{model} ({setting})" if setting else model
+        lines.append(f"{subject}: {'; '.join(parts) or f'only {BASELINE} ran'}")
+    return lines

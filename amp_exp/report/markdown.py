@@ -1,0 +1,139 @@
+"""report.md and report.json: the table, the verdicts, AMP health and the plots, as text."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from amp_exp.report.compare import BASELINE, describe_end
+from amp_exp.results.files import REPORT_JSON, REPORT_MD, json_safe, write_text
+
+
+def _formatter(spec: str, scale: float = 1, suffix: str = "") -> Callable[[Any], str]:
+    def show(value: Any) -> str:
+        return "-" if value is None else f"{format(value * scale, spec)}{suffix}"
+
+    return show
+
+
+# (header, row key, how to show a value)
+COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("run", "run", str),
+    ("model", "model", str),
+    ("precision", "precision", str),
+    ("setting", "setting", str),
+    ("ranks", "world_size", _formatter("d")),
+    ("status", "status", str),
+    ("samples/s", "samples_per_s", _formatter(",.1f")),
+    (f"speedup vs {BASELINE}", "speedup", _formatter(".2f", suffix="x")),
+    ("peak memory", "peak_mem_bytes", _formatter(",.1f", 1 / 2**20, " MiB")),
+    (f"memory vs {BASELINE}", "peak_mem_ratio", _formatter(".2f", suffix="x")),
+    ("final loss", "final_loss", _formatter(".4f")),
+    ("eval acc", "eval_acc", _formatter(".2f", 100, "%")),
+    (f"acc vs {BASELINE} (points)", "eval_acc_delta_points", _formatter("+.2f")),
+    ("skipped steps", "skipped_steps", _formatter("d")),
+    ("final loss scale", "loss_scale", _formatter("g")),
+]
+MEMORY_KINDS = {
+    "cpu_peak_rss": "peak resident memory of the process (CPU), Python and torch included",
+    "cuda_max_allocated": "peak memory allocated by tensors on the GPU",
+}
+
+
+# Columns shown only when some row needs them: a setting that varies, data-parallel ranks. Failed
+# runs carry no world size.
+OPTIONAL_COLUMNS: dict[str, Callable[[Any], bool]] = {
+    "setting": bool,
+    "world_size": lambda ranks: (ranks or 1) > 1,
+}
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
+    columns = [
+        c
+        for c in COLUMNS
+        if c[1] not in OPTIONAL_COLUMNS or any(OPTIONAL_COLUMNS[c[1]](row[c[1]]) for row in rows)
+    ]
+    lines = [
+        "| " + " | ".join(header for header, _, _ in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(show(row[key]) for _, key, show in columns) + " |")
+    return lines
+
+
+def health_line(row: dict[str, Any]) -> str:
+    health = row["health"]
+    failed = health["failed_checks"]
+    parts = [
+        "checks FAILED: "
+        + "; ".join(f"{name} ({', '.join(who) or '?'})" for name, who in failed.items())
+        if failed
+        else "checks passed"
+    ]
+    overflow = health["first_overflow"]
+    if overflow:
+        where = ", ".join(overflow["parameters"]) or "no parameter found"
+        loss = "finite" if overflow["loss_finite"] else "non-finite"
+        parts.append(f"first overflow at step {overflow['step']} (loss {loss}; {where})")
+    if health["underflow_frac_scaled"] is not None:
+        parts.append(f"{health['underflow_frac_scaled']:.2%} of gradients lost to fp16 underflow")
+    if health["suggested_init_scale"] is not None:
+        parts.append(f"suggested init_scale {health['suggested_init_scale']:g}")
+    parts += health["hardware_advice"]
+    return f"- `{row['run']}` ({row['model']} {row['precision']}): " + "; ".join(parts)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    rows = report["runs"]
+    unfinished = [row for row in rows if row["status"] != "completed"]
+    statuses = Counter(row["status"] for row in rows)
+    devices = sorted({row["device_name"] for row in rows if row["device_name"]})
+    memory_kinds = sorted({MEMORY_KINDS.get(row["peak_mem_kind"], "") for row in rows} - {""})
+    lines = [
+        "# amp_exp sweep report",
+        "",
+        f"{len(rows)} runs ({', '.join(f'{n} {status}' for status, n in sorted(statuses.items()))})"
+        + (f", on {', '.join(devices)}" if devices else "")
+        + f". Each run is compared with the completed {BASELINE} run of the same model and "
+        f"setting; accuracy tolerance {report['accuracy_tolerance']:g} percentage points "
+        "(`report.accuracy_tolerance`).",
+        "",
+        "## Verdict",
+        "",
+        *(f"- {line}" for line in report["verdicts"]),
+        "",
+        "## Runs",
+        "",
+        *markdown_table(rows),
+        "",
+        "Samples/s counts timed training steps only (no warm-up, no evaluation). Peak memory: "
+        + ("; ".join(memory_kinds) or "not recorded")
+        + ".",
+    ]
+    completed = [row for row in rows if row["status"] == "completed"]
+    if completed:
+        lines += ["", "## AMP health", "", *(health_line(row) for row in completed)]
+    if unfinished:
+        lines += ["", "## Runs that did not complete", ""]
+        lines += [
+            f"- `{row['run']}` ({row['model']} {row['precision']}) {describe_end(row)}"
+            for row in unfinished
+        ]
+    if report["plots"] or report["plot_errors"]:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{Path(name).stem}]({name})" for name in report["plots"]]
+        lines += [
+            f"- {name} could not be drawn: {error}" for name, error in report["plot_errors"].items()
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out_dir: Path, report: dict[str, Any]) -> None:
+    text = json.dumps(json_safe(report), indent=2, allow_nan=False)
+    write_text(out_dir / REPORT_JSON, text + "\n")
+    write_text(out_dir / REPORT_MD, render_markdown(report))

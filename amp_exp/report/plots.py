@@ -1,0 +1,197 @@
+"""The report's figures, drawn on matplotlib's Agg canvas: no display and no pyplot state.
+
+Every plot takes the report's table rows and the metrics.jsonl rows of each run (keyed by the
+row's ``run``) and returns a Figure, or None when it has nothing to show. Only report.py imports
+this module, so nothing else pays for importing matplotlib.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+Rows = list[dict[str, Any]]
+Metrics = dict[str, list[dict[str, Any]]]
+
+PRECISION_COLORS = {"fp32": "#4c72b0", "bf16": "#55a868", "fp16": "#dd8452"}
+OTHER_COLOR = "#8c8c8c"
+PANEL_COLUMNS = 3
+
+
+def _color(precision: str) -> str:
+    return PRECISION_COLORS.get(precision, OTHER_COLOR)
+
+
+def _label(row: dict[str, Any], with_model: bool) -> str:
+    parts = [row["model"]] if with_model else []
+    parts.append(row["precision"])
+    if row["setting"]:
+        parts.append(row["setting"])
+    if row["status"] != "completed":
+        parts.append(f"({row['status']})")
+    return " ".join(parts)
+
+
+def _train_rows(metrics: Metrics, row: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        m for m in metrics.get(row["run"], []) if m["kind"] == "train" and m["loss"] is not None
+    ]
+
+
+def _model_panels(models: list[str], panel_size: tuple[float, float]) -> tuple[Figure, list]:
+    """A figure with one panel per model, filled row by row; unused panels are hidden."""
+    columns = min(PANEL_COLUMNS, len(models))
+    panel_rows = math.ceil(len(models) / columns)
+    width, height = panel_size
+    figure = Figure(figsize=(width * columns, height * panel_rows), layout="constrained")
+    axes = list(figure.subplots(panel_rows, columns, squeeze=False).flat)
+    for ax in axes[len(models) :]:
+        ax.set_visible(False)
+    return figure, axes[: len(models)]
+
+
+def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
+    """Training loss of every run, one panel per model."""
+    curves = [(row, _train_rows(metrics, row)) for row in rows]
+    curves = [(row, points) for row, points in curves if points]
+    models = list(dict.fromkeys(row["model"] for row, _ in curves))
+    if not models:
+        return None
+    figure, axes = _model_panels(models, (5.2, 3.8))
+    for ax, model in zip(axes, models, strict=True):
+        panel = [(row, points) for row, points in curves if row["model"] == model]
+        losses = [p["loss"] for _, points in panel for p in points if p["loss"] > 0]
+        if losses and max(losses) > 100 * min(losses):
+            # A run that blows up would flatten every other curve on a linear axis.
+            ax.set_yscale("log")
+        for row, points in panel:
+            ax.plot(
+                [p["step"] for p in points],
+                [p["loss"] for p in points],
+                color=_color(row["precision"]),
+                linestyle="-" if row["status"] == "completed" else "--",
+                marker="." if len(points) < 30 else None,
+                label=_label(row, with_model=False),
+            )
+        ax.set(title=model, xlabel="step", ylabel="training loss (mean per log interval)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return figure
+
+
+def loss_scale_trace(rows: Rows, metrics: Metrics) -> Figure | None:
+    """The fp16 loss scale over training; a cross marks each log interval with skipped steps."""
+    traced = [
+        (
+            row,
+            [
+                m
+                for m in metrics.get(row["run"], [])
+                if m["kind"] == "train" and m["scale"] is not None
+            ],
+        )
+        for row in rows
+        if row["precision"] == "fp16"
+    ]
+    traced = [(row, points) for row, points in traced if points]
+    if not traced:
+        return None
+    figure = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = figure.subplots()
+    skip_label = "interval with skipped steps (number skipped)"
+    for row, points in traced:
+        line = ax.plot(
+            [p["step"] for p in points],
+            [p["scale"] for p in points],
+            drawstyle="steps-post",
+            marker=".",
+            label=_label(row, with_model=True),
+        )[0]
+        skipped_before = 0
+        for point in points:
+            newly_skipped = point["skipped_steps"] - skipped_before
+            skipped_before = point["skipped_steps"]
+            if newly_skipped > 0:
+                ax.scatter(
+                    point["step"],
+                    point["scale"],
+                    marker="x",
+                    s=70,
+                    color="#c44e52",
+                    zorder=3,
+                    label=skip_label,
+                )
+                ax.annotate(
+                    str(newly_skipped),
+                    (point["step"], point["scale"]),
+                    textcoords="offset points",
+                    xytext=(4, 6),
+                    color=line.get_color(),
+                    fontsize="small",
+                )
+                skip_label = "_nolegend_"
+    ax.set_yscale("log", base=2)
+    ax.set(title="fp16 loss scale", xlabel="step", ylabel="loss scale (after the step)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return figure
+
+
+def _bars(rows: Rows, value_key: str, ratio_key: str, unit: float, ylabel: str) -> Figure | None:
+    """A panel per model with a bar per completed run, labelled with its ratio to fp32."""
+    shown = [row for row in rows if row["status"] == "completed" and row[value_key] is not None]
+    models = list(dict.fromkeys(row["model"] for row in shown))
+    if not models:
+        return None
+    figure, axes = _model_panels(models, (4.2, 4.0))
+    for ax, model in zip(axes, models, strict=True):
+        bars = [row for row in shown if row["model"] == model]
+        drawn = ax.bar(
+            range(len(bars)),
+            [row[value_key] / unit for row in bars],
+            color=[_color(row["precision"]) for row in bars],
+        )
+        ax.bar_label(
+            drawn,
+            labels=[
+                f"{row[value_key] / unit:,.0f}"
+                + ("" if row[ratio_key] is None else f"\n{row[ratio_key]:.2f}x of fp32")
+                for row in bars
+            ],
+            fontsize="small",
+        )
+        ax.set_xticks(
+            range(len(bars)),
+            [_label(row, with_model=False).replace(" ", "\n") for row in bars],
+            fontsize="small",
+        )
+        ax.set(title=model, ylabel=ylabel)
+        ax.margins(y=0.25)
+        ax.grid(axis="y", alpha=0.3)
+    return figure
+
+
+def throughput_bars(rows: Rows, metrics: Metrics) -> Figure | None:
+    return _bars(rows, "samples_per_s", "speedup", 1, "training samples/s")
+
+
+def peak_memory_bars(rows: Rows, metrics: Metrics) -> Figure | None:
+    return _bars(rows, "peak_mem_bytes", "peak_mem_ratio", 2**20, "peak memory (MiB)")
+
+
+PLOTS: dict[str, Callable[[Rows, Metrics], Figure | None]] = {
+    "loss_curves.png": loss_curves,
+    "loss_scale.png": loss_scale_trace,
+    "throughput.png": throughput_bars,
+    "peak_memory.png": peak_memory_bars,
+}
+
+
+def save(figure: Figure, path: Path) -> None:
+    FigureCanvasAgg(figure)
+    figure.savefig(path, dpi=110)

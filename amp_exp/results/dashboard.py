@@ -1,0 +1,88 @@
+"""How a run appears on the W&B dashboard: name, group, tags, config and metric keys.
+
+Plain functions of the config and the engine's rows, so they are tested without W&B.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from amp_exp.config.schema import RunConfig
+from amp_exp.config.validate import to_plain_dict
+from amp_exp.runtime.sweep import SweepJob
+
+# The base name already carries these, so a sweep over them adds nothing to it.
+NAMED_KEYS = frozenset({"model", "model.name", "precision", "precision.name", "seed"})
+
+# Engine row key -> W&B key. Rows also carry "step", which becomes W&B's step.
+WANDB_KEYS = {
+    "samples": "samples",
+    "epoch": "epoch",
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "scale": "amp/scale",
+    "skipped_steps": "amp/skipped_steps",
+    "samples_per_s": "perf/samples_per_s",
+    "step_time_ms": "perf/step_time_ms",
+    "peak_mem_bytes": "perf/peak_mem_bytes",
+    "eval_loss": "eval/loss",
+    "eval_acc": "eval/acc",
+    "grad_underflow_frac": "amp/grad_underflow_frac",
+    "grad_underflow_frac_scaled": "amp/grad_underflow_frac_scaled",
+    "grad_overflow_frac_scaled": "amp/grad_overflow_frac_scaled",
+}
+SKIP_RATE = "amp/skip_rate"
+# Samples seen compares runs with different batch sizes fairly; the step stays selectable.
+X_AXIS = "samples"
+METRIC_GROUPS = ("train/*", "amp/*", "perf/*", "eval/*")
+# What the runs table and parallel-coordinates panels compare once a run ends.
+SUMMARIES = {
+    "perf/samples_per_s": "last",
+    "perf/step_time_ms": "last",
+    "perf/peak_mem_bytes": "max",
+    "amp/scale": "last",
+    "amp/skipped_steps": "last",
+}
+
+
+def choice_label(key: str, value: str) -> str:
+    """``optimizer=adamw`` reads as ``adamw``; ``optimizer.lr=0.01`` as ``lr0.01``."""
+    field = key.rpartition(".")[2]
+    return value if field == key else f"{field}{value}"
+
+
+def run_name(cfg: RunConfig, precision: str, sweep: SweepJob | None) -> str:
+    """``resnet18-fp16-s0``, plus what this job of a sweep varies: ``resnet18-fp16-lr0.01-s0``."""
+    if cfg.wandb.name:
+        return cfg.wandb.name
+    varied = [choice_label(k, v) for k, v in sweep.choices if k not in NAMED_KEYS] if sweep else []
+    return "-".join([cfg.model.name, precision, *varied, f"s{cfg.seed}"])
+
+
+def run_group(cfg: RunConfig, sweep: SweepJob | None) -> str | None:
+    """The sweep, so that one click compares all of its jobs."""
+    return cfg.wandb.group or (sweep.dir if sweep else None)
+
+
+def run_tags(cfg: RunConfig, precision: str, device_type: str) -> list[str]:
+    automatic = [cfg.model.name, precision, cfg.dataset.name.value, device_type]
+    return list(dict.fromkeys([*automatic, *cfg.wandb.tags]))
+
+
+def run_config(cfg: RunConfig, precision: str) -> dict[str, Any]:
+    """The resolved config, with ``precision.*`` flat keys that the dashboard filters on.
+
+    ``precision.resolved`` is what ran: ``precision.name`` may be ``auto``.
+    """
+    plain = to_plain_dict(OmegaConf.structured(cfg))
+    del plain["wandb"]  # how a run is logged is not part of the experiment
+    flat = {f"precision.{key}": value for key, value in plain.pop("precision").items()}
+    return {**plain, **flat, "precision.resolved": precision}
+
+
+def wandb_metrics(row: dict[str, Any]) -> dict[str, Any]:
+    """A row under W&B keys; None (no scale without fp16, no throughput in warm-up) is left out."""
+    return {WANDB_KEYS[k]: v for k, v in row.items() if k in WANDB_KEYS and v is not None}

@@ -1,0 +1,87 @@
+"""The files of a run directory: their names, one atomic write, and strict JSON.
+
+Every result file is written to a temporary file beside it, flushed to disk and renamed into
+place, so a crash at any moment leaves the old file or the new one, never a torn one. Result files
+are created 0644, like any file the user writes; checkpoints too (they hold weights, not secrets).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+# A failed attempt in the directory of a completed run: the completed summary.json stays.
+FAILED_ATTEMPT_FILE = "summary.failed.json"
+CHECKPOINT_DIR = "checkpoints"
+LAST_CHECKPOINT = "last.pt"
+# Where a run directory keeps its W&B run id, for a resumed run to continue that run.
+WANDB_RUN_ID_FILE = "wandb_run_id"
+# Hydra writes a job's config here before the job runs, so it marks a run that left no summary.
+JOB_CONFIG = Path(".hydra") / "config.yaml"
+REPORT_MD = "report.md"
+REPORT_JSON = "report.json"
+# Temporary files are named ".<target>.<random>.tmp"; a save killed mid-write leaves one behind.
+TMP_SUFFIX = ".tmp"
+FILE_MODE = 0o644
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every inf and NaN, however deeply nested, replaced by None.
+
+    JSON has no inf or NaN (Python writes bare ``NaN``, which strict readers such as jq or a
+    browser refuse), and a diverged run is exactly when those values appear.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
+def json_line(row: dict[str, Any]) -> str:
+    return json.dumps(json_safe(row), allow_nan=False)
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Call ``write`` on a temporary file beside ``path``, fsync it, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    try:
+        os.fchmod(handle, FILE_MODE)
+        with os.fdopen(handle, "wb") as tmp:
+            write(tmp)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda file: file.write(text.encode("utf-8")))
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    write_text(path, json.dumps(json_safe(payload), indent=2, allow_nan=False) + "\n")
+
+
+def stale_temporaries(directory: Path) -> list[Path]:
+    """Temporary files a killed save left in ``directory``."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.glob(f".*{TMP_SUFFIX}") if p.is_file())

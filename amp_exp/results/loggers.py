@@ -1,0 +1,126 @@
+"""Where metric rows go: the console and metrics.jsonl (the source of truth for reports).
+
+A logger has ``log(row)`` and ``close()``. Rows hold plain Python numbers only; loggers never
+touch tensors. Every row names its kind (``train``, ``eval``, ``diagnostics``) in ``row["kind"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+from amp_exp.results.files import json_line, write_text
+
+log = logging.getLogger("amp_exp")
+
+TRAIN, EVAL, DIAGNOSTICS = "train", "eval", "diagnostics"
+
+
+class Logger(Protocol):
+    def log(self, row: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlLogger:
+    """One JSON object per line, flushed per row so a killed run keeps everything logged."""
+
+    def __init__(self, path: Path, append: bool = False) -> None:
+        """``append`` continues the rows a resumed run carried over; otherwise start afresh."""
+        self.path = path
+        self._file = path.open("a" if append else "w", encoding="utf-8")
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._file.write(json_line(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The rows of a metrics.jsonl, and how many lines could not be read (a line torn by a
+    process killed mid-write)."""
+    if not path.is_file():
+        return [], 0
+    rows, unreadable = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            unreadable += 1
+    return rows, unreadable
+
+
+def keep_metrics_until(source: Path, destination: Path, last_step: int) -> None:
+    """Carry ``source``'s rows up to ``last_step`` into ``destination``, which a resumed run
+    then appends to; rows logged after the checkpoint would otherwise appear twice."""
+    rows, unreadable = read_rows(source)
+    if unreadable:
+        log.warning("%s: skipped %d unreadable line(s), torn by a killed run", source, unreadable)
+    kept = [json_line(row) for row in rows if row["step"] <= last_step]
+    write_text(destination, "".join(f"{line}\n" for line in kept))
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    filled = width * done // max(total, 1)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+EVAL_FORMATS = {
+    "eval_loss": ("loss", ".4f"),
+    "eval_acc": ("accuracy", ".2%"),
+    "eval_perplexity": ("perplexity", ".2f"),
+}
+
+
+def describe_eval(row: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{label} {_fmt(row[key], spec)}"
+        for key, (label, spec) in EVAL_FORMATS.items()
+        if key in row
+    )
+
+
+class ConsoleLogger:
+    """A progress line per log interval, through ``logging`` so Hydra also files it in train.log."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+
+    def log(self, row: dict[str, Any]) -> None:
+        if row["kind"] == EVAL:
+            log.info("eval @ step %d: %s", row["step"], describe_eval(row))
+            return
+        if row["kind"] == DIAGNOSTICS:
+            log.info(
+                "fp16 gradient range @ step %d: %s would flush to zero unscaled, %s at the "
+                "current scale, %s would overflow",
+                row["step"],
+                _fmt(row["grad_underflow_frac"], ".3%"),
+                _fmt(row["grad_underflow_frac_scaled"], ".3%"),
+                _fmt(row["grad_overflow_frac_scaled"], ".3%"),
+            )
+            return
+        scale = "" if row["scale"] is None else f" | scale {row['scale']:g}"
+        skipped = f" | skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
+        log.info(
+            "%s | loss %s | lr %s%s%s | %s samples/s",
+            progress_bar(row["step"], self.total_steps),
+            _fmt(row["loss"], ".4f"),
+            _fmt(row["lr"], ".3g"),
+            scale,
+            skipped,
+            _fmt(row["samples_per_s"], ".0f"),
+        )
+
+    def close(self) -> None:
+        pass

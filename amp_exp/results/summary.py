@@ -1,0 +1,108 @@
+"""summary.json: one schema for every way a run can end.
+
+A completed, stopped, failed or killed run has the same keys; what a run never measured is null.
+A report can then read any run without guessing which keys exist.
+"""
+
+from __future__ import annotations
+
+import platform
+from enum import Enum
+from typing import Any
+
+import torch
+
+from amp_exp.runtime.hardware import git_sha
+
+
+class Status(str, Enum):
+    completed = "completed"
+    # A preemption signal ended the run early, after a checkpoint.
+    stopped = "stopped"
+    failed = "failed"
+    # No summary was written (SIGKILL, the OOM killer); the report fills this one in.
+    killed = "killed"
+
+
+# Every key of summary.json, in the order written.
+FIELDS = (
+    "status",
+    "error",
+    "stop_signal",
+    "precision",
+    "precision_reason",
+    "model",
+    "dataset",
+    "optimizer",
+    "task",
+    "device",
+    "device_name",
+    "seed",
+    "batch_size",
+    "grad_accum_steps",
+    "world_size",
+    "global_batch_size",
+    "parameters",
+    "channels_last",
+    "compile",
+    "steps",
+    "total_steps",
+    "samples_seen",
+    "timed_steps",
+    "warmup_s",
+    "samples_per_s",
+    "step_time_ms",
+    "peak_mem_bytes",
+    "peak_mem_kind",
+    "final_loss",
+    "eval_loss",
+    "eval_acc",
+    "loss_scale",
+    "skipped_steps",
+    "resumed_from",
+    "hardware",
+    "first_overflow",
+    "checks",
+    "underflow",
+    "suggested_init_scale",
+    "replicas_identical",
+    "wall_s",
+    "torch_version",
+    "python_version",
+    "git_sha",
+    "config",
+)
+
+
+def _name(section: Any) -> Any:
+    return section.get("name") if isinstance(section, dict) else section
+
+
+def identity(config: dict[str, Any]) -> dict[str, Any]:
+    """What a run is, read from its config alone: enough to place a failed or killed run."""
+    return {
+        "precision": _name(config.get("precision")),
+        "model": _name(config.get("model")),
+        "dataset": _name(config.get("dataset")),
+        "optimizer": _name(config.get("optimizer")),
+        "seed": config.get("seed"),
+    }
+
+
+def make_summary(status: Status, config: dict[str, Any], **values: Any) -> dict[str, Any]:
+    """A summary with every key of ``FIELDS``: those given, the run's identity from ``config``,
+    and null for the rest. A key outside the schema is a programming error."""
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise KeyError(f"not summary.json fields: {', '.join(unknown)}")
+    summary: dict[str, Any] = dict.fromkeys(FIELDS)
+    summary.update(identity(config))
+    if status is not Status.killed:  # a killed run's code version is not the reader's
+        summary.update(
+            torch_version=str(torch.__version__),
+            python_version=platform.python_version(),
+            git_sha=git_sha(),
+        )
+    summary.update(values)
+    summary.update(status=Status(status).value, config=config)
+    return summary

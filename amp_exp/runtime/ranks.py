@@ -1,0 +1,111 @@
+"""Which worker of a data-parallel job this process is, and the names all workers must agree on.
+
+torchrun starts one process per rank and each one composes its own Hydra config. The run
+directory must be the same for all of them, so its timestamp cannot be each process's own clock:
+the first worker to ask publishes its launch time in torchrun's rendezvous store and every worker
+uses that one. This module stays free of torch at import time because Hydra resolves these names
+before a run starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from omegaconf import OmegaConf
+
+from amp_exp.errors import ConfigError
+
+# Under the agent's store, beside torchrun's own keys; the run id keeps separate jobs apart, and
+# leaving out the restart count keeps a worker group restarted by torchrun in the same directory.
+LAUNCH_TIME_KEY = "amp_exp/launch_time/{run_id}"
+STORE_TIMEOUT = timedelta(seconds=120)
+
+
+@dataclass(frozen=True)
+class WorkerRank:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def worker_rank() -> WorkerRank | None:
+    """This process's place in a data-parallel job, or None when it trains alone.
+
+    torchrun describes it in RANK, WORLD_SIZE and LOCAL_RANK; a submitit job with several tasks
+    (SLURM's ntasks, or the local executor's tasks_per_node) in submitit's job environment.
+    """
+    if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR"):
+        return submitit_rank()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return None
+    try:
+        return WorkerRank(
+            int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0"))
+        )
+    except KeyError:
+        raise ConfigError(
+            f"WORLD_SIZE={world_size} is set but RANK is not; start data-parallel runs with "
+            "torchrun, which sets both"
+        ) from None
+
+
+def submitit_rank() -> WorkerRank | None:
+    import submitit
+
+    job = submitit.JobEnvironment()
+    if job.num_tasks <= 1:
+        return None
+    return WorkerRank(job.global_rank, job.num_tasks, job.local_rank)
+
+
+def torchrun_store(timeout: timedelta | None = None):
+    """A client of the key-value store torchrun's agent keeps for its workers (waiting up to
+    ``timeout``, or torch's default), or None when this process is not a torchrun worker."""
+    if worker_rank() is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed import TCPStore
+
+    waits = {} if timeout is None else {"timeout": timeout}
+    return TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, **waits
+    )
+
+
+@functools.cache
+def launch_time() -> datetime:
+    """When this job started: the same instant in every worker of a torchrun job."""
+    now = datetime.now()
+    store = torchrun_store(STORE_TIMEOUT)
+    if store is None:
+        return now
+    key = LAUNCH_TIME_KEY.format(run_id=os.environ.get("TORCHELASTIC_RUN_ID", "none"))
+    # compare_set with an empty expected value writes only if the key is absent: first one wins.
+    agreed = store.compare_set(key, "", now.isoformat())
+    return datetime.fromisoformat(agreed.decode())
+
+
+def log_file_suffix() -> str:
+    """Workers share the run directory; each one but rank 0 logs to a file of its own."""
+    rank = worker_rank()
+    return "" if rank is None or rank.is_main else f".rank{rank.rank}"
+
+
+def register_resolvers() -> None:
+    """``${amp_exp.launch_time:%H-%M-%S}`` and ``${amp_exp.log_suffix:}`` for conf/config.yaml."""
+    # Cached like Hydra's ${now:}: a submitit job rebuilds its config from the launcher's and
+    # copies only cached values over, so only a cached sweep directory stays the launcher's.
+    OmegaConf.register_new_resolver(
+        "amp_exp.launch_time",
+        lambda pattern: launch_time().strftime(pattern),
+        replace=True,
+        use_cache=True,
+    )
+    OmegaConf.register_new_resolver("amp_exp.log_suffix", log_file_suffix, replace=True)

@@ -1,0 +1,56 @@
+"""Image classification: cross-entropy on class logits, accuracy from the arg-max."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ClassificationTask:
+    unit = "samples"
+    units_per_sample = 1
+    eval_sum_names = ("loss_sum", "correct", "count")
+
+    def __init__(
+        self,
+        device: torch.device,
+        channels_last: bool = False,
+        loss_fn: LossFn | None = None,
+    ) -> None:
+        """``loss_fn(logits, labels)`` replaces cross-entropy for training (tests inject faults
+        through it); evaluation always reports cross-entropy."""
+        self.device = device
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.loss_fn = loss_fn or F.cross_entropy
+
+    def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]):
+        images, labels = batch
+        images = images.to(self.device, non_blocking=True, memory_format=self.memory_format)
+        return images, labels.to(self.device, non_blocking=True)
+
+    def batch_samples(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return batch[1].shape[0]
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        images, labels = batch
+        return self.loss_fn(model(images), labels)
+
+    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        images, labels = batch
+        logits = model(images)
+        # Summed in fp32 from float logits: a half-precision sum over a batch loses digits.
+        loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
+        correct = (logits.argmax(dim=1) == labels).sum()
+        count = torch.tensor(labels.shape[0], device=labels.device)
+        return torch.stack([loss_sum.double(), correct.double(), count.double()])
+
+    def eval_metrics(self, totals: list[float]) -> dict[str, float | None]:
+        loss_sum, correct, count = totals
+        if count == 0:
+            return {"eval_loss": None, "eval_acc": None}
+        return {"eval_loss": loss_sum / count, "eval_acc": correct / count}

@@ -1,0 +1,212 @@
+"""AMP health: the checklist of the mixed-precision guides, run automatically.
+
+Diagnostics ride on optimizer hooks, so the engine's loop stays as it is: a pre-step hook sees
+the gradients after ``unscale_`` and clipping, a post-step hook sees the updated parameters.
+They read the device only on the few steps they examine.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from amp_exp.config.schema import DiagnosticsConfig
+from amp_exp.training.loop import Progress
+
+log = logging.getLogger("amp_exp")
+
+FP16_SMALLEST_SUBNORMAL = 2.0**-24
+FP16_MAX = 65504.0
+WORST_LAYERS = 5
+
+
+def gradient_ranges(
+    named_grads: list[tuple[str, torch.Tensor]], scale: float
+) -> tuple[dict[str, float], list[dict], float]:
+    """How fp16 would treat these unscaled fp32 gradients, with and without ``scale`` applied.
+
+    Fractions are of all elements, and zeros count as lost: a gradient that already flushed to
+    zero in the fp16 backward cannot be told apart from an exact zero. Returns the totals, the
+    worst layers and the largest magnitude; every statistic comes back in one host read.
+    """
+    stats = torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.tensor(g.numel(), device=g.device),
+                    (g.abs() < FP16_SMALLEST_SUBNORMAL).sum(),
+                    (g.abs() * scale < FP16_SMALLEST_SUBNORMAL).sum(),
+                    (g.abs() * scale > FP16_MAX).sum(),
+                    g.abs().max(),
+                ]
+            ).double()
+            for _, g in named_grads
+        ]
+    )
+    rows = [row[:4] for row in stats.tolist()]
+    max_abs = float(stats[:, 4].max())
+    layers = [
+        {
+            "layer": name,
+            "underflow_frac": underflow / elements,
+            "underflow_frac_scaled": scaled / elements,
+            "overflow_frac_scaled": overflow / elements,
+        }
+        for (name, _), (elements, underflow, scaled, overflow) in zip(
+            named_grads, rows, strict=True
+        )
+    ]
+    elements, underflow, scaled, overflow = (sum(column) for column in zip(*rows, strict=True))
+    totals = {
+        "underflow_frac": underflow / elements,
+        "underflow_frac_scaled": scaled / elements,
+        "overflow_frac_scaled": overflow / elements,
+    }
+    worst = sorted(layers, key=lambda layer: layer["underflow_frac_scaled"], reverse=True)
+    return totals, worst[:WORST_LAYERS], max_abs
+
+
+def largest_safe_scale(max_abs_grad: float) -> float | None:
+    """The largest power of two that keeps the largest gradient below fp16's maximum.
+
+    None when the gradients give no magnitude to go by (all zero, or not finite).
+    """
+    if max_abs_grad <= 0 or not math.isfinite(max_abs_grad):
+        return None
+    exponent = math.floor(math.log2(FP16_MAX / max_abs_grad))
+    # Halve once more when the bound is met exactly: the limit itself is not "below" it.
+    if 2.0**exponent * max_abs_grad >= FP16_MAX:
+        exponent -= 1
+    return 2.0 ** min(exponent, 24)
+
+
+class Diagnostics:
+    """Runs the checks and the underflow measurement on the steps that call for them."""
+
+    def __init__(
+        self,
+        cfg: DiagnosticsConfig,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        progress: Callable[[], Progress],
+        current_scale: Callable[[], float | None],
+        emit: Callable[[dict], None],
+    ) -> None:
+        """``progress`` is the engine's; optimizer hooks run inside the step it is about to
+        record, so the step being examined is ``progress().step + 1``."""
+        self.cfg = cfg
+        self.named_parameters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.progress, self.current_scale, self.emit = progress, current_scale, emit
+        self.steps_checked = 0
+        self.checks: dict[str, dict] = {
+            "master_weights_fp32": {"passed": True, "offenders": []},
+            "unscaled_grads_fp32_finite": {"passed": True, "offenders": []},
+        }
+        self.underflow: dict | None = None
+        self.suggested_init_scale: float | None = None
+        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_post_hook(self._after_step)
+
+    def _checking(self) -> bool:
+        return self.cfg.checks and self.steps_checked < self.cfg.check_steps
+
+    def _fail(self, check: str, offenders: list[str], what: str) -> None:
+        result = self.checks[check]
+        new = [name for name in offenders if name not in result["offenders"]]
+        if new:
+            result["passed"] = False
+            result["offenders"] += new
+            log.warning("AMP check failed: %s: %s", what, ", ".join(new))
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        grads = [(n, p.grad) for n, p in self.named_parameters if p.grad is not None]
+        if self._checking() and grads:
+            finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]).tolist()
+            bad = [
+                name
+                for (name, grad), ok in zip(grads, finite, strict=True)
+                if grad.dtype != torch.float32 or not ok
+            ]
+            self._fail(
+                "unscaled_grads_fp32_finite", bad, "gradients after unscale_ not fp32 and finite"
+            )
+        every = self.cfg.underflow_every
+        if every and grads and (self.progress().step + 1) % every == 0:
+            self._measure_underflow(grads)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if not self._checking():
+            return
+        self.steps_checked += 1
+        bad = [name for name, p in self.named_parameters if p.dtype != torch.float32]
+        self._fail("master_weights_fp32", bad, "master parameters not fp32 after step")
+
+    def _measure_underflow(self, grads: list[tuple[str, torch.Tensor]]) -> None:
+        scale = self.current_scale() or 1.0
+        totals, worst, max_abs = gradient_ranges(grads, scale)
+        suggestion = largest_safe_scale(max_abs)
+        if suggestion is not None and suggestion < (self.suggested_init_scale or math.inf):
+            self.suggested_init_scale = suggestion
+        progress = self.progress()
+        step = progress.step + 1
+        self.underflow = {"step": step, "scale": scale, **totals, "worst": worst}
+        self.emit(
+            {
+                "kind": "diagnostics",
+                "step": step,
+                "samples": progress.samples,
+                **{f"grad_{name}": value for name, value in totals.items()},
+            }
+        )
+
+    def activation_memory(self, measure: Callable[[bool], int] | None) -> None:
+        """Compare the autocast forward's activation memory with fp32's (CUDA only).
+
+        ``measure(autocast)`` returns the bytes one training forward keeps for backward.
+        """
+        if measure is None:
+            self.checks["activation_memory_lower"] = {
+                "passed": None,
+                "note": "not measurable on the CPU: no allocator statistics",
+            }
+            return
+        fp32_bytes, autocast_bytes = measure(False), measure(True)
+        passed = autocast_bytes < fp32_bytes
+        self.checks["activation_memory_lower"] = {
+            "passed": passed,
+            "fp32_bytes": fp32_bytes,
+            "autocast_bytes": autocast_bytes,
+        }
+        if not passed:
+            log.warning(
+                "AMP check failed: autocast forward used %d activation bytes, fp32 %d; the model "
+                "may be dominated by ops that autocast keeps in fp32",
+                autocast_bytes,
+                fp32_bytes,
+            )
+
+    def summary(self) -> dict:
+        """The figures summary.json gets: check results, underflow and the suggested scale."""
+        return {
+            "checks": self.checks,
+            "underflow": self.underflow,
+            "suggested_init_scale": self.suggested_init_scale,
+        }
+
+
+def forward_activation_bytes(
+    model: nn.Module, images: torch.Tensor, autocast: Callable[[], object], use_autocast: bool
+) -> int:
+    """Peak CUDA memory one training forward adds, i.e. what it keeps for backward."""
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with autocast() if use_autocast else torch.autocast("cuda", enabled=False):
+        output = model(images)
+    peak = torch.cuda.max_memory_allocated() - baseline
+    del output
+    return peak

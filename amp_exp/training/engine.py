@@ -1,0 +1,297 @@
+"""The training loop: one code path for every precision, device and task.
+
+The engine trains whatever its ``Task`` hands it and knows nothing of what that is. It does no
+I/O: rows go to ``emit`` and checkpoints to a ``CheckpointSink``. Nothing in the per-step path
+reads a device value back to the host: loss, scale and gradient norm stay on the device and are
+read only at log intervals. The exceptions are rare events: a skipped step is examined when it
+happens, and the fp32/bf16 non-finite guard reads one flag.
+
+Under torchrun (``distributed``) every rank runs this loop on its own shard. The ranks agree on
+whatever a host decision depends on (the logged loss, a stop request, evaluation sums) at log
+intervals, so they always take the same branch and meet in the same collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from amp_exp.runtime.distributed import Distributed, unwrap
+from amp_exp.tasks.base import Batches, Task
+from amp_exp.training.loop import LoopPlan, Progress, TrainResult
+from amp_exp.training.meters import Throughput, peak_memory_bytes, reset_peak_memory, synchronize
+from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.rng import restore_rng_state, rng_state
+from amp_exp.training.skips import SkipMonitor, nonfinite_names
+
+Emit = Callable[[dict], None]
+
+
+class CheckpointSink(Protocol):
+    """Decides when a checkpoint is due, and keeps the engine's state when it is."""
+
+    def is_due(self, progress: Progress, last: bool) -> bool: ...
+
+    def save(self, state: dict[str, Any]) -> None: ...
+
+
+class Engine:
+    def __init__(
+        self,
+        model: nn.Module,
+        task: Task,
+        data: Batches,
+        eval_data: Batches | None,
+        optimizer: torch.optim.Optimizer,
+        policy: PrecisionPolicy,
+        plan: LoopPlan,
+        *,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        skips: SkipMonitor | None = None,
+        distributed: Distributed | None = None,
+    ) -> None:
+        """``model`` is what trains (it may be wrapped by DDP or torch.compile); state dicts are
+        taken from the module inside the wrappers."""
+        self.model, self.task, self.data, self.eval_data = model, task, data, eval_data
+        self.optimizer, self.policy, self.plan = optimizer, policy, plan
+        self.scheduler = scheduler
+        self.skips = skips or SkipMonitor()
+        self.distributed = distributed
+        self.device = policy.device
+        self.world_size = 1 if distributed is None else distributed.world_size
+        self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.progress = Progress()
+        policy.watch(optimizer)
+
+    @property
+    def total_steps(self) -> int:
+        return self.plan.total_steps
+
+    # --- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: model, optimizer, schedule, scaler, progress,
+        and every random number generator."""
+        return {
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            **self.policy.state_dict(),
+            "progress": dataclasses.asdict(self.progress),
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.policy.load_state_dict(state)
+        self.progress = Progress(**state["progress"])
+        restore_rng_state(state["rng"])
+
+    # --- collectives (no-ops in a single process) ---------------------------------------------
+
+    def _sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.distributed is None else self.distributed.sum(tensor)
+
+    def _gradient_sync(self, micro_batch: int) -> contextlib.AbstractContextManager:
+        """DDP all-reduces gradients on the last micro-batch of a step only."""
+        last = micro_batch == self.plan.grad_accum_steps - 1
+        if self.distributed is None or last:
+            return contextlib.nullcontext()
+        return self.distributed.no_sync()
+
+    def _stop_agreed(self, requested: bool, is_log_step: bool) -> bool:
+        """A signal may reach the ranks at different steps; they agree at a log step."""
+        if self.distributed is None:
+            return requested
+        return is_log_step and self.distributed.any(requested)
+
+    # --- pieces of a step ---------------------------------------------------------------------
+
+    def _train_batches(self) -> Iterator[Any]:
+        """Batches from where ``progress`` stands, keeping its epoch position current."""
+        progress = self.progress
+        for epoch in itertools.count(progress.epoch):
+            start = progress.batch_in_epoch if epoch == progress.epoch else 0
+            progress.epoch, progress.batch_in_epoch = epoch, start
+            self.data.set_epoch(epoch, start)
+            for batch in self.data:
+                progress.batch_in_epoch += 1
+                yield batch
+
+    def train_step(
+        self, batches: Iterator[Any], interval_loss: torch.Tensor, want_grad_norm: bool
+    ) -> tuple[bool, torch.Tensor | None]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches: (stepped, grad norm)."""
+        accum = self.plan.grad_accum_steps
+        progress = self.progress
+        for micro_batch in range(accum):
+            batch = self.task.to_device(next(batches))
+            with self._gradient_sync(micro_batch):
+                with self.policy.autocast():
+                    # Dividing by accum makes k micro-batches sum to one batch k times larger.
+                    loss = self.task.loss(self.model, batch) / accum
+                self.policy.backward(loss)
+            interval_loss += loss.detach()
+            progress.samples += self.task.batch_samples(batch) * self.world_size
+        stepped, grad_norm = self.policy.step(self.optimizer, self.parameters, want_grad_norm)
+        progress.step += 1
+        progress.interval_steps += 1
+        if stepped:
+            progress.consecutive_skips = 0
+            if self.scheduler is not None:
+                self.scheduler.step()
+        else:
+            progress.skipped_steps += 1
+            progress.consecutive_skips += 1
+            self._on_skipped_step(interval_loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        return stepped, grad_norm
+
+    def _on_skipped_step(self, interval_loss: torch.Tensor) -> None:
+        named = [(name, p) for name, p in unwrap(self.model).named_parameters() if p.requires_grad]
+        self.skips.on_skipped_step(
+            self.progress,
+            self.policy.precision.value,
+            self.policy.scale(),
+            nonfinite_parameters=lambda: nonfinite_names(named),
+            # Every earlier step of the interval was applied, so its loss was finite: the
+            # interval's sum is finite exactly when this step's loss is.
+            loss_finite=lambda: bool(torch.isfinite(self._sum_over_ranks(interval_loss))),
+        )
+
+    def log_row(
+        self,
+        interval_loss: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        rates: tuple[float | None, float | None],
+    ) -> dict[str, Any]:
+        """The train row of a log step; reads the loss, grad norm and scale from the device."""
+        progress = self.progress
+        interval_total = self._sum_over_ranks(interval_loss).item()
+        progress.final_loss = interval_total / (progress.interval_steps * self.world_size)
+        samples_per_s, step_time_ms = rates
+        row = {
+            "kind": "train",
+            "step": progress.step,
+            "epoch": progress.epoch,
+            "samples": progress.samples,
+            "loss": progress.final_loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": None if grad_norm is None else grad_norm.item(),
+            "scale": self.policy.scale(),
+            "skipped_steps": progress.skipped_steps,
+            "samples_per_s": samples_per_s,
+            "step_time_ms": step_time_ms,
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+        }
+        if self.task.unit != "samples":
+            row[f"{self.task.unit}_per_s"] = (
+                None if samples_per_s is None else samples_per_s * self.task.units_per_sample
+            )
+        return row
+
+    def evaluate(self) -> dict[str, float | None]:
+        """The task's eval metrics over the eval split, in the training precision.
+
+        Under DDP each rank evaluates its share on the bare module, after taking rank 0's buffers
+        as DDP's own forward would: a DDP forward here would be a collective that a rank without
+        eval batches never joins.
+        """
+        model = self.model
+        if self.distributed is not None:
+            model = unwrap(model)
+            self.distributed.broadcast_buffers(model)
+        model.eval()
+        totals = torch.zeros(len(self.task.eval_sum_names), device=self.device, dtype=torch.float64)
+        batches = itertools.islice(self.eval_data or [], self.plan.eval_batches)
+        with torch.inference_mode(), self.policy.autocast():
+            for batch in batches:
+                totals += self.task.eval_sums(model, self.task.to_device(batch))
+        model.train()
+        return self.task.eval_metrics(self._sum_over_ranks(totals).tolist())
+
+    def maybe_save(
+        self,
+        checkpoints: CheckpointSink | None,
+        interval_loss: torch.Tensor,
+        throughput: Throughput,
+        last: bool,
+    ) -> None:
+        """Save when ``checkpoints`` says one is due, off the throughput clock."""
+        if checkpoints is None or not checkpoints.is_due(self.progress, last):
+            return
+        with throughput.paused():
+            # The ranks' mean, so that every rank resumes the interval from the same sum.
+            interval_mean = self._sum_over_ranks(interval_loss) / self.world_size
+            self.progress.interval_loss = interval_mean.item()
+            checkpoints.save(self.state_dict())
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def fit(
+        self,
+        emit: Emit,
+        checkpoints: CheckpointSink | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
+    ) -> TrainResult:
+        """Train from ``self.progress`` to ``plan.total_steps``, or until a stop is requested.
+
+        Rows go to ``emit`` as they happen; a stop request ends the run after the current step,
+        with a checkpoint when ``checkpoints`` is given.
+        """
+        plan, progress = self.plan, self.progress
+        first_step = progress.step + 1
+        warmup_steps = min(plan.timing_warmup_steps, max(plan.total_steps - first_step, 0))
+        batches = self._train_batches()
+        throughput = Throughput(self.device)
+        reset_peak_memory(self.device)
+        interval_loss = torch.tensor(progress.interval_loss, device=self.device)
+        scale = self.policy.scale()
+        started = time.perf_counter()
+        warmup_s = 0.0
+        stopped_early = False
+        self.model.train()
+        if warmup_steps == 0:
+            throughput.start(progress.samples, progress.step)
+        for step in range(first_step, plan.total_steps + 1):
+            is_log_step = plan.is_log_step(step)
+            _, grad_norm = self.train_step(batches, interval_loss, want_grad_norm=is_log_step)
+            if step == first_step - 1 + warmup_steps:
+                throughput.start(progress.samples, step)
+                warmup_s = time.perf_counter() - started
+            if is_log_step:
+                row = self.log_row(interval_loss, grad_norm, throughput.lap(progress.samples, step))
+                scale = row["scale"]
+                emit(row)
+                interval_loss.zero_()
+                progress.interval_steps = 0
+            if plan.is_eval_step(step):
+                with throughput.paused():
+                    progress.eval = self.evaluate()
+                emit({"kind": "eval", "step": step, "samples": progress.samples, **progress.eval})
+            last = step == plan.total_steps
+            stopped_early = self._stop_agreed(stop_requested(), is_log_step) and not last
+            self.maybe_save(checkpoints, interval_loss, throughput, last or stopped_early)
+            if stopped_early:
+                break
+        synchronize(self.device)
+        return TrainResult(
+            progress=progress,
+            samples_per_s=throughput.samples_per_s(),
+            step_time_ms=throughput.step_time_ms(),
+            timed_steps=throughput.total_steps,
+            warmup_s=warmup_s,
+            peak_mem_bytes=peak_memory_bytes(self.device),
+            loss_scale=scale,
+            stopped_early=stopped_early,
+        )

@@ -1,0 +1,94 @@
+"""The loop's plain records: when things happen (``LoopPlan``), where training stands
+(``Progress``), and what a finished ``fit`` hands back (``TrainResult``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from amp_exp.config.schema import TrainerConfig
+from amp_exp.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LoopPlan:
+    """How long to train and at which steps to log, evaluate and time."""
+
+    total_steps: int
+    grad_accum_steps: int = 1
+    log_every: int = 25
+    # 0 = evaluate only at the end; None = never.
+    eval_every: int | None = 0
+    # None = the whole eval split.
+    eval_batches: int | None = None
+    # Optimizer steps left out of throughput: allocator warm-up, autotuning, compilation.
+    timing_warmup_steps: int = 5
+
+    @classmethod
+    def from_config(cls, trainer: TrainerConfig, total_steps: int) -> LoopPlan:
+        return cls(
+            total_steps=total_steps,
+            grad_accum_steps=trainer.grad_accum_steps,
+            log_every=trainer.log_every,
+            eval_every=trainer.eval_every,
+            eval_batches=trainer.eval_batches,
+            timing_warmup_steps=trainer.timing_warmup_steps,
+        )
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.total_steps
+
+    def is_eval_step(self, step: int) -> bool:
+        if self.eval_every is None:
+            return False
+        return step == self.total_steps or (self.eval_every > 0 and step % self.eval_every == 0)
+
+
+def plan_total_steps(trainer: TrainerConfig, batches_per_epoch: int) -> int:
+    """Optimizer steps to run: the first of max_steps and epochs to be reached."""
+    steps_per_epoch = batches_per_epoch // trainer.grad_accum_steps
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"an epoch has {batches_per_epoch} batches, fewer than "
+            f"trainer.grad_accum_steps={trainer.grad_accum_steps}; lower it or the batch size"
+        )
+    limits = []
+    if trainer.max_steps is not None:
+        limits.append(trainer.max_steps)
+    if trainer.epochs is not None:
+        limits.append(trainer.epochs * steps_per_epoch)
+    return min(limits)
+
+
+@dataclass
+class Progress:
+    """Where training stands: all a checkpoint needs to continue the loop exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    # Batches of ``epoch`` already trained on.
+    batch_in_epoch: int = 0
+    samples: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    # The partly filled log interval, so a resumed run logs the same rows.
+    interval_steps: int = 0
+    interval_loss: float = 0.0
+    final_loss: float | None = None
+    # The latest evaluation, as the task names its metrics (eval_loss, eval_acc, ...).
+    eval: dict[str, float | None] = field(default_factory=dict)
+    # The first skipped step: when, which parameters had non-finite gradients, and whether the
+    # loss itself was finite (if it was, the overflow happened in the backward pass).
+    first_overflow: dict | None = None
+
+
+@dataclass
+class TrainResult:
+    progress: Progress
+    samples_per_s: float | None
+    step_time_ms: float | None
+    timed_steps: int
+    warmup_s: float
+    peak_mem_bytes: int
+    loss_scale: float | None
+    # Set when a stop request (a preemption signal) ended the run before total_steps.
+    stopped_early: bool = False

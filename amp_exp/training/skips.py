@@ -1,0 +1,103 @@
+"""The skip monitor: what to do when a step's gradients are not finite.
+
+A skipped step is examined while its gradients still exist (a rare event, so reading the device
+then costs nothing in the hot loop). fp16 stops with a diagnosis once loss scaling has collapsed;
+fp32 and bf16 have no scaler, so ``on_nonfinite`` decides whether one bad step stops the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from amp_exp.config.schema import NonFiniteAction, PrecisionConfig
+from amp_exp.errors import NumericalFault
+from amp_exp.training.loop import Progress
+
+log = logging.getLogger("amp_exp")
+
+
+@dataclass
+class SkipMonitor:
+    """Limits on skipped steps, and the forensics kept for the message when a run must stop."""
+
+    on_nonfinite: NonFiniteAction = NonFiniteAction.skip
+    max_consecutive_skips: int = 50
+    min_scale: float = 1.0
+    # Whether a checkpoint exists to fall back on; the stop message says so only when it does.
+    checkpointing: bool = False
+    first_nonfinite: list[str] = field(default_factory=list)
+    scale_history: deque = field(default_factory=lambda: deque(maxlen=8))
+
+    @classmethod
+    def from_config(
+        cls, precision: PrecisionConfig, on_nonfinite: NonFiniteAction, checkpointing: bool
+    ) -> SkipMonitor:
+        return cls(
+            on_nonfinite, precision.max_consecutive_skips, precision.min_scale, checkpointing
+        )
+
+    def _kept(self) -> str:
+        return "; the last good checkpoint is kept" if self.checkpointing else ""
+
+    def on_skipped_step(
+        self,
+        progress: Progress,
+        precision: str,
+        scale: float | None,
+        nonfinite_parameters: Callable[[], list[str]],
+        loss_finite: Callable[[], bool],
+    ) -> None:
+        """Record a skipped step (``progress`` already counts it); raise when training is stuck."""
+        step = progress.step
+        if progress.consecutive_skips == 1:
+            self.first_nonfinite = nonfinite_parameters()
+        if progress.first_overflow is None:
+            progress.first_overflow = {
+                "step": step,
+                "loss_finite": loss_finite(),
+                "parameters": self.first_nonfinite[:10],
+                "nonfinite_parameter_count": len(self.first_nonfinite),
+            }
+            log.warning(
+                "first non-finite gradients at step %d (loss %s): %s",
+                step,
+                "finite" if progress.first_overflow["loss_finite"] else "non-finite",
+                ", ".join(self.first_nonfinite[:10]) or "none found",
+            )
+        layer = self.first_nonfinite[0] if self.first_nonfinite else "unknown"
+        if scale is None:
+            if self.on_nonfinite is NonFiniteAction.stop:
+                raise NumericalFault(
+                    f"non-finite gradients at step {step} in {precision} (first in {layer}), and "
+                    "trainer.on_nonfinite=stop. Try a lower optimizer.lr or "
+                    f"precision.clip_grad_norm=1.0{self._kept()}"
+                )
+            return
+        self.scale_history.append(f"{step}:{scale:g}")
+        too_many = progress.consecutive_skips >= self.max_consecutive_skips
+        if too_many or scale < self.min_scale:
+            reason = (
+                f"{progress.consecutive_skips} consecutive skipped steps"
+                if too_many
+                else f"loss scale {scale:g} fell below precision.min_scale"
+            )
+            raise NumericalFault(
+                f"fp16 loss scaling collapsed at step {step}: {reason}. Scale history "
+                f"(step:scale): {', '.join(self.scale_history)}. Gradients first went "
+                f"non-finite in {layer}. Try a lower precision.init_scale, precision=bf16, or "
+                f"precision.clip_grad_norm=1.0{self._kept()}"
+            )
+
+
+def nonfinite_names(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> list[str]:
+    """Names of parameters whose current gradients hold inf or NaN (reads the device)."""
+    return [
+        name
+        for name, p in named_parameters
+        if p.grad is not None and not torch.isfinite(p.grad).all()
+    ]
