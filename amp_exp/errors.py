@@ -1,7 +1,9 @@
 """The ways a run can fail on purpose, each with its own exit status. Imports nothing.
 
 - ``ConfigError`` (exit 2): the command asked for something that cannot run. Raised before any
-  training where possible; the message is one line that says what to change.
+  training where possible; the message is one line that says what to change. ``RunRefused``, a
+  kind of it, refuses a run directory (busy, or resumed with a changed config) and writes
+  nothing there, not even a failure summary.
 - ``RuntimeFault`` (exit 4): the run started, and what it found on disk or among its ranks does
   not let it go on (a checkpoint from another world size, ranks that resumed at different steps).
 - ``NumericalFault`` (exit 3): training cannot go on in this precision; the message says why and
@@ -19,6 +21,10 @@ class ConfigError(ValueError):
     """A config value that cannot run; its message is one line that says what to change."""
 
     exit_status = EXIT_CONFIG_ERROR
+
+
+class RunRefused(ConfigError):
+    """This run may not use its directory as asked; the directory was left exactly as it was."""
 
 
 class RuntimeFault(RuntimeError):

@@ -6,6 +6,7 @@ and trains its shard; rank 0 alone writes the files and the W&B run, so a job ha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -19,7 +20,7 @@ from omegaconf import OmegaConf
 from amp_exp.build import Built, attach_diagnostics, build, global_batch_size
 from amp_exp.config.schema import RunConfig
 from amp_exp.config.validate import to_plain_dict
-from amp_exp.errors import ConfigError, RuntimeFault, first_line
+from amp_exp.errors import ConfigError, RunRefused, RuntimeFault, first_line
 from amp_exp.results.checkpoint import (
     Checkpointer,
     UnusableCheckpoints,
@@ -28,7 +29,9 @@ from amp_exp.results.checkpoint import (
     remove_stale_temporaries,
 )
 from amp_exp.results.files import FAILED_ATTEMPT_FILE, METRICS_FILE, SUMMARY_FILE, write_json
+from amp_exp.results.lock import RunDirectoryLock
 from amp_exp.results.loggers import ConsoleLogger, JsonlLogger, Logger, keep_metrics_until
+from amp_exp.results.resume_rules import config_changes
 from amp_exp.results.summary import Status, make_summary
 from amp_exp.results.wandb_logger import open_wandb_logger
 from amp_exp.runtime.distributed import Distributed, process_group
@@ -119,10 +122,13 @@ def completed_summary(output_dir: Path) -> dict[str, Any] | None:
     return summary if summary.get("status") == Status.completed.value else None
 
 
-def resume(cfg: RunConfig, built: Built, output_dir: Path) -> None:
-    """Restore ``built`` from the checkpoint ``cfg.resume`` points at, if there is one."""
+def resume(cfg: RunConfig, built: Built, output_dir: Path) -> bool:
+    """Restore ``built`` from the checkpoint ``cfg.resume`` points at, if there is one.
+
+    Returns whether the run is already complete there: resuming a completed run does nothing.
+    """
     if cfg.resume is None:
-        return
+        return False
     auto = cfg.resume == "auto"
     target = output_dir if auto else Path(cfg.resume).expanduser().resolve()
     if not auto and not target.exists():
@@ -141,15 +147,16 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path) -> None:
         if not auto:
             raise ConfigError(f"resume={cfg.resume}: no usable checkpoint there")
         log.info("resume=auto: no checkpoint in %s yet, starting fresh", output_dir)
-        return
+        return False
     path, payload = found
-    saved_world_size = payload["world_size"]
-    if saved_world_size != built.engine.world_size:
-        raise RuntimeFault(
-            f"the checkpoint was written by {saved_world_size} data-parallel ranks and this run "
-            f"has {built.engine.world_size}; resume with the same number of processes "
-            "(torchrun --nnodes x --nproc_per_node)"
+    check_resumable(cfg, built, payload)
+    if payload["step"] >= built.engine.total_steps and completed_summary(output_dir):
+        log.info(
+            "resume=%s: this run completed at step %d; nothing to do, its results stay as they are",
+            cfg.resume,
+            payload["step"],
         )
+        return True
     built.engine.load_state_dict(payload)
     if built.is_main:
         # The run directory holds checkpoints/<file>; its history up to the checkpoint carries
@@ -159,6 +166,27 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path) -> None:
         )
     built.resumed_from = str(path)
     log.info("resumed from %s at step %d", path, payload["step"])
+    return False
+
+
+def check_resumable(cfg: RunConfig, built: Built, payload: dict[str, Any]) -> None:
+    """Refuse, before loading anything, a checkpoint of another experiment or world size."""
+    refused, allowed = config_changes(payload["config"], plain_config(cfg))
+    if refused:
+        raise RunRefused(
+            f"resume={cfg.resume}: the checkpoint belongs to another experiment "
+            f"({'; '.join(refused)}); these cannot change on resume, so resume with the "
+            "checkpoint's values or start a new run directory"
+        )
+    if allowed:
+        log.info("resuming with changed settings: %s", "; ".join(allowed))
+    saved_world_size = payload["world_size"]
+    if saved_world_size != built.engine.world_size:
+        raise RuntimeFault(
+            f"the checkpoint was written by {saved_world_size} data-parallel ranks and this run "
+            f"has {built.engine.world_size}; resume with the same number of processes "
+            "(torchrun --nnodes x --nproc_per_node)"
+        )
 
 
 def replicas_identical(built: Built) -> bool | None:
@@ -237,9 +265,20 @@ def train_in_group(
     started: float,
 ) -> dict[str, Any]:
     output_dir.mkdir(parents=True, exist_ok=True)
-    built = build(cfg, loss_fn, distributed)
-    resume(cfg, built, output_dir)
-    check_ranks_resumed_alike(built)
+    # Rank 0 holds the lock for the whole job; the other ranks only follow it.
+    is_main = distributed is None or distributed.is_main
+    with RunDirectoryLock(output_dir) if is_main else contextlib.nullcontext():
+        built = build(cfg, loss_fn, distributed)
+        if resume(cfg, built, output_dir):
+            return completed_summary(output_dir)  # type: ignore[return-value]
+        check_ranks_resumed_alike(built)
+        return train_built(cfg, built, output_dir, sweep, started)
+
+
+def train_built(
+    cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob | None, started: float
+) -> dict[str, Any]:
+    distributed = built.distributed
     log.info(
         "precision %s (%s) on %s%s",
         built.resolved.precision.value,

@@ -259,7 +259,16 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path) -> None:
     assert steps == list(range(10, finish + 1, 10))
 
 
-def test_second_sigint_exits_at_once() -> None:
+@pytest.fixture
+def ctrl_c_handled():
+    """SIGINT raising KeyboardInterrupt, as in an interactive shell, whatever the test runner
+    inherited (nohup and background jobs start with SIGINT ignored); restored afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_second_sigint_exits_at_once(ctrl_c_handled) -> None:
     from amp_exp.runtime.signals import StopRequest
 
     with StopRequest() as stop:
@@ -268,3 +277,16 @@ def test_second_sigint_exits_at_once() -> None:
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_ignored_sigint_stays_ignored() -> None:
+    from amp_exp.runtime.signals import StopRequest
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopRequest() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert not stop()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

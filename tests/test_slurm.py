@@ -142,10 +142,12 @@ def test_hand_over_passes_each_signal_to_the_python_handler_it_displaced() -> No
 
 
 def test_hand_over_leaves_ctrl_c_and_default_handlers_alone() -> None:
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     with StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGUSR1)
     stop.hand_over()  # default_int_handler would raise KeyboardInterrupt, SIG_DFL would kill us
+    signal.signal(signal.SIGINT, previous)
     assert stop.requested is signal.SIGINT
 
 

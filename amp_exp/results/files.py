@@ -1,8 +1,9 @@
 """The files of a run directory: their names, one atomic write, and strict JSON.
 
 Every result file is written to a temporary file beside it, flushed to disk and renamed into
-place, so a crash at any moment leaves the old file or the new one, never a torn one. Result files
-are created 0644, like any file the user writes; checkpoints too (they hold weights, not secrets).
+place, so a crash at any moment leaves the old file or the new one, never a torn one. Every result
+file, checkpoints included, gets the mode any file the user creates gets (0666 less the umask:
+0644 usually): they hold weights and metrics, not secrets, and a shared project reads them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
 # Temporary files are named ".<target>.<random>.tmp"; a save killed mid-write leaves one behind.
 TMP_SUFFIX = ".tmp"
-FILE_MODE = 0o644
 
 
 def json_safe(value: Any) -> Any:
@@ -56,7 +56,8 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
     try:
-        os.fchmod(handle, FILE_MODE)
+        # mkstemp creates 0600; give the file the mode open() would have.
+        os.fchmod(handle, default_file_mode())
         with os.fdopen(handle, "wb") as tmp:
             write(tmp)
             tmp.flush()
@@ -70,6 +71,12 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         os.fsync(directory)  # make the rename itself durable
     finally:
         os.close(directory)
+
+
+def default_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def write_text(path: Path, text: str) -> None:

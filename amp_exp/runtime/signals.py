@@ -59,7 +59,10 @@ class StopRequest:
         # Signal handlers can only be set from the main thread (not e.g. in a joblib worker).
         if threading.current_thread() is threading.main_thread():
             for sig in PREEMPTION_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                # nohup and a shell's background jobs start with SIGINT ignored: the user asked
+                # that it not stop the run, so it stays ignored.
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:

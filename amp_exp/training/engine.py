@@ -68,6 +68,8 @@ class Engine:
         self.world_size = 1 if distributed is None else distributed.world_size
         self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.progress = Progress()
+        # Timed training of this run, over every attempt a resume continues.
+        self.throughput = Throughput(self.device)
         policy.watch(optimizer)
 
     @property
@@ -85,6 +87,7 @@ class Engine:
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             **self.policy.state_dict(),
             "progress": dataclasses.asdict(self.progress),
+            "throughput": self.throughput.state_dict(),
             "rng": rng_state(),
         }
 
@@ -95,6 +98,7 @@ class Engine:
             self.scheduler.load_state_dict(state["scheduler"])
         self.policy.load_state_dict(state)
         self.progress = Progress(**state["progress"])
+        self.throughput.load_state_dict(state["throughput"])
         restore_rng_state(state["rng"])
 
     # --- collectives (no-ops in a single process) ---------------------------------------------
@@ -224,13 +228,12 @@ class Engine:
         self,
         checkpoints: CheckpointSink | None,
         interval_loss: torch.Tensor,
-        throughput: Throughput,
         last: bool,
     ) -> None:
         """Save when ``checkpoints`` says one is due, off the throughput clock."""
         if checkpoints is None or not checkpoints.is_due(self.progress, last):
             return
-        with throughput.paused():
+        with self.throughput.paused():
             # The ranks' mean, so that every rank resumes the interval from the same sum.
             interval_mean = self._sum_over_ranks(interval_loss) / self.world_size
             self.progress.interval_loss = interval_mean.item()
@@ -253,7 +256,7 @@ class Engine:
         first_step = progress.step + 1
         warmup_steps = min(plan.timing_warmup_steps, max(plan.total_steps - first_step, 0))
         batches = self._train_batches()
-        throughput = Throughput(self.device)
+        throughput = self.throughput
         reset_peak_memory(self.device)
         interval_loss = torch.tensor(progress.interval_loss, device=self.device)
         scale = self.policy.scale()
@@ -281,7 +284,7 @@ class Engine:
                 emit({"kind": "eval", "step": step, "samples": progress.samples, **progress.eval})
             last = step == plan.total_steps
             stopped_early = self._stop_agreed(stop_requested(), is_log_step) and not last
-            self.maybe_save(checkpoints, interval_loss, throughput, last or stopped_early)
+            self.maybe_save(checkpoints, interval_loss, last or stopped_early)
             if stopped_early:
                 break
         synchronize(self.device)

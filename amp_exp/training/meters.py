@@ -89,6 +89,14 @@ class Throughput:
         self.lap_time, self.lap_samples, self.lap_steps = now, samples, steps
         return new_samples / elapsed, 1000 * elapsed / new_steps
 
+    def state_dict(self) -> dict[str, float]:
+        """The timed totals so far, so a resumed run reports the speed of all its attempts."""
+        return {"seconds": self.total_s, "samples": self.total_samples, "steps": self.total_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.total_s, self.total_samples = state["seconds"], int(state["samples"])
+        self.total_steps = int(state["steps"])
+
     def samples_per_s(self) -> float | None:
         return self.total_samples / self.total_s if self.total_s > 0 else None
 

@@ -1,0 +1,66 @@
+"""Which config values a resumed run may change, and which would make it another experiment.
+
+A checkpoint continues one experiment. Changing what is trained (task, model, data, batch,
+optimizer, schedule, seed, precision family) would either run silently on different data or fail
+deep inside ``load_state_dict``; so those are refused, before anything is loaded. How long and how
+visibly the run goes on (``max_steps``, logging, W&B, checkpoints) may change.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# Sections and keys whose change makes another experiment.
+FIXED = ("task", "model", "dataset", "optimizer", "scheduler", "seed", "trainer.grad_accum_steps")
+# Inside those: where the data lives and how it is loaded, which do not change what is trained.
+MOVABLE = frozenset(
+    {
+        "dataset.root",
+        "dataset.path",
+        "dataset.download",
+        "dataset.num_workers",
+        "dataset.eval_batch_size",
+        "dataset.cache_dir",
+    }
+)
+# fp32, fp16 and bf16 autocast all keep fp32 master weights and the same optimizer state, so a
+# checkpoint moves between them (the GradScaler state is dropped or started fresh, with a
+# warning); other modes keep weights in other dtypes.
+AUTOCAST_FAMILY = frozenset({"auto", "fp32", "fp16", "bf16"})
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _is_fixed(key: str) -> bool:
+    if key in MOVABLE:
+        return False
+    return any(key == fixed or key.startswith(fixed + ".") for fixed in FIXED)
+
+
+def _family(precision: Any) -> str:
+    return "autocast" if precision in AUTOCAST_FAMILY else str(precision)
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(refused, allowed): each a list of ``key: old -> new`` between two plain configs."""
+    old, new = _flatten(saved), _flatten(current)
+    refused, allowed = [], []
+    for key in sorted(old.keys() | new.keys()):
+        before, after = old.get(key), new.get(key)
+        if json.dumps(before) == json.dumps(after):
+            continue
+        change = f"{key}: {json.dumps(before)} -> {json.dumps(after)}"
+        # Within the autocast family a precision change is a warning, not a new experiment.
+        same_family = key == "precision.name" and _family(before) == _family(after)
+        fixed = _is_fixed(key) or (key == "precision.name" and not same_family)
+        (refused if fixed else allowed).append(change)
+    return refused, allowed
