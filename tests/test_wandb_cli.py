@@ -132,7 +132,8 @@ def test_unreachable_server_falls_back_within_the_timeout_and_keeps_the_key_out(
     seconds, wandb_lines = wandb_start_seconds((out / "train.log").read_text())
     assert len(wandb_lines) == 1 and "W&B: could not start online" in wandb_lines[0]
     print(f"fallback after {seconds:.1f} s")
-    assert 3 <= seconds < 3 + 5
+    # The bound leaves room for a loaded machine and still tells 3 s from the default 15 s.
+    assert 3 <= seconds < 3 + 10
     assert [row["_step"] for row in read_only_run(out).history] == [2, 4]
     files = [path for path in out.rglob("*") if path.is_file()]
     assert any(path.suffix == ".wandb" for path in files) and (out / ".hydra/config.yaml") in files
