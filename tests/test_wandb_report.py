@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from amp_exp.config.schema import ReportConfig
-from amp_exp.errors import ConfigError
 from amp_exp.report import wandb_report
 from amp_exp.report.__main__ import main
 from amp_exp.report.assemble import build_report
@@ -26,6 +25,7 @@ from amp_exp.report.callback import SweepReport
 from amp_exp.report.runs import find_runs
 from amp_exp.report.wandb_report import WandbReportError, build_page, sweep_page
 from amp_exp.results.files import REPORT_MD, WANDB_RUN_ID_FILE
+from conftest import FAST, run_cli
 from test_report import write_run
 from test_wandb_cli import FAKE_API_KEY, UNREACHABLE_SERVER, env_without_wandb, run_at_terminal
 
@@ -325,7 +325,19 @@ def test_a_w_and_b_report_that_fails_never_fails_the_sweep(
     assert (root / REPORT_MD).is_file()
 
 
-def test_report_wandb_timeout_must_be_positive(run_cfg) -> None:
-    assert run_cfg().report.wandb is False
-    with pytest.raises(ConfigError, match=r"report\.wandb_timeout=0\.0 must be positive"):
-        run_cfg("report.wandb_timeout=0")
+@pytest.mark.slow
+def test_a_sweep_that_logged_offline_with_report_wandb_exits_0_and_names_the_command(
+    tmp_path: Path,
+) -> None:
+    result = run_cli(
+        "-m",
+        *FAST,
+        "wandb.mode=offline",
+        "report.wandb=true",
+        "precision=fp32,bf16",
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    assert len(list(tmp_path.glob(f"*/{WANDB_RUN_ID_FILE}"))) == 2
+    assert (tmp_path / REPORT_MD).is_file()
+    (line,) = [line for line in result.stdout.splitlines() if "W&B report" in line]
+    assert line.endswith(f"`python -m amp_exp.report {tmp_path} --wandb`")
