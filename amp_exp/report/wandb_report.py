@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,6 +235,21 @@ def build_page(page: SweepPage, entity: str) -> Any:
     )
 
 
+def unreachable(base_url: str, timeout: float) -> str | None:
+    """Why the server at ``base_url`` cannot be reached, or None when it answers at all.
+
+    W&B's own client retries a refused connection until its timeout; this finds out at once.
+    """
+    try:
+        urllib.request.urlopen(base_url, timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None  # it answered, if only to refuse
+    except (OSError, ValueError) as error:  # refused, no such host, timed out, not a URL
+        reason = getattr(error, "reason", error)
+        return describe(reason) if isinstance(reason, BaseException) else str(reason)
+    return None
+
+
 def save_page(page: SweepPage, timeout: float) -> str:
     """Save the page's Report to the W&B server and return its URL, within ``timeout`` seconds.
 
@@ -244,28 +262,32 @@ def save_page(page: SweepPage, timeout: float) -> str:
 
     # Online settings, or login() refuses under WANDB_MODE=offline; silence keeps W&B from
     # prompting for a key and from printing its own lines.
-    setup = wandb.setup(settings=wandb.Settings(mode="online", silent=True))
+    base_url = wandb.setup(settings=wandb.Settings(mode="online", silent=True)).settings.base_url
     if not wandb.login(prompt=False, verify=False):
         raise WandbReportError(f"no W&B report: {NO_API_KEY}")
+    deadline = time.monotonic() + timeout
+    why = unreachable(base_url, timeout)
+    if why is not None:
+        raise WandbReportError(f"no W&B report: cannot reach {base_url} ({why})")
     outcome: dict[str, Any] = {}
 
     def save() -> None:
         try:
-            # The Api checks the key with the server: with no server, this is where it stops.
-            api = wandb.Api(timeout=max(1, int(timeout)))
+            api = wandb.Api(timeout=max(1, int(timeout)))  # checks the key with the server
             report = build_page(page, page.entity or api.default_entity)
             report.save()
             outcome["url"] = report.url
         except Exception as error:
             outcome["error"] = error
 
-    # W&B retries a server that does not answer; a daemon thread lets the caller go on without it.
+    # A server that accepts but never answers would hold W&B's retries for minutes: the page is
+    # saved in a daemon thread that the caller leaves behind at the deadline.
     worker = threading.Thread(target=save, name="wandb-report", daemon=True)
     worker.start()
-    worker.join(timeout)
+    worker.join(max(0.0, deadline - time.monotonic()))
     if worker.is_alive():
         raise WandbReportError(
-            f"no W&B report: {setup.settings.base_url} did not answer within {timeout:g} s "
+            f"no W&B report: {base_url} did not answer within {timeout:g} s "
             "(report.wandb_timeout, --wandb-timeout)"
         )
     if "error" in outcome:
