@@ -156,7 +156,7 @@ def test_the_page_carries_the_verdicts_and_the_table_of_report_md(
     assert all(line in report_md for line in verdicts.splitlines())
     assert table.splitlines()[0].startswith("| run | model | precision | setting |")
     assert table in report_md
-    assert model["displayName"] == f"amp_exp sweep {tmp_path.name}/sweep"
+    assert model["displayName"] == f"amp_exp sweep {tmp_path.name} sweep"
 
 
 def test_language_model_runs_are_charted_by_perplexity_and_tokens_per_second(

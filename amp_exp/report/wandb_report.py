@@ -112,7 +112,8 @@ def sweep_page(runs: list[Run], report: dict[str, Any], out_dir: Path) -> SweepP
     ((entity, project),) = places
     if not project:
         raise WandbReportError(f"the runs under {out_dir} name no W&B project in their config")
-    title = f"amp_exp sweep {out_dir.parent.name}/{out_dir.name}"[:TITLE_MAX_CHARS]
+    # No "/": the report's URL is made from its title.
+    title = f"amp_exp sweep {out_dir.parent.name} {out_dir.name}"[:TITLE_MAX_CHARS]
     return SweepPage(
         entity=entity,
         project=project,
