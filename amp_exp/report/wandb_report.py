@@ -55,7 +55,7 @@ class SweepPage:
     run_ids: tuple[str, ...]
     verdicts: tuple[str, ...]
     table: tuple[str, ...]  # markdown lines
-    swept_keys: tuple[str, ...]  # flat config keys as W&B has them, precision first
+    swept_keys: tuple[str, ...]  # dotted config keys ("optimizer.lr"), precision.resolved first
     eval_key: str
     throughput_key: str
 
