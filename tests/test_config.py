@@ -98,6 +98,7 @@ def test_defaults_are_the_documented_ones(compose_cfg) -> None:
         ([f"wandb.tags=[ok,{'x' * 65}]"], "is longer than 64 characters"),
         (["wandb.api_key=secret"], "wandb.api_key is not a known key"),
         (["report.accuracy_tolerance=-1"], "report.accuracy_tolerance must be 0 or more"),
+        (["report.wandb_timeout=0"], "report.wandb_timeout=0.0 must be positive"),
         (["experiment=init_scale_sweep", "precision.init_scale=8,-2"], "init_scale must be pos"),
     ],
 )

@@ -259,6 +259,11 @@ class ReportConfig:
     # A low-precision run whose eval accuracy lies further than this many percentage points from
     # its fp32 run's is called out in the sweep report's verdict.
     accuracy_tolerance: float = 0.5
+    # Also save the comparison as a W&B Report when a multirun whose runs logged online ends
+    # (needs amp_exp[wandb-report]); `python -m amp_exp.report DIR --wandb` makes one later.
+    wandb: bool = False
+    # Seconds the W&B Report may take to reach the server and save, before it is given up.
+    wandb_timeout: float = 10.0
 
 
 @dataclass

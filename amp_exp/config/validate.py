@@ -43,6 +43,7 @@ _POSITIVE = (
     "trainer.log_every",
     "precision.growth_interval",
     "wandb.init_timeout",
+    "report.wandb_timeout",
 )
 _POSITIVE_OR_NULL = (
     "dataset.eval_batch_size",

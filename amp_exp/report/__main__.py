@@ -1,8 +1,9 @@
 """``python -m amp_exp.report DIR [DIR ...]``: the comparison report of runs on disk.
 
 It finds every run (a directory with summary.json) under the given directories and writes
-report.md, report.json and PNG plots. The Hydra callback (report/callback.py) builds the same
-report when a multirun ends.
+report.md, report.json and PNG plots; with ``--wandb`` it then saves the same comparison as a
+W&B Report and prints its URL. The Hydra callback (report/callback.py) builds the same report
+when a multirun ends.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 from amp_exp.config.schema import ReportConfig
+from amp_exp.errors import EXIT_CONFIG_ERROR
 from amp_exp.report.assemble import build_report
 from amp_exp.report.runs import ReportError
 
@@ -35,9 +37,23 @@ def main(argv: list[str] | None = None) -> int:
         default=ReportConfig.accuracy_tolerance,
         help="percentage points of eval accuracy a run may lie from fp32 (default: %(default)s)",
     )
+    parser.add_argument(
+        "--wandb",
+        action="store_true",
+        help="also save the comparison as a W&B Report of the runs' project and print its URL "
+        "(needs amp_exp[wandb-report] and an API key)",
+    )
+    parser.add_argument(
+        "--wandb-timeout",
+        type=float,
+        default=ReportConfig.wandb_timeout,
+        help="seconds to wait for the W&B server (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.accuracy_tolerance < 0:
         parser.error("--accuracy-tolerance must be 0 or more")
+    if args.wandb_timeout <= 0:
+        parser.error("--wandb-timeout must be positive")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out_dir = args.out or Path(os.path.commonpath([d.resolve() for d in args.dirs]))
     try:
@@ -47,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("\n".join(report["verdicts"]))
     print(f"report: {out_dir / 'report.md'}")
+    if args.wandb:
+        from amp_exp.report.wandb_report import WandbReportError, publish_report
+
+        try:
+            url = publish_report(args.dirs, out_dir, report, args.wandb_timeout)
+        except WandbReportError as error:
+            print(f"amp_exp.report: error: {error}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        print(f"W&B report: {url}")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Any
@@ -17,16 +18,26 @@ log = logging.getLogger("amp_exp")
 
 
 class SweepReport(Callback):
-    """Builds report.md, report.json and the plots in the sweep directory when a multirun ends."""
+    """Builds report.md, report.json and the plots in the sweep directory when a multirun ends,
+    and with ``report.wandb=true`` the sweep's W&B Report."""
 
     def __init__(self) -> None:
         self.sweep_dir = Path()
-        self.accuracy_tolerance = ReportConfig.accuracy_tolerance
+        self.settings = ReportConfig()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Resolving the sweep directory now pins its ${now:...} to the one the jobs use.
         self.sweep_dir = Path(config.hydra.sweep.dir).absolute()
-        self.accuracy_tolerance = config.report.accuracy_tolerance
+        self.settings = ReportConfig(
+            accuracy_tolerance=config.report.accuracy_tolerance,
+            wandb=config.report.wandb,
+            wandb_timeout=config.report.wandb_timeout,
+        )
+        if self.settings.wandb and importlib.util.find_spec("wandb_workspaces") is None:
+            from amp_exp.report.wandb_report import MISSING_LIBRARY
+
+            # Said now rather than after hours of training; the sweep runs all the same.
+            log.warning("report.wandb=true: %s; the sweep runs without it", MISSING_LIBRARY)
         # Hydra skips on_multirun_end when a job failed (the sweeper re-raises the first failure
         # once the jobs are done), so the report is also built at exit; on_multirun_end cancels it.
         atexit.register(self.build)
@@ -43,7 +54,9 @@ class SweepReport(Callback):
             return  # under torchrun every rank runs the sweep; rank 0 alone writes its report
 
         try:
-            report = build_report([self.sweep_dir], self.sweep_dir, self.accuracy_tolerance)
+            report = build_report(
+                [self.sweep_dir], self.sweep_dir, self.settings.accuracy_tolerance
+            )
         except Exception as error:
             # The report is a by-product: it never turns a finished sweep into a failed one.
             log.warning("no sweep report: %s", error)
@@ -51,3 +64,22 @@ class SweepReport(Callback):
         for line in report["verdicts"]:
             log.info("%s", line)
         log.info("sweep report: %s", self.sweep_dir / "report.md")
+        if self.settings.wandb:
+            self.publish(report)
+
+    def publish(self, report: dict[str, Any]) -> None:
+        from amp_exp.report.wandb_report import publish_report
+
+        try:
+            url = publish_report(
+                [self.sweep_dir],
+                self.sweep_dir,
+                report,
+                self.settings.wandb_timeout,
+                require_online=True,
+            )
+        except Exception as error:
+            # Like the report itself: a dashboard that cannot be made never fails the sweep.
+            log.warning("no W&B report: %s", error)
+            return
+        log.info("W&B report: %s", url)

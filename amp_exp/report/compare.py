@@ -36,6 +36,14 @@ def _override_value(value: Any) -> str:
     return str(value)
 
 
+def varied_keys(runs: list[Run]) -> list[str]:
+    """The flat config keys (``optimizer.lr``) whose values differ between ``runs``, in config
+    order. Runs whose summary holds no config are left out."""
+    flats = [_flatten(run.summary["config"]) for run in runs if "config" in run.summary]
+    keys = dict.fromkeys(key for flat in flats for key in flat)
+    return [key for key in keys if len({json.dumps(flat.get(key)) for flat in flats}) > 1]
+
+
 def assign_settings(runs: list[Run]) -> None:
     """Name, for each run, the config values in which it differs from the runs of its model.
 
@@ -44,13 +52,8 @@ def assign_settings(runs: list[Run]) -> None:
     """
     for model in dict.fromkeys(run.model for run in runs):
         group = [run for run in runs if run.model == model and "config" in run.summary]
+        varied = [key for key in varied_keys(group) if key not in COMPARED_KEYS]
         flats = [_flatten(run.summary["config"]) for run in group]
-        keys = [key for flat in flats for key in flat if key not in COMPARED_KEYS]
-        varied = [
-            key
-            for key in dict.fromkeys(keys)
-            if len({json.dumps(flat.get(key)) for flat in flats}) > 1
-        ]
         for run, flat in zip(group, flats, strict=True):
             run.setting = ", ".join(f"{key}={_override_value(flat.get(key))}" for key in varied)
 

@@ -1,0 +1,315 @@
+"""A sweep as a saved W&B Report: the verdicts and table of report.md beside the dashboard panels
+that compare the sweep's runs, on one page of the project they logged to.
+
+The runs are found by the W&B run ids their directories kept, so runs logged offline and uploaded
+later with ``wandb sync`` get their page the same way. ``sweep_page`` gathers plain data from the
+run directories, ``build_page`` turns it into a Report without any network, and ``save_page``
+saves it within a time limit. wandb and wandb-workspaces are imported only when a page is built:
+together they take about 3 s.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from amp_exp.report.compare import varied_keys
+from amp_exp.report.markdown import markdown_table
+from amp_exp.report.runs import Run, find_runs
+from amp_exp.results.dashboard import SKIP_RATE, SUMMARIES, WANDB_KEYS, X_AXIS
+from amp_exp.results.files import WANDB_RUN_ID_FILE
+from amp_exp.results.wandb_logger import NO_API_KEY, describe
+
+EXTRA = "wandb-report"
+MISSING_LIBRARY = f"a W&B report needs wandb-workspaces: pip install 'amp_exp[{EXTRA}]'"
+# What ran: precision.name may be auto (results/dashboard.py run_config).
+PRECISION_KEY = "precision.resolved"
+# run_config logs the precision keys flat ("precision.init_scale"), every other section nested.
+FLAT_SECTION = "precision."
+# The language-model task logs these instead of accuracy and samples/s.
+PERPLEXITY_KEY = "eval/perplexity"
+TOKENS_PER_S_KEY = "perf/tokens_per_s"
+TITLE_MAX_CHARS = 128  # W&B refuses longer report titles
+PANEL_WIDTH, PANEL_HEIGHT, GRID_COLUMNS = 8, 6, 3  # W&B's grid is 24 units wide
+
+
+class WandbReportError(Exception):
+    """No W&B report was saved; the message is one line that says why."""
+
+
+@dataclass(frozen=True)
+class SweepPage:
+    """Everything the W&B report of a sweep shows, as plain values."""
+
+    entity: str | None  # None: the API key's default entity, as the runs logged
+    project: str
+    title: str
+    description: str
+    run_ids: tuple[str, ...]
+    verdicts: tuple[str, ...]
+    table: tuple[str, ...]  # markdown lines
+    swept_keys: tuple[str, ...]  # dotted config keys ("optimizer.lr"), precision.resolved first
+    eval_key: str
+    throughput_key: str
+
+
+def _run_id(run: Run) -> str | None:
+    path = run.path / WANDB_RUN_ID_FILE
+    return path.read_text(encoding="utf-8").strip() if path.is_file() else None
+
+
+def _wandb_config(run: Run) -> dict[str, Any]:
+    return (run.summary.get("config") or {}).get("wandb") or {}
+
+
+def logged_online(run: Run) -> bool:
+    """Whether W&B wrote the run's files as an online run (``wandb/run-<time>-<id>``)."""
+    run_id = _run_id(run)
+    return run_id is not None and any((run.path / "wandb").glob(f"run-*-{run_id}"))
+
+
+def _measured(runs: list[Run], key: str) -> bool:
+    return any(
+        run.summary.get(key) is not None or any(row.get(key) is not None for row in run.metrics)
+        for run in runs
+    )
+
+
+def _swept_keys(runs: list[Run]) -> tuple[str, ...]:
+    # W&B's config has no wandb section, and precision.resolved stands for precision.name.
+    skipped = {"precision.name"}
+    varied = [
+        key for key in varied_keys(runs) if key not in skipped and not key.startswith("wandb.")
+    ]
+    return (PRECISION_KEY, *varied)
+
+
+def sweep_page(runs: list[Run], report: dict[str, Any], out_dir: Path) -> SweepPage:
+    """The page for the runs that kept a W&B run id, with ``report``'s verdicts and table."""
+    logged = [run for run in runs if _run_id(run) is not None]
+    if not logged:
+        raise WandbReportError(
+            f"no W&B runs under {out_dir}: no run directory holds a {WANDB_RUN_ID_FILE} file "
+            "(were they run with wandb.mode=disabled?)"
+        )
+    places = {
+        (_wandb_config(run).get("entity"), _wandb_config(run).get("project")) for run in logged
+    }
+    if len(places) > 1:
+        named = ", ".join(
+            sorted(f"{entity or '(default)'}/{project}" for entity, project in places)
+        )
+        raise WandbReportError(
+            f"the runs logged to more than one W&B project ({named}); give the directories of one"
+        )
+    ((entity, project),) = places
+    if not project:
+        raise WandbReportError(f"the runs under {out_dir} name no W&B project in their config")
+    # No "/": the report's URL is made from its title.
+    title = f"amp_exp sweep {out_dir.parent.name} {out_dir.name}"[:TITLE_MAX_CHARS]
+    return SweepPage(
+        entity=entity,
+        project=project,
+        title=title,
+        description=f"{len(logged)} W&B runs of the {len(runs)} runs in {out_dir.resolve()}",
+        run_ids=tuple(str(_run_id(run)) for run in logged),
+        verdicts=tuple(report["verdicts"]),
+        table=tuple(markdown_table(report["runs"])),
+        swept_keys=_swept_keys(logged),
+        eval_key=PERPLEXITY_KEY if _measured(logged, "eval_perplexity") else WANDB_KEYS["eval_acc"],
+        throughput_key=(
+            TOKENS_PER_S_KEY if _measured(logged, "tokens_per_s") else WANDB_KEYS["samples_per_s"]
+        ),
+    )
+
+
+def reports_api() -> Any:
+    """``wandb_workspaces.reports.v2``, or a one-line error that names the extra to install."""
+    try:
+        import wandb_workspaces.reports.v2 as wr
+    except ImportError as error:
+        raise WandbReportError(f"{MISSING_LIBRARY} ({error})") from error
+    return wr
+
+
+def _summary_key(key: str) -> str:
+    # A metric with a summary of its own (define_metric) keeps it under "<key>.<summary>".
+    return f"{key}.{SUMMARIES[key]}" if key in SUMMARIES else key
+
+
+@functools.cache
+def _flat_config_column(wr: Any) -> type:
+    """A parallel-coordinates axis for a flat config key.
+
+    wandb-workspaces writes a config key's path as nested ("optimizer.value.lr"), but W&B
+    stores the flat keys of run_config as ``{"precision.resolved": {"value": ...}}``, whose
+    path is "precision.resolved.value".
+    """
+    from wandb_workspaces.reports.v2 import internal
+
+    class FlatConfigColumn(wr.ParallelCoordinatesPlotColumn):
+        def _to_model(self) -> Any:
+            return internal.Column(accessor=f"config:{self.metric.name}.value")
+
+    return FlatConfigColumn
+
+
+def _config_column(wr: Any, key: str) -> Any:
+    column = (
+        _flat_config_column(wr)
+        if key.startswith(FLAT_SECTION)
+        else wr.ParallelCoordinatesPlotColumn
+    )
+    return column(wr.Config(key))
+
+
+def _panels(wr: Any, page: SweepPage) -> list[Any]:
+    memory_key = WANDB_KEYS["peak_mem_bytes"]
+    charts = [
+        wr.LinePlot(title="training loss", x=X_AXIS, y=[WANDB_KEYS["loss"]]),
+        wr.LinePlot(title="fp16 loss scale", x=X_AXIS, y=[WANDB_KEYS["scale"]], log_y=True),
+        wr.LinePlot(title="share of steps skipped", x=X_AXIS, y=[SKIP_RATE]),
+        wr.LinePlot(title=page.eval_key, x=X_AXIS, y=[page.eval_key]),
+        wr.BarPlot(title="throughput", metrics=[page.throughput_key], orientation="v"),
+        wr.BarPlot(title="peak memory (bytes)", metrics=[memory_key], orientation="v"),
+    ]
+    for i, chart in enumerate(charts):
+        chart.layout = wr.Layout(
+            x=PANEL_WIDTH * (i % GRID_COLUMNS),
+            y=PANEL_HEIGHT * (i // GRID_COLUMNS),
+            w=PANEL_WIDTH,
+            h=PANEL_HEIGHT,
+        )
+    outcomes = [page.throughput_key, memory_key, page.eval_key]
+    parallel = wr.ParallelCoordinatesPlot(
+        title="what each setting bought",
+        columns=[
+            *(_config_column(wr, key) for key in page.swept_keys),
+            *(
+                wr.ParallelCoordinatesPlotColumn(wr.SummaryMetric(_summary_key(k)))
+                for k in outcomes
+            ),
+        ],
+        layout=wr.Layout(
+            x=0,
+            y=PANEL_HEIGHT * -(-len(charts) // GRID_COLUMNS),
+            w=PANEL_WIDTH * GRID_COLUMNS,
+            h=PANEL_HEIGHT + 2,
+        ),
+    )
+    return [*charts, parallel]
+
+
+def build_page(page: SweepPage, entity: str) -> Any:
+    """The Report (``wandb_workspaces.reports.v2.Report``) for ``page``; nothing is sent."""
+    wr = reports_api()
+    from wandb_workspaces import expr
+
+    runset = wr.Runset(
+        entity=entity,
+        project=page.project,
+        name="this sweep",
+        filters=expr.And(expr.Metric("ID").isin(list(page.run_ids))),
+        groupby=[f"config.{PRECISION_KEY}.value"],  # a flat key: see _config_column
+    )
+    return wr.Report(
+        entity=entity,
+        project=page.project,
+        title=page.title,
+        description=page.description,
+        width="fluid",
+        blocks=[
+            wr.H2("Verdict"),
+            wr.MarkdownBlock("\n".join(f"- {line}" for line in page.verdicts)),
+            wr.H2("Runs by precision"),
+            wr.PanelGrid(runsets=[runset], panels=_panels(wr, page)),
+            wr.H2("Runs"),
+            wr.MarkdownBlock("\n".join(page.table)),
+        ],
+    )
+
+
+def unreachable(base_url: str, timeout: float) -> str | None:
+    """Why the server at ``base_url`` cannot be reached, or None when it answers at all.
+
+    W&B's own client retries a refused connection until its timeout; this finds out at once.
+    """
+    try:
+        urllib.request.urlopen(base_url, timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None  # it answered, if only to refuse
+    except (OSError, ValueError) as error:  # refused, no such host, timed out, not a URL
+        reason = getattr(error, "reason", error)
+        return describe(reason) if isinstance(reason, BaseException) else str(reason)
+    return None
+
+
+def save_page(page: SweepPage, timeout: float) -> str:
+    """Save the page's Report to the W&B server and return its URL, within ``timeout`` seconds.
+
+    Never asks for an API key: without one it stops at once.
+    """
+    reports_api()
+    # W&B's own crash reporting can hold the process about 10 s at exit without a network.
+    os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+    import wandb
+
+    # Online settings, or login() refuses under WANDB_MODE=offline; silence keeps W&B from
+    # prompting for a key and from printing its own lines.
+    base_url = wandb.setup(settings=wandb.Settings(mode="online", silent=True)).settings.base_url
+    if not wandb.login(prompt=False, verify=False):
+        raise WandbReportError(f"no W&B report: {NO_API_KEY}")
+    deadline = time.monotonic() + timeout
+    why = unreachable(base_url, timeout)
+    if why is not None:
+        raise WandbReportError(f"no W&B report: cannot reach {base_url} ({why})")
+    outcome: dict[str, Any] = {}
+
+    def save() -> None:
+        try:
+            api = wandb.Api(timeout=max(1, int(timeout)))  # checks the key with the server
+            report = build_page(page, page.entity or api.default_entity)
+            report.save()
+            outcome["url"] = report.url
+        except Exception as error:
+            outcome["error"] = error
+
+    # A server that accepts but never answers would hold W&B's retries for minutes: the page is
+    # saved in a daemon thread that the caller leaves behind at the deadline.
+    worker = threading.Thread(target=save, name="wandb-report", daemon=True)
+    worker.start()
+    worker.join(max(0.0, deadline - time.monotonic()))
+    if worker.is_alive():
+        raise WandbReportError(
+            f"no W&B report: {base_url} did not answer within {timeout:g} s "
+            "(report.wandb_timeout, --wandb-timeout)"
+        )
+    if "error" in outcome:
+        raise WandbReportError(f"no W&B report: {describe(outcome['error'])}")
+    return str(outcome["url"])
+
+
+def publish_report(
+    dirs: list[Path],
+    out_dir: Path,
+    report: dict[str, Any],
+    timeout: float,
+    require_online: bool = False,
+) -> str:
+    """Save the W&B report of the runs under ``dirs`` (``report`` is build_report's) and return
+    its URL. With ``require_online``, runs that logged offline and are not yet synced are not
+    looked for on the server."""
+    runs = find_runs(dirs)
+    if require_online and not any(logged_online(run) for run in runs):
+        raise WandbReportError(
+            f"the runs logged offline: after `wandb sync`, make it with "
+            f"`python -m amp_exp.report {out_dir} --wandb`"
+        )
+    return save_page(sweep_page(runs, report, out_dir), timeout)
