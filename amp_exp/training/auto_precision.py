@@ -81,9 +81,14 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
     finally:
         restore_rng_state(saved)
     chosen, why = pick_fastest(seconds)
-    listed = ", ".join(f"{p.value} {s * 1e3:.3g} ms" for p, s in seconds.items())
+    listed = ", ".join(f"{p.value} {milliseconds(s)}" for p, s in seconds.items())
     reason = f"auto: {chosen.value}; this model's forward+backward ({source}): {listed}; {why}"
     return ResolvedPrecision(chosen, reason + (f"; {left_out}" if left_out else ""))
+
+
+def milliseconds(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3g} ms" if ms < 100 else f"{ms:.0f} ms"
 
 
 def choice_key(
