@@ -131,7 +131,7 @@ class Capability:
         if speed >= MARGIN:
             return f"fast: {times(speed)} fp32's speed"
         if speed * MARGIN > 1:
-            return "no faster than fp32 (within 5%): it saves memory, not time"
+            return f"no faster than fp32 (within {MARGIN - 1:.0%}): it saves memory, not time"
         left_out = "; left out of precision=auto" if self.ruled_out(precision) else ""
         return f"slow: about {times(1 / speed)} slower than fp32{left_out}"
 
