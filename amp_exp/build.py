@@ -13,18 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from amp_exp.config.schema import NonFiniteAction, RunConfig
+from amp_exp.runtime.capability import ResolvedPrecision, capability_of, check_request
 from amp_exp.runtime.distributed import Distributed
-from amp_exp.runtime.hardware import (
-    ResolvedPrecision,
-    configure_backends,
-    inspect_hardware,
-    precision_advice,
-    recommend_precision,
-    resolve_device,
-    resolve_precision,
-)
+from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.tasks.classification import LossFn
 from amp_exp.tasks.workload import build_workload
+from amp_exp.training.auto_precision import resolve_precision
 from amp_exp.training.diagnostics import Diagnostics, forward_activation_bytes
 from amp_exp.training.engine import Engine
 from amp_exp.training.loop import LoopPlan, plan_total_steps
@@ -61,26 +55,19 @@ def global_batch_size(cfg: RunConfig, world_size: int) -> int:
     return cfg.dataset.batch_size * cfg.trainer.grad_accum_steps * world_size
 
 
-def hardware_facts(device: torch.device, precision: str) -> dict:
-    """What the device offers, the advice for this precision (logged), and the recommendation."""
-    hardware = inspect_hardware(device)
-    hardware["advice"] = precision_advice(precision, hardware)
-    hardware["recommended_precision"], hardware["recommendation"] = recommend_precision(hardware)
-    for advice in hardware["advice"]:
-        log.warning("%s", advice)
-    return hardware
-
-
 def build(
     cfg: RunConfig, loss_fn: LossFn | None = None, distributed: Distributed | None = None
 ) -> Built:
     device = distributed.device if distributed else resolve_device(cfg.trainer.device)
-    resolved = resolve_precision(cfg.precision.name, device)
+    check_request(cfg.precision.name, device)
     configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
+    # Measured under the backend switches just set; cached after the first run on this device.
+    capability = capability_of(device)
     seed_everything(cfg.seed)
     rank, world_size = (distributed.rank.rank, distributed.world_size) if distributed else (0, 1)
     workload = build_workload(cfg, device, rank, world_size, loss_fn)
     model, data = workload.model, workload.data
+    resolved = resolve_precision(cfg, capability, workload, distributed)
     optimizer = build_optimizer(cfg.optimizer, model, device, resolved.precision)
     total_steps = plan_total_steps(cfg.trainer, len(data.train))
     # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
@@ -107,7 +94,9 @@ def build(
         ),
         distributed=distributed,
     )
-    hardware = hardware_facts(device, resolved.precision.value)
+    hardware = capability.summary(resolved.precision)
+    for advice in hardware["advice"]:
+        log.warning("%s", advice)
     return Built(device, resolved, model, workload.channels_last, engine, hardware, distributed)
 
 

@@ -1,40 +1,81 @@
-"""``python -m amp_exp.doctor``: what this machine offers for mixed precision, and what to use."""
+"""``python -m amp_exp.doctor``: what each precision measures on this machine, and what to use.
+
+Prints the probe's table (runtime.probe), the device's facts, a verdict per precision and the
+recommendation, all from ``runtime.capability``: the same answers a run's precision=auto and its
+warnings get. ``--json`` prints them as JSON; ``--refresh`` measures again instead of reading the
+cache, and forgets precision=auto's cached choices.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import torch
 
-from amp_exp.config.schema import DeviceChoice
-from amp_exp.runtime.hardware import (
-    inspect_hardware,
-    precision_advice,
-    recommend_precision,
-    resolve_device,
-)
+from amp_exp.config.schema import DeviceChoice, Precision, TrainerConfig
+from amp_exp.runtime.cache import cache_dir, forget
+from amp_exp.runtime.capability import CPU_FLAGS_OF_INTEREST, Capability, capability_of
+from amp_exp.runtime.hardware import configure_backends, resolve_device
+from amp_exp.runtime.probe import CACHE_FILE, KERNELS
+from amp_exp.training.auto_precision import CACHE_FILE as AUTO_CACHE_FILE
 
 
-def report(device: torch.device) -> list[str]:
-    hardware = inspect_hardware(device)
-    lines = [f"device: {hardware['device']} ({hardware['name']})"]
-    if hardware["device"] == "cuda":
-        lines.append(
-            f"compute capability {hardware['compute_capability']}: Tensor Cores "
-            f"{'yes' if hardware['tensor_cores'] else 'no'}, native bf16 "
-            f"{'yes' if hardware['native_bf16'] else 'no'}"
+def table(capability: Capability) -> list[str]:
+    """One row per precision: each kernel's time and rate, and the speed relative to fp32."""
+    rows = [["", *KERNELS, "vs fp32"]]
+    for precision, timing in capability.measured.items():
+        cells = [f"{timing[k].ms:.3g} ms, {timing[k].tflops:.3g} TFLOP/s" for k in KERNELS]
+        speed = capability.relative_speed(precision)
+        rows.append([precision.value, *cells, f"{speed:.3g}x"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(map(str.rjust, row, widths)) for row in rows]
+
+
+def facts(capability: Capability) -> str:
+    """The flags or compute capability: why a measurement may come out as it does."""
+    found = capability.facts
+    if capability.device == "cuda":
+        yes = {True: "yes", False: "no"}
+        return (
+            f"compute capability {found['compute_capability']}, Tensor Cores "
+            f"{yes[found['tensor_cores']]}, native bf16 {yes[found['native_bf16']]}"
         )
-    else:
-        flags = ", ".join(hardware["cpu_flags"]) or "none"
-        lines.append(f"low-precision CPU instructions: {flags}")
-    for precision in ("fp16", "bf16"):
-        advice = precision_advice(precision, hardware)
-        lines.append(f"{precision}: " + (advice[0] if advice else "can run fast here"))
-    choice, why = recommend_precision(hardware)
-    lines.append(f"recommendation: precision={choice} ({why})")
+    flags = ", ".join(found["cpu_flags"]) or "none"
+    return (
+        f"CPU instructions for bf16/fp16: {flags} (of {', '.join(CPU_FLAGS_OF_INTEREST)}); "
+        f"{found['threads']} threads"
+    )
+
+
+def report(capability: Capability) -> list[str]:
+    lines = [f"device: {capability.device} ({capability.name}), torch {torch.__version__}"]
+    lines.append(f"measured: forward+backward, fastest round (cache: {cache_dir() / CACHE_FILE})")
+    lines += ["  " + row for row in table(capability)]
+    lines.append(f"facts: {facts(capability)}")
+    for precision in (Precision.fp32, Precision.bf16, Precision.fp16):
+        lines.append(f"{precision.value}: {capability.verdict(precision)}")
+    recommended, reason = capability.recommendation()
+    lines.append(f"recommendation: precision={recommended.value}: {reason}")
     return lines
 
 
-def main() -> None:
-    print("\n".join(report(resolve_device(DeviceChoice.auto))))
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m amp_exp.doctor", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+    parser.add_argument("--refresh", action="store_true", help="measure again, ignore the cache")
+    parser.add_argument("--device", choices=[c.value for c in DeviceChoice], default="auto")
+    args = parser.parse_args(argv)
+    device = resolve_device(DeviceChoice(args.device))
+    # Measure what a default run trains with (TF32 on CUDA).
+    configure_backends(device, deterministic=False, tf32=TrainerConfig.tf32)
+    if args.refresh:
+        forget(AUTO_CACHE_FILE)
+    capability = capability_of(device, refresh=args.refresh)
+    if args.json:
+        print(json.dumps(capability.as_dict(), indent=2))
+    else:
+        print("\n".join(report(capability)))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
-from amp_exp.config.schema import RunConfig
+from amp_exp.config.schema import Precision, RunConfig
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
+from amp_exp.runtime.capability import Capability
+from amp_exp.runtime.probe import KERNELS, KernelTime, remember
 
 # Small enough for 2 CPU cores, large enough that every code path runs.
 FAST = [
@@ -50,6 +52,36 @@ def _wandb_kept_local(monkeypatch, tmp_path_factory) -> None:
     wandb_home = tmp_path_factory.getbasetemp() / "wandb_home"
     for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(variable, str(wandb_home))
+
+
+def timing_at(speed: float) -> dict[str, KernelTime]:
+    """Probe kernel times for a precision that runs at ``speed`` times fp32's speed."""
+    return {kernel: KernelTime(ms=1 / speed, tflops=speed) for kernel in KERNELS}
+
+
+def inject_probe(speeds: dict[str, float]) -> None:
+    """Cache a probe result in which each precision runs at ``speeds[p]`` times fp32's speed."""
+    remember(torch.device("cpu"), {p: timing_at(speed) for p, speed in speeds.items()})
+
+
+def capability_with(speeds: dict[str, float], device: str = "cpu", **facts) -> Capability:
+    """A device's capability as if the probe measured ``speeds`` (relative to fp32's)."""
+    measured = {Precision(p): timing_at(speed) for p, speed in speeds.items()}
+    return Capability(device, f"test {device}", facts, measured, key=f"test {device}")
+
+
+@pytest.fixture(autouse=True)
+def _measurements_kept_local(monkeypatch, tmp_path_factory) -> None:
+    """No test, nor any subprocess it starts, reads or writes the user's ~/.cache/amp_exp.
+
+    The session's cache holds a probe result in which bf16 and fp16 run far slower than fp32, so
+    precision=auto picks fp32 without timing anything, whatever this machine's speed. Tests of the
+    probe and of the trial point XDG_CACHE_HOME at their own tmp_path.
+    """
+    cache_home = tmp_path_factory.getbasetemp() / "xdg_cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
+    if not cache_home.exists():
+        inject_probe({"fp32": 1.0, "bf16": 0.05, "fp16": 0.02})
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, TINY, read_jsonl
+from conftest import FAST, TINY, inject_probe, read_jsonl
 from wandb_records import read_only_run
 
 pytestmark = pytest.mark.slow
@@ -80,6 +80,20 @@ def test_torchrun_job_writes_one_set_of_results(tmp_path):
     rows = [row for row in read_jsonl(run_dir / "metrics.jsonl") if "loss" in row]
     assert [row["step"] for row in rows] == [2, 4, 6, 8]
     assert rows[-1]["samples"] == 8 * 2 * 16
+
+
+def test_under_torchrun_rank_0_times_the_model_and_every_rank_trains_its_choice(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    inject_probe({"fp32": 1.0, "bf16": 1.0, "fp16": 0.02})  # fp32 and bf16 worth a trial
+    ranks = run_worker(tmp_path, *DDP_RUN, *TINY, "precision=auto")
+    chosen = ranks[0]["summary"]["precision"]
+    assert ranks[0]["summary"]["precision_reason"].startswith(
+        f"auto: {chosen}; this model's forward+backward"
+    )
+    assert ranks[1]["summary"]["precision"] == chosen
+    assert ranks[1]["summary"]["precision_reason"] == "auto: as rank 0 chose"
 
 
 def test_a_rank_without_eval_batches_does_not_hang_the_others(tmp_path):

@@ -1,70 +1,87 @@
-"""AMP health: hardware advice, the automated checklist, underflow, first-overflow forensics."""
+"""AMP health: measured hardware verdicts and advice, the doctor, the automated checklist,
+underflow, first-overflow forensics."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 import torch
 
-import amp_exp.runtime.hardware
+import amp_exp.doctor
+import amp_exp.runtime.probe
+from amp_exp.config.schema import Precision
 from amp_exp.run import train
-from amp_exp.runtime.hardware import inspect_hardware, precision_advice, recommend_precision
+from amp_exp.runtime.cache import read_entries, write_entries
 from amp_exp.tasks.vision_models import l2_normalize_function
+from amp_exp.training.auto_precision import CACHE_FILE as AUTO_CACHE_FILE
 from amp_exp.training.diagnostics import FP16_MAX, gradient_ranges, largest_safe_scale
-from conftest import TINY
+from conftest import TINY, capability_with, inject_probe, timing_at
 
 CPU = torch.device("cpu")
+fp32, bf16, fp16 = Precision.fp32, Precision.bf16, Precision.fp16
 
 
-def cpu_with(monkeypatch, *flags: str) -> dict:
-    monkeypatch.setattr(amp_exp.runtime.hardware, "cpu_flags", lambda: set(flags))
-    return inspect_hardware(CPU)
+def warning(precision: str, factor: str, instead: str) -> list[str]:
+    return [f"{precision} measured about {factor} slower than fp32 here, use precision={instead}"]
 
 
-def gpu_with(monkeypatch, capability: tuple[int, int]) -> dict:
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
-    return inspect_hardware(torch.device("cuda", 0))
+def test_cpu_with_fast_bf16_recommends_bf16_and_warns_for_slow_fp16() -> None:
+    # The Xeon of 2026-11-30: bf16 1.2x fp32's speed, fp16 140x slower despite avx512_fp16.
+    xeon = capability_with({"fp32": 1, "bf16": 1.2, "fp16": 1 / 140}, cpu_flags=["avx512_fp16"])
+    assert xeon.recommendation() == (bf16, "bf16 runs 1.20x fp32's speed")
+    assert xeon.verdict(bf16) == "fast: 1.20x fp32's speed"
+    assert xeon.verdict(fp16) == "slow: about 140x slower than fp32; left out of precision=auto"
+    assert xeon.advice(fp16) == warning("fp16", "140x", "bf16")
+    assert xeon.advice(bf16) == xeon.advice(fp32) == []
+    assert xeon.trial_candidates() == [fp32, bf16]
 
 
-def test_cpu_without_fast_kernels_warns_for_fp16_and_bf16(monkeypatch) -> None:
-    plain = cpu_with(monkeypatch)
-    assert "20-60x slower than fp32" in precision_advice("fp16", plain)[0]
-    assert "use precision=fp32" in precision_advice("fp16", plain)[0]
-    assert "no avx512_bf16/AMX-BF16" in precision_advice("bf16", plain)[0]
-    assert precision_advice("fp32", plain) == []
-    assert recommend_precision(plain)[0] == "fp32"
+def test_cpu_with_slow_bf16_and_fp16_recommends_fp32_and_warns_for_both() -> None:
+    epyc = capability_with({"fp32": 1, "bf16": 1 / 20, "fp16": 1 / 25})
+    assert epyc.recommendation()[0] is fp32
+    assert epyc.advice(bf16) == warning("bf16", "20x", "fp32")
+    assert epyc.advice(fp16) == warning("fp16", "25x", "fp32")
+    assert epyc.trial_candidates() == [fp32]
 
 
-def test_cpu_with_bf16_instructions_recommends_bf16(monkeypatch) -> None:
-    bf16_cpu = cpu_with(monkeypatch, "avx512_bf16")
-    assert precision_advice("bf16", bf16_cpu) == []
-    assert "use precision=bf16" in precision_advice("fp16", bf16_cpu)[0]
-    assert recommend_precision(bf16_cpu)[0] == "bf16"
-    assert precision_advice("fp16", cpu_with(monkeypatch, "avx512_fp16")) == []
+def test_a_precision_as_fast_as_fp32_gets_no_warning_and_no_recommendation() -> None:
+    even = capability_with({"fp32": 1, "bf16": 1.02, "fp16": 0.99})
+    assert even.recommendation()[0] is fp32
+    assert even.verdict(bf16) == "no faster than fp32 (within 5%): it saves memory, not time"
+    assert even.advice(bf16) == even.advice(fp16) == []
+    # Measured 1.5x slower: a warning, but still timed by precision=auto.
+    slower = capability_with({"fp32": 1, "bf16": 1 / 1.5, "fp16": 1})
+    assert slower.advice(bf16) == warning("bf16", "1.50x", "fp32")
+    assert slower.verdict(bf16) == "slow: about 1.50x slower than fp32"
 
 
-def test_gpu_capabilities_drive_the_advice(monkeypatch) -> None:
-    pascal = gpu_with(monkeypatch, (6, 1))
-    assert not pascal["tensor_cores"]
-    assert "no Tensor Cores" in precision_advice("fp16", pascal)[0]
-    assert recommend_precision(pascal)[0] == "fp32"
-    volta = gpu_with(monkeypatch, (7, 0))
-    assert volta["tensor_cores"] and not volta["native_bf16"]
-    assert precision_advice("fp16", volta) == []
-    assert recommend_precision(volta)[0] == "fp16"
-    hopper = gpu_with(monkeypatch, (9, 0))
-    assert hopper["native_bf16"] and recommend_precision(hopper)[0] == "bf16"
+def test_gpu_verdicts_come_from_the_measurements() -> None:
+    hopper = capability_with({"fp32": 1, "bf16": 3.0, "fp16": 3.1}, device="cuda")
+    assert hopper.recommendation()[0] is bf16  # fp16 is not 5% faster: no loss scaler needed
+    assert hopper.summary(bf16)["measured_peak_tflops"] == 3.0
+    turing = capability_with({"fp32": 1, "fp16": 4.0}, device="cuda")
+    assert turing.recommendation()[0] is fp16
+    assert turing.verdict(bf16).startswith("not supported: test cuda has no native bf16")
+    pascal = capability_with({"fp32": 1, "fp16": 0.97}, device="cuda")
+    assert pascal.recommendation()[0] is fp32
+    assert pascal.advice(fp16) == []
 
 
-def test_run_records_hardware_and_warns_once(run_cfg, tmp_path, monkeypatch, caplog) -> None:
-    monkeypatch.setattr(amp_exp.runtime.hardware, "cpu_flags", lambda: set())
+def test_run_records_hardware_and_warns_once_with_the_measured_factor(
+    run_cfg, tmp_path, caplog
+) -> None:
+    # The session's probe (conftest): bf16 runs at 0.05x and fp16 at 0.02x fp32's speed.
     summary = train(run_cfg("precision=fp16", *TINY), tmp_path)
-    assert summary["hardware"]["device"] == "cpu"
-    assert summary["hardware"]["recommended_precision"] == "fp32"
-    assert caplog.text.count("20-60x slower") == 1
+    hardware = summary["hardware"]
+    assert hardware["device"] == "cpu"
+    assert hardware["recommended"] == "fp32"
+    assert hardware["measured"]["fp16"]["relative_speed"] == pytest.approx(0.02)
+    assert hardware["measured_peak_tflops"] == pytest.approx(0.02)
+    assert hardware["advice"] == warning("fp16", "50x", "fp32")
+    assert caplog.text.count(hardware["advice"][0]) == 1
 
 
 def test_underflow_fraction_follows_the_loss_scale() -> None:
@@ -178,15 +195,60 @@ def test_model_with_the_custom_function_trains_in_fp16(run_cfg, tmp_path) -> Non
     assert summary["final_loss"] is not None
 
 
-def test_doctor_prints_findings_and_a_recommendation() -> None:
+def doctor(*args: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [sys.executable, "-m", "amp_exp.doctor"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "amp_exp.doctor", "--device=cpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert result.returncode == 0
-    lines = result.stdout.splitlines()
-    assert lines[0].startswith("device: ")
-    assert any(line.startswith("fp16: ") for line in lines)
-    assert lines[-1].startswith("recommendation: precision=")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def test_doctor_prints_the_measured_table_facts_verdicts_and_recommendation() -> None:
+    # The session's probe (conftest): bf16 runs at 0.05x and fp16 at 0.02x fp32's speed.
+    lines = doctor().stdout.splitlines()
+    assert lines[0].startswith("device: cpu (")
+    assert lines[1].startswith("measured: forward+backward")
+    assert lines[2].split() == ["matmul", "conv", "attention", "vs", "fp32"]
+    assert lines[3].split()[0] == "fp32" and lines[3].endswith(" 1x")
+    assert lines[4].split()[0] == "bf16" and lines[4].endswith(" 0.05x")
+    assert lines[6].startswith("facts: CPU instructions for bf16/fp16: ")
+    assert "fp16: slow: about 50x slower than fp32; left out of precision=auto" in lines
+    assert lines[-1].startswith("recommendation: precision=fp32: no low precision is 5% faster")
+
+
+def test_doctor_json_holds_the_measurements_and_the_recommendation() -> None:
+    found = json.loads(doctor("--json").stdout)
+    assert set(found["measured"]) == {"fp32", "bf16", "fp16"}
+    assert found["measured"]["fp16"]["relative_speed"] == pytest.approx(0.02)
+    assert found["measured"]["fp32"]["tflops"] == pytest.approx(1.0)
+    assert found["recommended"] == "fp32"
+    assert found["reason"].startswith("no low precision is 5% faster than fp32")
+
+
+def test_doctor_refresh_measures_again_and_forgets_autos_choices(
+    monkeypatch, tmp_path, capsys
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    inject_probe({"fp32": 1.0, "bf16": 0.5, "fp16": 0.5})
+    write_entries(AUTO_CACHE_FILE, {"some model": {"ms": {"fp32": 1.0}}})
+    measured = []
+
+    def fake_measure(device, precisions):
+        measured.append(list(precisions))
+        return {p: timing_at(2.0 if p == "bf16" else 1.0) for p in precisions}
+
+    monkeypatch.setattr(amp_exp.runtime.probe, "measure", fake_measure)
+    amp_exp.doctor.main(["--device=cpu", "--json"])
+    assert measured == [] and json.loads(capsys.readouterr().out)["recommended"] == "fp32"
+    amp_exp.doctor.main(["--device=cpu", "--json", "--refresh"])
+    assert measured == [["fp32", "bf16", "fp16"]]
+    assert json.loads(capsys.readouterr().out)["recommended"] == "bf16"
+    assert read_entries(AUTO_CACHE_FILE) == {}
+    amp_exp.doctor.main(["--device=cpu", "--json"])
+    assert len(measured) == 1  # the new measurement is cached
 
 
 def test_activation_memory_is_compared_through_the_cuda_allocator(monkeypatch) -> None:

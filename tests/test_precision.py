@@ -1,4 +1,5 @@
-"""PrecisionPolicy: the scaler exists only for fp16, and the AMP step sequence is right."""
+"""PrecisionPolicy: the scaler exists only for fp16, and the AMP step sequence is right; the rules
+precision=auto decides by, and the requests the hardware refuses."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from torch import nn
 
 from amp_exp.config.schema import Precision, PrecisionConfig
 from amp_exp.errors import ConfigError
-from amp_exp.runtime.hardware import resolve_precision
+from amp_exp.runtime.capability import check_request, pick_fastest
 from amp_exp.training.precision import PrecisionPolicy
+from conftest import capability_with
 
 CPU = torch.device("cpu")
+fp32, bf16, fp16 = Precision.fp32, Precision.bf16, Precision.fp16
 
 
 def tiny_setup(precision: Precision, **knobs):
@@ -98,26 +101,41 @@ def test_fp16_overflow_is_skipped_and_backs_off_the_scale() -> None:
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
-def test_auto_on_cpu_picks_fp32_and_says_why() -> None:
-    resolved = resolve_precision(Precision.auto, CPU)
-    assert resolved.precision is Precision.fp32
-    assert "CPU" in resolved.reason
+def test_a_low_precision_must_win_by_5_percent_or_fp32_stays() -> None:
+    assert pick_fastest({fp32: 1.0, bf16: 0.96})[0] is fp32
+    assert pick_fastest({fp32: 1.0, bf16: 0.95})[0] is bf16
+    chosen, why = pick_fastest({fp32: 1.0, bf16: 1.5, fp16: 0.97})
+    assert chosen is fp32
+    assert why == "no low precision is 5% faster than fp32 (bf16 0.67x, fp16 1.03x fp32's speed)"
 
 
-def test_auto_on_a_tensor_core_gpu_picks_fp16(monkeypatch) -> None:
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    resolved = resolve_precision(Precision.auto, torch.device("cuda", 0))
-    assert resolved.precision is Precision.fp16
-    assert "loss scaling" in resolved.reason
+def test_fp16_must_beat_bf16_by_5_percent_as_it_needs_a_loss_scaler() -> None:
+    chosen, why = pick_fastest({fp32: 1.0, bf16: 0.5, fp16: 0.49})
+    assert chosen is bf16
+    assert why.startswith("bf16 runs 2.00x fp32's speed, and fp16 is not 5% faster than bf16")
+    assert pick_fastest({fp32: 1.0, bf16: 0.5, fp16: 0.45})[0] is fp16
+    assert pick_fastest({fp32: 1.0, fp16: 0.5})[0] is fp16
 
 
-def test_auto_on_an_old_gpu_picks_fp32(monkeypatch) -> None:
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
-    assert resolve_precision(Precision.auto, torch.device("cuda", 0)).precision is Precision.fp32
+def test_auto_times_fp32_and_the_low_precisions_the_probe_does_not_rule_out() -> None:
+    assert capability_with({"fp32": 1, "bf16": 0.9, "fp16": 0.02}).trial_candidates() == [
+        fp32,
+        bf16,
+    ]
+    slow_cpu = capability_with({"fp32": 1, "bf16": 0.4, "fp16": 0.02})
+    assert slow_cpu.trial_candidates() == [fp32]
+    assert (
+        slow_cpu.left_out()
+        == "the probe measured bf16 about 2.50x and fp16 about 50x slower than fp32"
+    )
+    turing = capability_with({"fp32": 1, "fp16": 4.0}, device="cuda")
+    assert turing.trial_candidates() == [fp32, fp16]
+    assert turing.left_out() == "bf16 is not supported here"
 
 
 def test_bf16_on_a_gpu_without_bf16_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     with pytest.raises(ConfigError, match="Tesla T4 lacks it; use precision=fp16"):
-        resolve_precision(Precision.bf16, torch.device("cuda", 0))
+        check_request(Precision.bf16, torch.device("cuda", 0))
+    check_request(Precision.fp16, torch.device("cuda", 0))

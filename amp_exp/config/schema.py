@@ -159,7 +159,8 @@ class SchedulerConfig:
 
 @dataclass
 class PrecisionConfig:
-    # auto: fp16 with loss scaling on CUDA GPUs with Tensor Cores, fp32 elsewhere.
+    # auto: time the model in fp32 and each low precision the device's measured speeds do not
+    # rule out; a low precision must be 5% faster than fp32 (training/auto_precision.py).
     name: Precision = Precision.auto
     # GradScaler knobs; they only take effect when fp16 runs.
     init_scale: float = 65536.0

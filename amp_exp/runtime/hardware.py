@@ -1,16 +1,15 @@
-"""The machine a run lands on: device choice, backend switches, seeds and provenance."""
+"""The machine a run lands on: device choice, backend switches, what it is, and provenance."""
 
 from __future__ import annotations
 
 import os
 import platform
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from amp_exp.config.schema import DeviceChoice, Precision
+from amp_exp.config.schema import DeviceChoice
 from amp_exp.errors import ConfigError
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -38,44 +37,6 @@ def resolve_device(choice: DeviceChoice, local_rank: int | None = None) -> torch
     return torch.device("cpu")
 
 
-@dataclass(frozen=True)
-class ResolvedPrecision:
-    precision: Precision
-    reason: str
-
-
-def cuda_has_tensor_cores(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (7, 0)
-
-
-def resolve_precision(requested: Precision, device: torch.device) -> ResolvedPrecision:
-    """Pick the precision for ``auto`` and reject requests the hardware cannot run."""
-    if requested is Precision.auto:
-        if device.type == "cuda" and cuda_has_tensor_cores(device):
-            return ResolvedPrecision(
-                Precision.fp16,
-                "auto: CUDA GPU with Tensor Cores, so fp16 autocast with dynamic loss scaling",
-            )
-        if device.type == "cuda":
-            return ResolvedPrecision(
-                Precision.fp32, "auto: this CUDA GPU has no Tensor Cores, so fp32 is fastest"
-            )
-        return ResolvedPrecision(
-            Precision.fp32,
-            "auto: on the CPU autocast rarely pays and fp16 has no fast kernels, so fp32",
-        )
-    if (
-        requested is Precision.bf16
-        and device.type == "cuda"
-        and not torch.cuda.is_bf16_supported(including_emulation=False)
-    ):
-        raise ConfigError(
-            f"precision=bf16 needs a GPU with native bf16 (compute capability 8.0+), but "
-            f"{torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or precision=fp32"
-        )
-    return ResolvedPrecision(requested, f"requested: precision={requested.value}")
-
-
 def configure_backends(device: torch.device, deterministic: bool, tf32: bool) -> None:
     # TF32 runs fp32 matmuls and convolutions on Tensor Cores (Ampere+): the "fp32" baseline
     # NVIDIA publishes. tf32=false gives true IEEE fp32 for a strict comparison.
@@ -93,7 +54,26 @@ def configure_backends(device: torch.device, deterministic: bool, tf32: bool) ->
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
+    return cpu_info().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (Linux; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    info: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        info[key.strip()] = value.strip()
+    return info
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's instruction-set flags (``Features`` on ARM)."""
+    info = cpu_info()
+    return set((info.get("flags") or info.get("Features") or "").split())
 
 
 def git_sha() -> str | None:
@@ -114,75 +94,3 @@ def git_sha() -> str | None:
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-CPU_FLAGS_OF_INTEREST = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "amx_fp16")
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's instruction-set flags that matter for bf16 and fp16 (Linux /proc/cpuinfo)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split()) & set(CPU_FLAGS_OF_INTEREST)
-    return set()
-
-
-def inspect_hardware(device: torch.device) -> dict:
-    """What the device offers for low precision: the facts a precision choice rests on."""
-    if device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        return {
-            "device": "cuda",
-            "name": torch.cuda.get_device_name(device),
-            "compute_capability": f"{capability[0]}.{capability[1]}",
-            "tensor_cores": capability >= (7, 0),
-            "native_bf16": capability >= (8, 0),
-        }
-    flags = cpu_flags()
-    return {
-        "device": "cpu",
-        "name": device_name(device),
-        "cpu_flags": sorted(flags),
-        "fast_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}),
-        "fast_fp16": bool(flags & {"avx512_fp16", "amx_fp16"}),
-    }
-
-
-def precision_advice(precision: str, hardware: dict) -> list[str]:
-    """Why ``precision`` cannot be fast on ``hardware``, and what to use instead."""
-    if hardware["device"] == "cuda":
-        if precision == "fp16" and not hardware["tensor_cores"]:
-            return [
-                f"fp16 on {hardware['name']} (compute capability {hardware['compute_capability']})"
-                ": no Tensor Cores, so fp16 saves memory but little time; fp32 is the safe choice"
-            ]
-        return []
-    if precision == "fp16" and not hardware["fast_fp16"]:
-        instead = "bf16" if hardware["fast_bf16"] else "fp32"
-        return [
-            "fp16 on this CPU: no avx512_fp16/AMX-FP16, so there are no fast fp16 kernels and "
-            f"training runs about 20-60x slower than fp32 (measured); use precision={instead}"
-        ]
-    if precision == "bf16" and not hardware["fast_bf16"]:
-        return [
-            "bf16 on this CPU: no avx512_bf16/AMX-BF16, so bf16 math is emulated and is unlikely "
-            "to beat fp32; use precision=fp32 for speed"
-        ]
-    return []
-
-
-def recommend_precision(hardware: dict) -> tuple[str, str]:
-    """The precision to pick on this hardware, and why."""
-    if hardware["device"] == "cuda":
-        if hardware["native_bf16"]:
-            return "bf16", "native bf16 Tensor Cores: fp16 speed with fp32 range, no loss scaling"
-        if hardware["tensor_cores"]:
-            return "fp16", "Tensor Cores without bf16: fp16 with dynamic loss scaling"
-        return "fp32", "no Tensor Cores: low precision saves memory, not time"
-    if hardware["fast_bf16"]:
-        return "bf16", "the CPU has bf16 instructions (avx512_bf16/AMX)"
-    return "fp32", "the CPU has no fast bf16 or fp16 instructions"

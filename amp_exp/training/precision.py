@@ -35,7 +35,7 @@ class PrecisionPolicy:
     ) -> None:
         """``guard_nonfinite``: without a scaler, skip steps whose gradients are inf or NaN."""
         if precision is Precision.auto:
-            raise ValueError("resolve precision=auto first (runtime.hardware.resolve_precision)")
+            raise ValueError("resolve precision=auto first (training.auto_precision)")
         self.precision = precision
         self.device = device
         self.clip_grad_norm = cfg.clip_grad_norm

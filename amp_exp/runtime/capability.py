@@ -1,0 +1,229 @@
+"""What this device supports and which precision to use: the one place that decides.
+
+``precision=auto`` (training.auto_precision), the warnings a run logs and records in
+``summary.json``, and ``python -m amp_exp.doctor`` all ask a ``Capability``. Its verdicts rest on
+the probe's measurements (runtime.probe); CPU flags and CUDA compute capability are supporting
+facts. One request is refused from the facts alone, before anything is measured: bf16 on a GPU
+without native bf16.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from amp_exp.config.schema import Precision
+from amp_exp.errors import ConfigError
+from amp_exp.runtime.hardware import cpu_flags, device_name
+from amp_exp.runtime.probe import KERNELS, Timing, cache_key, probe
+
+# A low precision must be this much faster than the choice it would replace: timing noise and
+# the cost of a loss scaler are not worth less.
+MARGIN = 1.05
+# Measured this many times slower than fp32, a precision is left out of precision=auto's trial.
+RULED_OUT = 2.0
+# In the order a tie is broken: bf16 needs no loss scaling, fp16 does.
+LOW_PRECISIONS = (Precision.bf16, Precision.fp16)
+CPU_FLAGS_OF_INTEREST = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "amx_fp16")
+
+
+@dataclass(frozen=True)
+class ResolvedPrecision:
+    precision: Precision
+    reason: str
+
+
+def times(factor: float) -> str:
+    """A speed ratio as a person says it: 25x, 1.22x, 0.07x."""
+    if round(factor, 2) >= 10:
+        return f"{factor:.0f}x"
+    return f"{factor:.2f}x" if factor >= 1 else f"{factor:.2g}x"
+
+
+def cuda_facts(device: torch.device) -> dict[str, Any]:
+    major, minor = torch.cuda.get_device_capability(device)
+    return {
+        "compute_capability": f"{major}.{minor}",
+        "tensor_cores": (major, minor) >= (7, 0),
+        "native_bf16": (major, minor) >= (8, 0),
+    }
+
+
+def check_request(requested: Precision, device: torch.device) -> None:
+    """Refuse a precision the device cannot run at all (as opposed to slowly)."""
+    if (
+        requested is Precision.bf16
+        and device.type == "cuda"
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
+        raise ConfigError(
+            f"precision=bf16 needs a GPU with native bf16 (compute capability 8.0+), but "
+            f"{torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or precision=fp32"
+        )
+
+
+def pick_fastest(seconds: Mapping[Precision, float]) -> tuple[Precision, str]:
+    """The precision to train in, given each candidate's time (fp32's included), and why.
+
+    fp32 stays unless a low precision is at least ``MARGIN`` faster; fp16 replaces bf16 only by
+    the same margin, so on a near tie bf16 wins and no loss scaler is needed.
+    """
+    chosen = Precision.fp32
+    for low in LOW_PRECISIONS:
+        if low in seconds and seconds[low] * MARGIN <= seconds[chosen]:
+            chosen = low
+    fp32 = seconds[Precision.fp32]
+    speeds = ", ".join(
+        f"{p.value} {times(fp32 / seconds[p])}" for p in seconds if p in LOW_PRECISIONS
+    )
+    if chosen is Precision.fp32:
+        return chosen, (
+            f"no low precision is {MARGIN - 1:.0%} faster than fp32 ({speeds} fp32's speed)"
+        )
+    why = f"{chosen.value} runs {times(fp32 / seconds[chosen])} fp32's speed"
+    if chosen is Precision.bf16 and seconds.get(Precision.fp16, math.inf) < seconds[chosen]:
+        why += f", and fp16 is not {MARGIN - 1:.0%} faster than bf16 (bf16 needs no loss scaling)"
+    return chosen, why
+
+
+@dataclass
+class Capability:
+    """One device's facts and measured speeds, and the verdicts drawn from them."""
+
+    device: str  # "cpu" or "cuda"
+    name: str
+    facts: dict[str, Any]
+    # Each supported precision's measured kernel times; fp32 is always among them.
+    measured: dict[Precision, Timing]
+    # What the measurements hold for: the device model, torch version and TF32 switch.
+    key: str
+
+    def supports(self, precision: Precision) -> bool:
+        return precision in self.measured
+
+    def relative_speed(self, precision: Precision) -> float:
+        """Speed relative to fp32: the geometric mean over the probe's kernels."""
+        ratios = [
+            self.measured[Precision.fp32][k].ms / self.measured[precision][k].ms for k in KERNELS
+        ]
+        return math.exp(sum(map(math.log, ratios)) / len(ratios))
+
+    def tflops(self, precision: Precision) -> float:
+        """The probe's matmul rate: a measured peak to read model FLOP utilization against."""
+        return self.measured[precision]["matmul"].tflops
+
+    def ruled_out(self, precision: Precision) -> bool:
+        return not self.supports(precision) or self.relative_speed(precision) * RULED_OUT <= 1
+
+    def verdict(self, precision: Precision) -> str:
+        if precision is Precision.fp32:
+            return "the baseline"
+        if not self.supports(precision):
+            return (
+                f"not supported: {self.name} has no native {precision.value} "
+                "(compute capability 8.0+)"
+            )
+        speed = self.relative_speed(precision)
+        if speed >= MARGIN:
+            return f"fast: {times(speed)} fp32's speed"
+        if speed * MARGIN > 1:
+            return f"no faster than fp32 (within {MARGIN - 1:.0%}): it saves memory, not time"
+        left_out = "; left out of precision=auto" if self.ruled_out(precision) else ""
+        return f"slow: about {times(1 / speed)} slower than fp32{left_out}"
+
+    def recommendation(self) -> tuple[Precision, str]:
+        seconds = {p: 1 / self.relative_speed(p) for p in self.measured}
+        return pick_fastest(seconds)
+
+    def trial_candidates(self) -> list[Precision]:
+        """What precision=auto times the run's model in: fp32 and each plausible low precision."""
+        return [Precision.fp32, *(p for p in LOW_PRECISIONS if not self.ruled_out(p))]
+
+    def left_out(self) -> str:
+        """Why precision=auto does not time the low precisions it leaves out, in words."""
+        unsupported = [
+            f"{p.value} is not supported here" for p in LOW_PRECISIONS if not self.supports(p)
+        ]
+        slow = [
+            f"{p.value} about {times(1 / self.relative_speed(p))}"
+            for p in LOW_PRECISIONS
+            if self.supports(p) and self.ruled_out(p)
+        ]
+        if slow:
+            unsupported.append(f"the probe measured {' and '.join(slow)} slower than fp32")
+        return "; ".join(unsupported)
+
+    def advice(self, precision: Precision) -> list[str]:
+        """Warnings for a run in ``precision``: it measured slower than fp32 here."""
+        if precision is Precision.fp32 or not self.supports(precision):
+            return []
+        speed = self.relative_speed(precision)
+        if speed * MARGIN > 1:
+            return []
+        better = self.recommendation()[0].value
+        return [
+            f"{precision.value} measured about {times(1 / speed)} slower than fp32 here, "
+            f"use precision={better}"
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        """What ``python -m amp_exp.doctor --json`` prints."""
+        recommended, reason = self.recommendation()
+        return {
+            "device": self.device,
+            "name": self.name,
+            "facts": self.facts,
+            "measured": {
+                p.value: {
+                    "relative_speed": self.relative_speed(p),
+                    "tflops": self.tflops(p),
+                    "kernels": {k: vars(t) for k, t in timing.items()},
+                }
+                for p, timing in self.measured.items()
+            },
+            "verdicts": {p.value: self.verdict(p) for p in Precision if p is not Precision.auto},
+            "recommended": recommended.value,
+            "reason": reason,
+        }
+
+    def summary(self, precision: Precision) -> dict[str, Any]:
+        """summary.json's ``hardware``: the doctor's findings, the advice for this run, and the
+        measured peak in its precision."""
+        return {
+            **self.as_dict(),
+            "advice": self.advice(precision),
+            "measured_peak_tflops": self.tflops(precision),
+        }
+
+
+def supported_precisions(device: torch.device) -> list[Precision]:
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return [Precision.fp32, Precision.fp16]
+    return [Precision.fp32, *LOW_PRECISIONS]
+
+
+def device_facts(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        return cuda_facts(device)
+    flags = cpu_flags()
+    return {
+        "cpu_flags": [f for f in CPU_FLAGS_OF_INTEREST if f in flags],
+        "threads": torch.get_num_threads(),
+    }
+
+
+def capability_of(device: torch.device, refresh: bool = False) -> Capability:
+    """The device's capability; measured once per device and torch version, then cached."""
+    precisions = supported_precisions(device)
+    measured = probe(device, [p.value for p in precisions], refresh=refresh)
+    return Capability(
+        device.type,
+        device_name(device),
+        device_facts(device),
+        {p: measured[p.value] for p in precisions},
+        cache_key(device, Precision.fp32.value),
+    )

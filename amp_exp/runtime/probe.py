@@ -1,0 +1,242 @@
+"""The probe: how fast each precision's forward and backward pass runs here, measured.
+
+CPU flags say which instructions exist, not which kernels PyTorch dispatches to: a Xeon with
+avx512_fp16 trained ResNet-18 140x slower in fp16 than in fp32. So three kernels that stand for
+what models spend their time on (a matmul, a 3x3 convolution, and an attention block with a
+layer norm) run forward and backward, the forward under the autocast the precision gets in
+training. The precisions take turns, round after round, and each keeps its fastest round: a load
+spike from another process then slows one round of every precision rather than all rounds of
+one. Results are cached per device, torch version and precision (``runtime.cache``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import torch
+import torch.nn.functional as F
+
+from amp_exp.runtime.cache import read_entries, write_entries
+from amp_exp.runtime.hardware import cpu_flags, device_name
+
+log = logging.getLogger("amp_exp")
+
+CACHE_FILE = "probe.json"
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KERNELS = ("matmul", "conv", "attention")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Kernel sizes: large enough to reach the device's speed, small enough to time quickly."""
+
+    matmul: int  # n of an (n x n) @ (n x n) product
+    conv: tuple[int, int, int]  # batch, channels in = out, height = width
+    attention: tuple[int, int, int, int]  # batch, tokens, width, heads
+
+
+SHAPES = {
+    # fp16 on a CPU without fp16 kernels runs 20-140x slower: a few hundred ms per round there.
+    "cpu": Shapes(256, (8, 32, 16), (4, 64, 128, 4)),
+    # The matmul is the measured peak a run's MFU can be read against.
+    "cuda": Shapes(8192, (64, 128, 56), (8, 1024, 1024, 16)),
+}
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    ms: float
+    tflops: float
+
+
+# One precision's measurement: each kernel's fastest forward+backward.
+Timing = dict[str, KernelTime]
+
+
+def timing_to_json(timing: Timing) -> dict:
+    return {name: {"ms": k.ms, "tflops": k.tflops} for name, k in timing.items()}
+
+
+def timing_from_json(entry: dict) -> Timing:
+    return {name: KernelTime(entry[name]["ms"], entry[name]["tflops"]) for name in KERNELS}
+
+
+def device_key(device: torch.device) -> str:
+    """What the measurements belong to: the device model and the torch build."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        # Virtual machines often report a generic model name ("AMD EPYC") for different
+        # generations; their flags tell them apart.
+        flags = " ".join(sorted(cpu_flags()))
+        name = f"{device_name(device)} [flags {hashlib.sha1(flags.encode()).hexdigest()[:8]}]"
+    return f"{name} | torch {torch.__version__}"
+
+
+def precision_label(device: torch.device, precision: str) -> str:
+    """The precision as measured: fp32 matmuls on CUDA run on TF32 Tensor Cores when allowed."""
+    if precision == "fp32" and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "fp32+tf32"
+    return precision
+
+
+def cache_key(device: torch.device, precision: str) -> str:
+    return f"{device_key(device)} | {precision_label(device, precision)}"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _kernels(
+    shapes: Shapes, device: torch.device
+) -> dict[str, tuple[Callable[[], torch.Tensor], tuple[torch.Tensor, ...], float]]:
+    """name: (forward, the leaves its backward differentiates, forward+backward FLOPs)."""
+    # A generator of its own: the probe draws nothing from the run's random streams.
+    generator = torch.Generator(device).manual_seed(0)
+
+    def leaf(*size: int, scale: float = 1.0, memory_format=torch.contiguous_format):
+        values = torch.randn(*size, generator=generator, device=device) * scale
+        return values.contiguous(memory_format=memory_format).requires_grad_()
+
+    n = shapes.matmul
+    a, b = leaf(n, n), leaf(n, n)
+    batch, channels, size = shapes.conv
+    memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    images = leaf(batch, channels, size, size, memory_format=memory_format)
+    filters = leaf(channels, channels, 3, 3, scale=(9 * channels) ** -0.5)
+    seqs, tokens, width, heads = shapes.attention
+    x = leaf(seqs, tokens, width)
+    norm_weight, norm_bias = leaf(width), leaf(width)
+    qkv_weight = leaf(3 * width, width, scale=width**-0.5)
+    out_weight = leaf(width, width, scale=width**-0.5)
+
+    def attention() -> torch.Tensor:
+        h = F.layer_norm(x, (width,), norm_weight, norm_bias)
+        q, k, v = F.linear(h, qkv_weight).view(seqs, tokens, 3, heads, -1).unbind(2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return x + F.linear(o.transpose(1, 2).reshape(seqs, tokens, width), out_weight)
+
+    # Backward costs about twice the forward (a gradient for the input and one for the weight).
+    attention_flops = 2 * seqs * tokens * width * 4 * width + 4 * seqs * tokens * tokens * width
+    return {
+        "matmul": (lambda: a @ b, (a, b), 3 * 2 * n**3),
+        "conv": (
+            lambda: F.conv2d(images, filters, padding=1),
+            (images, filters),
+            3 * 2 * batch * channels * channels * 9 * size * size,
+        ),
+        "attention": (
+            attention,
+            (x, norm_weight, norm_bias, qkv_weight, out_weight),
+            3 * attention_flops,
+        ),
+    }
+
+
+def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[precision])
+
+
+def _forward_backward(
+    device: torch.device,
+    precision: str,
+    forward: Callable[[], torch.Tensor],
+    leaves: tuple[torch.Tensor, ...],
+) -> float:
+    """Seconds for one forward (under the precision's autocast, as in training) and backward."""
+    _synchronize(device)
+    tick = time.perf_counter()
+    with _autocast(device, precision):
+        out = forward()
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
+    _synchronize(device)
+    return time.perf_counter() - tick
+
+
+def measure(
+    device: torch.device,
+    precisions: Iterable[str],
+    shapes: Shapes | None = None,
+    budget_s: float = 0.2,
+    min_rounds: int = 3,
+    max_rounds: int = 20,
+) -> dict[str, Timing]:
+    """Each precision's fastest forward+backward of each kernel, in turns.
+
+    Every kernel gets about ``budget_s`` per precision, and at least ``min_rounds`` rounds. The
+    first round (kernel selection, cuDNN autotuning, oneDNN primitive creation) is not kept. In
+    a round each precision repeats its kernel for a turn of ``budget_s / 4``: a fast kernel then
+    gets many tries at a moment when no other process holds a core, a slow one still gets one.
+    """
+    precisions = list(precisions)
+    kernels = _kernels(shapes or SHAPES[device.type], device)
+    best = {p: dict.fromkeys(kernels, math.inf) for p in precisions}
+    for name, (forward, leaves, _) in kernels.items():
+        started = time.perf_counter()
+        rounds = 0
+        while rounds < min_rounds or (
+            rounds < max_rounds and time.perf_counter() - started < budget_s * len(precisions)
+        ):
+            for precision in precisions:
+                turn_ends = time.perf_counter() + budget_s / 4
+                while True:
+                    elapsed = _forward_backward(device, precision, forward, leaves)
+                    if rounds:
+                        best[precision][name] = min(best[precision][name], elapsed)
+                    if time.perf_counter() >= turn_ends:
+                        break
+            rounds += 1
+    return {
+        p: {
+            name: KernelTime(seconds * 1e3, kernels[name][2] / seconds / 1e12)
+            for name, seconds in best[p].items()
+        }
+        for p in precisions
+    }
+
+
+def remember(device: torch.device, timings: dict[str, Timing]) -> None:
+    """Cache ``timings`` for later runs on this device and torch version."""
+    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    write_entries(
+        CACHE_FILE,
+        {
+            cache_key(device, p): {"kernels": timing_to_json(t), "measured_at": measured_at}
+            for p, t in timings.items()
+        },
+    )
+
+
+def probe(
+    device: torch.device, precisions: Iterable[str], refresh: bool = False
+) -> dict[str, Timing]:
+    """Each precision's timing, from the cache where it holds one, else measured and cached."""
+    precisions = list(precisions)
+    cached = {} if refresh else read_entries(CACHE_FILE)
+    found: dict[str, Timing] = {}
+    for precision in precisions:
+        entry = cached.get(cache_key(device, precision))
+        with contextlib.suppress(KeyError, TypeError):
+            found[precision] = timing_from_json(entry["kernels"])
+    missing = [p for p in precisions if p not in found]
+    if missing:
+        log.info(
+            "measuring %s forward+backward speed on %s (once; cached for later runs)",
+            ", ".join(missing),
+            device_name(device),
+        )
+        fresh = measure(device, missing)
+        remember(device, fresh)
+        found.update(fresh)
+    return found

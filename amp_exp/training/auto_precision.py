@@ -1,0 +1,158 @@
+"""precision=auto: time the run's own model in each plausible precision and train in the fastest.
+
+Before training, a few forward+backward passes of the built model on one real batch run under
+each candidate's autocast: fp32, and each low precision the probe does not rule out
+(``Capability.trial_candidates``). The candidates take turns and each keeps its fastest pass;
+``capability.pick_fastest`` names the winner. The trial leaves no trace: gradients come from
+``torch.autograd.grad``, so no ``.grad`` is written and no optimizer steps, and the model's buffers
+(BatchNorm statistics) and every random number generator are restored. The run is then
+bit-identical to the same run with the chosen precision requested.
+
+The choice is cached per model config, batch shape, device and torch version, so a second run
+costs nothing. Under torchrun, rank 0 decides and the other ranks take its choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from amp_exp.config.schema import Precision, PrecisionConfig, RunConfig
+from amp_exp.runtime.cache import read_entries, write_entries
+from amp_exp.runtime.capability import Capability, ResolvedPrecision, pick_fastest
+from amp_exp.runtime.distributed import Distributed
+from amp_exp.tasks.base import Batch, Task
+from amp_exp.tasks.workload import Workload
+from amp_exp.training.meters import synchronize
+from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.rng import restore_rng_state, rng_state
+
+CACHE_FILE = "auto_precision.json"
+# Timed passes per candidate, after one untimed warm-up pass each.
+PASSES = 3
+# Indices that every rank reads the same way.
+CHOICES = (Precision.fp32, Precision.bf16, Precision.fp16)
+
+
+def resolve_precision(
+    cfg: RunConfig,
+    capability: Capability,
+    workload: Workload,
+    distributed: Distributed | None = None,
+) -> ResolvedPrecision:
+    """The precision the run trains in, and why; precision=auto is decided here."""
+    requested = cfg.precision.name
+    if requested is not Precision.auto:
+        return ResolvedPrecision(requested, f"requested: precision={requested.value}")
+    if distributed is None:
+        return choose(cfg, capability, workload)
+    resolved = choose(cfg, capability, workload) if distributed.is_main else None
+    # The largest of rank 0's choice and the others' -1 is rank 0's choice.
+    index = int(distributed.max(-1 if resolved is None else CHOICES.index(resolved.precision)))
+    return resolved or ResolvedPrecision(CHOICES[index], "auto: as rank 0 chose")
+
+
+def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> ResolvedPrecision:
+    """Time the candidates (or reuse the cached times) and pick the fastest."""
+    candidates = capability.trial_candidates()
+    left_out = capability.left_out()
+    if candidates == [Precision.fp32]:
+        return ResolvedPrecision(Precision.fp32, f"auto: fp32, nothing else to try ({left_out})")
+    # Before the batch: a DataLoader seeds its workers from torch's generator.
+    saved = rng_state()
+    try:
+        batch = workload.task.to_device(next(iter(workload.data.train)))
+        key = choice_key(cfg, capability, workload.channels_last, candidates, batch)
+        source = f"fastest of {PASSES} passes"
+        try:
+            cached = read_entries(CACHE_FILE)[key]["ms"]
+            seconds = {p: cached[p.value] / 1e3 for p in candidates}
+            source += ", cached from an earlier run"
+        except (KeyError, TypeError):
+            seconds = time_candidates(workload.model, workload.task, batch, candidates)
+            write_entries(CACHE_FILE, {key: {"ms": {p.value: s * 1e3 for p, s in seconds.items()}}})
+    finally:
+        restore_rng_state(saved)
+    chosen, why = pick_fastest(seconds)
+    listed = ", ".join(f"{p.value} {milliseconds(s)}" for p, s in seconds.items())
+    reason = f"auto: {chosen.value}; this model's forward+backward ({source}): {listed}; {why}"
+    return ResolvedPrecision(chosen, reason + (f"; {left_out}" if left_out else ""))
+
+
+def milliseconds(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3g} ms" if ms < 100 else f"{ms:.0f} ms"
+
+
+def choice_key(
+    cfg: RunConfig,
+    capability: Capability,
+    channels_last: bool,
+    candidates: Sequence[Precision],
+    batch: Batch,
+) -> str:
+    """What a timing depends on: the model, the batch, the device and torch, the candidates."""
+    return json.dumps(
+        {
+            "model": dataclasses.asdict(cfg.model),
+            "batch": batch_shapes(batch),
+            "channels_last": channels_last,
+            "device": capability.key,
+            "candidates": [p.value for p in candidates],
+        },
+        sort_keys=True,
+        default=str,
+    )
+
+
+def batch_shapes(batch: Batch) -> Any:
+    """The shapes and dtypes of a batch's tensors, nested as the batch is."""
+    if isinstance(batch, torch.Tensor):
+        return [*batch.shape, str(batch.dtype)]
+    if isinstance(batch, Mapping):
+        return {key: batch_shapes(value) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return [batch_shapes(item) for item in batch]
+    return repr(batch)
+
+
+def time_candidates(
+    model: nn.Module, task: Task, batch: Batch, candidates: Sequence[Precision]
+) -> dict[Precision, float]:
+    """Each candidate's fastest forward+backward of ``model`` on ``batch``, in seconds.
+
+    Leaves the model as it found it: no ``.grad`` written, buffers restored, training mode kept.
+    The caller restores the random number generators.
+    """
+    device = next(model.parameters()).device
+    policies = {p: PrecisionPolicy(p, PrecisionConfig(name=p), device) for p in candidates}
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    buffers = [b.detach().clone() for b in model.buffers()]
+    was_training = model.training
+    best = dict.fromkeys(candidates, math.inf)
+    model.train()
+    try:
+        for timed in [False] + [True] * PASSES:
+            # In turns, so that a load spike slows one pass of each candidate, not all of one.
+            for precision, policy in policies.items():
+                synchronize(device)
+                started = time.perf_counter()
+                with policy.autocast():
+                    loss = task.loss(model, batch)
+                torch.autograd.grad(loss, parameters, allow_unused=True)
+                synchronize(device)
+                if timed:
+                    best[precision] = min(best[precision], time.perf_counter() - started)
+    finally:
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
+        model.train(was_training)
+    return best

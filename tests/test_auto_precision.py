@@ -1,0 +1,171 @@
+"""precision=auto times the run's own model, leaves no trace, caches its choice, and agrees
+across ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import amp_exp.training.auto_precision as auto_precision
+from amp_exp.config.schema import Precision
+from amp_exp.results.checkpoint import load_newest_valid
+from amp_exp.run import train
+from amp_exp.tasks.base import DataBundle
+from amp_exp.tasks.classification import ClassificationTask
+from amp_exp.tasks.workload import Workload
+from amp_exp.training.auto_precision import choose, resolve_precision, time_candidates
+from conftest import TINY, capability_with, inject_probe
+
+CPU = torch.device("cpu")
+fp32, bf16, fp16 = Precision.fp32, Precision.bf16, Precision.fp16
+# bf16 as fast as fp32 by the probe: worth a trial. fp16 50x slower: left out.
+PLAUSIBLE_BF16 = {"fp32": 1.0, "bf16": 1.0, "fp16": 0.02}
+
+
+@pytest.fixture
+def own_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def with_times(monkeypatch, seconds: dict[Precision, float]) -> list[list[Precision]]:
+    """Run the real trial (and its side effects), but report ``seconds`` as its result."""
+    real = auto_precision.time_candidates
+    trials = []
+
+    def timed(model, task, batch, candidates):
+        real(model, task, batch, candidates)
+        trials.append(list(candidates))
+        return {p: seconds[p] for p in candidates}
+
+    monkeypatch.setattr(auto_precision, "time_candidates", timed)
+    return trials
+
+
+def small_workload() -> tuple[Workload, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4))
+    batch = (torch.randn(32, 8), torch.randint(4, (32,)))
+    return Workload(ClassificationTask(CPU), DataBundle([batch], []), model, False), batch
+
+
+def test_the_trial_leaves_weights_gradients_buffers_mode_and_rng_untouched(
+    run_cfg, own_cache
+) -> None:
+    workload, _ = small_workload()
+    model = workload.model
+    model.eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    resolved = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), workload)
+    assert resolved.precision in (fp32, bf16)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.training
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_time_candidates_times_each_candidate_forward_and_backward() -> None:
+    workload, batch = small_workload()
+    seconds = time_candidates(workload.model, workload.task, batch, [fp32, bf16])
+    assert set(seconds) == {fp32, bf16} and all(0 < s < 10 for s in seconds.values())
+
+
+def test_auto_picks_the_fastest_and_quotes_the_measured_times(
+    run_cfg, own_cache, monkeypatch
+) -> None:
+    trials = with_times(monkeypatch, {fp32: 0.0123, bf16: 0.0101})
+    workload, _ = small_workload()
+    resolved = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), workload)
+    assert trials == [[fp32, bf16]]
+    assert resolved.precision is bf16
+    assert resolved.reason == (
+        "auto: bf16; this model's forward+backward (fastest of 3 passes): fp32 12.3 ms, "
+        "bf16 10.1 ms; bf16 runs 1.22x fp32's speed; "
+        "the probe measured fp16 about 50x slower than fp32"
+    )
+
+
+def test_a_low_precision_less_than_5_percent_faster_leaves_fp32(
+    run_cfg, own_cache, monkeypatch
+) -> None:
+    with_times(monkeypatch, {fp32: 0.0100, bf16: 0.0097})
+    workload, _ = small_workload()
+    resolved = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), workload)
+    assert resolved.precision is fp32
+    assert "no low precision is 5% faster than fp32 (bf16 1.03x fp32's speed)" in resolved.reason
+
+
+def test_the_choice_is_cached_so_a_second_run_times_nothing(
+    run_cfg, own_cache, monkeypatch
+) -> None:
+    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
+    cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
+    first = choose(cfg, capability, small_workload()[0])
+    again = choose(cfg, capability, small_workload()[0])
+    assert len(trials) == 1
+    assert first.precision is again.precision is bf16
+    assert "(fastest of 3 passes, cached from an earlier run): fp32 20 ms, bf16 10 ms" in (
+        again.reason
+    )
+    # Another model is another choice.
+    choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0])
+    assert len(trials) == 2
+
+
+def test_where_the_probe_rules_every_low_precision_out_fp32_needs_no_trial(
+    run_cfg, monkeypatch
+) -> None:
+    trials = with_times(monkeypatch, {})
+    resolved = choose(
+        run_cfg(*TINY), capability_with({"fp32": 1, "bf16": 0.1, "fp16": 0.02}), small_workload()[0]
+    )
+    assert trials == [] and resolved.precision is fp32
+    assert resolved.reason == (
+        "auto: fp32, nothing else to try (the probe measured bf16 about 10x and fp16 about 50x "
+        "slower than fp32)"
+    )
+
+
+class OneOfTwoRanks:
+    """Just the collective resolve_precision uses: rank 0 holds ``rank0_index``."""
+
+    def __init__(self, is_main: bool, rank0_index: int) -> None:
+        self.is_main, self.rank0_index = is_main, rank0_index
+
+    def max(self, value: float) -> float:
+        return max(value, self.rank0_index)
+
+
+def test_under_torchrun_rank_0_decides_and_the_others_take_its_choice(
+    run_cfg, own_cache, monkeypatch
+) -> None:
+    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
+    cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
+    bf16_index = auto_precision.CHOICES.index(bf16)
+    other = resolve_precision(
+        cfg, capability, small_workload()[0], OneOfTwoRanks(False, bf16_index)
+    )
+    assert trials == [] and other.precision is bf16
+    main = resolve_precision(cfg, capability, small_workload()[0], OneOfTwoRanks(True, -1))
+    assert trials == [[fp32, bf16]] and main.precision is bf16
+
+
+def test_auto_trains_bit_identically_to_the_precision_it_chose_requested(
+    run_cfg, tmp_path, own_cache, monkeypatch
+) -> None:
+    inject_probe(PLAUSIBLE_BF16)
+    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
+    # tiny_cnn has BatchNorm: a trial that left its statistics changed would show here.
+    overrides = (*TINY, "trainer.max_steps=3", "trainer.eval_every=null")
+    auto = train(run_cfg(*overrides), tmp_path / "auto")
+    direct = train(run_cfg(*overrides, "precision=bf16"), tmp_path / "bf16")
+    assert trials == [[fp32, bf16]]
+    assert auto["precision"] == direct["precision"] == "bf16"
+    assert "fp32 20 ms, bf16 10 ms" in auto["precision_reason"]
+    assert auto["final_loss"] == direct["final_loss"]
+    auto_state = load_newest_valid(tmp_path / "auto")[1]
+    direct_state = load_newest_valid(tmp_path / "bf16")[1]
+    for name, tensor in direct_state["model"].items():
+        assert torch.equal(auto_state["model"][name], tensor), name
+    assert torch.equal(auto_state["rng"]["torch"], direct_state["rng"]["torch"])

@@ -1,0 +1,106 @@
+"""The probe measures each precision's kernels, and its cache spares later runs the measurement."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import amp_exp.runtime.probe
+from amp_exp.config.schema import Precision
+from amp_exp.runtime.cache import cache_dir, read_entries
+from amp_exp.runtime.capability import capability_of
+from amp_exp.runtime.probe import CACHE_FILE, KERNELS, Shapes, cache_key, measure, probe, remember
+from conftest import timing_at
+
+CPU = torch.device("cpu")
+TINY_SHAPES = Shapes(matmul=16, conv=(1, 4, 4), attention=(1, 4, 8, 2))
+
+
+@pytest.fixture
+def own_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path / "amp_exp"
+
+
+def test_measure_times_every_kernel_forward_and_backward_in_each_precision() -> None:
+    timings = measure(CPU, ["fp32", "bf16"], shapes=TINY_SHAPES, budget_s=0.001, max_rounds=3)
+    assert set(timings) == {"fp32", "bf16"}
+    for timing in timings.values():
+        assert set(timing) == set(KERNELS)
+        assert all(0 < k.ms < 1000 and math.isfinite(k.tflops) for k in timing.values())
+    # 16^3 multiply-adds forward, twice that backward.
+    matmul = timings["fp32"]["matmul"]
+    assert matmul.tflops == pytest.approx(6 * 16**3 / (matmul.ms / 1e3) / 1e12)
+
+
+def test_measure_leaves_the_global_random_streams_alone() -> None:
+    before = torch.get_rng_state()
+    measure(CPU, ["fp32"], shapes=TINY_SHAPES, budget_s=0.001, max_rounds=2)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_probe_measures_what_the_cache_lacks_and_reuses_the_rest(own_cache, monkeypatch) -> None:
+    measured = []
+
+    def fake_measure(device, precisions):
+        measured.append(list(precisions))
+        return {p: timing_at(0.5) for p in precisions}
+
+    monkeypatch.setattr(amp_exp.runtime.probe, "measure", fake_measure)
+    remember(CPU, {"fp32": timing_at(1.0)})
+    timings = probe(CPU, ["fp32", "bf16"])
+    assert measured == [["bf16"]]
+    assert timings["fp32"] == timing_at(1.0) and timings["bf16"] == timing_at(0.5)
+    probe(CPU, ["fp32", "bf16"])
+    assert measured == [["bf16"]]
+    probe(CPU, ["fp32", "bf16"], refresh=True)
+    assert measured == [["bf16"], ["fp32", "bf16"]]
+
+
+def test_cache_entries_are_per_device_torch_version_and_precision(own_cache) -> None:
+    remember(CPU, {"fp32": timing_at(1.0), "fp16": timing_at(0.1)})
+    assert cache_dir() == own_cache
+    keys = set(read_entries(CACHE_FILE))
+    assert keys == {cache_key(CPU, "fp32"), cache_key(CPU, "fp16")}
+    assert all(f"torch {torch.__version__}" in key for key in keys)
+
+
+def test_an_unreadable_cache_is_measured_again(own_cache, monkeypatch) -> None:
+    own_cache.mkdir(parents=True)
+    (own_cache / CACHE_FILE).write_text("{not json")
+    monkeypatch.setattr(
+        amp_exp.runtime.probe, "measure", lambda device, ps: {p: timing_at(1.0) for p in ps}
+    )
+    assert set(probe(CPU, ["fp32"])) == {"fp32"}
+    assert cache_key(CPU, "fp32") in read_entries(CACHE_FILE)
+
+
+def test_a_gpu_without_native_bf16_is_probed_in_fp32_and_fp16_only(own_cache, monkeypatch) -> None:
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    remember(gpu, {"fp32": timing_at(1.0), "fp16": timing_at(4.0)})
+    capability = capability_of(gpu)  # from the cache: nothing runs on the (absent) GPU
+    assert list(capability.measured) == [Precision.fp32, Precision.fp16]
+    assert capability.facts == {
+        "compute_capability": "7.5",
+        "tensor_cores": True,
+        "native_bf16": False,
+    }
+    assert capability.recommendation()[0] is Precision.fp16
+
+
+def test_fp32_on_a_gpu_is_cached_apart_with_and_without_tf32(monkeypatch) -> None:
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    previous = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert cache_key(gpu, "fp32") == f"NVIDIA H200 | torch {torch.__version__} | fp32+tf32"
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert cache_key(gpu, "fp32").endswith(" | fp32")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
