@@ -102,7 +102,7 @@ def test_every_module_is_short_and_says_its_job() -> None:
     for name, path in modules().items():
         text = path.read_text()
         assert len(text.splitlines()) <= MAX_LINES, f"{name} has over {MAX_LINES} lines"
-        if text.strip() and not path.name == "__init__.py":
+        if text.strip() and path.name != "__init__.py":
             assert ast.get_docstring(ast.parse(text)), f"{name} has no module docstring"
 
 

@@ -1,20 +1,17 @@
 """The files of a run directory: their names, one atomic write, and strict JSON.
 
-Every result file is written to a temporary file beside it, flushed to disk and renamed into
-place, so a crash at any moment leaves the old file or the new one, never a torn one. Every result
-file, checkpoints included, gets the mode any file the user creates gets (0666 less the umask:
-0644 usually): they hold weights and metrics, not secrets, and a shared project reads them.
+Every result file is written through ``runtime.atomic``: a crash at any moment leaves the old
+file or the new one, never a torn one, and the file gets the mode any file the user creates gets.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+from amp_exp.runtime.atomic import TMP_SUFFIX, atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -28,8 +25,6 @@ WANDB_RUN_ID_FILE = "wandb_run_id"
 JOB_CONFIG = Path(".hydra") / "config.yaml"
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
-# Temporary files are named ".<target>.<random>.tmp"; a save killed mid-write leaves one behind.
-TMP_SUFFIX = ".tmp"
 
 
 def json_safe(value: Any) -> Any:
@@ -49,34 +44,6 @@ def json_safe(value: Any) -> Any:
 
 def json_line(row: dict[str, Any]) -> str:
     return json.dumps(json_safe(row), allow_nan=False)
-
-
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write`` on a temporary file beside ``path``, fsync it, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
-    try:
-        # mkstemp creates 0600; give the file the mode open() would have.
-        os.fchmod(handle, default_file_mode())
-        with os.fdopen(handle, "wb") as tmp:
-            write(tmp)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
-
-
-def default_file_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def write_text(path: Path, text: str) -> None:

@@ -10,9 +10,7 @@ import platform
 from enum import Enum
 from typing import Any
 
-import torch
-
-from amp_exp.runtime.hardware import git_sha
+from amp_exp.runtime.provenance import git_sha
 
 
 class Status(str, Enum):
@@ -98,6 +96,8 @@ def make_summary(status: Status, config: dict[str, Any], **values: Any) -> dict[
     summary: dict[str, Any] = dict.fromkeys(FIELDS)
     summary.update(identity(config))
     if status is not Status.killed:  # a killed run's code version is not the reader's
+        import torch  # only runs import it; a report reading killed runs stays light
+
         summary.update(
             torch_version=str(torch.__version__),
             python_version=platform.python_version(),

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from amp_exp.runtime.atomic import atomic_write
 
 
 def cache_dir() -> Path:
@@ -34,17 +35,9 @@ def write_entries(name: str, entries: dict[str, Any]) -> None:
     """Add ``entries`` to cache file ``name``; a cache that cannot be written is skipped."""
     path = cache_dir() / name
     merged = {**read_entries(name), **entries}
-    # results.files.atomic_write sits a layer above; a cache needs the rename, not the fsync.
+    text = json.dumps(merged, indent=1, sort_keys=True)
     with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as file:
-                json.dump(merged, file, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        atomic_write(path, lambda file: file.write(text.encode("utf-8")), durable=False)
 
 
 def forget(name: str) -> None:

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 from pathlib import Path
 
 import torch
 
 from amp_exp.config.schema import DeviceChoice
 from amp_exp.errors import ConfigError
-
-REPO_DIR = Path(__file__).resolve().parents[2]
 
 
 def resolve_device(choice: DeviceChoice, local_rank: int | None = None) -> torch.device:
@@ -74,23 +71,3 @@ def cpu_flags() -> set[str]:
     """The CPU's instruction-set flags (``Features`` on ARM)."""
     info = cpu_info()
     return set((info.get("flags") or info.get("Features") or "").split())
-
-
-def git_sha() -> str | None:
-    """The code version that produced a result, with ``-dirty`` for uncommitted changes."""
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True, text=True, timeout=5
-        )
-        if sha.returncode != 0:
-            return None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_DIR,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None

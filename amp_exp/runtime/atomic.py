@@ -1,0 +1,51 @@
+"""Writing a file so that a crash at any moment leaves the old file or the new one, never half.
+
+The content goes to a temporary file beside the target, is flushed to disk and renamed into
+place. Files get the mode any file the user creates gets (0666 less the umask: 0644 usually):
+results hold weights and metrics, not secrets, and a shared project reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+# Temporary files are named ".<target>.<random>.tmp"; a save killed mid-write leaves one behind.
+TMP_SUFFIX = ".tmp"
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None], durable: bool = True) -> None:
+    """Call ``write`` on a temporary file beside ``path``, then rename it into place.
+
+    ``durable`` also fsyncs the file and the rename, for results; a cache needs only the rename.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    try:
+        # mkstemp creates 0600; give the file the mode open() would have.
+        os.fchmod(handle, default_file_mode())
+        with os.fdopen(handle, "wb") as tmp:
+            write(tmp)
+            tmp.flush()
+            if durable:
+                os.fsync(tmp.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    if not durable:
+        return
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def default_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
