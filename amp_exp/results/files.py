@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from amp_exp.errors import RuntimeFault, first_line
+
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 # A failed attempt in the directory of a completed run: the completed summary.json stays.
@@ -52,9 +54,18 @@ def json_line(row: dict[str, Any]) -> str:
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write`` on a temporary file beside ``path``, fsync it, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    """Call ``write`` on a temporary file beside ``path``, fsync it, then rename it into place.
+
+    A write the file system refuses (a full disk, a quota, a read-only mount) raises
+    ``RuntimeFault`` with one line: ``path`` itself is left as it was.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, tmp_name = tempfile.mkstemp(
+            dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX
+        )
+    except OSError as error:
+        raise write_fault(path, error) from None
     try:
         os.fchmod(handle, FILE_MODE)
         with os.fdopen(handle, "wb") as tmp:
@@ -62,14 +73,23 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             tmp.flush()
             os.fsync(tmp.fileno())
         os.replace(tmp_name, path)
-    except BaseException:
+    except BaseException as error:
         Path(tmp_name).unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise write_fault(path, error) from None
         raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)  # make the rename itself durable
     finally:
         os.close(directory)
+
+
+def write_fault(path: Path, error: OSError) -> RuntimeFault:
+    """One line: what could not be written, why, and that the file on disk is the previous one."""
+    state = f"the previous {path.name} is intact" if path.exists() else "nothing was written"
+    reason = error.strerror or first_line(str(error))
+    return RuntimeFault(f"could not write {path} ({reason}); {state}")
 
 
 def write_text(path: Path, text: str) -> None:
