@@ -121,11 +121,14 @@ def compose_checked(config_name: str, overrides: list[str], **kwargs) -> DictCon
     return compose(config_name, overrides=overrides, **kwargs)
 
 
-def compose_variants(overrides: list[str], multirun: bool) -> list[list[str]]:
-    """The base overrides, plus one variant per value of each sweep override.
+def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """Jobs of the sweep, as override lists, that together use every value of every swept key.
 
-    A later override of a key replaces an earlier one, as in Hydra's basic sweeper, so a value on
-    the command line wins over a preset's sweep of the same key.
+    The first job takes each swept key's first value; each further one changes one key to one of
+    its other values. Every job is one the sweep runs, so a default no job uses is never checked
+    (``-m dataset=image_folder dataset.root=a,b`` never runs with the default root). A later
+    override of a key replaces an earlier one, as in Hydra's basic sweeper, so a value on the
+    command line wins over a preset's sweep of the same key.
     """
     parsed = OverridesParser.create().parse_overrides(overrides)
     # Of Hydra's own settings only the search path changes what a job's config is.
@@ -135,12 +138,19 @@ def compose_variants(overrides: list[str], multirun: bool) -> list[list[str]]:
         if not o.key_or_group.startswith("hydra") or o.key_or_group == "hydra.searchpath"
     }
     fixed = [o.input_line for o in latest.values() if not o.is_sweep_override()]
-    variants = [fixed]
-    if multirun:
-        for key, override in latest.items():
-            if override.is_sweep_override():
-                variants += [[*fixed, f"{key}={v}"] for v in override.sweep_string_iterator()]
-    return variants
+    swept = {key: o for key, o in latest.items() if o.is_sweep_override()}
+    if swept and not multirun:
+        key, override = next(iter(swept.items()))
+        raise ConfigError(
+            f"{override.input_line} sweeps {key}: add -m (--multirun) to run one job per value, "
+            f"or write {key}=[...] for a list"
+        )
+    values = [[f"{key}={v}" for v in o.sweep_string_iterator()] for key, o in swept.items()]
+    firsts = [key_values[0] for key_values in values]
+    jobs = [[*fixed, *firsts]]
+    for i, key_values in enumerate(values):
+        jobs += [[*fixed, *firsts[:i], value, *firsts[i + 1 :]] for value in key_values[1:]]
+    return jobs
 
 
 def compose_base(
@@ -154,8 +164,9 @@ def compose_base(
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     cfg = compose_checked(config_name, fixed, return_hydra_config=True)
     hydra_cfg = cfg.hydra
-    params = hydra_cfg.sweeper.get("params") or {}
     multirun = multirun or hydra_cfg.mode == RunMode.MULTIRUN
+    # Hydra's sweeper, and so its params, only runs in a multirun.
+    params = (hydra_cfg.sweeper.get("params") or {}) if multirun else {}
     output_dir = output_directory(cfg, "hydra.sweep.dir" if multirun else "hydra.run.dir")
     with open_dict(cfg):
         del cfg["hydra"]
@@ -183,14 +194,15 @@ def check_overrides(argv: list[str]) -> None:
             base, multirun, preset_params, output_dir = compose_base(
                 config_name, args.overrides, args.multirun
             )
-            base_variant, *variants = compose_variants([*preset_params, *args.overrides], multirun)
-            # Composing is the slow part of start-up: without preset values the base variant
-            # is exactly the config composed above.
-            if preset_params:
-                base = compose_checked(config_name, base_variant)
-            jobs = [base, *(compose_checked(config_name, overrides) for overrides in variants)]
-            for job in jobs:
-                check_job(validate(job), os.environ)
+            jobs = sweep_jobs([*preset_params, *args.overrides], multirun)
+            # Composing is the slow part of start-up: a single run is the config composed above.
+            configs = (
+                [base]
+                if not multirun
+                else (compose_checked(config_name, overrides) for overrides in jobs)
+            )
+            for cfg in configs:
+                check_job(validate(cfg), os.environ)
         check_output_dir(*output_dir)
     # Hydra raises ValueError for some bad overrides, and PyYAML its own errors for a config
     # file that does not parse.
