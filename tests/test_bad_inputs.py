@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from amp_exp.config.checks import IMAGE_EXTENSIONS, TORCHVISION_DATA_DIRS
-from amp_exp.config.preflight import check_overrides
+from amp_exp.config.preflight import CONF_DIR, check_overrides
 from amp_exp.config.schema import DatasetName
 from amp_exp.errors import ConfigError, RuntimeFault
 from conftest import FAST, TINY
@@ -118,6 +120,25 @@ def test_preflight_rejects_bad_input_in_one_line(workspace, argv, expected) -> N
 )
 def test_preflight_finds_a_users_experiment_file(workspace, argv) -> None:
     check_overrides([arg.format(tmp=workspace) for arg in argv])
+
+
+def test_preflight_reads_the_config_path_that_replaces_conf(workspace) -> None:
+    shutil.copytree(CONF_DIR, workspace / "myconf")
+    (workspace / "myconf" / "experiment" / "mine.yaml").write_text(USER_EXPERIMENT)
+    check_overrides(["--config-path", str(workspace / "myconf"), "experiment=mine"])
+
+
+def test_preflight_names_a_read_only_output_file_system(workspace, monkeypatch) -> None:
+    def read_only(**kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr("amp_exp.config.checks.tempfile.mkdtemp", read_only)
+    with pytest.raises(ConfigError) as raised:
+        check_overrides([f"hydra.run.dir={workspace}/archive/run"])
+    assert str(raised.value) == (
+        f"hydra.run.dir={workspace}/archive/run: cannot create a directory in {workspace} "
+        "(Read-only file system); choose a writable directory"
+    )
 
 
 def test_preflight_checks_only_jobs_the_sweep_runs(workspace) -> None:

@@ -105,7 +105,9 @@ def search_path(args: Namespace) -> Iterator[None]:
         restore_gh_from_backup(backup)
 
 
-def compose_checked(config_name: str, overrides: list[str], **kwargs) -> DictConfig:
+def compose_checked(
+    config_name: str, overrides: list[str], return_hydra_config: bool = False
+) -> DictConfig:
     """``compose``, with a null group choice (``model=null``) named with the valid choices:
     Hydra's own error names neither the group nor the choices."""
     loader = GlobalHydra.instance().config_loader()
@@ -118,7 +120,7 @@ def compose_checked(config_name: str, overrides: list[str], **kwargs) -> DictCon
                 f"{override.key_or_group}=null is not an option; "
                 f"valid choices: {', '.join(options)}"
             )
-    return compose(config_name, overrides=overrides, **kwargs)
+    return compose(config_name, overrides=overrides, return_hydra_config=return_hydra_config)
 
 
 def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
@@ -167,19 +169,20 @@ def compose_base(
     multirun = multirun or hydra_cfg.mode == RunMode.MULTIRUN
     # Hydra's sweeper, and so its params, only runs in a multirun.
     params = (hydra_cfg.sweeper.get("params") or {}) if multirun else {}
-    output_dir = output_directory(cfg, "hydra.sweep.dir" if multirun else "hydra.run.dir")
+    output_dir = output_directory(cfg, "sweep" if multirun else "run")
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg, multirun, [f"{key}={value}" for key, value in params.items()], output_dir
 
 
-def output_directory(cfg: DictConfig, key: str) -> tuple[str, str]:
-    """(key, its value), resolved if Hydra's job details it names are known before the run, else
-    the part before the first interpolation: the directory it will be created in."""
+def output_directory(cfg: DictConfig, mode: str) -> tuple[str, str]:
+    """``hydra.<mode>.dir`` and its value: resolved where what it names is known before the run,
+    else the part before its first interpolation, the directory it will be created in."""
+    key = f"hydra.{mode}.dir"
     try:
         return key, str(OmegaConf.select(cfg, key, throw_on_resolution_failure=True))
     except OmegaConfBaseException:
-        raw = str(OmegaConf.to_container(cfg.hydra)["sweep" if "sweep" in key else "run"]["dir"])
+        raw = str(OmegaConf.to_container(cfg.hydra)[mode]["dir"])
         return key, raw.partition("${")[0] or "."
 
 

@@ -2,7 +2,8 @@
 
 ``validate`` turns a composed config into a ``RunConfig`` or raises ``ConfigError`` with one line
 that names the key and the valid choices. Nothing here imports torch: a bad value is rejected
-before anything heavy loads.
+before anything heavy loads. What a job needs beyond its config (data on disk, a device, the
+environment) is checked in ``config/checks.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import math
 from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
 from operator import attrgetter
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -103,11 +103,6 @@ def validate(cfg: DictConfig) -> RunConfig:
         _check(value is None or value > 0, f"{key}={value} must be positive or null")
     _check(run.dataset.num_workers >= 0, "dataset.num_workers must be 0 or more")
     _check(run.dataset.noise_std >= 0, "dataset.noise_std must be 0 or more")
-    _check(
-        run.dataset.name is not DatasetName.image_folder or Path(run.dataset.root).is_dir(),
-        f"dataset.root={run.dataset.root} is not a directory; dataset=image_folder needs "
-        "dataset.root=/path/to/images with one sub-folder per class",
-    )
     _check(
         0 < run.dataset.eval_fraction < 1, "dataset.eval_fraction must lie strictly between 0 and 1"
     )
