@@ -15,7 +15,13 @@ from omegaconf import DictConfig
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import to_plain_dict, validate
-from amp_exp.errors import EXIT_CONFIG_ERROR, EXPECTED_ERRORS, ConfigError, RunRefused
+from amp_exp.errors import (
+    EXIT_CONFIG_ERROR,
+    EXPECTED_ERRORS,
+    ConfigError,
+    RunRefused,
+    RuntimeFault,
+)
 from amp_exp.runtime.ranks import worker_rank
 from amp_exp.runtime.sweep import sweep_job
 
@@ -45,7 +51,10 @@ def hydra_main(cfg: DictConfig) -> float | None:
         # Every run leaves a summary.json, so a sweep report shows this one as failed.
         rank = worker_rank()
         if (rank is None or rank.is_main) and not isinstance(error, RunRefused):
-            record_failure(output_dir, to_plain_dict(cfg), error)
+            try:
+                record_failure(output_dir, to_plain_dict(cfg), error)
+            except RuntimeFault as unrecorded:  # the full disk that failed the run, say
+                log.warning("%s", unrecorded)
         if hydra_cfg.mode == RunMode.MULTIRUN or not isinstance(error, EXPECTED_ERRORS):
             raise  # in a sweep, Hydra records this job as failed and runs the others
         log.error("%s", error)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from amp_exp.errors import NumericalFault
+from amp_exp.errors import NumericalFault, RuntimeFault
 from amp_exp.results.checkpoint import Checkpointer, UnusableCheckpoints, load_newest_valid
 from amp_exp.run import build, train
 from conftest import FAST, read_jsonl, signal_self_at_call
@@ -109,7 +109,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", crash_midway)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(RuntimeFault, match=r"\(disk full\); the previous last.pt is intact"):
         writer.save(state(2, torch.zeros(3)))
     monkeypatch.setattr(torch, "save", real_save)
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]

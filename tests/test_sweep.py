@@ -87,35 +87,34 @@ def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
 
 
 def test_a_failed_job_is_reported_failed_and_the_others_still_count(tmp_path: Path) -> None:
-    # Jobs with 16 training samples cannot fill a batch of 32: they fail once they start.
+    # Jobs with a learning rate of 1e30 diverge at step 2 and stop: they fail once they train.
     result = sweep(
         "-m",
         *FAST,
         "precision=fp32,bf16",
-        "dataset.train_size=256,16",
+        "optimizer.lr=0.1,1e30",
+        "trainer.on_nonfinite=stop",
         f"hydra.sweep.dir={tmp_path}",
         expect_rc=1,  # Hydra still reports the sweep as failed
     )
-    assert "dataset.batch_size=32 exceeds dataset.train_size=16" in result.stderr
+    assert "non-finite gradients at step 2" in result.stderr
     jobs = summaries(tmp_path)
-    job_of = {
-        (s["precision"], s["config"]["dataset"]["train_size"]): job for job, s in jobs.items()
-    }
+    job_of = {(s["precision"], s["config"]["optimizer"]["lr"]): job for job, s in jobs.items()}
     assert len(job_of) == 4
     failed = {job for job, summary in jobs.items() if summary["status"] == "failed"}
-    assert failed == {job_of["fp32", 16], job_of["bf16", 16]}
-    assert jobs[job_of["fp32", 16]]["error"] == (
-        "ConfigError: dataset.batch_size=32 exceeds dataset.train_size=16"
+    assert failed == {job_of["fp32", 1e30], job_of["bf16", 1e30]}
+    assert jobs[job_of["fp32", 1e30]]["error"].startswith(
+        "NumericalFault: non-finite gradients at step 2 in fp32"
     )
     rows = {row["run"]: row for row in json.loads((tmp_path / "report.json").read_text())["runs"]}
     assert {job for job, row in rows.items() if row["status"] == "failed"} == failed
-    # bf16 with 256 samples is compared with fp32 with 256 samples, not with the failed fp32 job.
-    bf16, fp32 = job_of["bf16", 256], job_of["fp32", 256]
+    # bf16 at lr 0.1 is compared with fp32 at lr 0.1, not with the failed fp32 job.
+    bf16, fp32 = job_of["bf16", 0.1], job_of["fp32", 0.1]
     assert rows[bf16]["baseline"] == fp32
     assert rows[bf16]["speedup"] == jobs[bf16]["samples_per_s"] / jobs[fp32]["samples_per_s"]
     report_md = (tmp_path / "report.md").read_text()
     assert "4 runs (2 completed, 2 failed)" in report_md
-    assert "(tiny_cnn bf16) failed (ConfigError: dataset.batch_size=32 exceeds" in report_md
+    assert "(tiny_cnn bf16) failed (NumericalFault: non-finite gradients" in report_md
 
 
 def test_a_preset_sweeps_without_dash_m(tmp_path: Path) -> None:

@@ -3,28 +3,45 @@
 Hydra reports a bad value with a multi-line message and, in a sweep, only when the job that uses
 it starts. Composing each override value here first means ``precision=fp8`` or a typo in job 7 of
 a sweep fails at once, with one line that names the valid choices, before any model is built.
+Each composed job then gets the checks that need no training (config/checks.py), and the run or
+sweep directory is checked for being one Hydra can create.
 """
 
 from __future__ import annotations
 
+import os
+from argparse import Namespace
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from importlib.util import find_spec
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra._internal.utils import get_args_parser
+import yaml
+from hydra import compose, version
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import (
+    compute_search_path_dir,
+    create_config_search_path,
+    get_args_parser,
+)
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
 
+from amp_exp.config.checks import check_job, check_output_dir
 from amp_exp.config.store import SUBMITIT_PLUGIN
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError, first_line
 
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # amp_exp/conf is a symlink to the repository's conf/ (a wheel carries a copy of it).
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = PACKAGE_DIR / "conf"
 CONFIG_NAME = "config"
 SUBMITIT_LAUNCHERS = "hydra/launcher/submitit_"
 
@@ -33,6 +50,8 @@ def describe_error(error: Exception) -> str:
     """One line that says what is wrong and what would be right."""
     if isinstance(error, ConfigError):
         return str(error)
+    if isinstance(error, yaml.YAMLError):
+        return describe_yaml_error(error)
     missing = getattr(error, "missing_cfg_file", None) or ""
     # hydra/launcher=slurm and submitit_* come with an optional plugin.
     if missing.startswith(SUBMITIT_LAUNCHERS) and not find_spec(SUBMITIT_PLUGIN):
@@ -50,36 +69,121 @@ def describe_error(error: Exception) -> str:
     return first_line(str(error))
 
 
-def compose_variants(overrides: list[str], multirun: bool) -> list[list[str]]:
-    """The base overrides, plus one variant per value of each sweep override.
+def describe_yaml_error(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return f"a config file is not valid YAML: {first_line(str(error))}"
+    problem = getattr(error, "problem", None) or first_line(str(error))
+    where = f"line {mark.line + 1}, column {mark.column + 1}"
+    return f"{mark.name}: not valid YAML at {where}: {problem}"
 
-    A later override of a key replaces an earlier one, as in Hydra's basic sweeper, so a value on
-    the command line wins over a preset's sweep of the same key.
+
+@contextmanager
+def search_path(args: Namespace) -> Iterator[None]:
+    """Hydra's config search path as ``hydra_main`` sees it: --config-path (-cp) replaces conf/,
+    and --config-dir (-cd) adds a directory, as Hydra's own command line does."""
+    primary = str(CONF_DIR)
+    if args.config_path is not None:
+        primary = compute_search_path_dir(str(PACKAGE_DIR / "__main__.py"), None, args.config_path)
+    path = create_config_search_path(primary)
+    if args.config_dir is not None:
+        extra = Path(args.config_dir).absolute()
+        if not extra.is_dir():
+            raise ConfigError(f"--config-dir {args.config_dir}: no such directory")
+        path.prepend(
+            provider="command-line",
+            path=f"file://{extra}",
+            anchor=SearchPathQuery(provider="schema"),
+        )
+    backup = get_gh_backup()
+    version.setbase("1.3")
+    GlobalHydra.instance().clear()
+    Hydra.create_main_hydra2(task_name="amp_exp", config_search_path=path)
+    try:
+        yield
+    finally:
+        restore_gh_from_backup(backup)
+
+
+def compose_checked(
+    config_name: str, overrides: list[str], return_hydra_config: bool = False
+) -> DictConfig:
+    """``compose``, with a null group choice (``model=null``) named with the valid choices:
+    Hydra's own error names neither the group nor the choices."""
+    loader = GlobalHydra.instance().config_loader()
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.is_sweep_override() or override.is_delete() or override.value() is not None:
+            continue
+        options = loader.get_group_options(override.key_or_group)
+        if options:
+            raise ConfigError(
+                f"{override.key_or_group}=null is not an option; "
+                f"valid choices: {', '.join(options)}"
+            )
+    return compose(config_name, overrides=overrides, return_hydra_config=return_hydra_config)
+
+
+def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """Jobs of the sweep, as override lists, that together use every value of every swept key.
+
+    The first job takes each swept key's first value; each further one changes one key to one of
+    its other values. Every job is one the sweep runs, so a default no job uses is never checked
+    (``-m dataset=image_folder dataset.root=a,b`` never runs with the default root). A later
+    override of a key replaces an earlier one, as in Hydra's basic sweeper, so a value on the
+    command line wins over a preset's sweep of the same key.
     """
     parsed = OverridesParser.create().parse_overrides(overrides)
-    latest = {o.get_key_element(): o for o in parsed if not o.key_or_group.startswith("hydra")}
+    # Of Hydra's own settings only the search path changes what a job's config is.
+    latest = {
+        o.get_key_element(): o
+        for o in parsed
+        if not o.key_or_group.startswith("hydra") or o.key_or_group == "hydra.searchpath"
+    }
     fixed = [o.input_line for o in latest.values() if not o.is_sweep_override()]
-    variants = [fixed]
-    if multirun:
-        for key, override in latest.items():
-            if override.is_sweep_override():
-                variants += [[*fixed, f"{key}={v}"] for v in override.sweep_string_iterator()]
-    return variants
+    swept = {key: o for key, o in latest.items() if o.is_sweep_override()}
+    if swept and not multirun:
+        key, override = next(iter(swept.items()))
+        raise ConfigError(
+            f"{override.input_line} sweeps {key}: add -m (--multirun) to run one job per value, "
+            f"or write {key}=[...] for a list"
+        )
+    values = [[f"{key}={v}" for v in o.sweep_string_iterator()] for key, o in swept.items()]
+    firsts = [key_values[0] for key_values in values]
+    jobs = [[*fixed, *firsts]]
+    for i, key_values in enumerate(values):
+        jobs += [[*fixed, *firsts[:i], value, *firsts[i + 1 :]] for value in key_values[1:]]
+    return jobs
 
 
-def compose_base(config_name: str, overrides: list[str]) -> tuple[DictConfig, bool, list[str]]:
-    """The config of the non-sweep overrides, whether it asks for a multirun, and its
-    ``hydra.sweeper.params``: presets under conf/experiment/ set both, so
-    ``experiment=precision_sweep`` sweeps without -m."""
+def compose_base(
+    config_name: str, overrides: list[str], multirun: bool
+) -> tuple[DictConfig, bool, list[str], tuple[str, str]]:
+    """The config of the non-sweep overrides, whether it asks for a multirun, its
+    ``hydra.sweeper.params`` (presets under conf/experiment/ set both, so
+    ``experiment=precision_sweep`` sweeps without -m), and the directory Hydra will create, as
+    (key, path)."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-    cfg = compose(config_name, overrides=fixed, return_hydra_config=True)
+    cfg = compose_checked(config_name, fixed, return_hydra_config=True)
     hydra_cfg = cfg.hydra
-    params = hydra_cfg.sweeper.get("params") or {}
+    multirun = multirun or hydra_cfg.mode == RunMode.MULTIRUN
+    # Hydra's sweeper, and so its params, only runs in a multirun.
+    params = (hydra_cfg.sweeper.get("params") or {}) if multirun else {}
+    output_dir = output_directory(cfg, "sweep" if multirun else "run")
     with open_dict(cfg):
         del cfg["hydra"]
-    multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    return cfg, multirun, [f"{key}={value}" for key, value in params.items()]
+    return cfg, multirun, [f"{key}={value}" for key, value in params.items()], output_dir
+
+
+def output_directory(cfg: DictConfig, mode: str) -> tuple[str, str]:
+    """``hydra.<mode>.dir`` and its value: resolved where what it names is known before the run,
+    else the part before its first interpolation, the directory it will be created in."""
+    key = f"hydra.{mode}.dir"
+    try:
+        return key, str(OmegaConf.select(cfg, key, throw_on_resolution_failure=True))
+    except OmegaConfBaseException:
+        raw = str(OmegaConf.to_container(cfg.hydra)[mode]["dir"])
+        return key, raw.partition("${")[0] or "."
 
 
 def check_overrides(argv: list[str]) -> None:
@@ -89,15 +193,21 @@ def check_overrides(argv: list[str]) -> None:
         return
     config_name = args.config_name or CONFIG_NAME
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            base, preset_multirun, preset_params = compose_base(config_name, args.overrides)
-            base_variant, *variants = compose_variants(
-                [*preset_params, *args.overrides], args.multirun or preset_multirun
+        with search_path(args):
+            base, multirun, preset_params, output_dir = compose_base(
+                config_name, args.overrides, args.multirun
             )
-            # Composing is the slow part of start-up: without preset values the base variant
-            # is exactly the config composed above.
-            validate(base if not preset_params else compose(config_name, overrides=base_variant))
-            for overrides in variants:
-                validate(compose(config_name, overrides=overrides))
-    except (ConfigError, OmegaConfBaseException, HydraException) as error:
+            jobs = sweep_jobs([*preset_params, *args.overrides], multirun)
+            # Composing is the slow part of start-up: a single run is the config composed above.
+            configs = (
+                [base]
+                if not multirun
+                else (compose_checked(config_name, overrides) for overrides in jobs)
+            )
+            for cfg in configs:
+                check_job(validate(cfg), os.environ)
+        check_output_dir(*output_dir)
+    # Hydra raises ValueError for some bad overrides, and PyYAML its own errors for a config
+    # file that does not parse.
+    except (ValueError, yaml.YAMLError, OmegaConfBaseException, HydraException) as error:
         raise ConfigError(describe_error(error)) from error

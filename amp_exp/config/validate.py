@@ -2,15 +2,17 @@
 
 ``validate`` turns a composed config into a ``RunConfig`` or raises ``ConfigError`` with one line
 that names the key and the valid choices. Nothing here imports torch: a bad value is rejected
-before anything heavy loads.
+before anything heavy loads. What a job needs beyond its config (data on disk, a device, the
+environment) is checked in ``config/checks.py``.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import fields
+import math
+from collections.abc import Iterator
+from dataclasses import fields, is_dataclass
 from operator import attrgetter
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -32,6 +34,11 @@ from amp_exp.config.schema import (
 )
 from amp_exp.errors import ConfigError
 
+# NumPy seeds its generator with an unsigned 32-bit integer.
+SEED_RANGE = range(2**32)
+# What W&B refuses in a project name at init, which would cost the run its dashboard entry.
+WANDB_PROJECT_MAX_CHARS = 128
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 _POSITIVE = (
     "dataset.batch_size",
     "dataset.num_classes",
@@ -76,6 +83,19 @@ def validate(cfg: DictConfig) -> RunConfig:
     )
     _reject_unknown_keys(cfg)
     run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    # inf and NaN pass every range check below (or fail it with a misleading message), and an
+    # infinite learning rate or loss scale makes every step non-finite: the run would skip them
+    # all and report success.
+    for key, value in _floats(run):
+        _check(math.isfinite(value), f"{key}={value} must be a finite number")
+    _check(
+        run.seed in SEED_RANGE, f"seed={run.seed} must lie in [0, 2**32 - 1] (NumPy's seed range)"
+    )
+    _check(
+        run.resume is None or bool(run.resume.strip()),
+        f"resume={run.resume!r} is empty; use resume=null (start fresh), resume=auto, or the path "
+        "of a run directory or checkpoint",
+    )
     for key in _POSITIVE:
         value = attrgetter(key)(run)
         _check(value > 0, f"{key}={value} must be positive")
@@ -84,11 +104,6 @@ def validate(cfg: DictConfig) -> RunConfig:
         _check(value is None or value > 0, f"{key}={value} must be positive or null")
     _check(run.dataset.num_workers >= 0, "dataset.num_workers must be 0 or more")
     _check(run.dataset.noise_std >= 0, "dataset.noise_std must be 0 or more")
-    _check(
-        run.dataset.name is not DatasetName.image_folder or Path(run.dataset.root).is_dir(),
-        f"dataset.root={run.dataset.root} is not a directory; dataset=image_folder needs "
-        "dataset.root=/path/to/images with one sub-folder per class",
-    )
     _check(
         0 < run.dataset.eval_fraction < 1, "dataset.eval_fraction must lie strictly between 0 and 1"
     )
@@ -113,12 +128,33 @@ def validate(cfg: DictConfig) -> RunConfig:
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)
     _validate_model(run.model)
+    _validate_synthetic_sizes(run)
     _validate_wandb(run.wandb, run.trainer)
     return run
 
 
+def _floats(node: Any, key: str = "") -> Iterator[tuple[str, float]]:
+    """Every float in a typed config, with its dotted key."""
+    if is_dataclass(node):
+        for f in fields(node):
+            yield from _floats(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _floats(item, f"{key}[{i}]")
+    elif isinstance(node, float):
+        yield key, node
+
+
 def _reject_unknown_keys(cfg: DictConfig) -> None:
-    """``+group.key=value`` opens a typed node; a key its schema lacks would be silently lost."""
+    """``+key=value`` and ``+group.key=value`` open a typed node; a key its schema lacks would be
+    silently lost."""
+    known = {f.name for f in fields(RunConfig)}
+    unknown = sorted(set(cfg.keys()) - known)
+    _check(
+        not unknown,
+        f"{unknown[0] if unknown else ''} is not a known key or config group; "
+        f"valid top-level keys: {', '.join(sorted(known))}",
+    )
     for section in [*SCHEMAS, "checkpoint", "diagnostics"]:
         node = cfg[section]
         known = {f.name for f in fields(OmegaConf.get_type(node))}
@@ -178,8 +214,34 @@ def _validate_model(model: ModelConfig) -> None:
         )
 
 
+def _validate_synthetic_sizes(run: RunConfig) -> None:
+    """Synthetic data has its sizes in the config, so a batch or an accumulation window longer
+    than an epoch is caught here rather than when the job builds its data (DDP ranks, which
+    share the epoch, are checked then)."""
+    dataset, accum = run.dataset, run.trainer.grad_accum_steps
+    if dataset.name is not DatasetName.synthetic:
+        return
+    _check(
+        dataset.batch_size <= dataset.train_size,
+        f"dataset.batch_size={dataset.batch_size} exceeds dataset.train_size={dataset.train_size}",
+    )
+    batches = dataset.train_size // dataset.batch_size
+    _check(
+        accum <= batches,
+        f"an epoch has {batches} batches (dataset.train_size={dataset.train_size} / "
+        f"dataset.batch_size={dataset.batch_size}), fewer than trainer.grad_accum_steps={accum}; "
+        "lower it or the batch size",
+    )
+
+
 def _validate_wandb(wandb: WandbConfig, trainer: TrainerConfig) -> None:
     _check(bool(wandb.project.strip()), "wandb.project must not be empty")
+    forbidden = sorted(set(WANDB_PROJECT_FORBIDDEN) & set(wandb.project))
+    _check(
+        not forbidden and len(wandb.project) <= WANDB_PROJECT_MAX_CHARS,
+        f"wandb.project={wandb.project!r}: W&B project names have at most "
+        f"{WANDB_PROJECT_MAX_CHARS} characters and none of {' '.join(WANDB_PROJECT_FORBIDDEN)}",
+    )
     _check(wandb.finish_timeout >= 0, "wandb.finish_timeout must be 0 (wait for all) or more")
     _check(
         wandb.log_every is None or wandb.log_every % trainer.log_every == 0,

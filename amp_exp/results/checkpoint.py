@@ -16,7 +16,12 @@ from typing import Any
 import torch
 
 from amp_exp.errors import first_line
-from amp_exp.results.files import CHECKPOINT_DIR, LAST_CHECKPOINT, atomic_write, stale_temporaries
+from amp_exp.results.files import (
+    CHECKPOINT_DIR,
+    LAST_CHECKPOINT,
+    stale_temporaries,
+    write_atomically,
+)
 from amp_exp.training.loop import Progress
 
 log = logging.getLogger("amp_exp")
@@ -27,7 +32,7 @@ STEP_FILE = re.compile(r"step_(\d+)\.pt$")
 
 def atomic_save(payload: dict[str, Any], path: Path) -> None:
     """A crash at any moment leaves either the old file or the new one, never a partial file."""
-    atomic_write(path, lambda file: torch.save(payload, file))
+    write_atomically(path, lambda file: torch.save(payload, file))
 
 
 class Checkpointer:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from amp_exp.errors import RuntimeFault, first_line
 from amp_exp.runtime.atomic import TMP_SUFFIX, atomic_write
 
 METRICS_FILE = "metrics.jsonl"
@@ -46,8 +48,24 @@ def json_line(row: dict[str, Any]) -> str:
     return json.dumps(json_safe(row), allow_nan=False)
 
 
+def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """``runtime.atomic.atomic_write``, with a write the file system refuses (a full disk, a
+    quota, a read-only mount) raised as ``RuntimeFault`` in one line: ``path`` is left as it was."""
+    try:
+        atomic_write(path, write)
+    except OSError as error:
+        raise write_fault(path, error) from None
+
+
+def write_fault(path: Path, error: OSError) -> RuntimeFault:
+    """One line: what could not be written, why, and that the file on disk is the previous one."""
+    state = f"the previous {path.name} is intact" if path.exists() else "nothing was written"
+    reason = error.strerror or first_line(str(error))
+    return RuntimeFault(f"could not write {path} ({reason}); {state}")
+
+
 def write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda file: file.write(text.encode("utf-8")))
+    write_atomically(path, lambda file: file.write(text.encode("utf-8")))
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

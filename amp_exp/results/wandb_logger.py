@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from amp_exp.config.checks import resolve_mode
 from amp_exp.config.schema import RunConfig, WandbConfig, WandbMode
-from amp_exp.errors import ConfigError, first_line
+from amp_exp.errors import first_line
 from amp_exp.results.dashboard import (
     METRIC_GROUPS,
     SKIP_RATE,
@@ -34,27 +35,7 @@ from amp_exp.runtime.sweep import SweepJob
 
 log = logging.getLogger("amp_exp")
 
-# WANDB_MODE values that wandb.init accepts, including its legacy spellings.
-ENV_MODES = {
-    "online": WandbMode.online,
-    "run": WandbMode.online,
-    "offline": WandbMode.offline,
-    "dryrun": WandbMode.offline,
-    "disabled": WandbMode.disabled,
-}
 NO_API_KEY = "no API key is configured (set WANDB_API_KEY or run `wandb login`)"
-
-
-def resolve_mode(configured: WandbMode, environ: Mapping[str, str]) -> WandbMode:
-    """An explicit wandb.mode wins, as ``wandb.init(mode=...)`` does; under auto, WANDB_MODE."""
-    from_env = environ.get("WANDB_MODE", "").strip().lower()
-    if configured is not WandbMode.auto or not from_env:
-        return configured
-    if from_env not in ENV_MODES:
-        raise ConfigError(
-            f"WANDB_MODE={from_env} is not a W&B mode; use online, offline or disabled"
-        )
-    return ENV_MODES[from_env]
 
 
 def describe(error: BaseException) -> str:

@@ -16,6 +16,8 @@ def resolve_device(choice: DeviceChoice, local_rank: int | None = None) -> torch
     """The device to train on; ``local_rank`` pins a torchrun worker to its own GPU."""
     if choice is DeviceChoice.cpu:
         return torch.device("cpu")
+    if choice is DeviceChoice.cuda:
+        require_cuda()
     if torch.cuda.is_available():
         if local_rank is None:
             return torch.device("cuda", torch.cuda.current_device())
@@ -26,12 +28,16 @@ def resolve_device(choice: DeviceChoice, local_rank: int | None = None) -> torch
             )
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    if choice is DeviceChoice.cuda:
+    return torch.device("cpu")
+
+
+def require_cuda() -> None:
+    """trainer.device=cuda needs a CUDA device that torch can use."""
+    if not torch.cuda.is_available():
         raise ConfigError(
             f"trainer.device=cuda, but no CUDA device is available to torch {torch.__version__}; "
             "use trainer.device=auto or trainer.device=cpu"
         )
-    return torch.device("cpu")
 
 
 def configure_backends(device: torch.device, deterministic: bool, tf32: bool) -> None:

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from amp_exp.config.checks import check_image_folder, image_folder_splits
 from amp_exp.config.schema import DatasetConfig, DatasetName
-from amp_exp.errors import ConfigError
+from amp_exp.errors import ConfigError, first_line
 from amp_exp.tasks.base import DataBundle
 
 
@@ -121,6 +122,32 @@ class EpochDataLoader(DataLoader):
         if isinstance(self.sampler, EpochShuffleSampler):
             self.sampler.set_epoch(epoch, start_batch * self.batch_size)
 
+    def __iter__(self) -> Iterator:
+        try:
+            yield from super().__iter__()
+        except ConfigError as error:
+            # From a worker process, the message comes back with the worker's traceback; its
+            # last line holds the one-line message.
+            lines = str(error).strip().splitlines()
+            if len(lines) == 1:
+                raise
+            message = lines[-1].partition(f"{ConfigError.__name__}: ")[2]
+            raise ConfigError(message or lines[-1]) from None
+
+
+def load_image(path: str):
+    """ImageFolder's loader, with an unreadable file named in one line."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with open(path, "rb") as file:
+            return Image.open(file).convert("RGB")
+    except UnidentifiedImageError:
+        reason = "not an image file PIL can read"
+    except OSError as error:  # unreadable, or truncated
+        reason = error.strerror or first_line(str(error))
+    raise ConfigError(f"dataset.root: cannot read image {path} ({reason}); remove or replace it")
+
 
 TORCHVISION_SETS = {
     # name: (class name, input shape, classes, normalization mean, std)
@@ -180,8 +207,7 @@ def _torchvision_splits(cfg: DatasetConfig, root: Path, rank: int, world_size: i
 def _image_folder_splits(cfg: DatasetConfig, root: Path, seed: int):
     from torchvision import datasets, transforms
 
-    if not root.is_dir():
-        raise ConfigError(f"dataset.root={root} is not a directory of class sub-folders")
+    check_image_folder(root)
     transform = transforms.Compose(
         [
             transforms.Resize(cfg.image_size),
@@ -190,13 +216,13 @@ def _image_folder_splits(cfg: DatasetConfig, root: Path, seed: int):
             transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
     )
-    eval_dir = next((root / d for d in ("val", "test") if (root / d).is_dir()), None)
-    if (root / "train").is_dir() and eval_dir is not None:
-        train = datasets.ImageFolder(str(root / "train"), transform=transform)
-        held_out = datasets.ImageFolder(str(eval_dir), transform=transform)
+    train_dir, eval_dir = image_folder_splits(root)
+    if eval_dir is not None:
+        train = datasets.ImageFolder(str(train_dir), transform=transform, loader=load_image)
+        held_out = datasets.ImageFolder(str(eval_dir), transform=transform, loader=load_image)
         classes = len(train.classes)
     else:
-        full = datasets.ImageFolder(str(root), transform=transform)
+        full = datasets.ImageFolder(str(root), transform=transform, loader=load_image)
         order = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed)).tolist()
         eval_count = max(1, round(len(full) * cfg.eval_fraction))
         train, held_out = Subset(full, order[eval_count:]), Subset(full, order[:eval_count])
