@@ -24,6 +24,8 @@ MOVABLE = frozenset(
         "dataset.cache_dir",
     }
 )
+# How this attempt was asked to start says nothing about the experiment.
+IGNORED = frozenset({"resume"})
 # fp32, fp16 and bf16 autocast all keep fp32 master weights and the same optimizer state, so a
 # checkpoint moves between them (the GradScaler state is dropped or started fresh, with a
 # warning); other modes keep weights in other dtypes.
@@ -54,7 +56,7 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list
     """(refused, allowed): each a list of ``key: old -> new`` between two plain configs."""
     old, new = _flatten(saved), _flatten(current)
     refused, allowed = [], []
-    for key in sorted(old.keys() | new.keys()):
+    for key in sorted((old.keys() | new.keys()) - IGNORED):
         before, after = old.get(key), new.get(key)
         if json.dumps(before) == json.dumps(after):
             continue
