@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from amp_exp.config.validate import flatten_config
 from amp_exp.report.runs import Run
 
 BASELINE = "fp32"
@@ -16,16 +17,6 @@ BASELINE = "fp32"
 PRECISION_ORDER = {"fp32": 0, "bf16": 1, "fp16": 2}
 # The keys a comparison is about; every other config key that differs is part of a run's setting.
 COMPARED_KEYS = {"model.name", "precision.name"}
-
-
-def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _override_value(value: Any) -> str:
@@ -39,7 +30,7 @@ def _override_value(value: Any) -> str:
 def varied_keys(runs: list[Run]) -> list[str]:
     """The flat config keys (``optimizer.lr``) whose values differ between ``runs``, in config
     order. Runs whose summary holds no config are left out."""
-    flats = [_flatten(run.summary["config"]) for run in runs if "config" in run.summary]
+    flats = [flatten_config(run.summary["config"]) for run in runs if "config" in run.summary]
     keys = dict.fromkeys(key for flat in flats for key in flat)
     return [key for key in keys if len({json.dumps(flat.get(key)) for flat in flats}) > 1]
 
@@ -53,7 +44,7 @@ def assign_settings(runs: list[Run]) -> None:
     for model in dict.fromkeys(run.model for run in runs):
         group = [run for run in runs if run.model == model and "config" in run.summary]
         varied = [key for key in varied_keys(group) if key not in COMPARED_KEYS]
-        flats = [_flatten(run.summary["config"]) for run in group]
+        flats = [flatten_config(run.summary["config"]) for run in group]
         for run, flat in zip(group, flats, strict=True):
             run.setting = ", ".join(f"{key}={_override_value(flat.get(key))}" for key in varied)
 

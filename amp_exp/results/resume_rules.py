@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from amp_exp.config.validate import flatten_config
+
 # Sections and keys whose change makes another experiment.
 FIXED = ("task", "model", "dataset", "optimizer", "scheduler", "seed", "trainer.grad_accum_steps")
 # Inside those: where the data lives and how it is loaded, which do not change what is trained.
@@ -32,16 +34,6 @@ IGNORED = frozenset({"resume"})
 AUTOCAST_FAMILY = frozenset({"auto", "fp32", "fp16", "bf16"})
 
 
-def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _is_fixed(key: str) -> bool:
     if key in MOVABLE:
         return False
@@ -54,7 +46,7 @@ def _family(precision: Any) -> str:
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(refused, allowed): each a list of ``key: old -> new`` between two plain configs."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten_config(saved), flatten_config(current)
     refused, allowed = [], []
     for key in sorted((old.keys() | new.keys()) - IGNORED):
         before, after = old.get(key), new.get(key)
