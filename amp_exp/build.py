@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from amp_exp.config.schema import NonFiniteAction, RunConfig
+from amp_exp.config.schema import NonFiniteAction, Precision, RunConfig
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.hardware import (
     ResolvedPrecision,
@@ -20,6 +20,7 @@ from amp_exp.runtime.hardware import (
     inspect_hardware,
     precision_advice,
     recommend_precision,
+    require_fp8_hardware,
     resolve_device,
     resolve_precision,
 )
@@ -79,20 +80,24 @@ def build(
     configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
     seed_everything(cfg.seed)
     rank, world_size = (distributed.rank.rank, distributed.world_size) if distributed else (0, 1)
+    if resolved.precision is Precision.fp8:
+        require_fp8_hardware(device, cfg.precision.fp8_emulate)
     workload = build_workload(cfg, device, rank, world_size, loss_fn)
-    model, data = workload.model, workload.data
-    optimizer = build_optimizer(cfg.optimizer, model, device, resolved.precision)
-    total_steps = plan_total_steps(cfg.trainer, len(data.train))
-    # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
-    trained = distributed.wrap(model) if distributed else model
-    if cfg.trainer.compile:
-        trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
     policy = PrecisionPolicy(
         resolved.precision,
         cfg.precision,
         device,
         guard_nonfinite=cfg.trainer.on_nonfinite is not NonFiniteAction.off,
     )
+    model, data = policy.prepare_model(workload.model), workload.data
+    optimizer = build_optimizer(
+        cfg.optimizer, model, device, resolved.precision, policy.stochastic_rounding
+    )
+    total_steps = plan_total_steps(cfg.trainer, len(data.train))
+    # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
+    trained = distributed.wrap(model) if distributed else model
+    if cfg.trainer.compile:
+        trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
     engine = Engine(
         trained,
         workload.task,
@@ -120,6 +125,7 @@ def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None
         progress=lambda: engine.progress,
         current_scale=engine.policy.scale,
         emit=emit,
+        weight_dtype=engine.policy.weight_dtype,
     )
     measure = None
     if built.device.type == "cuda" and engine.policy.uses_autocast:

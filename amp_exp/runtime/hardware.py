@@ -65,15 +65,27 @@ def resolve_precision(requested: Precision, device: torch.device) -> ResolvedPre
             "auto: on the CPU autocast rarely pays and fp16 has no fast kernels, so fp32",
         )
     if (
-        requested is Precision.bf16
+        requested in (Precision.bf16, Precision.bf16_true)
         and device.type == "cuda"
         and not torch.cuda.is_bf16_supported(including_emulation=False)
     ):
         raise ConfigError(
-            f"precision=bf16 needs a GPU with native bf16 (compute capability 8.0+), but "
-            f"{torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or precision=fp32"
+            f"precision={requested.value} needs a GPU with native bf16 (compute capability "
+            f"8.0+), but {torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or "
+            "precision=fp32"
         )
     return ResolvedPrecision(requested, f"requested: precision={requested.value}")
+
+
+def require_fp8_hardware(device: torch.device, emulate: bool) -> None:
+    """fp8 matmuls need compute capability 8.9+ (Ada, Hopper and newer) unless emulated."""
+    if emulate or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
+        return
+    where = "the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    raise ConfigError(
+        f"precision=fp8 needs a CUDA GPU with compute capability 8.9+, not {where}; "
+        "add precision.fp8_emulate=true to emulate it (slow, not timed)"
+    )
 
 
 def configure_backends(device: torch.device, deterministic: bool, tf32: bool) -> None:
