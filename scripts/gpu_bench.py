@@ -200,7 +200,7 @@ def modes_table(cells: list[dict]) -> str:
             shown, speedup = f"{speed:.0f}", f"{speed / base:.2f}x" if base else "-"
         lines.append(
             f"| {c['cell']} | {shown} | {speedup} | {c['peak_mem_bytes'] / 2**30:.2f} "
-            f"| {c['state_bytes'] / 2**20:.1f} | {c['final_loss']:.4f} | {c['fp8_converted']} |"
+            f"| {c['state_bytes'] / 2**20:.2f} | {c['final_loss']:.4f} | {c['fp8_converted']} |"
         )
     return "\n".join(lines)
 
