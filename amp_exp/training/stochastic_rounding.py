@@ -27,10 +27,11 @@ def round_to_bf16_stochastically(x: torch.Tensor) -> torch.Tensor:
     exactly that often. fp32 bit patterns are sign-magnitude, so this rounds the magnitude and
     works alike for negative numbers; a carry out of the mantissa correctly bumps the exponent.
     """
-    bits = x.contiguous().view(torch.int32)
     noise = torch.randint(0, _DROPPED_BITS, x.shape, device=x.device, dtype=torch.int32)
+    # In place in the noise: one temporary instead of three (this runs on every weight per step).
+    noise.add_(x.contiguous().view(torch.int32)).bitwise_and_(_KEPT_MASK)
     # The low 16 bits are zero now, so the conversion to bf16 is exact.
-    return ((bits + noise) & _KEPT_MASK).view(torch.float32).to(torch.bfloat16)
+    return noise.view(torch.float32).to(torch.bfloat16)
 
 
 class StochasticRoundingStep:
