@@ -219,7 +219,7 @@ class Engine:
         model.eval()
         totals = torch.zeros(len(self.task.eval_sum_names), device=self.device, dtype=torch.float64)
         batches = itertools.islice(self.eval_data or [], self.plan.eval_batches)
-        with torch.inference_mode(), self.policy.autocast():
+        with self.policy.inference(), self.policy.autocast():
             for batch in batches:
                 totals += self.task.eval_sums(model, self.task.to_device(batch))
         model.train()

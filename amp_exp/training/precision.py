@@ -103,6 +103,11 @@ class PrecisionPolicy:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
+    def inference(self) -> contextlib.AbstractContextManager:
+        """The no-grad mode of evaluation. torchao's Float8Linear fails under inference_mode
+        (pytorch/ao#643), so fp8 evaluates under no_grad."""
+        return torch.no_grad() if self.precision is Precision.fp8 else torch.inference_mode()
+
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """Learn whether the scaler ran ``optimizer.step()`` without reading found_inf.
 
