@@ -37,45 +37,48 @@ def round_to_bf16_stochastically(x: torch.Tensor) -> torch.Tensor:
 class StochasticRoundingStep:
     """Runs an optimizer's step in fp32 on its bf16 parameters; rounds the results stochastically.
 
-    Only bf16 parameters with a gradient are touched, and of their state only the tensors shaped
-    like the parameter (momentum, moments; not AdamW's scalar step count). The fp32 copies live
-    during the step alone: between steps weights, gradients and state stay bf16.
+    For the step alone, each bf16 parameter with a gradient is replaced in its param group by an
+    fp32 copy holding an fp32 copy of the gradient, and its state tensors shaped like it
+    (momentum, moments; not AdamW's scalar step count) by fp32 copies. Afterwards the result is
+    rounded into the parameter in place and the state back to bf16. The parameter object and its
+    dtype never change, so DDP's gradient hooks and torch.compile's guards stay valid; between
+    steps weights, gradients and state are bf16.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-        # Each upcast parameter's bf16 gradient, given back after the step.
-        self._grads: dict[torch.nn.Parameter, torch.Tensor] = {}
+        # (param group, index, the bf16 parameter, its fp32 stand-in) for the step under way.
+        self._swapped: list[tuple[dict, int, torch.Tensor, torch.Tensor]] = []
         optimizer.register_step_pre_hook(self._upcast)
         optimizer.register_step_post_hook(self._round)
 
-    def _state_tensors(self, p: torch.nn.Parameter, dtype: torch.dtype) -> list[str]:
-        state = self.optimizer.state.get(p, {})
-        return [
-            key
+    @staticmethod
+    def _convert(state: dict, like: torch.Tensor, convert) -> dict:
+        return {
+            key: convert(value)
+            if isinstance(value, torch.Tensor)
+            and value.is_floating_point()
+            and value.shape == like.shape
+            else value
             for key, value in state.items()
-            if isinstance(value, torch.Tensor) and value.dtype == dtype and value.shape == p.shape
-        ]
+        }
 
     def _upcast(self, optimizer, args, kwargs) -> None:
         for group in optimizer.param_groups:
-            for p in group["params"]:
+            for index, p in enumerate(group["params"]):
                 if p.dtype != torch.bfloat16 or p.grad is None:
                     continue
-                self._grads[p] = p.grad
-                p.data = p.data.float()
-                p.grad = self._grads[p].float()
-                state = optimizer.state[p]
-                for key in self._state_tensors(p, torch.bfloat16):
-                    state[key] = state[key].float()
+                stand_in = p.detach().float()
+                stand_in.grad = p.grad.float()
+                state = optimizer.state.pop(p, {})
+                optimizer.state[stand_in] = self._convert(state, p, torch.Tensor.float)
+                group["params"][index] = stand_in
+                self._swapped.append((group, index, p, stand_in))
 
+    @torch.no_grad()
     def _round(self, optimizer, args, kwargs) -> None:
-        for p, grad in self._grads.items():
-            # The gradient goes first: a parameter may not hold a gradient of another dtype.
-            p.grad = None
-            p.data = round_to_bf16_stochastically(p.data)
-            p.grad = grad
-            state = optimizer.state[p]
-            for key in self._state_tensors(p, torch.float32):
-                state[key] = round_to_bf16_stochastically(state[key])
-        self._grads.clear()
+        for group, index, p, stand_in in self._swapped:
+            p.copy_(round_to_bf16_stochastically(stand_in))
+            state = optimizer.state.pop(stand_in)
+            optimizer.state[p] = self._convert(state, p, round_to_bf16_stochastically)
+            group["params"][index] = p
+        self._swapped.clear()
