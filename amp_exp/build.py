@@ -59,27 +59,29 @@ def build(
     cfg: RunConfig, loss_fn: LossFn | None = None, distributed: Distributed | None = None
 ) -> Built:
     device = distributed.device if distributed else resolve_device(cfg.trainer.device)
-    check_request(cfg.precision.name, device)
+    check_request(cfg.precision.name, device, cfg.precision.fp8_emulate)
     configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
     # Measured under the backend switches just set; cached after the first run on this device.
     capability = capability_of(device)
     seed_everything(cfg.seed)
     rank, world_size = (distributed.rank.rank, distributed.world_size) if distributed else (0, 1)
     workload = build_workload(cfg, device, rank, world_size, loss_fn)
-    model, data = workload.model, workload.data
     resolved = resolve_precision(cfg, capability, workload, distributed)
-    optimizer = build_optimizer(cfg.optimizer, model, device, resolved.precision)
-    total_steps = plan_total_steps(cfg.trainer, len(data.train))
-    # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
-    trained = distributed.wrap(model) if distributed else model
-    if cfg.trainer.compile:
-        trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
     policy = PrecisionPolicy(
         resolved.precision,
         cfg.precision,
         device,
         guard_nonfinite=cfg.trainer.on_nonfinite is not NonFiniteAction.off,
     )
+    model, data = policy.prepare_model(workload.model), workload.data
+    optimizer = build_optimizer(
+        cfg.optimizer, model, device, resolved.precision, policy.stochastic_rounding
+    )
+    total_steps = plan_total_steps(cfg.trainer, len(data.train))
+    # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
+    trained = distributed.wrap(model) if distributed else model
+    if cfg.trainer.compile:
+        trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
     engine = Engine(
         trained,
         workload.task,
@@ -109,6 +111,7 @@ def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None
         progress=lambda: engine.progress,
         current_scale=engine.policy.scale,
         emit=emit,
+        weight_dtype=engine.policy.weight_dtype,
     )
     measure = None
     if built.device.type == "cuda" and engine.policy.uses_autocast:

@@ -40,6 +40,7 @@ from amp_exp.runtime.signals import StopRequest
 from amp_exp.runtime.sweep import SweepJob
 from amp_exp.tasks.classification import LossFn
 from amp_exp.training.loop import TrainResult
+from amp_exp.training.meters import state_bytes
 
 log = logging.getLogger("amp_exp")
 
@@ -90,6 +91,8 @@ def run_summary(
         hardware=built.hardware,
         first_overflow=progress.first_overflow,
         wall_s=wall_s,
+        state_bytes=state_bytes(engine.parameters, engine.optimizer),
+        **engine.policy.summary(),
         **measured,
     )
 

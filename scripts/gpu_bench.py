@@ -1,12 +1,15 @@
 """GPU benchmark: ResNet-50 on synthetic 224x224 data, batch 256, across the fast paths.
 
-    python scripts/gpu_bench.py --out outputs/gpu_bench          # one GPU, under 8 minutes
+    python scripts/gpu_bench.py --out outputs/gpu_bench          # one GPU, see below for time
     python scripts/gpu_bench.py --smoke --out /tmp/smoke         # CPU, tiny model: tests the script
 
 Every cell is a real ``python -m amp_exp`` run (its own process, so compilation and cudnn
 autotuning start cold and peak memory is its own); the table is read from each run's
 summary.json. fp32 runs with TF32, the baseline NVIDIA publishes for A100-class GPUs. After
-the table, the engine-vs-hand-written parity check runs on the same device.
+the table, the engine-vs-hand-written parity check runs on the same device, then the precision
+modes beyond autocast (bf16_true, fp8 in every recipe) on a wide MLP (precision_modes.json).
+The ResNet-50 part takes under 8 minutes; the seven compiled mode cells have not yet been timed
+on a GPU.
 
 Published anchors: NVIDIA DeepLearningExamples ResNet-50 on 1x A100 runs 938 img/s in TF32 and
 2,470 img/s with AMP (2.63x), batch 256, channels_last.
@@ -109,6 +112,117 @@ def table(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# --- precision modes beyond autocast: bf16_true and fp8 --------------------------------------
+# An MLP whose hidden linears are 4096 wide, where torchao's tables show fp8 paying off; compiled,
+# as torchtitan runs fp8. AdamW, so bf16_true uses torchao's stochastic-rounding AdamW on CUDA.
+MODES_FULL = {
+    "overrides": ["model=mlp", "model.hidden_dim=4096", "model.depth=4", "optimizer=adamw"],
+    "image_size": 32,
+    "batch_size": 1024,
+    "steps": 40,
+    "warmup": 10,
+    "compile": True,
+    "cells": {
+        "fp32": ["precision=fp32"],
+        "bf16": ["precision=bf16"],
+        "bf16_true": ["precision=bf16_true"],
+        "bf16_true (nearest)": ["precision=bf16_true_nearest"],
+        "fp8 tensorwise": ["precision=fp8", "precision.fp8_recipe=tensorwise"],
+        "fp8 rowwise": ["precision=fp8", "precision.fp8_recipe=rowwise"],
+        "fp8 rowwise_with_gw_hp": ["precision=fp8", "precision.fp8_recipe=rowwise_with_gw_hp"],
+    },
+}
+# On the CPU fp8 can only be emulated, and emulated runs are never timed.
+MODES_SMOKE = {
+    "overrides": ["model=mlp", "model.hidden_dim=32", "model.depth=3", "optimizer=adamw"],
+    "image_size": 8,
+    "batch_size": 32,
+    "steps": 6,
+    "warmup": 2,
+    "compile": False,
+    "cells": {
+        "fp32": ["precision=fp32"],
+        "bf16_true": ["precision=bf16_true"],
+        "fp8 tensorwise (emulated)": ["precision=fp8", "precision.fp8_emulate=true"],
+    },
+}
+
+
+def run_mode_cell(plan: dict, name: str, overrides: list[str], out: Path) -> dict:
+    run_dir = out / "modes" / name.replace(" ", "_").replace("(", "").replace(")", "")
+    command = [
+        sys.executable,
+        "-m",
+        "amp_exp",
+        *plan["overrides"],
+        *overrides,
+        f"dataset.image_size={plan['image_size']}",
+        f"dataset.batch_size={plan['batch_size']}",
+        f"dataset.train_size={plan['batch_size'] * 4}",
+        f"trainer.max_steps={plan['steps']}",
+        f"trainer.timing_warmup_steps={plan['warmup']}",
+        f"trainer.log_every={plan['steps']}",
+        f"trainer.compile={str(plan['compile']).lower()}",
+        "trainer.eval_every=null",
+        "checkpoint.every_steps=null",
+        "diagnostics.underflow_every=0",
+        "wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+    ]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        return {"cell": name, "error": result.stderr.strip().splitlines()[-1][:200]}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    keys = ("samples_per_s", "peak_mem_bytes", "state_bytes", "final_loss", "device_name")
+    return {
+        "cell": name,
+        **{key: summary[key] for key in keys},
+        "fp8_converted": len(summary["fp8_converted"] or []),
+        "fp8_emulated": bool(summary["fp8_emulated"]),
+    }
+
+
+def modes_table(cells: list[dict]) -> str:
+    base = next((c.get("samples_per_s") for c in cells if c["cell"] == "fp32"), None)
+    lines = [
+        "| precision | samples/s | speedup vs fp32 | peak mem (GiB) | weights + opt. state (MiB) "
+        "| final loss | fp8 linears |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        if "error" in c:
+            lines.append(f"| {c['cell']} | failed: {c['error']} | | | | | |")
+            continue
+        speed = c["samples_per_s"]
+        if c["fp8_emulated"]:
+            shown, speedup = "emulated, not timed", "-"
+        else:
+            shown, speedup = f"{speed:.0f}", f"{speed / base:.2f}x" if base else "-"
+        lines.append(
+            f"| {c['cell']} | {shown} | {speedup} | {c['peak_mem_bytes'] / 2**30:.2f} "
+            f"| {c['state_bytes'] / 2**20:.2f} | {c['final_loss']:.4f} | {c['fp8_converted']} |"
+        )
+    return "\n".join(lines)
+
+
+def precision_modes(smoke: bool, out: Path) -> list[str]:
+    """The bf16_true and fp8 cells (every fp8 recipe); writes precision_modes.json."""
+    plan = MODES_SMOKE if smoke else MODES_FULL
+    cells = []
+    for name, overrides in plan["cells"].items():
+        cells.append(run_mode_cell(plan, name, overrides, out))
+        print(json.dumps(cells[-1]), flush=True)
+    (out / "precision_modes.json").write_text(json.dumps(cells, indent=2) + "\n")
+    widths = [o for o in plan["overrides"] if "hidden_dim" in o or "depth" in o]
+    return [
+        f"## Precision modes: MLP ({', '.join(widths)}), batch {plan['batch_size']}, "
+        f"compile={plan['compile']}",
+        "",
+        modes_table(cells),
+        "",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -137,6 +251,7 @@ def main() -> None:
         check=False,
     )
     markdown += ["## Parity with a hand-written loop", "", "```", parity.stdout.strip(), "```", ""]
+    markdown += precision_modes(args.smoke, args.out)
     (args.out / "gpu_bench.md").write_text("\n".join(markdown))
     (args.out / "gpu_bench.json").write_text(json.dumps(cells, indent=2) + "\n")
     print("\n".join(markdown))

@@ -55,7 +55,45 @@ def without_timing(rows: list[dict]) -> list[dict]:
     ],
 )
 def test_stopped_and_resumed_run_matches_uninterrupted_run(run_cfg, tmp_path, precision) -> None:
-    overrides = [*EXACT, *precision.split()]
+    whole = assert_resume_is_exact(run_cfg, tmp_path, [*EXACT, *precision.split()])
+    if "fp16" in precision:
+        assert whole["skipped_steps"] > 0
+
+
+# An MLP whose hidden linears take fp8 (dimensions multiples of 16; 3x8x8 inputs). Diagnostics
+# are off: their stale-weight window restarts at a resume (training/diagnostics.py).
+MODES = [
+    "model=mlp",
+    "model.hidden_dim=16",
+    "model.depth=3",
+    "dataset.image_size=8",
+    "dataset.batch_size=32",
+    "trainer.max_steps=12",
+    "trainer.log_every=2",
+    "trainer.eval_every=null",
+    "diagnostics.underflow_every=0",
+]
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [
+        "precision=bf16_true",
+        "precision=bf16_true optimizer=adamw",
+        "precision=bf16_true_nearest",
+        "precision=fp8 precision.fp8_emulate=true optimizer=adamw",
+    ],
+)
+def test_bf16_true_and_emulated_fp8_resume_exactly(run_cfg, tmp_path, precision) -> None:
+    assert_resume_is_exact(run_cfg, tmp_path, [*MODES, *precision.split()])
+    payload = torch.load(tmp_path / "whole" / "checkpoints" / "last.pt", weights_only=True)
+    dtypes = {t.dtype for t in payload["model"].values() if t.is_floating_point()}
+    assert dtypes == ({torch.bfloat16} if "bf16_true" in precision else {torch.float32})
+
+
+def assert_resume_is_exact(run_cfg, tmp_path, overrides: list[str]) -> dict:
+    """Train 12 steps whole, and stopped after step 5 then resumed: the end states, and the
+    rows, must be identical. Returns the uninterrupted run's summary."""
     whole = train(run_cfg(*overrides), tmp_path / "whole")
     # The signal arrives during step 5 (mid-epoch, mid-log-interval); the run stops after it.
     first = train(run_cfg(*overrides), tmp_path / "split", loss_fn=signal_self_at_call(5))
@@ -64,8 +102,6 @@ def test_stopped_and_resumed_run_matches_uninterrupted_run(run_cfg, tmp_path, pr
     assert second["status"] == "completed" and second["steps"] == 12
     assert second["resumed_from"].endswith("last.pt")
     assert second["skipped_steps"] == whole["skipped_steps"]
-    if "fp16" in precision:
-        assert whole["skipped_steps"] > 0
 
     ends = [
         torch.load(tmp_path / run / "checkpoints" / "last.pt", weights_only=True)
@@ -76,6 +112,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted_run(run_cfg, tmp_path, pr
     whole_rows = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
     split_rows = read_jsonl(tmp_path / "split" / "metrics.jsonl")
     assert without_timing(split_rows) == without_timing(whole_rows)
+    return whole
 
 
 def test_checkpoint_holds_the_documented_fields(run_cfg, tmp_path) -> None:

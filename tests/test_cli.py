@@ -96,6 +96,8 @@ def test_multirun_gives_each_job_its_own_results(tmp_path: Path) -> None:
 
 def test_console_script_is_installed() -> None:
     script = shutil.which("amp-exp") or str(Path(sys.executable).parent / "amp-exp")
-    result = subprocess.run([script, "precision=fp8"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([script, "precision=fp4"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "valid choices: auto, bf16, fp16, fp32" in result.stderr
+    assert "valid choices: auto, bf16, bf16_true, bf16_true_nearest, fp16, fp32, fp8" in (
+        result.stderr
+    )

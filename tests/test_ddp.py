@@ -120,6 +120,14 @@ def test_a_sweep_under_torchrun_runs_every_job_data_parallel(tmp_path):
     assert [(row["status"], row["world_size"]) for row in report["runs"]] == [("completed", 2)] * 2
 
 
+def test_bf16_true_with_stochastic_rounding_keeps_the_replicas_identical(tmp_path):
+    """Every rank seeds torch's generator alike and draws the same rounding bits, and the
+    rounding never swaps a parameter's tensor, so DDP's gradient hooks keep firing."""
+    torchrun("-m", "amp_exp", *DDP_RUN, "precision=bf16_true", *TINY, cwd=tmp_path)
+    (summary,) = tmp_path.rglob("summary.json")
+    assert json.loads(summary.read_text())["replicas_identical"] is True
+
+
 def test_inf_on_one_rank_makes_every_rank_skip(tmp_path):
     """DDP averages gradients before the scaler checks them, so rank 1's overflow is everyone's:
     both ranks skip step 2, back off to the same scale and stay bit-identical."""

@@ -54,7 +54,7 @@ def host_reads(run_cfg, monkeypatch, steps: int, log_every: int, *overrides: str
     return counts
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16_true"])
 def test_host_reads_depend_only_on_log_intervals(run_cfg, monkeypatch, precision) -> None:
     # The fp32/bf16 non-finite guard reads one flag per step by design; it is measured below.
     overrides = (f"precision={precision}", "trainer.on_nonfinite=off")

@@ -304,3 +304,31 @@ def test_only_rank_0_of_a_torchrun_sweep_writes_the_report(tmp_path: Path, monke
     monkeypatch.setenv("RANK", "0")
     callback.build()
     assert (tmp_path / "report.md").is_file()
+
+
+def test_emulated_fp8_shows_as_not_timed_and_mode_variants_share_the_fp32_baseline(
+    tmp_path: Path,
+) -> None:
+    write_run(tmp_path / "0", "mlp", "fp32", 1000.0, 0.8)
+    for job, precision, knobs, extra in [
+        ("1", "fp8", {"fp8_recipe": "rowwise", "fp8_emulate": True}, {"fp8_emulated": True}),
+        ("2", "bf16_true", {"stochastic_rounding": True}, {"stale_weight_frac": 0.01}),
+    ]:
+        path = tmp_path / job
+        summary = write_run(path, "mlp", precision, 0.0, 0.8) | extra
+        summary["samples_per_s"] = None if precision == "fp8" else 900.0
+        summary["config"]["precision"] |= knobs
+        if precision == "fp8":
+            summary |= {"fp8_converted": ["3"], "fp8_skipped": {"1": "first layer"}}
+        (path / "summary.json").write_text(json.dumps(summary))
+    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    rows = rows_by_run(report)
+    assert rows["1"]["precision"] == "fp8 (rowwise, emulated)"
+    assert rows["1"]["baseline"] == rows["2"]["baseline"] == "0"
+    assert rows["1"]["setting"] == ""
+    (verdict,) = report["verdicts"]
+    assert "fp8 (rowwise, emulated) emulated, not timed and 1.00x the memory of fp32" in verdict
+    assert "bf16_true 1.11x slower" in verdict and "did not move" not in verdict
+    markdown = (tmp_path / "report.md").read_text()
+    assert "fp8 linears: 3 (kept in bf16: 1: first layer)" in markdown
+    assert "1.0% of weights unchanged over the last interval" in markdown

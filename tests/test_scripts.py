@@ -32,3 +32,9 @@ def test_gpu_bench_smoke_writes_a_table_and_checks_parity(tmp_path: Path) -> Non
     markdown = (tmp_path / "gpu_bench.md").read_text()
     assert "| fp32 | False | False |" in markdown and "1.00x" in markdown
     assert '"state_dicts_identical": true' in markdown
+    modes = {c["cell"]: c for c in json.loads((tmp_path / "precision_modes.json").read_text())}
+    assert set(modes) == {"fp32", "bf16_true", "fp8 tensorwise (emulated)"}
+    # AdamW: weights and two moments in bf16, beside fp32 step counts.
+    assert modes["bf16_true"]["state_bytes"] < 0.51 * modes["fp32"]["state_bytes"]
+    assert modes["fp8 tensorwise (emulated)"]["fp8_converted"] == 2
+    assert "| fp8 tensorwise (emulated) | emulated, not timed | - |" in markdown

@@ -182,6 +182,10 @@ def test_config_is_plain_with_precision_flat(run_cfg) -> None:
         "precision.clip_grad_norm",
         "precision.max_consecutive_skips",
         "precision.min_scale",
+        "precision.stochastic_rounding",
+        "precision.fp8_recipe",
+        "precision.fp8_emulate",
+        "precision.fp8_skip_first_last",
         "precision.resolved",
     }
 

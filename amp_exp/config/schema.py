@@ -19,6 +19,18 @@ class Precision(str, Enum):
     fp32 = "fp32"
     fp16 = "fp16"
     bf16 = "bf16"
+    # Weights, gradients and optimizer state in bf16: no autocast, no fp32 master copy.
+    bf16_true = "bf16_true"
+    # torchao float8 matmuls in the linear layers, everything else under bf16 autocast.
+    fp8 = "fp8"
+
+
+class Fp8Recipe(str, Enum):
+    """torchao's Float8LinearConfig recipes, fastest to most accurate."""
+
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+    rowwise_with_gw_hp = "rowwise_with_gw_hp"
 
 
 class DeviceChoice(str, Enum):
@@ -173,6 +185,15 @@ class PrecisionConfig:
     # falls below min_scale (below 1 the true gradients themselves overflow fp16).
     max_consecutive_skips: int = 50
     min_scale: float = 1.0
+    # bf16_true: round each update to bf16 stochastically, so updates smaller than half a bf16
+    # step still move the weights on average; false rounds to nearest, and they are lost.
+    stochastic_rounding: bool = True
+    # fp8: torchao's recipe (Float8LinearConfig.from_recipe_name).
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    # fp8: emulate the fp8 matmuls, on any device (numerics and tests; slow, so never timed).
+    fp8_emulate: bool = False
+    # fp8: keep the model's first and last linear layers in bf16, as torchtitan does.
+    fp8_skip_first_last: bool = True
 
 
 @dataclass
@@ -214,7 +235,8 @@ class DiagnosticsConfig:
     # Check master weights and unscaled gradients on the first check_steps optimizer steps.
     checks: bool = True
     check_steps: int = 3
-    # Measure how fp16 would treat the gradients every this many steps; 0 = off.
+    # Every this many steps, measure how fp16 would treat the gradients and the share of weights
+    # that did not change since the last time (holds one copy of the weights); 0 = off.
     underflow_every: int = 100
 
 

@@ -12,6 +12,7 @@ import functools
 import math
 from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
+from importlib.util import find_spec
 from operator import attrgetter
 from typing import Any
 
@@ -22,9 +23,11 @@ from amp_exp.config.schema import (
     WANDB_TAG_MAX_CHARS,
     AdamWConfig,
     DatasetName,
+    DeviceChoice,
     MLPConfig,
     ModelConfig,
     OptimizerConfig,
+    Precision,
     PrecisionConfig,
     RunConfig,
     SchedulerConfig,
@@ -125,6 +128,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     )
     _check(run.report.accuracy_tolerance >= 0, "report.accuracy_tolerance must be 0 or more")
     _validate_precision(run.precision)
+    _validate_fp8(run.precision, run.trainer)
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)
     _validate_model(run.model)
@@ -174,6 +178,21 @@ def _validate_precision(precision: PrecisionConfig) -> None:
     _check(
         0 < precision.backoff_factor < 1,
         "precision.backoff_factor must lie strictly between 0 and 1",
+    )
+
+
+def _validate_fp8(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
+    """What fp8 needs that the config alone shows; the GPU's capability is checked at build."""
+    if precision.name is not Precision.fp8:
+        return
+    _check(
+        find_spec("torchao") is not None,
+        "precision=fp8 needs torchao, which is not installed: pip install 'amp_exp[fp8]'",
+    )
+    _check(
+        trainer.device is not DeviceChoice.cpu or precision.fp8_emulate,
+        "precision=fp8 needs a CUDA GPU with compute capability 8.9+ (trainer.device=cpu); "
+        "add precision.fp8_emulate=true to emulate it (slow, not timed)",
     )
 
 

@@ -14,9 +14,19 @@ from amp_exp.report.runs import Run
 
 BASELINE = "fp32"
 # Within a model the baseline comes first, then the precisions compared with it.
-PRECISION_ORDER = {"fp32": 0, "bf16": 1, "fp16": 2}
+PRECISION_ORDER = {"fp32": 0, "bf16": 1, "fp16": 2, "bf16_true": 3, "fp8": 4}
+# Knobs that make a variant of a precision mode; the run's precision label names them.
+VARIANT_KEYS = {
+    "precision.stochastic_rounding",
+    "precision.fp8_recipe",
+    "precision.fp8_emulate",
+    "precision.fp8_skip_first_last",
+}
 # The keys a comparison is about; every other config key that differs is part of a run's setting.
-COMPARED_KEYS = {"model.name", "precision.name"}
+COMPARED_KEYS = {"model.name", "precision.name", *VARIANT_KEYS}
+# A run in which at least this share of the weights did not move over the last diagnostics
+# interval has stalled.
+STALL_FRACTION = 0.5
 
 
 def _override_value(value: Any) -> str:
@@ -64,6 +74,22 @@ def find_baseline(run: Run, runs: list[Run]) -> Run | None:
     )
 
 
+def precision_label(summary: dict[str, Any]) -> str:
+    """The precision as the report shows it: the mode, and the variant of bf16_true or fp8."""
+    precision = str(summary.get("precision") or "?")
+    knobs = (summary.get("config") or {}).get("precision") or {}
+    if precision == "bf16_true" and knobs.get("stochastic_rounding") is False:
+        return "bf16_true (nearest)"
+    if precision == "fp8":
+        details = [str(knobs.get("fp8_recipe", "tensorwise"))]
+        if knobs.get("fp8_skip_first_last") is False:
+            details.append("all linears")
+        if knobs.get("fp8_emulate"):
+            details.append("emulated")
+        return f"fp8 ({', '.join(details)})"
+    return precision
+
+
 def _ratio(value: float | None, baseline: float | None) -> float | None:
     if value is None or not baseline:
         return None
@@ -83,6 +109,9 @@ def amp_health(summary: dict[str, Any]) -> dict[str, Any]:
         "first_overflow": summary.get("first_overflow"),
         "underflow_frac_scaled": underflow.get("underflow_frac_scaled"),
         "suggested_init_scale": summary.get("suggested_init_scale"),
+        "stale_weight_frac": summary.get("stale_weight_frac"),
+        "fp8_converted": summary.get("fp8_converted"),
+        "fp8_skipped": summary.get("fp8_skipped"),
         "hardware_advice": (summary.get("hardware") or {}).get("advice", []),
     }
 
@@ -95,7 +124,8 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "run": os.path.relpath(run.path, out_dir),
         "status": summary.get("status"),
         "model": run.model,
-        "precision": run.precision,
+        "precision": precision_label(summary),
+        "mode": run.precision,
         "setting": run.setting,
         "world_size": summary.get("world_size", 1),
         "samples_per_s": summary.get("samples_per_s"),
@@ -103,6 +133,13 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "peak_mem_bytes": summary.get("peak_mem_bytes"),
         "peak_mem_ratio": _ratio(summary.get("peak_mem_bytes"), base.get("peak_mem_bytes")),
         "peak_mem_kind": summary.get("peak_mem_kind"),
+        "state_bytes": summary.get("state_bytes"),
+        "state_ratio": _ratio(summary.get("state_bytes"), base.get("state_bytes")),
+        "emulated": bool(summary.get("fp8_emulated")),
+        "stale_weight_frac": summary.get("stale_weight_frac"),
+        "stochastic_rounding": (
+            ((summary.get("config") or {}).get("precision") or {}).get("stochastic_rounding")
+        ),
         "final_loss": summary.get("final_loss"),
         "eval_acc": eval_acc,
         "eval_acc_delta_points": (
@@ -135,7 +172,9 @@ def comparison_rows(runs: list[Run], out_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
-def _speed_phrase(speedup: float | None) -> str:
+def _speed_phrase(speedup: float | None, emulated: bool) -> str:
+    if emulated:
+        return "emulated, not timed"
     if speedup is None:
         return "throughput not measured"
     return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
@@ -159,6 +198,17 @@ def describe_end(row: dict[str, Any]) -> str:
     return f"{row['status']} ({row['error']})" if row["error"] else str(row["status"])
 
 
+def stall_phrase(row: dict[str, Any]) -> str | None:
+    """Why a run whose weights stopped moving stalled, and what to do; None if it did not."""
+    stale = row["stale_weight_frac"]
+    if stale is None or stale < STALL_FRACTION:
+        return None
+    phrase = f"{stale:.0%} of weights did not move over the last interval"
+    if row["mode"] == "bf16_true" and row["stochastic_rounding"] is False:
+        return f"{phrase}: updates round away in bf16; use precision.stochastic_rounding=true"
+    return f"{phrase}: the learning rate may be too small for the weights' precision"
+
+
 def _judge(row: dict[str, Any], tolerance: float) -> str:
     precision = row["precision"]
     if row["status"] != "completed":
@@ -166,15 +216,20 @@ def _judge(row: dict[str, Any], tolerance: float) -> str:
     notes = f", skipped {row['skipped_steps']} steps" if row["skipped_steps"] else ""
     if row["final_loss"] is not None and not math.isfinite(row["final_loss"]):
         notes += f", the loss diverged ({row['final_loss']})"
+    stall = stall_phrase(row)
+    if stall:
+        notes += f", {stall}"
     if row["baseline"] is None:
         final = "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}"
         return f"{precision} final loss {final}{notes}"
     memory = "memory not measured"
     if row["peak_mem_ratio"] is not None:
         memory = f"{row['peak_mem_ratio']:.2f}x the memory"
+    if row["state_ratio"] is not None:
+        memory += f" ({row['state_ratio']:.2f}x the weights and optimizer state)"
     return (
-        f"{precision} {_speed_phrase(row['speedup'])} and {memory} of {BASELINE}, "
-        f"{_accuracy_phrase(row['eval_acc_delta_points'], tolerance)}{notes}"
+        f"{precision} {_speed_phrase(row['speedup'], row['emulated'])} and {memory} of "
+        f"{BASELINE}, {_accuracy_phrase(row['eval_acc_delta_points'], tolerance)}{notes}"
     )
 
 

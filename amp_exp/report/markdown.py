@@ -31,6 +31,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     (f"speedup vs {BASELINE}", "speedup", _formatter(".2f", suffix="x")),
     ("peak memory", "peak_mem_bytes", _formatter(",.1f", 1 / 2**20, " MiB")),
     (f"memory vs {BASELINE}", "peak_mem_ratio", _formatter(".2f", suffix="x")),
+    ("weights + opt. state", "state_bytes", _formatter(",.2f", 1 / 2**20, " MiB")),
     ("final loss", "final_loss", _formatter(".4f")),
     ("eval acc", "eval_acc", _formatter(".2f", 100, "%")),
     (f"acc vs {BASELINE} (points)", "eval_acc_delta_points", _formatter("+.2f")),
@@ -84,6 +85,15 @@ def health_line(row: dict[str, Any]) -> str:
         parts.append(f"{health['underflow_frac_scaled']:.2%} of gradients lost to fp16 underflow")
     if health["suggested_init_scale"] is not None:
         parts.append(f"suggested init_scale {health['suggested_init_scale']:g}")
+    if health["stale_weight_frac"] is not None:
+        stale = health["stale_weight_frac"]
+        parts.append(f"{stale:.1%} of weights unchanged over the last interval")
+    if health["fp8_converted"] is not None:
+        kept = "; ".join(f"{name}: {why}" for name, why in health["fp8_skipped"].items())
+        parts.append(
+            f"fp8 linears: {', '.join(health['fp8_converted']) or 'none'}"
+            + (f" (kept in bf16: {kept})" if kept else "")
+        )
     parts += health["hardware_advice"]
     return f"- `{row['run']}` ({row['model']} {row['precision']}): " + "; ".join(parts)
 
@@ -111,9 +121,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         *markdown_table(rows),
         "",
-        "Samples/s counts timed training steps only (no warm-up, no evaluation). Peak memory: "
+        "Samples/s counts timed training steps only (no warm-up, no evaluation); emulated fp8 "
+        "runs are not timed. Peak memory: "
         + ("; ".join(memory_kinds) or "not recorded")
-        + ".",
+        + ". Weights + opt. state: the bytes of the parameters and the optimizer's state "
+        "tensors at the end of training.",
     ]
     completed = [row for row in rows if row["status"] == "completed"]
     if completed:

@@ -33,6 +33,7 @@ WANDB_KEYS = {
     "grad_underflow_frac": "amp/grad_underflow_frac",
     "grad_underflow_frac_scaled": "amp/grad_underflow_frac_scaled",
     "grad_overflow_frac_scaled": "amp/grad_overflow_frac_scaled",
+    "stale_weight_frac": "amp/stale_weight_frac",
 }
 SKIP_RATE = "amp/skip_rate"
 # Samples seen compares runs with different batch sizes fairly; the step stays selectable.

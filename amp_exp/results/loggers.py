@@ -103,11 +103,13 @@ class ConsoleLogger:
         if row["kind"] == DIAGNOSTICS:
             log.info(
                 "fp16 gradient range @ step %d: %s would flush to zero unscaled, %s at the "
-                "current scale, %s would overflow",
+                "current scale, %s would overflow; %s of weights unchanged over %s steps",
                 row["step"],
                 _fmt(row["grad_underflow_frac"], ".3%"),
                 _fmt(row["grad_underflow_frac_scaled"], ".3%"),
                 _fmt(row["grad_overflow_frac_scaled"], ".3%"),
+                _fmt(row.get("stale_weight_frac"), ".1%"),
+                row.get("stale_window_steps", "-"),
             )
             return
         scale = "" if row["scale"] is None else f" | scale {row['scale']:g}"

@@ -30,7 +30,8 @@ MOVABLE = frozenset(
 IGNORED = frozenset({"resume"})
 # fp32, fp16 and bf16 autocast all keep fp32 master weights and the same optimizer state, so a
 # checkpoint moves between them (the GradScaler state is dropped or started fresh, with a
-# warning); other modes keep weights in other dtypes.
+# warning). bf16_true keeps weights and state in bf16, and fp8 trains other layers (torchao's
+# Float8Linear): each is a family of its own.
 AUTOCAST_FAMILY = frozenset({"auto", "fp32", "fp16", "bf16"})
 
 

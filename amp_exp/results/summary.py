@@ -63,6 +63,14 @@ FIELDS = (
     "checks",
     "underflow",
     "suggested_init_scale",
+    "stale_weight_frac",
+    # Bytes of the parameters and the optimizer state, counted from the tensors.
+    "state_bytes",
+    "fp8_emulated",
+    "fp8_converted",
+    "fp8_skipped",
+    # Why an fp8 run has no MFU against a bf16 peak (null for the other precisions).
+    "fp8_mfu_peak_source",
     "replicas_identical",
     "wall_s",
     "torch_version",

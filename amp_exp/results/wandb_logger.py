@@ -209,6 +209,8 @@ class WandbLogger:
             "amp/suggested_init_scale": summary.get("suggested_init_scale"),
             "amp/first_overflow_step": overflow["step"] if overflow else None,
             "amp/checks_passed": all(c["passed"] is not False for c in checks.values()),
+            "amp/stale_weight_frac": summary.get("stale_weight_frac"),
+            "perf/state_bytes": summary.get("state_bytes"),
         }
         with self._contained("write the summary"):
             self.run.summary.update({k: v for k, v in health.items() if v is not None})

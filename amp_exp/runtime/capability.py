@@ -53,17 +53,38 @@ def cuda_facts(device: torch.device) -> dict[str, Any]:
     }
 
 
-def check_request(requested: Precision, device: torch.device) -> None:
+def check_request(requested: Precision, device: torch.device, fp8_emulate: bool = False) -> None:
     """Refuse a precision the device cannot run at all (as opposed to slowly)."""
     if (
-        requested is Precision.bf16
+        requested in (Precision.bf16, Precision.bf16_true)
         and device.type == "cuda"
         and not torch.cuda.is_bf16_supported(including_emulation=False)
     ):
         raise ConfigError(
-            f"precision=bf16 needs a GPU with native bf16 (compute capability 8.0+), but "
-            f"{torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or precision=fp32"
+            f"precision={requested.value} needs a GPU with native bf16 (compute capability "
+            f"8.0+), but {torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or "
+            "precision=fp32"
         )
+    if requested is Precision.fp8:
+        require_fp8_hardware(device, fp8_emulate)
+
+
+def require_fp8_hardware(device: torch.device, emulate: bool) -> None:
+    """fp8 matmuls need compute capability 8.9+ (Ada, Hopper and newer) unless emulated."""
+    if emulate or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
+        return
+    where = "the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    raise ConfigError(
+        f"precision=fp8 needs a CUDA GPU with compute capability 8.9+, not {where}; "
+        "add precision.fp8_emulate=true to emulate it (slow, not timed)"
+    )
+
+
+def probed_as(precision: Precision) -> Precision | None:
+    """The probed precision whose kernels ``precision`` runs: pure bf16 computes as bf16
+    autocast does; fp8's scaled matmuls are not probed."""
+    probed = Precision.bf16 if precision is Precision.bf16_true else precision
+    return probed if probed in (Precision.fp32, *LOW_PRECISIONS) else None
 
 
 def pick_fastest(seconds: Mapping[Precision, float]) -> tuple[Precision, str]:
@@ -159,9 +180,10 @@ class Capability:
 
     def advice(self, precision: Precision) -> list[str]:
         """Warnings for a run in ``precision``: it measured slower than fp32 here."""
-        if precision is Precision.fp32 or not self.supports(precision):
+        probed = probed_as(precision)
+        if probed in (None, Precision.fp32) or not self.supports(probed):
             return []
-        speed = self.relative_speed(precision)
+        speed = self.relative_speed(probed)
         if speed * MARGIN > 1:
             return []
         better = self.recommendation()[0].value
@@ -185,7 +207,7 @@ class Capability:
                 }
                 for p, timing in self.measured.items()
             },
-            "verdicts": {p.value: self.verdict(p) for p in Precision if p is not Precision.auto},
+            "verdicts": {p.value: self.verdict(p) for p in (Precision.fp32, *LOW_PRECISIONS)},
             "recommended": recommended.value,
             "reason": reason,
         }
@@ -196,7 +218,9 @@ class Capability:
         return {
             **self.as_dict(),
             "advice": self.advice(precision),
-            "measured_peak_tflops": self.tflops(precision),
+            "measured_peak_tflops": (
+                self.tflops(probed) if (probed := probed_as(precision)) in self.measured else None
+            ),
         }
 
 

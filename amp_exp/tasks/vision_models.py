@@ -45,6 +45,9 @@ def l2_normalize_function(device_type: str, amp_safe: bool = True) -> type[torch
 
 
 class L2Normalize(nn.Module):
+    # Without autocast (precision=bf16_true) custom_fwd casts nothing: ask for fp32 directly.
+    keep_in_fp32 = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return l2_normalize_function(x.device.type).apply(x)
 

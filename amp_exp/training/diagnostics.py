@@ -3,6 +3,12 @@
 Diagnostics ride on optimizer hooks, so the engine's loop stays as it is: a pre-step hook sees
 the gradients after ``unscale_`` and clipping, a post-step hook sees the updated parameters.
 They read the device only on the few steps they examine.
+
+Every ``underflow_every`` steps a diagnostics row reports how fp16 would treat the gradients and
+the share of weights that did not change since the previous row (``stale_weight_frac``): with
+bf16 weights and round-to-nearest, updates below half a bf16 step are lost and training stalls.
+That comparison holds one copy of the weights between rows; after a resume the first window
+starts at the resumed step (``stale_window_steps`` says how many steps a row covers).
 """
 
 from __future__ import annotations
@@ -95,19 +101,36 @@ class Diagnostics:
         progress: Callable[[], Progress],
         current_scale: Callable[[], float | None],
         emit: Callable[[dict], None],
+        weight_dtype: torch.dtype = torch.float32,
     ) -> None:
         """``progress`` is the engine's; optimizer hooks run inside the step it is about to
-        record, so the step being examined is ``progress().step + 1``."""
+        record, so the step being examined is ``progress().step + 1``. ``weight_dtype`` is what
+        the precision stores weights in: bf16 weights and gradients are by design in bf16_true.
+        """
         self.cfg = cfg
         self.named_parameters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.progress, self.current_scale, self.emit = progress, current_scale, emit
+        self.fp32_weights = weight_dtype == torch.float32
         self.steps_checked = 0
         self.checks: dict[str, dict] = {
             "master_weights_fp32": {"passed": True, "offenders": []},
             "unscaled_grads_fp32_finite": {"passed": True, "offenders": []},
         }
+        if not self.fp32_weights:
+            self.checks["master_weights_fp32"] = {
+                "passed": None,
+                "note": "bf16 by design (precision=bf16_true): no fp32 master copy",
+            }
+            self.checks["unscaled_grads_fp32_finite"]["note"] = "bf16 by design: finiteness only"
         self.underflow: dict | None = None
         self.suggested_init_scale: float | None = None
+        self.stale_weight_frac: float | None = None
+        self._row: dict = {}
+        # The weights as of the previous diagnostics row (or the start of this attempt).
+        self._snapshot: list[torch.Tensor] = []
+        self._snapshot_step = progress().step
+        if cfg.underflow_every:
+            self._snapshot = [p.detach().clone() for _, p in self.named_parameters]
         optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(self._after_step)
 
@@ -126,24 +149,31 @@ class Diagnostics:
         grads = [(n, p.grad) for n, p in self.named_parameters if p.grad is not None]
         if self._checking() and grads:
             finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]).tolist()
+            wrong_dtype = self.fp32_weights
             bad = [
                 name
                 for (name, grad), ok in zip(grads, finite, strict=True)
-                if grad.dtype != torch.float32 or not ok
+                if (wrong_dtype and grad.dtype != torch.float32) or not ok
             ]
             self._fail(
                 "unscaled_grads_fp32_finite", bad, "gradients after unscale_ not fp32 and finite"
             )
-        every = self.cfg.underflow_every
-        if every and grads and (self.progress().step + 1) % every == 0:
+        if self._is_diagnostics_step() and grads:
             self._measure_underflow(grads)
 
+    def _is_diagnostics_step(self) -> bool:
+        every = self.cfg.underflow_every
+        return bool(every) and (self.progress().step + 1) % every == 0
+
     def _after_step(self, optimizer, args, kwargs) -> None:
+        if self._is_diagnostics_step():
+            self._emit_row()
         if not self._checking():
             return
         self.steps_checked += 1
-        bad = [name for name, p in self.named_parameters if p.dtype != torch.float32]
-        self._fail("master_weights_fp32", bad, "master parameters not fp32 after step")
+        if self.fp32_weights:
+            bad = [name for name, p in self.named_parameters if p.dtype != torch.float32]
+            self._fail("master_weights_fp32", bad, "master parameters not fp32 after step")
 
     def _measure_underflow(self, grads: list[tuple[str, torch.Tensor]]) -> None:
         scale = self.current_scale() or 1.0
@@ -151,17 +181,40 @@ class Diagnostics:
         suggestion = largest_safe_scale(max_abs)
         if suggestion is not None and suggestion < (self.suggested_init_scale or math.inf):
             self.suggested_init_scale = suggestion
+        step = self.progress().step + 1
+        self.underflow = {"step": step, "scale": scale, **totals, "worst": worst}
+        self._row = {f"grad_{name}": value for name, value in totals.items()}
+
+    def _measure_stale_weights(self, step: int) -> dict:
+        """The share of weight elements equal to their value at the previous row; one read."""
+        weights = [p.detach() for _, p in self.named_parameters]
+        unchanged = torch.stack(
+            [(w == old).sum() for w, old in zip(weights, self._snapshot, strict=True)]
+        ).sum()
+        total = sum(w.numel() for w in weights)
+        self.stale_weight_frac = unchanged.item() / total if total else None
+        window = step - self._snapshot_step
+        for w, old in zip(weights, self._snapshot, strict=True):
+            old.copy_(w)
+        self._snapshot_step = step
+        return {"stale_weight_frac": self.stale_weight_frac, "stale_window_steps": window}
+
+    def _emit_row(self) -> None:
+        """One diagnostics row: the gradient range (pre-step) and the stale weights (now)."""
         progress = self.progress()
         step = progress.step + 1
-        self.underflow = {"step": step, "scale": scale, **totals, "worst": worst}
-        self.emit(
-            {
-                "kind": "diagnostics",
-                "step": step,
-                "samples": progress.samples,
-                **{f"grad_{name}": value for name, value in totals.items()},
-            }
-        )
+        row = {
+            "kind": "diagnostics",
+            "step": step,
+            "samples": progress.samples,
+            "grad_underflow_frac": None,
+            "grad_underflow_frac_scaled": None,
+            "grad_overflow_frac_scaled": None,
+            **self._row,
+            **self._measure_stale_weights(step),
+        }
+        self._row = {}
+        self.emit(row)
 
     def activation_memory(self, measure: Callable[[bool], int] | None) -> None:
         """Compare the autocast forward's activation memory with fp32's (CUDA only).
@@ -169,10 +222,10 @@ class Diagnostics:
         ``measure(autocast)`` returns the bytes one training forward keeps for backward.
         """
         if measure is None:
-            self.checks["activation_memory_lower"] = {
-                "passed": None,
-                "note": "not measurable on the CPU: no allocator statistics",
-            }
+            note = "not measurable on the CPU: no allocator statistics"
+            if not self.fp32_weights:
+                note = "no autocast to compare with: the model itself is bf16"
+            self.checks["activation_memory_lower"] = {"passed": None, "note": note}
             return
         fp32_bytes, autocast_bytes = measure(False), measure(True)
         passed = autocast_bytes < fp32_bytes
@@ -195,6 +248,7 @@ class Diagnostics:
             "checks": self.checks,
             "underflow": self.underflow,
             "suggested_init_scale": self.suggested_init_scale,
+            "stale_weight_frac": self.stale_weight_frac,
         }
 
 

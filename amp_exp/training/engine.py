@@ -183,14 +183,15 @@ class Engine:
         progress = self.progress
         interval_total = self._sum_over_ranks(interval_loss).item()
         progress.final_loss = interval_total / (progress.interval_steps * self.world_size)
-        samples_per_s, step_time_ms = rates
+        samples_per_s, step_time_ms = rates if self.policy.timed else (None, None)
         row = {
             "kind": "train",
             "step": progress.step,
             "epoch": progress.epoch,
             "samples": progress.samples,
             "loss": progress.final_loss,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            # float(): torchao's optimizers keep the learning rate in a (CPU) tensor.
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
             "grad_norm": None if grad_norm is None else grad_norm.item(),
             "scale": self.policy.scale(),
             "skipped_steps": progress.skipped_steps,
@@ -218,7 +219,7 @@ class Engine:
         model.eval()
         totals = torch.zeros(len(self.task.eval_sum_names), device=self.device, dtype=torch.float64)
         batches = itertools.islice(self.eval_data or [], self.plan.eval_batches)
-        with torch.inference_mode(), self.policy.autocast():
+        with self.policy.inference(), self.policy.autocast():
             for batch in batches:
                 totals += self.task.eval_sums(model, self.task.to_device(batch))
         model.train()
@@ -290,8 +291,8 @@ class Engine:
         synchronize(self.device)
         return TrainResult(
             progress=progress,
-            samples_per_s=throughput.samples_per_s(),
-            step_time_ms=throughput.step_time_ms(),
+            samples_per_s=throughput.samples_per_s() if self.policy.timed else None,
+            step_time_ms=throughput.step_time_ms() if self.policy.timed else None,
             timed_steps=throughput.total_steps,
             warmup_s=warmup_s,
             peak_mem_bytes=peak_memory_bytes(self.device),

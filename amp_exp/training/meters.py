@@ -31,6 +31,15 @@ def reset_peak_memory(device: torch.device) -> None:
         _CLEAR_REFS.write_text("5")
 
 
+def state_bytes(parameters: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters and the optimizer's state tensors: what a precision keeps
+    between steps, which the CPU's peak resident set hides among everything else."""
+    tensors = [*parameters]
+    for state in optimizer.state.values():
+        tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated tensor memory on CUDA; on the CPU the process's peak resident set."""
     if device.type == "cuda":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from importlib.util import find_spec
 
 import torch
 from torch import nn
@@ -14,6 +16,9 @@ from amp_exp.config.schema import (
     SchedulerConfig,
     SchedulerName,
 )
+from amp_exp.training.stochastic_rounding import StochasticRoundingStep
+
+log = logging.getLogger("amp_exp")
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -36,10 +41,40 @@ def use_fused_adamw(cfg: AdamWConfig, device: torch.device, precision: Precision
     return device.type == "cuda" and precision is not Precision.fp16
 
 
+def torchao_adamw_fits(cfg: OptimizerConfig, device: torch.device) -> bool:
+    """torchao's AdamW rounds stochastically inside one compiled kernel per parameter, with no
+    fp32 copy of the whole model. It compiles each parameter shape on first use: seconds on a
+    GPU, but 13-100 s for a small MLP on a 2-core CPU, so the CPU uses StochasticRoundingStep."""
+    on_gpu = device.type == "cuda"
+    return isinstance(cfg, AdamWConfig) and on_gpu and find_spec("torchao") is not None
+
+
 def build_optimizer(
-    cfg: OptimizerConfig, model: nn.Module, device: torch.device, precision: Precision
+    cfg: OptimizerConfig,
+    model: nn.Module,
+    device: torch.device,
+    precision: Precision,
+    stochastic_rounding: bool = False,
 ) -> torch.optim.Optimizer:
+    """``stochastic_rounding``: the model is bf16 (precision=bf16_true) and each update is
+    rounded to it stochastically."""
     groups = parameter_groups(model, cfg.weight_decay)
+    if stochastic_rounding and torchao_adamw_fits(cfg, device):
+        from torchao.optim import _AdamW
+
+        log.info("bf16 stochastic rounding: torchao's AdamW (compiles on its first step)")
+        return _AdamW(
+            groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, bf16_stochastic_round=True
+        )
+    optimizer = _build_torch_optimizer(cfg, groups, device, precision)
+    if stochastic_rounding:
+        StochasticRoundingStep(optimizer)
+    return optimizer
+
+
+def _build_torch_optimizer(
+    cfg: OptimizerConfig, groups: list[dict], device: torch.device, precision: Precision
+) -> torch.optim.Optimizer:
     if isinstance(cfg, AdamWConfig):
         fused = use_fused_adamw(cfg, device, precision)
         return torch.optim.AdamW(
@@ -76,7 +111,8 @@ def build_scheduler(
         return torch.optim.lr_scheduler.LambdaLR(
             optimizer, cosine_with_warmup(total_steps, warmup, cfg.min_lr_ratio)
         )
-    max_lrs = [group["lr"] for group in optimizer.param_groups]
+    # float(): torchao's optimizers keep the learning rate in a tensor.
+    max_lrs = [float(group["lr"]) for group in optimizer.param_groups]
     return torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=max_lrs, total_steps=max(total_steps, 2), pct_start=cfg.pct_start
     )

@@ -1,8 +1,10 @@
 """PrecisionPolicy: which precision runs, and the AMP sequence every training step follows.
 
-One code path serves fp32, bf16 and fp16. The GradScaler exists only for fp16 (bf16 keeps fp32's
+One code path serves every precision. The GradScaler exists only for fp16 (bf16 keeps fp32's
 exponent range, so its gradients do not underflow); everything else is the same call sequence:
 autocast forward and loss -> scaled backward -> unscale_ -> clip -> step -> update.
+bf16_true has no autocast: the model itself is bf16 (``prepare_model``). fp8 runs torchao's
+float8 linears under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -11,16 +13,22 @@ import contextlib
 import logging
 
 import torch
+from torch import nn
 
 from amp_exp.config.schema import Precision, PrecisionConfig
+from amp_exp.training.precision_modes import Fp8Conversion, convert_to_fp8, to_bf16_true
 
 log = logging.getLogger(__name__)
 
+# The dtype of the forward's matmuls outside fp8, whether under autocast or (bf16_true) not.
 DTYPES = {
     Precision.fp32: torch.float32,
     Precision.fp16: torch.float16,
     Precision.bf16: torch.bfloat16,
+    Precision.bf16_true: torch.bfloat16,
+    Precision.fp8: torch.bfloat16,
 }
+AUTOCAST = frozenset({Precision.fp16, Precision.bf16, Precision.fp8})
 
 
 class PrecisionPolicy:
@@ -37,6 +45,7 @@ class PrecisionPolicy:
         if precision is Precision.auto:
             raise ValueError("resolve precision=auto first (training.auto_precision)")
         self.precision = precision
+        self.cfg = cfg
         self.device = device
         self.clip_grad_norm = cfg.clip_grad_norm
         self.dtype = DTYPES[precision]
@@ -51,15 +60,53 @@ class PrecisionPolicy:
             )
         self.guard_nonfinite = guard_nonfinite
         self._optimizer_stepped = False
+        self.fp8: Fp8Conversion | None = None
 
     @property
     def uses_autocast(self) -> bool:
-        return self.precision is not Precision.fp32
+        return self.precision in AUTOCAST
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the optimizer updates: fp32 master weights, except in bf16_true."""
+        return torch.bfloat16 if self.precision is Precision.bf16_true else torch.float32
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        return self.precision is Precision.bf16_true and self.cfg.stochastic_rounding
+
+    @property
+    def timed(self) -> bool:
+        """Emulated fp8 measures numerics, not speed: its throughput is never reported."""
+        return not (self.precision is Precision.fp8 and self.cfg.fp8_emulate)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The model as this precision trains it; call before the optimizer and any wrapper."""
+        if self.precision is Precision.bf16_true:
+            return to_bf16_true(model)
+        if self.precision is Precision.fp8:
+            model, self.fp8 = convert_to_fp8(model, self.cfg)
+            if self.fp8.emulated:
+                log.warning("fp8 is emulated (precision.fp8_emulate=true): slow, so not timed")
+            log.info(
+                "fp8 (%s%s): %d linear layers converted, %d kept in bf16 (%s)",
+                self.cfg.fp8_recipe.value,
+                ", emulated" if self.fp8.emulated else "",
+                len(self.fp8.converted),
+                len(self.fp8.skipped),
+                ", ".join(f"{name}: {why}" for name, why in self.fp8.skipped.items()) or "none",
+            )
+        return model
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if not self.uses_autocast:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def inference(self) -> contextlib.AbstractContextManager:
+        """The no-grad mode of evaluation. torchao's Float8Linear fails under inference_mode
+        (pytorch/ao#643), so fp8 evaluates under no_grad."""
+        return torch.no_grad() if self.precision is Precision.fp8 else torch.inference_mode()
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """Learn whether the scaler ran ``optimizer.step()`` without reading found_inf.
@@ -71,6 +118,22 @@ class PrecisionPolicy:
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._optimizer_stepped = True
+
+    def summary(self) -> dict:
+        """What summary.json records about an fp8 run's conversion (nothing for other modes)."""
+        if self.fp8 is None:
+            return {}
+        return {
+            "fp8_emulated": self.fp8.emulated,
+            "fp8_converted": self.fp8.converted,
+            "fp8_skipped": self.fp8.skipped,
+            "fp8_mfu_peak_source": (
+                "null: emulated fp8 is not timed"
+                if self.fp8.emulated
+                else "null: fp8 matmuls peak at twice the bf16 rate, so MFU against a bf16 "
+                "peak would overstate utilization"
+            ),
+        }
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is None:

@@ -1,0 +1,288 @@
+"""Precision beyond autocast: pure bf16 with stochastic rounding (bf16_true), and fp8."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from torch import nn
+
+from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
+from amp_exp.config.schema import Precision
+from amp_exp.config.validate import validate
+from amp_exp.errors import ConfigError
+from amp_exp.report.assemble import build_report
+from amp_exp.results.resume_rules import config_changes
+from amp_exp.run import train
+from amp_exp.runtime.capability import check_request, require_fp8_hardware
+from amp_exp.tasks.vision_models import TinyCNN
+from amp_exp.training.auto_precision import CHOICES
+from amp_exp.training.precision_modes import plan_fp8, to_bf16_true
+from amp_exp.training.stochastic_rounding import (
+    StochasticRoundingStep,
+    round_to_bf16_stochastically,
+)
+from conftest import FAST, read_jsonl
+
+# --- stochastic rounding ------------------------------------------------------------------------
+
+
+def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased() -> None:
+    torch.manual_seed(0)
+    # 1 + 2^-10 lies an eighth of the way from bf16's 1 to its next value, 1 + 2^-7.
+    x = torch.full((200_000,), 1 + 2**-10)
+    rounded = round_to_bf16_stochastically(torch.cat([x, -x]))
+    assert rounded.dtype == torch.bfloat16
+    up, down = rounded[: x.numel()].float(), rounded[x.numel() :].float()
+    assert set(up.unique().tolist()) == {1.0, 1 + 2**-7}
+    assert set(down.unique().tolist()) == {-1.0, -(1 + 2**-7)}
+    # Rounds up with probability 1/8: the mean is x within 4 standard errors.
+    stderr = 2**-7 * (1 / 8 * 7 / 8 / x.numel()) ** 0.5
+    assert abs(up.mean().item() - x[0].item()) < 4 * stderr
+    assert abs(down.mean().item() + x[0].item()) < 4 * stderr
+
+
+def test_stochastic_rounding_leaves_bf16_values_alone_and_repeats_under_a_seed() -> None:
+    exact = torch.tensor([0.0, 1.0, -2.5, 3.0e38, -1e-30, float("inf")]).bfloat16().float()
+    assert torch.equal(round_to_bf16_stochastically(exact).float(), exact)
+    x = torch.randn(1000)
+    torch.manual_seed(1)
+    first = round_to_bf16_stochastically(x)
+    torch.manual_seed(1)
+    assert torch.equal(round_to_bf16_stochastically(x), first)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_updates_below_half_a_bf16_step_move_weights_only_with_stochastic_rounding(
+    momentum,
+) -> None:
+    def train_ones(stochastic: bool) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        weight = nn.Parameter(torch.ones(20_000, dtype=torch.bfloat16))
+        # Each update is 2^-10, an eighth of bf16's step above 1.
+        optimizer = torch.optim.SGD([weight], lr=2**-10 * (1 - momentum), momentum=momentum)
+        if stochastic:
+            StochasticRoundingStep(optimizer)
+        for _ in range(16):
+            weight.grad = torch.ones_like(weight)
+            optimizer.step()
+        return weight, optimizer
+
+    nearest, _ = train_ones(stochastic=False)
+    assert torch.equal(nearest, torch.ones_like(nearest))  # every update rounded away
+    weight, optimizer = train_ones(stochastic=True)
+    assert weight.dtype == weight.grad.dtype == torch.bfloat16
+    if momentum:
+        assert optimizer.state[weight]["momentum_buffer"].dtype == torch.bfloat16
+    moved = 1 - weight.float().mean().item()
+    # Step k moves 2^-10 (1 - momentum^k): the buffer's average building up to the gradient.
+    expected = 2**-10 * sum(1 - momentum**k for k in range(1, 17))
+    assert moved == pytest.approx(expected, rel=0.05)
+
+
+# --- model preparation --------------------------------------------------------------------------
+
+
+def test_bf16_true_model_keeps_norm_layers_fp32_and_hands_back_fp32_logits() -> None:
+    model = to_bf16_true(TinyCNN(3, 10, width=4))
+    assert model.features[0].weight.dtype == torch.bfloat16
+    assert model.head.weight.dtype == torch.bfloat16
+    norm = model.features[1]
+    assert {norm.weight.dtype, norm.running_mean.dtype, norm.running_var.dtype} == {torch.float32}
+    logits = model(torch.randn(2, 3, 8, 8))
+    assert logits.dtype == torch.float32
+    logits.sum().backward()
+    assert model.head.weight.grad.dtype == torch.bfloat16
+
+
+def test_fp8_converts_linears_of_multiple_of_16_dims_but_not_the_first_and_last() -> None:
+    mlp = nn.Sequential(
+        nn.Linear(32, 64),
+        nn.Linear(64, 64),
+        nn.Linear(64, 48),
+        nn.Linear(48, 24),
+        nn.Linear(24, 10),
+    )
+    plan = plan_fp8(mlp, skip_first_last=True)
+    assert plan.converted == ["1", "2"]
+    assert plan.skipped == {
+        "0": "first layer",
+        "3": "48x24 not multiples of 16",
+        "4": "24x10 not multiples of 16",
+    }
+    assert plan_fp8(mlp, skip_first_last=False).converted == ["0", "1", "2"]
+
+
+# --- what may run where -------------------------------------------------------------------------
+
+
+def test_fp8_without_fp8_hardware_is_refused_unless_emulated() -> None:
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"compute capability 8\.9\+.*fp8_emulate=true"):
+        require_fp8_hardware(cpu, emulate=False)
+    require_fp8_hardware(cpu, emulate=True)
+    check_request(Precision.bf16_true, cpu)
+    check_request(Precision.fp8, cpu, fp8_emulate=True)
+    # auto times and picks among the autocast family only.
+    assert set(CHOICES) == {Precision.fp32, Precision.bf16, Precision.fp16}
+
+
+def test_fp8_without_torchao_names_the_extra_to_install(run_cfg, compose_cfg, monkeypatch) -> None:
+    monkeypatch.setattr("amp_exp.config.validate.find_spec", lambda name: None)
+    with pytest.raises(ConfigError) as error:
+        validate(compose_cfg("precision=fp8", "precision.fp8_emulate=true"))
+    assert str(error.value) == (
+        "precision=fp8 needs torchao, which is not installed: pip install 'amp_exp[fp8]'"
+    )
+    run_cfg("precision=bf16_true")  # bf16_true needs no torchao on the CPU
+
+
+@pytest.mark.slow
+def test_fp8_on_the_cpu_without_emulation_is_a_one_line_error_with_exit_status_2(
+    tmp_path,
+) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "amp_exp",
+            "precision=fp8",
+            "wandb.mode=disabled",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "precision=fp8 needs a CUDA GPU" in errors[0]
+    assert "Traceback" not in output
+
+
+def test_bf16_true_and_fp8_checkpoints_do_not_resume_in_another_precision() -> None:
+    for saved, current in [("bf16_true", "bf16"), ("fp8", "bf16"), ("bf16_true", "fp8")]:
+        refused, _ = config_changes(
+            {"precision": {"name": saved}}, {"precision": {"name": current}}
+        )
+        assert refused == [f'precision.name: "{saved}" -> "{current}"']
+    knob = {"precision": {"name": "bf16_true", "stochastic_rounding": False}}
+    assert config_changes(knob, {"precision": {"name": "bf16_true"}})[0] == []
+
+
+# --- training -----------------------------------------------------------------------------------
+
+# A small learning rate on an MLP: the updates of most weights are below half a bf16 step. The
+# diagnostics interval is the whole run.
+STALL = [
+    "model=mlp",
+    "model.hidden_dim=64",
+    "dataset.image_size=8",
+    "trainer.max_steps=160",
+    "trainer.log_every=40",
+    "diagnostics.underflow_every=160",
+    "trainer.eval_every=null",
+    "scheduler=none",
+    "optimizer.lr=0.0005",
+]
+# Within this distance of fp32's final training loss (a mean over the last 40 steps) a bf16_true
+# run tracks fp32; over the 160 steps fp32's loss falls by about 0.15 from 2.30.
+LOSS_TOLERANCE = 0.01
+
+
+@pytest.fixture(scope="module")
+def stall_runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    out = tmp_path_factory.mktemp("stall")
+    runs = {}
+    for name, precision in [
+        ("fp32", "precision=fp32"),
+        ("sr", "precision=bf16_true"),
+        ("nearest", "precision=bf16_true_nearest"),
+    ]:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = validate(compose(CONFIG_NAME, overrides=[*FAST, *STALL, precision]))
+        runs[name] = (out / name, train(cfg, out / name))
+    return runs
+
+
+def test_plain_bf16_true_stalls_where_most_updates_round_away(stall_runs) -> None:
+    path, nearest = stall_runs["nearest"]
+    assert nearest["stale_weight_frac"] > 0.5
+    assert nearest["final_loss"] - stall_runs["fp32"][1]["final_loss"] > 5 * LOSS_TOLERANCE
+    row = [r for r in read_jsonl(path / "metrics.jsonl") if r["kind"] == "diagnostics"][-1]
+    assert (row["step"], row["stale_window_steps"]) == (160, 160)
+    assert row["stale_weight_frac"] == nearest["stale_weight_frac"]
+
+
+def test_stochastic_rounding_moves_the_weights_and_tracks_fp32(stall_runs) -> None:
+    fp32, sr = stall_runs["fp32"][1], stall_runs["sr"][1]
+    assert sr["stale_weight_frac"] <= 0.05
+    assert fp32["stale_weight_frac"] == 0.0
+    assert abs(sr["final_loss"] - fp32["final_loss"]) <= LOSS_TOLERANCE
+
+
+def test_bf16_true_halves_the_weight_and_optimizer_state_and_says_so_in_its_checks(
+    stall_runs,
+) -> None:
+    fp32, sr = stall_runs["fp32"][1], stall_runs["sr"][1]
+    # SGD with momentum: weights and momentum, 4 + 4 bytes per parameter in fp32, 2 + 2 in bf16.
+    assert sr["state_bytes"] == fp32["state_bytes"] // 2
+    assert sr["checks"]["master_weights_fp32"] == {
+        "passed": None,
+        "note": "bf16 by design (precision=bf16_true): no fp32 master copy",
+    }
+    assert sr["checks"]["unscaled_grads_fp32_finite"]["passed"] is True
+
+
+def test_report_names_the_stall_and_compares_every_mode_with_fp32(stall_runs, tmp_path) -> None:
+    report = build_report([path for path, _ in stall_runs.values()], tmp_path, 0.5)
+    rows = {row["precision"]: row for row in report["runs"]}
+    assert set(rows) == {"fp32", "bf16_true", "bf16_true (nearest)"}
+    assert rows["bf16_true"]["baseline"] is not None
+    assert rows["bf16_true"]["state_ratio"] == 0.5
+    (verdict,) = report["verdicts"]
+    stale = stall_runs["nearest"][1]["stale_weight_frac"]
+    stall = (
+        f"{stale:.0%} of weights did not move over the last interval: updates round away in "
+        "bf16; use precision.stochastic_rounding=true"
+    )
+    assert verdict.count("did not move") == 1 and stall in verdict
+    assert verdict.index("bf16_true (nearest)") < verdict.index(stall)
+    assert "| weights + opt. state |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_emulated_fp8_trains_with_a_falling_loss_and_is_never_timed(
+    run_cfg, tmp_path, recipe
+) -> None:
+    cfg = run_cfg(
+        f"precision.fp8_recipe={recipe}",
+        "model=mlp",
+        "model.hidden_dim=64",
+        "model.depth=3",
+        "dataset.image_size=8",
+        "optimizer=adamw",
+        "precision=fp8",
+        "precision.fp8_emulate=true",
+        "trainer.max_steps=30",
+        "trainer.log_every=10",
+        "trainer.eval_every=20",
+    )
+    summary = train(cfg, tmp_path)
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert losses[-1] < losses[0] - 0.1
+    assert summary["fp8_converted"] == ["3", "5"]
+    assert summary["fp8_skipped"] == {"1": "first layer", "7": "64x10 not multiples of 16"}
+    assert summary["fp8_emulated"] is True
+    assert summary["fp8_mfu_peak_source"] == "null: emulated fp8 is not timed"
+    assert summary["samples_per_s"] is None and summary["step_time_ms"] is None
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all(r["samples_per_s"] is None for r in rows if r["kind"] == "train")
+    assert summary["checks"]["master_weights_fp32"]["passed"] is True
+    # Evaluation runs the float8 linears too (under no_grad: they fail under inference_mode).
+    assert summary["eval_acc"] is not None
