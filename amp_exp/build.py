@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from amp_exp.config.schema import NonFiniteAction, RunConfig
+from amp_exp.runtime.blocks import checkpoint_blocks, compile_blocks
 from amp_exp.runtime.distributed import Distributed
+from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import (
     ResolvedPrecision,
     configure_backends,
@@ -42,13 +44,16 @@ class Built:
 
     device: torch.device
     resolved: ResolvedPrecision
-    # The module as built, inside any DDP or torch.compile wrapper the engine trains through.
+    # The module as built, inside any DDP or torch.compile wrapper the engine trains through
+    # (FSDP2 shards it in place).
     model: torch.nn.Module
     channels_last: bool
     engine: Engine
     hardware: dict
     distributed: Distributed | None = None
     resumed_from: str | None = None
+    # strategy (single, ddp, fsdp2), param_dtype and reduce_dtype: what summary.json and W&B say.
+    parallelism: dict | None = None
 
     @property
     def is_main(self) -> bool:
@@ -71,6 +76,16 @@ def hardware_facts(device: torch.device, precision: str) -> dict:
     return hardware
 
 
+def parallelism(distributed: Distributed | None, dtypes: ShardingDtypes | None) -> dict:
+    """How the model was spread over the ranks, and the dtypes its weights computed and its
+    gradients were reduced in (autocast computes in low precision from fp32 weights)."""
+    if distributed is None:
+        return {"strategy": "single", "param_dtype": "fp32", "reduce_dtype": None}
+    if dtypes is None:
+        return {"strategy": "ddp", "param_dtype": "fp32", "reduce_dtype": "fp32"}
+    return {"strategy": "fsdp2", "param_dtype": dtypes.param, "reduce_dtype": dtypes.reduce}
+
+
 def build(
     cfg: RunConfig, loss_fn: LossFn | None = None, distributed: Distributed | None = None
 ) -> Built:
@@ -81,17 +96,30 @@ def build(
     rank, world_size = (distributed.rank.rank, distributed.world_size) if distributed else (0, 1)
     workload = build_workload(cfg, device, rank, world_size, loss_fn)
     model, data = workload.model, workload.data
+    if cfg.trainer.activation_checkpointing:
+        checkpoint_blocks(model, cfg.model.name)
+    shards = distributed is not None and distributed.shards
+    dtypes = (
+        ShardingDtypes.for_precision(resolved.precision, cfg.precision.reduce_dtype)
+        if shards
+        else None
+    )
+    if shards and cfg.trainer.compile:
+        # torchtitan's order: each block compiled (after its checkpointing), then sharded.
+        compile_blocks(model, cfg.trainer.compile_mode)
+    trained = distributed.wrap(model, dtypes) if distributed else model
+    # After wrapping: FSDP2 replaced the parameters with their shards.
     optimizer = build_optimizer(cfg.optimizer, model, device, resolved.precision)
     total_steps = plan_total_steps(cfg.trainer, len(data.train))
-    # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
-    trained = distributed.wrap(model) if distributed else model
-    if cfg.trainer.compile:
+    if cfg.trainer.compile and not shards:
+        # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
         trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
     policy = PrecisionPolicy(
         resolved.precision,
         cfg.precision,
         device,
         guard_nonfinite=cfg.trainer.on_nonfinite is not NonFiniteAction.off,
+        params_cast=dtypes is not None and dtypes.casts_params,
     )
     engine = Engine(
         trained,
@@ -108,7 +136,16 @@ def build(
         distributed=distributed,
     )
     hardware = hardware_facts(device, resolved.precision.value)
-    return Built(device, resolved, model, workload.channels_last, engine, hardware, distributed)
+    return Built(
+        device,
+        resolved,
+        model,
+        workload.channels_last,
+        engine,
+        hardware,
+        distributed,
+        parallelism=parallelism(distributed, dtypes),
+    )
 
 
 def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None]) -> Diagnostics:
@@ -127,7 +164,7 @@ def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None
 
         def measure(use_autocast: bool) -> int:
             # The bare model: a DDP forward with gradients but no backward would break DDP's
-            # next step.
+            # next step. (Never under FSDP2, which casts without autocast.)
             return forward_activation_bytes(
                 built.model, inputs, engine.policy.autocast, use_autocast
             )

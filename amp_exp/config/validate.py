@@ -23,9 +23,12 @@ from amp_exp.config.schema import (
     MLPConfig,
     ModelConfig,
     OptimizerConfig,
+    Precision,
     PrecisionConfig,
+    ReduceDtype,
     RunConfig,
     SchedulerConfig,
+    Strategy,
     TinyCNNConfig,
     TrainerConfig,
     WandbConfig,
@@ -110,6 +113,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     )
     _check(run.report.accuracy_tolerance >= 0, "report.accuracy_tolerance must be 0 or more")
     _validate_precision(run.precision)
+    _validate_reduce_dtype(run.precision, run.trainer)
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)
     _validate_model(run.model)
@@ -138,6 +142,23 @@ def _validate_precision(precision: PrecisionConfig) -> None:
     _check(
         0 < precision.backoff_factor < 1,
         "precision.backoff_factor must lie strictly between 0 and 1",
+    )
+
+
+def _validate_reduce_dtype(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
+    reduce = precision.reduce_dtype
+    if reduce is None:
+        return
+    _check(
+        trainer.strategy is Strategy.fsdp2,
+        f"precision.reduce_dtype={reduce.value} needs trainer.strategy=fsdp2; DDP reduces "
+        "gradients in their own dtype (fp32)",
+    )
+    # Only a GradScaler notices a gradient that overflowed fp16 in the reduction, and backs off.
+    _check(
+        reduce is not ReduceDtype.fp16 or precision.name is Precision.fp16,
+        "precision.reduce_dtype=fp16 needs precision=fp16, whose GradScaler catches gradients "
+        "that overflow fp16; valid choices here: fp32, bf16",
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -66,11 +67,32 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)  # make the rename itself durable
+
+
+def fsync_directory(path: Path) -> None:
+    directory = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(directory)  # make the rename itself durable
+        os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def install_directory(complete: Path, path: Path) -> None:
+    """Rename the directory ``complete`` (written in full under a temporary name) to ``path``.
+
+    A directory cannot replace another in one rename: one already at ``path`` is first renamed
+    to a temporary name, so a crash between the renames leaves it there to be cleaned away, and
+    ``path`` at any moment is absent, the old directory or the new one, never a mix.
+    """
+    fsync_directory(complete)  # the names of the files written into it
+    aside = path.with_name(f".{path.name}.old{TMP_SUFFIX}")
+    if path.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+    os.replace(complete, path)
+    fsync_directory(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def default_file_mode() -> int:
@@ -88,7 +110,7 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def stale_temporaries(directory: Path) -> list[Path]:
-    """Temporary files a killed save left in ``directory``."""
+    """Temporary files, and directories of sharded checkpoints, a killed save left there."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.glob(f".*{TMP_SUFFIX}") if p.is_file())
+    return sorted(directory.glob(f".*{TMP_SUFFIX}"))

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from amp_exp.config.schema import Precision, PrecisionConfig
+from amp_exp.runtime.fsdp import whole
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,17 @@ class PrecisionPolicy:
         cfg: PrecisionConfig,
         device: torch.device,
         guard_nonfinite: bool = False,
+        params_cast: bool = False,
     ) -> None:
-        """``guard_nonfinite``: without a scaler, skip steps whose gradients are inf or NaN."""
+        """``guard_nonfinite``: without a scaler, skip steps whose gradients are inf or NaN.
+
+        ``params_cast``: FSDP2's mixed-precision policy already gathers the parameters in this
+        precision's dtype and casts the model's inputs to it, so the forward runs in that dtype
+        and autocast stays off. On top of it autocast would be a second caster with other
+        rules: its matmul casts would find bf16/fp16 weights already, and its fp32 list would
+        upcast what the policy means to run in the low dtype. One caster, the policy, as in
+        torchtitan; the GradScaler stays.
+        """
         if precision is Precision.auto:
             raise ValueError("resolve precision=auto first (runtime.hardware.resolve_precision)")
         self.precision = precision
@@ -50,11 +60,12 @@ class PrecisionPolicy:
                 growth_interval=cfg.growth_interval,
             )
         self.guard_nonfinite = guard_nonfinite
+        self.params_cast = params_cast
         self._optimizer_stepped = False
 
     @property
     def uses_autocast(self) -> bool:
-        return self.precision is not Precision.fp32
+        return self.precision is not Precision.fp32 and not self.params_cast
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if not self.uses_autocast:
@@ -103,6 +114,9 @@ class PrecisionPolicy:
             grad_norm = torch.nn.utils.get_total_norm(
                 [p.grad for p in parameters if p.grad is not None]
             )
+        if grad_norm is not None:
+            # Of FSDP2's gradient shards the norm is a DTensor already summed over the ranks.
+            grad_norm = whole(grad_norm)
         finite = bool(torch.isfinite(grad_norm)) if checks_on_host else True
         if self.scaler is None:
             if finite:
