@@ -217,7 +217,7 @@ def replicas_identical(built: Built) -> bool | None:
     """Under torchrun, whether all ranks ended with bit-identical weights and loss scale.
 
     Under FSDP2 each rank holds a shard of every weight, not a replica, so only the loss scale
-    is compared. Buffers are left out: DDP hands rank 0's to the others at each forward, so
+    is compared (None without one: nothing is replicated). Buffers are left out: DDP hands rank 0's to the others at each forward, so
     between forwards the ranks' BatchNorm statistics differ by design.
     """
     if built.distributed is None:
@@ -226,6 +226,8 @@ def replicas_identical(built: Built) -> bool | None:
     scale = built.engine.policy.scale()
     if scale is not None:
         state.append(torch.tensor(scale))
+    if not state:
+        return None
     identical = built.distributed.replicas_identical(state)
     if not identical:
         log.error("the ranks' model replicas differ at the end of the run")
