@@ -217,8 +217,9 @@ def replicas_identical(built: Built) -> bool | None:
     """Under torchrun, whether all ranks ended with bit-identical weights and loss scale.
 
     Under FSDP2 each rank holds a shard of every weight, not a replica, so only the loss scale
-    is compared (None without one: nothing is replicated). Buffers are left out: DDP hands rank 0's to the others at each forward, so
-    between forwards the ranks' BatchNorm statistics differ by design.
+    is compared (None without one: nothing is replicated). Buffers are left out: DDP hands rank
+    0's to the others at each forward, so between forwards the ranks' BatchNorm statistics
+    differ by design.
     """
     if built.distributed is None:
         return None

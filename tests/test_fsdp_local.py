@@ -78,6 +78,7 @@ def test_the_policy_follows_the_precision_and_reduce_dtype_overrides_it():
         (["precision.reduce_dtype=bf16"], "needs trainer.strategy=fsdp2"),
         (["trainer.strategy=fsdp2", "precision.reduce_dtype=fp16"], "needs precision=fp16"),
         (["trainer.strategy=fsdp3"], r"expected one of \[ddp, fsdp2\]"),
+        (["trainer.strategy=fsdp2", "trainer.channels_last=true"], "only contiguous parameters"),
     ],
 )
 def test_reduce_dtype_and_strategy_are_checked_before_anything_runs(overrides, message):

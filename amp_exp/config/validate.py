@@ -114,6 +114,11 @@ def validate(cfg: DictConfig) -> RunConfig:
     _check(run.report.accuracy_tolerance >= 0, "report.accuracy_tolerance must be 0 or more")
     _validate_precision(run.precision)
     _validate_reduce_dtype(run.precision, run.trainer)
+    _check(
+        not (run.trainer.channels_last and run.trainer.strategy is Strategy.fsdp2),
+        "trainer.channels_last=true cannot run with trainer.strategy=fsdp2, which shards only "
+        "contiguous parameters (channels_last convolution weights are not); leave it null",
+    )
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)
     _validate_model(run.model)
