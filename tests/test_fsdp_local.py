@@ -176,6 +176,15 @@ def test_compile_compiles_each_block_in_place_or_else_the_whole_model():
     assert cnn._compiled_call_impl is not None
 
 
+@pytest.mark.slow
+def test_fsdp2_with_compile_trains_like_eager(run_cfg, tmp_path):
+    """The model is compiled (in place, before sharding) and trains to about eager's loss."""
+    eager = train(run_cfg(*FSDP, "precision=bf16"), tmp_path / "eager")
+    compiled = train(run_cfg(*FSDP, "precision=bf16", "trainer.compile=true"), tmp_path / "c")
+    assert compiled["status"] == "completed" and compiled["compile"] is True
+    assert compiled["final_loss"] == pytest.approx(eager["final_loss"], abs=1e-3)
+
+
 def test_a_half_written_or_incomplete_sharded_checkpoint_is_never_taken(run_cfg, tmp_path):
     """A save killed mid-write leaves .step_<N>.tmp/, never step_<N>/; a step directory without
     DCP's .metadata is passed over for an older one."""
