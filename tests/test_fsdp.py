@@ -63,14 +63,14 @@ def test_fsdp2_trains_in_every_precision_with_its_policy(tmp_path):
 
 
 def test_sigterm_then_resume_auto_ends_bit_exact_with_an_uninterrupted_run(tmp_path):
-    """fp16 with its scaler: SIGTERM reaches rank 1 during step 3; the ranks stop at log step 4
-    with a sharded checkpoint; resume=auto trains on to step 8 and ends bit for bit where a run
-    that never stopped ends, on both ranks."""
-    run = [*FSDP_RUN, "precision=fp16", "trainer.max_steps=8"]
+    """fp16 with its scaler, two micro-batches a step: SIGTERM reaches rank 1 during step 3;
+    the ranks stop at log step 4 with a sharded checkpoint; resume=auto trains on to step 8 (the
+    second epoch) and ends bit for bit where a run that never stopped ends, on both ranks."""
+    run = [*FSDP_RUN, "precision=fp16", "trainer.max_steps=8", "trainer.grad_accum_steps=2"]
     straight = run_worker(tmp_path / "straight", *run)
 
     interrupted = tmp_path / "interrupted"
-    stopped = run_worker(interrupted, "--signal-at", "3", "--stop-signal", "SIGTERM", *run)
+    stopped = run_worker(interrupted, "--signal-at", "5", "--stop-signal", "SIGTERM", *run)
     for state in stopped.values():
         assert (state["summary"]["status"], state["summary"]["stop_signal"]) == (
             "stopped",
@@ -136,4 +136,3 @@ def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path):
         assert overflow["loss_finite"] is True
     assert ranks[0]["scale"] == ranks[1]["scale"] == 65536.0 / 2
     assert ranks[0]["summary"]["replicas_identical"] is True
-

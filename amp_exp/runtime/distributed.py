@@ -83,7 +83,7 @@ class Distributed:
 
     def state_of(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, Any]:
         """The model's and optimizer's state: whole under DDP, this rank's shards under FSDP2
-        (with rank 0's buffers on every rank, whichever rank DCP has write them)."""
+        (with rank 0's buffers on every rank first: DCP has one rank write each buffer)."""
         if not self.shards:
             return plain_state(model, optimizer)
         self.broadcast_buffers(model)

@@ -86,18 +86,14 @@ def shard_model(model: nn.Module, dtypes: ShardingDtypes, device: torch.device) 
     return model
 
 
-def no_gradient_sync(model: nn.Module) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate unsharded gradients locally; the last micro-batch reduce-scatters the sum."""
-
-    @contextlib.contextmanager
-    def unsynced() -> Iterator[None]:
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-    return unsynced()
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 @contextlib.contextmanager

@@ -82,11 +82,10 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: model, optimizer, schedule, scaler, progress,
         and every random number generator."""
-        holder = self.distributed
         model_state, optimizer_state = (
             plain_state(self.model, self.optimizer)
-            if holder is None
-            else holder.state_of(self.model, self.optimizer)
+            if self.distributed is None
+            else self.distributed.state_of(self.model, self.optimizer)
         )
         return {
             "model": model_state,
