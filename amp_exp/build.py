@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from amp_exp.config.schema import NonFiniteAction, RunConfig
+from amp_exp.runtime.blocks import checkpoint_blocks, compile_blocks
 from amp_exp.runtime.capability import ResolvedPrecision, capability_of, check_request
 from amp_exp.runtime.distributed import Distributed
+from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.tasks.classification import LossFn
 from amp_exp.tasks.workload import build_workload
@@ -36,13 +38,16 @@ class Built:
 
     device: torch.device
     resolved: ResolvedPrecision
-    # The module as built, inside any DDP or torch.compile wrapper the engine trains through.
+    # The module as built, inside any DDP or torch.compile wrapper the engine trains through
+    # (FSDP2 shards it in place).
     model: torch.nn.Module
     channels_last: bool
     engine: Engine
     hardware: dict
     distributed: Distributed | None = None
     resumed_from: str | None = None
+    # strategy (single, ddp, fsdp2), param_dtype and reduce_dtype: what summary.json and W&B say.
+    parallelism: dict | None = None
 
     @property
     def is_main(self) -> bool:
@@ -53,6 +58,16 @@ class Built:
 def global_batch_size(cfg: RunConfig, world_size: int) -> int:
     """Samples per optimizer step: dataset.batch_size is per rank and per micro-batch."""
     return cfg.dataset.batch_size * cfg.trainer.grad_accum_steps * world_size
+
+
+def parallelism(distributed: Distributed | None, dtypes: ShardingDtypes | None) -> dict:
+    """How the model was spread over the ranks, and the dtypes its weights computed and its
+    gradients were reduced in (autocast computes in low precision from fp32 weights)."""
+    if distributed is None:
+        return {"strategy": "single", "param_dtype": "fp32", "reduce_dtype": None}
+    if dtypes is None:
+        return {"strategy": "ddp", "param_dtype": "fp32", "reduce_dtype": "fp32"}
+    return {"strategy": "fsdp2", "param_dtype": dtypes.param, "reduce_dtype": dtypes.reduce}
 
 
 def build(
@@ -67,20 +82,33 @@ def build(
     rank, world_size = (distributed.rank.rank, distributed.world_size) if distributed else (0, 1)
     workload = build_workload(cfg, device, rank, world_size, loss_fn)
     resolved = resolve_precision(cfg, capability, workload, distributed)
+    shards = distributed is not None and distributed.shards
+    dtypes = (
+        ShardingDtypes.for_precision(resolved.precision, cfg.precision.reduce_dtype)
+        if shards
+        else None
+    )
     policy = PrecisionPolicy(
         resolved.precision,
         cfg.precision,
         device,
         guard_nonfinite=cfg.trainer.on_nonfinite is not NonFiniteAction.off,
+        params_cast=dtypes is not None and dtypes.casts_params,
     )
     model, data = policy.prepare_model(workload.model), workload.data
+    if cfg.trainer.activation_checkpointing:
+        checkpoint_blocks(model, cfg.model.name)
+    if shards and cfg.trainer.compile:
+        # torchtitan's order: each block compiled (after its checkpointing), then sharded.
+        compile_blocks(model, cfg.trainer.compile_mode)
+    trained = distributed.wrap(model, dtypes) if distributed else model
+    # After wrapping: FSDP2 replaced the parameters with their shards.
     optimizer = build_optimizer(
         cfg.optimizer, model, device, resolved.precision, policy.stochastic_rounding
     )
     total_steps = plan_total_steps(cfg.trainer, len(data.train))
-    # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
-    trained = distributed.wrap(model) if distributed else model
-    if cfg.trainer.compile:
+    if cfg.trainer.compile and not shards:
+        # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
         trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
     engine = Engine(
         trained,
@@ -99,7 +127,16 @@ def build(
     hardware = capability.summary(resolved.precision)
     for advice in hardware["advice"]:
         log.warning("%s", advice)
-    return Built(device, resolved, model, workload.channels_last, engine, hardware, distributed)
+    return Built(
+        device,
+        resolved,
+        model,
+        workload.channels_last,
+        engine,
+        hardware,
+        distributed,
+        parallelism=parallelism(distributed, dtypes),
+    )
 
 
 def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None]) -> Diagnostics:
@@ -119,7 +156,7 @@ def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None
 
         def measure(use_autocast: bool) -> int:
             # The bare model: a DDP forward with gradients but no backward would break DDP's
-            # next step.
+            # next step. (Never under FSDP2, which casts without autocast.)
             return forward_activation_bytes(
                 built.model, inputs, engine.policy.autocast, use_autocast
             )

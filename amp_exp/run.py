@@ -23,18 +23,21 @@ from amp_exp.config.validate import to_plain_dict
 from amp_exp.errors import ConfigError, RunRefused, RuntimeFault, first_line
 from amp_exp.results.checkpoint import (
     Checkpointer,
+    ShardedCheckpointer,
     UnusableCheckpoints,
     checkpoint_dir,
     load_newest_valid,
+    load_shards,
     remove_stale_temporaries,
 )
 from amp_exp.results.files import FAILED_ATTEMPT_FILE, METRICS_FILE, SUMMARY_FILE, write_json
 from amp_exp.results.lock import RunDirectoryLock
 from amp_exp.results.loggers import ConsoleLogger, JsonlLogger, Logger, keep_metrics_until
-from amp_exp.results.resume_rules import config_changes
+from amp_exp.results.resume_rules import config_changes, data_position
 from amp_exp.results.summary import Status, make_summary
 from amp_exp.results.wandb_logger import open_wandb_logger
 from amp_exp.runtime.distributed import Distributed, process_group
+from amp_exp.runtime.fsdp import is_sharded, state_template
 from amp_exp.runtime.hardware import device_name
 from amp_exp.runtime.signals import StopRequest
 from amp_exp.runtime.sweep import SweepJob
@@ -70,6 +73,7 @@ def run_summary(
         batch_size=cfg.dataset.batch_size,
         grad_accum_steps=cfg.trainer.grad_accum_steps,
         world_size=engine.world_size,
+        **(built.parallelism or {}),
         global_batch_size=global_batch_size(cfg, engine.world_size),
         parameters=sum(p.numel() for p in built.model.parameters()),
         channels_last=built.channels_last,
@@ -146,6 +150,9 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path) -> bool:
             f"resume={cfg.resume}: no checkpoint in {checkpoint_dir(target)} loads ({error}); "
             "nothing was changed. Move the files away to start over"
         ) from None
+    if built.distributed is not None and built.distributed.shards:
+        # Loading shards is a collective: the ranks agree on the checkpoint (or none) first.
+        check_ranks_resumed_alike(built, -1 if found is None else found[1]["step"])
     if found is None:
         if not auto:
             raise ConfigError(f"resume={cfg.resume}: no usable checkpoint there")
@@ -160,6 +167,14 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path) -> bool:
             payload["step"],
         )
         return True
+    if "sharded" in payload:
+        engine = built.engine
+        with_optimizer = "optimizer" in payload["sharded"]
+        template = state_template(engine.model, engine.optimizer, with_optimizer)
+        payload = {**payload, **load_shards(path, template)}
+    payload["progress"] = data_position(
+        payload["progress"], payload["world_size"], built.engine.world_size
+    )
     built.engine.load_state_dict(payload)
     if built.is_main:
         # The run directory holds checkpoints/<file>; its history up to the checkpoint carries
@@ -173,7 +188,9 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path) -> bool:
 
 
 def check_resumable(cfg: RunConfig, built: Built, payload: dict[str, Any]) -> None:
-    """Refuse, before loading anything, a checkpoint of another experiment or world size."""
+    """Refuse, before loading anything, a checkpoint of another experiment, or of another world
+    size unless it is sharded (DCP reshards it; the data position is carried over, see
+    resume_rules.data_position)."""
     refused, allowed = config_changes(payload["config"], plain_config(cfg))
     if refused:
         raise RunRefused(
@@ -184,7 +201,14 @@ def check_resumable(cfg: RunConfig, built: Built, payload: dict[str, Any]) -> No
     if allowed:
         log.info("resuming with changed settings: %s", "; ".join(allowed))
     saved_world_size = payload["world_size"]
-    if saved_world_size != built.engine.world_size:
+    if saved_world_size != built.engine.world_size and "sharded" in payload:
+        log.info(
+            "resharding a checkpoint of %d ranks onto %d; the epoch goes on from the samples "
+            "trained on so far, in global batches of the new size",
+            saved_world_size,
+            built.engine.world_size,
+        )
+    elif saved_world_size != built.engine.world_size:
         raise RuntimeFault(
             f"the checkpoint was written by {saved_world_size} data-parallel ranks and this run "
             f"has {built.engine.world_size}; resume with the same number of processes "
@@ -193,29 +217,34 @@ def check_resumable(cfg: RunConfig, built: Built, payload: dict[str, Any]) -> No
 
 
 def replicas_identical(built: Built) -> bool | None:
-    """Under DDP, whether all ranks ended with bit-identical weights and loss scale.
+    """Under torchrun, whether all ranks ended with bit-identical weights and loss scale.
 
-    Buffers are left out: DDP hands rank 0's to the others at each forward, so between forwards
-    the ranks' BatchNorm statistics differ by design.
+    Under FSDP2 each rank holds a shard of every weight, not a replica, so only the loss scale
+    is compared (None without one: nothing is replicated). Buffers are left out: DDP hands rank
+    0's to the others at each forward, so between forwards the ranks' BatchNorm statistics
+    differ by design.
     """
     if built.distributed is None:
         return None
-    state = list(built.model.parameters())
+    state = [p for p in built.model.parameters() if not is_sharded(p)]
     scale = built.engine.policy.scale()
     if scale is not None:
         state.append(torch.tensor(scale))
+    if not state:
+        return None
     identical = built.distributed.replicas_identical(state)
     if not identical:
         log.error("the ranks' model replicas differ at the end of the run")
     return identical
 
 
-def check_ranks_resumed_alike(built: Built) -> None:
+def check_ranks_resumed_alike(built: Built, step: int | None = None) -> None:
     """Every rank reads the checkpoint itself; one that saw another file (or none) would train a
-    diverging replica and, a step out of line, hang the others in a collective."""
+    diverging replica and, a step out of line, hang the others in a collective. ``step``: the
+    checkpoint's (-1: none), before loading it; by default where the engine stands."""
     if built.distributed is None:
         return
-    step = built.engine.progress.step
+    step = built.engine.progress.step if step is None else step
     lowest, highest = -built.distributed.max(-step), built.distributed.max(step)
     if lowest != highest:
         raise RuntimeFault(
@@ -232,7 +261,7 @@ def train(
 ) -> dict[str, Any]:
     """Run one experiment; writes metrics.jsonl, checkpoints and summary.json to ``output_dir``."""
     started = time.perf_counter()
-    with process_group(cfg.trainer.device) as distributed:
+    with process_group(cfg.trainer.device, cfg.trainer.strategy) as distributed:
         return train_in_group(cfg, output_dir, distributed, loss_fn, sweep, started)
 
 
@@ -249,6 +278,7 @@ def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob
         built.engine.total_steps,
         sweep,
         resumed_run_dir=resumed_dir,
+        parallelism=built.parallelism,
     )
     loggers: list[Logger] = [
         ConsoleLogger(built.engine.total_steps),
@@ -289,12 +319,13 @@ def train_built(
         device_name(built.device),
         ""
         if distributed is None
-        else f", {distributed.world_size} ranks, global batch "
+        else f", {distributed.world_size} ranks ({distributed.strategy.value}), global batch "
         f"{global_batch_size(cfg, distributed.world_size)}",
     )
     checkpoints = None
     if cfg.checkpoint.every_steps is not None:
-        checkpoints = Checkpointer(
+        sharded = distributed is not None and distributed.shards
+        checkpoints = (ShardedCheckpointer if sharded else Checkpointer)(
             checkpoint_dir(output_dir),
             cfg.checkpoint.every_steps,
             cfg.checkpoint.keep,

@@ -1,17 +1,19 @@
 """One rank of a data-parallel test run; tests/test_ddp.py starts two of these with torchrun.
 
 Usage: torchrun --standalone --nproc_per_node=2 tests/ddp_worker.py OUTPUT_DIR [--inf-at STEP]
-[--signal-at CALL] [--die-at CALL] [OVERRIDE ...]
+[--inf-in-shard-at STEP] [--signal-at CALL [--stop-signal NAME]] [--die-at CALL] [OVERRIDE ...]
 
 Run as a script, its directory (tests/) is on sys.path, so it imports conftest's helpers.
-Faults are injected on rank 1 only. Each rank saves what it ended with to OUTPUT_DIR/rank<r>.pt,
-so the test can compare the replicas itself rather than trust the run's own check.
+Faults are injected on rank 1 only. Each rank saves what it ended with to OUTPUT_DIR/rank<r>.pt
+(under FSDP2 the whole model, gathered from the shards), so the test can compare the ranks itself
+rather than trust the run's own check. Also used by tests/test_fsdp.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -22,6 +24,8 @@ import amp_exp.run as run
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
+from amp_exp.runtime.fsdp import local, whole
+from amp_exp.training.precision import PrecisionPolicy
 from conftest import inf_loss_at, signal_self_at_call
 
 
@@ -39,11 +43,35 @@ def die_at_call(n: int):
     return loss_fn
 
 
+def inf_in_own_shard_at(policy: PrecisionPolicy, step: int, inject: bool, seen: dict) -> None:
+    """At optimizer step ``step``, after the gradients are reduced and before the scaler checks
+    them, put an inf into this rank's shard of the first gradient (if ``inject``). ``seen`` gets
+    what the rank saw then: whether its own shards were all finite."""
+    real_step, calls = policy.step, 0
+
+    def step_with_inf(optimizer, parameters, want_grad_norm):
+        nonlocal calls
+        calls += 1
+        if calls == step:
+            if inject:
+                local(parameters[0].grad).view(-1)[0] = float("inf")
+            seen["shard_finite"] = all(
+                bool(torch.isfinite(local(p.grad)).all()) for p in parameters if p.grad is not None
+            )
+        return real_step(optimizer, parameters, want_grad_norm)
+
+    policy.step = step_with_inf
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--inf-at", type=int, help="optimizer step whose loss is inf on rank 1")
-    parser.add_argument("--signal-at", type=int, help="loss call at which rank 1 gets SIGUSR1")
+    parser.add_argument(
+        "--inf-in-shard-at", type=int, help="optimizer step whose gradient shard is inf on rank 1"
+    )
+    parser.add_argument("--signal-at", type=int, help="loss call at which rank 1 is signalled")
+    parser.add_argument("--stop-signal", default="SIGUSR1", help="what --signal-at sends")
     parser.add_argument(
         "--die-at", type=int, help="loss call at which rank 1 of torchrun's first attempt dies"
     )
@@ -58,30 +86,30 @@ def main() -> None:
     if rank == 1 and args.inf_at is not None:
         loss_fn = inf_loss_at({args.inf_at})
     if rank == 1 and args.signal_at is not None:
-        loss_fn = signal_self_at_call(args.signal_at)
+        loss_fn = signal_self_at_call(args.signal_at, signal.Signals[args.stop_signal])
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
     if rank == 1 and args.die_at is not None and first_attempt:
         loss_fn = die_at_call(args.die_at)
 
-    built_runs = []
-    real_build = run.build
+    real_build, real_train_built = run.build, run.train_built
+    final: dict = {}
 
-    def keep_built(*build_args, **build_kwargs):
+    def build_with_faults(*build_args, **build_kwargs):
         built = real_build(*build_args, **build_kwargs)
-        built_runs.append(built)
+        if args.inf_in_shard_at is not None:
+            inf_in_own_shard_at(built.engine.policy, args.inf_in_shard_at, rank == 1, final)
         return built
 
-    run.build = keep_built
-    summary = run.train(cfg, args.output_dir, loss_fn)
-    built = built_runs[0]
-    torch.save(
-        {
-            "model": built.model.state_dict(),
-            "scale": built.engine.policy.scale(),
-            "summary": summary,
-        },
-        args.output_dir / f"rank{rank}.pt",
-    )
+    def train_and_keep(cfg, built, *rest):
+        summary = real_train_built(cfg, built, *rest)
+        # While the process group is open: every rank gathers each FSDP2 shard, in one order.
+        final["model"] = {name: whole(value) for name, value in built.model.state_dict().items()}
+        final["scale"] = built.engine.policy.scale()
+        return summary
+
+    run.build, run.train_built = build_with_faults, train_and_keep
+    final["summary"] = run.train(cfg, args.output_dir, loss_fn)
+    torch.save(final, args.output_dir / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

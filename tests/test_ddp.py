@@ -8,44 +8,26 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST, TINY, inject_probe, read_jsonl
+from conftest import (
+    FAST,
+    TINY,
+    TWO_RANKS,
+    assert_bitwise_equal,
+    inject_probe,
+    read_jsonl,
+    run_worker,
+    torchrun,
+)
 from wandb_records import read_only_run
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
-TWO_RANKS = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # Two ranks of 32 each draw from 256 training samples: 4 steps per epoch, so 8 steps cross one.
 DDP_RUN = [*FAST, "trainer.max_steps=8", "trainer.log_every=2", "scheduler=none"]
-
-
-def torchrun(
-    *args: str, cwd: Path | None = None, timeout: int = 300
-) -> subprocess.CompletedProcess:
-    # One thread per rank: two ranks share the two cores.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [*TWO_RANKS, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def run_worker(output_dir: Path, *args: str, restarts: int = 0) -> dict[int, dict]:
-    """Both ranks' final state, as tests/ddp_worker.py saved it."""
-    torchrun(f"--max-restarts={restarts}", str(WORKER), str(output_dir), *args)
-    return {rank: torch.load(output_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)}
-
-
-def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 def test_torchrun_job_writes_one_set_of_results(tmp_path):

@@ -275,6 +275,22 @@ def test_a_ranks_column_appears_only_when_a_run_was_data_parallel(tmp_path: Path
     assert "| ranks |" in header
 
 
+def test_fsdp2_runs_show_their_strategy_and_the_dtypes_that_are_not_fp32(tmp_path: Path) -> None:
+    for job, reduce_dtype in (("0", "fp32"), ("1", "bf16")):
+        summary = write_run(tmp_path / job, "gpt_tiny", "bf16", 1000.0, 0.5, world_size=2)
+        summary.update(strategy="fsdp2", param_dtype="bf16", reduce_dtype=reduce_dtype)
+        (tmp_path / job / "summary.json").write_text(json.dumps(summary))
+    build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    table = (tmp_path / "report.md").read_text().splitlines()
+    header = next(line for line in table if line.startswith("| run |"))
+    assert "| ranks | strategy | param dtype | reduce dtype |" in header
+    assert any("| 2 | fsdp2 | bf16 | bf16 |" in line for line in table)
+
+    write_run(tmp_path / "ddp" / "0", "tiny_cnn", "fp32", 1000.0, 0.80, world_size=2)
+    build_report([tmp_path / "ddp"], tmp_path / "ddp", accuracy_tolerance=0.5)
+    assert "strategy" not in (tmp_path / "ddp" / "report.md").read_text()
+
+
 def test_a_job_killed_before_its_summary_is_listed_as_killed(tmp_path: Path) -> None:
     """SIGKILL and the OOM killer leave no summary.json; the config Hydra saved names the job."""
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)

@@ -186,8 +186,18 @@ def test_config_is_plain_with_precision_flat(run_cfg) -> None:
         "precision.fp8_recipe",
         "precision.fp8_emulate",
         "precision.fp8_skip_first_last",
+        "precision.reduce_dtype",
         "precision.resolved",
     }
+
+
+def test_config_says_which_strategy_ran_and_its_dtypes(run_cfg) -> None:
+    cfg = run_cfg("trainer.strategy=fsdp2", "precision=bf16")
+    parallelism = {"strategy": "fsdp2", "param_dtype": "bf16", "reduce_dtype": "fp32"}
+    config = run_config(cfg, "bf16", parallelism)
+    assert config["strategy"] == "fsdp2"
+    # precision.reduce_dtype=null (from the precision) becomes the dtype it resolved to.
+    assert (config["precision.param_dtype"], config["precision.reduce_dtype"]) == ("bf16", "fp32")
 
 
 def test_a_sweep_job_knows_its_sweep_and_what_it_varies(tmp_path) -> None:

@@ -33,6 +33,21 @@ class Fp8Recipe(str, Enum):
     rowwise_with_gw_hp = "rowwise_with_gw_hp"
 
 
+class ReduceDtype(str, Enum):
+    """The dtype FSDP2 reduce-scatters gradients in."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Strategy(str, Enum):
+    """How the ranks of a torchrun job share the model: replicated (DDP) or sharded (FSDP2)."""
+
+    ddp = "ddp"
+    fsdp2 = "fsdp2"
+
+
 class DeviceChoice(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -194,11 +209,16 @@ class PrecisionConfig:
     fp8_emulate: bool = False
     # fp8: keep the model's first and last linear layers in bf16, as torchtitan does.
     fp8_skip_first_last: bool = True
+    # trainer.strategy=fsdp2 only: the dtype gradients are reduce-scattered in; null = fp32.
+    reduce_dtype: ReduceDtype | None = None
 
 
 @dataclass
 class TrainerConfig:
     device: DeviceChoice = DeviceChoice.auto
+    # Under torchrun: ddp replicates the model, fsdp2 shards it (fully_shard, each block of
+    # model.blocks then the root). fsdp2 without torchrun runs as a group of one process.
+    strategy: Strategy = Strategy.ddp
     # Training stops at whichever of max_steps and epochs comes first; null = no limit.
     max_steps: int | None = 300
     epochs: int | None = None
@@ -212,9 +232,12 @@ class TrainerConfig:
     timing_warmup_steps: int = 5
     # null = on for convolutional models on CUDA.
     channels_last: bool | None = None
+    # Under fsdp2, each block of model.blocks is compiled before it is sharded.
     compile: bool = False
     compile_mode: CompileMode = CompileMode.default
     deterministic: bool = False
+    # Recompute each block's activations (model.blocks) in the backward instead of keeping them.
+    activation_checkpointing: bool = False
     # Let fp32 matmuls and convolutions use TF32 Tensor Cores on CUDA (Ampere and newer).
     tf32: bool = True
     # fp32/bf16 have no scaler to skip a step with inf/NaN gradients: skip it here, stop the

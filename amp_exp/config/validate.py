@@ -29,8 +29,10 @@ from amp_exp.config.schema import (
     OptimizerConfig,
     Precision,
     PrecisionConfig,
+    ReduceDtype,
     RunConfig,
     SchedulerConfig,
+    Strategy,
     TinyCNNConfig,
     TrainerConfig,
     WandbConfig,
@@ -129,6 +131,18 @@ def validate(cfg: DictConfig) -> RunConfig:
     _check(run.report.accuracy_tolerance >= 0, "report.accuracy_tolerance must be 0 or more")
     _validate_precision(run.precision)
     _validate_fp8(run.precision, run.trainer)
+    _validate_reduce_dtype(run.precision, run.trainer)
+    _check(
+        not (run.trainer.channels_last and run.trainer.strategy is Strategy.fsdp2),
+        "trainer.channels_last=true cannot run with trainer.strategy=fsdp2, which shards only "
+        "contiguous parameters (channels_last convolution weights are not); leave it null",
+    )
+    _check(
+        run.trainer.strategy is not Strategy.fsdp2
+        or run.precision.name not in (Precision.bf16_true, Precision.fp8),
+        f"precision={run.precision.name.value} does not run with trainer.strategy=fsdp2 yet, "
+        "whose MixedPrecisionPolicy covers fp32, bf16 and fp16; use trainer.strategy=ddp",
+    )
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)
     _validate_model(run.model)
@@ -193,6 +207,23 @@ def _validate_fp8(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
         trainer.device is not DeviceChoice.cpu or precision.fp8_emulate,
         "precision=fp8 needs a CUDA GPU with compute capability 8.9+ (trainer.device=cpu); "
         "add precision.fp8_emulate=true to emulate it (slow, not timed)",
+    )
+
+
+def _validate_reduce_dtype(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
+    reduce = precision.reduce_dtype
+    if reduce is None:
+        return
+    _check(
+        trainer.strategy is Strategy.fsdp2,
+        f"precision.reduce_dtype={reduce.value} needs trainer.strategy=fsdp2; DDP reduces "
+        "gradients in their own dtype (fp32)",
+    )
+    # Only a GradScaler notices a gradient that overflowed fp16 in the reduction, and backs off.
+    _check(
+        reduce is not ReduceDtype.fp16 or precision.name is Precision.fp16,
+        "precision.reduce_dtype=fp16 needs precision=fp16, whose GradScaler catches gradients "
+        "that overflow fp16; valid choices here: fp32, bf16",
     )
 
 

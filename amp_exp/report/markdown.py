@@ -19,6 +19,10 @@ def _formatter(spec: str, scale: float = 1, suffix: str = "") -> Callable[[Any],
     return show
 
 
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
 # (header, row key, how to show a value)
 COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("run", "run", str),
@@ -26,6 +30,9 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("precision", "precision", str),
     ("setting", "setting", str),
     ("ranks", "world_size", _formatter("d")),
+    ("strategy", "strategy", _text),
+    ("param dtype", "param_dtype", _text),
+    ("reduce dtype", "reduce_dtype", _text),
     ("status", "status", str),
     ("samples/s", "samples_per_s", _formatter(",.1f")),
     (f"speedup vs {BASELINE}", "speedup", _formatter(".2f", suffix="x")),
@@ -44,11 +51,14 @@ MEMORY_KINDS = {
 }
 
 
-# Columns shown only when some row needs them: a setting that varies, data-parallel ranks. Failed
-# runs carry no world size.
+# Columns shown only when some row needs them: a setting that varies, data-parallel ranks, FSDP2
+# and the dtypes of its policy when they are not fp32. Failed runs carry no world size.
 OPTIONAL_COLUMNS: dict[str, Callable[[Any], bool]] = {
     "setting": bool,
     "world_size": lambda ranks: (ranks or 1) > 1,
+    "strategy": lambda strategy: strategy == "fsdp2",
+    "param_dtype": lambda dtype: dtype not in (None, "fp32"),
+    "reduce_dtype": lambda dtype: dtype not in (None, "fp32"),
 }
 
 

@@ -4,30 +4,42 @@ A checkpoint is what ``Engine.state_dict()`` returns, plus where it came from (s
 config, torch version). It is a plain dict of tensors and Python primitives, so ``torch.load``
 reads it with ``weights_only=True``: a file that smuggles a pickled code payload is refused, never
 executed.
+
+Under FSDP2 a checkpoint is a directory, ``step_<N>/``: the model's and optimizer's shards in
+DCP's format (torch.distributed.checkpoint: ``.metadata`` and a ``.distcp`` file per rank), which
+loads on any number of ranks, and the rest of the state in ``engine.pt``, written by rank 0.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from amp_exp.errors import first_line
 from amp_exp.results.files import (
     CHECKPOINT_DIR,
     LAST_CHECKPOINT,
+    TMP_SUFFIX,
     stale_temporaries,
     write_atomically,
 )
+from amp_exp.runtime.atomic import install_directory
 from amp_exp.training.loop import Progress
 
 log = logging.getLogger("amp_exp")
 
 FORMAT = 2
-STEP_FILE = re.compile(r"step_(\d+)\.pt$")
+# step_<N>.pt, or a sharded checkpoint's step_<N>/ directory.
+STEP_FILE = re.compile(r"step_(\d+)(\.pt)?$")
+# In a sharded checkpoint: rank 0's part, and the file DCP writes once every shard is written.
+ENGINE_STATE = "engine.pt"
+DCP_METADATA = ".metadata"
 
 
 def atomic_save(payload: dict[str, Any], path: Path) -> None:
@@ -62,11 +74,9 @@ class Checkpointer:
         healthy = progress.consecutive_skips == 0
         return healthy and self.every_steps > 0 and progress.step % self.every_steps == 0
 
-    def save(self, state: dict[str, Any]) -> None:
-        if not self.writes:
-            return
+    def payload(self, state: dict[str, Any]) -> dict[str, Any]:
         progress = state["progress"]
-        payload = {
+        return {
             "format": FORMAT,
             **state,
             "step": progress["step"],
@@ -76,6 +86,11 @@ class Checkpointer:
             # TorchVersion is a str subclass that weights_only refuses.
             "torch_version": str(torch.__version__),
         }
+
+    def save(self, state: dict[str, Any]) -> None:
+        if not self.writes:
+            return
+        payload = self.payload(state)
         if self.keep > 0:
             atomic_save(payload, self.directory / f"step_{payload['step']:08d}.pt")
             for old in step_checkpoints(self.directory)[self.keep :]:
@@ -83,10 +98,36 @@ class Checkpointer:
         atomic_save(payload, self.directory / LAST_CHECKPOINT)
 
 
+class ShardedCheckpointer(Checkpointer):
+    """FSDP2's checkpoints: every rank saves its shards, rank 0 the rest (``writes``).
+
+    Each is written into ``.step_<N>.tmp/`` and renamed to ``step_<N>/`` once complete, so a
+    step directory is never half written; the newest one is the last checkpoint, and
+    ``max(keep, 1)`` of them are kept.
+    """
+
+    def save(self, state: dict[str, Any]) -> None:
+        # The optimizer has no state before its first step (see runtime.fsdp.sharded_state).
+        shards = {key: state[key] for key in ("model", "optimizer") if state[key] is not None}
+        payload = self.payload(
+            {**state, "model": None, "optimizer": None, "sharded": sorted(shards)}
+        )
+        final = self.directory / f"step_{payload['step']:08d}"
+        # The same name on every rank; a leftover of a killed save is written over.
+        partial = self.directory / f".{final.name}{TMP_SUFFIX}"
+        dcp.save(shards, checkpoint_id=partial)
+        if not self.writes:
+            return
+        atomic_save(payload, partial / ENGINE_STATE)
+        install_directory(partial, final)
+        for old in step_checkpoints(self.directory)[max(self.keep, 1) :]:
+            shutil.rmtree(old)
+
+
 def step_checkpoints(directory: Path) -> list[Path]:
-    """Numbered checkpoints, newest first."""
+    """Numbered checkpoints (files, or directories of shards), newest first."""
     found = [
-        (int(m.group(1)), p) for p in directory.glob("step_*.pt") if (m := STEP_FILE.search(p.name))
+        (int(m.group(1)), p) for p in directory.glob("step_*") if (m := STEP_FILE.fullmatch(p.name))
     ]
     return [p for _, p in sorted(found, reverse=True)]
 
@@ -97,8 +138,8 @@ def checkpoint_dir(target: Path) -> Path:
 
 
 def candidates(target: Path) -> list[Path]:
-    """Checkpoint files to try for ``target`` (a file, a run directory or its checkpoints/)."""
-    if target.is_file():
+    """Checkpoints to try for ``target`` (a checkpoint, a run directory or its checkpoints/)."""
+    if target.is_file() or (target / ENGINE_STATE).is_file():
         return [target]
     directory = checkpoint_dir(target)
     if not directory.is_dir():
@@ -111,7 +152,10 @@ def remove_stale_temporaries(target: Path) -> list[Path]:
     """Delete the temporary files saves killed mid-write left in ``target``'s checkpoints/."""
     stale = stale_temporaries(checkpoint_dir(target))
     for path in stale:
-        path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     return stale
 
 
@@ -133,7 +177,7 @@ def load_newest_valid(target: Path) -> tuple[Path, dict[str, Any]] | None:
     reasons: dict[Path, str] = {}
     for path in candidates(target):
         try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
+            payload = read_checkpoint(path)
             if not isinstance(payload, dict) or "progress" not in payload:
                 raise ValueError("not an amp_exp checkpoint")
             if payload.get("format") != FORMAT:
@@ -150,3 +194,21 @@ def load_newest_valid(target: Path) -> tuple[Path, dict[str, Any]] | None:
     if reasons:
         raise UnusableCheckpoints(reasons)
     return None
+
+
+def read_checkpoint(path: Path) -> Any:
+    """A checkpoint file, or of a sharded checkpoint what rank 0 wrote (its shards load later,
+    into this run's shapes: ``load_shards``)."""
+    if not path.is_dir():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    missing = [name for name in (DCP_METADATA, ENGINE_STATE) if not (path / name).is_file()]
+    if missing:
+        raise ValueError(f"incomplete sharded checkpoint: no {' or '.join(missing)}")
+    return torch.load(path / ENGINE_STATE, map_location="cpu", weights_only=True)
+
+
+def load_shards(path: Path, template: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``template`` (this run's sharded state dicts) from the checkpoint's shards, on any
+    number of ranks: DCP reshards. Every rank calls this."""
+    dcp.load(template, checkpoint_id=path)
+    return template

@@ -73,14 +73,22 @@ def run_tags(cfg: RunConfig, precision: str, device_type: str) -> list[str]:
     return list(dict.fromkeys([*automatic, *cfg.wandb.tags]))
 
 
-def run_config(cfg: RunConfig, precision: str) -> dict[str, Any]:
+def run_config(
+    cfg: RunConfig, precision: str, parallelism: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The resolved config, with ``precision.*`` flat keys that the dashboard filters on.
 
-    ``precision.resolved`` is what ran: ``precision.name`` may be ``auto``.
+    ``precision.resolved`` is what ran: ``precision.name`` may be ``auto``. ``parallelism``
+    (build.parallelism) adds the strategy that ran and ``precision.param_dtype``, and replaces
+    ``precision.reduce_dtype`` (null: from the precision) with the dtype it resolved to.
     """
     plain = to_plain_dict(OmegaConf.structured(cfg))
     del plain["wandb"]  # how a run is logged is not part of the experiment
     flat = {f"precision.{key}": value for key, value in plain.pop("precision").items()}
+    if parallelism is not None:
+        flat["precision.param_dtype"] = parallelism["param_dtype"]
+        flat["precision.reduce_dtype"] = parallelism["reduce_dtype"]
+        plain["strategy"] = parallelism["strategy"]
     return {**plain, **flat, "precision.resolved": precision}
 
 

@@ -73,7 +73,7 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def stale_temporaries(directory: Path) -> list[Path]:
-    """Temporary files a killed save left in ``directory``."""
+    """Temporary files, and directories of sharded checkpoints, a killed save left there."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.glob(f".*{TMP_SUFFIX}") if p.is_file())
+    return sorted(directory.glob(f".*{TMP_SUFFIX}"))

@@ -14,7 +14,17 @@ from typing import Any
 from amp_exp.config.validate import flatten_config
 
 # Sections and keys whose change makes another experiment.
-FIXED = ("task", "model", "dataset", "optimizer", "scheduler", "seed", "trainer.grad_accum_steps")
+FIXED = (
+    "task",
+    "model",
+    "dataset",
+    "optimizer",
+    "scheduler",
+    "seed",
+    "trainer.grad_accum_steps",
+    # DDP checkpoints are whole files, FSDP2's are directories of shards.
+    "trainer.strategy",
+)
 # Inside those: where the data lives and how it is loaded, which do not change what is trained.
 MOVABLE = frozenset(
     {
@@ -59,3 +69,21 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list
         fixed = _is_fixed(key) or (key == "precision.name" and not same_family)
         (refused if fixed else allowed).append(change)
     return refused, allowed
+
+
+def data_position(
+    progress: dict[str, Any], saved_world_size: int, world_size: int
+) -> dict[str, Any]:
+    """``progress`` with its place in the epoch moved to ``world_size`` ranks.
+
+    ``batch_in_epoch`` counts batches of one rank's shard, and rank r takes every
+    world_size-th sample of the epoch's shuffled order from the r-th on: after b batches of B
+    samples on W ranks, the first b x B x W samples of that order are trained on, whatever W. On
+    W' ranks the epoch goes on from there, rounded down to whole batches: less than one global
+    batch is seen again, nothing is left out. Batches then hold other samples than an
+    uninterrupted run's, and the global batch is B x W', so such a resume is not bit-exact.
+    """
+    if saved_world_size == world_size:
+        return progress
+    trained = progress["batch_in_epoch"] * saved_world_size
+    return {**progress, "batch_in_epoch": trained // world_size}

@@ -39,6 +39,10 @@ FIELDS = (
     "batch_size",
     "grad_accum_steps",
     "world_size",
+    # single, ddp or fsdp2; the dtype the weights computed in, and that gradients were reduced in.
+    "strategy",
+    "param_dtype",
+    "reduce_dtype",
     "global_batch_size",
     "parameters",
     "channels_last",

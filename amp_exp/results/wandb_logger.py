@@ -112,6 +112,7 @@ def open_wandb_logger(
     total_steps: int,
     sweep: SweepJob | None,
     resumed_run_dir: Path | None = None,
+    parallelism: dict[str, Any] | None = None,
 ) -> WandbLogger | None:
     """A logger for the run's W&B run, or None when W&B is disabled or cannot start at all.
 
@@ -132,7 +133,7 @@ def open_wandb_logger(
         "name": run_name(cfg, precision, sweep),
         "tags": run_tags(cfg, precision, device_type),
         "job_type": "train",
-        "config": run_config(cfg, precision),
+        "config": run_config(cfg, precision, parallelism),
         "dir": str(output_dir),
         # Jobs of a basic-launcher multirun share a process; each must get its own run.
         "reinit": "finish_previous",

@@ -8,6 +8,7 @@ results hold weights and metrics, not secrets, and a shared project reads them.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -38,11 +39,32 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], durable: bool =
         raise
     if not durable:
         return
-    directory = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)  # make the rename itself durable
+
+
+def fsync_directory(path: Path) -> None:
+    directory = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(directory)  # make the rename itself durable
+        os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def install_directory(complete: Path, path: Path) -> None:
+    """Rename the directory ``complete`` (written in full under a temporary name) to ``path``.
+
+    A directory cannot replace another in one rename: one already at ``path`` is first renamed
+    to a temporary name, so a crash between the renames leaves it there to be cleaned away, and
+    ``path`` at any moment is absent, the old directory or the new one, never a mix.
+    """
+    fsync_directory(complete)  # the names of the files written into it
+    aside = path.with_name(f".{path.name}.old{TMP_SUFFIX}")
+    if path.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+    os.replace(complete, path)
+    fsync_directory(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def default_file_mode() -> int:

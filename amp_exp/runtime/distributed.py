@@ -1,9 +1,12 @@
-"""Data-parallel training under torchrun: the process group and the few collectives a run needs.
+"""Data-parallel training under torchrun: the process group, the strategy that spreads the model
+over it (DDP or FSDP2), and the few collectives a run needs.
 
-Gradients are averaged by DistributedDataParallel during backward, before the GradScaler looks
-for inf, so every rank skips the same steps and keeps the same scale. Everything else here runs
-only at log intervals, checkpoints and the end of a run, never per step, so the hot loop gains no
-host sync beyond DDP's own gradient all-reduce.
+Under DDP gradients are averaged during backward, before the GradScaler looks for inf, so every
+rank skips the same steps and keeps the same scale. Under FSDP2 each rank's GradScaler sees only
+its shard of the gradients, and DTensor's own handler of the inf check takes the MAX of the
+ranks' found-inf flags, so there too all ranks skip together (tests/test_fsdp.py injects an inf
+into one rank's shard). Everything else here runs only at log intervals, evaluations, checkpoints
+and the end of a run, never per step.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ import itertools
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from amp_exp.config.schema import DeviceChoice
+from amp_exp.config.schema import DeviceChoice, Strategy
+from amp_exp.runtime import fsdp
 from amp_exp.runtime.hardware import resolve_device
 from amp_exp.runtime.ranks import WorkerRank, torchrun_store, worker_rank
 
@@ -27,24 +32,74 @@ log = logging.getLogger("amp_exp")
 
 
 class Distributed:
-    """This process's share of a data-parallel run: its rank, device and model replica."""
+    """This process's share of a data-parallel run: its rank, device, strategy and model."""
 
-    def __init__(self, rank: WorkerRank, device: torch.device) -> None:
-        self.rank, self.device = rank, device
+    def __init__(
+        self, rank: WorkerRank, device: torch.device, strategy: Strategy = Strategy.ddp
+    ) -> None:
+        self.rank, self.device, self.strategy = rank, device, strategy
         self.world_size = rank.world_size
         self.is_main = rank.is_main
-        self.replica: DistributedDataParallel | None = None
+        self.trained: nn.Module | None = None
 
-    def wrap(self, model: nn.Module) -> DistributedDataParallel:
-        """DDP broadcasts rank 0's parameters and buffers here, so all replicas start equal."""
-        device_ids = [self.device] if self.device.type == "cuda" else None
-        self.replica = DistributedDataParallel(model, device_ids=device_ids)
-        return self.replica
+    @property
+    def shards(self) -> bool:
+        """Whether each rank holds a shard of the model (FSDP2), not a replica (DDP)."""
+        return self.strategy is Strategy.fsdp2
+
+    def wrap(self, model: nn.Module, dtypes: fsdp.ShardingDtypes | None = None) -> nn.Module:
+        """The module that trains: a DDP replica, or (FSDP2) ``model`` itself, sharded in place.
+
+        Either way every rank starts from rank 0's weights: DDP broadcasts them here, and every
+        rank built the same weights from the same seed before FSDP2 sharded them.
+        """
+        if self.shards:
+            assert dtypes is not None, "FSDP2 needs its dtypes"
+            self.trained = fsdp.shard_model(model, dtypes, self.device)
+        else:
+            device_ids = [self.device] if self.device.type == "cuda" else None
+            self.trained = DistributedDataParallel(model, device_ids=device_ids)
+        return self.trained
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        """For all but the last micro-batch of an accumulated step: no gradient all-reduce."""
-        assert self.replica is not None, "wrap() the model first"
-        return self.replica.no_sync()
+        """For all but the last micro-batch of an accumulated step: no gradient reduction."""
+        assert self.trained is not None, "wrap() the model first"
+        if self.shards:
+            return fsdp.no_gradient_sync(self.trained)
+        return self.trained.no_sync()  # type: ignore[operator]
+
+    @contextlib.contextmanager
+    def evaluating(self, model: nn.Module) -> Iterator[nn.Module]:
+        """The module to evaluate on, whose forwards are no collective: a rank without eval
+        batches never joins one. Every rank takes rank 0's buffers (BatchNorm statistics) first,
+        as a DDP forward would; FSDP2 never syncs them otherwise."""
+        module = unwrap(model)
+        self.broadcast_buffers(module)
+        if not self.shards:
+            yield module
+            return
+        with fsdp.unsharded(module) as gathered:
+            yield gathered
+
+    def state_of(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, Any]:
+        """The model's and optimizer's state: whole under DDP, this rank's shards under FSDP2
+        (with rank 0's buffers on every rank first: DCP has one rank write each buffer)."""
+        if not self.shards:
+            return plain_state(model, optimizer)
+        self.broadcast_buffers(model)
+        return fsdp.sharded_state(model, optimizer)
+
+    def load_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, Any],
+        optimizer_state: Any,
+    ) -> None:
+        if self.shards:
+            fsdp.load_sharded_state(model, optimizer, model_state, optimizer_state)
+        else:
+            load_plain_state(model, optimizer, model_state, optimizer_state)
 
     def broadcast_buffers(self, module: nn.Module) -> None:
         """Give every rank rank 0's buffers (BatchNorm statistics), as a DDP forward does."""
@@ -75,6 +130,21 @@ class Distributed:
         # another that holds the same NaNs.
         mismatch = not torch.equal(local.view(torch.int64), reference.view(torch.int64))
         return not self.any(mismatch)
+
+
+def plain_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The whole model's state (from inside its wrappers) and the optimizer's."""
+    return unwrap(model).state_dict(), optimizer.state_dict()
+
+
+def load_plain_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+) -> None:
+    unwrap(model).load_state_dict(model_state)
+    optimizer.load_state_dict(optimizer_state)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -108,13 +178,20 @@ def agent_store() -> dist.Store | None:
 
 
 @contextlib.contextmanager
-def process_group(choice: DeviceChoice) -> Iterator[Distributed | None]:
+def process_group(
+    choice: DeviceChoice, strategy: Strategy = Strategy.ddp
+) -> Iterator[Distributed | None]:
     """Join torchrun's process group for the length of a run; None outside torchrun.
 
     NCCL on CUDA, with each rank pinned to its local GPU; gloo on the CPU. A group the caller
-    already initialized is used as it is and left open.
+    already initialized is used as it is and left open. FSDP2 outside torchrun trains in a group
+    of one process, so that one code path (DTensors, DCP checkpoints) serves every world size.
     """
     rank = worker_rank()
+    if rank is None and strategy is Strategy.fsdp2:
+        with group_of_one(choice) as alone:
+            yield alone
+        return
     if rank is None:
         yield None
         return
@@ -138,7 +215,27 @@ def process_group(choice: DeviceChoice) -> Iterator[Distributed | None]:
         # Rank 0 speaks for the job; the other ranks report only errors.
         log.setLevel(logging.ERROR)
     try:
-        yield Distributed(rank, device)
+        yield Distributed(rank, device, strategy)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def group_of_one(choice: DeviceChoice) -> Iterator[Distributed]:
+    """A process group of this process alone, opened and closed here (unless one is open).
+
+    Its store lives in this process (a HashStore): one rank has no one to meet, so it needs no
+    port and no file.
+    """
+    device = resolve_device(choice)
+    owned = not dist.is_initialized()
+    if owned:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        placement = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **placement)
+    try:
+        yield Distributed(WorkerRank(0, 1, 0), device, Strategy.fsdp2)
     finally:
         if owned:
             dist.destroy_process_group()

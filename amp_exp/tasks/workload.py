@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from amp_exp.config.schema import RunConfig
+from amp_exp.config.schema import RunConfig, Strategy
 from amp_exp.tasks.base import DataBundle, Task
 from amp_exp.tasks.classification import ClassificationTask, LossFn
 from amp_exp.tasks.images import build_data
@@ -39,7 +39,9 @@ def build_workload(
     model = build_model(cfg.model, data.facts["input_shape"], data.facts["num_classes"]).to(device)
     channels_last = cfg.trainer.channels_last
     if channels_last is None:
-        channels_last = device.type == "cuda" and is_convolutional(model)
+        # FSDP2 shards only contiguous parameters, and channels_last convolution weights are not.
+        sharded = cfg.trainer.strategy is Strategy.fsdp2
+        channels_last = device.type == "cuda" and is_convolutional(model) and not sharded
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     return Workload(ClassificationTask(device, channels_last, loss_fn), data, model, channels_last)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from amp_exp.config.schema import DiagnosticsConfig
+from amp_exp.runtime.fsdp import local
 from amp_exp.training.loop import Progress
 
 log = logging.getLogger("amp_exp")
@@ -146,7 +147,14 @@ class Diagnostics:
             log.warning("AMP check failed: %s: %s", what, ", ".join(new))
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        grads = [(n, p.grad) for n, p in self.named_parameters if p.grad is not None]
+        # Under FSDP2 each rank examines its own shard of every gradient (gathering them all
+        # would hold the whole model's gradients on one rank, which sharding exists to avoid);
+        # a parameter smaller than the world size leaves some ranks an empty shard.
+        grads = [
+            (n, local(p.grad))
+            for n, p in self.named_parameters
+            if p.grad is not None and local(p.grad).numel() > 0
+        ]
         if self._checking() and grads:
             finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]).tolist()
             wrong_dtype = self.fp32_weights

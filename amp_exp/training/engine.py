@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from amp_exp.runtime.distributed import Distributed, unwrap
+from amp_exp.runtime.distributed import Distributed, load_plain_state, plain_state, unwrap
 from amp_exp.tasks.base import Batches, Task
 from amp_exp.training.loop import LoopPlan, Progress, TrainResult
 from amp_exp.training.meters import Throughput, peak_memory_bytes, reset_peak_memory, synchronize
@@ -57,8 +57,9 @@ class Engine:
         skips: SkipMonitor | None = None,
         distributed: Distributed | None = None,
     ) -> None:
-        """``model`` is what trains (it may be wrapped by DDP or torch.compile); state dicts are
-        taken from the module inside the wrappers."""
+        """``model`` is what trains (it may be wrapped by DDP or torch.compile, or sharded by
+        FSDP2); state dicts are taken from the module inside the wrappers, or (FSDP2) are this
+        rank's shards, keyed by parameter name."""
         self.model, self.task, self.data, self.eval_data = model, task, data, eval_data
         self.optimizer, self.policy, self.plan = optimizer, policy, plan
         self.scheduler = scheduler
@@ -81,9 +82,14 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: model, optimizer, schedule, scaler, progress,
         and every random number generator."""
+        model_state, optimizer_state = (
+            plain_state(self.model, self.optimizer)
+            if self.distributed is None
+            else self.distributed.state_of(self.model, self.optimizer)
+        )
         return {
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             **self.policy.state_dict(),
             "progress": dataclasses.asdict(self.progress),
@@ -92,8 +98,8 @@ class Engine:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load = load_plain_state if self.distributed is None else self.distributed.load_state
+        load(self.model, self.optimizer, state["model"], state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.policy.load_state_dict(state)
@@ -107,7 +113,7 @@ class Engine:
         return tensor if self.distributed is None else self.distributed.sum(tensor)
 
     def _gradient_sync(self, micro_batch: int) -> contextlib.AbstractContextManager:
-        """DDP all-reduces gradients on the last micro-batch of a step only."""
+        """DDP and FSDP2 reduce gradients on the last micro-batch of a step only."""
         last = micro_batch == self.plan.grad_accum_steps - 1
         if self.distributed is None or last:
             return contextlib.nullcontext()
@@ -208,21 +214,23 @@ class Engine:
     def evaluate(self) -> dict[str, float | None]:
         """The task's eval metrics over the eval split, in the training precision.
 
-        Under DDP each rank evaluates its share on the bare module, after taking rank 0's buffers
-        as DDP's own forward would: a DDP forward here would be a collective that a rank without
-        eval batches never joins.
+        Under torchrun each rank evaluates its share with rank 0's buffers, on a module whose
+        forward is no collective (``Distributed.evaluating``): a rank without eval batches never
+        joins one.
         """
-        model = self.model
-        if self.distributed is not None:
-            model = unwrap(model)
-            self.distributed.broadcast_buffers(model)
-        model.eval()
+        evaluating = (
+            contextlib.nullcontext(self.model)
+            if self.distributed is None
+            else self.distributed.evaluating(self.model)
+        )
         totals = torch.zeros(len(self.task.eval_sum_names), device=self.device, dtype=torch.float64)
         batches = itertools.islice(self.eval_data or [], self.plan.eval_batches)
-        with self.policy.inference(), self.policy.autocast():
-            for batch in batches:
-                totals += self.task.eval_sums(model, self.task.to_device(batch))
-        model.train()
+        with evaluating as model:
+            model.eval()
+            with self.policy.inference(), self.policy.autocast():
+                for batch in batches:
+                    totals += self.task.eval_sums(model, self.task.to_device(batch))
+            model.train()
         return self.task.eval_metrics(self._sum_over_ranks(totals).tolist())
 
     def maybe_save(

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from amp_exp.config.schema import Precision, PrecisionConfig
+from amp_exp.runtime.fsdp import whole
 from amp_exp.training.precision_modes import Fp8Conversion, convert_to_fp8, to_bf16_true
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,17 @@ class PrecisionPolicy:
         cfg: PrecisionConfig,
         device: torch.device,
         guard_nonfinite: bool = False,
+        params_cast: bool = False,
     ) -> None:
-        """``guard_nonfinite``: without a scaler, skip steps whose gradients are inf or NaN."""
+        """``guard_nonfinite``: without a scaler, skip steps whose gradients are inf or NaN.
+
+        ``params_cast``: FSDP2's mixed-precision policy already gathers the parameters in this
+        precision's dtype and casts the model's inputs to it, so the forward runs in that dtype
+        and autocast stays off. On top of it autocast would be a second caster with other
+        rules: its matmul casts would find bf16/fp16 weights already, and its fp32 list would
+        upcast what the policy means to run in the low dtype. One caster, the policy, as in
+        torchtitan; the GradScaler stays.
+        """
         if precision is Precision.auto:
             raise ValueError("resolve precision=auto first (training.auto_precision)")
         self.precision = precision
@@ -59,12 +69,13 @@ class PrecisionPolicy:
                 growth_interval=cfg.growth_interval,
             )
         self.guard_nonfinite = guard_nonfinite
+        self.params_cast = params_cast
         self._optimizer_stepped = False
         self.fp8: Fp8Conversion | None = None
 
     @property
     def uses_autocast(self) -> bool:
-        return self.precision in AUTOCAST
+        return self.precision in AUTOCAST and not self.params_cast
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -166,6 +177,9 @@ class PrecisionPolicy:
             grad_norm = torch.nn.utils.get_total_norm(
                 [p.grad for p in parameters if p.grad is not None]
             )
+        if grad_norm is not None:
+            # Of FSDP2's gradient shards the norm is a DTensor already summed over the ranks.
+            grad_norm = whole(grad_norm)
         finite = bool(torch.isfinite(grad_norm)) if checks_on_host else True
         if self.scaler is None:
             if finite:

@@ -16,6 +16,7 @@ import torch
 
 from amp_exp.config.schema import NonFiniteAction, PrecisionConfig
 from amp_exp.errors import NumericalFault
+from amp_exp.runtime.fsdp import whole
 from amp_exp.training.loop import Progress
 
 log = logging.getLogger("amp_exp")
@@ -95,9 +96,13 @@ class SkipMonitor:
 
 
 def nonfinite_names(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> list[str]:
-    """Names of parameters whose current gradients hold inf or NaN (reads the device)."""
+    """Names of parameters whose current gradients hold inf or NaN (reads the device).
+
+    An FSDP2 gradient is gathered whole first, so every rank names the parameter whichever
+    rank's shard holds the inf: all ranks skip together and all must call this.
+    """
     return [
         name
         for name, p in named_parameters
-        if p.grad is not None and not torch.isfinite(p.grad).all()
+        if p.grad is not None and not torch.isfinite(whole(p.grad)).all()
     ]

@@ -1,0 +1,52 @@
+"""A model's repeated blocks (``model.blocks``), the unit that is checkpointed, compiled and
+sharded one at a time.
+
+A transformer keeps its layers in an ``nn.ModuleList`` named ``blocks``. Recomputing, compiling
+and sharding it block by block is what torchtitan does: in that order, so that each compiled
+region holds one block's recomputation and each all-gather brings in one block's parameters.
+Models without blocks (the image models) are compiled and sharded whole.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from amp_exp.config.schema import CompileMode
+from amp_exp.errors import ConfigError
+
+
+def model_blocks(model: nn.Module) -> nn.ModuleList | None:
+    """The model's transformer blocks, or None for a model that keeps none in ``blocks``."""
+    blocks = getattr(model, "blocks", None)
+    return blocks if isinstance(blocks, nn.ModuleList) else None
+
+
+def checkpoint_blocks(model: nn.Module, model_name: str) -> None:
+    """Make each block recompute its activations in the backward instead of keeping them.
+
+    Only blocks: a model without them is refused. Checkpointing its top-level children instead
+    would recompute BatchNorm layers, whose running statistics the recomputation updates a
+    second time, and the layers of a plain MLP each keep their input anyway, which is all a
+    checkpoint keeps.
+    """
+    blocks = model_blocks(model)
+    if blocks is None:
+        raise ConfigError(
+            f"trainer.activation_checkpointing=true recomputes the blocks of a transformer "
+            f"(model.blocks), and model {model_name} has none; set it to false"
+        )
+    for index, block in enumerate(blocks):
+        # The non-reentrant checkpoint, which torch recommends: it supports inputs that need no
+        # gradient and, under FSDP2, gathers the block's parameters again for the recomputation.
+        blocks[index] = checkpoint_wrapper(block)
+
+
+def compile_blocks(model: nn.Module, mode: CompileMode) -> None:
+    """Compile each block in place, or the whole model when it has no blocks.
+
+    In place (``Module.compile``), so parameter names, and with them the keys of a checkpoint,
+    are the same with and without compilation.
+    """
+    for module in model_blocks(model) or [model]:
+        module.compile(mode=mode.value)

@@ -1,0 +1,171 @@
+"""FSDP2: the model sharded over the ranks with ``fully_shard``, under one mixed-precision policy.
+
+Each rank keeps a shard of every parameter (a DTensor), of its gradient and of its optimizer
+state. Before a block's forward the block's parameters are all-gathered, already cast to the
+policy's ``param_dtype``; after its backward the gradients are reduce-scattered in
+``reduce_dtype``, then kept as fp32 shards for the optimizer. So the fp32 master weights of AMP
+stay, and the forward runs in ``param_dtype`` without autocast.
+
+The model's state goes to and from DCP (torch.distributed.checkpoint) as sharded state dicts keyed
+by parameter name, which is what lets a checkpoint written by N ranks load on M.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from amp_exp.config.schema import Precision, ReduceDtype
+from amp_exp.runtime.blocks import model_blocks
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ShardingDtypes:
+    """The dtypes of an FSDP2 run, by name: the forward's (``param``) and the gradient
+    reduction's (``reduce``)."""
+
+    param: str
+    reduce: str
+
+    @classmethod
+    def for_precision(cls, precision: Precision, reduce: ReduceDtype | None) -> ShardingDtypes:
+        """bf16 and fp16 compute in their dtype and reduce in fp32 (a sum of many low-precision
+        gradients loses their small parts); fp32 needs no policy. ``reduce`` overrides."""
+        return cls(precision.value, "fp32" if reduce is None else reduce.value)
+
+    @property
+    def casts_params(self) -> bool:
+        return self.param != "fp32"
+
+    def policy(self, output_fp32: bool = False) -> MixedPrecisionPolicy:
+        return MixedPrecisionPolicy(
+            param_dtype=DTYPES[self.param] if self.casts_params else None,
+            reduce_dtype=DTYPES[self.reduce],
+            output_dtype=torch.float32 if output_fp32 and self.casts_params else None,
+        )
+
+
+def shard_model(model: nn.Module, dtypes: ShardingDtypes, device: torch.device) -> nn.Module:
+    """Shard each block of ``model.blocks``, then the root (which takes every other parameter).
+
+    The model changes in place (its parameters become DTensor shards): build its optimizer after.
+    """
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    if dtypes.casts_params:
+        # BatchNorm keeps fp32 weights, as FSDP1's MixedPrecision does by default: its running
+        # statistics are fp32 buffers, and the CPU and cuDNN kernels take them beside a
+        # low-precision input only when weight and bias are fp32 too. Its input stays as it comes.
+        keep_fp32 = MixedPrecisionPolicy(
+            reduce_dtype=DTYPES[dtypes.reduce], cast_forward_inputs=False
+        )
+        for module in model.modules():
+            if isinstance(module, _BatchNorm):
+                fully_shard(module, mesh=mesh, mp_policy=keep_fp32)
+    for block in model_blocks(model) or []:
+        fully_shard(block, mesh=mesh, mp_policy=dtypes.policy())
+    # Without autocast nothing would run the loss in fp32 (autocast keeps cross_entropy and
+    # softmax there): the root hands its output over in fp32.
+    fully_shard(model, mesh=mesh, mp_policy=dtypes.policy(output_fp32=True))
+    return model
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate unsharded gradients locally; the last micro-batch reduce-scatters the sum."""
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module) -> Iterator[nn.Module]:
+    """Every parameter gathered for the length of an evaluation.
+
+    Its forwards then need no all-gather, so a rank with fewer eval batches than another (or
+    none) leaves no one waiting in a collective. Costs one unsharded model per rank meanwhile.
+    """
+    root: Any = model
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    root.set_reshard_after_forward(False)
+    for module in sharded:
+        module.unshard()
+    try:
+        yield model
+    finally:
+        for module in sharded:
+            module.reshard()
+        # fully_shard's own defaults: every module reshards after its forward but the root,
+        # whose parameters the backward needs at once.
+        root.set_reshard_after_forward(True)
+        root.set_reshard_after_forward(False, recurse=False)
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict | None]:
+    """The model's and optimizer's sharded state dicts, keyed by parameter name.
+
+    None for an optimizer without state yet (no step taken): DCP's state dict would create its
+    state by a zero-lr step, and an SGD momentum buffer so created holds weight_decay x param, not
+    the nothing a fresh optimizer starts from.
+    """
+    model_state = get_model_state_dict(model)
+    if not optimizer.state:
+        return model_state, None
+    return model_state, get_optimizer_state_dict(model, optimizer)
+
+
+def state_template(
+    model: nn.Module, optimizer: torch.optim.Optimizer, with_optimizer: bool
+) -> dict[str, Any]:
+    """Sharded state dicts for DCP to load into: this run's shapes, the checkpoint's values.
+
+    The optimizer's entries, created by a zero-lr step if it has none yet, are all overwritten
+    by the load.
+    """
+    template: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if with_optimizer:
+        template["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return template
+
+
+def load_sharded_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any] | None,
+) -> None:
+    set_model_state_dict(model, model_state)
+    if optimizer_state is not None:
+        set_optimizer_state_dict(model, optimizer, optimizer_state)
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a collective for a sharded DTensor: all ranks call it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,138 @@
+"""FSDP2 under torchrun: two CPU processes over gloo, the model sharded between them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from amp_exp.run import build, check_ranks_resumed_alike, resume, train
+from amp_exp.runtime.distributed import process_group
+from amp_exp.runtime.fsdp import whole
+from conftest import FAST, TINY, assert_bitwise_equal, read_jsonl, run_worker, torchrun
+
+pytestmark = pytest.mark.slow
+
+# Two ranks of 16 each draw from 256 training samples: 8 steps per epoch.
+FSDP_RUN = [*FAST, *TINY, "trainer.strategy=fsdp2", "scheduler=none"]
+
+
+def test_fsdp2_trains_in_every_precision_with_its_policy(tmp_path):
+    """One sweep under torchrun, a job per precision: each trains sharded, with the dtypes of
+    its policy in summary.json and the report, and a DCP checkpoint of both ranks' shards. One
+    eval sample for two ranks: rank 1 evaluates nothing, and no one waits in a collective."""
+    torchrun(
+        "-m",
+        "amp_exp",
+        "-m",
+        f"hydra.sweep.dir={tmp_path}",
+        *FSDP_RUN,
+        "precision=fp32,bf16,fp16",
+        "dataset.eval_size=1",
+        "trainer.eval_every=2",
+        timeout=400,
+    )
+    summaries = [json.loads((tmp_path / job / "summary.json").read_text()) for job in "012"]
+    assert [(s["precision"], s["param_dtype"], s["reduce_dtype"]) for s in summaries] == [
+        ("fp32", "fp32", "fp32"),
+        ("bf16", "bf16", "fp32"),
+        ("fp16", "fp16", "fp32"),
+    ]
+    for job, summary in zip("012", summaries, strict=True):
+        assert (summary["status"], summary["strategy"], summary["world_size"]) == (
+            "completed",
+            "fsdp2",
+            2,
+        )
+        assert summary["final_loss"] is not None and summary["eval_acc"] in (0.0, 1.0)
+        step_dir = tmp_path / job / "checkpoints" / "step_00000004"
+        assert sorted(p.name for p in step_dir.iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            "engine.pt",
+        ]
+    # Only the fp16 job's GradScaler state is replicated across the ranks to compare.
+    assert [s["replicas_identical"] for s in summaries] == [None, None, True]
+    header = next(
+        line for line in (tmp_path / "report.md").read_text().splitlines() if "| run |" in line
+    )
+    assert "| strategy | param dtype |" in header and "reduce dtype" not in header
+
+
+def test_sigterm_then_resume_auto_ends_bit_exact_with_an_uninterrupted_run(tmp_path):
+    """fp16 with its scaler, two micro-batches a step: SIGTERM reaches rank 1 during step 3;
+    the ranks stop at log step 4 with a sharded checkpoint; resume=auto trains on to step 8 (the
+    second epoch) and ends bit for bit where a run that never stopped ends, on both ranks."""
+    run = [*FSDP_RUN, "precision=fp16", "trainer.max_steps=8", "trainer.grad_accum_steps=2"]
+    straight = run_worker(tmp_path / "straight", *run)
+
+    interrupted = tmp_path / "interrupted"
+    stopped = run_worker(interrupted, "--signal-at", "5", "--stop-signal", "SIGTERM", *run)
+    for state in stopped.values():
+        assert (state["summary"]["status"], state["summary"]["stop_signal"]) == (
+            "stopped",
+            "SIGTERM",
+        )
+        assert state["summary"]["steps"] == 4
+    checkpoint = interrupted / "checkpoints" / "step_00000004"
+    assert (checkpoint / ".metadata").is_file()
+
+    resumed = run_worker(interrupted, *run, "resume=auto")
+    for rank in (0, 1):
+        summary = resumed[rank]["summary"]
+        assert (summary["resumed_from"], summary["steps"]) == (str(checkpoint), 8)
+        assert_bitwise_equal(resumed[rank]["model"], straight[rank]["model"])
+        assert resumed[rank]["scale"] == straight[rank]["scale"]
+        assert summary["final_loss"] == straight[rank]["summary"]["final_loss"]
+        assert summary["eval_acc"] == straight[rank]["summary"]["eval_acc"]
+    rows = read_jsonl(interrupted / "metrics.jsonl")
+    assert [row["step"] for row in rows if "loss" in row] == [2, 4, 6, 8]
+
+
+def test_a_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path, run_cfg):
+    """DCP reshards the two ranks' shards onto one process: the weights load exactly, and the
+    epoch goes on from the samples the two ranks trained on (4 batches each = 8 of one rank)."""
+    two_ranks = run_worker(tmp_path, *FSDP_RUN, "precision=bf16", "trainer.max_steps=4")
+
+    cfg = run_cfg(*TINY, "trainer.strategy=fsdp2", "scheduler=none", "precision=bf16")
+    cfg.trainer.max_steps, cfg.resume = 8, "auto"
+    with process_group(cfg.trainer.device, cfg.trainer.strategy) as alone:
+        built = build(cfg, distributed=alone)
+        resume(cfg, built, tmp_path)
+        check_ranks_resumed_alike(built)
+        loaded = {name: whole(value) for name, value in built.model.state_dict().items()}
+        progress = built.engine.progress
+    assert not dist.is_initialized()
+    assert_bitwise_equal(loaded, two_ranks[0]["model"])
+    assert (progress.step, progress.epoch, progress.batch_in_epoch) == (4, 0, 8)
+
+    summary = train(cfg, tmp_path)
+    assert (summary["status"], summary["world_size"], summary["steps"]) == ("completed", 1, 8)
+    assert summary["resumed_from"] == str(tmp_path / "checkpoints" / "step_00000004")
+    assert summary["samples_seen"] == 4 * 2 * 16 + 4 * 16
+    assert [row["step"] for row in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in row] == [
+        2,
+        4,
+        6,
+        8,
+    ]
+    assert torch.isfinite(torch.tensor(summary["final_loss"]))
+
+
+def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path):
+    """After the reduce-scatter rank 1 puts an inf into its own shard of a gradient; rank 0's
+    shards are all finite. DTensor's inf check takes the MAX of the ranks' flags, so both
+    GradScalers skip step 2 and halve the scale, and both name the parameter."""
+    ranks = run_worker(tmp_path, "--inf-in-shard-at", "2", *FSDP_RUN, "precision=fp16")
+
+    assert [ranks[rank]["shard_finite"] for rank in (0, 1)] == [True, False]
+    for state in ranks.values():
+        assert state["summary"]["skipped_steps"] == 1
+        overflow = state["summary"]["first_overflow"]
+        assert (overflow["step"], overflow["parameters"]) == (2, ["features.0.weight"])
+        assert overflow["loss_finite"] is True
+    assert ranks[0]["scale"] == ranks[1]["scale"] == 65536.0 / 2
+    assert ranks[0]["summary"]["replicas_identical"] is True
