@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from amp_exp.config.schema import NonFiniteAction, RunConfig
 from amp_exp.runtime.distributed import Distributed
+from amp_exp.runtime.flops import Utilization, peak_tflops
 from amp_exp.runtime.hardware import (
     ResolvedPrecision,
     configure_backends,
+    device_name,
     inspect_hardware,
     precision_advice,
     recommend_precision,
@@ -47,6 +49,10 @@ class Built:
     channels_last: bool
     engine: Engine
     hardware: dict
+    # Tokens/s to TFLOP/s and MFU, for tasks whose unit is tokens.
+    utilization: Utilization = field(default_factory=Utilization)
+    # What the data records in summary.json (the synthetic tokens' loss_floor).
+    recorded: dict = field(default_factory=dict)
     distributed: Distributed | None = None
     resumed_from: str | None = None
 
@@ -108,7 +114,20 @@ def build(
         distributed=distributed,
     )
     hardware = hardware_facts(device, resolved.precision.value)
-    return Built(device, resolved, model, workload.channels_last, engine, hardware, distributed)
+    peak = (None, None)
+    if device.type == "cuda":
+        peak = peak_tflops(device_name(device), resolved.precision.value, cfg.trainer.tf32)
+    return Built(
+        device,
+        resolved,
+        model,
+        workload.channels_last,
+        engine,
+        hardware,
+        Utilization(workload.flops_per_token, *peak),
+        data.recorded,
+        distributed,
+    )
 
 
 def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None]) -> Diagnostics:

@@ -36,6 +36,21 @@ class DatasetName(str, Enum):
     image_folder = "image_folder"
 
 
+class TaskName(str, Enum):
+    classification = "classification"
+    lm = "lm"
+
+
+class Tokenizer(str, Enum):
+    # Byte-level: every file is text, the vocabulary is 256, nothing to download.
+    bytes = "bytes"
+    # GPT-2's BPE through tiktoken (optional extra), from files already cached.
+    gpt2 = "gpt2"
+
+
+TOKENIZER_VOCAB = {Tokenizer.bytes: 256, Tokenizer.gpt2: 50257}
+
+
 class SchedulerName(str, Enum):
     none = "none"
     cosine = "cosine"
@@ -91,13 +106,58 @@ class TorchvisionModelConfig:
     name: str = MISSING
 
 
-ModelConfig = Union[TinyCNNConfig, MLPConfig, TorchvisionModelConfig]
+@dataclass
+class GPTConfig:
+    """A decoder-only transformer (tasks/gpt.py): pre-LayerNorm blocks, causal attention, a GELU
+    MLP, and an output head tied to the token embedding."""
+
+    name: str = "gpt"
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    # The longest context: the size of the position table. Token data is cut into windows of
+    # dataset.seq_len tokens, which defaults to this.
+    seq_len: int = 1024
+    # null = the dataset's vocabulary; a larger value pads the output head (e.g. 50304).
+    vocab_size: int | None = None
+    dropout: float = 0.0
+    # Biases in the linear layers and LayerNorms, as GPT-2 has them.
+    bias: bool = True
+
+
+@dataclass
+class TimmModelConfig:
+    """Any timm model by name (optional extra: pip install 'amp_exp[timm]'), random weights."""
+
+    name: str = MISSING
+    # Passed to timm.create_model, e.g. +model.kwargs.img_size=32 for a ViT on small images.
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CustomModelConfig:
+    """The user's own model: ``_target_`` names a callable that returns an nn.Module.
+
+    It is called with ``kwargs`` plus those of the dataset's facts its signature accepts:
+    num_classes and input_shape for images; vocab_size and seq_len for tokens.
+    """
+
+    name: str = "custom"
+    _target_: str = MISSING
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+ModelConfig = Union[
+    TinyCNNConfig, MLPConfig, TorchvisionModelConfig, GPTConfig, TimmModelConfig, CustomModelConfig
+]
 
 # --- dataset -----------------------------------------------------------------------------------
 
 
 @dataclass
-class DatasetConfig:
+class ImageDatasetConfig:
+    """Image classification data: synthetic, torchvision's sets, or a folder of images."""
+
     name: DatasetName = DatasetName.synthetic
     # Torchvision datasets and image_folder read from here (relative to the launch directory).
     root: str = "data"
@@ -116,6 +176,75 @@ class DatasetConfig:
     noise_std: float = 4.0
     # image_folder without train/ and val/ sub-directories holds out this fraction for eval.
     eval_fraction: float = 0.1
+
+
+@dataclass
+class SyntheticTokensConfig:
+    """Token sequences from a fixed, seeded, sparse random Markov chain, resident on the device.
+
+    Each token can be followed by ``branching`` others, so the best possible loss (the chain's
+    entropy, recorded as loss_floor) lies far below ln(vocab_size).
+    """
+
+    name: str = "synthetic_tokens"
+    # Sequences per batch and rank.
+    batch_size: int = 32
+    # null = the training batch size.
+    eval_batch_size: int | None = None
+    # Tokens a model sees per sequence; null = the model's seq_len (gpt).
+    seq_len: int | None = None
+    vocab_size: int = 128
+    branching: int = 4
+    # Sequences in each split.
+    train_size: int = 2048
+    eval_size: int = 256
+
+
+@dataclass
+class TextDatasetConfig:
+    """A text file, or a folder of .txt files, tokenized once and cached; resident on the device."""
+
+    name: str = "text"
+    path: str = MISSING
+    tokenizer: Tokenizer = Tokenizer.bytes
+    # The last eval_fraction of the tokens is held out for evaluation.
+    eval_fraction: float = 0.1
+    batch_size: int = 32
+    eval_batch_size: int | None = None
+    seq_len: int | None = None
+    # Where tokenized data is cached when the data's own folder is read-only; null =
+    # $XDG_CACHE_HOME/amp_exp/tokens (~/.cache/amp_exp/tokens).
+    cache_dir: str | None = None
+
+
+@dataclass
+class CustomDatasetConfig:
+    """The user's own data: ``_target_`` names a callable that returns (train, eval) torch
+    Datasets of (input, target) pairs. It is called with ``kwargs``, plus ``seed`` if its
+    signature accepts it."""
+
+    name: str = "custom"
+    _target_: str = MISSING
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 32
+    eval_batch_size: int | None = None
+    num_workers: int = 0
+    # What the model is built for, which the samples alone do not say: num_classes for
+    # task=classification, vocab_size for task=lm. The input shape (images) and seq_len (tokens)
+    # are read from the first training sample.
+    num_classes: int | None = None
+    vocab_size: int | None = None
+
+
+DatasetConfig = Union[
+    ImageDatasetConfig, SyntheticTokensConfig, TextDatasetConfig, CustomDatasetConfig
+]
+TOKEN_DATASETS = (SyntheticTokensConfig, TextDatasetConfig)
+
+
+def dataset_name(dataset: DatasetConfig) -> str:
+    """The option a dataset was chosen by: image datasets name theirs with an enum."""
+    return getattr(dataset.name, "value", dataset.name)
 
 
 # --- optimizer and scheduler --------------------------------------------------------------------
@@ -264,7 +393,10 @@ class ReportConfig:
 @dataclass
 class RunConfig:
     model: Any = MISSING
-    dataset: DatasetConfig = MISSING
+    dataset: Any = MISSING
+    # What is trained: the loss and the metrics. null = what the dataset holds (images:
+    # classification, tokens: lm); dataset=custom needs it set.
+    task: TaskName | None = None
     optimizer: Any = MISSING
     scheduler: SchedulerConfig = MISSING
     precision: PrecisionConfig = MISSING
@@ -280,8 +412,20 @@ class RunConfig:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"tiny_cnn": TinyCNNConfig, "mlp": MLPConfig, "torchvision": TorchvisionModelConfig},
-    "dataset": {"dataset": DatasetConfig},
+    "model": {
+        "tiny_cnn": TinyCNNConfig,
+        "mlp": MLPConfig,
+        "torchvision": TorchvisionModelConfig,
+        "gpt": GPTConfig,
+        "timm": TimmModelConfig,
+        "custom": CustomModelConfig,
+    },
+    "dataset": {
+        "images": ImageDatasetConfig,
+        "synthetic_tokens": SyntheticTokensConfig,
+        "text": TextDatasetConfig,
+        "custom": CustomDatasetConfig,
+    },
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "scheduler": {"scheduler": SchedulerConfig},
     "precision": {"precision": PrecisionConfig},

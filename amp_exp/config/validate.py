@@ -15,17 +15,27 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from amp_exp.config.pairing import check_pairing
 from amp_exp.config.schema import (
     SCHEMAS,
+    TOKEN_DATASETS,
     WANDB_TAG_MAX_CHARS,
     AdamWConfig,
+    CustomDatasetConfig,
+    CustomModelConfig,
+    DatasetConfig,
     DatasetName,
+    GPTConfig,
+    ImageDatasetConfig,
     MLPConfig,
     ModelConfig,
     OptimizerConfig,
     PrecisionConfig,
     RunConfig,
     SchedulerConfig,
+    SyntheticTokensConfig,
+    TextDatasetConfig,
+    TimmModelConfig,
     TinyCNNConfig,
     TrainerConfig,
     WandbConfig,
@@ -34,11 +44,6 @@ from amp_exp.errors import ConfigError
 
 _POSITIVE = (
     "dataset.batch_size",
-    "dataset.num_classes",
-    "dataset.image_size",
-    "dataset.channels",
-    "dataset.train_size",
-    "dataset.eval_size",
     "trainer.grad_accum_steps",
     "trainer.log_every",
     "precision.growth_interval",
@@ -81,16 +86,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     for key in _POSITIVE_OR_NULL:
         value = attrgetter(key)(run)
         _check(value is None or value > 0, f"{key}={value} must be positive or null")
-    _check(run.dataset.num_workers >= 0, "dataset.num_workers must be 0 or more")
-    _check(run.dataset.noise_std >= 0, "dataset.noise_std must be 0 or more")
-    _check(
-        run.dataset.name is not DatasetName.image_folder or Path(run.dataset.root).is_dir(),
-        f"dataset.root={run.dataset.root} is not a directory; dataset=image_folder needs "
-        "dataset.root=/path/to/images with one sub-folder per class",
-    )
-    _check(
-        0 < run.dataset.eval_fraction < 1, "dataset.eval_fraction must lie strictly between 0 and 1"
-    )
+    _validate_dataset(run.dataset)
     _check(
         run.trainer.max_steps is not None or run.trainer.epochs is not None,
         "set trainer.max_steps or trainer.epochs (both are null, so the run would never end)",
@@ -112,6 +108,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)
     _validate_model(run.model)
+    run.task = check_pairing(run)
     _validate_wandb(run.wandb, run.trainer)
     return run
 
@@ -162,12 +159,88 @@ def _validate_scheduler(scheduler: SchedulerConfig) -> None:
     _check(0 < scheduler.pct_start < 1, "scheduler.pct_start must lie strictly between 0 and 1")
 
 
+def _check_positive(section: object, prefix: str, *keys: str) -> None:
+    for key in keys:
+        value = getattr(section, key)
+        _check(value > 0, f"{prefix}.{key}={value} must be positive")
+
+
+def _validate_dataset(dataset: DatasetConfig) -> None:
+    if isinstance(dataset, ImageDatasetConfig):
+        _check_positive(
+            dataset, "dataset", "num_classes", "image_size", "channels", "train_size", "eval_size"
+        )
+        _check(dataset.noise_std >= 0, "dataset.noise_std must be 0 or more")
+        _check(
+            dataset.name is not DatasetName.image_folder or Path(dataset.root).is_dir(),
+            f"dataset.root={dataset.root} is not a directory; dataset=image_folder needs "
+            "dataset.root=/path/to/images with one sub-folder per class",
+        )
+    if isinstance(dataset, (ImageDatasetConfig, CustomDatasetConfig)):
+        _check(dataset.num_workers >= 0, "dataset.num_workers must be 0 or more")
+    if isinstance(dataset, (ImageDatasetConfig, TextDatasetConfig)):
+        _check(
+            0 < dataset.eval_fraction < 1,
+            "dataset.eval_fraction must lie strictly between 0 and 1",
+        )
+    if isinstance(dataset, TOKEN_DATASETS):
+        _check(
+            dataset.seq_len is None or dataset.seq_len > 0,
+            f"dataset.seq_len={dataset.seq_len} must be positive or null",
+        )
+    if isinstance(dataset, SyntheticTokensConfig):
+        _check_positive(dataset, "dataset", "train_size", "eval_size")
+        _check(dataset.vocab_size >= 2, "dataset.vocab_size must be 2 or more")
+        _check(
+            0 < dataset.branching <= dataset.vocab_size,
+            f"dataset.branching={dataset.branching} must lie in [1, dataset.vocab_size]",
+        )
+    if isinstance(dataset, TextDatasetConfig):
+        path = Path(dataset.path).expanduser()
+        _check(
+            path.is_file() or path.is_dir(),
+            f"dataset.path={dataset.path}: no such file or directory; dataset=text needs "
+            "dataset.path=/path/to/file.txt or a folder of .txt files",
+        )
+    if isinstance(dataset, CustomDatasetConfig):
+        _check_target("dataset", dataset._target_)
+
+
+def _check_target(section: str, target: str) -> None:
+    """The user's callable must import: checked here, before any job of a sweep starts."""
+    from hydra.utils import get_object
+
+    try:
+        found = get_object(target)
+    except Exception as error:
+        raise ConfigError(
+            f"{section}._target_={target} cannot be imported ({type(error).__name__}); is its "
+            "package installed or its folder on PYTHONPATH?"
+        ) from None
+    _check(callable(found), f"{section}._target_={target} is not callable")
+
+
 def _validate_model(model: ModelConfig) -> None:
     if isinstance(model, TinyCNNConfig):
         _check(model.width > 0, "model.width must be a positive integer")
     elif isinstance(model, MLPConfig):
         _check(model.hidden_dim > 0, "model.hidden_dim must be a positive integer")
         _check(model.depth >= 0, "model.depth must be 0 or more")
+    elif isinstance(model, GPTConfig):
+        _check_positive(model, "model", "n_layer", "n_head", "d_model", "seq_len")
+        _check(
+            model.d_model % model.n_head == 0,
+            f"model.d_model={model.d_model} must be a multiple of model.n_head={model.n_head}",
+        )
+        _check(
+            model.vocab_size is None or model.vocab_size > 0,
+            "model.vocab_size must be positive or null (the dataset's)",
+        )
+        _check(0 <= model.dropout < 1, "model.dropout must lie in [0, 1)")
+    elif isinstance(model, TimmModelConfig):
+        _validate_timm(model)
+    elif isinstance(model, CustomModelConfig):
+        _check_target("model", model._target_)
     else:
         names = torchvision_model_names()
         _check(
@@ -175,6 +248,17 @@ def _validate_model(model: ModelConfig) -> None:
             f"model.name={model.name!r} is not a torchvision classification model; "
             f"valid choices: {', '.join(names)}",
         )
+
+
+def _validate_timm(model: TimmModelConfig) -> None:
+    try:
+        import timm
+    except ImportError:
+        raise ConfigError("model=timm needs timm: pip install 'amp_exp[timm]'") from None
+    _check(
+        timm.is_model(model.name),
+        f"model.name={model.name!r} is not a timm model; timm.list_models() lists them",
+    )
 
 
 def _validate_wandb(wandb: WandbConfig, trainer: TrainerConfig) -> None:

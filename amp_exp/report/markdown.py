@@ -28,26 +28,36 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("ranks", "world_size", _formatter("d")),
     ("status", "status", str),
     ("samples/s", "samples_per_s", _formatter(",.1f")),
+    ("tokens/s", "tokens_per_s", _formatter(",.0f")),
+    ("MFU", "mfu", _formatter(".1%")),
     (f"speedup vs {BASELINE}", "speedup", _formatter(".2f", suffix="x")),
     ("peak memory", "peak_mem_bytes", _formatter(",.1f", 1 / 2**20, " MiB")),
     (f"memory vs {BASELINE}", "peak_mem_ratio", _formatter(".2f", suffix="x")),
     ("final loss", "final_loss", _formatter(".4f")),
     ("eval acc", "eval_acc", _formatter(".2f", 100, "%")),
     (f"acc vs {BASELINE} (points)", "eval_acc_delta_points", _formatter("+.2f")),
+    ("eval perplexity", "eval_perplexity", _formatter(".3f")),
+    (f"perplexity vs {BASELINE}", "perplexity_ratio", _formatter(".3f", suffix="x")),
     ("skipped steps", "skipped_steps", _formatter("d")),
     ("final loss scale", "loss_scale", _formatter("g")),
 ]
+MFU_NOTE = "MFU: achieved TFLOP/s over the GPU's dense peak (summary.json's mfu_peak_source). "
 MEMORY_KINDS = {
     "cpu_peak_rss": "peak resident memory of the process (CPU), Python and torch included",
     "cuda_max_allocated": "peak memory allocated by tensors on the GPU",
 }
 
 
-# Columns shown only when some row needs them: a setting that varies, data-parallel ranks. Failed
-# runs carry no world size.
+# Columns shown only when some row needs them: a setting that varies, data-parallel ranks, and a
+# language model's tokens/s, MFU (known on listed GPUs only) and perplexity. Failed runs carry no
+# world size.
 OPTIONAL_COLUMNS: dict[str, Callable[[Any], bool]] = {
     "setting": bool,
     "world_size": lambda ranks: (ranks or 1) > 1,
+    **{
+        key: lambda value: value is not None
+        for key in ("tokens_per_s", "mfu", "eval_perplexity", "perplexity_ratio")
+    },
 }
 
 
@@ -111,7 +121,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         *markdown_table(rows),
         "",
-        "Samples/s counts timed training steps only (no warm-up, no evaluation). Peak memory: "
+        "Samples/s (and tokens/s) count timed training steps only (no warm-up, no evaluation). "
+        + (MFU_NOTE if any(row["mfu"] is not None for row in rows) else "")
+        + "Peak memory: "
         + ("; ".join(memory_kinds) or "not recorded")
         + ".",
     ]

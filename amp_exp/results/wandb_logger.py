@@ -228,6 +228,8 @@ class WandbLogger:
             "amp/suggested_init_scale": summary.get("suggested_init_scale"),
             "amp/first_overflow_step": overflow["step"] if overflow else None,
             "amp/checks_passed": all(c["passed"] is not False for c in checks.values()),
+            # The best loss the data allows, to read eval/loss against.
+            "eval/loss_floor": summary.get("loss_floor"),
         }
         with self._contained("write the summary"):
             self.run.summary.update({k: v for k, v in health.items() if v is not None})
