@@ -37,15 +37,14 @@ FAST = [
 # A language model the same way: compose with fast=False (FAST's keys are image keys). 64
 # sequences / batch 8 = 8 batches an epoch.
 TINY_GPT = ["model=gpt_tiny", "model.d_model=16", "model.seq_len=16"]
-FAST_LM = [
-    *FAST_TRAINER,
-    *TINY_GPT,
+TINY_TOKENS = [
     "dataset=synthetic_tokens",
     "dataset.vocab_size=32",
     "dataset.train_size=64",
     "dataset.eval_size=16",
     "dataset.batch_size=8",
 ]
+FAST_LM = [*FAST_TRAINER, *TINY_GPT, *TINY_TOKENS]
 # fp16 autocast on the CPU is 20-60x slower than fp32: keep its runs tiny.
 TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
 

@@ -40,7 +40,7 @@ from amp_exp.config.schema import (
     TrainerConfig,
     WandbConfig,
 )
-from amp_exp.errors import ConfigError
+from amp_exp.errors import ConfigError, first_line
 
 _POSITIVE = (
     "dataset.batch_size",
@@ -208,14 +208,16 @@ def _validate_dataset(dataset: DatasetConfig) -> None:
 
 def _check_target(section: str, target: str) -> None:
     """The user's callable must import: checked here, before any job of a sweep starts."""
-    from hydra.utils import get_object
+    # What instantiate itself uses; hydra.utils.get_object would also log a multi-line error.
+    from hydra._internal.utils import _locate
 
     try:
-        found = get_object(target)
+        found = _locate(target)
     except Exception as error:
+        cause = error.__cause__ or error
         raise ConfigError(
-            f"{section}._target_={target} cannot be imported ({type(error).__name__}); is its "
-            "package installed or its folder on PYTHONPATH?"
+            f"{section}._target_={target} cannot be imported ({type(cause).__name__}: "
+            f"{first_line(str(cause))}); is its package installed or its folder on PYTHONPATH?"
         ) from None
     _check(callable(found), f"{section}._target_={target} is not callable")
 
