@@ -83,7 +83,7 @@ def hand_written_loop(engine, model, F, torch) -> None:
     if policy.scaler is not None:
         scaler.load_state_dict(policy.scaler.state_dict())
     clip = policy.clip_grad_norm
-    data, steps = engine.data.train, engine.total_steps
+    data, steps = engine.data, engine.total_steps
     epoch, done = 0, 0
     model.train()
     while done < steps:
