@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+from amp_exp.config.datasets import (
+    dataset_name,
+)
 from amp_exp.config.preflight import CONF_DIR, check_overrides
 from amp_exp.config.schema import (
     AdamWConfig,
@@ -15,7 +18,6 @@ from amp_exp.config.schema import (
     SGDConfig,
     TinyCNNConfig,
     TorchvisionModelConfig,
-    dataset_name,
 )
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError

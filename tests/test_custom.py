@@ -133,6 +133,7 @@ def test_custom_data_must_say_its_task_and_size(compose_cfg) -> None:
 
 
 def test_any_timm_model_trains_by_name(run_cfg, tmp_path) -> None:
+    pytest.importorskip("timm")
     summary = train(run_cfg("model=timm", "model.name=test_efficientnet"), tmp_path)
     assert summary["status"] == "completed" and summary["model"] == "test_efficientnet"
 

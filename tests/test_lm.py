@@ -417,7 +417,8 @@ def test_cli_lm_run_and_a_missing_tokenizer_exit_as_documented(tmp_path) -> None
         timeout=300,
     )
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "tokens/s" in ok.stderr and "eval perplexity" in ok.stderr
+    # Hydra's console log goes to stdout.
+    assert "tokens/s" in ok.stdout and "eval perplexity" in ok.stdout
     summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
     assert summary.keys() >= LM_SUMMARY_KEYS
     corpus = tmp_path / "corpus.txt"
@@ -436,5 +437,5 @@ def test_cli_lm_run_and_a_missing_tokenizer_exit_as_documented(tmp_path) -> None
         env={**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty")},
     )
     assert missing.returncode == 2
-    errors = [line for line in missing.stderr.splitlines() if "ERROR" in line]
+    errors = [line for line in missing.stdout.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "tiktoken's GPT-2 files are not cached" in errors[0]

@@ -6,19 +6,21 @@ from the dataset unless the dataset is the user's own; the user's own model fits
 
 from __future__ import annotations
 
-from amp_exp.config.schema import (
+from amp_exp.config.datasets import (
     TOKEN_DATASETS,
     TOKENIZER_VOCAB,
     CustomDatasetConfig,
-    CustomModelConfig,
     DatasetName,
-    GPTConfig,
     ImageDatasetConfig,
-    RunConfig,
     SyntheticTokensConfig,
-    TaskName,
     TextDatasetConfig,
     dataset_name,
+)
+from amp_exp.config.schema import (
+    CustomModelConfig,
+    GPTConfig,
+    RunConfig,
+    TaskName,
 )
 from amp_exp.errors import ConfigError
 

@@ -15,26 +15,28 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from amp_exp.config.datasets import (
+    TOKEN_DATASETS,
+    CustomDatasetConfig,
+    DatasetConfig,
+    DatasetName,
+    ImageDatasetConfig,
+    SyntheticTokensConfig,
+    TextDatasetConfig,
+)
 from amp_exp.config.pairing import check_pairing
 from amp_exp.config.schema import (
     SCHEMAS,
-    TOKEN_DATASETS,
     WANDB_TAG_MAX_CHARS,
     AdamWConfig,
-    CustomDatasetConfig,
     CustomModelConfig,
-    DatasetConfig,
-    DatasetName,
     GPTConfig,
-    ImageDatasetConfig,
     MLPConfig,
     ModelConfig,
     OptimizerConfig,
     PrecisionConfig,
     RunConfig,
     SchedulerConfig,
-    SyntheticTokensConfig,
-    TextDatasetConfig,
     TimmModelConfig,
     TinyCNNConfig,
     TrainerConfig,

@@ -9,7 +9,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from amp_exp.config.schema import RunConfig, dataset_name
+from amp_exp.config.datasets import (
+    dataset_name,
+)
+from amp_exp.config.schema import (
+    RunConfig,
+)
 from amp_exp.config.validate import to_plain_dict
 from amp_exp.runtime.sweep import SweepJob
 

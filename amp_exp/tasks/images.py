@@ -12,7 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
-from amp_exp.config.schema import DatasetName, ImageDatasetConfig
+from amp_exp.config.datasets import (
+    DatasetName,
+    ImageDatasetConfig,
+)
 from amp_exp.errors import ConfigError
 from amp_exp.tasks.base import DataBundle
 from amp_exp.tasks.sampling import DeviceTensorLoader, check_batch_fits, dataset_loaders

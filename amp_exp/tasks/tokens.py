@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from amp_exp.config.schema import (
+from amp_exp.config.datasets import (
     TOKENIZER_VOCAB,
     SyntheticTokensConfig,
     TextDatasetConfig,

@@ -14,15 +14,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.schema import (
+from amp_exp.config.datasets import (
     CustomDatasetConfig,
+    ImageDatasetConfig,
+    SyntheticTokensConfig,
+    dataset_name,
+)
+from amp_exp.config.schema import (
     CustomModelConfig,
     GPTConfig,
-    ImageDatasetConfig,
     RunConfig,
-    SyntheticTokensConfig,
     TaskName,
-    dataset_name,
 )
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.tasks.base import Batch, DataBundle, Task
