@@ -276,6 +276,7 @@ def test_text_file_run_reports_perplexity_and_caches_its_tokens_beside_it(lm_cfg
     assert 1 < summary["eval_perplexity"] < 256 and summary["loss_floor"] is None
     cached = list((corpus.parent / CACHE_DIRNAME).glob("corpus.txt.bytes.*.npy"))
     assert len(cached) == 1
+    assert cached[0].stat().st_mode & 0o044 == 0o044  # readable by whoever reads the data
     assert bytes(np.load(cached[0]).astype(np.uint8)) == corpus.read_bytes()
 
 

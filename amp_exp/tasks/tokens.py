@@ -229,6 +229,10 @@ def save_atomically(path: Path, tokens: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
         np.save(handle, tokens)
+    # A temporary file is private (0600); the cache is for everyone who may read the data.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(handle.name, 0o666 & ~umask)
     os.replace(handle.name, path)
 
 
