@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,8 +16,9 @@ from amp_exp.config.schema import NonFiniteAction, RunConfig
 from amp_exp.runtime.blocks import checkpoint_blocks, compile_blocks
 from amp_exp.runtime.capability import ResolvedPrecision, capability_of, check_request
 from amp_exp.runtime.distributed import Distributed
+from amp_exp.runtime.flops import Utilization, peak_tflops
 from amp_exp.runtime.fsdp import ShardingDtypes
-from amp_exp.runtime.hardware import configure_backends, resolve_device
+from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
 from amp_exp.tasks.classification import LossFn
 from amp_exp.tasks.workload import build_workload
 from amp_exp.training.auto_precision import resolve_precision
@@ -44,6 +45,10 @@ class Built:
     channels_last: bool
     engine: Engine
     hardware: dict
+    # Tokens/s to TFLOP/s and MFU, for tasks whose unit is tokens.
+    utilization: Utilization = field(default_factory=Utilization)
+    # What the data records in summary.json (the synthetic tokens' loss_floor).
+    recorded: dict = field(default_factory=dict)
     distributed: Distributed | None = None
     resumed_from: str | None = None
     # strategy (single, ddp, fsdp2), param_dtype and reduce_dtype: what summary.json and W&B say.
@@ -127,6 +132,9 @@ def build(
     hardware = capability.summary(resolved.precision)
     for advice in hardware["advice"]:
         log.warning("%s", advice)
+    peak = (None, None)
+    if device.type == "cuda":
+        peak = peak_tflops(device_name(device), resolved.precision.value, cfg.trainer.tf32)
     return Built(
         device,
         resolved,
@@ -134,6 +142,8 @@ def build(
         workload.channels_last,
         engine,
         hardware,
+        Utilization(workload.flops_per_token, *peak),
+        data.recorded,
         distributed,
         parallelism=parallelism(distributed, dtypes),
     )

@@ -52,6 +52,21 @@ def plain_config(cfg: RunConfig) -> dict[str, Any]:
     return to_plain_dict(OmegaConf.structured(cfg))
 
 
+def token_throughput(built: Built, samples_per_s: float | None) -> dict[str, Any]:
+    """tokens/s, TFLOP/s and MFU, for a task that counts tokens; nothing for other tasks."""
+    task = built.engine.task
+    if task.unit != "tokens":
+        return {}
+    tokens_per_s = None if samples_per_s is None else samples_per_s * task.units_per_sample
+    utilization = built.utilization
+    return {
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": utilization.flops_per_token,
+        **utilization.of(tokens_per_s),
+        "mfu_peak_source": utilization.peak_source,
+    }
+
+
 def run_summary(
     cfg: RunConfig,
     built: Built,
@@ -84,11 +99,14 @@ def run_summary(
         timed_steps=result.timed_steps,
         warmup_s=result.warmup_s,
         samples_per_s=result.samples_per_s,
+        **token_throughput(built, result.samples_per_s),
         step_time_ms=result.step_time_ms,
         peak_mem_bytes=result.peak_mem_bytes,
         peak_mem_kind="cuda_max_allocated" if device.type == "cuda" else "cpu_peak_rss",
         final_loss=progress.final_loss,
         **progress.eval,
+        **built.recorded,
+        task=cfg.task.value,
         loss_scale=result.loss_scale,
         skipped_steps=progress.skipped_steps,
         resumed_from=built.resumed_from,
@@ -99,6 +117,18 @@ def run_summary(
         **engine.policy.summary(),
         **measured,
     )
+
+
+def outcome_phrase(summary: dict[str, Any], unit: str) -> str:
+    rate = summary[f"{unit}_per_s"]
+    return f"{'-' if rate is None else f'{rate:.0f}'} {unit}/s"
+
+
+def eval_phrase(summary: dict[str, Any]) -> str:
+    if summary["eval_perplexity"] is not None:
+        return f"eval perplexity {summary['eval_perplexity']:.3f}"
+    accuracy = summary["eval_acc"]
+    return f"eval acc {'-' if accuracy is None else f'{accuracy:.2%}'}"
 
 
 def failure_summary(config: dict[str, Any], error: Exception) -> dict[str, Any]:
@@ -336,6 +366,8 @@ def train_built(
     loggers, wandb_logger = open_loggers(cfg, built, output_dir, sweep)
 
     def emit(row: dict[str, Any]) -> None:
+        if "tokens_per_s" in row:
+            row = {**row, **built.utilization.of(row["tokens_per_s"])}
         for logger in loggers:
             logger.log(row)
 
@@ -370,14 +402,14 @@ def train_built(
         for logger in loggers:
             logger.close()
     log.info(
-        "%s: %s %s on %s, %s samples/s, final loss %s, eval acc %s -> %s",
+        "%s: %s %s on %s, %s, final loss %s, %s -> %s",
         summary["status"],
         summary["model"],
         summary["precision"],
         summary["device"],
-        "-" if result.samples_per_s is None else f"{result.samples_per_s:.0f}",
+        outcome_phrase(summary, built.engine.task.unit),
         "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}",
-        "-" if summary["eval_acc"] is None else f"{summary['eval_acc']:.2%}",
+        eval_phrase(summary),
         output_dir,
     )
     # Under submitit, its SIGUSR2 handler now requeues the job to resume (runtime/signals.py).

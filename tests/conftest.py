@@ -21,18 +21,32 @@ from amp_exp.runtime.capability import Capability
 from amp_exp.runtime.probe import KERNELS, KernelTime, remember
 
 # Small enough for 2 CPU cores, large enough that every code path runs.
-FAST = [
+FAST_TRAINER = [
     "trainer.device=cpu",
     "trainer.max_steps=4",
     "trainer.log_every=2",
     "trainer.timing_warmup_steps=1",
+    "wandb.mode=disabled",
+]
+FAST = [
+    *FAST_TRAINER,
     "dataset.train_size=256",
     "dataset.eval_size=64",
     "dataset.batch_size=32",
     "dataset.image_size=16",
     "dataset.num_workers=0",
-    "wandb.mode=disabled",
 ]
+# A language model the same way: compose with fast=False (FAST's keys are image keys). 64
+# sequences / batch 8 = 8 batches an epoch.
+TINY_GPT = ["model=gpt_tiny", "model.d_model=16", "model.seq_len=16"]
+TINY_TOKENS = [
+    "dataset=synthetic_tokens",
+    "dataset.vocab_size=32",
+    "dataset.train_size=64",
+    "dataset.eval_size=16",
+    "dataset.batch_size=8",
+]
+FAST_LM = [*FAST_TRAINER, *TINY_GPT, *TINY_TOKENS]
 # fp16 autocast on the CPU is 20-60x slower than fp32: keep its runs tiny.
 TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
 # One rank of a torchrun test job (tests/test_ddp.py, tests/test_fsdp.py), and how to start two.

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from amp_exp.config.datasets import (
+    dataset_name,
+)
 from amp_exp.config.preflight import CONF_DIR, check_overrides
 from amp_exp.config.schema import (
     AdamWConfig,
@@ -21,15 +24,28 @@ from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 
 GROUPS = ("model", "dataset", "optimizer", "scheduler", "precision", "trainer", "wandb", "report")
-# Options that need a value the YAML cannot know.
+# Options that need a value the YAML cannot know, or a partner of the other kind of data.
 REQUIRED = {
     ("model", "torchvision"): ["model.name=mobilenet_v3_small"],
+    ("model", "timm"): ["model.name=resnet18"],
+    ("model", "custom"): ["model._target_=torch.nn.Identity"],
+    ("model", "gpt_tiny"): ["dataset=synthetic_tokens"],
+    ("model", "gpt2_small"): ["dataset=synthetic_tokens"],
     ("dataset", "image_folder"): [f"dataset.root={CONF_DIR}"],
     # The tests run on the CPU, where fp8 is emulated or refused.
     ("precision", "fp8"): ["precision.fp8_emulate=true"],
+    ("dataset", "synthetic_tokens"): ["model=gpt_tiny"],
+    ("dataset", "text"): ["model=gpt_tiny", f"dataset.path={CONF_DIR}"],
+    ("dataset", "custom"): [
+        "dataset._target_=torch.utils.data.TensorDataset",
+        "task=classification",
+        "dataset.num_classes=10",
+    ],
 }
 # Options named otherwise than the value they select.
 SELECTS = {("precision", "bf16_true_nearest"): "bf16_true"}
+# The shrinking overrides (conftest.FAST) name image keys, which other data does not have.
+NOT_IMAGES = {"gpt_tiny", "gpt2_small", "synthetic_tokens", "text", "custom"}
 
 
 def all_options() -> list[tuple[str, str]]:
@@ -43,12 +59,16 @@ def test_every_group_has_options() -> None:
 
 
 @pytest.mark.parametrize(("group", "option"), all_options())
-def test_every_option_composes_and_validates(run_cfg, group: str, option: str) -> None:
-    cfg = run_cfg(f"{group}={option}", *REQUIRED.get((group, option), []))
+def test_every_option_composes_and_validates(compose_cfg, group: str, option: str) -> None:
+    overrides = [f"{group}={option}", *REQUIRED.get((group, option), [])]
+    fast = not (group in ("model", "dataset") and option in NOT_IMAGES)
+    cfg = validate(compose_cfg(*overrides, fast=fast))
     section = getattr(cfg, group)
-    if group == "model" and option != "torchvision":
+    if group == "model" and option not in ("torchvision", "timm"):
         assert section.name == option
-    if group in ("dataset", "scheduler", "precision"):
+    if group == "dataset":
+        assert dataset_name(section) == option
+    if group in ("scheduler", "precision"):
         assert section.name.value == SELECTS.get((group, option), option)
     if group == "report":
         assert section.accuracy_tolerance == 0.5
@@ -83,7 +103,11 @@ def test_defaults_are_the_documented_ones(compose_cfg) -> None:
     ("overrides", "expected"),
     [
         (["precision=fp4"], "valid choices: auto, bf16, bf16_true, bf16_true_nearest, fp16"),
-        (["model=nope"], "valid choices: mlp, resnet18, resnet50, tiny_cnn, torchvision"),
+        (
+            ["model=nope"],
+            "valid choices: custom, gpt2_small, gpt_tiny, mlp, resnet18, resnet50, timm, tiny_cnn, "
+            "torchvision",
+        ),
         (["trainer.max_steps=abc"], "trainer.max_steps=abc: Value 'abc'"),
         (["dataset.batch_size=-4"], "dataset.batch_size=-4 must be positive"),
         (["trainer.foo=1"], "trainer.foo is not a known key; valid keys: activation_checkpointing"),

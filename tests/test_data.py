@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from amp_exp.errors import ConfigError
-from amp_exp.tasks.images import DeviceTensorLoader, build_data
+from amp_exp.tasks.images import build_data
+from amp_exp.tasks.sampling import DeviceTensorLoader
 
 CPU = torch.device("cpu")
 

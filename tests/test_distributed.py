@@ -12,7 +12,7 @@ from amp_exp.errors import ConfigError, RuntimeFault
 from amp_exp.run import build, check_ranks_resumed_alike, resume, train
 from amp_exp.runtime import ranks
 from amp_exp.runtime.ranks import WorkerRank, launch_time, log_file_suffix, worker_rank
-from amp_exp.tasks.images import DeviceTensorLoader, EpochShuffleSampler, epoch_permutation, shard
+from amp_exp.tasks.sampling import DeviceTensorLoader, EpochShuffleSampler, epoch_permutation, shard
 
 
 def test_shards_are_disjoint_equal_and_cover_all_but_the_ragged_tail():
@@ -36,7 +36,12 @@ def test_sampler_shards_each_epoch_differently_and_resumes_mid_shard():
 
 def test_device_loader_gives_each_rank_batches_of_its_own_shard():
     images = torch.arange(64.0).reshape(64, 1, 1, 1)
-    loaders = [DeviceTensorLoader(images, images.flatten(), 8, True, 0, r, 2) for r in (0, 1)]
+    loaders = [
+        DeviceTensorLoader(
+            images, images.flatten(), batch_size=8, shuffle=True, seed=0, rank=r, world_size=2
+        )
+        for r in (0, 1)
+    ]
     seen = [torch.cat([labels for _, labels in loader]).tolist() for loader in loaders]
     assert [len(loader) for loader in loaders] == [4, 4]
     assert not set(seen[0]) & set(seen[1]) and len(seen[0] + seen[1]) == 64

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
-def test_gpu_bench_smoke_writes_a_table_and_checks_parity(tmp_path: Path) -> None:
+def test_gpu_bench_smoke_writes_both_tables_and_checks_parity(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(SCRIPTS / "gpu_bench.py"), "--smoke", "--out", str(tmp_path)],
         capture_output=True,
@@ -21,7 +21,8 @@ def test_gpu_bench_smoke_writes_a_table_and_checks_parity(tmp_path: Path) -> Non
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    cells = json.loads((tmp_path / "gpu_bench.json").read_text())
+    results = json.loads((tmp_path / "gpu_bench.json").read_text())
+    cells = results["images"]
     assert {(c["precision"], c["channels_last"]) for c in cells} == {
         ("fp32", False),
         ("bf16", False),
@@ -32,6 +33,11 @@ def test_gpu_bench_smoke_writes_a_table_and_checks_parity(tmp_path: Path) -> Non
     markdown = (tmp_path / "gpu_bench.md").read_text()
     assert "| fp32 | False | False |" in markdown and "1.00x" in markdown
     assert '"state_dicts_identical": true' in markdown
+    lm = results["lm"]
+    assert [c["math"] for c in lm] == ["fp32", "bf16"]
+    assert all(c["tokens_per_s"] > 0 and c["tflops"] > 0 and c["mfu"] is None for c in lm)
+    assert "# gpt_tiny on synthetic tokens" in markdown and "| fp32 | False |" in markdown
+    assert "MFU peaks: none known for this device." in markdown
     modes = {c["cell"]: c for c in json.loads((tmp_path / "precision_modes.json").read_text())}
     assert set(modes) == {"fp32", "bf16_true", "fp8 tensorwise (emulated)"}
     # AdamW: weights and two moments in bf16, beside fp32 step counts.

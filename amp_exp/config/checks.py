@@ -14,7 +14,8 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from amp_exp.config.schema import DatasetConfig, DatasetName, DeviceChoice, RunConfig, WandbMode
+from amp_exp.config.datasets import DatasetName, ImageDatasetConfig, TextDatasetConfig
+from amp_exp.config.schema import DatasetConfig, DeviceChoice, RunConfig, WandbMode
 from amp_exp.errors import ConfigError
 
 # WANDB_MODE values that wandb.init accepts, including its legacy spellings.
@@ -91,6 +92,16 @@ def check_image_folder(root: Path) -> None:
 
 def check_data(dataset: DatasetConfig) -> None:
     """The data set is on disk, or will be downloaded."""
+    if isinstance(dataset, TextDatasetConfig):
+        path = Path(dataset.path).expanduser()
+        if not (path.is_file() or path.is_dir()):
+            raise ConfigError(
+                f"dataset.path={dataset.path}: no such file or directory; dataset=text needs "
+                "dataset.path=/path/to/file.txt or a folder of .txt files"
+            )
+        return
+    if not isinstance(dataset, ImageDatasetConfig):
+        return
     root = Path(dataset.root).expanduser().resolve()
     if dataset.name is DatasetName.image_folder:
         check_image_folder(root)

@@ -1,6 +1,7 @@
 """Typed config schemas: one dataclass per config group, enums for every closed choice.
 
-A leaf: it imports no other amp_exp module, and nothing heavier than OmegaConf's ``MISSING``.
+A leaf: it imports nothing heavier than OmegaConf's ``MISSING``, and from amp_exp only the
+dataset schemas (config/datasets.py, a leaf too).
 Each YAML file under ``conf/`` lists its schema first in its defaults list (``config.store``
 registers them), so Hydra type-checks the YAML and every override against these dataclasses.
 """
@@ -12,6 +13,13 @@ from enum import Enum
 from typing import Any, Union
 
 from omegaconf import MISSING
+
+from amp_exp.config.datasets import (
+    CustomDatasetConfig,
+    ImageDatasetConfig,
+    SyntheticTokensConfig,
+    TextDatasetConfig,
+)
 
 
 class Precision(str, Enum):
@@ -54,13 +62,9 @@ class DeviceChoice(str, Enum):
     cuda = "cuda"
 
 
-class DatasetName(str, Enum):
-    synthetic = "synthetic"
-    cifar10 = "cifar10"
-    cifar100 = "cifar100"
-    mnist = "mnist"
-    fashion_mnist = "fashion_mnist"
-    image_folder = "image_folder"
+class TaskName(str, Enum):
+    classification = "classification"
+    lm = "lm"
 
 
 class SchedulerName(str, Enum):
@@ -118,32 +122,50 @@ class TorchvisionModelConfig:
     name: str = MISSING
 
 
-ModelConfig = Union[TinyCNNConfig, MLPConfig, TorchvisionModelConfig]
+@dataclass
+class GPTConfig:
+    """A decoder-only transformer (tasks/gpt.py): pre-LayerNorm blocks, causal attention, a GELU
+    MLP, and an output head tied to the token embedding."""
 
-# --- dataset -----------------------------------------------------------------------------------
+    name: str = "gpt"
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    # The longest context: the size of the position table. Token data is cut into windows of
+    # dataset.seq_len tokens, which defaults to this.
+    seq_len: int = 1024
+    # null = the dataset's vocabulary; a larger value pads the output head (e.g. 50304).
+    vocab_size: int | None = None
+    dropout: float = 0.0
+    # Biases in the linear layers and LayerNorms, as GPT-2 has them.
+    bias: bool = True
 
 
 @dataclass
-class DatasetConfig:
-    name: DatasetName = DatasetName.synthetic
-    # Torchvision datasets and image_folder read from here (relative to the launch directory).
-    root: str = "data"
-    download: bool = False
-    batch_size: int = 128
-    # null = the training batch size.
-    eval_batch_size: int | None = None
-    num_workers: int = 2
-    # Synthetic data: how many images of what shape, and how many classes.
-    num_classes: int = 10
-    image_size: int = 32
-    channels: int = 3
-    train_size: int = 4096
-    eval_size: int = 1024
-    # Synthetic images are a smooth class prototype plus this much Gaussian noise; higher is harder.
-    noise_std: float = 4.0
-    # image_folder without train/ and val/ sub-directories holds out this fraction for eval.
-    eval_fraction: float = 0.1
+class TimmModelConfig:
+    """Any timm model by name (optional extra: pip install 'amp_exp[timm]'), random weights."""
 
+    name: str = MISSING
+    # Passed to timm.create_model, e.g. +model.kwargs.img_size=32 for a ViT on small images.
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CustomModelConfig:
+    """The user's own model: ``_target_`` names a callable that returns an nn.Module.
+
+    It is called with ``kwargs`` plus those of the dataset's facts its signature accepts:
+    num_classes and input_shape for images; vocab_size and seq_len for tokens.
+    """
+
+    name: str = "custom"
+    _target_: str = MISSING
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+ModelConfig = Union[
+    TinyCNNConfig, MLPConfig, TorchvisionModelConfig, GPTConfig, TimmModelConfig, CustomModelConfig
+]
 
 # --- optimizer and scheduler --------------------------------------------------------------------
 
@@ -315,7 +337,10 @@ class ReportConfig:
 @dataclass
 class RunConfig:
     model: Any = MISSING
-    dataset: DatasetConfig = MISSING
+    dataset: Any = MISSING
+    # What is trained: the loss and the metrics. null = what the dataset holds (images:
+    # classification, tokens: lm); dataset=custom needs it set.
+    task: TaskName | None = None
     optimizer: Any = MISSING
     scheduler: SchedulerConfig = MISSING
     precision: PrecisionConfig = MISSING
@@ -331,8 +356,20 @@ class RunConfig:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"tiny_cnn": TinyCNNConfig, "mlp": MLPConfig, "torchvision": TorchvisionModelConfig},
-    "dataset": {"dataset": DatasetConfig},
+    "model": {
+        "tiny_cnn": TinyCNNConfig,
+        "mlp": MLPConfig,
+        "torchvision": TorchvisionModelConfig,
+        "gpt": GPTConfig,
+        "timm": TimmModelConfig,
+        "custom": CustomModelConfig,
+    },
+    "dataset": {
+        "images": ImageDatasetConfig,
+        "synthetic_tokens": SyntheticTokensConfig,
+        "text": TextDatasetConfig,
+        "custom": CustomDatasetConfig,
+    },
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "scheduler": {"scheduler": SchedulerConfig},
     "precision": {"precision": PrecisionConfig},

@@ -18,12 +18,23 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from amp_exp.config.datasets import (
+    TOKEN_DATASETS,
+    CustomDatasetConfig,
+    DatasetConfig,
+    DatasetName,
+    ImageDatasetConfig,
+    SyntheticTokensConfig,
+    TextDatasetConfig,
+)
+from amp_exp.config.pairing import check_pairing
 from amp_exp.config.schema import (
     SCHEMAS,
     WANDB_TAG_MAX_CHARS,
     AdamWConfig,
-    DatasetName,
+    CustomModelConfig,
     DeviceChoice,
+    GPTConfig,
     MLPConfig,
     ModelConfig,
     OptimizerConfig,
@@ -33,11 +44,12 @@ from amp_exp.config.schema import (
     RunConfig,
     SchedulerConfig,
     Strategy,
+    TimmModelConfig,
     TinyCNNConfig,
     TrainerConfig,
     WandbConfig,
 )
-from amp_exp.errors import ConfigError
+from amp_exp.errors import ConfigError, first_line
 
 # NumPy seeds its generator with an unsigned 32-bit integer.
 SEED_RANGE = range(2**32)
@@ -46,11 +58,6 @@ WANDB_PROJECT_MAX_CHARS = 128
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 _POSITIVE = (
     "dataset.batch_size",
-    "dataset.num_classes",
-    "dataset.image_size",
-    "dataset.channels",
-    "dataset.train_size",
-    "dataset.eval_size",
     "trainer.grad_accum_steps",
     "trainer.log_every",
     "precision.growth_interval",
@@ -107,11 +114,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     for key in _POSITIVE_OR_NULL:
         value = attrgetter(key)(run)
         _check(value is None or value > 0, f"{key}={value} must be positive or null")
-    _check(run.dataset.num_workers >= 0, "dataset.num_workers must be 0 or more")
-    _check(run.dataset.noise_std >= 0, "dataset.noise_std must be 0 or more")
-    _check(
-        0 < run.dataset.eval_fraction < 1, "dataset.eval_fraction must lie strictly between 0 and 1"
-    )
+    _validate_dataset(run.dataset)
     _check(
         run.trainer.max_steps is not None or run.trainer.epochs is not None,
         "set trainer.max_steps or trainer.epochs (both are null, so the run would never end)",
@@ -147,6 +150,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     _validate_scheduler(run.scheduler)
     _validate_model(run.model)
     _validate_synthetic_sizes(run)
+    run.task = check_pairing(run)
     _validate_wandb(run.wandb, run.trainer)
     return run
 
@@ -249,12 +253,78 @@ def _validate_scheduler(scheduler: SchedulerConfig) -> None:
     _check(0 < scheduler.pct_start < 1, "scheduler.pct_start must lie strictly between 0 and 1")
 
 
+def _check_positive(section: object, prefix: str, *keys: str) -> None:
+    for key in keys:
+        value = getattr(section, key)
+        _check(value > 0, f"{prefix}.{key}={value} must be positive")
+
+
+def _validate_dataset(dataset: DatasetConfig) -> None:
+    if isinstance(dataset, ImageDatasetConfig):
+        _check_positive(
+            dataset, "dataset", "num_classes", "image_size", "channels", "train_size", "eval_size"
+        )
+        _check(dataset.noise_std >= 0, "dataset.noise_std must be 0 or more")
+    if isinstance(dataset, (ImageDatasetConfig, CustomDatasetConfig)):
+        _check(dataset.num_workers >= 0, "dataset.num_workers must be 0 or more")
+    if isinstance(dataset, (ImageDatasetConfig, TextDatasetConfig)):
+        _check(
+            0 < dataset.eval_fraction < 1,
+            "dataset.eval_fraction must lie strictly between 0 and 1",
+        )
+    if isinstance(dataset, TOKEN_DATASETS):
+        _check(
+            dataset.seq_len is None or dataset.seq_len > 0,
+            f"dataset.seq_len={dataset.seq_len} must be positive or null",
+        )
+    if isinstance(dataset, SyntheticTokensConfig):
+        _check_positive(dataset, "dataset", "train_size", "eval_size")
+        _check(dataset.vocab_size >= 2, "dataset.vocab_size must be 2 or more")
+        _check(
+            0 < dataset.branching <= dataset.vocab_size,
+            f"dataset.branching={dataset.branching} must lie in [1, dataset.vocab_size]",
+        )
+    if isinstance(dataset, CustomDatasetConfig):
+        _check_target("dataset", dataset._target_)
+
+
+def _check_target(section: str, target: str) -> None:
+    """The user's callable must import: checked here, before any job of a sweep starts."""
+    # What instantiate itself uses; hydra.utils.get_object would also log a multi-line error.
+    from hydra._internal.utils import _locate
+
+    try:
+        found = _locate(target)
+    except Exception as error:
+        cause = error.__cause__ or error
+        raise ConfigError(
+            f"{section}._target_={target} cannot be imported ({type(cause).__name__}: "
+            f"{first_line(str(cause))}); is its package installed or its folder on PYTHONPATH?"
+        ) from None
+    _check(callable(found), f"{section}._target_={target} is not callable")
+
+
 def _validate_model(model: ModelConfig) -> None:
     if isinstance(model, TinyCNNConfig):
         _check(model.width > 0, "model.width must be a positive integer")
     elif isinstance(model, MLPConfig):
         _check(model.hidden_dim > 0, "model.hidden_dim must be a positive integer")
         _check(model.depth >= 0, "model.depth must be 0 or more")
+    elif isinstance(model, GPTConfig):
+        _check_positive(model, "model", "n_layer", "n_head", "d_model", "seq_len")
+        _check(
+            model.d_model % model.n_head == 0,
+            f"model.d_model={model.d_model} must be a multiple of model.n_head={model.n_head}",
+        )
+        _check(
+            model.vocab_size is None or model.vocab_size > 0,
+            "model.vocab_size must be positive or null (the dataset's)",
+        )
+        _check(0 <= model.dropout < 1, "model.dropout must lie in [0, 1)")
+    elif isinstance(model, TimmModelConfig):
+        _validate_timm(model)
+    elif isinstance(model, CustomModelConfig):
+        _check_target("model", model._target_)
     else:
         names = torchvision_model_names()
         _check(
@@ -269,7 +339,10 @@ def _validate_synthetic_sizes(run: RunConfig) -> None:
     than an epoch is caught here rather than when the job builds its data (DDP ranks, which
     share the epoch, are checked then)."""
     dataset, accum = run.dataset, run.trainer.grad_accum_steps
-    if dataset.name is not DatasetName.synthetic:
+    synthetic_images = (
+        isinstance(dataset, ImageDatasetConfig) and dataset.name is DatasetName.synthetic
+    )
+    if not (synthetic_images or isinstance(dataset, SyntheticTokensConfig)):
         return
     _check(
         dataset.batch_size <= dataset.train_size,
@@ -281,6 +354,17 @@ def _validate_synthetic_sizes(run: RunConfig) -> None:
         f"an epoch has {batches} batches (dataset.train_size={dataset.train_size} / "
         f"dataset.batch_size={dataset.batch_size}), fewer than trainer.grad_accum_steps={accum}; "
         "lower it or the batch size",
+    )
+
+
+def _validate_timm(model: TimmModelConfig) -> None:
+    try:
+        import timm
+    except ImportError:
+        raise ConfigError("model=timm needs timm: pip install 'amp_exp[timm]'") from None
+    _check(
+        timm.is_model(model.name),
+        f"model.name={model.name!r} is not a timm model; timm.list_models() lists them",
     )
 
 

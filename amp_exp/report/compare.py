@@ -132,6 +132,8 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "param_dtype": summary.get("param_dtype"),
         "reduce_dtype": summary.get("reduce_dtype"),
         "samples_per_s": summary.get("samples_per_s"),
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "mfu": summary.get("mfu"),
         "speedup": _ratio(summary.get("samples_per_s"), base.get("samples_per_s")),
         "peak_mem_bytes": summary.get("peak_mem_bytes"),
         "peak_mem_ratio": _ratio(summary.get("peak_mem_bytes"), base.get("peak_mem_bytes")),
@@ -148,6 +150,8 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "eval_acc_delta_points": (
             None if eval_acc is None or base_acc is None else 100 * (eval_acc - base_acc)
         ),
+        "eval_perplexity": summary.get("eval_perplexity"),
+        "perplexity_ratio": _ratio(summary.get("eval_perplexity"), base.get("eval_perplexity")),
         "skipped_steps": summary.get("skipped_steps"),
         "loss_scale": summary.get("loss_scale"),
         "baseline": None if baseline is None else os.path.relpath(baseline.path, out_dir),
@@ -181,6 +185,10 @@ def _speed_phrase(speedup: float | None, emulated: bool) -> str:
     if speedup is None:
         return "throughput not measured"
     return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+
+
+def _perplexity_phrase(row: dict[str, Any]) -> str:
+    return f"perplexity {row['eval_perplexity']:.3f}, {row['perplexity_ratio']:.3f}x {BASELINE}'s"
 
 
 def _accuracy_phrase(delta_points: float | None, tolerance: float) -> str:
@@ -230,9 +238,12 @@ def _judge(row: dict[str, Any], tolerance: float) -> str:
         memory = f"{row['peak_mem_ratio']:.2f}x the memory"
     if row["state_ratio"] is not None:
         memory += f" ({row['state_ratio']:.2f}x the weights and optimizer state)"
+    quality = _accuracy_phrase(row["eval_acc_delta_points"], tolerance)
+    if row["eval_acc"] is None and row["perplexity_ratio"] is not None:
+        quality = _perplexity_phrase(row)
     return (
         f"{precision} {_speed_phrase(row['speedup'], row['emulated'])} and {memory} of "
-        f"{BASELINE}, {_accuracy_phrase(row['eval_acc_delta_points'], tolerance)}{notes}"
+        f"{BASELINE}, {quality}{notes}"
     )
 
 

@@ -35,6 +35,8 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("reduce dtype", "reduce_dtype", _text),
     ("status", "status", str),
     ("samples/s", "samples_per_s", _formatter(",.1f")),
+    ("tokens/s", "tokens_per_s", _formatter(",.0f")),
+    ("MFU", "mfu", _formatter(".1%")),
     (f"speedup vs {BASELINE}", "speedup", _formatter(".2f", suffix="x")),
     ("peak memory", "peak_mem_bytes", _formatter(",.1f", 1 / 2**20, " MiB")),
     (f"memory vs {BASELINE}", "peak_mem_ratio", _formatter(".2f", suffix="x")),
@@ -42,9 +44,12 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("final loss", "final_loss", _formatter(".4f")),
     ("eval acc", "eval_acc", _formatter(".2f", 100, "%")),
     (f"acc vs {BASELINE} (points)", "eval_acc_delta_points", _formatter("+.2f")),
+    ("eval perplexity", "eval_perplexity", _formatter(".3f")),
+    (f"perplexity vs {BASELINE}", "perplexity_ratio", _formatter(".3f", suffix="x")),
     ("skipped steps", "skipped_steps", _formatter("d")),
     ("final loss scale", "loss_scale", _formatter("g")),
 ]
+MFU_NOTE = "MFU: achieved TFLOP/s over the GPU's dense peak (summary.json's mfu_peak_source). "
 MEMORY_KINDS = {
     "cpu_peak_rss": "peak resident memory of the process (CPU), Python and torch included",
     "cuda_max_allocated": "peak memory allocated by tensors on the GPU",
@@ -52,13 +57,18 @@ MEMORY_KINDS = {
 
 
 # Columns shown only when some row needs them: a setting that varies, data-parallel ranks, FSDP2
-# and the dtypes of its policy when they are not fp32. Failed runs carry no world size.
+# and the dtypes of its policy when they are not fp32, and a language model's tokens/s, MFU (known
+# on listed GPUs only) and perplexity. Failed runs carry no world size.
 OPTIONAL_COLUMNS: dict[str, Callable[[Any], bool]] = {
     "setting": bool,
     "world_size": lambda ranks: (ranks or 1) > 1,
     "strategy": lambda strategy: strategy == "fsdp2",
     "param_dtype": lambda dtype: dtype not in (None, "fp32"),
     "reduce_dtype": lambda dtype: dtype not in (None, "fp32"),
+    **{
+        key: lambda value: value is not None
+        for key in ("tokens_per_s", "mfu", "eval_perplexity", "perplexity_ratio")
+    },
 }
 
 
@@ -131,8 +141,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         *markdown_table(rows),
         "",
-        "Samples/s counts timed training steps only (no warm-up, no evaluation); emulated fp8 "
-        "runs are not timed. Peak memory: "
+        "Samples/s (and tokens/s) count timed training steps only (no warm-up, no evaluation); "
+        "emulated fp8 runs are not timed. "
+        + (MFU_NOTE if any(row["mfu"] is not None for row in rows) else "")
+        + "Peak memory: "
         + ("; ".join(memory_kinds) or "not recorded")
         + ". Weights + opt. state: the bytes of the parameters and the optimizer's state "
         "tensors at the end of training.",

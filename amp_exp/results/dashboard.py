@@ -9,7 +9,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from amp_exp.config.schema import RunConfig
+from amp_exp.config.datasets import (
+    dataset_name,
+)
+from amp_exp.config.schema import (
+    RunConfig,
+)
 from amp_exp.config.validate import to_plain_dict
 from amp_exp.runtime.sweep import SweepJob
 
@@ -26,10 +31,14 @@ WANDB_KEYS = {
     "scale": "amp/scale",
     "skipped_steps": "amp/skipped_steps",
     "samples_per_s": "perf/samples_per_s",
+    "tokens_per_s": "perf/tokens_per_s",
+    "tflops": "perf/tflops",
+    "mfu": "perf/mfu",
     "step_time_ms": "perf/step_time_ms",
     "peak_mem_bytes": "perf/peak_mem_bytes",
     "eval_loss": "eval/loss",
     "eval_acc": "eval/acc",
+    "eval_perplexity": "eval/perplexity",
     "grad_underflow_frac": "amp/grad_underflow_frac",
     "grad_underflow_frac_scaled": "amp/grad_underflow_frac_scaled",
     "grad_overflow_frac_scaled": "amp/grad_overflow_frac_scaled",
@@ -42,6 +51,8 @@ METRIC_GROUPS = ("train/*", "amp/*", "perf/*", "eval/*")
 # What the runs table and parallel-coordinates panels compare once a run ends.
 SUMMARIES = {
     "perf/samples_per_s": "last",
+    "perf/tokens_per_s": "last",
+    "perf/mfu": "last",
     "perf/step_time_ms": "last",
     "perf/peak_mem_bytes": "max",
     "amp/scale": "last",
@@ -69,7 +80,7 @@ def run_group(cfg: RunConfig, sweep: SweepJob | None) -> str | None:
 
 
 def run_tags(cfg: RunConfig, precision: str, device_type: str) -> list[str]:
-    automatic = [cfg.model.name, precision, cfg.dataset.name.value, device_type]
+    automatic = [cfg.model.name, precision, dataset_name(cfg.dataset), device_type]
     return list(dict.fromkeys([*automatic, *cfg.wandb.tags]))
 
 

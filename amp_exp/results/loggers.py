@@ -90,6 +90,14 @@ def describe_eval(row: dict[str, Any]) -> str:
     )
 
 
+def describe_rate(row: dict[str, Any]) -> str:
+    """samples/s; for language models tokens/s, and MFU where the device's peak is known."""
+    if "tokens_per_s" not in row:
+        return f"{_fmt(row['samples_per_s'], '.0f')} samples/s"
+    mfu = "" if row.get("mfu") is None else f" | MFU {row['mfu']:.1%}"
+    return f"{_fmt(row['tokens_per_s'], ',.0f')} tokens/s{mfu}"
+
+
 class ConsoleLogger:
     """A progress line per log interval, through ``logging`` so Hydra also files it in train.log."""
 
@@ -115,13 +123,13 @@ class ConsoleLogger:
         scale = "" if row["scale"] is None else f" | scale {row['scale']:g}"
         skipped = f" | skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
         log.info(
-            "%s | loss %s | lr %s%s%s | %s samples/s",
+            "%s | loss %s | lr %s%s%s | %s",
             progress_bar(row["step"], self.total_steps),
             _fmt(row["loss"], ".4f"),
             _fmt(row["lr"], ".3g"),
             scale,
             skipped,
-            _fmt(row["samples_per_s"], ".0f"),
+            describe_rate(row),
         )
 
     def close(self) -> None:

@@ -212,6 +212,8 @@ class WandbLogger:
             "amp/checks_passed": all(c["passed"] is not False for c in checks.values()),
             "amp/stale_weight_frac": summary.get("stale_weight_frac"),
             "perf/state_bytes": summary.get("state_bytes"),
+            # The best loss the data allows, to read eval/loss against.
+            "eval/loss_floor": summary.get("loss_floor"),
         }
         with self._contained("write the summary"):
             self.run.summary.update({k: v for k, v in health.items() if v is not None})

@@ -35,6 +35,8 @@ class DataBundle:
     # What a model builder may need from the data: input_shape and num_classes for images,
     # vocab_size and seq_len for tokens.
     facts: dict[str, Any] = field(default_factory=dict)
+    # What the data adds to summary.json: the synthetic tokens' loss_floor.
+    recorded: dict[str, Any] = field(default_factory=dict)
 
 
 class Task(Protocol):
@@ -61,4 +63,8 @@ class Task(Protocol):
 
     def eval_metrics(self, totals: list[float]) -> dict[str, float | None]:
         """The summed statistics of a whole evaluation turned into its metrics."""
+        ...
+
+    def output_problem(self, model: nn.Module, batch: Batch) -> str | None:
+        """Why the model's output on one batch cannot be trained on, or None if it can."""
         ...

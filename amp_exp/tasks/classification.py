@@ -19,12 +19,14 @@ class ClassificationTask:
     def __init__(
         self,
         device: torch.device,
+        num_classes: int,
         channels_last: bool = False,
         loss_fn: LossFn | None = None,
     ) -> None:
         """``loss_fn(logits, labels)`` replaces cross-entropy for training (tests inject faults
         through it); evaluation always reports cross-entropy."""
         self.device = device
+        self.num_classes = num_classes
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.loss_fn = loss_fn or F.cross_entropy
 
@@ -54,3 +56,16 @@ class ClassificationTask:
         if count == 0:
             return {"eval_loss": None, "eval_acc": None}
         return {"eval_loss": loss_sum / count, "eval_acc": correct / count}
+
+    def output_problem(
+        self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> str | None:
+        images, _ = batch
+        outputs = model(images)
+        expected = f"[{images.shape[0]}, {self.num_classes}]"
+        if not isinstance(outputs, torch.Tensor):
+            # torchvision's googlenet and inception_v3 return auxiliary logits while training.
+            return f"returns {type(outputs).__name__}, not a tensor of class logits {expected}"
+        if tuple(outputs.shape) != (images.shape[0], self.num_classes):
+            return f"returns logits of shape {list(outputs.shape)}, expected {expected}"
+        return None

@@ -1,4 +1,4 @@
-"""Model builders: a name and the dataset's input shape and classes in, an nn.Module out."""
+"""Image model builders: a name and the dataset's input shape and classes in, an nn.Module out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from amp_exp.config.schema import MLPConfig, ModelConfig, TinyCNNConfig, TorchvisionModelConfig
+from amp_exp.config.schema import (
+    MLPConfig,
+    ModelConfig,
+    TimmModelConfig,
+    TinyCNNConfig,
+    TorchvisionModelConfig,
+)
+from amp_exp.errors import ConfigError, first_line
 
 
 @functools.cache
@@ -107,6 +114,26 @@ def build_torchvision(
     return model
 
 
+def build_timm(
+    input_shape: tuple[int, int, int], num_classes: int, cfg: TimmModelConfig
+) -> nn.Module:
+    import timm  # validate checked that it is installed
+
+    try:
+        return timm.create_model(
+            cfg.name,
+            pretrained=False,
+            num_classes=num_classes,
+            in_chans=input_shape[0],
+            **cfg.kwargs,
+        )
+    except Exception as error:
+        raise ConfigError(
+            f"model=timm model.name={cfg.name}: timm.create_model failed on "
+            f"model.kwargs={cfg.kwargs}: {type(error).__name__}: {first_line(str(error))}"
+        ) from None
+
+
 def build_model(cfg: ModelConfig, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     builders: dict[type, Callable[..., nn.Module]] = {
         TinyCNNConfig: lambda: TinyCNN(
@@ -114,6 +141,7 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, int, int], num_classes
         ),
         MLPConfig: lambda: build_mlp(input_shape, num_classes, cfg),
         TorchvisionModelConfig: lambda: build_torchvision(input_shape, num_classes, cfg),
+        TimmModelConfig: lambda: build_timm(input_shape, num_classes, cfg),
     }
     return builders[type(cfg)]()
 

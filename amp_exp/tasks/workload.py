@@ -1,21 +1,42 @@
 """What a run trains, built from its config: the task, its data, and the model on the device.
 
 The one place that knows which models, data sets and tasks go together; the engine and the rest
-of the build see only a ``Task``, loaders and an ``nn.Module``.
+of the build see only a ``Task``, loaders and an ``nn.Module``. Before any training the model
+runs forward on one batch, so a model whose output does not fit the task stops the run with one
+line instead of a traceback mid-step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from amp_exp.config.schema import RunConfig, Strategy
-from amp_exp.tasks.base import DataBundle, Task
+from amp_exp.config.datasets import (
+    CustomDatasetConfig,
+    ImageDatasetConfig,
+    SyntheticTokensConfig,
+    dataset_name,
+)
+from amp_exp.config.schema import (
+    CustomModelConfig,
+    GPTConfig,
+    RunConfig,
+    Strategy,
+    TaskName,
+)
+from amp_exp.errors import ConfigError, first_line
+from amp_exp.tasks.base import Batch, DataBundle, Task
 from amp_exp.tasks.classification import ClassificationTask, LossFn
-from amp_exp.tasks.images import build_data
-from amp_exp.tasks.vision_models import build_model, is_convolutional
+from amp_exp.tasks.custom import build_custom_data, build_custom_model
+from amp_exp.tasks.gpt import GPT, flops_per_token
+from amp_exp.tasks.images import build_data as build_image_data
+from amp_exp.tasks.lm import LanguageModelTask
+from amp_exp.tasks.tokens import build_synthetic_tokens, build_text
+from amp_exp.tasks.vision_models import build_model as build_image_model
+from amp_exp.tasks.vision_models import is_convolutional
 
 
 @dataclass
@@ -25,6 +46,59 @@ class Workload:
     # On the device, unwrapped: DDP and torch.compile wrap it later.
     model: nn.Module
     channels_last: bool
+    # Training FLOPs per token, where a formula for the model is known (gpt).
+    flops_per_token: float | None = None
+
+
+def build_data(cfg: RunConfig, device: torch.device, rank: int, world_size: int) -> DataBundle:
+    dataset = cfg.dataset
+    if isinstance(dataset, ImageDatasetConfig):
+        return build_image_data(dataset, cfg.seed, device, rank, world_size)
+    if isinstance(dataset, CustomDatasetConfig):
+        return build_custom_data(dataset, cfg.task, cfg.seed, device, rank, world_size)
+    # Token data: validate made sure one of the two says how long a sequence is.
+    seq_len = dataset.seq_len or cfg.model.seq_len
+    build = build_synthetic_tokens if isinstance(dataset, SyntheticTokensConfig) else build_text
+    return build(dataset, seq_len, cfg.seed, device, rank, world_size)
+
+
+def build_gpt(cfg: GPTConfig, facts: dict[str, Any]) -> GPT:
+    if facts["seq_len"] > cfg.seq_len:
+        raise ConfigError(
+            f"the data's sequences hold {facts['seq_len']} tokens, more than "
+            f"model.seq_len={cfg.seq_len} positions"
+        )
+    return GPT(cfg, cfg.vocab_size or facts["vocab_size"])
+
+
+def build_model(cfg: RunConfig, facts: dict[str, Any]) -> nn.Module:
+    if isinstance(cfg.model, CustomModelConfig):
+        return build_custom_model(cfg.model, facts)
+    if isinstance(cfg.model, GPTConfig):
+        return build_gpt(cfg.model, facts)
+    return build_image_model(cfg.model, facts["input_shape"], facts["num_classes"])
+
+
+def check_output_fits(task: Task, model: nn.Module, batch: Batch, cfg: RunConfig) -> None:
+    """One forward pass without gradients, in training mode (where torchvision's googlenet
+    returns its auxiliary outputs), that leaves no trace: the random number generators are
+    forked and BatchNorm's running statistics are put back."""
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    saved = [buffer.detach().clone() for buffer in model.buffers()]
+    try:
+        forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+        with forked, torch.no_grad():
+            problem = task.output_problem(model, task.to_device(batch))
+    except Exception as error:
+        problem = f"fails on one batch: {type(error).__name__}: {first_line(str(error))}"
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(model.buffers(), saved, strict=True):
+                buffer.copy_(value)
+    if problem:
+        raise ConfigError(
+            f"model={cfg.model.name} cannot train on dataset={dataset_name(cfg.dataset)}: {problem}"
+        )
 
 
 def build_workload(
@@ -35,8 +109,9 @@ def build_workload(
     loss_fn: LossFn | None = None,
 ) -> Workload:
     """``loss_fn(outputs, targets)`` replaces the task's training loss (tests inject faults)."""
-    data = build_data(cfg.dataset, cfg.seed, device, rank, world_size)
-    model = build_model(cfg.model, data.facts["input_shape"], data.facts["num_classes"]).to(device)
+    data = build_data(cfg, device, rank, world_size)
+    facts = data.facts
+    model = build_model(cfg, facts).to(device)
     channels_last = cfg.trainer.channels_last
     if channels_last is None:
         # FSDP2 shards only contiguous parameters, and channels_last convolution weights are not.
@@ -44,4 +119,11 @@ def build_workload(
         channels_last = device.type == "cuda" and is_convolutional(model) and not sharded
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return Workload(ClassificationTask(device, channels_last, loss_fn), data, model, channels_last)
+    task: Task
+    if cfg.task is TaskName.classification:
+        task = ClassificationTask(device, facts["num_classes"], channels_last, loss_fn)
+    else:
+        task = LanguageModelTask(device, facts["seq_len"], facts["vocab_size"], loss_fn)
+    check_output_fits(task, model, next(iter(data.train)), cfg)
+    flops = flops_per_token(model, facts["seq_len"]) if isinstance(model, GPT) else None
+    return Workload(task, data, model, channels_last, flops)

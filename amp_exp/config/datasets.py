@@ -1,0 +1,126 @@
+"""Dataset schemas: one dataclass per family of data, registered in ``SCHEMAS["dataset"]``.
+
+Images (synthetic, torchvision's sets, a folder) share ``ImageDatasetConfig``, whose ``name`` is
+an enum; token data (synthetic_tokens, text) and the user's own data (custom) have a dataclass
+each. A leaf like config/schema.py: it imports nothing from amp_exp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Union
+
+from omegaconf import MISSING
+
+
+class DatasetName(str, Enum):
+    synthetic = "synthetic"
+    cifar10 = "cifar10"
+    cifar100 = "cifar100"
+    mnist = "mnist"
+    fashion_mnist = "fashion_mnist"
+    image_folder = "image_folder"
+
+
+class Tokenizer(str, Enum):
+    # Byte-level: every file is text, the vocabulary is 256, nothing to download.
+    bytes = "bytes"
+    # GPT-2's BPE through tiktoken (optional extra), from files already cached.
+    gpt2 = "gpt2"
+
+
+TOKENIZER_VOCAB = {Tokenizer.bytes: 256, Tokenizer.gpt2: 50257}
+
+
+@dataclass
+class ImageDatasetConfig:
+    """Image classification data: synthetic, torchvision's sets, or a folder of images."""
+
+    name: DatasetName = DatasetName.synthetic
+    # Torchvision datasets and image_folder read from here (relative to the launch directory).
+    root: str = "data"
+    download: bool = False
+    batch_size: int = 128
+    # null = the training batch size.
+    eval_batch_size: int | None = None
+    num_workers: int = 2
+    # Synthetic data: how many images of what shape, and how many classes.
+    num_classes: int = 10
+    image_size: int = 32
+    channels: int = 3
+    train_size: int = 4096
+    eval_size: int = 1024
+    # Synthetic images are a smooth class prototype plus this much Gaussian noise; higher is harder.
+    noise_std: float = 4.0
+    # image_folder without train/ and val/ sub-directories holds out this fraction for eval.
+    eval_fraction: float = 0.1
+
+
+@dataclass
+class SyntheticTokensConfig:
+    """Token sequences from a fixed, seeded, sparse random Markov chain, resident on the device.
+
+    Each token can be followed by ``branching`` others, so the best possible loss (the chain's
+    entropy, recorded as loss_floor) lies far below ln(vocab_size).
+    """
+
+    name: str = "synthetic_tokens"
+    # Sequences per batch and rank.
+    batch_size: int = 32
+    # null = the training batch size.
+    eval_batch_size: int | None = None
+    # Tokens a model sees per sequence; null = the model's seq_len (gpt).
+    seq_len: int | None = None
+    vocab_size: int = 128
+    branching: int = 4
+    # Sequences in each split.
+    train_size: int = 2048
+    eval_size: int = 256
+
+
+@dataclass
+class TextDatasetConfig:
+    """A text file, or a folder of .txt files, tokenized once and cached; resident on the device."""
+
+    name: str = "text"
+    path: str = MISSING
+    tokenizer: Tokenizer = Tokenizer.bytes
+    # The last eval_fraction of the tokens is held out for evaluation.
+    eval_fraction: float = 0.1
+    batch_size: int = 32
+    eval_batch_size: int | None = None
+    seq_len: int | None = None
+    # Where tokenized data is cached when the data's own folder is read-only; null =
+    # $XDG_CACHE_HOME/amp_exp/tokens (~/.cache/amp_exp/tokens).
+    cache_dir: str | None = None
+
+
+@dataclass
+class CustomDatasetConfig:
+    """The user's own data: ``_target_`` names a callable that returns (train, eval) torch
+    Datasets of (input, target) pairs. It is called with ``kwargs``, plus ``seed`` if its
+    signature accepts it."""
+
+    name: str = "custom"
+    _target_: str = MISSING
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 32
+    eval_batch_size: int | None = None
+    num_workers: int = 0
+    # What the model is built for, which the samples alone do not say: num_classes for
+    # task=classification, vocab_size for task=lm. The input shape (images) and seq_len (tokens)
+    # are read from the first training sample.
+    num_classes: int | None = None
+    vocab_size: int | None = None
+
+
+DatasetConfig = Union[
+    ImageDatasetConfig, SyntheticTokensConfig, TextDatasetConfig, CustomDatasetConfig
+]
+TOKEN_DATASETS = (SyntheticTokensConfig, TextDatasetConfig)
+
+
+def dataset_name(dataset: DatasetConfig) -> str:
+    """The option a dataset was chosen by: image datasets name theirs with an enum."""
+    return getattr(dataset.name, "value", dataset.name)

@@ -1,0 +1,111 @@
+"""Which models train on which data, and for which task: checked before anything is built.
+
+Image models classify images; gpt models predict the next token. The task (``task=``) follows
+from the dataset unless the dataset is the user's own; the user's own model fits either task.
+"""
+
+from __future__ import annotations
+
+from amp_exp.config.datasets import (
+    TOKEN_DATASETS,
+    TOKENIZER_VOCAB,
+    CustomDatasetConfig,
+    DatasetName,
+    ImageDatasetConfig,
+    SyntheticTokensConfig,
+    TextDatasetConfig,
+    dataset_name,
+)
+from amp_exp.config.schema import (
+    CustomModelConfig,
+    GPTConfig,
+    RunConfig,
+    TaskName,
+)
+from amp_exp.errors import ConfigError
+
+IMAGE_DATASETS = ", ".join(name.value for name in DatasetName)
+VALID_PAIRINGS = (
+    "valid pairings: image models (tiny_cnn, mlp, resnet18, resnet50, torchvision, timm) with "
+    f"image datasets ({IMAGE_DATASETS}); gpt models (gpt_tiny, gpt2_small) with token datasets "
+    "(synthetic_tokens, text); model=custom and dataset=custom with either, by "
+    "task=classification or task=lm"
+)
+
+
+def dataset_task(run: RunConfig) -> TaskName | None:
+    """The task the data is for, or None for the user's own data, which does not say."""
+    if isinstance(run.dataset, ImageDatasetConfig):
+        return TaskName.classification
+    if isinstance(run.dataset, TOKEN_DATASETS):
+        return TaskName.lm
+    return None
+
+
+def model_tasks(run: RunConfig) -> set[TaskName]:
+    if isinstance(run.model, CustomModelConfig):
+        return set(TaskName)
+    return {TaskName.lm} if isinstance(run.model, GPTConfig) else {TaskName.classification}
+
+
+def data_vocab_size(run: RunConfig) -> int | None:
+    dataset = run.dataset
+    if isinstance(dataset, SyntheticTokensConfig):
+        return dataset.vocab_size
+    if isinstance(dataset, TextDatasetConfig):
+        return TOKENIZER_VOCAB[dataset.tokenizer]
+    return dataset.vocab_size if isinstance(dataset, CustomDatasetConfig) else None
+
+
+def check_pairing(run: RunConfig) -> TaskName:
+    """The run's task, after checking that model, data and task fit together."""
+    data_name, model_name = dataset_name(run.dataset), run.model.name
+    implied = dataset_task(run)
+    if run.task is None and implied is None:
+        raise ConfigError(
+            f"dataset={data_name} needs task=classification or task=lm: your data does not say"
+        )
+    task = run.task or implied
+    if implied is not None and task is not implied:
+        raise ConfigError(
+            f"task={task.value} does not fit dataset={data_name}, which is for "
+            f"task={implied.value}; {VALID_PAIRINGS}"
+        )
+    if task not in model_tasks(run):
+        what = "image" if task is TaskName.classification else "token"
+        raise ConfigError(
+            f"model={model_name} cannot train on dataset={data_name} ({what} data, "
+            f"task={task.value}); {VALID_PAIRINGS}"
+        )
+    if isinstance(run.dataset, CustomDatasetConfig):
+        needed = "num_classes" if task is TaskName.classification else "vocab_size"
+        if getattr(run.dataset, needed) is None:
+            raise ConfigError(
+                f"dataset=custom with task={task.value} needs dataset.{needed}=N: the model is "
+                "built for it"
+            )
+    if task is TaskName.lm:
+        _check_token_sizes(run)
+    return task
+
+
+def _check_token_sizes(run: RunConfig) -> None:
+    model, dataset = run.model, run.dataset
+    data_seq_len = getattr(dataset, "seq_len", None)
+    if isinstance(model, GPTConfig):
+        if data_seq_len is not None and data_seq_len > model.seq_len:
+            raise ConfigError(
+                f"dataset.seq_len={data_seq_len} exceeds model.seq_len={model.seq_len}, the "
+                "positions the model has"
+            )
+        vocab = data_vocab_size(run)
+        if model.vocab_size is not None and vocab is not None and model.vocab_size < vocab:
+            raise ConfigError(
+                f"model.vocab_size={model.vocab_size} is smaller than the data's vocabulary "
+                f"({vocab}); set it to at least that, or null to take the data's"
+            )
+    elif isinstance(dataset, TOKEN_DATASETS) and data_seq_len is None:
+        raise ConfigError(
+            f"dataset={dataset_name(dataset)} with model={model.name} needs dataset.seq_len=N "
+            "(only gpt models bring their own)"
+        )

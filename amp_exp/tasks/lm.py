@@ -1,0 +1,79 @@
+"""Next-token prediction: cross-entropy over the vocabulary at every position, and perplexity.
+
+Throughput counts tokens: a sample is one sequence of ``seq_len`` predicted tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from amp_exp.tasks.classification import LossFn
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class LanguageModelTask:
+    unit = "tokens"
+    eval_sum_names = ("loss_sum", "tokens")
+
+    def __init__(
+        self, device: torch.device, seq_len: int, vocab_size: int, loss_fn: LossFn | None = None
+    ) -> None:
+        """``loss_fn(logits, targets)``, on logits flattened to [tokens, vocab], replaces
+        cross-entropy for training (tests inject faults through it)."""
+        self.device = device
+        self.units_per_sample = seq_len
+        self.vocab_size = vocab_size
+        self.loss_fn = loss_fn or F.cross_entropy
+
+    def to_device(self, batch: Batch) -> Batch:
+        # Token data may be stored as int32 (half the memory); embeddings and cross-entropy
+        # index with int64.
+        inputs, targets = batch
+        return (
+            inputs.to(self.device, non_blocking=True).long(),
+            targets.to(self.device, non_blocking=True).long(),
+        )
+
+    def batch_samples(self, batch: Batch) -> int:
+        return batch[0].shape[0]
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        inputs, targets = batch
+        # fp32 logits: under autocast they come out of the head in fp16/bf16, and the loss is a
+        # log-softmax over the whole vocabulary, whose small probabilities low precision loses.
+        logits = model(inputs).float()
+        return self.loss_fn(logits.flatten(0, 1), targets.flatten())
+
+    def eval_sums(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        inputs, targets = batch
+        logits = model(inputs).float()
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        count = torch.tensor(targets.numel(), device=targets.device)
+        return torch.stack([loss_sum.double(), count.double()])
+
+    def eval_metrics(self, totals: list[float]) -> dict[str, float | None]:
+        loss_sum, count = totals
+        if count == 0:
+            return {"eval_loss": None, "eval_perplexity": None}
+        eval_loss = loss_sum / count
+        try:
+            perplexity = math.exp(eval_loss)
+        except OverflowError:  # a diverged run's loss
+            perplexity = math.inf
+        return {"eval_loss": eval_loss, "eval_perplexity": perplexity}
+
+    def output_problem(self, model: nn.Module, batch: Batch) -> str | None:
+        inputs, _ = batch
+        outputs = model(inputs)
+        expected = f"[{inputs.shape[0]}, {inputs.shape[1]}, vocab_size>={self.vocab_size}]"
+        if not isinstance(outputs, torch.Tensor):
+            return f"returns {type(outputs).__name__}, not a tensor of logits {expected}"
+        shape = tuple(outputs.shape)
+        if len(shape) != 3 or shape[:2] != tuple(inputs.shape) or shape[2] < self.vocab_size:
+            return f"returns logits of shape {list(shape)}, expected {expected}"
+        return None

@@ -1,0 +1,290 @@
+"""Token data for language models: a synthetic Markov chain, or text files; both on the device.
+
+A split is one token stream cut into windows of seq_len + 1 tokens that overlap by one, so every
+token but the first is a target exactly once. The windows are views of the stream: the inputs
+are ``windows[:, :-1]``, the targets ``windows[:, 1:]``, and no token is stored twice. Batches
+come from ``DeviceTensorLoader``, so every epoch's order depends only on (seed, epoch) and a
+resumed run continues mid-epoch exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from amp_exp.config.datasets import (
+    TOKENIZER_VOCAB,
+    SyntheticTokensConfig,
+    TextDatasetConfig,
+    Tokenizer,
+)
+from amp_exp.errors import ConfigError
+from amp_exp.tasks.base import DataBundle
+from amp_exp.tasks.sampling import DeviceTensorLoader, check_batch_fits
+
+GPT2_END_OF_TEXT = 50256
+# Bumped whenever the cached token format changes, so stale caches are never read.
+CACHE_VERSION = 1
+CACHE_DIRNAME = ".amp_exp_tokens"
+
+
+def token_facts(vocab_size: int, seq_len: int) -> dict:
+    return {"vocab_size": vocab_size, "seq_len": seq_len}
+
+
+def token_loaders(
+    train_windows: torch.Tensor,
+    eval_windows: torch.Tensor,
+    batch_size: int,
+    eval_batch_size: int | None,
+    seed: int,
+    rank: int,
+    world_size: int,
+) -> tuple[DeviceTensorLoader, DeviceTensorLoader]:
+    """Shuffled training windows sharded over the ranks, and each rank's share of eval."""
+    check_batch_fits(
+        batch_size, len(train_windows), f"the {len(train_windows)} training sequences", world_size
+    )
+    train = DeviceTensorLoader(
+        train_windows[:, :-1],
+        train_windows[:, 1:],
+        batch_size=batch_size,
+        shuffle=True,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+    )
+    mine = eval_windows[rank::world_size]
+    held_out = DeviceTensorLoader(
+        mine[:, :-1],
+        mine[:, 1:],
+        batch_size=eval_batch_size or batch_size,
+        shuffle=False,
+        seed=seed,
+    )
+    return train, held_out
+
+
+# --- synthetic: a sparse random Markov chain -------------------------------------------------
+
+
+def markov_chain(vocab_size: int, branching: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``branching`` successors [V, k] and their probabilities [V, k] (float64).
+
+    Successors are drawn with replacement; a repeated one simply holds the sum of its slots'
+    probabilities. The probabilities are Dirichlet(1) draws.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    successors = torch.randint(vocab_size, (vocab_size, branching), generator=generator)
+    weights = -torch.rand(vocab_size, branching, generator=generator, dtype=torch.float64).log()
+    return successors, weights / weights.sum(dim=1, keepdim=True)
+
+
+def entropy_floor(successors: torch.Tensor, probs: torch.Tensor, seq_len: int) -> float:
+    """The expected loss per target of the best possible model: the true chain itself.
+
+    Sequences start from a uniform token, so position t's token follows p_t = p_0 P^t; the target
+    at t + 1 then costs H(row) nats on average, summed over where the chain stands.
+    """
+    vocab_size = successors.shape[0]
+    # The mass of each slot's token in its row, duplicates merged: sum_j w_j log m(id_j) is then
+    # sum over distinct ids u of m_u log m_u.
+    same = successors.unsqueeze(2) == successors.unsqueeze(1)
+    merged = (same * probs.unsqueeze(1)).sum(dim=2)
+    row_entropy = -(probs * merged.log()).sum(dim=1)
+    marginal = torch.full((vocab_size,), 1 / vocab_size, dtype=torch.float64)
+    total = 0.0
+    for _ in range(seq_len):
+        total += float(marginal @ row_entropy)
+        moved = (marginal.unsqueeze(1) * probs).flatten()
+        marginal = torch.zeros_like(marginal).scatter_add_(0, successors.flatten(), moved)
+    return total / seq_len
+
+
+def sample_chain(
+    successors: torch.Tensor, probs: torch.Tensor, count: int, length: int, seed: int
+) -> torch.Tensor:
+    """``count`` sequences of ``length`` tokens [count, length], int32."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab_size, branching = successors.shape
+    cumulative = probs.cumsum(dim=1)
+    uniform = torch.rand(count, length, generator=generator, dtype=torch.float64)
+    tokens = torch.empty(count, length, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(vocab_size, (count,), generator=generator)
+    for t in range(1, length):
+        current = tokens[:, t - 1]
+        slot = (cumulative[current] < uniform[:, t : t + 1]).sum(dim=1).clamp_(max=branching - 1)
+        tokens[:, t] = successors[current, slot]
+    return tokens.to(torch.int32)
+
+
+def build_synthetic_tokens(
+    cfg: SyntheticTokensConfig,
+    seq_len: int,
+    seed: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+) -> DataBundle:
+    """The chain depends only on ``seed``; the train split (0) and the eval split (1) are
+    different samples of it."""
+    successors, probs = markov_chain(cfg.vocab_size, cfg.branching, seed)
+    splits = [
+        sample_chain(successors, probs, size, seq_len + 1, seed * 1_000_003 + 1 + split).to(device)
+        for split, size in enumerate((cfg.train_size, cfg.eval_size))
+    ]
+    train, held_out = token_loaders(
+        *splits, cfg.batch_size, cfg.eval_batch_size, seed, rank, world_size
+    )
+    floor = entropy_floor(successors, probs, seq_len)
+    return DataBundle(
+        train, held_out, token_facts(cfg.vocab_size, seq_len), recorded={"loss_floor": floor}
+    )
+
+
+# --- text files ----------------------------------------------------------------------------
+
+
+def text_files(path: Path) -> list[Path]:
+    """The file itself, or a folder's .txt files in a fixed (sorted) order."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*.txt") if p.is_file())
+    if not files:
+        raise ConfigError(f"dataset.path={path} holds no .txt files")
+    return files
+
+
+def tiktoken_cache_dir() -> Path | None:
+    """Where tiktoken keeps downloaded files (tiktoken/load.py); None when caching is off."""
+    for variable in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        if variable in os.environ:
+            return Path(os.environ[variable]) if os.environ[variable] else None
+    return Path(tempfile.gettempdir()) / "data-gym-cache"
+
+
+# tiktoken's GPT-2 encoding reads these two files, cached under the SHA-1 of their URL.
+GPT2_FILES = tuple(
+    f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{name}"
+    for name in ("vocab.bpe", "encoder.json")
+)
+
+
+def gpt2_encoding():
+    """tiktoken's GPT-2 encoding, only from files already cached: it never downloads."""
+    try:
+        import tiktoken
+    except ImportError:
+        raise ConfigError(
+            "dataset.tokenizer=gpt2 needs tiktoken: pip install 'amp_exp[text]'"
+        ) from None
+    cache = tiktoken_cache_dir()
+    if cache is None or not all(
+        (cache / hashlib.sha1(url.encode()).hexdigest()).is_file() for url in GPT2_FILES
+    ):
+        raise ConfigError(
+            f"dataset.tokenizer=gpt2: tiktoken's GPT-2 files are not cached in {cache}; on a "
+            "machine with network run python -c \"import tiktoken; tiktoken.get_encoding('gpt2')\""
+            " with TIKTOKEN_CACHE_DIR set, copy that folder here and point TIKTOKEN_CACHE_DIR at "
+            "it (or use dataset.tokenizer=bytes)"
+        )
+    return tiktoken.get_encoding("gpt2")
+
+
+def tokenize(files: list[Path], tokenizer: Tokenizer) -> np.ndarray:
+    """The files' tokens as one uint16 stream; GPT-2 separates files with <|endoftext|>."""
+    if tokenizer is Tokenizer.bytes:
+        return np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8).astype(
+            np.uint16
+        )
+    encoding = gpt2_encoding()
+    stream: list[int] = []
+    for file in files:
+        stream += encoding.encode_ordinary(file.read_text(encoding="utf-8", errors="replace"))
+        stream.append(GPT2_END_OF_TEXT)
+    return np.asarray(stream, dtype=np.uint16)
+
+
+def cache_name(path: Path, files: list[Path], tokenizer: Tokenizer) -> str:
+    """Changes whenever a file is added, removed, resized or touched, or the tokenizer changes."""
+    digest = hashlib.sha1(f"v{CACHE_VERSION} {tokenizer.value}".encode())
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.relative_to(path.parent)} {stat.st_size} {stat.st_mtime_ns}".encode())
+    return f"{path.name}.{tokenizer.value}.{digest.hexdigest()[:16]}.npy"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "amp_exp" / "tokens"
+
+
+def save_atomically(path: Path, tokens: np.ndarray) -> None:
+    """Ranks, or runs of a sweep, that tokenize at once each write their own temporary file;
+    the rename makes one of them the cache, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
+        np.save(handle, tokens)
+    # A temporary file is private (0600); the cache is for everyone who may read the data.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(handle.name, 0o666 & ~umask)
+    os.replace(handle.name, path)
+
+
+def load_text_tokens(cfg: TextDatasetConfig) -> np.ndarray:
+    """The tokens of ``cfg.path``: tokenized once, then read from the cache next to the data
+    (or in ``cfg.cache_dir`` when that folder cannot be written)."""
+    path = Path(cfg.path).expanduser().resolve()
+    files = text_files(path)
+    name = cache_name(path, files, cfg.tokenizer)
+    beside = (path if path.is_dir() else path.parent) / CACHE_DIRNAME / name
+    elsewhere = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    for candidate in (beside, elsewhere / name):
+        if candidate.is_file():
+            return np.load(candidate)
+    tokens = tokenize(files, cfg.tokenizer)
+    try:
+        save_atomically(beside, tokens)
+    except OSError:
+        save_atomically(elsewhere / name, tokens)
+    return tokens
+
+
+def windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[count, seq_len + 1] views of a stream, each starting where the last one's inputs end."""
+    count = (len(tokens) - 1) // seq_len
+    return tokens[: count * seq_len + 1].unfold(0, seq_len + 1, seq_len)
+
+
+def build_text(
+    cfg: TextDatasetConfig,
+    seq_len: int,
+    seed: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+) -> DataBundle:
+    """The last ``eval_fraction`` of the stream is the eval split, the rest trains."""
+    tokens = torch.from_numpy(load_text_tokens(cfg).astype(np.int32))
+    eval_count = math.ceil(len(tokens) * cfg.eval_fraction)
+    splits = tokens[: len(tokens) - eval_count], tokens[len(tokens) - eval_count :]
+    for described, split in zip(("training", "eval"), splits, strict=True):
+        if len(split) <= seq_len:
+            raise ConfigError(
+                f"dataset.path={cfg.path}: its {described} split holds {len(split)} tokens, too "
+                f"few for one sequence of {seq_len} (dataset.seq_len, dataset.eval_fraction)"
+            )
+    train, held_out = token_loaders(
+        *(windows(split.to(device), seq_len) for split in splits),
+        cfg.batch_size,
+        cfg.eval_batch_size,
+        seed,
+        rank,
+        world_size,
+    )
+    return DataBundle(train, held_out, token_facts(TOKENIZER_VOCAB[cfg.tokenizer], seq_len))
