@@ -12,9 +12,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from amp_exp.config.plain import to_plain_dict
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
 from amp_exp.config.store import register_configs
-from amp_exp.config.validate import to_plain_dict, validate
+from amp_exp.config.validate import validate
 from amp_exp.errors import (
     EXIT_CONFIG_ERROR,
     EXPECTED_ERRORS,
@@ -41,7 +42,8 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
 def hydra_main(cfg: DictConfig) -> float | None:
     """One job: validate, train, and return the final loss for sweepers that optimize it."""
-    from amp_exp.run import record_failure, train
+    from amp_exp.results.summary import record_failure
+    from amp_exp.run import train
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)

@@ -7,7 +7,6 @@ and trains its shard; rank 0 alone writes the files and the W&B run, so a job ha
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import signal
 import time
@@ -18,9 +17,9 @@ import torch
 from omegaconf import OmegaConf
 
 from amp_exp.build import Built, attach_diagnostics, build, global_batch_size
+from amp_exp.config.plain import to_plain_dict
 from amp_exp.config.schema import RunConfig
-from amp_exp.config.validate import to_plain_dict
-from amp_exp.errors import ConfigError, RunRefused, RuntimeFault, first_line
+from amp_exp.errors import ConfigError, RunRefused, RuntimeFault
 from amp_exp.results.checkpoint import (
     Checkpointer,
     ShardedCheckpointer,
@@ -30,11 +29,11 @@ from amp_exp.results.checkpoint import (
     load_shards,
     remove_stale_temporaries,
 )
-from amp_exp.results.files import FAILED_ATTEMPT_FILE, METRICS_FILE, SUMMARY_FILE, write_json
+from amp_exp.results.files import METRICS_FILE, SUMMARY_FILE, write_json
 from amp_exp.results.lock import RunDirectoryLock
 from amp_exp.results.loggers import ConsoleLogger, JsonlLogger, Logger, keep_metrics_until
 from amp_exp.results.resume_rules import config_changes, data_position
-from amp_exp.results.summary import Status, make_summary
+from amp_exp.results.summary import Status, completed_summary, make_summary
 from amp_exp.results.wandb_logger import open_wandb_logger
 from amp_exp.runtime.distributed import Distributed, process_group
 from amp_exp.runtime.fsdp import is_sharded, state_template
@@ -129,34 +128,6 @@ def eval_phrase(summary: dict[str, Any]) -> str:
         return f"eval perplexity {summary['eval_perplexity']:.3f}"
     accuracy = summary["eval_acc"]
     return f"eval acc {'-' if accuracy is None else f'{accuracy:.2%}'}"
-
-
-def failure_summary(config: dict[str, Any], error: Exception) -> dict[str, Any]:
-    """What a run that raised leaves in summary.json, so a sweep report can show it as failed."""
-    return make_summary(
-        Status.failed, config, error=f"{type(error).__name__}: {first_line(str(error))}"
-    )
-
-
-def record_failure(output_dir: Path, config: dict[str, Any], error: Exception) -> Path:
-    """Write the failure summary; beside, never over, a completed run's summary.json."""
-    path = output_dir / SUMMARY_FILE
-    if completed_summary(output_dir) is not None:
-        path = output_dir / FAILED_ATTEMPT_FILE
-        log.error(
-            "this run completed before; its summary.json is kept, this failure is in %s", path
-        )
-    write_json(path, failure_summary(config, error))
-    return path
-
-
-def completed_summary(output_dir: Path) -> dict[str, Any] | None:
-    """The run directory's summary.json, if it records a completed run."""
-    try:
-        summary = json.loads((output_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return summary if summary.get("status") == Status.completed.value else None
 
 
 def resume(cfg: RunConfig, built: Built, output_dir: Path) -> bool:

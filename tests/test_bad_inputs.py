@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from amp_exp.config.checks import IMAGE_EXTENSIONS, TORCHVISION_DATA_DIRS
+from amp_exp.config.datasets import DatasetName
 from amp_exp.config.preflight import CONF_DIR, check_overrides
-from amp_exp.config.schema import DatasetName
 from amp_exp.errors import ConfigError, RuntimeFault
 from conftest import FAST, TINY
 

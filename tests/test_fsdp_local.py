@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule
 
-from amp_exp.config.preflight import CONF_DIR, check_overrides
+from amp_exp.config.preflight import check_overrides
 from amp_exp.config.schema import CompileMode, DeviceChoice, Precision, ReduceDtype, Strategy
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
@@ -22,15 +22,11 @@ from amp_exp.run import build, train
 from amp_exp.runtime.blocks import checkpoint_blocks, compile_blocks
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import ShardingDtypes, shard_model
-from amp_exp.tasks.images import EpochShuffleSampler
+from amp_exp.tasks.sampling import EpochShuffleSampler
 from amp_exp.tasks.vision_models import TinyCNN
 from conftest import TINY
 
 FSDP = [*TINY, "trainer.strategy=fsdp2"]
-HAS_GPT = (CONF_DIR / "model" / "gpt_tiny.yaml").is_file()
-needs_gpt = pytest.mark.skipif(
-    not HAS_GPT, reason="model=gpt_tiny comes with the GPT branch, not merged here yet"
-)
 
 
 class Blocks(nn.Module):
@@ -228,7 +224,6 @@ def test_on_another_world_size_the_epoch_goes_on_from_the_samples_trained_on(sav
     assert len(seen & set(rest)) < now * batch
 
 
-# The GPT branch's own shrinking keys are not known here: only trainer keys shrink its runs.
 GPT = [
     "model=gpt_tiny",
     "dataset=synthetic_tokens",
@@ -241,7 +236,6 @@ GPT = [
 ]
 
 
-@needs_gpt
 def test_gpt_blocks_are_each_checkpointed_then_sharded(compose_cfg):
     cfg = validate(compose_cfg(*GPT, "trainer.activation_checkpointing=true", fast=False))
     with process_group(cfg.trainer.device, cfg.trainer.strategy) as alone:
@@ -250,7 +244,6 @@ def test_gpt_blocks_are_each_checkpointed_then_sharded(compose_cfg):
         assert all(isinstance(block, CheckpointWrapper) for block in model.blocks)
 
 
-@needs_gpt
 def test_gpt_with_activation_checkpointing_ends_where_gpt_without_it_does(compose_cfg, tmp_path):
     """Recomputing the blocks changes what the forward keeps, not what training computes."""
     plain = train(validate(compose_cfg(*GPT, fast=False)), tmp_path / "plain")
@@ -262,10 +255,5 @@ def test_gpt_with_activation_checkpointing_ends_where_gpt_without_it_does(compos
     assert checkpointed["eval_loss"] == plain["eval_loss"]
 
 
-@needs_gpt
-def test_the_reduce_sweep_preset_passes_preflight_with_its_own_model():
-    check_overrides(["experiment=fsdp_reduce_sweep"])
-
-
 def test_the_reduce_sweep_preset_passes_preflight_with_an_image_model():
-    check_overrides(["experiment=fsdp_reduce_sweep", "model=tiny_cnn"])
+    check_overrides(["experiment=fsdp_reduce_sweep", "model=tiny_cnn", "dataset=synthetic"])

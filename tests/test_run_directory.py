@@ -15,7 +15,8 @@ import pytest
 from amp_exp.errors import NumericalFault, RunRefused, RuntimeFault
 from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock
 from amp_exp.results.resume_rules import config_changes
-from amp_exp.run import record_failure, train
+from amp_exp.results.summary import record_failure
+from amp_exp.run import train
 from conftest import FAST, TINY, read_jsonl
 
 # 256 samples / batch 16: 16 batches an epoch.

@@ -14,8 +14,13 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from amp_exp.config.datasets import DatasetName, ImageDatasetConfig, TextDatasetConfig
-from amp_exp.config.schema import DatasetConfig, DeviceChoice, RunConfig, WandbMode
+from amp_exp.config.datasets import (
+    DatasetConfig,
+    DatasetName,
+    ImageDatasetConfig,
+    TextDatasetConfig,
+)
+from amp_exp.config.schema import DeviceChoice, RunConfig, WandbMode
 from amp_exp.errors import ConfigError
 
 # WANDB_MODE values that wandb.init accepts, including its legacy spellings.

@@ -388,19 +388,3 @@ def _validate_wandb(wandb: WandbConfig, trainer: TrainerConfig) -> None:
         f"wandb.tags: {long_tags[0] if long_tags else ''!r} is longer than "
         f"{WANDB_TAG_MAX_CHARS} characters",
     )
-
-
-def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config as plain Python types (enums become their values)."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
-
-
-def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A plain config as dotted keys: ``{"model": {"width": 8}}`` -> ``{"model.width": 8}``."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flatten_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from amp_exp.config.validate import flatten_config
+from amp_exp.config.plain import flatten_config
 from amp_exp.report.runs import Run
 
 BASELINE = "fp32"

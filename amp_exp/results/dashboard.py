@@ -12,10 +12,10 @@ from omegaconf import OmegaConf
 from amp_exp.config.datasets import (
     dataset_name,
 )
+from amp_exp.config.plain import to_plain_dict
 from amp_exp.config.schema import (
     RunConfig,
 )
-from amp_exp.config.validate import to_plain_dict
 from amp_exp.runtime.sweep import SweepJob
 
 # The base name already carries these, so a sweep over them adds nothing to it.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from amp_exp.config.validate import flatten_config
+from amp_exp.config.plain import flatten_config
 
 # Sections and keys whose change makes another experiment.
 FIXED = (

@@ -1,4 +1,4 @@
-"""summary.json: one schema for every way a run can end.
+"""summary.json: one schema for every way a run can end, and how a failure is recorded.
 
 A completed, stopped, failed or killed run has the same keys; what a run never measured is null.
 A report can then read any run without guessing which keys exist.
@@ -6,11 +6,18 @@ A report can then read any run without guessing which keys exist.
 
 from __future__ import annotations
 
+import json
+import logging
 import platform
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
+from amp_exp.errors import first_line
+from amp_exp.results.files import FAILED_ATTEMPT_FILE, SUMMARY_FILE, write_json
 from amp_exp.runtime.provenance import git_sha
+
+log = logging.getLogger("amp_exp")
 
 
 class Status(str, Enum):
@@ -127,3 +134,31 @@ def make_summary(status: Status, config: dict[str, Any], **values: Any) -> dict[
     summary.update(values)
     summary.update(status=Status(status).value, config=config)
     return summary
+
+
+def failure_summary(config: dict[str, Any], error: Exception) -> dict[str, Any]:
+    """What a run that raised leaves in summary.json, so a sweep report can show it as failed."""
+    return make_summary(
+        Status.failed, config, error=f"{type(error).__name__}: {first_line(str(error))}"
+    )
+
+
+def record_failure(output_dir: Path, config: dict[str, Any], error: Exception) -> Path:
+    """Write the failure summary; beside, never over, a completed run's summary.json."""
+    path = output_dir / SUMMARY_FILE
+    if completed_summary(output_dir) is not None:
+        path = output_dir / FAILED_ATTEMPT_FILE
+        log.error(
+            "this run completed before; its summary.json is kept, this failure is in %s", path
+        )
+    write_json(path, failure_summary(config, error))
+    return path
+
+
+def completed_summary(output_dir: Path) -> dict[str, Any] | None:
+    """The run directory's summary.json, if it records a completed run."""
+    try:
+        summary = json.loads((output_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("status") == Status.completed.value else None
