@@ -3,7 +3,7 @@
 Usage: torchrun --standalone --nproc_per_node=2 tests/ddp_worker.py OUTPUT_DIR [--inf-at STEP]
 [--inf-in-shard-at STEP] [--signal-at CALL [--stop-signal NAME]] [--die-at CALL] [OVERRIDE ...]
 
-Run as a script, its directory (tests/) is on sys.path, so it imports conftest's helpers.
+Run as a script, its directory (tests/) is on sys.path, so it imports tests/helpers/.
 Faults are injected on rank 1 only. Each rank saves what it ended with to OUTPUT_DIR/rank<r>.pt
 (under FSDP2 the whole model, gathered from the shards), so the test can compare the ranks itself
 rather than trust the run's own check. Also used by tests/test_fsdp.py.
@@ -26,7 +26,7 @@ from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.runtime.fsdp import local, whole
 from amp_exp.training.precision import PrecisionPolicy
-from conftest import inf_loss_at, signal_self_at_call
+from helpers.runs import inf_loss_at, signal_self_at_call
 
 
 def die_at_call(n: int):

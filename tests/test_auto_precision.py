@@ -15,7 +15,8 @@ from amp_exp.tasks.base import DataBundle
 from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.workload import Workload
 from amp_exp.training.auto_precision import choose, resolve_precision, time_candidates
-from conftest import TINY, capability_with, inject_probe
+from helpers.probes import capability_with, inject_probe
+from helpers.runs import TINY
 
 CPU = torch.device("cpu")
 fp32, bf16, fp16 = Precision.fp32, Precision.bf16, Precision.fp16
@@ -46,7 +47,8 @@ def small_workload() -> tuple[Workload, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4))
     batch = (torch.randn(32, 8), torch.randint(4, (32,)))
-    return Workload(ClassificationTask(CPU), DataBundle([batch], []), model, False), batch
+    task = ClassificationTask(CPU, num_classes=4)
+    return Workload(task, DataBundle([batch], []), model, False), batch
 
 
 def test_the_trial_leaves_weights_gradients_buffers_mode_and_rng_untouched(

@@ -22,7 +22,7 @@ from amp_exp.config.checks import IMAGE_EXTENSIONS, TORCHVISION_DATA_DIRS
 from amp_exp.config.datasets import DatasetName
 from amp_exp.config.preflight import CONF_DIR, check_overrides
 from amp_exp.errors import ConfigError, RuntimeFault
-from conftest import FAST, TINY
+from helpers.runs import FAST, TINY
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 BROKEN_YAML = "# @package _global_\nseed: [1,\n"
@@ -61,8 +61,11 @@ BAD_INPUTS = [
     (["seed=-1"], "seed=-1 must lie in [0, 2**32 - 1]"),
     (["seed=4294967296"], "seed=4294967296 must lie in [0, 2**32 - 1]"),
     (["-m", "seed=0,-1"], "seed=-1 must lie in"),
-    (["model=null"], "model=null is not an option; valid choices: mlp, resnet18"),
-    (["-m", "model=mlp,null"], "model=null is not an option; valid choices: mlp"),
+    (
+        ["model=null"],
+        "model=null is not an option; valid choices: custom, gpt2_small, gpt_tiny, mlp",
+    ),
+    (["-m", "model=mlp,null"], "model=null is not an option; valid choices: custom, gpt2_small"),
     (["experiment=null"], "experiment=null is not an option; valid choices: clip_sweep"),
     (["optimizer.lr=inf"], "optimizer.lr=inf must be a finite number"),
     (["optimizer.lr=nan"], "optimizer.lr=nan must be a finite number"),
@@ -258,7 +261,7 @@ def run_bad(workspace: Path, *argv: str, run_dir: str = "run") -> subprocess.Com
     ("argv", "expected"),
     [
         (["seed=-1"], "seed=-1 must lie in [0, 2**32 - 1]"),
-        (["model=null"], "model=null is not an option; valid choices: mlp"),
+        (["model=null"], "model=null is not an option; valid choices: custom"),
         (["--config-dir", "userconf", "experiment=broken"], "broken.yaml: not valid YAML"),
         (["dataset=image_folder", "dataset.root=empty"], "has no class sub-folders"),
         pytest.param(["trainer.device=cuda"], "no CUDA device is available", marks=NO_CUDA),

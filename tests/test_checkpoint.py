@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from amp_exp.errors import NumericalFault, RuntimeFault
 from amp_exp.results.checkpoint import Checkpointer, UnusableCheckpoints, load_newest_valid
 from amp_exp.run import build, train
-from conftest import FAST, read_jsonl, signal_self_at_call
+from helpers.runs import FAST, TINY, read_jsonl, signal_self_at_call
 
-TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=32"]
+# The shared tiny run at batch 32: 256 samples make 8 batches an epoch.
+TINY32 = [*TINY, "dataset.batch_size=32"]
 # 256 samples / batch 32 = 8 batches an epoch; 12 steps cross one epoch boundary.
-EXACT = [*TINY, "trainer.max_steps=12", "trainer.log_every=2", "trainer.eval_every=null"]
+EXACT = [*TINY32, "trainer.max_steps=12", "trainer.log_every=2", "trainer.eval_every=null"]
 TIMING_KEYS = {"samples_per_s", "step_time_ms", "peak_mem_bytes"}
 
 
@@ -116,7 +117,7 @@ def assert_resume_is_exact(run_cfg, tmp_path, overrides: list[str]) -> dict:
 
 
 def test_checkpoint_holds_the_documented_fields(run_cfg, tmp_path) -> None:
-    train(run_cfg(*TINY, "precision=bf16"), tmp_path)
+    train(run_cfg(*TINY32, "precision=bf16"), tmp_path)
     payload = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "scaler", "scheduler", "step", "epoch", "batch_in_epoch"} <= set(
         payload
@@ -128,7 +129,7 @@ def test_checkpoint_holds_the_documented_fields(run_cfg, tmp_path) -> None:
 
 
 def test_keep_prunes_numbered_checkpoints(run_cfg, tmp_path) -> None:
-    train(run_cfg(*TINY, "checkpoint.every_steps=1", "checkpoint.keep=2"), tmp_path)
+    train(run_cfg(*TINY32, "checkpoint.every_steps=1", "checkpoint.keep=2"), tmp_path)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["last.pt", "step_00000003.pt", "step_00000004.pt"]
 
@@ -155,7 +156,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -
 
 
 def test_truncated_newest_checkpoint_falls_back_with_a_warning(run_cfg, tmp_path, caplog) -> None:
-    cfg = [*TINY, "checkpoint.every_steps=2", "checkpoint.keep=1", "trainer.max_steps=6"]
+    cfg = [*TINY32, "checkpoint.every_steps=2", "checkpoint.keep=1", "trainer.max_steps=6"]
     train(run_cfg(*cfg), tmp_path, loss_fn=signal_self_at_call(4))
     last = tmp_path / "checkpoints" / "last.pt"
     last.write_bytes(last.read_bytes()[:100])
@@ -189,10 +190,10 @@ def test_pickled_code_payload_is_refused_and_never_runs(tmp_path, caplog) -> Non
 
 
 def test_resume_in_another_precision_warns_what_is_reset(run_cfg, tmp_path, caplog) -> None:
-    train(run_cfg(*TINY, "precision=fp16", "trainer.max_steps=2"), tmp_path / "a")
+    train(run_cfg(*TINY32, "precision=fp16", "trainer.max_steps=2"), tmp_path / "a")
     with caplog.at_level(logging.WARNING):
         summary = train(
-            run_cfg(*TINY, "precision=bf16", f"resume={tmp_path / 'a'}"), tmp_path / "b"
+            run_cfg(*TINY32, "precision=bf16", f"resume={tmp_path / 'a'}"), tmp_path / "b"
         )
     assert "resuming a fp16 checkpoint in bf16: its GradScaler state is dropped" in caplog.text
     assert summary["steps"] == 4
@@ -218,7 +219,7 @@ def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoin
     run_cfg, tmp_path
 ) -> None:
     cfg = run_cfg(
-        *TINY,
+        *TINY32,
         "precision=fp16",
         "precision.max_consecutive_skips=5",
         "precision.min_scale=1e-30",
@@ -237,13 +238,13 @@ def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoin
 
 
 def test_fp16_scale_below_min_scale_stops_the_run(run_cfg) -> None:
-    cfg = run_cfg(*TINY, "precision=fp16", "precision.init_scale=4", "precision.min_scale=1")
+    cfg = run_cfg(*TINY32, "precision=fp16", "precision.init_scale=4", "precision.min_scale=1")
     with pytest.raises(NumericalFault, match=r"at step 3: loss scale 0\.5 fell below"):
         build(cfg, loss_fn=inf_after(0)).engine.fit(lambda row: None)
 
 
 def test_nan_loss_in_bf16_is_skipped_and_leaves_the_weights(run_cfg) -> None:
-    built = build(run_cfg(*TINY, "precision=bf16", "trainer.max_steps=2"), inf_after(0))
+    built = build(run_cfg(*TINY32, "precision=bf16", "trainer.max_steps=2"), inf_after(0))
     before = [p.detach().clone() for p in built.model.parameters()]
     result = built.engine.fit(lambda row: None)
     assert result.progress.skipped_steps == 2
@@ -251,7 +252,7 @@ def test_nan_loss_in_bf16_is_skipped_and_leaves_the_weights(run_cfg) -> None:
 
 
 def test_nan_loss_in_fp32_with_stop_stops(run_cfg) -> None:
-    built = build(run_cfg(*TINY, "trainer.on_nonfinite=stop"), inf_after(1))
+    built = build(run_cfg(*TINY32, "trainer.on_nonfinite=stop"), inf_after(1))
     with pytest.raises(NumericalFault, match="non-finite gradients at step 2 in fp32"):
         built.engine.fit(lambda row: None)
 
@@ -264,7 +265,7 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path) -> None:
             "-m",
             "amp_exp",
             *FAST,
-            *TINY,
+            *TINY32,
             f"trainer.max_steps={max_steps}",
             "trainer.log_every=10",
             f"hydra.run.dir={tmp_path}",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, read_jsonl, run_cli
+from helpers.runs import FAST, read_jsonl, run_cli
 
 pytestmark = pytest.mark.slow
 

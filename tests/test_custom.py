@@ -15,7 +15,7 @@ from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import build, train
 from amp_exp.tasks.custom import accepted
-from conftest import FAST_TRAINER, TINY_GPT, TINY_TOKENS
+from helpers.runs import FAST_TRAINER, TINY_GPT, TINY_TOKENS
 
 HELPERS = "helpers.user_code"
 TESTS_DIR = Path(__file__).resolve().parent

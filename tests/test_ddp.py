@@ -12,17 +12,10 @@ import time
 import pytest
 import torch
 
-from conftest import (
-    FAST,
-    TINY,
-    TWO_RANKS,
-    assert_bitwise_equal,
-    inject_probe,
-    read_jsonl,
-    run_worker,
-    torchrun,
-)
-from wandb_records import read_only_run
+from helpers.probes import inject_probe
+from helpers.runs import FAST, TINY, read_jsonl
+from helpers.torchrun import TWO_RANKS, assert_bitwise_equal, run_worker, torchrun
+from helpers.wandb_records import read_only_run
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ from amp_exp.runtime.cache import read_entries, write_entries
 from amp_exp.tasks.vision_models import l2_normalize_function
 from amp_exp.training.auto_precision import CACHE_FILE as AUTO_CACHE_FILE
 from amp_exp.training.diagnostics import FP16_MAX, gradient_ranges, largest_safe_scale
-from conftest import TINY, capability_with, inject_probe, timing_at
+from helpers.probes import capability_with, inject_probe, timing_at
+from helpers.runs import TINY
 
 CPU = torch.device("cpu")
 fp32, bf16, fp16 = Precision.fp32, Precision.bf16, Precision.fp16

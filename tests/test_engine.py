@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from amp_exp.run import build, train
-from conftest import TINY, inf_loss_at, read_jsonl
+from helpers.runs import TINY, inf_loss_at, read_jsonl
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

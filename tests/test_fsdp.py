@@ -11,7 +11,8 @@ import torch.distributed as dist
 from amp_exp.run import build, check_ranks_resumed_alike, resume, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import whole
-from conftest import FAST, TINY, assert_bitwise_equal, read_jsonl, run_worker, torchrun
+from helpers.runs import FAST, TINY, read_jsonl
+from helpers.torchrun import assert_bitwise_equal, run_worker, torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import ShardingDtypes, shard_model
 from amp_exp.tasks.sampling import EpochShuffleSampler
 from amp_exp.tasks.vision_models import TinyCNN
-from conftest import TINY
+from helpers.runs import TINY
 
 FSDP = [*TINY, "trainer.strategy=fsdp2"]
 

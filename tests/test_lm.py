@@ -28,9 +28,9 @@ from amp_exp.tasks.tokens import (
     sample_chain,
 )
 from amp_exp.tasks.workload import build_data
-from conftest import FAST_LM, read_jsonl, signal_self_at_call
+from helpers.runs import FAST_LM, read_jsonl, signal_self_at_call
+from helpers.wandb_records import read_only_run
 from test_checkpoint import assert_same_state, without_timing
-from wandb_records import read_only_run
 
 CPU = torch.device("cpu")
 LM_SUMMARY_KEYS = {

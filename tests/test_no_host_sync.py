@@ -10,7 +10,7 @@ import torch
 
 import amp_exp.training.meters
 from amp_exp.run import build
-from conftest import TINY
+from helpers.runs import TINY
 
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__")
 

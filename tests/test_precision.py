@@ -11,7 +11,7 @@ from amp_exp.config.schema import Precision, PrecisionConfig
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.capability import check_request, pick_fastest
 from amp_exp.training.precision import PrecisionPolicy
-from conftest import capability_with
+from helpers.probes import capability_with
 
 CPU = torch.device("cpu")
 fp32, bf16, fp16 = Precision.fp32, Precision.bf16, Precision.fp16

@@ -26,7 +26,7 @@ from amp_exp.training.stochastic_rounding import (
     StochasticRoundingStep,
     round_to_bf16_stochastically,
 )
-from conftest import FAST, read_jsonl
+from helpers.runs import FAST, read_jsonl
 
 # --- stochastic rounding ------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from amp_exp.config.schema import Precision
 from amp_exp.runtime.cache import cache_dir, read_entries
 from amp_exp.runtime.capability import capability_of
 from amp_exp.runtime.probe import CACHE_FILE, KERNELS, Shapes, cache_key, measure, probe, remember
-from conftest import timing_at
+from helpers.probes import timing_at
 
 CPU = torch.device("cpu")
 TINY_SHAPES = Shapes(matmul=16, conv=(1, 4, 4), attention=(1, 4, 8, 2))

@@ -17,7 +17,7 @@ from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock
 from amp_exp.results.resume_rules import config_changes
 from amp_exp.results.summary import record_failure
 from amp_exp.run import train
-from conftest import FAST, TINY, read_jsonl
+from helpers.runs import FAST, TINY, read_jsonl
 
 # 256 samples / batch 16: 16 batches an epoch.
 SHORT = [*TINY, "trainer.max_steps=4", "trainer.log_every=2"]

@@ -20,7 +20,7 @@ from hydra.core.plugins import Plugins
 from omegaconf import DictConfig
 
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
-from conftest import FAST, TINY, read_jsonl
+from helpers.runs import FAST, TINY, read_jsonl
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, TINY
+from helpers.runs import FAST, TINY
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
 from amp_exp.tasks.tokens import CACHE_DIRNAME, build_text
-from conftest import FAST_TRAINER, TINY_GPT
+from helpers.runs import FAST_TRAINER, TINY_GPT
 
 CPU = torch.device("cpu")
 # A tiny GPT on a text file given as dataset.path.

@@ -17,8 +17,8 @@ from amp_exp.results.dashboard import choice_label, run_config, run_group, run_n
 from amp_exp.results.wandb_logger import WandbLogger, open_wandb_logger, resolve_mode
 from amp_exp.run import train
 from amp_exp.runtime.sweep import SweepJob, sweep_job
-from conftest import TINY, inf_loss_at, read_jsonl, signal_self_at_call
-from wandb_records import read_only_run, read_records, read_run, run_files
+from helpers.runs import TINY, inf_loss_at, read_jsonl, signal_self_at_call
+from helpers.wandb_records import read_only_run, read_records, read_run, run_files
 
 TRAIN_KEYS = {
     "samples",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, run_cli
-from wandb_records import read_only_run
+from helpers.runs import FAST, run_cli
+from helpers.wandb_records import read_only_run
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from amp_exp.report.callback import SweepReport
 from amp_exp.report.runs import find_runs
 from amp_exp.report.wandb_report import WandbReportError, build_page, sweep_page
 from amp_exp.results.files import REPORT_MD, WANDB_RUN_ID_FILE
-from conftest import FAST, run_cli
+from helpers.runs import FAST, run_cli
 from test_report import write_run
 from test_wandb_cli import FAKE_API_KEY, UNREACHABLE_SERVER, env_without_wandb, run_at_terminal
 

@@ -1,0 +1,96 @@
+"""Tiny runs for tests: the shrinking overrides, the CLI, metrics files, injected faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# Small enough for 2 CPU cores, large enough that every code path runs.
+FAST_TRAINER = [
+    "trainer.device=cpu",
+    "trainer.max_steps=4",
+    "trainer.log_every=2",
+    "trainer.timing_warmup_steps=1",
+    "wandb.mode=disabled",
+]
+
+
+FAST = [
+    *FAST_TRAINER,
+    "dataset.train_size=256",
+    "dataset.eval_size=64",
+    "dataset.batch_size=32",
+    "dataset.image_size=16",
+    "dataset.num_workers=0",
+]
+
+
+# A language model the same way: compose with fast=False (FAST's keys are image keys). 64
+# sequences / batch 8 = 8 batches an epoch.
+TINY_GPT = ["model=gpt_tiny", "model.d_model=16", "model.seq_len=16"]
+
+
+TINY_TOKENS = [
+    "dataset=synthetic_tokens",
+    "dataset.vocab_size=32",
+    "dataset.train_size=64",
+    "dataset.eval_size=16",
+    "dataset.batch_size=8",
+]
+
+
+FAST_LM = [*FAST_TRAINER, *TINY_GPT, *TINY_TOKENS]
+
+
+# fp16 autocast on the CPU is 20-60x slower than fp32: keep its runs tiny.
+TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m amp_exp`` as a user runs it; fails the test unless it succeeds."""
+    result = subprocess.run(
+        [sys.executable, "-m", "amp_exp", *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def read_jsonl(path: Path) -> list[dict]:
+
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def inf_loss_at(steps: set[int], accum: int = 1) -> Callable[..., torch.Tensor]:
+    """A loss function that overflows on the given optimizer steps (1-based)."""
+    calls = 0
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        loss = F.cross_entropy(logits, labels)
+        step = (calls - 1) // accum + 1
+        return loss * float("inf") if step in steps else loss
+
+    return loss_fn
+
+
+def signal_self_at_call(n: int, signum: int = signal.SIGUSR1):
+    """A loss function that delivers a preemption signal to this process on its n-th call."""
+    calls = 0
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            os.kill(os.getpid(), signum)
+        return F.cross_entropy(logits, labels)
+
+    return loss_fn

@@ -1,0 +1,41 @@
+"""Two-rank torchrun jobs for tests: start tests/ddp_worker.py and compare what the ranks saved."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# One rank of a torchrun test job (tests/test_ddp.py, tests/test_fsdp.py), and how to start two.
+WORKER = Path(__file__).resolve().parent.parent / "ddp_worker.py"
+
+
+TWO_RANKS = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def torchrun(
+    *args: str, cwd: Path | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """Two ranks under torchrun; fails the test unless the job succeeds."""
+    # One thread per rank: two ranks share the two cores.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*TWO_RANKS, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def run_worker(output_dir: Path, *args: str, restarts: int = 0) -> dict[int, dict]:
+    """Both ranks' final state, as tests/ddp_worker.py saved it."""
+    torchrun(f"--max-restarts={restarts}", str(WORKER), str(output_dir), *args)
+    return {rank: torch.load(output_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)}
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
