@@ -132,9 +132,10 @@ def build(
     hardware = capability.summary(resolved.precision)
     for advice in hardware["advice"]:
         log.warning("%s", advice)
-    peak = (None, None)
+    peak, measured_peak = (None, None), None
     if device.type == "cuda":
         peak = peak_tflops(device_name(device), resolved.precision.value, cfg.trainer.tf32)
+        measured_peak = hardware["measured_peak_tflops"]
     return Built(
         device,
         resolved,
@@ -142,7 +143,7 @@ def build(
         workload.channels_last,
         engine,
         hardware,
-        Utilization(workload.flops_per_token, *peak),
+        Utilization(workload.flops_per_token, *peak, measured_peak),
         data.recorded,
         distributed,
         parallelism=parallelism(distributed, dtypes),

@@ -122,9 +122,15 @@ def test_peak_comes_from_the_table_for_the_device_and_math(name, precision, tf32
 
 
 def test_utilization_turns_tokens_per_second_into_tflops_and_mfu() -> None:
-    assert Utilization(1e9, 100.0, "x").of(50_000.0) == {"tflops": 50.0, "mfu": 0.5}
-    assert Utilization(1e9).of(50_000.0) == {"tflops": 50.0, "mfu": None}
-    assert Utilization().of(50_000.0) == {"tflops": None, "mfu": None}
+    assert Utilization(1e9, 100.0, "x").of(50_000.0) == {
+        "tflops": 50.0,
+        "mfu": 0.5,
+        "mfu_measured": None,
+    }
+    # Against the probe's measured peak too, where one was measured (CUDA).
+    assert Utilization(1e9, 100.0, "x", 80.0).of(50_000.0)["mfu_measured"] == 50.0 / 80.0
+    assert Utilization(1e9).of(50_000.0) == {"tflops": 50.0, "mfu": None, "mfu_measured": None}
+    assert Utilization().of(50_000.0) == {"tflops": None, "mfu": None, "mfu_measured": None}
 
 
 # --- synthetic tokens ------------------------------------------------------------------------

@@ -34,6 +34,7 @@ WANDB_KEYS = {
     "tokens_per_s": "perf/tokens_per_s",
     "tflops": "perf/tflops",
     "mfu": "perf/mfu",
+    "mfu_measured": "perf/mfu_measured",
     "step_time_ms": "perf/step_time_ms",
     "peak_mem_bytes": "perf/peak_mem_bytes",
     "eval_loss": "eval/loss",

@@ -66,6 +66,8 @@ FIELDS = (
     "tflops",
     "mfu",
     "mfu_peak_source",
+    # MFU against the probe's measured matmul peak (CUDA only).
+    "mfu_measured",
     "step_time_ms",
     "peak_mem_bytes",
     "peak_mem_kind",

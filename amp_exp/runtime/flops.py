@@ -112,10 +112,19 @@ class Utilization:
     flops_per_token: float | None = None
     peak_tflops: float | None = None
     peak_source: str | None = None
+    # The probe's matmul rate on this GPU in the run's precision: what the GPU really delivers,
+    # often well below the datasheet (clocks, power limits), so MFU against it tells how much of
+    # the reachable speed the model gets.
+    measured_peak_tflops: float | None = None
 
     def of(self, tokens_per_s: float | None) -> dict[str, float | None]:
         if self.flops_per_token is None or tokens_per_s is None:
-            return {"tflops": None, "mfu": None}
+            return {"tflops": None, "mfu": None, "mfu_measured": None}
         tflops = self.flops_per_token * tokens_per_s / 1e12
-        mfu = None if self.peak_tflops is None else tflops / self.peak_tflops
-        return {"tflops": tflops, "mfu": mfu}
+        return {
+            "tflops": tflops,
+            "mfu": None if self.peak_tflops is None else tflops / self.peak_tflops,
+            "mfu_measured": (
+                None if self.measured_peak_tflops is None else tflops / self.measured_peak_tflops
+            ),
+        }
