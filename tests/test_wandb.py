@@ -1,4 +1,5 @@
-"""W&B logging, read back from the run file that W&B writes offline."""
+"""W&B logging: the logger against a fake ``wandb`` that records its calls, and one run end to end
+through real W&B offline, read back from the run file it writes."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from amp_exp.results.dashboard import choice_label, run_config, run_group, run_n
 from amp_exp.results.wandb_logger import WandbLogger, open_wandb_logger, resolve_mode
 from amp_exp.run import train
 from amp_exp.runtime.sweep import SweepJob, sweep_job
+from helpers.fake_wandb import FakeWandb, install_fake_wandb
 from helpers.runs import TINY, inf_loss_at, read_jsonl, signal_self_at_call
-from helpers.wandb_records import read_only_run, read_records, read_run, run_files
+from helpers.wandb_records import read_only_run, read_run, run_files
 
 TRAIN_KEYS = {
     "samples",
@@ -61,38 +63,58 @@ def test_fp16_run_logs_every_key_at_its_steps_and_the_scale_falls_on_overflow(
     assert run.summary["eval/acc"] == summary["eval_acc"]
     for pattern in ("train/*", "amp/*", "perf/*", "eval/*"):
         assert run.metrics[pattern].step_metric == "samples"
-
-
-def test_run_identity_config_and_what_is_not_uploaded(run_cfg, tmp_path) -> None:
-    cfg = run_cfg("precision=bf16", "wandb.mode=offline", "wandb.tags=[baseline]")
-    train(cfg, tmp_path)
-    run = read_only_run(tmp_path)
-    assert (run.name, run.group, run.job_type) == ("tiny_cnn-bf16-s0", "", "train")
-    assert run.tags == ["tiny_cnn", "bf16", "synthetic", "cpu", "baseline"]
-    assert run.config["precision.name"] == "bf16" and run.config["precision.resolved"] == "bf16"
-    assert run.config["precision.init_scale"] == 65536.0
-    assert run.config["model"] == {"name": "tiny_cnn", "width": 32, "normalize_features": False}
-    assert "precision" not in run.config and "wandb" not in run.config
-    # Metadata (command line, program, host) and code stay home unless turned on.
+    # W&B itself honours the settings that keep metadata (command line, host) and code home.
     assert run.environments == []
     assert not list(tmp_path.glob("wandb/*/files/code")) and not list(tmp_path.rglob("*.patch"))
 
 
-def test_save_metadata_turns_w_and_b_run_metadata_on(run_cfg, tmp_path) -> None:
-    train(run_cfg("wandb.mode=offline", "wandb.save_metadata=true"), tmp_path)
-    environments = read_only_run(tmp_path).environments
-    assert any(env.python and env.program for env in environments)
+def test_a_run_is_named_tagged_and_configured_and_its_id_kept_beside_its_results(
+    run_cfg, tmp_path, monkeypatch
+) -> None:
+    fake = install_fake_wandb(monkeypatch)
+    train(run_cfg("precision=bf16", "wandb.mode=offline", "wandb.tags=[baseline]"), tmp_path)
+    (init,) = fake.called("init")
+    assert (init["mode"], init["name"], init["group"], init["job_type"]) == (
+        "offline",
+        "tiny_cnn-bf16-s0",
+        None,
+        "train",
+    )
+    assert (init["project"], init["dir"], init["reinit"]) == (
+        "amp_exp",
+        str(tmp_path),
+        "finish_previous",
+    )
+    assert init["tags"] == ["tiny_cnn", "bf16", "synthetic", "cpu", "baseline"]
+    config = init["config"]
+    assert config["precision.name"] == "bf16" and config["precision.resolved"] == "bf16"
+    assert config["precision.init_scale"] == 65536.0
+    assert config["model"] == {"name": "tiny_cnn", "width": 32, "normalize_features": False}
+    assert "precision" not in config and "wandb" not in config
+    assert "id" not in init and "resume" not in init  # a fresh start is a new W&B run
+    assert (tmp_path / "wandb_run_id").read_text() == fake.run.id
+    assert fake.run.exit_code == 0 and fake.called("teardown") == [{}]
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_code_and_metadata_are_uploaded_only_when_turned_on(
+    run_cfg, tmp_path, monkeypatch, save
+) -> None:
+    fake = install_fake_wandb(monkeypatch)
+    cfg = run_cfg("wandb.mode=offline", f"wandb.save_code={save}", f"wandb.save_metadata={save}")
+    assert open_wandb_logger(cfg, tmp_path, "fp32", "cpu", 4, None) is not None
+    settings = fake.settings
+    assert (settings.save_code, settings.x_save_requirements) == (save, save)
+    assert (settings.disable_code, settings.disable_git) == (not save, not save)
+    # W&B's metadata holds the command line, the program path, the host and the user name.
+    assert settings.x_disable_meta is not save
+    assert (settings.mode, settings.silent) == ("offline", True)
 
 
 def test_a_log_that_raises_is_reported_once_and_training_goes_on(
     run_cfg, tmp_path, monkeypatch, caplog
 ) -> None:
-    import wandb
-
-    def broken_log(self, *args, **kwargs):
-        raise RuntimeError("the W&B service went away")
-
-    monkeypatch.setattr(wandb.Run, "log", broken_log)
+    fake = install_fake_wandb(monkeypatch, raises={"log": RuntimeError("the service went away")})
     with caplog.at_level(logging.WARNING, logger="amp_exp"):
         summary = train(run_cfg("wandb.mode=offline", "trainer.max_steps=6"), tmp_path)
     assert summary["steps"] == 6
@@ -102,28 +124,45 @@ def test_a_log_that_raises_is_reported_once_and_training_goes_on(
     warnings = [r.getMessage() for r in caplog.records if "W&B" in r.getMessage()]
     assert len(warnings) == 1
     assert "could not log step 2" in warnings[0] and "went away" in warnings[0]
+    assert [call["step"] for call in fake.called("log")] == [2]  # no retry on every row
+    assert fake.called("summary.update") == []  # nor for the summary after a failure
+    assert fake.run.exit_code == 0 and len(fake.called("teardown")) == 1
+
+
+def test_a_finish_that_raises_is_reported_and_w_and_b_still_shut_down(caplog) -> None:
+    fake = FakeWandb(raises={"finish": RuntimeError("timed out")})
+    logger = WandbLogger(fake, fake.init(mode="offline"), log_every=None, total_steps=4)
+    with caplog.at_level(logging.WARNING, logger="amp_exp"):
+        logger.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "W&B: could not finish the run (RuntimeError: timed out); W&B logging stops here, "
+        "metrics.jsonl has every row"
+    ]
+    assert len(fake.called("teardown")) == 1
 
 
 def test_wandb_log_every_thins_train_rows_and_keeps_the_last() -> None:
-    class RecordingRun:
-        def __init__(self) -> None:
-            self.logged: list[tuple[int, dict]] = []
-
-        def define_metric(self, *args, **kwargs) -> None:
-            pass
-
-        def log(self, metrics: dict, step: int) -> None:
-            self.logged.append((step, metrics))
-
-    run = RecordingRun()
-    logger = WandbLogger(wandb=None, run=run, log_every=4, total_steps=10)
+    fake = FakeWandb()
+    run = fake.init(mode="offline")
+    logger = WandbLogger(fake, run, log_every=4, total_steps=10)
     for step, skipped in [(2, 1), (4, 1), (6, 1), (8, 3), (10, 3)]:
         logger.log({"kind": "train", "step": step, "loss": 1.0, "skipped_steps": skipped})
     logger.log({"kind": "eval", "step": 10, "samples": 40, "eval_loss": 2.0, "eval_acc": 0.5})
-    assert [step for step, _ in run.logged] == [4, 8, 10, 10]
-    assert [m["amp/skip_rate"] for _, m in run.logged[:3]] == [0.25, 0.5, 0.0]
-    assert all("amp/scale" not in m for _, m in run.logged)  # no scale outside fp16
-    assert run.logged[-1][1] == {"samples": 40, "eval/loss": 2.0, "eval/acc": 0.5}
+    assert [call["step"] for call in fake.called("log")] == [4, 8, 10, 10]
+    assert [row["amp/skip_rate"] for row in run.history] == [0.25, 0.5, 0.0]
+    assert all("amp/scale" not in row for row in run.history)  # no scale outside fp16
+    assert fake.called("log")[-1]["metrics"] == {"samples": 40, "eval/loss": 2.0, "eval/acc": 0.5}
+
+
+def test_every_metric_group_is_plotted_against_samples() -> None:
+    fake = FakeWandb()
+    run = fake.init(mode="offline")
+    WandbLogger(fake, run, log_every=None, total_steps=4)
+    assert run.metrics["samples"] == {}
+    for pattern in ("train/*", "amp/*", "perf/*", "eval/*"):
+        assert run.metrics[pattern]["step_metric"] == "samples"
+    assert run.metrics["amp/scale"] == {"step_metric": "samples", "summary": "last"}
+    assert run.metrics["perf/peak_mem_bytes"] == {"step_metric": "samples", "summary": "max"}
 
 
 def test_disabled_never_imports_wandb(run_cfg, tmp_path, monkeypatch) -> None:
@@ -258,30 +297,92 @@ def test_the_record_reader_follows_records_across_blocks(tmp_path) -> None:
     assert len(history[-1]["long"]) == 80_000
 
 
-def test_a_resumed_run_continues_the_same_wandb_run(run_cfg, tmp_path) -> None:
+def test_a_resumed_run_continues_the_same_wandb_run(run_cfg, tmp_path, monkeypatch) -> None:
+    fake = install_fake_wandb(monkeypatch)
     overrides = ("wandb.mode=offline", "trainer.max_steps=6", *TINY)
     train(run_cfg(*overrides), tmp_path, loss_fn=signal_self_at_call(3))
     train(run_cfg(*overrides, "resume=auto"), tmp_path)
-    first, second = (read_run(path) for path in run_files(tmp_path))
-    assert first.id == second.id == (tmp_path / "wandb_run_id").read_text()
+    first, second = fake.runs
+    assert "id" not in fake.called("init")[0]
+    assert (fake.called("init")[1]["id"], fake.called("init")[1]["resume"]) == (first.id, "allow")
+    assert second.id == first.id == (tmp_path / "wandb_run_id").read_text()
     assert [row["_step"] for row in first.history] == [2]
     assert [row["_step"] for row in second.history] == [4, 6]
 
 
-def test_amp_health_reaches_the_wandb_summary(run_cfg, tmp_path) -> None:
+def test_amp_health_reaches_the_wandb_summary(run_cfg, tmp_path, monkeypatch) -> None:
+    fake = install_fake_wandb(monkeypatch)
     cfg = run_cfg("precision=fp16", "wandb.mode=offline", "diagnostics.underflow_every=2", *TINY)
     summary = train(cfg, tmp_path, loss_fn=inf_loss_at({3}))
-    run = read_only_run(tmp_path)
+    run = fake.run
     assert run.summary["amp/checks_passed"] is True
     assert run.summary["amp/first_overflow_step"] == 3
     assert run.summary["amp/suggested_init_scale"] == summary["suggested_init_scale"]
+    assert run.summary["perf/state_bytes"] == summary["state_bytes"]
     underflow_rows = [row for row in run.history if "amp/grad_underflow_frac" in row]
     assert [row["_step"] for row in underflow_rows] == [2, 4]
 
 
-def test_a_run_that_raises_is_marked_failed_on_wandb(run_cfg, tmp_path) -> None:
+def test_a_run_that_raises_is_marked_failed_on_wandb(run_cfg, tmp_path, monkeypatch) -> None:
+    fake = install_fake_wandb(monkeypatch)
     cfg = run_cfg("trainer.on_nonfinite=stop", "wandb.mode=offline", *TINY)
     with pytest.raises(NumericalFault):
         train(cfg, tmp_path, loss_fn=inf_loss_at({2}))
-    records = read_records(run_files(tmp_path)[0])
-    assert [r.exit.exit_code for r in records if r.HasField("exit")] == [1]
+    assert fake.run.exit_code == 1
+    assert len(fake.called("teardown")) == 1
+
+
+def test_online_with_a_key_logs_online_and_never_prompts(run_cfg, tmp_path, monkeypatch, caplog):
+    fake = install_fake_wandb(monkeypatch, has_key=True)
+    with caplog.at_level(logging.INFO, logger="amp_exp"):
+        open_wandb_logger(run_cfg("wandb.mode=online"), tmp_path, "fp32", "cpu", 4, None)
+    assert fake.called("login") == [{"prompt": False, "verify": False}]
+    assert [init["mode"] for init in fake.called("init")] == ["online"]
+    assert fake.settings.mode == "online"
+    assert [r.getMessage() for r in caplog.records] == [f"W&B: logging online to {fake.run.url}"]
+
+
+@pytest.mark.parametrize(("mode", "level"), [("online", logging.WARNING), ("auto", logging.INFO)])
+def test_without_a_key_a_run_falls_back_offline_and_warns_only_if_online_was_asked(
+    run_cfg, tmp_path, monkeypatch, caplog, mode, level
+) -> None:
+    fake = install_fake_wandb(monkeypatch, has_key=False)
+    monkeypatch.delenv("WANDB_MODE")
+    with caplog.at_level(logging.INFO, logger="amp_exp"):
+        logger = open_wandb_logger(run_cfg(f"wandb.mode={mode}"), tmp_path, "fp32", "cpu", 4, None)
+    assert logger is not None and logger.run is fake.run
+    assert [init["mode"] for init in fake.called("init")] == ["offline"]
+    sync_dir = fake.run.settings.sync_dir
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (
+            level,
+            "W&B: no API key is configured (set WANDB_API_KEY or run `wandb login`), so logging "
+            f"offline to {sync_dir}; upload it later with `wandb sync {sync_dir}`",
+        )
+    ]
+
+
+def test_an_online_start_that_raises_falls_back_offline_with_a_warning(
+    run_cfg, tmp_path, monkeypatch, caplog
+) -> None:
+    fake = install_fake_wandb(monkeypatch, raises={"init:online": TimeoutError("no answer")})
+    with caplog.at_level(logging.WARNING, logger="amp_exp"):
+        logger = open_wandb_logger(run_cfg("wandb.mode=online"), tmp_path, "fp32", "cpu", 4, None)
+    assert logger is not None and logger.run.mode == "offline"
+    assert [init["mode"] for init in fake.called("init")] == ["online", "offline"]
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith("W&B: could not start online (TimeoutError: no answer), so logging")
+
+
+def test_when_w_and_b_cannot_start_at_all_training_goes_on_without_it(
+    run_cfg, tmp_path, monkeypatch, caplog
+) -> None:
+    fake = install_fake_wandb(monkeypatch, raises={"setup": RuntimeError("bad settings")})
+    with caplog.at_level(logging.WARNING, logger="amp_exp"):
+        summary = train(run_cfg("wandb.mode=offline"), tmp_path)
+    assert summary["steps"] == 4 and (tmp_path / "summary.json").is_file()
+    assert fake.runs == [] and not (tmp_path / "wandb_run_id").exists()
+    warnings = [r.getMessage() for r in caplog.records if "W&B" in r.getMessage()]
+    assert warnings == [
+        "W&B: could not start a run (RuntimeError: bad settings); training goes on without it"
+    ]
