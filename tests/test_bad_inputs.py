@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from amp_exp.config.datasets import DatasetName
 from amp_exp.config.preflight import CONF_DIR, check_overrides
 from amp_exp.errors import ConfigError, RuntimeFault
 from helpers.runs import FAST, TINY
+from helpers.warm_python import python_m
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 BROKEN_YAML = "# @package _global_\nseed: [1,\n"
@@ -242,13 +242,7 @@ def run_bad(workspace: Path, *argv: str, run_dir: str = "run") -> subprocess.Com
     """``python -m amp_exp`` from ``workspace``; fails the test unless it exits 2 and leaves every
     file outside ``run_dir`` as it was."""
     before = snapshot(workspace)
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp", *argv, f"hydra.run.dir={run_dir}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=workspace,
-    )
+    result = python_m("amp_exp", *argv, f"hydra.run.dir={run_dir}", timeout=300, cwd=workspace)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stdout + result.stderr
     after = {k: v for k, v in snapshot(workspace).items() if not k.startswith(f"{run_dir}/")}

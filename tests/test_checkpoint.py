@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from amp_exp.errors import NumericalFault, RuntimeFault
 from amp_exp.results.checkpoint import Checkpointer, UnusableCheckpoints, load_newest_valid
 from amp_exp.run import build, train
-from helpers.runs import FAST, TINY, read_jsonl, signal_self_at_call
+from helpers.runs import FAST, TINY, read_jsonl, run_cli, signal_self_at_call
 
 # The shared tiny run at batch 32: 256 samples make 8 batches an epoch.
 TINY32 = [*TINY, "dataset.batch_size=32"]
@@ -259,11 +259,8 @@ def test_nan_loss_in_fp32_with_stop_stops(run_cfg) -> None:
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path) -> None:
-    def command(max_steps: int, *extra: str) -> list[str]:
+    def overrides(max_steps: int, *extra: str) -> list[str]:
         return [
-            sys.executable,
-            "-m",
-            "amp_exp",
             *FAST,
             *TINY32,
             f"trainer.max_steps={max_steps}",
@@ -274,7 +271,10 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path) -> None:
 
     # Far more steps than it can run before the signal arrives.
     process = subprocess.Popen(
-        command(1_000_000), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "amp_exp", *overrides(1_000_000)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -289,10 +289,7 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path) -> None:
     assert stopped_at >= 10
 
     finish = (stopped_at // 10 + 3) * 10
-    resumed = subprocess.run(
-        command(finish, "resume=auto"), capture_output=True, text=True, timeout=300
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    run_cli(*overrides(finish, "resume=auto"))
     steps = [r["step"] for r in read_jsonl(metrics) if "loss" in r]
     assert steps == list(range(10, finish + 1, 10))
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from amp_exp.config.datasets import (
@@ -20,6 +17,7 @@ from amp_exp.config.schema import (
 )
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
+from helpers.warm_python import python_m
 
 GROUPS = ("model", "dataset", "optimizer", "scheduler", "precision", "trainer", "wandb", "report")
 # Options that need a value the YAML cannot know, or a partner of the other kind of data.
@@ -169,12 +167,7 @@ def test_preflight_checks_every_value_a_preset_sweeps(monkeypatch) -> None:
 
 
 def test_cli_rejects_bad_value_before_building_anything(tmp_path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp", "precision=fp4", f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = python_m("amp_exp", "precision=fp4", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "amp_exp: error: precision=fp4 is not an option; valid choices: auto, bf16, bf16_true, "

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from amp_exp.errors import ConfigError
 from amp_exp.run import build, train
 from amp_exp.tasks.custom import accepted
 from helpers.runs import FAST_TRAINER, TINY_GPT, TINY_TOKENS
+from helpers.warm_python import python_m
 
 HELPERS = "helpers.user_code"
 TESTS_DIR = Path(__file__).resolve().parent
@@ -213,18 +212,12 @@ def test_cli_trains_a_model_from_a_module_on_pythonpath(tmp_path, task_overrides
     paths = [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     shrink = [] if "dataset=synthetic_tokens" in task_overrides else ["dataset.image_size=8"]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "amp_exp",
-            *FAST_TRAINER,
-            *task_overrides,
-            *shrink,
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
+    result = python_m(
+        "amp_exp",
+        *FAST_TRAINER,
+        *task_overrides,
+        *shrink,
+        f"hydra.run.dir={tmp_path}",
         timeout=300,
         env=env,
     )
@@ -234,12 +227,8 @@ def test_cli_trains_a_model_from_a_module_on_pythonpath(tmp_path, task_overrides
 
 @pytest.mark.slow
 def test_cli_unimportable_target_exits_2_with_one_line(tmp_path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp", "model=custom", "model._target_=my_pkg.make_model"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
+    result = python_m(
+        "amp_exp", "model=custom", "model._target_=my_pkg.make_model", timeout=120, cwd=tmp_path
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from helpers.probes import inject_probe
 from helpers.runs import FAST, TINY, read_jsonl
 from helpers.torchrun import TWO_RANKS, assert_bitwise_equal, run_worker, torchrun
 from helpers.wandb_records import read_only_run
+from helpers.warm_python import python_m
 
 pytestmark = pytest.mark.slow
 
@@ -145,20 +145,14 @@ def test_stopped_and_resumed_job_ends_where_an_uninterrupted_one_does(tmp_path):
 def test_submitit_tasks_of_one_job_train_data_parallel(tmp_path):
     """tasks_per_node=2 through submitit's local executor: the two tasks of a job are its ranks,
     and every job writes into the sweep directory the launcher made (the default one)."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "amp_exp",
-            "-m",
-            "hydra/launcher=submitit_local",
-            "hydra.launcher.tasks_per_node=2",
-            *DDP_RUN,
-            *TINY,
-            "precision=fp32,bf16",
-        ],
-        capture_output=True,
-        text=True,
+    result = python_m(
+        "amp_exp",
+        "-m",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.tasks_per_node=2",
+        *DDP_RUN,
+        *TINY,
+        "precision=fp32,bf16",
         timeout=300,
         cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from amp_exp.training.auto_precision import CACHE_FILE as AUTO_CACHE_FILE
 from amp_exp.training.diagnostics import FP16_MAX, gradient_ranges, largest_safe_scale
 from helpers.probes import capability_with, inject_probe, timing_at
 from helpers.runs import TINY
+from helpers.warm_python import python_m
 
 CPU = torch.device("cpu")
 fp32, bf16, fp16 = Precision.fp32, Precision.bf16, Precision.fp16
@@ -197,12 +197,7 @@ def test_model_with_the_custom_function_trains_in_fp16(run_cfg, tmp_path) -> Non
 
 
 def doctor(*args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp.doctor", "--device=cpu", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = python_m("amp_exp.doctor", "--device=cpu", *args, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     return result
 

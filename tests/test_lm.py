@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +26,7 @@ from amp_exp.tasks.tokens import (
     sample_chain,
 )
 from amp_exp.tasks.workload import build_data
-from helpers.runs import FAST_LM, read_jsonl, signal_self_at_call
+from helpers.runs import FAST_LM, read_jsonl, run_cli, signal_self_at_call
 from helpers.wandb_records import read_only_run
 from test_checkpoint import assert_same_state, without_timing
 
@@ -338,14 +336,7 @@ def test_report_of_image_runs_has_no_lm_columns(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_cli_lm_run_logs_tokens_per_second_and_perplexity(tmp_path) -> None:
-    common = [sys.executable, "-m", "amp_exp"]
-    ok = subprocess.run(
-        [*common, *FAST_LM, "precision=bf16", f"hydra.run.dir={tmp_path / 'ok'}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert ok.returncode == 0, ok.stderr[-2000:]
+    ok = run_cli(*FAST_LM, "precision=bf16", f"hydra.run.dir={tmp_path / 'ok'}")
     # Hydra's console log goes to stdout.
     assert "tokens/s" in ok.stdout and "eval perplexity" in ok.stdout
     summary = json.loads((tmp_path / "ok" / "summary.json").read_text())

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from amp_exp.training.stochastic_rounding import (
     round_to_bf16_stochastically,
 )
 from helpers.runs import FAST, read_jsonl
+from helpers.warm_python import python_m
 
 # --- stochastic rounding ------------------------------------------------------------------------
 
@@ -145,18 +144,8 @@ def test_fp8_without_torchao_names_the_extra_to_install(run_cfg, compose_cfg, mo
 def test_fp8_on_the_cpu_without_emulation_is_a_one_line_error_with_exit_status_2(
     tmp_path,
 ) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "amp_exp",
-            "precision=fp8",
-            "wandb.mode=disabled",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = python_m(
+        "amp_exp", "precision=fp8", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}", timeout=300
     )
     assert result.returncode == 2
     output = result.stdout + result.stderr

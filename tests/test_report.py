@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import amp_exp.report
 from amp_exp.report import plots
 from amp_exp.report.__main__ import main
 from amp_exp.report.assemble import build_report
+from helpers.warm_python import python_m
 
 MiB = 2**20
 
@@ -217,12 +217,7 @@ def test_a_missing_directory_is_a_one_line_error(tmp_path: Path, capsys) -> None
 @pytest.mark.slow
 def test_report_cli_on_a_directory_without_runs_exits_non_zero(tmp_path: Path) -> None:
     (tmp_path / "empty" / "0").mkdir(parents=True)
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp.report", str(tmp_path / "empty")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = python_m("amp_exp.report", str(tmp_path / "empty"), timeout=120)
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
         f"amp_exp.report: error: no runs under {tmp_path / 'empty'}: found no summary.json; give "

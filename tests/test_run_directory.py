@@ -18,6 +18,7 @@ from amp_exp.results.resume_rules import config_changes
 from amp_exp.results.summary import record_failure
 from amp_exp.run import train
 from helpers.runs import FAST, TINY, read_jsonl
+from helpers.warm_python import python_m
 
 # 256 samples / batch 16: 16 batches an epoch.
 SHORT = [*TINY, "trainer.max_steps=4", "trainer.log_every=2"]
@@ -32,12 +33,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 
 
 def amp_exp_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "amp_exp", *FAST, *overrides, f"hydra.run.dir={run_dir}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return python_m("amp_exp", *FAST, *overrides, f"hydra.run.dir={run_dir}", timeout=300)
 
 
 def test_a_second_process_is_refused_while_the_first_holds_the_directory(tmp_path) -> None:

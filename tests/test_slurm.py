@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from hydra.core.plugins import Plugins
 from omegaconf import DictConfig
 
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
-from helpers.runs import FAST, TINY, read_jsonl
+from helpers.runs import FAST, TINY, read_jsonl, run_cli
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -39,15 +38,7 @@ def amp_exp(*args: str, expect_rc: int = 0, timeout: int = 300) -> subprocess.Co
     # One torch thread per job: on a busy 2-core machine, two threads per tiny job ran up to 20x
     # slower (each step waits for whichever thread was descheduled), and timings here matter.
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    assert result.returncode == expect_rc, result.stderr[-3000:]
-    return result
+    return run_cli(*args, expect_rc=expect_rc, timeout=timeout, env=env)
 
 
 # --- the pieces ----------------------------------------------------------------------------------

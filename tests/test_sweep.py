@@ -4,27 +4,17 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.runs import FAST, TINY
+from helpers.runs import FAST, TINY, run_cli
 
 pytestmark = pytest.mark.slow
 
 # TINY without model.width, so that a sweep can cross tiny_cnn with mlp.
 SMALL = [*FAST, "dataset.image_size=8", "dataset.batch_size=16"]
 PLOTS = ("loss_curves.png", "loss_scale.png", "throughput.png", "peak_memory.png")
-
-
-def sweep(*args: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp", *args], capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == expect_rc, result.stderr[-3000:]
-    return result
 
 
 def summaries(sweep_dir: Path) -> dict[str, dict]:
@@ -51,7 +41,9 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
-    sweep("-m", *SMALL, "precision=fp32,fp16", "model=tiny_cnn,mlp", f"hydra.sweep.dir={tmp_path}")
+    run_cli(
+        "-m", *SMALL, "precision=fp32,fp16", "model=tiny_cnn,mlp", f"hydra.sweep.dir={tmp_path}"
+    )
     jobs = summaries(tmp_path)
     assert len(jobs) == 4
     report = json.loads((tmp_path / "report.json").read_text())
@@ -88,7 +80,7 @@ def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
 
 def test_a_failed_job_is_reported_failed_and_the_others_still_count(tmp_path: Path) -> None:
     # Jobs with a learning rate of 1e30 diverge at step 2 and stop: they fail once they train.
-    result = sweep(
+    result = run_cli(
         "-m",
         *FAST,
         "precision=fp32,bf16",
@@ -118,7 +110,7 @@ def test_a_failed_job_is_reported_failed_and_the_others_still_count(tmp_path: Pa
 
 
 def test_a_preset_sweeps_without_dash_m(tmp_path: Path) -> None:
-    sweep("experiment=init_scale_sweep", *FAST, *TINY, f"hydra.sweep.dir={tmp_path}")
+    run_cli("experiment=init_scale_sweep", *FAST, *TINY, f"hydra.sweep.dir={tmp_path}")
     jobs = summaries(tmp_path)
     scales = {s["config"]["precision"]["init_scale"]: s for s in jobs.values()}
     assert sorted(scales) == [1024.0, 65536.0, 16777216.0, 4294967296.0]
@@ -135,7 +127,7 @@ def test_a_preset_sweeps_without_dash_m(tmp_path: Path) -> None:
 
 def test_joblib_launcher_runs_jobs_in_parallel_and_reports_them(tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
-    sweep(
+    run_cli(
         "-m",
         *FAST,
         "hydra/launcher=joblib",

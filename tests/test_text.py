@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ from amp_exp.errors import ConfigError
 from amp_exp.run import train
 from amp_exp.tasks.tokens import CACHE_DIRNAME, build_text
 from helpers.runs import FAST_TRAINER, TINY_GPT
+from helpers.warm_python import python_m
 
 CPU = torch.device("cpu")
 # A tiny GPT on a text file given as dataset.path.
@@ -101,18 +100,12 @@ def test_gpt2_tokenizer_without_its_cached_files_says_how_to_get_them(
 def test_cli_without_the_gpt2_files_exits_2_with_one_line(tmp_path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(SENTENCE * 20)
-    missing = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "amp_exp",
-            *FAST_TEXT,
-            f"dataset.path={corpus}",
-            "dataset.tokenizer=gpt2",
-            f"hydra.run.dir={tmp_path / 'missing'}",
-        ],
-        capture_output=True,
-        text=True,
+    missing = python_m(
+        "amp_exp",
+        *FAST_TEXT,
+        f"dataset.path={corpus}",
+        "dataset.tokenizer=gpt2",
+        f"hydra.run.dir={tmp_path / 'missing'}",
         timeout=300,
         env={**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty")},
     )

@@ -14,6 +14,7 @@ import pytest
 
 from helpers.runs import FAST, run_cli
 from helpers.wandb_records import read_only_run
+from helpers.warm_python import python_m
 
 pytestmark = pytest.mark.slow
 
@@ -121,13 +122,7 @@ def test_unreachable_server_falls_back_within_the_timeout_and_keeps_the_key_out(
         tmp_path / "home", WANDB_API_KEY=FAKE_API_KEY, WANDB_BASE_URL=UNREACHABLE_SERVER
     )
     args = [*FAST, "wandb.mode=online", "wandb.init_timeout=3", f"hydra.run.dir={out}"]
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    result = python_m("amp_exp", *args, env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     seconds, wandb_lines = wandb_start_seconds((out / "train.log").read_text())
     assert len(wandb_lines) == 1 and "W&B: could not start online" in wandb_lines[0]

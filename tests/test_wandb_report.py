@@ -27,6 +27,7 @@ from amp_exp.report.runs import find_runs
 from amp_exp.report.wandb_report import WandbReportError, build_page, sweep_page
 from amp_exp.results.files import REPORT_MD, WANDB_RUN_ID_FILE
 from helpers.runs import FAST, run_cli
+from helpers.warm_python import python_m
 from test_report import write_run
 from test_wandb_cli import FAKE_API_KEY, UNREACHABLE_SERVER, env_without_wandb, run_at_terminal
 
@@ -272,13 +273,7 @@ def report_cli(root: Path, home: Path, **env: str) -> tuple[subprocess.Completed
     # matplotlib's font cache stays where it is: rebuilding it would print a line and take 3 s.
     env = env_without_wandb(home, MPLCONFIGDIR=matplotlib.get_configdir(), **env)
     started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp.report", str(root), "--wandb"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    result = python_m("amp_exp.report", str(root), "--wandb", timeout=120, env=env)
     return result, time.monotonic() - started
 
 

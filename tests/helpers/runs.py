@@ -6,12 +6,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from helpers.warm_python import python_m
 
 # Small enough for 2 CPU cores, large enough that every code path runs.
 FAST_TRAINER = [
@@ -54,12 +56,13 @@ FAST_LM = [*FAST_TRAINER, *TINY_GPT, *TINY_TOKENS]
 TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
 
 
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python -m amp_exp`` as a user runs it; fails the test unless it succeeds."""
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp", *args], capture_output=True, text=True, timeout=timeout
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+def run_cli(
+    *args: str, expect_rc: int = 0, timeout: int = 300, **where: Any
+) -> subprocess.CompletedProcess:
+    """``python -m amp_exp`` as a user runs it (from a warm interpreter: helpers/warm_python.py);
+    fails the test unless it exits with ``expect_rc``. ``where``: ``cwd``, ``env``."""
+    result = python_m("amp_exp", *args, timeout=timeout, **where)
+    assert result.returncode == expect_rc, result.stderr[-3000:]
     return result
 
 
