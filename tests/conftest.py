@@ -3,18 +3,19 @@ the real config composed from conf/ and shrunk. Shared helpers live in tests/hel
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from helpers.probes import inject_probe
-from helpers.runs import FAST
+from helpers.runs import FAST, OFFLINE_SWEEP_LRS, composed, run_cli
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -22,39 +23,43 @@ def _registered_schemas() -> None:
     register_configs()
 
 
-@pytest.fixture(autouse=True)
-def _wandb_kept_local(monkeypatch, tmp_path_factory) -> None:
+@pytest.fixture(scope="session", autouse=True)
+def _wandb_kept_local(tmp_path_factory) -> Iterator[None]:
     """No test, nor any subprocess it starts, reaches W&B or the user's W&B files by accident.
 
-    Tests that want W&B set wandb.mode explicitly, which wins over WANDB_MODE.
+    Tests that want W&B set wandb.mode explicitly, which wins over WANDB_MODE. Session-wide, so
+    that module-scoped fixtures (one job read by several tests) run under it too.
     """
-    monkeypatch.setenv("WANDB_MODE", "disabled")
     wandb_home = tmp_path_factory.getbasetemp() / "wandb_home"
-    for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(variable, str(wandb_home))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_MODE", "disabled")
+        for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+            env.setenv(variable, str(wandb_home))
+        yield
 
 
-@pytest.fixture(autouse=True)
-def _measurements_kept_local(monkeypatch, tmp_path_factory) -> None:
+@pytest.fixture(scope="session", autouse=True)
+def _measurements_kept_local(tmp_path_factory) -> Iterator[None]:
     """No test, nor any subprocess it starts, reads or writes the user's ~/.cache/amp_exp.
 
     The session's cache holds a probe result in which bf16 and fp16 run far slower than fp32, so
     precision=auto picks fp32 without timing anything, whatever this machine's speed. Tests of the
     probe and of the trial point XDG_CACHE_HOME at their own tmp_path.
     """
-    cache_home = tmp_path_factory.getbasetemp() / "xdg_cache"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
-    if not cache_home.exists():
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg_cache"))
         inject_probe({"fp32": 1.0, "bf16": 0.05, "fp16": 0.02})
+        yield
 
 
 @pytest.fixture
 def compose_cfg() -> Callable[..., DictConfig]:
-    """Compose the real config from conf/, shrunk to CPU and a few steps, plus ``overrides``."""
+    """Compose the real config from conf/, shrunk to CPU and a few steps, plus ``overrides``.
+
+    Each caller gets a copy of its own to change (helpers.runs.composed)."""
 
     def _compose(*overrides: str, fast: bool = True) -> DictConfig:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(CONFIG_NAME, overrides=[*(FAST if fast else []), *overrides])
+        return copy.deepcopy(composed((*(FAST if fast else []), *overrides)))
 
     return _compose
 
@@ -65,3 +70,19 @@ def run_cfg(compose_cfg) -> Callable[..., RunConfig]:
         return validate(compose_cfg(*overrides))
 
     return _run_cfg
+
+
+@pytest.fixture(scope="session")
+def offline_wandb_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A three-job learning-rate sweep that logged to W&B offline and asked for a W&B Report;
+    read by the W&B CLI tests and the W&B Report tests. Returns its directory and the command."""
+    sweep_dir = tmp_path_factory.mktemp("offline_wandb_sweep")
+    result = run_cli(
+        "-m",
+        *FAST,
+        "wandb.mode=offline",
+        "report.wandb=true",
+        f"optimizer.lr={','.join(OFFLINE_SWEEP_LRS)}",
+        f"hydra.sweep.dir={sweep_dir}",
+    )
+    return sweep_dir, result

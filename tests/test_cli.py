@@ -88,12 +88,6 @@ def test_fp16_run_logs_the_loss_scale(tmp_path: Path) -> None:
     assert scales == [1024.0] * 2
 
 
-def test_multirun_gives_each_job_its_own_results(tmp_path: Path) -> None:
-    run_cli("-m", *FAST, "precision=fp32,bf16", f"hydra.sweep.dir={tmp_path}")
-    summaries = [json.loads((tmp_path / str(i) / "summary.json").read_text()) for i in (0, 1)]
-    assert [s["precision"] for s in summaries] == ["fp32", "bf16"]
-
-
 def test_console_script_is_installed() -> None:
     script = shutil.which("amp-exp") or str(Path(sys.executable).parent / "amp-exp")
     result = subprocess.run([script, "precision=fp4"], capture_output=True, text=True, timeout=120)

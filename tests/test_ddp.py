@@ -23,20 +23,37 @@ pytestmark = pytest.mark.slow
 DDP_RUN = [*FAST, "trainer.max_steps=8", "trainer.log_every=2", "scheduler=none"]
 
 
-def test_torchrun_job_writes_one_set_of_results(tmp_path):
-    """The real command line: one run directory whatever each rank's clock says, one
-    metrics.jsonl and summary.json, the global batch in the logs, rank 1's log kept apart."""
-    torchrun("-m", "amp_exp", *DDP_RUN, "precision=bf16", *TINY, "wandb.mode=offline", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def torchrun_job(tmp_path_factory):
+    """One job as users start it, with no run directory given. One eval sample for two ranks:
+    rank 1 evaluates nothing."""
+    workdir = tmp_path_factory.mktemp("torchrun_job")
+    torchrun(
+        "-m",
+        "amp_exp",
+        *DDP_RUN,
+        "precision=bf16",
+        *TINY,
+        "wandb.mode=offline",
+        "dataset.eval_size=1",
+        "trainer.eval_every=2",
+        cwd=workdir,
+    )
+    return workdir
 
-    run_dirs = list((tmp_path / "outputs" / "runs").glob("*/*"))
+
+def test_torchrun_job_writes_one_set_of_results(torchrun_job):
+    """One run directory whatever each rank's clock says, one metrics.jsonl and summary.json,
+    the global batch in the logs, rank 1's log kept apart."""
+    run_dirs = list((torchrun_job / "outputs" / "runs").glob("*/*"))
     assert len(run_dirs) == 1
     run_dir = run_dirs[0]
-    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("summary.json")] == [
-        (run_dir / "summary.json").relative_to(tmp_path)
+    assert [p.relative_to(torchrun_job) for p in torchrun_job.rglob("summary.json")] == [
+        (run_dir / "summary.json").relative_to(torchrun_job)
     ]
-    assert len(list(tmp_path.rglob("metrics.jsonl"))) == 1
+    assert len(list(torchrun_job.rglob("metrics.jsonl"))) == 1
     assert (run_dir / "train.log").is_file() and (run_dir / "train.rank1.log").is_file()
-    assert len(list(tmp_path.rglob("*.wandb"))) == 1
+    assert len(list(torchrun_job.rglob("*.wandb"))) == 1
     wandb_run = read_only_run(run_dir)
     train_rows = [row for row in wandb_run.history if "train/loss" in row]
     assert [(row["_step"], row["samples"]) for row in train_rows] == [
@@ -57,6 +74,14 @@ def test_torchrun_job_writes_one_set_of_results(tmp_path):
     assert rows[-1]["samples"] == 8 * 2 * 16
 
 
+def test_a_rank_without_eval_batches_does_not_hang_the_others(torchrun_job):
+    """Rank 1 had no eval batch at any of the four evaluations, and the sums still add up."""
+    (run_dir,) = (torchrun_job / "outputs" / "runs").glob("*/*")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["eval_acc"] in (0.0, 1.0)
+    assert len([row for row in read_jsonl(run_dir / "metrics.jsonl") if "eval_acc" in row]) == 4
+
+
 def test_under_torchrun_rank_0_times_the_model_and_every_rank_trains_its_choice(
     tmp_path, monkeypatch
 ):
@@ -71,36 +96,35 @@ def test_under_torchrun_rank_0_times_the_model_and_every_rank_trains_its_choice(
     assert ranks[1]["summary"]["precision_reason"] == "auto: as rank 0 chose"
 
 
-def test_a_rank_without_eval_batches_does_not_hang_the_others(tmp_path):
-    """One eval sample for two ranks: rank 1 evaluates nothing, and the sums still add up."""
+@pytest.fixture(scope="module")
+def torchrun_sweep(tmp_path_factory):
+    """A multirun under torchrun, in bf16_true with stochastic rounding: two seeds."""
+    sweep_dir = tmp_path_factory.mktemp("torchrun_sweep")
     torchrun(
         "-m",
         "amp_exp",
-        f"hydra.run.dir={tmp_path}",
+        "-m",
+        f"hydra.sweep.dir={sweep_dir}",
         *DDP_RUN,
         *TINY,
-        "dataset.eval_size=1",
-        "trainer.eval_every=2",
-        timeout=120,
+        "precision=bf16_true",
+        "seed=0,1",
     )
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["eval_acc"] in (0.0, 1.0)
-    assert len([row for row in read_jsonl(tmp_path / "metrics.jsonl") if "eval_acc" in row]) == 4
+    return sweep_dir
 
 
-def test_a_sweep_under_torchrun_runs_every_job_data_parallel(tmp_path):
+def test_a_sweep_under_torchrun_runs_every_job_data_parallel(torchrun_sweep):
     """Each job of the multirun opens a process group of its own; rank 0 writes the report."""
-    torchrun("-m", "amp_exp", "-m", f"hydra.sweep.dir={tmp_path}", *DDP_RUN, *TINY, "seed=0,1")
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = json.loads((torchrun_sweep / "report.json").read_text())
     assert [(row["status"], row["world_size"]) for row in report["runs"]] == [("completed", 2)] * 2
 
 
-def test_bf16_true_with_stochastic_rounding_keeps_the_replicas_identical(tmp_path):
+def test_bf16_true_with_stochastic_rounding_keeps_the_replicas_identical(torchrun_sweep):
     """Every rank seeds torch's generator alike and draws the same rounding bits, and the
     rounding never swaps a parameter's tensor, so DDP's gradient hooks keep firing."""
-    torchrun("-m", "amp_exp", *DDP_RUN, "precision=bf16_true", *TINY, cwd=tmp_path)
-    (summary,) = tmp_path.rglob("summary.json")
-    assert json.loads(summary.read_text())["replicas_identical"] is True
+    for job in ("0", "1"):
+        summary = json.loads((torchrun_sweep / job / "summary.json").read_text())
+        assert (summary["precision"], summary["replicas_identical"]) == ("bf16_true", True)
 
 
 def test_inf_on_one_rank_makes_every_rank_skip(tmp_path):
@@ -118,8 +142,13 @@ def test_inf_on_one_rank_makes_every_rank_skip(tmp_path):
     assert ranks[0]["summary"]["replicas_identical"] is True
 
 
-def test_stopped_and_resumed_job_ends_where_an_uninterrupted_one_does(tmp_path):
-    straight = run_worker(tmp_path / "straight", *DDP_RUN)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Both ranks' state after a job that ran DDP_RUN uninterrupted."""
+    return run_worker(tmp_path_factory.mktemp("straight"), *DDP_RUN)
+
+
+def test_stopped_and_resumed_job_ends_where_an_uninterrupted_one_does(tmp_path, straight):
 
     # SIGUSR1 reaches rank 1 alone, during step 3; the ranks agree to stop at log step 4.
     interrupted = tmp_path / "interrupted"
@@ -168,10 +197,9 @@ def test_submitit_tasks_of_one_job_train_data_parallel(tmp_path):
     assert sorted(row["world_size"] for row in report["runs"]) == [2, 2]
 
 
-def test_a_worker_group_that_torchrun_restarts_resumes_where_it_failed(tmp_path):
+def test_a_worker_group_that_torchrun_restarts_resumes_where_it_failed(tmp_path, straight):
     """Rank 1 dies in step 5 of the first attempt; torchrun restarts both ranks, which resume from
     the step-4 checkpoint (and meet in a process group of their own, not the dead one's)."""
-    straight = run_worker(tmp_path / "straight", *DDP_RUN)
     restarted = run_worker(
         tmp_path / "restarted",
         "--die-at",

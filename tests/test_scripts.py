@@ -3,35 +3,29 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers.warm_python import python_m
 
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
-def test_gpu_bench_smoke_writes_both_tables_and_checks_parity(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPTS / "gpu_bench.py"), "--smoke", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_gpu_bench_smoke_writes_both_tables_and_checks_parity(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import gpu_bench
+
+    # Each cell's command from the warm interpreter: the figures don't matter here, the tables do.
+    monkeypatch.setattr(gpu_bench, "run_module", lambda *args: python_m(*args, cwd=gpu_bench.REPO))
+    gpu_bench.main(["--smoke", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "gpu_bench.json").read_text())
     cells = results["images"]
-    assert {(c["precision"], c["channels_last"]) for c in cells} == {
-        ("fp32", False),
-        ("bf16", False),
-        ("fp32", True),
-        ("bf16", True),
-    }
+    assert [(c["precision"], c["channels_last"]) for c in cells] == [("fp32", True), ("bf16", True)]
     assert all(c["samples_per_s"] > 0 for c in cells)
     markdown = (tmp_path / "gpu_bench.md").read_text()
-    assert "| fp32 | False | False |" in markdown and "1.00x" in markdown
+    assert "| fp32 | True | False |" in markdown and "1.00x" in markdown
     assert '"state_dicts_identical": true' in markdown
     lm = results["lm"]
     assert [c["math"] for c in lm] == ["fp32", "bf16"]

@@ -44,8 +44,13 @@ def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
     run_cli(
         "-m", *SMALL, "precision=fp32,fp16", "model=tiny_cnn,mlp", f"hydra.sweep.dir={tmp_path}"
     )
-    jobs = summaries(tmp_path)
-    assert len(jobs) == 4
+    jobs = summaries(tmp_path)  # each job its own directory and results
+    assert sorted((s["model"], s["precision"]) for s in jobs.values()) == [
+        ("mlp", "fp16"),
+        ("mlp", "fp32"),
+        ("tiny_cnn", "fp16"),
+        ("tiny_cnn", "fp32"),
+    ]
     report = json.loads((tmp_path / "report.json").read_text())
     rows = {row["run"]: row for row in report["runs"]}
     table = markdown_rows((tmp_path / "report.md").read_text())

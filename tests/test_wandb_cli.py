@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import FAST, run_cli
+from helpers.runs import FAST, OFFLINE_SWEEP_LRS
 from helpers.wandb_records import read_only_run
 from helpers.warm_python import python_m
 
@@ -77,19 +77,13 @@ def wandb_start_seconds(train_log: str) -> tuple[float, list[str]]:
     return (log_time(wandb_lines[0]) - log_time(before)).total_seconds(), wandb_lines
 
 
-def test_a_multirun_gives_each_job_its_own_run_in_one_group(tmp_path: Path) -> None:
-    lrs = ["0.1", "0.05", "0.02"]
-    run_cli(
-        "-m",
-        *FAST,
-        "wandb.mode=offline",
-        f"optimizer.lr={','.join(lrs)}",
-        f"hydra.sweep.dir={tmp_path}",
-    )
-    runs = [read_only_run(tmp_path / str(job)) for job in range(3)]
-    assert [run.name for run in runs] == [f"tiny_cnn-fp32-lr{lr}-s0" for lr in lrs]
-    assert {run.group for run in runs} == {str(tmp_path)}
-    assert [run.config["optimizer"]["lr"] for run in runs] == [float(lr) for lr in lrs]
+def test_a_multirun_gives_each_job_its_own_run_in_one_group(offline_wandb_sweep) -> None:
+    sweep_dir, _ = offline_wandb_sweep
+    runs = [read_only_run(sweep_dir / str(job)) for job in range(3)]
+    assert [run.name for run in runs] == [f"tiny_cnn-fp32-lr{lr}-s0" for lr in OFFLINE_SWEEP_LRS]
+    assert {run.group for run in runs} == {str(sweep_dir)}
+    lrs = [run.config["optimizer"]["lr"] for run in runs]
+    assert lrs == [float(lr) for lr in OFFLINE_SWEEP_LRS]
     assert all([row["_step"] for row in run.history] == [2, 4] for run in runs)
     assert all(run.kinds[-1] == "exit" for run in runs)
 

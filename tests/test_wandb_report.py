@@ -26,7 +26,6 @@ from amp_exp.report.callback import SweepReport
 from amp_exp.report.runs import find_runs
 from amp_exp.report.wandb_report import WandbReportError, build_page, sweep_page
 from amp_exp.results.files import REPORT_MD, WANDB_RUN_ID_FILE
-from helpers.runs import FAST, run_cli
 from helpers.warm_python import python_m
 from test_report import write_run
 from test_wandb_cli import FAKE_API_KEY, UNREACHABLE_SERVER, env_without_wandb, run_at_terminal
@@ -354,17 +353,10 @@ def test_a_w_and_b_report_that_fails_never_fails_the_sweep(
 
 @pytest.mark.slow
 def test_a_sweep_that_logged_offline_with_report_wandb_exits_0_and_names_the_command(
-    tmp_path: Path,
+    offline_wandb_sweep,
 ) -> None:
-    result = run_cli(
-        "-m",
-        *FAST,
-        "wandb.mode=offline",
-        "report.wandb=true",
-        "precision=fp32,bf16",
-        f"hydra.sweep.dir={tmp_path}",
-    )
-    assert len(list(tmp_path.glob(f"*/{WANDB_RUN_ID_FILE}"))) == 2
-    assert (tmp_path / REPORT_MD).is_file()
+    sweep_dir, result = offline_wandb_sweep
+    assert len(list(sweep_dir.glob(f"*/{WANDB_RUN_ID_FILE}"))) == 3
+    assert (sweep_dir / REPORT_MD).is_file()
     (line,) = [line for line in result.stdout.splitlines() if "W&B report" in line]
-    assert line.endswith(f"`python -m amp_exp.report {tmp_path} --wandb`")
+    assert line.endswith(f"`python -m amp_exp.report {sweep_dir} --wandb`")

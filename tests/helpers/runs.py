@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -12,7 +13,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 
+from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from helpers.warm_python import python_m
 
 # Small enough for 2 CPU cores, large enough that every code path runs.
@@ -52,8 +56,20 @@ TINY_TOKENS = [
 FAST_LM = [*FAST_TRAINER, *TINY_GPT, *TINY_TOKENS]
 
 
+# The learning rates of the session's one offline W&B sweep (conftest.offline_wandb_sweep).
+OFFLINE_SWEEP_LRS = ("0.1", "0.05", "0.02")
+
+
 # fp16 autocast on the CPU is 20-60x slower than fp32: keep its runs tiny.
 TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
+
+
+@functools.cache
+def composed(overrides: tuple[str, ...]) -> DictConfig:
+    """The real config from conf/ with ``overrides``, composed once a session: composing takes
+    a quarter of a second, and conf/ does not change while the tests run. Don't change it."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(CONFIG_NAME, overrides=list(overrides))
 
 
 def run_cli(

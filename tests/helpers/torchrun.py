@@ -9,21 +9,27 @@ from pathlib import Path
 
 import torch
 
+from helpers.warm_python import python_m
+
 # One rank of a torchrun test job (tests/test_ddp.py, tests/test_fsdp.py), and how to start two.
 WORKER = Path(__file__).resolve().parent.parent / "ddp_worker.py"
 
 
-TWO_RANKS = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+TORCHRUN_TWO_RANKS = ["--standalone", "--nproc_per_node=2"]
+TWO_RANKS = [sys.executable, "-m", "torch.distributed.run", *TORCHRUN_TWO_RANKS]
 
 
 def torchrun(
     *args: str, cwd: Path | None = None, timeout: int = 300
 ) -> subprocess.CompletedProcess:
-    """Two ranks under torchrun; fails the test unless the job succeeds."""
+    """Two ranks under torchrun; fails the test unless the job succeeds.
+
+    The launcher comes from the warm interpreter (it only starts and watches the ranks); each
+    rank is a fresh process that torchrun starts, as in any torchrun job."""
     # One thread per rank: two ranks share the two cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [*TWO_RANKS, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    result = python_m(
+        "torch.distributed.run", *TORCHRUN_TWO_RANKS, *args, timeout=timeout, cwd=cwd, env=env
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result

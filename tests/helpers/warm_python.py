@@ -20,11 +20,11 @@ import atexit
 import json
 import os
 import runpy
-import select
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # Third-party only: importing them reads no environment that a test varies.
@@ -40,6 +40,8 @@ PRELOAD = (
     "hydra._internal.hydra",
     "omegaconf",
 )
+# The server's own PYTHONPATH entries, which a child with another PYTHONPATH must not keep.
+_SERVER_PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 # --- the server (runs in its own process) ---------------------------------------------------------
@@ -65,8 +67,6 @@ def _become_the_command(request: dict) -> None:
         opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
-    # The server ignores nothing; a test's own dispositions (SIGINT ignored in a background job)
-    # were inherited when the server started, as a subprocess would inherit them.
     sys.path[:] = _interpreter_path(request["env"].get("PYTHONPATH"))
     sys.argv = [request["module"], *request["args"]]
     threads = request["env"].get("OMP_NUM_THREADS")
@@ -80,7 +80,8 @@ def _become_the_command(request: dict) -> None:
 def _serve() -> None:
     for module in PRELOAD:
         __import__(module)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # Signal dispositions stay the server's, which it inherited from the test process as any
+    # subprocess would (SIGINT stays ignored when the suite runs as a background job).
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -95,18 +96,15 @@ def _serve() -> None:
 
 def _wait(pid: int, timeout: float) -> int | None:
     """The child's exit status as subprocess reports it, or None after killing it at timeout."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        ready, _, _ = select.select([pidfd], [], [], timeout)
-    finally:
-        os.close(pidfd)
-    if not ready:
-        os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) if ready else None
-
-
-_SERVER_PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
 
 
 # --- the client (runs in the test process) --------------------------------------------------------

@@ -1,0 +1,59 @@
+"""The warm interpreter of the CLI tests answers as ``python -m`` would (helpers/warm_python.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.warm_python import python_m
+
+# What a command can see of how it was started, printed one item a line; then exit 3.
+REPORTER = """
+import json, os, sys
+import torch
+print(json.dumps(sys.argv[1:]))
+print(os.getcwd())
+print(sys.path[0], sys.path[1])
+print(os.environ.get("AMP_EXP_TEST_VALUE"), torch.get_num_threads())
+print(__name__, sys.modules["__main__"].__file__ == __file__)
+print("to stderr", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_a_warm_command_sees_what_a_fresh_python_m_sees(tmp_path: Path) -> None:
+    modules, workdir = tmp_path / "modules", tmp_path / "work"
+    modules.mkdir()
+    workdir.mkdir()
+    (modules / "reporter.py").write_text(REPORTER)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(modules),
+        "OMP_NUM_THREADS": "1",
+        "AMP_EXP_TEST_VALUE": "from the test",
+    }
+    args = ("a b", "--flag", "key=value")
+    fresh = subprocess.run(
+        [sys.executable, "-m", "reporter", *args],
+        capture_output=True,
+        text=True,
+        cwd=workdir,
+        env=env,
+        timeout=120,
+    )
+    warm = python_m("reporter", *args, cwd=workdir, env=env, timeout=120)
+    assert (warm.returncode, warm.stdout, warm.stderr) == (3, fresh.stdout, fresh.stderr)
+    assert fresh.stdout.splitlines()[-2:] == ["from the test 1", "__main__ True"]
+
+
+def test_a_warm_command_that_outlives_its_timeout_is_killed(tmp_path: Path) -> None:
+    (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    with pytest.raises(subprocess.TimeoutExpired):
+        python_m("sleeper", env=env, timeout=1)
+    assert python_m("json.tool", "--help").returncode == 0  # the server serves on
