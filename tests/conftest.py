@@ -4,11 +4,13 @@ the real config composed from conf/ and shrunk. Shared helpers live in tests/hel
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import DictConfig
 
 from amp_exp.config.schema import RunConfig
@@ -16,6 +18,14 @@ from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from helpers.probes import inject_probe
 from helpers.runs import FAST, OFFLINE_SWEEP_LRS, composed, run_cli
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Workers share the cores: one torch thread per process, here and in every process a
+        # test starts. Two OpenMP threads per process on a busy core wait on each other.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

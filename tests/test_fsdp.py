@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from amp_exp.run import build, check_ranks_resumed_alike, resume, train
 from amp_exp.runtime.distributed import process_group
@@ -20,21 +22,31 @@ pytestmark = pytest.mark.slow
 FSDP_RUN = [*FAST, *TINY, "trainer.strategy=fsdp2", "scheduler=none"]
 
 
-def test_fsdp2_trains_in_every_precision_with_its_policy(tmp_path):
-    """One sweep under torchrun, a job per precision: each trains sharded, with the dtypes of
-    its policy in summary.json and the report, and a DCP checkpoint of both ranks' shards. One
-    eval sample for two ranks: rank 1 evaluates nothing, and no one waits in a collective."""
+# One eval sample for two ranks: rank 1 evaluates nothing, and no one may wait in a collective.
+SWEEP_EVAL = ["dataset.eval_size=1", "trainer.eval_every=2"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_sweep(tmp_path_factory):
+    """One sweep under torchrun, a job per precision (jobs 0, 1, 2: fp32, bf16, fp16)."""
+    sweep_dir = tmp_path_factory.mktemp("fsdp_sweep")
     torchrun(
         "-m",
         "amp_exp",
         "-m",
-        f"hydra.sweep.dir={tmp_path}",
+        f"hydra.sweep.dir={sweep_dir}",
         *FSDP_RUN,
+        *SWEEP_EVAL,
         "precision=fp32,bf16,fp16",
-        "dataset.eval_size=1",
-        "trainer.eval_every=2",
         timeout=400,
     )
+    return sweep_dir
+
+
+def test_fsdp2_trains_in_every_precision_with_its_policy(fsdp_sweep):
+    """Each job trains sharded, with the dtypes of its policy in summary.json and the report,
+    and a DCP checkpoint of both ranks' shards; rank 1 evaluates nothing, and no one hangs."""
+    tmp_path = fsdp_sweep
     summaries = [json.loads((tmp_path / job / "summary.json").read_text()) for job in "012"]
     assert [(s["precision"], s["param_dtype"], s["reduce_dtype"]) for s in summaries] == [
         ("fp32", "fp32", "fp32"),
@@ -93,28 +105,33 @@ def test_sigterm_then_resume_auto_ends_bit_exact_with_an_uninterrupted_run(tmp_p
     assert [row["step"] for row in rows if "loss" in row] == [2, 4, 6, 8]
 
 
-def test_a_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path, run_cfg):
-    """DCP reshards the two ranks' shards onto one process: the weights load exactly, and the
-    epoch goes on from the samples the two ranks trained on (4 batches each = 8 of one rank)."""
-    two_ranks = run_worker(tmp_path, *FSDP_RUN, "precision=bf16", "trainer.max_steps=4")
+def test_a_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path, run_cfg, fsdp_sweep):
+    """DCP reshards the two ranks' shards onto one process: the weights load exactly (as DCP's
+    own offline reader reads them), and the epoch goes on from the samples the two ranks trained
+    on (4 batches each = 8 of one rank)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(fsdp_sweep / "1", run_dir)  # the bf16 job, which ended at step 4
+    checkpoint = run_dir / "checkpoints" / "step_00000004"
+    dcp_to_torch_save(checkpoint, tmp_path / "offline.pt")
+    saved = torch.load(tmp_path / "offline.pt", weights_only=True)["model"]
 
-    cfg = run_cfg(*TINY, "trainer.strategy=fsdp2", "scheduler=none", "precision=bf16")
+    cfg = run_cfg(*TINY, "trainer.strategy=fsdp2", "scheduler=none", "precision=bf16", *SWEEP_EVAL)
     cfg.trainer.max_steps, cfg.resume = 8, "auto"
     with process_group(cfg.trainer.device, cfg.trainer.strategy) as alone:
         built = build(cfg, distributed=alone)
-        resume(cfg, built, tmp_path)
+        resume(cfg, built, run_dir)
         check_ranks_resumed_alike(built)
         loaded = {name: whole(value) for name, value in built.model.state_dict().items()}
         progress = built.engine.progress
     assert not dist.is_initialized()
-    assert_bitwise_equal(loaded, two_ranks[0]["model"])
+    assert_bitwise_equal(loaded, saved)
     assert (progress.step, progress.epoch, progress.batch_in_epoch) == (4, 0, 8)
 
-    summary = train(cfg, tmp_path)
+    summary = train(cfg, run_dir)
     assert (summary["status"], summary["world_size"], summary["steps"]) == ("completed", 1, 8)
-    assert summary["resumed_from"] == str(tmp_path / "checkpoints" / "step_00000004")
+    assert summary["resumed_from"] == str(checkpoint)
     assert summary["samples_seen"] == 4 * 2 * 16 + 4 * 16
-    assert [row["step"] for row in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in row] == [
+    assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl") if "loss" in row] == [
         2,
         4,
         6,
