@@ -10,7 +10,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from amp_exp.config.plain import to_plain_dict
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
@@ -47,14 +47,18 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
+    validated = None
     try:
-        summary = train(validate(cfg), output_dir, sweep=sweep_job(hydra_cfg))
+        validated = validate(cfg)
+        summary = train(validated, output_dir, sweep=sweep_job(hydra_cfg))
     except Exception as error:
-        # Every run leaves a summary.json, so a sweep report shows this one as failed.
+        # Every run leaves a summary.json, so a sweep report shows this one as failed. Once
+        # validated, the config has what validation inferred (the task).
         rank = worker_rank()
         if (rank is None or rank.is_main) and not isinstance(error, RunRefused):
+            config = cfg if validated is None else OmegaConf.structured(validated)
             try:
-                record_failure(output_dir, to_plain_dict(cfg), error)
+                record_failure(output_dir, to_plain_dict(config), error)
             except RuntimeFault as unrecorded:  # the full disk that failed the run, say
                 log.warning("%s", unrecorded)
         if hydra_cfg.mode == RunMode.MULTIRUN or not isinstance(error, EXPECTED_ERRORS):

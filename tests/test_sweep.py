@@ -103,6 +103,7 @@ def test_a_failed_job_is_reported_failed_and_the_others_still_count(tmp_path: Pa
     assert jobs[job_of["fp32", 1e30]]["error"].startswith(
         "NumericalFault: non-finite gradients at step 2 in fp32"
     )
+    assert {jobs[job]["task"] for job in failed} == {"classification"}  # inferred, not null
     rows = {row["run"]: row for row in json.loads((tmp_path / "report.json").read_text())["runs"]}
     assert {job for job, row in rows.items() if row["status"] == "failed"} == failed
     # bf16 at lr 0.1 is compared with fp32 at lr 0.1, not with the failed fp32 job.

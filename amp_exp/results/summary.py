@@ -114,6 +114,7 @@ def identity(config: dict[str, Any]) -> dict[str, Any]:
         "dataset": _name(config.get("dataset")),
         "optimizer": _name(config.get("optimizer")),
         "seed": config.get("seed"),
+        "task": config.get("task"),
     }
 
 
