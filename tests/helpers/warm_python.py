@@ -9,9 +9,10 @@ the heavy third-party packages, then forks one child per command. The child beco
 ``-m`` does. amp_exp itself is imported afresh in every child, so its import-time behaviour
 (config registration, warnings, errors) is real; only third-party imports are shared.
 
-Use :func:`python_m` where a test wants a command's exit status, output and files. Tests of
-the interpreter's start-up itself, signals sent from outside, terminals and torchrun still start
-a fresh process.
+Use :func:`python_m` where a test wants a command's exit status, output and files. Tests that
+signal a process from outside or give it a terminal start a fresh one, and the processes a
+command starts itself (torchrun's ranks, submitit's tasks, the benchmark's parity sides) are
+fresh as always.
 """
 
 from __future__ import annotations
