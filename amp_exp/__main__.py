@@ -10,9 +10,9 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from amp_exp.config.plain import to_plain_dict
+from amp_exp.config.plain import plain_run_config, to_plain_dict
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
@@ -56,9 +56,9 @@ def hydra_main(cfg: DictConfig) -> float | None:
         # validated, the config has what validation inferred (the task).
         rank = worker_rank()
         if (rank is None or rank.is_main) and not isinstance(error, RunRefused):
-            config = cfg if validated is None else OmegaConf.structured(validated)
+            config = to_plain_dict(cfg) if validated is None else plain_run_config(validated)
             try:
-                record_failure(output_dir, to_plain_dict(config), error)
+                record_failure(output_dir, config, error)
             except RuntimeFault as unrecorded:  # the full disk that failed the run, say
                 log.warning("%s", unrecorded)
         if hydra_cfg.mode == RunMode.MULTIRUN or not isinstance(error, EXPECTED_ERRORS):

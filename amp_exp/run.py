@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from amp_exp.build import Built, attach_diagnostics, build, global_batch_size
-from amp_exp.config.plain import to_plain_dict
+from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
 from amp_exp.errors import ConfigError, RunRefused, RuntimeFault
 from amp_exp.results.checkpoint import (
@@ -47,10 +46,6 @@ from amp_exp.training.meters import state_bytes
 log = logging.getLogger("amp_exp")
 
 
-def plain_config(cfg: RunConfig) -> dict[str, Any]:
-    return to_plain_dict(OmegaConf.structured(cfg))
-
-
 def token_throughput(built: Built, samples_per_s: float | None) -> dict[str, Any]:
     """tokens/s, TFLOP/s and MFU, for a task that counts tokens; nothing for other tasks."""
     task = built.engine.task
@@ -78,7 +73,7 @@ def run_summary(
     progress, device, engine = result.progress, built.device, built.engine
     return make_summary(
         Status.stopped if result.stopped_early else Status.completed,
-        plain_config(cfg),
+        plain_run_config(cfg),
         stop_signal=None if stop_signal is None else stop_signal.name,
         precision=built.resolved.precision.value,
         precision_reason=built.resolved.reason,
@@ -192,7 +187,7 @@ def check_resumable(cfg: RunConfig, built: Built, payload: dict[str, Any]) -> No
     """Refuse, before loading anything, a checkpoint of another experiment, or of another world
     size unless it is sharded (DCP reshards it; the data position is carried over, see
     resume_rules.data_position)."""
-    refused, allowed = config_changes(payload["config"], plain_config(cfg))
+    refused, allowed = config_changes(payload["config"], plain_run_config(cfg))
     if refused:
         raise RunRefused(
             f"resume={cfg.resume}: the checkpoint belongs to another experiment "
@@ -331,7 +326,7 @@ def train_built(
             cfg.checkpoint.every_steps,
             cfg.checkpoint.keep,
             # Each rank's place in the epoch is counted in batches of its own shard.
-            {"world_size": built.engine.world_size, "config": plain_config(cfg)},
+            {"world_size": built.engine.world_size, "config": plain_run_config(cfg)},
             writes=built.is_main,
         )
     loggers, wandb_logger = open_loggers(cfg, built, output_dir, sweep)

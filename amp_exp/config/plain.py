@@ -12,6 +12,11 @@ def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
+def plain_run_config(cfg: Any) -> dict[str, Any]:
+    """A validated config (the RunConfig dataclass) as plain Python types, as ``to_plain_dict``."""
+    return to_plain_dict(OmegaConf.structured(cfg))
+
+
 def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A plain config as dotted keys: ``{"model": {"width": 8}}`` -> ``{"model.width": 8}``."""
     flat: dict[str, Any] = {}

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from amp_exp.config.datasets import (
     dataset_name,
 )
-from amp_exp.config.plain import to_plain_dict
+from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import (
     RunConfig,
 )
@@ -94,7 +92,7 @@ def run_config(
     (build.parallelism) adds the strategy that ran and ``precision.param_dtype``, and replaces
     ``precision.reduce_dtype`` (null: from the precision) with the dtype it resolved to.
     """
-    plain = to_plain_dict(OmegaConf.structured(cfg))
+    plain = plain_run_config(cfg)
     del plain["wandb"]  # how a run is logged is not part of the experiment
     flat = {f"precision.{key}": value for key, value in plain.pop("precision").items()}
     if parallelism is not None:
