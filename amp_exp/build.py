@@ -134,7 +134,7 @@ def build(
         log.warning("%s", advice)
     peak, measured_peak = (None, None), None
     if device.type == "cuda":
-        peak = peak_tflops(device_name(device), resolved.precision.value, cfg.trainer.tf32)
+        peak = peak_tflops(device_name(device), resolved.precision, cfg.trainer.tf32)
         measured_peak = hardware["measured_peak_tflops"]
     return Built(
         device,

@@ -7,11 +7,16 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "amp_exp"
 MAX_LINES = 400
-# Lowest first. A module may import from its own layer or a lower one. The config schema and the
-# errors are leaves every layer may use; the rest of config/ composes and checks configs, which
-# needs the runtime's resolvers and launchers.
+# Lowest first. A module may import from its own layer or a lower one. The config schema, the
+# precision table and the errors are leaves every layer may use; the rest of config/ composes and
+# checks configs, which needs the runtime's resolvers and launchers.
 LAYERS = [
-    ("amp_exp.errors", "amp_exp.config.schema", "amp_exp.config.datasets"),
+    (
+        "amp_exp.errors",
+        "amp_exp.config.schema",
+        "amp_exp.config.datasets",
+        "amp_exp.config.precisions",
+    ),
     ("amp_exp.runtime",),
     ("amp_exp.config",),
     ("amp_exp.tasks",),
@@ -97,6 +102,7 @@ def test_the_schema_and_the_errors_are_leaves() -> None:
     assert graph["amp_exp.errors"] == set()
     assert graph["amp_exp.config.datasets"] == set()
     assert graph["amp_exp.config.schema"] == {"amp_exp.config.datasets"}
+    assert graph["amp_exp.config.precisions"] == {"amp_exp.config.schema"}
 
 
 def test_every_module_is_short_and_says_its_job() -> None:

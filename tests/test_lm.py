@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from amp_exp.config.preflight import check_overrides
-from amp_exp.config.schema import GPTConfig
+from amp_exp.config.schema import GPTConfig, Precision
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
@@ -96,6 +96,9 @@ def test_flops_formula_is_within_10_percent_of_torchs_flop_counter(bias: bool) -
         ("NVIDIA H100 PCIe", "fp16", True, 756),
         ("NVIDIA H100 NVL", "bf16", True, 835),
         ("NVIDIA H200", "bf16", True, 989),
+        # Pure bf16 runs bf16 matmuls: the same peak (it once had no entry, so mfu was null).
+        ("NVIDIA H200", "bf16_true", True, 989),
+        ("NVIDIA H200", "fp8", True, None),
         ("NVIDIA A100-SXM4-80GB", "fp32", True, 156),
         ("NVIDIA A100-SXM4-80GB", "fp32", False, 19.5),
         ("NVIDIA A10G", "bf16", True, 70),
@@ -112,7 +115,7 @@ def test_flops_formula_is_within_10_percent_of_torchs_flop_counter(bias: bool) -
     ],
 )
 def test_peak_comes_from_the_table_for_the_device_and_math(name, precision, tf32, peak) -> None:
-    found, source = peak_tflops(name, precision, tf32)
+    found, source = peak_tflops(name, Precision(precision), tf32)
     assert found == peak
     assert (source is None) == (peak is None)
     if source:

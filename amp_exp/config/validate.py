@@ -28,6 +28,7 @@ from amp_exp.config.datasets import (
     TextDatasetConfig,
 )
 from amp_exp.config.pairing import check_pairing
+from amp_exp.config.precisions import SPECS
 from amp_exp.config.schema import (
     SCHEMAS,
     WANDB_TAG_MAX_CHARS,
@@ -140,12 +141,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         "trainer.channels_last=true cannot run with trainer.strategy=fsdp2, which shards only "
         "contiguous parameters (channels_last convolution weights are not); leave it null",
     )
-    _check(
-        run.trainer.strategy is not Strategy.fsdp2
-        or run.precision.name not in (Precision.bf16_true, Precision.fp8),
-        f"precision={run.precision.name.value} does not run with trainer.strategy=fsdp2 yet, "
-        "whose MixedPrecisionPolicy covers fp32, bf16 and fp16; use trainer.strategy=ddp",
-    )
+    _validate_strategy(run.precision.name, run.trainer.strategy)
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)
     _validate_model(run.model)
@@ -211,6 +207,18 @@ def _validate_fp8(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
         trainer.device is not DeviceChoice.cpu or precision.fp8_emulate,
         "precision=fp8 needs a CUDA GPU with compute capability 8.9+ (trainer.device=cpu); "
         "add precision.fp8_emulate=true to emulate it (slow, not timed)",
+    )
+
+
+def _validate_strategy(precision: Precision, strategy: Strategy) -> None:
+    """The strategies a precision runs under, from the precision table."""
+    if precision is Precision.auto:
+        return
+    runs_under = SPECS[precision].strategies
+    _check(
+        strategy in runs_under,
+        f"precision={precision.value} does not run with trainer.strategy={strategy.value} yet; "
+        f"valid choices: {', '.join(sorted(s.value for s in runs_under))}",
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from amp_exp.config.precisions import PROBED_LOW, spec_of
 from amp_exp.config.schema import Precision
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.hardware import cpu_flags, device_name
@@ -27,7 +28,7 @@ MARGIN = 1.05
 # Measured this many times slower than fp32, a precision is left out of precision=auto's trial.
 RULED_OUT = 2.0
 # In the order a tie is broken: bf16 needs no loss scaling, fp16 does.
-LOW_PRECISIONS = (Precision.bf16, Precision.fp16)
+LOW_PRECISIONS = PROBED_LOW
 CPU_FLAGS_OF_INTEREST = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "amx_fp16")
 
 
@@ -81,10 +82,8 @@ def require_fp8_hardware(device: torch.device, emulate: bool) -> None:
 
 
 def probed_as(precision: Precision) -> Precision | None:
-    """The probed precision whose kernels ``precision`` runs: pure bf16 computes as bf16
-    autocast does; fp8's scaled matmuls are not probed."""
-    probed = Precision.bf16 if precision is Precision.bf16_true else precision
-    return probed if probed in (Precision.fp32, *LOW_PRECISIONS) else None
+    """The probed precision whose kernels ``precision`` runs (the precision table's)."""
+    return spec_of(precision).probed_as
 
 
 def pick_fastest(seconds: Mapping[Precision, float]) -> tuple[Precision, str]:

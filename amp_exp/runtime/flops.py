@@ -12,6 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from amp_exp.config.precisions import spec_of
+from amp_exp.config.schema import Precision
+
 # (words of torch.cuda.get_device_name(), label, {math: dense TFLOP/s}, source). The first entry
 # whose words all occur in the name wins, so variants come before their base model. Whole words:
 # "L4" must not match an L40S, nor "H200" a GH200.
@@ -85,14 +88,16 @@ PEAKS: list[tuple[tuple[str, ...], str, dict[str, float], str]] = [
 ]
 
 
-def peak_math(precision: str, tf32: bool) -> str:
-    """Which peak a run's matmuls can reach: fp32 runs as TF32 when TF32 is allowed."""
-    if precision == "fp32":
-        return "tf32" if tf32 else "fp32"
-    return precision
+def peak_math(precision: Precision, tf32: bool) -> str:
+    """Which peak a run's matmuls can reach (the precision table's): fp32 runs as TF32 when TF32
+    is allowed."""
+    math = spec_of(precision).peak_math
+    return "tf32" if math == "fp32" and tf32 else math
 
 
-def peak_tflops(device_name: str, precision: str, tf32: bool) -> tuple[float | None, str | None]:
+def peak_tflops(
+    device_name: str, precision: Precision, tf32: bool
+) -> tuple[float | None, str | None]:
     """(dense peak TFLOP/s, which peak and where it comes from), or (None, None) if unknown."""
     math = peak_math(precision, tf32)
     for needles, label, peaks, source in PEAKS:

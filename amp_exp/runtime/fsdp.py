@@ -30,10 +30,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from amp_exp.config.precisions import SHORT_NAMES, spec_of
 from amp_exp.config.schema import Precision, ReduceDtype
 from amp_exp.runtime.blocks import model_blocks
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {name: dtype for dtype, name in SHORT_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,11 @@ class ShardingDtypes:
 
     @classmethod
     def for_precision(cls, precision: Precision, reduce: ReduceDtype | None) -> ShardingDtypes:
-        """bf16 and fp16 compute in their dtype and reduce in fp32 (a sum of many low-precision
-        gradients loses their small parts); fp32 needs no policy. ``reduce`` overrides."""
-        return cls(precision.value, "fp32" if reduce is None else reduce.value)
+        """The precision table's FSDP2 dtypes (config.precisions); ``reduce`` overrides the
+        reduction's."""
+        spec = spec_of(precision)
+        param = SHORT_NAMES[spec.fsdp_param_dtype or torch.float32]
+        return cls(param, SHORT_NAMES[spec.fsdp_reduce_dtype] if reduce is None else reduce.value)
 
     @property
     def casts_params(self) -> bool:

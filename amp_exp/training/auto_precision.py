@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_exp.config.precisions import AUTO_CANDIDATES
 from amp_exp.config.schema import Precision, PrecisionConfig, RunConfig
 from amp_exp.runtime.cache import read_entries, write_entries
 from amp_exp.runtime.capability import Capability, ResolvedPrecision, pick_fastest
@@ -38,7 +39,7 @@ CACHE_FILE = "auto_precision.json"
 # Timed passes per candidate, after one untimed warm-up pass each.
 PASSES = 3
 # Indices that every rank reads the same way.
-CHOICES = (Precision.fp32, Precision.bf16, Precision.fp16)
+CHOICES = AUTO_CANDIDATES
 
 
 def resolve_precision(

@@ -15,21 +15,12 @@ import logging
 import torch
 from torch import nn
 
+from amp_exp.config.precisions import spec_of
 from amp_exp.config.schema import Precision, PrecisionConfig
 from amp_exp.runtime.fsdp import whole
 from amp_exp.training.precision_modes import Fp8Conversion, convert_to_fp8, to_bf16_true
 
 log = logging.getLogger(__name__)
-
-# The dtype of the forward's matmuls outside fp8, whether under autocast or (bf16_true) not.
-DTYPES = {
-    Precision.fp32: torch.float32,
-    Precision.fp16: torch.float16,
-    Precision.bf16: torch.bfloat16,
-    Precision.bf16_true: torch.bfloat16,
-    Precision.fp8: torch.bfloat16,
-}
-AUTOCAST = frozenset({Precision.fp16, Precision.bf16, Precision.fp8})
 
 
 class PrecisionPolicy:
@@ -52,15 +43,14 @@ class PrecisionPolicy:
         upcast what the policy means to run in the low dtype. One caster, the policy, as in
         torchtitan; the GradScaler stays.
         """
-        if precision is Precision.auto:
-            raise ValueError("resolve precision=auto first (training.auto_precision)")
+        self.spec = spec_of(precision)
         self.precision = precision
         self.cfg = cfg
         self.device = device
         self.clip_grad_norm = cfg.clip_grad_norm
-        self.dtype = DTYPES[precision]
+        self.dtype = self.spec.compute_dtype
         self.scaler: torch.amp.GradScaler | None = None
-        if precision is Precision.fp16:
+        if self.spec.grad_scaler:
             self.scaler = torch.amp.GradScaler(
                 device.type,
                 init_scale=cfg.init_scale,
@@ -75,12 +65,12 @@ class PrecisionPolicy:
 
     @property
     def uses_autocast(self) -> bool:
-        return self.precision in AUTOCAST and not self.params_cast
+        return self.spec.autocast_dtype is not None and not self.params_cast
 
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype the optimizer updates: fp32 master weights, except in bf16_true."""
-        return torch.bfloat16 if self.precision is Precision.bf16_true else torch.float32
+        return self.spec.weight_dtype
 
     @property
     def stochastic_rounding(self) -> bool:
@@ -112,7 +102,7 @@ class PrecisionPolicy:
     def autocast(self) -> contextlib.AbstractContextManager:
         if not self.uses_autocast:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        return torch.autocast(device_type=self.device.type, dtype=self.spec.autocast_dtype)
 
     def inference(self) -> contextlib.AbstractContextManager:
         """The no-grad mode of evaluation. torchao's Float8Linear fails under inference_mode
