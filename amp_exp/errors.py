@@ -43,5 +43,11 @@ class NumericalFault(RuntimeError):
 EXPECTED_ERRORS = (ConfigError, RuntimeFault, NumericalFault)
 
 
+def require(condition: bool, message: str) -> None:
+    """Raise ``ConfigError(message)`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(message)
+
+
 def first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text

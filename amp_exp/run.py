@@ -30,7 +30,13 @@ from amp_exp.results.checkpoint import (
 )
 from amp_exp.results.files import METRICS_FILE, SUMMARY_FILE, write_json
 from amp_exp.results.lock import RunDirectoryLock
-from amp_exp.results.loggers import ConsoleLogger, JsonlLogger, Logger, keep_metrics_until
+from amp_exp.results.loggers import (
+    ConsoleLogger,
+    JsonlLogger,
+    Logger,
+    describe_eval,
+    keep_metrics_until,
+)
 from amp_exp.results.resume_rules import config_changes, data_position
 from amp_exp.results.summary import Status, completed_summary, make_summary
 from amp_exp.results.wandb_logger import open_wandb_logger
@@ -98,7 +104,8 @@ def run_summary(
         peak_mem_bytes=result.peak_mem_bytes,
         peak_mem_kind="cuda_max_allocated" if device.type == "cuda" else "cpu_peak_rss",
         final_loss=progress.final_loss,
-        **progress.eval,
+        task_metrics=engine.task.metrics.as_dict(),
+        eval_metrics=progress.eval,
         **built.recorded,
         task=cfg.task.value,
         loss_scale=result.loss_scale,
@@ -116,13 +123,6 @@ def run_summary(
 def outcome_phrase(summary: dict[str, Any], unit: str) -> str:
     rate = summary[f"{unit}_per_s"]
     return f"{'-' if rate is None else f'{rate:.0f}'} {unit}/s"
-
-
-def eval_phrase(summary: dict[str, Any]) -> str:
-    if summary["eval_perplexity"] is not None:
-        return f"eval perplexity {summary['eval_perplexity']:.3f}"
-    accuracy = summary["eval_acc"]
-    return f"eval acc {'-' if accuracy is None else f'{accuracy:.2%}'}"
 
 
 def resume(cfg: RunConfig, built: Built, output_dir: Path) -> bool:
@@ -277,7 +277,7 @@ def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob
         parallelism=built.parallelism,
     )
     loggers: list[Logger] = [
-        ConsoleLogger(built.engine.total_steps),
+        ConsoleLogger(built.engine.total_steps, built.engine.task.metrics),
         # A fresh start replaces the rows of an earlier attempt in this directory.
         JsonlLogger(output_dir / METRICS_FILE, append=built.resumed_from is not None),
         *([wandb_logger] if wandb_logger else []),
@@ -375,7 +375,7 @@ def train_built(
         summary["device"],
         outcome_phrase(summary, built.engine.task.unit),
         "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}",
-        eval_phrase(summary),
+        f"eval {describe_eval(summary, built.engine.task.metrics)}",
         output_dir,
     )
     # Under submitit, its SIGUSR2 handler now requeues the job to resume (runtime/signals.py).

@@ -67,7 +67,7 @@ def test_every_option_composes_and_validates(compose_cfg, group: str, option: st
     if group in ("scheduler", "precision"):
         assert section.name.value == SELECTS.get((group, option), option)
     if group == "report":
-        assert section.accuracy_tolerance == 0.5
+        assert section.tolerance is None  # each task's own default
 
 
 def test_group_options_pick_their_schema(run_cfg) -> None:
@@ -122,7 +122,7 @@ def test_defaults_are_the_documented_ones(compose_cfg) -> None:
         (["wandb.project=' '"], "wandb.project must not be empty"),
         ([f"wandb.tags=[ok,{'x' * 65}]"], "is longer than 64 characters"),
         (["wandb.api_key=secret"], "wandb.api_key is not a known key"),
-        (["report.accuracy_tolerance=-1"], "report.accuracy_tolerance must be 0 or more"),
+        (["report.tolerance=-1"], "report.tolerance must be 0 or more"),
         (["report.wandb_timeout=0"], "report.wandb_timeout=0.0 must be positive"),
         (["experiment=init_scale_sweep", "precision.init_scale=8,-2"], "init_scale must be pos"),
     ],

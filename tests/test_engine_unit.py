@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_exp.config.schema import Precision, PrecisionConfig
+from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 from amp_exp.training.engine import Engine
 from amp_exp.training.loop import LoopPlan
 from amp_exp.training.precision import PrecisionPolicy
@@ -20,6 +21,13 @@ class Regression:
     unit = "samples"
     units_per_sample = 1
     eval_sum_names = ("squared_error", "count")
+    metrics = TaskMetrics(
+        (Metric("eval_mse", "mean squared error", ".3g"),),
+        quality="eval_mse",
+        higher_is_better=False,
+        tolerance_unit=ToleranceUnit.relative,
+        default_tolerance=0.05,
+    )
 
     def to_device(self, batch):
         return batch

@@ -12,6 +12,7 @@ import amp_exp.report
 from amp_exp.report import plots
 from amp_exp.report.__main__ import main
 from amp_exp.report.assemble import build_report
+from amp_exp.tasks.classification import ClassificationTask
 from helpers.warm_python import python_m
 
 MiB = 2**20
@@ -41,6 +42,7 @@ def write_run(
         "peak_mem_bytes": peak_mem_bytes,
         "peak_mem_kind": "cpu_peak_rss",
         "final_loss": final_loss,
+        "task_metrics": ClassificationTask.metrics.as_dict(),
         "eval_acc": eval_acc,
         "skipped_steps": skipped_steps,
         "loss_scale": scale,
@@ -86,7 +88,7 @@ def test_each_run_is_compared_with_fp32_of_its_model_and_setting(tmp_path: Path)
     write_run(tmp_path / "3", "mlp", "bf16", 1000.0, 0.70)
     write_run(tmp_path / "10", "tiny_cnn", "fp32", 500.0, 0.80, clip=1.0)
     write_run(tmp_path / "11", "tiny_cnn", "bf16", 1500.0, 0.80, clip=1.0)
-    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
     rows = rows_by_run(report)
     assert rows["2"]["speedup"] == 2.0 and rows["2"]["baseline"] == "0"
     assert rows["2"]["peak_mem_ratio"] == 0.5
@@ -108,22 +110,25 @@ def test_verdict_says_plainly_when_accuracy_falls_outside_the_tolerance(tmp_path
     write_run(tmp_path / "0", "resnet18", "fp32", 100.0, 0.900)
     write_run(tmp_path / "1", "resnet18", "bf16", 190.0, 0.898)
     write_run(tmp_path / "2", "resnet18", "fp16", 200.0, 0.870, skipped_steps=4)
-    (verdict,) = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)["verdicts"]
+    (verdict,) = build_report([tmp_path], tmp_path, tolerance=0.5)["verdicts"]
     assert verdict == (
-        "resnet18: bf16 1.90x faster and 1.00x the memory of fp32, accuracy within 0.5 points "
-        "(-0.20); fp16 2.00x faster and 1.00x the memory of fp32, accuracy 3.00 points below "
-        "fp32, OUTSIDE the 0.5-point tolerance, skipped 4 steps"
+        "resnet18: bf16 1.90x faster and 1.00x the memory of fp32, accuracy -0.20 points vs "
+        "fp32, within ±0.5 points; fp16 2.00x faster and 1.00x the memory of fp32, accuracy "
+        "-3.00 points vs fp32, OUTSIDE ±0.5 points, skipped 4 steps"
     )
-    (lenient,) = build_report([tmp_path], tmp_path, accuracy_tolerance=3.5)["verdicts"]
-    assert "OUTSIDE" not in lenient and "accuracy within 3.5 points (-3.00)" in lenient
+    (lenient,) = build_report([tmp_path], tmp_path, tolerance=3.5)["verdicts"]
+    assert "OUTSIDE" not in lenient and "accuracy -3.00 points vs fp32, within ±3.5" in lenient
     report_md = (tmp_path / "report.md").read_text()
-    assert "accuracy tolerance 3.5 percentage points" in report_md
+    assert "Tolerance: eval_acc ±3.5 points (`report.tolerance`)." in report_md
+    # Without report.tolerance the task's own default judges: 0.5 points for classification.
+    (default,) = build_report([tmp_path], tmp_path)["verdicts"]
+    assert default == verdict
 
 
 def test_verdict_names_a_diverged_run(tmp_path: Path) -> None:
     write_run(tmp_path / "0", "mlp", "fp32", 100.0, 0.10)
     write_run(tmp_path / "1", "mlp", "fp16", 50.0, 0.10, skipped_steps=28, final_loss=float("nan"))
-    (verdict,) = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)["verdicts"]
+    (verdict,) = build_report([tmp_path], tmp_path, tolerance=0.5)["verdicts"]
     assert verdict.endswith("skipped 28 steps, the loss diverged (nan)")
     assert "| 1 | mlp | fp16 | completed | 50.0 | 0.50x |" in (tmp_path / "report.md").read_text()
 
@@ -133,13 +138,13 @@ def test_runs_that_failed_or_stopped_are_shown_and_the_others_still_count(tmp_pa
     write_failed_run(tmp_path / "1", "tiny_cnn", "fp16", "RuntimeError: CUDA out of memory")
     write_run(tmp_path / "2", "tiny_cnn", "bf16", 1200.0, 0.8)
     write_failed_run(tmp_path / "3", "tiny_cnn", "bf16", None, status="stopped")
-    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
     rows = rows_by_run(report)
     assert rows["1"]["status"] == "failed" and rows["1"]["speedup"] is None
     assert rows["2"]["speedup"] == 1.2
     assert report["verdicts"] == [
-        "tiny_cnn: bf16 1.20x faster and 1.00x the memory of fp32, accuracy within 0.5 points "
-        "(+0.00); bf16 stopped; fp16 failed (RuntimeError: CUDA out of memory)"
+        "tiny_cnn: bf16 1.20x faster and 1.00x the memory of fp32, accuracy +0.00 points vs "
+        "fp32, within ±0.5 points; bf16 stopped; fp16 failed (RuntimeError: CUDA out of memory)"
     ]
     report_md = (tmp_path / "report.md").read_text()
     assert "4 runs (2 completed, 1 failed, 1 stopped)" in report_md
@@ -150,7 +155,7 @@ def test_runs_that_failed_or_stopped_are_shown_and_the_others_still_count(tmp_pa
 def test_without_a_completed_fp32_run_the_verdict_says_so(tmp_path: Path) -> None:
     write_failed_run(tmp_path / "0", "mlp", "fp32", "ConfigError: no")
     write_run(tmp_path / "1", "mlp", "fp16", 50.0, 0.5, skipped_steps=2)
-    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
     assert report["verdicts"] == [
         "mlp: no completed fp32 run to compare with; fp32 failed (ConfigError: no); "
         "fp16 final loss 1.5000, skipped 2 steps"
@@ -166,7 +171,7 @@ def test_a_plot_that_fails_never_costs_the_table(tmp_path: Path, monkeypatch) ->
         raise ValueError("no room for bars")
 
     monkeypatch.setitem(plots.PLOTS, "throughput.png", broken)
-    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
     assert report["plot_errors"] == {"throughput.png": "ValueError: no room for bars"}
     assert report["plots"] == ["loss_curves.png", "loss_scale.png", "peak_memory.png"]
     assert all((tmp_path / name).stat().st_size > 0 for name in report["plots"])
@@ -181,7 +186,7 @@ def test_without_matplotlib_the_report_keeps_its_table(tmp_path: Path, monkeypat
     # Importing the plots fails, as it does where matplotlib is not installed.
     monkeypatch.delattr(amp_exp.report, "plots", raising=False)
     monkeypatch.setitem(sys.modules, "amp_exp.report.plots", None)
-    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
     assert report["plots"] == [] and "amp_exp[report]" in report["plot_errors"]["plots"]
     assert "| 0 | tiny_cnn | fp32 | completed | 1,000.0 |" in (tmp_path / "report.md").read_text()
     assert json.loads((tmp_path / "report.json").read_text())["runs"] == report["runs"]
@@ -191,7 +196,7 @@ def test_a_line_cut_short_by_a_killed_run_is_skipped(tmp_path: Path) -> None:
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     with (tmp_path / "0" / "metrics.jsonl").open("a") as metrics:
         metrics.write('{"step": 4, "lo')
-    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
     assert report["runs"][0]["status"] == "completed"
     assert "loss_curves.png" in report["plots"]
 
@@ -243,7 +248,7 @@ def test_amp_health_section_names_failed_checks_overflow_and_advice(tmp_path: Pa
         hardware={"advice": ["fp16 on this CPU: no fast fp16 kernels"]},
     )
     (fp16 / "summary.json").write_text(json.dumps(summary))
-    build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    build_report([tmp_path], tmp_path, tolerance=0.5)
     markdown = (tmp_path / "report.md").read_text()
     section = markdown.split("## AMP health\n\n")[1].split("\n\n")[0].splitlines()
     assert section == [
@@ -258,12 +263,12 @@ def test_amp_health_section_names_failed_checks_overflow_and_advice(tmp_path: Pa
 
 def test_a_ranks_column_appears_only_when_a_run_was_data_parallel(tmp_path: Path) -> None:
     write_run(tmp_path / "single" / "0", "tiny_cnn", "fp32", 1000.0, 0.80)
-    build_report([tmp_path / "single"], tmp_path / "single", accuracy_tolerance=0.5)
+    build_report([tmp_path / "single"], tmp_path / "single", tolerance=0.5)
     assert "| ranks |" not in (tmp_path / "single" / "report.md").read_text()
 
     write_run(tmp_path / "ddp" / "0", "tiny_cnn", "fp32", 1000.0, 0.80, world_size=2)
     write_run(tmp_path / "ddp" / "1", "tiny_cnn", "bf16", 1500.0, 0.80, world_size=2)
-    report = build_report([tmp_path / "ddp"], tmp_path / "ddp", accuracy_tolerance=0.5)
+    report = build_report([tmp_path / "ddp"], tmp_path / "ddp", tolerance=0.5)
     assert [row["world_size"] for row in report["runs"]] == [2, 2]
     table = (tmp_path / "ddp" / "report.md").read_text().splitlines()
     header = next(line for line in table if line.startswith("| run |"))
@@ -275,14 +280,14 @@ def test_fsdp2_runs_show_their_strategy_and_the_dtypes_that_are_not_fp32(tmp_pat
         summary = write_run(tmp_path / job, "gpt_tiny", "bf16", 1000.0, 0.5, world_size=2)
         summary.update(strategy="fsdp2", param_dtype="bf16", reduce_dtype=reduce_dtype)
         (tmp_path / job / "summary.json").write_text(json.dumps(summary))
-    build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    build_report([tmp_path], tmp_path, tolerance=0.5)
     table = (tmp_path / "report.md").read_text().splitlines()
     header = next(line for line in table if line.startswith("| run |"))
     assert "| ranks | strategy | param dtype | reduce dtype |" in header
     assert any("| 2 | fsdp2 | bf16 | bf16 |" in line for line in table)
 
     write_run(tmp_path / "ddp" / "0", "tiny_cnn", "fp32", 1000.0, 0.80, world_size=2)
-    build_report([tmp_path / "ddp"], tmp_path / "ddp", accuracy_tolerance=0.5)
+    build_report([tmp_path / "ddp"], tmp_path / "ddp", tolerance=0.5)
     assert "strategy" not in (tmp_path / "ddp" / "report.md").read_text()
 
 
@@ -295,7 +300,7 @@ def test_a_job_killed_before_its_summary_is_listed_as_killed(tmp_path: Path) -> 
         "model:\n  name: tiny_cnn\nprecision:\n  name: bf16\nseed: 0\n"
     )
     (killed / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"st')
-    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
     row = rows_by_run(report)["1"]
     assert (row["status"], row["model"], row["precision"]) == ("killed", "tiny_cnn", "bf16")
     assert "no summary.json" in row["error"]
@@ -332,7 +337,7 @@ def test_emulated_fp8_shows_as_not_timed_and_mode_variants_share_the_fp32_baseli
         if precision == "fp8":
             summary |= {"fp8_converted": ["3"], "fp8_skipped": {"1": "first layer"}}
         (path / "summary.json").write_text(json.dumps(summary))
-    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
     rows = rows_by_run(report)
     assert rows["1"]["precision"] == "fp8 (rowwise, emulated)"
     assert rows["1"]["baseline"] == rows["2"]["baseline"] == "0"

@@ -60,17 +60,18 @@ def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
         row, cells, baseline = rows[job], table[job], fp32_of[summary["model"]]
         for key in ("model", "precision", "samples_per_s", "peak_mem_bytes", "final_loss"):
             assert row[key] == summary[key], key
-        for key in ("eval_acc", "skipped_steps", "loss_scale"):
+        assert row["eval"] == {key: summary[key] for key in ("eval_loss", "eval_acc")}
+        for key in ("skipped_steps", "loss_scale"):
             assert row[key] == summary[key], key
         assert row["speedup"] == summary["samples_per_s"] / baseline["samples_per_s"]
         assert row["peak_mem_ratio"] == summary["peak_mem_bytes"] / baseline["peak_mem_bytes"]
-        assert row["eval_acc_delta_points"] == 100 * (summary["eval_acc"] - baseline["eval_acc"])
+        assert row["quality_delta"] == 100 * (summary["eval_acc"] - baseline["eval_acc"])
         assert cells["samples/s"] == f"{summary['samples_per_s']:,.1f}"
         speedup = summary["samples_per_s"] / baseline["samples_per_s"]
         assert cells["speedup vs fp32"] == f"{speedup:.2f}x"
         assert cells["peak memory"] == f"{summary['peak_mem_bytes'] / 2**20:,.1f} MiB"
         assert cells["final loss"] == f"{summary['final_loss']:.4f}"
-        assert cells["eval acc"] == f"{100 * summary['eval_acc']:.2f}%"
+        assert cells["eval_acc"] == f"{summary['eval_acc']:.2%}"
         assert cells["skipped steps"] == str(summary["skipped_steps"])
         expected_scale = "-" if summary["loss_scale"] is None else f"{summary['loss_scale']:g}"
         assert cells["final loss scale"] == expected_scale

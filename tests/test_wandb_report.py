@@ -26,6 +26,7 @@ from amp_exp.report.callback import SweepReport
 from amp_exp.report.runs import find_runs
 from amp_exp.report.wandb_report import WandbReportError, build_page, sweep_page
 from amp_exp.results.files import REPORT_MD, WANDB_RUN_ID_FILE
+from amp_exp.tasks.lm import LanguageModelTask
 from helpers.warm_python import python_m
 from test_report import write_run
 from test_wandb_cli import FAKE_API_KEY, UNREACHABLE_SERVER, env_without_wandb, run_at_terminal
@@ -79,7 +80,7 @@ def stub_wandb_api(monkeypatch) -> list[dict]:
 
 def page_model(root: Path) -> dict:
     """The sweep's page as the JSON W&B saves, and the report.md of the same runs."""
-    report = build_report([root], root, accuracy_tolerance=0.5)
+    report = build_report([root], root, tolerance=0.5)
     page = sweep_page(find_runs([root]), report, root)
     return build_page(page, "my-team")._to_model().model_dump(by_alias=True, exclude_none=True)
 
@@ -159,22 +160,23 @@ def test_the_page_carries_the_verdicts_and_the_table_of_report_md(
     assert model["displayName"] == f"amp_exp sweep {tmp_path.name} sweep"
 
 
-def test_language_model_runs_are_charted_by_perplexity_and_tokens_per_second(
+def test_language_model_runs_are_charted_by_their_quality_metric_and_tokens_per_second(
     tmp_path: Path, stub_wandb_api
 ) -> None:
-    panels = panels_by_type(
-        page_model(write_sweep(tmp_path / "sweep", eval_perplexity=30.5, tokens_per_s=9000.0))
-    )
-    assert [line["metrics"] for line in panels["Run History Line Plot"]][-1] == ["eval/perplexity"]
+    lm = {"task_metrics": LanguageModelTask.metrics.as_dict(), "eval_acc": None}
+    sweep = write_sweep(tmp_path / "sweep", eval_loss=3.4, tokens_per_s=9000.0, **lm)
+    panels = panels_by_type(page_model(sweep))
+    # The LM task declares its eval loss as the quality metric.
+    assert [line["metrics"] for line in panels["Run History Line Plot"]][-1] == ["eval/loss"]
     assert panels["Bar Chart"][0]["metrics"] == ["perf/tokens_per_s"]
     (parallel,) = panels["Parallel Coordinates Plot"]
-    assert "summary:eval/perplexity" in [column["accessor"] for column in parallel["columns"]]
+    assert "summary:eval/loss" in [column["accessor"] for column in parallel["columns"]]
 
 
 def test_runs_without_a_wandb_run_id_give_a_one_line_error(tmp_path: Path) -> None:
     write_logged_run(tmp_path / "0", "fp32", 0.1, run_id=None)
     runs = find_runs([tmp_path])
-    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
     with pytest.raises(WandbReportError, match="no run directory holds a wandb_run_id file"):
         sweep_page(runs, report, tmp_path)
 
@@ -182,7 +184,7 @@ def test_runs_without_a_wandb_run_id_give_a_one_line_error(tmp_path: Path) -> No
 def test_runs_logged_to_two_projects_give_a_one_line_error(tmp_path: Path) -> None:
     write_logged_run(tmp_path / "0", "fp32", 0.1, "a", project="one")
     write_logged_run(tmp_path / "1", "bf16", 0.1, "b", project="two")
-    report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
     with pytest.raises(WandbReportError, match=r"more than one W&B project \(\(default\)/one, "):
         sweep_page(find_runs([tmp_path]), report, tmp_path)
 
@@ -227,7 +229,7 @@ def test_a_server_that_never_answers_is_given_up_at_the_deadline(
     import wandb
 
     root = write_sweep(tmp_path / "sweep")
-    report = build_report([root], root, accuracy_tolerance=0.5)
+    report = build_report([root], root, tolerance=0.5)
     page = sweep_page(find_runs([root]), report, root)
     monkeypatch.setenv("WANDB_API_KEY", FAKE_API_KEY)
     monkeypatch.setattr(wandb_report, "unreachable", lambda url, timeout: None)

@@ -6,16 +6,47 @@ the datasheet peak behind MFU, the validation of strategies, and what a run must
 as engaged. Adding a mode is one row here plus its policy code (training/precision_modes.py).
 
 It sits beside the schema as a leaf, not in training/, because the config's validation and the
-runtime's FSDP2 wrapper, which sit below training/, read it too.
+runtime's FSDP2 wrapper, which sit below training/, read it too. Like the schema it imports no
+torch (a bad value is refused before torch loads): dtypes are named as torch names them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from enum import Enum
+from typing import Any
 
 from amp_exp.config.schema import Precision, Strategy
+
+
+class DType(str, Enum):
+    """A torch dtype by torch's own name, without ``torch.``."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float8_e4m3fn = "float8_e4m3fn"
+    float8_e5m2 = "float8_e5m2"
+
+    @property
+    def torch(self) -> Any:
+        """The ``torch.dtype`` (imports torch)."""
+        import torch
+
+        return getattr(torch, self.value)
+
+    @property
+    def short(self) -> str:
+        """The config's name for it: fp32, bf16, fp16, fp8_e4m3fn."""
+        return SHORT_NAMES.get(self, self.value.replace("float8", "fp8"))
+
+    @classmethod
+    def of(cls, dtype: Any) -> DType:
+        """The member naming a ``DType``."""
+        return cls(str(dtype).removeprefix("torch."))
+
+
+SHORT_NAMES = {DType.float32: "fp32", DType.bfloat16: "bf16", DType.float16: "fp16"}
 
 BOTH_STRATEGIES = frozenset({Strategy.ddp, Strategy.fsdp2})
 
@@ -26,11 +57,11 @@ class Engagement:
 
     # The smallest share of matmul FLOPs that must run in one of ``matmul_dtypes``.
     min_matmul_share: float
-    matmul_dtypes: tuple[torch.dtype, ...]
+    matmul_dtypes: tuple[DType, ...]
     # Every converted linear must run float8 matmuls (fp8).
     fp8_matmuls: bool = False
     # The trained weights must be stored in this dtype (bf16_true), or None.
-    weights: torch.dtype | None = None
+    weights: DType | None = None
 
 
 @dataclass(frozen=True)
@@ -39,12 +70,12 @@ class PrecisionSpec:
 
     name: Precision
     # The dtype of the matmuls outside fp8's converted linears, under autocast or (bf16_true) not.
-    compute_dtype: torch.dtype
+    compute_dtype: DType
     # The dtype autocast runs in; None where the mode uses no autocast.
-    autocast_dtype: torch.dtype | None
+    autocast_dtype: DType | None
     # The dtype the optimizer updates (master weights) and keeps its state in.
-    weight_dtype: torch.dtype
-    optimizer_state_dtype: torch.dtype
+    weight_dtype: DType
+    optimizer_state_dtype: DType
     # Dynamic loss scaling with torch.amp.GradScaler.
     grad_scaler: bool
     # Which datasheet peak its matmuls can reach (runtime.flops): fp32 reads TF32 when allowed.
@@ -52,8 +83,8 @@ class PrecisionSpec:
     # The probed kernels it runs: pure bf16 computes as bf16 autocast does; fp8 is not probed.
     probed_as: Precision | None
     # FSDP2: the dtype parameters are gathered in (None: as stored) and gradients reduced in.
-    fsdp_param_dtype: torch.dtype | None
-    fsdp_reduce_dtype: torch.dtype
+    fsdp_param_dtype: DType | None
+    fsdp_reduce_dtype: DType
     # The torchrun strategies it runs under.
     strategies: frozenset[Strategy]
     engaged: Engagement
@@ -70,80 +101,80 @@ SPECS: dict[Precision, PrecisionSpec] = {
     for spec in (
         PrecisionSpec(
             name=Precision.fp32,
-            compute_dtype=torch.float32,
+            compute_dtype=DType.float32,
             autocast_dtype=None,
-            weight_dtype=torch.float32,
-            optimizer_state_dtype=torch.float32,
+            weight_dtype=DType.float32,
+            optimizer_state_dtype=DType.float32,
             grad_scaler=False,
             peak_math="fp32",
             probed_as=Precision.fp32,
             fsdp_param_dtype=None,
-            fsdp_reduce_dtype=torch.float32,
+            fsdp_reduce_dtype=DType.float32,
             strategies=BOTH_STRATEGIES,
-            engaged=Engagement(1.0, (torch.float32,)),
+            engaged=Engagement(1.0, (DType.float32,)),
             auto_candidate=True,
         ),
         PrecisionSpec(
             name=Precision.bf16,
-            compute_dtype=torch.bfloat16,
-            autocast_dtype=torch.bfloat16,
-            weight_dtype=torch.float32,
-            optimizer_state_dtype=torch.float32,
+            compute_dtype=DType.bfloat16,
+            autocast_dtype=DType.bfloat16,
+            weight_dtype=DType.float32,
+            optimizer_state_dtype=DType.float32,
             grad_scaler=False,
             peak_math="bf16",
             probed_as=Precision.bf16,
-            fsdp_param_dtype=torch.bfloat16,
+            fsdp_param_dtype=DType.bfloat16,
             # A sum of many low-precision gradients loses their small parts.
-            fsdp_reduce_dtype=torch.float32,
+            fsdp_reduce_dtype=DType.float32,
             strategies=BOTH_STRATEGIES,
-            engaged=Engagement(0.5, (torch.bfloat16,)),
+            engaged=Engagement(0.5, (DType.bfloat16,)),
             auto_candidate=True,
         ),
         PrecisionSpec(
             name=Precision.fp16,
-            compute_dtype=torch.float16,
-            autocast_dtype=torch.float16,
-            weight_dtype=torch.float32,
-            optimizer_state_dtype=torch.float32,
+            compute_dtype=DType.float16,
+            autocast_dtype=DType.float16,
+            weight_dtype=DType.float32,
+            optimizer_state_dtype=DType.float32,
             grad_scaler=True,
             peak_math="fp16",
             probed_as=Precision.fp16,
-            fsdp_param_dtype=torch.float16,
-            fsdp_reduce_dtype=torch.float32,
+            fsdp_param_dtype=DType.float16,
+            fsdp_reduce_dtype=DType.float32,
             strategies=BOTH_STRATEGIES,
-            engaged=Engagement(0.5, (torch.float16,)),
+            engaged=Engagement(0.5, (DType.float16,)),
             auto_candidate=True,
         ),
         PrecisionSpec(
             name=Precision.bf16_true,
-            compute_dtype=torch.bfloat16,
+            compute_dtype=DType.bfloat16,
             autocast_dtype=None,
-            weight_dtype=torch.bfloat16,
-            optimizer_state_dtype=torch.bfloat16,
+            weight_dtype=DType.bfloat16,
+            optimizer_state_dtype=DType.bfloat16,
             grad_scaler=False,
             peak_math="bf16",
             probed_as=Precision.bf16,
             fsdp_param_dtype=None,
-            fsdp_reduce_dtype=torch.bfloat16,
+            fsdp_reduce_dtype=DType.bfloat16,
             strategies=frozenset({Strategy.ddp}),
-            engaged=Engagement(0.5, (torch.bfloat16,), weights=torch.bfloat16),
+            engaged=Engagement(0.5, (DType.bfloat16,), weights=DType.bfloat16),
         ),
         PrecisionSpec(
             name=Precision.fp8,
-            compute_dtype=torch.bfloat16,
-            autocast_dtype=torch.bfloat16,
-            weight_dtype=torch.float32,
-            optimizer_state_dtype=torch.float32,
+            compute_dtype=DType.bfloat16,
+            autocast_dtype=DType.bfloat16,
+            weight_dtype=DType.float32,
+            optimizer_state_dtype=DType.float32,
             grad_scaler=False,
             # fp8 matmuls peak at twice the bf16 rate, and its other ops run at bf16's.
             peak_math="fp8",
             probed_as=None,
             fsdp_param_dtype=None,
-            fsdp_reduce_dtype=torch.float32,
+            fsdp_reduce_dtype=DType.float32,
             strategies=frozenset({Strategy.ddp}),
             engaged=Engagement(
                 0.0,
-                (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16),
+                (DType.float8_e4m3fn, DType.float8_e5m2, DType.bfloat16),
                 fp8_matmuls=True,
             ),
         ),
@@ -160,11 +191,3 @@ def spec_of(precision: Precision) -> PrecisionSpec:
     if precision is Precision.auto:
         raise ValueError("resolve precision=auto first (training.auto_precision)")
     return SPECS[precision]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """A dtype as torch names it, without ``torch.``: float32, bfloat16, float8_e4m3fn."""
-    return str(dtype).removeprefix("torch.")
-
-
-SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

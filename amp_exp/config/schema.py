@@ -324,9 +324,10 @@ class WandbConfig:
 
 @dataclass
 class ReportConfig:
-    # A low-precision run whose eval accuracy lies further than this many percentage points from
-    # its fp32 run's is called out in the sweep report's verdict.
-    accuracy_tolerance: float = 0.5
+    # How far a low-precision run's quality metric may lie from its fp32 run's, in the unit the
+    # task declares (classification: accuracy points; language models: relative eval loss);
+    # null = the task's own default (0.5 points; 1%).
+    tolerance: float | None = None
     # Also save the comparison as a W&B Report when a multirun whose runs logged online ends
     # (needs amp_exp[wandb-report]); `python -m amp_exp.report DIR --wandb` makes one later.
     wandb: bool = False

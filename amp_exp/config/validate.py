@@ -12,7 +12,6 @@ import functools
 import math
 from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
-from importlib.util import find_spec
 from operator import attrgetter
 from typing import Any
 
@@ -28,20 +27,16 @@ from amp_exp.config.datasets import (
     TextDatasetConfig,
 )
 from amp_exp.config.pairing import check_pairing
-from amp_exp.config.precisions import SPECS
+from amp_exp.config.precision_checks import validate_precision
 from amp_exp.config.schema import (
     SCHEMAS,
     WANDB_TAG_MAX_CHARS,
     AdamWConfig,
     CustomModelConfig,
-    DeviceChoice,
     GPTConfig,
     MLPConfig,
     ModelConfig,
     OptimizerConfig,
-    Precision,
-    PrecisionConfig,
-    ReduceDtype,
     RunConfig,
     SchedulerConfig,
     Strategy,
@@ -50,7 +45,7 @@ from amp_exp.config.schema import (
     TrainerConfig,
     WandbConfig,
 )
-from amp_exp.errors import ConfigError, first_line
+from amp_exp.errors import ConfigError, first_line, require
 
 # NumPy seeds its generator with an unsigned 32-bit integer.
 SEED_RANGE = range(2**32)
@@ -83,15 +78,10 @@ def torchvision_model_names() -> tuple[str, ...]:
     return tuple(torchvision.models.list_models(module=torchvision.models))
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
 def validate(cfg: DictConfig) -> RunConfig:
     """Turn a composed config into a typed ``RunConfig``, or raise ``ConfigError``."""
     missing = sorted(OmegaConf.missing_keys(cfg))
-    _check(
+    require(
         not missing, f"{', '.join(missing)} must be set, e.g. {missing[0] if missing else ''}=..."
     )
     _reject_unknown_keys(cfg)
@@ -100,48 +90,48 @@ def validate(cfg: DictConfig) -> RunConfig:
     # infinite learning rate or loss scale makes every step non-finite: the run would skip them
     # all and report success.
     for key, value in _floats(run):
-        _check(math.isfinite(value), f"{key}={value} must be a finite number")
-    _check(
+        require(math.isfinite(value), f"{key}={value} must be a finite number")
+    require(
         run.seed in SEED_RANGE, f"seed={run.seed} must lie in [0, 2**32 - 1] (NumPy's seed range)"
     )
-    _check(
+    require(
         run.resume is None or bool(run.resume.strip()),
         f"resume={run.resume!r} is empty; use resume=null (start fresh), resume=auto, or the path "
         "of a run directory or checkpoint",
     )
     for key in _POSITIVE:
         value = attrgetter(key)(run)
-        _check(value > 0, f"{key}={value} must be positive")
+        require(value > 0, f"{key}={value} must be positive")
     for key in _POSITIVE_OR_NULL:
         value = attrgetter(key)(run)
-        _check(value is None or value > 0, f"{key}={value} must be positive or null")
+        require(value is None or value > 0, f"{key}={value} must be positive or null")
     _validate_dataset(run.dataset)
-    _check(
+    require(
         run.trainer.max_steps is not None or run.trainer.epochs is not None,
         "set trainer.max_steps or trainer.epochs (both are null, so the run would never end)",
     )
-    _check(
+    require(
         run.trainer.eval_every is None or run.trainer.eval_every >= 0,
         "trainer.eval_every must be 0 (only at the end), a positive step interval, or null (never)",
     )
-    _check(run.trainer.timing_warmup_steps >= 0, "trainer.timing_warmup_steps must be 0 or more")
+    require(run.trainer.timing_warmup_steps >= 0, "trainer.timing_warmup_steps must be 0 or more")
     every = run.checkpoint.every_steps
-    _check(every is None or every >= 0, "checkpoint.every_steps must be 0 (at the end), N or null")
-    _check(run.checkpoint.keep >= 0, "checkpoint.keep must be 0 or more")
-    _check(run.diagnostics.check_steps >= 0, "diagnostics.check_steps must be 0 or more")
-    _check(
+    require(every is None or every >= 0, "checkpoint.every_steps must be 0 (at the end), N or null")
+    require(run.checkpoint.keep >= 0, "checkpoint.keep must be 0 or more")
+    require(run.diagnostics.check_steps >= 0, "diagnostics.check_steps must be 0 or more")
+    require(
         run.diagnostics.underflow_every >= 0, "diagnostics.underflow_every must be 0 (off) or more"
     )
-    _check(run.report.accuracy_tolerance >= 0, "report.accuracy_tolerance must be 0 or more")
-    _validate_precision(run.precision)
-    _validate_fp8(run.precision, run.trainer)
-    _validate_reduce_dtype(run.precision, run.trainer)
-    _check(
+    require(
+        run.report.tolerance is None or run.report.tolerance >= 0,
+        "report.tolerance must be 0 or more, or null (the task's default)",
+    )
+    validate_precision(run.precision, run.trainer)
+    require(
         not (run.trainer.channels_last and run.trainer.strategy is Strategy.fsdp2),
         "trainer.channels_last=true cannot run with trainer.strategy=fsdp2, which shards only "
         "contiguous parameters (channels_last convolution weights are not); leave it null",
     )
-    _validate_strategy(run.precision.name, run.trainer.strategy)
     _validate_optimizer(run.optimizer)
     _validate_scheduler(run.scheduler)
     _validate_model(run.model)
@@ -168,7 +158,7 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
     silently lost."""
     known = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(cfg.keys()) - known)
-    _check(
+    require(
         not unknown,
         f"{unknown[0] if unknown else ''} is not a known key or config group; "
         f"valid top-level keys: {', '.join(sorted(known))}",
@@ -177,94 +167,39 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
         node = cfg[section]
         known = {f.name for f in fields(OmegaConf.get_type(node))}
         unknown = sorted(set(node.keys()) - known)
-        _check(
+        require(
             not unknown,
             f"{section}.{unknown[0] if unknown else ''} is not a known key; "
             f"valid keys: {', '.join(sorted(known))}",
         )
 
 
-def _validate_precision(precision: PrecisionConfig) -> None:
-    _check(precision.init_scale > 0, "precision.init_scale must be positive")
-    _check(precision.growth_factor > 1, "precision.growth_factor must be greater than 1")
-    _check(precision.max_consecutive_skips > 0, "precision.max_consecutive_skips must be positive")
-    _check(precision.min_scale > 0, "precision.min_scale must be positive")
-    _check(
-        0 < precision.backoff_factor < 1,
-        "precision.backoff_factor must lie strictly between 0 and 1",
-    )
-
-
-def _validate_fp8(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
-    """What fp8 needs that the config alone shows; the GPU's capability is checked at build."""
-    if precision.name is not Precision.fp8:
-        return
-    _check(
-        find_spec("torchao") is not None,
-        "precision=fp8 needs torchao, which is not installed: pip install 'amp_exp[fp8]'",
-    )
-    _check(
-        trainer.device is not DeviceChoice.cpu or precision.fp8_emulate,
-        "precision=fp8 needs a CUDA GPU with compute capability 8.9+ (trainer.device=cpu); "
-        "add precision.fp8_emulate=true to emulate it (slow, not timed)",
-    )
-
-
-def _validate_strategy(precision: Precision, strategy: Strategy) -> None:
-    """The strategies a precision runs under, from the precision table."""
-    if precision is Precision.auto:
-        return
-    runs_under = SPECS[precision].strategies
-    _check(
-        strategy in runs_under,
-        f"precision={precision.value} does not run with trainer.strategy={strategy.value} yet; "
-        f"valid choices: {', '.join(sorted(s.value for s in runs_under))}",
-    )
-
-
-def _validate_reduce_dtype(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
-    reduce = precision.reduce_dtype
-    if reduce is None:
-        return
-    _check(
-        trainer.strategy is Strategy.fsdp2,
-        f"precision.reduce_dtype={reduce.value} needs trainer.strategy=fsdp2; DDP reduces "
-        "gradients in their own dtype (fp32)",
-    )
-    # Only a GradScaler notices a gradient that overflowed fp16 in the reduction, and backs off.
-    _check(
-        reduce is not ReduceDtype.fp16 or precision.name is Precision.fp16,
-        "precision.reduce_dtype=fp16 needs precision=fp16, whose GradScaler catches gradients "
-        "that overflow fp16; valid choices here: fp32, bf16",
-    )
-
-
 def _validate_optimizer(optimizer: OptimizerConfig) -> None:
-    _check(optimizer.lr > 0, f"optimizer.lr={optimizer.lr} must be positive")
-    _check(optimizer.weight_decay >= 0, "optimizer.weight_decay must be 0 or more")
+    require(optimizer.lr > 0, f"optimizer.lr={optimizer.lr} must be positive")
+    require(optimizer.weight_decay >= 0, "optimizer.weight_decay must be 0 or more")
     if isinstance(optimizer, AdamWConfig):
-        _check(
+        require(
             len(optimizer.betas) == 2 and all(0 <= b < 1 for b in optimizer.betas),
             "optimizer.betas must be two numbers in [0, 1)",
         )
     else:
-        _check(0 <= optimizer.momentum < 1, "optimizer.momentum must lie in [0, 1)")
-        _check(
+        require(0 <= optimizer.momentum < 1, "optimizer.momentum must lie in [0, 1)")
+        require(
             not optimizer.nesterov or optimizer.momentum > 0,
             "optimizer.nesterov=true needs optimizer.momentum > 0",
         )
 
 
 def _validate_scheduler(scheduler: SchedulerConfig) -> None:
-    _check(scheduler.warmup_steps >= 0, "scheduler.warmup_steps must be 0 or more")
-    _check(0 <= scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio must lie in [0, 1]")
-    _check(0 < scheduler.pct_start < 1, "scheduler.pct_start must lie strictly between 0 and 1")
+    require(scheduler.warmup_steps >= 0, "scheduler.warmup_steps must be 0 or more")
+    require(0 <= scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio must lie in [0, 1]")
+    require(0 < scheduler.pct_start < 1, "scheduler.pct_start must lie strictly between 0 and 1")
 
 
 def _check_positive(section: object, prefix: str, *keys: str) -> None:
     for key in keys:
         value = getattr(section, key)
-        _check(value > 0, f"{prefix}.{key}={value} must be positive")
+        require(value > 0, f"{prefix}.{key}={value} must be positive")
 
 
 def _validate_dataset(dataset: DatasetConfig) -> None:
@@ -272,23 +207,23 @@ def _validate_dataset(dataset: DatasetConfig) -> None:
         _check_positive(
             dataset, "dataset", "num_classes", "image_size", "channels", "train_size", "eval_size"
         )
-        _check(dataset.noise_std >= 0, "dataset.noise_std must be 0 or more")
+        require(dataset.noise_std >= 0, "dataset.noise_std must be 0 or more")
     if isinstance(dataset, (ImageDatasetConfig, CustomDatasetConfig)):
-        _check(dataset.num_workers >= 0, "dataset.num_workers must be 0 or more")
+        require(dataset.num_workers >= 0, "dataset.num_workers must be 0 or more")
     if isinstance(dataset, (ImageDatasetConfig, TextDatasetConfig)):
-        _check(
+        require(
             0 < dataset.eval_fraction < 1,
             "dataset.eval_fraction must lie strictly between 0 and 1",
         )
     if isinstance(dataset, TOKEN_DATASETS):
-        _check(
+        require(
             dataset.seq_len is None or dataset.seq_len > 0,
             f"dataset.seq_len={dataset.seq_len} must be positive or null",
         )
     if isinstance(dataset, SyntheticTokensConfig):
         _check_positive(dataset, "dataset", "train_size", "eval_size")
-        _check(dataset.vocab_size >= 2, "dataset.vocab_size must be 2 or more")
-        _check(
+        require(dataset.vocab_size >= 2, "dataset.vocab_size must be 2 or more")
+        require(
             0 < dataset.branching <= dataset.vocab_size,
             f"dataset.branching={dataset.branching} must lie in [1, dataset.vocab_size]",
         )
@@ -309,33 +244,33 @@ def _check_target(section: str, target: str) -> None:
             f"{section}._target_={target} cannot be imported ({type(cause).__name__}: "
             f"{first_line(str(cause))}); is its package installed or its folder on PYTHONPATH?"
         ) from None
-    _check(callable(found), f"{section}._target_={target} is not callable")
+    require(callable(found), f"{section}._target_={target} is not callable")
 
 
 def _validate_model(model: ModelConfig) -> None:
     if isinstance(model, TinyCNNConfig):
-        _check(model.width > 0, "model.width must be a positive integer")
+        require(model.width > 0, "model.width must be a positive integer")
     elif isinstance(model, MLPConfig):
-        _check(model.hidden_dim > 0, "model.hidden_dim must be a positive integer")
-        _check(model.depth >= 0, "model.depth must be 0 or more")
+        require(model.hidden_dim > 0, "model.hidden_dim must be a positive integer")
+        require(model.depth >= 0, "model.depth must be 0 or more")
     elif isinstance(model, GPTConfig):
         _check_positive(model, "model", "n_layer", "n_head", "d_model", "seq_len")
-        _check(
+        require(
             model.d_model % model.n_head == 0,
             f"model.d_model={model.d_model} must be a multiple of model.n_head={model.n_head}",
         )
-        _check(
+        require(
             model.vocab_size is None or model.vocab_size > 0,
             "model.vocab_size must be positive or null (the dataset's)",
         )
-        _check(0 <= model.dropout < 1, "model.dropout must lie in [0, 1)")
+        require(0 <= model.dropout < 1, "model.dropout must lie in [0, 1)")
     elif isinstance(model, TimmModelConfig):
         _validate_timm(model)
     elif isinstance(model, CustomModelConfig):
         _check_target("model", model._target_)
     else:
         names = torchvision_model_names()
-        _check(
+        require(
             model.name in names,
             f"model.name={model.name!r} is not a torchvision classification model; "
             f"valid choices: {', '.join(names)}",
@@ -352,12 +287,12 @@ def _validate_synthetic_sizes(run: RunConfig) -> None:
     )
     if not (synthetic_images or isinstance(dataset, SyntheticTokensConfig)):
         return
-    _check(
+    require(
         dataset.batch_size <= dataset.train_size,
         f"dataset.batch_size={dataset.batch_size} exceeds dataset.train_size={dataset.train_size}",
     )
     batches = dataset.train_size // dataset.batch_size
-    _check(
+    require(
         accum <= batches,
         f"an epoch has {batches} batches (dataset.train_size={dataset.train_size} / "
         f"dataset.batch_size={dataset.batch_size}), fewer than trainer.grad_accum_steps={accum}; "
@@ -370,28 +305,28 @@ def _validate_timm(model: TimmModelConfig) -> None:
         import timm
     except ImportError:
         raise ConfigError("model=timm needs timm: pip install 'amp_exp[timm]'") from None
-    _check(
+    require(
         timm.is_model(model.name),
         f"model.name={model.name!r} is not a timm model; timm.list_models() lists them",
     )
 
 
 def _validate_wandb(wandb: WandbConfig, trainer: TrainerConfig) -> None:
-    _check(bool(wandb.project.strip()), "wandb.project must not be empty")
+    require(bool(wandb.project.strip()), "wandb.project must not be empty")
     forbidden = sorted(set(WANDB_PROJECT_FORBIDDEN) & set(wandb.project))
-    _check(
+    require(
         not forbidden and len(wandb.project) <= WANDB_PROJECT_MAX_CHARS,
         f"wandb.project={wandb.project!r}: W&B project names have at most "
         f"{WANDB_PROJECT_MAX_CHARS} characters and none of {' '.join(WANDB_PROJECT_FORBIDDEN)}",
     )
-    _check(wandb.finish_timeout >= 0, "wandb.finish_timeout must be 0 (wait for all) or more")
-    _check(
+    require(wandb.finish_timeout >= 0, "wandb.finish_timeout must be 0 (wait for all) or more")
+    require(
         wandb.log_every is None or wandb.log_every % trainer.log_every == 0,
         f"wandb.log_every={wandb.log_every} must be a multiple of "
         f"trainer.log_every={trainer.log_every}, the interval at which metrics are read",
     )
     long_tags = [tag for tag in wandb.tags if len(tag) > WANDB_TAG_MAX_CHARS]
-    _check(
+    require(
         not long_tags,
         f"wandb.tags: {long_tags[0] if long_tags else ''!r} is longer than "
         f"{WANDB_TAG_MAX_CHARS} characters",

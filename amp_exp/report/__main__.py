@@ -32,10 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, help="where to write the report (default: DIR, or the parent of all)"
     )
     parser.add_argument(
-        "--accuracy-tolerance",
+        "--tolerance",
         type=float,
-        default=ReportConfig.accuracy_tolerance,
-        help="percentage points of eval accuracy a run may lie from fp32 (default: %(default)s)",
+        default=ReportConfig.tolerance,
+        help="how far a run's quality metric may lie from fp32's, in the unit its task declares "
+        "(accuracy points, or relative loss); default: each task's own",
     )
     parser.add_argument(
         "--wandb",
@@ -50,14 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds to wait for the W&B server (default: %(default)s)",
     )
     args = parser.parse_args(argv)
-    if args.accuracy_tolerance < 0:
-        parser.error("--accuracy-tolerance must be 0 or more")
+    if args.tolerance is not None and args.tolerance < 0:
+        parser.error("--tolerance must be 0 or more")
     if args.wandb_timeout <= 0:
         parser.error("--wandb-timeout must be positive")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out_dir = args.out or Path(os.path.commonpath([d.resolve() for d in args.dirs]))
     try:
-        report = build_report(args.dirs, out_dir, args.accuracy_tolerance)
+        report = build_report(args.dirs, out_dir, args.tolerance)
     except ReportError as error:
         print(f"amp_exp.report: error: {error}", file=sys.stderr)
         return 1

@@ -35,15 +35,17 @@ def draw_plots(
     return drawn, errors
 
 
-def build_report(dirs: list[Path], out_dir: Path, accuracy_tolerance: float) -> dict[str, Any]:
-    """Write report.md, report.json and the plots for the runs under ``dirs``; return the report."""
+def build_report(dirs: list[Path], out_dir: Path, tolerance: float | None = None) -> dict[str, Any]:
+    """Write report.md, report.json and the plots for the runs under ``dirs``; return the report.
+
+    ``tolerance`` is in the unit of the task's quality metric; None takes each task's default."""
     runs = find_runs(dirs)
     assign_settings(runs)
     rows = comparison_rows(runs, out_dir)
     report = {
-        "accuracy_tolerance": accuracy_tolerance,
+        "tolerance": tolerance,
         "baseline_precision": BASELINE,
-        "verdicts": verdicts(rows, accuracy_tolerance),
+        "verdicts": verdicts(rows, tolerance),
         "runs": rows,
         "plots": [],
         "plot_errors": {},

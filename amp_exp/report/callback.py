@@ -29,7 +29,7 @@ class SweepReport(Callback):
         # Resolving the sweep directory now pins its ${now:...} to the one the jobs use.
         self.sweep_dir = Path(config.hydra.sweep.dir).absolute()
         self.settings = ReportConfig(
-            accuracy_tolerance=config.report.accuracy_tolerance,
+            tolerance=config.report.tolerance,
             wandb=config.report.wandb,
             wandb_timeout=config.report.wandb_timeout,
         )
@@ -54,9 +54,7 @@ class SweepReport(Callback):
             return  # under torchrun every rank runs the sweep; rank 0 alone writes its report
 
         try:
-            report = build_report(
-                [self.sweep_dir], self.sweep_dir, self.settings.accuracy_tolerance
-            )
+            report = build_report([self.sweep_dir], self.sweep_dir, self.settings.tolerance)
         except Exception as error:
             # The report is a by-product: it never turns a finished sweep into a failed one.
             log.warning("no sweep report: %s", error)

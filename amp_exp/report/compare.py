@@ -11,6 +11,7 @@ from typing import Any
 
 from amp_exp.config.plain import flatten_config
 from amp_exp.report.runs import Run
+from amp_exp.tasks.metrics import TaskMetrics, ToleranceUnit
 
 BASELINE = "fp32"
 # Within a model the baseline comes first, then the precisions compared with it.
@@ -116,10 +117,34 @@ def amp_health(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def declared_metrics(*summaries: dict[str, Any]) -> TaskMetrics | None:
+    """The task's metric declaration, from the first summary that holds a readable one (a failed
+    or killed run has none; its baseline's stands in)."""
+    for summary in summaries:
+        try:
+            return TaskMetrics.from_dict(summary["task_metrics"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return None
+
+
+def quality_fields(summary: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """The task's eval metrics and its quality metric against the baseline's, as it declares."""
+    declared = declared_metrics(summary, base)
+    if declared is None:
+        return {"eval": {}, "quality_metric": None, "quality": None, "quality_delta": None}
+    quality = summary.get(declared.quality)
+    return {
+        "eval": {name: summary.get(name) for name in declared.names},
+        "quality_metric": declared.as_dict(),
+        "quality": quality,
+        "quality_delta": declared.delta(quality, base.get(declared.quality)),
+    }
+
+
 def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, Any]:
     summary = run.summary
     base = baseline.summary if baseline is not None else {}
-    eval_acc, base_acc = summary.get("eval_acc"), base.get("eval_acc")
     return {
         "run": os.path.relpath(run.path, out_dir),
         "status": summary.get("status"),
@@ -146,12 +171,7 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
             ((summary.get("config") or {}).get("precision") or {}).get("stochastic_rounding")
         ),
         "final_loss": summary.get("final_loss"),
-        "eval_acc": eval_acc,
-        "eval_acc_delta_points": (
-            None if eval_acc is None or base_acc is None else 100 * (eval_acc - base_acc)
-        ),
-        "eval_perplexity": summary.get("eval_perplexity"),
-        "perplexity_ratio": _ratio(summary.get("eval_perplexity"), base.get("eval_perplexity")),
+        **quality_fields(summary, base),
         "skipped_steps": summary.get("skipped_steps"),
         "loss_scale": summary.get("loss_scale"),
         "baseline": None if baseline is None else os.path.relpath(baseline.path, out_dir),
@@ -187,21 +207,35 @@ def _speed_phrase(speedup: float | None, emulated: bool) -> str:
     return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
 
 
-def _perplexity_phrase(row: dict[str, Any]) -> str:
-    return f"perplexity {row['eval_perplexity']:.3f}, {row['perplexity_ratio']:.3f}x {BASELINE}'s"
+def tolerance_for(row: dict[str, Any], tolerance: float | None) -> float | None:
+    """``report.tolerance``, or (null) the default the run's task declares."""
+    declared = row["quality_metric"]
+    if tolerance is not None or declared is None:
+        return tolerance
+    return declared["default_tolerance"]
 
 
-def _accuracy_phrase(delta_points: float | None, tolerance: float) -> str:
-    if delta_points is None:
-        return "no eval accuracy to compare"
+def show_delta(delta: float, unit: ToleranceUnit) -> str:
+    return f"{delta:+.2f} points" if unit is ToleranceUnit.points else f"{delta:+.2%}"
+
+
+def show_tolerance(tolerance: float, unit: ToleranceUnit) -> str:
+    return f"±{tolerance:g} points" if unit is ToleranceUnit.points else f"±{tolerance:.2%}"
+
+
+def quality_phrase(row: dict[str, Any], tolerance: float | None) -> str:
+    """The quality metric against fp32's, and whether the difference lies within tolerance."""
+    declared = row["quality_metric"]
+    delta = row["quality_delta"]
+    if declared is None or delta is None:
+        return "no eval metric to compare"
+    label = next(m["label"] for m in declared["metrics"] if m["name"] == declared["quality"])
+    unit = ToleranceUnit(declared["tolerance_unit"])
+    limit = tolerance_for(row, tolerance)
+    shown = f"{label} {show_delta(delta, unit)} vs {BASELINE}"
     # Accuracies are ratios of counts; a difference of exactly the tolerance is within it.
-    if abs(delta_points) <= tolerance + 1e-9:
-        return f"accuracy within {tolerance:g} points ({delta_points:+.2f})"
-    side = "below" if delta_points < 0 else "above"
-    return (
-        f"accuracy {abs(delta_points):.2f} points {side} {BASELINE}, "
-        f"OUTSIDE the {tolerance:g}-point tolerance"
-    )
+    within = "within" if abs(delta) <= limit + 1e-9 else "OUTSIDE"
+    return f"{shown}, {within} {show_tolerance(limit, unit)}"
 
 
 def describe_end(row: dict[str, Any]) -> str:
@@ -220,7 +254,7 @@ def stall_phrase(row: dict[str, Any]) -> str | None:
     return f"{phrase}: the learning rate may be too small for the weights' precision"
 
 
-def _judge(row: dict[str, Any], tolerance: float) -> str:
+def _judge(row: dict[str, Any], tolerance: float | None) -> str:
     precision = row["precision"]
     if row["status"] != "completed":
         return f"{precision} {describe_end(row)}"
@@ -238,17 +272,17 @@ def _judge(row: dict[str, Any], tolerance: float) -> str:
         memory = f"{row['peak_mem_ratio']:.2f}x the memory"
     if row["state_ratio"] is not None:
         memory += f" ({row['state_ratio']:.2f}x the weights and optimizer state)"
-    quality = _accuracy_phrase(row["eval_acc_delta_points"], tolerance)
-    if row["eval_acc"] is None and row["perplexity_ratio"] is not None:
-        quality = _perplexity_phrase(row)
+    quality = quality_phrase(row, tolerance)
     return (
         f"{precision} {_speed_phrase(row['speedup'], row['emulated'])} and {memory} of "
         f"{BASELINE}, {quality}{notes}"
     )
 
 
-def verdicts(rows: list[dict[str, Any]], tolerance: float) -> list[str]:
-    """One line per model (and setting): what each precision bought over fp32, and at what cost."""
+def verdicts(rows: list[dict[str, Any]], tolerance: float | None) -> list[str]:
+    """One line per model (and setting): what each precision bought over fp32, and at what cost.
+
+    ``tolerance`` is in the unit of each task's quality metric; None takes the task's default."""
     lines = []
     for model, setting in dict.fromkeys((row["model"], row["setting"]) for row in rows):
         group = [row for row in rows if (row["model"], row["setting"]) == (model, setting)]

@@ -8,8 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, describe_end
+from amp_exp.report.compare import (
+    BASELINE,
+    describe_end,
+    show_delta,
+    show_tolerance,
+    tolerance_for,
+)
 from amp_exp.results.files import REPORT_JSON, REPORT_MD, json_safe, write_text
+from amp_exp.tasks.metrics import ToleranceUnit
 
 
 def _formatter(spec: str, scale: float = 1, suffix: str = "") -> Callable[[Any], str]:
@@ -42,10 +49,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     (f"memory vs {BASELINE}", "peak_mem_ratio", _formatter(".2f", suffix="x")),
     ("weights + opt. state", "state_bytes", _formatter(",.2f", 1 / 2**20, " MiB")),
     ("final loss", "final_loss", _formatter(".4f")),
-    ("eval acc", "eval_acc", _formatter(".2f", 100, "%")),
-    (f"acc vs {BASELINE} (points)", "eval_acc_delta_points", _formatter("+.2f")),
-    ("eval perplexity", "eval_perplexity", _formatter(".3f")),
-    (f"perplexity vs {BASELINE}", "perplexity_ratio", _formatter(".3f", suffix="x")),
+    # The task's eval metrics and its quality metric against fp32's go here (metric_columns).
     ("skipped steps", "skipped_steps", _formatter("d")),
     ("final loss scale", "loss_scale", _formatter("g")),
 ]
@@ -65,26 +69,75 @@ OPTIONAL_COLUMNS: dict[str, Callable[[Any], bool]] = {
     "strategy": lambda strategy: strategy == "fsdp2",
     "param_dtype": lambda dtype: dtype not in (None, "fp32"),
     "reduce_dtype": lambda dtype: dtype not in (None, "fp32"),
-    **{
-        key: lambda value: value is not None
-        for key in ("tokens_per_s", "mfu", "eval_perplexity", "perplexity_ratio")
-    },
+    **{key: lambda value: value is not None for key in ("tokens_per_s", "mfu")},
 }
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def metric_columns(rows: list[dict[str, Any]]) -> list[Column]:
+    """A column per eval metric the runs' tasks declare, then each quality metric against
+    fp32's, in its tolerance unit."""
+    metrics: dict[str, dict[str, Any]] = {}
+    qualities: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        declared = row["quality_metric"]
+        if declared is not None:
+            metrics.update({metric["name"]: metric for metric in declared["metrics"]})
+            qualities.setdefault(declared["quality"], declared)
+
+    def value_of(name: str, fmt: str) -> Callable[[dict[str, Any]], str]:
+        return lambda row: _formatter(fmt)(row["eval"].get(name))
+
+    def delta_of(name: str, unit: ToleranceUnit) -> Callable[[dict[str, Any]], str]:
+        def show(row: dict[str, Any]) -> str:
+            declared, delta = row["quality_metric"], row["quality_delta"]
+            if declared is None or declared["quality"] != name or delta is None:
+                return "-"
+            return show_delta(delta, unit)
+
+        return show
+
+    columns: list[Column] = [
+        (name, value_of(name, metric["fmt"])) for name, metric in metrics.items()
+    ]
+    columns += [
+        (f"{name} vs {BASELINE}", delta_of(name, ToleranceUnit(declared["tolerance_unit"])))
+        for name, declared in qualities.items()
+    ]
+    return columns
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
-    columns = [
-        c
-        for c in COLUMNS
-        if c[1] not in OPTIONAL_COLUMNS or any(OPTIONAL_COLUMNS[c[1]](row[c[1]]) for row in rows)
-    ]
+    columns: list[Column] = []
+    for header, key, show in COLUMNS:
+        if key in OPTIONAL_COLUMNS and not any(OPTIONAL_COLUMNS[key](row[key]) for row in rows):
+            continue
+        columns.append((header, lambda row, key=key, show=show: show(row[key])))
+        if key == "final_loss":
+            columns += metric_columns(rows)
     lines = [
-        "| " + " | ".join(header for header, _, _ in columns) + " |",
+        "| " + " | ".join(header for header, _ in columns) + " |",
         "|" + "|".join("---" for _ in columns) + "|",
     ]
     for row in rows:
-        lines.append("| " + " | ".join(show(row[key]) for _, key, show in columns) + " |")
+        lines.append("| " + " | ".join(show(row) for _, show in columns) + " |")
     return lines
+
+
+def tolerance_sentence(report: dict[str, Any]) -> str:
+    """Which tolerance each task's quality metric was judged with."""
+    judged = {}
+    for row in report["runs"]:
+        declared = row["quality_metric"]
+        if declared is not None:
+            limit = tolerance_for(row, report["tolerance"])
+            unit = ToleranceUnit(declared["tolerance_unit"])
+            judged[declared["quality"]] = show_tolerance(limit, unit)
+    if not judged:
+        return ""
+    listed = ", ".join(f"{name} {limit}" for name, limit in judged.items())
+    source = "`report.tolerance`" if report["tolerance"] is not None else "each task's default"
+    return f" Tolerance: {listed} ({source})."
 
 
 def health_line(row: dict[str, Any]) -> str:
@@ -130,8 +183,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{len(rows)} runs ({', '.join(f'{n} {status}' for status, n in sorted(statuses.items()))})"
         + (f", on {', '.join(devices)}" if devices else "")
         + f". Each run is compared with the completed {BASELINE} run of the same model and "
-        f"setting; accuracy tolerance {report['accuracy_tolerance']:g} percentage points "
-        "(`report.accuracy_tolerance`).",
+        "setting." + tolerance_sentence(report),
         "",
         "## Verdict",
         "",

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from amp_exp.report.compare import varied_keys
+from amp_exp.report.compare import declared_metrics, varied_keys
 from amp_exp.report.markdown import markdown_table
 from amp_exp.report.runs import Run, find_runs
-from amp_exp.results.dashboard import SKIP_RATE, SUMMARIES, WANDB_KEYS, X_AXIS
+from amp_exp.results.dashboard import SKIP_RATE, SUMMARIES, WANDB_KEYS, X_AXIS, wandb_key_of
 from amp_exp.results.files import WANDB_RUN_ID_FILE
 from amp_exp.results.wandb_logger import NO_API_KEY, describe
 
@@ -33,8 +33,7 @@ MISSING_LIBRARY = f"a W&B report needs wandb-workspaces: pip install 'amp_exp[{E
 PRECISION_KEY = "precision.resolved"
 # run_config logs the precision keys flat ("precision.init_scale"), every other section nested.
 FLAT_SECTION = "precision."
-# The language-model task logs these instead of accuracy and samples/s.
-PERPLEXITY_KEY = "eval/perplexity"
+# The language-model task logs this instead of samples/s.
 TOKENS_PER_S_KEY = "perf/tokens_per_s"
 TITLE_MAX_CHARS = 128  # W&B refuses longer report titles
 PANEL_WIDTH, PANEL_HEIGHT, GRID_COLUMNS = 8, 6, 3  # W&B's grid is 24 units wide
@@ -82,6 +81,12 @@ def _measured(runs: list[Run], key: str) -> bool:
     )
 
 
+def _quality_key(runs: list[Run]) -> str:
+    """The W&B key of the quality metric the runs' task declares (eval/loss if none does)."""
+    declared = declared_metrics(*(run.summary for run in runs))
+    return wandb_key_of(declared.quality if declared else "eval_loss") or "eval/loss"
+
+
 def _swept_keys(runs: list[Run]) -> tuple[str, ...]:
     # W&B's config has no wandb section, and precision.resolved stands for precision.name.
     skipped = {"precision.name"}
@@ -123,7 +128,7 @@ def sweep_page(runs: list[Run], report: dict[str, Any], out_dir: Path) -> SweepP
         verdicts=tuple(report["verdicts"]),
         table=tuple(markdown_table(report["runs"])),
         swept_keys=_swept_keys(logged),
-        eval_key=PERPLEXITY_KEY if _measured(logged, "eval_perplexity") else WANDB_KEYS["eval_acc"],
+        eval_key=_quality_key(logged),
         throughput_key=(
             TOKENS_PER_S_KEY if _measured(logged, "tokens_per_s") else WANDB_KEYS["samples_per_s"]
         ),

@@ -19,7 +19,9 @@ from amp_exp.runtime.sweep import SweepJob
 # The base name already carries these, so a sweep over them adds nothing to it.
 NAMED_KEYS = frozenset({"model", "model.name", "precision", "precision.name", "seed"})
 
-# Engine row key -> W&B key. Rows also carry "step", which becomes W&B's step.
+# Engine row key -> W&B key. Rows also carry "step", which becomes W&B's step. A task's eval
+# metrics (``eval_<name>``, as its TaskMetrics declares them) go under ``eval/<name>``.
+EVAL_PREFIX = "eval_"
 WANDB_KEYS = {
     "samples": "samples",
     "epoch": "epoch",
@@ -35,9 +37,6 @@ WANDB_KEYS = {
     "mfu_measured": "perf/mfu_measured",
     "step_time_ms": "perf/step_time_ms",
     "peak_mem_bytes": "perf/peak_mem_bytes",
-    "eval_loss": "eval/loss",
-    "eval_acc": "eval/acc",
-    "eval_perplexity": "eval/perplexity",
     "grad_underflow_frac": "amp/grad_underflow_frac",
     "grad_underflow_frac_scaled": "amp/grad_underflow_frac_scaled",
     "grad_overflow_frac_scaled": "amp/grad_overflow_frac_scaled",
@@ -104,4 +103,17 @@ def run_config(
 
 def wandb_metrics(row: dict[str, Any]) -> dict[str, Any]:
     """A row under W&B keys; None (no scale without fp16, no throughput in warm-up) is left out."""
-    return {WANDB_KEYS[k]: v for k, v in row.items() if k in WANDB_KEYS and v is not None}
+    return {
+        wandb_key: value
+        for key, value in row.items()
+        if (wandb_key := wandb_key_of(key)) is not None and value is not None
+    }
+
+
+def wandb_key_of(key: str) -> str | None:
+    """The W&B key of a row's key, or None for keys the dashboard does not chart."""
+    if key in WANDB_KEYS:
+        return WANDB_KEYS[key]
+    if key.startswith(EVAL_PREFIX):
+        return f"eval/{key.removeprefix(EVAL_PREFIX)}"
+    return None

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from amp_exp.results.files import json_line, write_text
+from amp_exp.tasks.metrics import TaskMetrics
 
 log = logging.getLogger("amp_exp")
 
@@ -75,18 +76,12 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-EVAL_FORMATS = {
-    "eval_loss": ("loss", ".4f"),
-    "eval_acc": ("accuracy", ".2%"),
-    "eval_perplexity": ("perplexity", ".2f"),
-}
-
-
-def describe_eval(row: dict[str, Any]) -> str:
+def describe_eval(row: dict[str, Any], metrics: TaskMetrics) -> str:
+    """The eval row's metrics as the task declares them (label and format)."""
     return ", ".join(
-        f"{label} {_fmt(row[key], spec)}"
-        for key, (label, spec) in EVAL_FORMATS.items()
-        if key in row
+        f"{metric.label} {_fmt(row[metric.name], metric.fmt)}"
+        for metric in metrics.metrics
+        if metric.name in row
     )
 
 
@@ -101,12 +96,13 @@ def describe_rate(row: dict[str, Any]) -> str:
 class ConsoleLogger:
     """A progress line per log interval, through ``logging`` so Hydra also files it in train.log."""
 
-    def __init__(self, total_steps: int) -> None:
+    def __init__(self, total_steps: int, metrics: TaskMetrics) -> None:
         self.total_steps = total_steps
+        self.metrics = metrics
 
     def log(self, row: dict[str, Any]) -> None:
         if row["kind"] == EVAL:
-            log.info("eval @ step %d: %s", row["step"], describe_eval(row))
+            log.info("eval @ step %d: %s", row["step"], describe_eval(row, self.metrics))
             return
         if row["kind"] == DIAGNOSTICS:
             log.info(

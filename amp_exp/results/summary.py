@@ -72,9 +72,9 @@ FIELDS = (
     "peak_mem_bytes",
     "peak_mem_kind",
     "final_loss",
-    "eval_loss",
-    "eval_acc",
-    "eval_perplexity",
+    # The task's declaration of its eval metrics (tasks.base.TaskMetrics.as_dict); the values
+    # of those metrics follow it, under the names it declares (eval_acc, eval_perplexity, ...).
+    "task_metrics",
     # The best eval loss any model can reach on the data, where the data knows it.
     "loss_floor",
     "loss_scale",
@@ -118,13 +118,33 @@ def identity(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def make_summary(status: Status, config: dict[str, Any], **values: Any) -> dict[str, Any]:
+def make_summary(
+    status: Status,
+    config: dict[str, Any],
+    task_metrics: dict[str, Any] | None = None,
+    eval_metrics: dict[str, Any] | None = None,
+    **values: Any,
+) -> dict[str, Any]:
     """A summary with every key of ``FIELDS``: those given, the run's identity from ``config``,
-    and null for the rest. A key outside the schema is a programming error."""
+    and null for the rest. A key outside the schema is a programming error.
+
+    ``task_metrics`` is the task's declaration; each metric it names gets a key right after it,
+    holding its value from ``eval_metrics`` (null if the run never evaluated).
+    """
     unknown = sorted(set(values) - set(FIELDS))
     if unknown:
         raise KeyError(f"not summary.json fields: {', '.join(unknown)}")
-    summary: dict[str, Any] = dict.fromkeys(FIELDS)
+    declared = [metric["name"] for metric in (task_metrics or {}).get("metrics", [])]
+    undeclared = sorted(set(eval_metrics or {}) - set(declared))
+    if undeclared:
+        raise KeyError(f"eval metrics the task did not declare: {', '.join(undeclared)}")
+    summary: dict[str, Any] = {}
+    for key in FIELDS:
+        summary[key] = None
+        if key == "task_metrics":
+            summary.update(dict.fromkeys(declared))
+    summary["task_metrics"] = task_metrics
+    summary.update(eval_metrics or {})
     summary.update(identity(config))
     if status is not Status.killed:  # a killed run's code version is not the reader's
         import torch  # only runs import it; a report reading killed runs stays light

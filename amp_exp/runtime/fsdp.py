@@ -30,11 +30,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from amp_exp.config.precisions import SHORT_NAMES, spec_of
+from amp_exp.config.precisions import SHORT_NAMES, DType, spec_of
 from amp_exp.config.schema import Precision, ReduceDtype
 from amp_exp.runtime.blocks import model_blocks
 
-DTYPES = {name: dtype for dtype, name in SHORT_NAMES.items()}
+DTYPES = {name: dtype.torch for dtype, name in SHORT_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class ShardingDtypes:
         """The precision table's FSDP2 dtypes (config.precisions); ``reduce`` overrides the
         reduction's."""
         spec = spec_of(precision)
-        param = SHORT_NAMES[spec.fsdp_param_dtype or torch.float32]
-        return cls(param, SHORT_NAMES[spec.fsdp_reduce_dtype] if reduce is None else reduce.value)
+        param = (spec.fsdp_param_dtype or DType.float32).short
+        return cls(param, spec.fsdp_reduce_dtype.short if reduce is None else reduce.value)
 
     @property
     def casts_params(self) -> bool:

@@ -4,6 +4,9 @@ A task owns the model's inputs and its loss. It moves a batch to the device, com
 (the engine calls it under the precision's autocast), and sums evaluation statistics on the
 device, so the engine reads them once per evaluation. Its ``unit`` names what throughput counts:
 samples for images, tokens for text.
+
+A task declares its metrics (``tasks.metrics.TaskMetrics``): the summary, the console, W&B and
+the report read that declaration, so a new task needs no edit anywhere else.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from amp_exp.tasks.metrics import TaskMetrics
 
 Batch = Any
 
@@ -41,6 +46,9 @@ class DataBundle:
 
 class Task(Protocol):
     """Batches in, a loss and summed metrics out."""
+
+    # The metrics ``eval_metrics`` returns, and which one judges quality.
+    metrics: TaskMetrics
 
     # What throughput counts besides samples: "samples" or "tokens".
     unit: str

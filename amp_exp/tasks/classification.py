@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -15,6 +17,13 @@ class ClassificationTask:
     unit = "samples"
     units_per_sample = 1
     eval_sum_names = ("loss_sum", "correct", "count")
+    metrics = TaskMetrics(
+        (Metric("eval_loss", "loss"), Metric("eval_acc", "accuracy", ".2%")),
+        quality="eval_acc",
+        higher_is_better=True,
+        tolerance_unit=ToleranceUnit.points,
+        default_tolerance=0.5,
+    )
 
     def __init__(
         self,

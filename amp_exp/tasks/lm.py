@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_exp.tasks.classification import LossFn
+from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -19,6 +20,15 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class LanguageModelTask:
     unit = "tokens"
     eval_sum_names = ("loss_sum", "tokens")
+    # Judged on the eval loss, relative to fp32's: 1% is four times DeepSeek-V3's 0.25% bar,
+    # which short runs on small data cannot resolve.
+    metrics = TaskMetrics(
+        (Metric("eval_loss", "loss"), Metric("eval_perplexity", "perplexity", ".2f")),
+        quality="eval_loss",
+        higher_is_better=False,
+        tolerance_unit=ToleranceUnit.relative,
+        default_tolerance=0.01,
+    )
 
     def __init__(
         self, device: torch.device, seq_len: int, vocab_size: int, loss_fn: LossFn | None = None

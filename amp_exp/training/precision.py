@@ -48,7 +48,7 @@ class PrecisionPolicy:
         self.cfg = cfg
         self.device = device
         self.clip_grad_norm = cfg.clip_grad_norm
-        self.dtype = self.spec.compute_dtype
+        self.dtype = self.spec.compute_dtype.torch
         self.scaler: torch.amp.GradScaler | None = None
         if self.spec.grad_scaler:
             self.scaler = torch.amp.GradScaler(
@@ -70,7 +70,7 @@ class PrecisionPolicy:
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype the optimizer updates: fp32 master weights, except in bf16_true."""
-        return self.spec.weight_dtype
+        return self.spec.weight_dtype.torch
 
     @property
     def stochastic_rounding(self) -> bool:
@@ -102,7 +102,7 @@ class PrecisionPolicy:
     def autocast(self) -> contextlib.AbstractContextManager:
         if not self.uses_autocast:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.spec.autocast_dtype)
+        return torch.autocast(device_type=self.device.type, dtype=self.spec.autocast_dtype.torch)
 
     def inference(self) -> contextlib.AbstractContextManager:
         """The no-grad mode of evaluation. torchao's Float8Linear fails under inference_mode
