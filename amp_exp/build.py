@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from amp_exp.config.precisions import DType
 from amp_exp.config.schema import NonFiniteAction, RunConfig
 from amp_exp.runtime.blocks import checkpoint_blocks, compile_blocks
 from amp_exp.runtime.capability import ResolvedPrecision, capability_of, check_request
@@ -65,14 +66,15 @@ def global_batch_size(cfg: RunConfig, world_size: int) -> int:
     return cfg.dataset.batch_size * cfg.trainer.grad_accum_steps * world_size
 
 
-def parallelism(distributed: Distributed | None, dtypes: ShardingDtypes | None) -> dict:
-    """How the model was spread over the ranks, and the dtypes its weights computed and its
-    gradients were reduced in (autocast computes in low precision from fp32 weights)."""
-    if distributed is None:
-        return {"strategy": "single", "param_dtype": "fp32", "reduce_dtype": None}
-    if dtypes is None:
-        return {"strategy": "ddp", "param_dtype": "fp32", "reduce_dtype": "fp32"}
-    return {"strategy": "fsdp2", "param_dtype": dtypes.param, "reduce_dtype": dtypes.reduce}
+def parallelism(
+    distributed: Distributed | None, dtypes: ShardingDtypes | None, weights: DType
+) -> dict:
+    """How the model was spread over the ranks, the dtype the forward took its weights in
+    (autocast casts from there) and the one gradients were summed over the ranks in."""
+    if distributed is None or dtypes is None:
+        return {"strategy": "single", "param_dtype": weights.short, "reduce_dtype": None}
+    strategy = distributed.strategy.value
+    return {"strategy": strategy, "param_dtype": dtypes.param, "reduce_dtype": dtypes.reduce}
 
 
 def build(
@@ -88,17 +90,17 @@ def build(
     workload = build_workload(cfg, device, rank, world_size, loss_fn)
     resolved = resolve_precision(cfg, capability, workload, distributed)
     shards = distributed is not None and distributed.shards
-    dtypes = (
-        ShardingDtypes.for_precision(resolved.precision, cfg.precision.reduce_dtype)
-        if shards
-        else None
-    )
+    dtypes = None
+    if distributed is not None:
+        dtypes = ShardingDtypes.for_precision(
+            resolved.precision, cfg.precision.reduce_dtype, cfg.precision.fsdp_cast_params
+        )
     policy = PrecisionPolicy(
         resolved.precision,
         cfg.precision,
         device,
         guard_nonfinite=cfg.trainer.on_nonfinite is not NonFiniteAction.off,
-        params_cast=dtypes is not None and dtypes.casts_params,
+        params_cast=shards and dtypes is not None and dtypes.casts_params,
     )
     model, data = policy.prepare_model(workload.model), workload.data
     if cfg.trainer.activation_checkpointing:
@@ -108,8 +110,8 @@ def build(
         compile_blocks(model, cfg.trainer.compile_mode)
     trained = distributed.wrap(model, dtypes) if distributed else model
     # After wrapping: FSDP2 replaced the parameters with their shards.
-    optimizer = build_optimizer(
-        cfg.optimizer, model, device, resolved.precision, policy.stochastic_rounding
+    optimizer, policy.rounding = build_optimizer(
+        cfg.optimizer, model, device, policy.stochastic_rounding, sharded=shards
     )
     total_steps = plan_total_steps(cfg.trainer, len(data.train))
     if cfg.trainer.compile and not shards:
@@ -146,7 +148,7 @@ def build(
         Utilization(workload.flops_per_token, *peak, measured_peak),
         data.recorded,
         distributed,
-        parallelism=parallelism(distributed, dtypes),
+        parallelism=parallelism(distributed, dtypes, policy.spec.weight_dtype),
     )
 
 
@@ -155,12 +157,13 @@ def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None
     diagnostics = Diagnostics(
         cfg.diagnostics,
         built.model,
-        engine.optimizer,
         progress=lambda: engine.progress,
         current_scale=engine.policy.scale,
         emit=emit,
         weight_dtype=engine.policy.weight_dtype,
+        distributed=built.distributed,
     )
+    engine.callbacks.add(diagnostics)
     measure = None
     if built.device.type == "cuda" and engine.policy.uses_autocast:
         inputs = engine.task.to_device(next(iter(engine.data)))[0]

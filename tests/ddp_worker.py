@@ -47,9 +47,9 @@ def inf_in_own_shard_at(policy: PrecisionPolicy, step: int, inject: bool, seen: 
     """At optimizer step ``step``, after the gradients are reduced and before the scaler checks
     them, put an inf into this rank's shard of the first gradient (if ``inject``). ``seen`` gets
     what the rank saw then: whether its own shards were all finite."""
-    real_step, calls = policy.step, 0
+    real_unscale_and_clip, calls = policy.unscale_and_clip, 0
 
-    def step_with_inf(optimizer, parameters, want_grad_norm):
+    def unscale_and_clip_with_inf(optimizer, parameters, want_grad_norm):
         nonlocal calls
         calls += 1
         if calls == step:
@@ -58,9 +58,9 @@ def inf_in_own_shard_at(policy: PrecisionPolicy, step: int, inject: bool, seen: 
             seen["shard_finite"] = all(
                 bool(torch.isfinite(local(p.grad)).all()) for p in parameters if p.grad is not None
             )
-        return real_step(optimizer, parameters, want_grad_norm)
+        return real_unscale_and_clip(optimizer, parameters, want_grad_norm)
 
-    policy.step = step_with_inf
+    policy.unscale_and_clip = unscale_and_clip_with_inf
 
 
 def main() -> None:

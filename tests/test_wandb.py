@@ -224,8 +224,10 @@ def test_config_is_plain_with_precision_flat(run_cfg) -> None:
         "precision.stochastic_rounding",
         "precision.fp8_recipe",
         "precision.fp8_emulate",
-        "precision.fp8_skip_first_last",
+        "precision.fp8_skip",
+        "precision.fp8_skip_small",
         "precision.reduce_dtype",
+        "precision.fsdp_cast_params",
         "precision.resolved",
     }
 

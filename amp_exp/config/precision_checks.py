@@ -1,5 +1,6 @@
-"""The precision section's rules: the GradScaler's knobs, fp8's needs, FSDP2's reduce dtype, and
-the strategies each precision runs under (from the precision table). Imports no torch."""
+"""The precision section's rules: the GradScaler's knobs, fp8's needs, FSDP2's reduce dtype and
+parameter cast, and the strategies each precision runs under (from the precision table). Imports
+no torch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from importlib.util import find_spec
 from amp_exp.config.precisions import SPECS
 from amp_exp.config.schema import (
     DeviceChoice,
+    Fp8Recipe,
     Precision,
     PrecisionConfig,
     ReduceDtype,
@@ -22,6 +24,7 @@ def validate_precision(precision: PrecisionConfig, trainer: TrainerConfig) -> No
     _validate_scaler(precision)
     _validate_fp8(precision, trainer)
     _validate_reduce_dtype(precision, trainer)
+    _validate_cast_params(precision, trainer)
     _validate_strategy(precision.name, trainer.strategy)
 
 
@@ -49,6 +52,12 @@ def _validate_fp8(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
         "precision=fp8 needs a CUDA GPU with compute capability 8.9+ (trainer.device=cpu); "
         "add precision.fp8_emulate=true to emulate it (slow, not timed)",
     )
+    # torchao measured no size thresholds for this recipe (its _auto_filter_for_recipe).
+    require(
+        not precision.fp8_skip_small or precision.fp8_recipe is not Fp8Recipe.rowwise_with_gw_hp,
+        "precision.fp8_skip_small=true has no size thresholds for "
+        "precision.fp8_recipe=rowwise_with_gw_hp; valid recipes: tensorwise, rowwise",
+    )
 
 
 def _validate_strategy(precision: Precision, strategy: Strategy) -> None:
@@ -60,6 +69,22 @@ def _validate_strategy(precision: Precision, strategy: Strategy) -> None:
         strategy in runs_under,
         f"precision={precision.value} does not run with trainer.strategy={strategy.value} yet; "
         f"valid choices: {', '.join(sorted(s.value for s in runs_under))}",
+    )
+
+
+def _validate_cast_params(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
+    if not precision.fsdp_cast_params:
+        return
+    require(
+        trainer.strategy is Strategy.fsdp2,
+        "precision.fsdp_cast_params=true needs trainer.strategy=fsdp2; DDP and one process "
+        "compute under autocast from fp32 weights",
+    )
+    casting = sorted(p.value for p, spec in SPECS.items() if spec.fsdp_param_dtype is not None)
+    require(
+        precision.name is Precision.auto or SPECS[precision.name].fsdp_param_dtype is not None,
+        f"precision.fsdp_cast_params=true: precision={precision.name.value} has no dtype to cast "
+        f"the parameters to; valid choices: {', '.join(casting)}",
     )
 
 

@@ -82,9 +82,12 @@ class PrecisionSpec:
     peak_math: str
     # The probed kernels it runs: pure bf16 computes as bf16 autocast does; fp8 is not probed.
     probed_as: Precision | None
-    # FSDP2: the dtype parameters are gathered in (None: as stored) and gradients reduced in.
+    # The dtype gradients are summed over the ranks in, under DDP and FSDP2 alike.
+    reduce_dtype: DType
+    # FSDP2 under precision.fsdp_cast_params: the dtype its policy gathers parameters in, to run
+    # the forward without autocast (None: the mode has nothing to cast to). Off by default, FSDP2
+    # gathers the stored weights and autocasts, the computation of DDP and of one process.
     fsdp_param_dtype: DType | None
-    fsdp_reduce_dtype: DType
     # The torchrun strategies it runs under.
     strategies: frozenset[Strategy]
     engaged: Engagement
@@ -108,8 +111,8 @@ SPECS: dict[Precision, PrecisionSpec] = {
             grad_scaler=False,
             peak_math="fp32",
             probed_as=Precision.fp32,
+            reduce_dtype=DType.float32,
             fsdp_param_dtype=None,
-            fsdp_reduce_dtype=DType.float32,
             strategies=BOTH_STRATEGIES,
             engaged=Engagement(1.0, (DType.float32,)),
             auto_candidate=True,
@@ -123,9 +126,9 @@ SPECS: dict[Precision, PrecisionSpec] = {
             grad_scaler=False,
             peak_math="bf16",
             probed_as=Precision.bf16,
-            fsdp_param_dtype=DType.bfloat16,
             # A sum of many low-precision gradients loses their small parts.
-            fsdp_reduce_dtype=DType.float32,
+            reduce_dtype=DType.float32,
+            fsdp_param_dtype=DType.bfloat16,
             strategies=BOTH_STRATEGIES,
             engaged=Engagement(0.5, (DType.bfloat16,)),
             auto_candidate=True,
@@ -139,8 +142,8 @@ SPECS: dict[Precision, PrecisionSpec] = {
             grad_scaler=True,
             peak_math="fp16",
             probed_as=Precision.fp16,
+            reduce_dtype=DType.float32,
             fsdp_param_dtype=DType.float16,
-            fsdp_reduce_dtype=DType.float32,
             strategies=BOTH_STRATEGIES,
             engaged=Engagement(0.5, (DType.float16,)),
             auto_candidate=True,
@@ -154,8 +157,9 @@ SPECS: dict[Precision, PrecisionSpec] = {
             grad_scaler=False,
             peak_math="bf16",
             probed_as=Precision.bf16,
+            # Its gradients are bf16; DDP sums them in fp32 and rounds once (runtime/distributed).
+            reduce_dtype=DType.float32,
             fsdp_param_dtype=None,
-            fsdp_reduce_dtype=DType.bfloat16,
             strategies=frozenset({Strategy.ddp}),
             engaged=Engagement(0.5, (DType.bfloat16,), weights=DType.bfloat16),
         ),
@@ -169,8 +173,8 @@ SPECS: dict[Precision, PrecisionSpec] = {
             # fp8 matmuls peak at twice the bf16 rate, and its other ops run at bf16's.
             peak_math="fp8",
             probed_as=None,
+            reduce_dtype=DType.float32,
             fsdp_param_dtype=None,
-            fsdp_reduce_dtype=DType.float32,
             strategies=frozenset({Strategy.ddp}),
             engaged=Engagement(
                 0.0,

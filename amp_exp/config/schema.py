@@ -177,6 +177,8 @@ class SGDConfig:
     momentum: float = 0.9
     nesterov: bool = True
     weight_decay: float = 5e-4
+    # null = the fused kernel on CUDA, except under FSDP2 (DTensor has none for SGD).
+    fused: bool | None = None
 
 
 @dataclass
@@ -186,7 +188,7 @@ class AdamWConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     weight_decay: float = 0.05
-    # null = fused kernels on CUDA, except under fp16 (see optim.build_optimizer).
+    # null = fused kernels on CUDA (they skip a non-finite step on the device, with no sync).
     fused: bool | None = None
 
 
@@ -229,10 +231,20 @@ class PrecisionConfig:
     fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
     # fp8: emulate the fp8 matmuls, on any device (numerics and tests; slow, so never timed).
     fp8_emulate: bool = False
-    # fp8: keep the model's first and last linear layers in bf16, as torchtitan does.
-    fp8_skip_first_last: bool = True
+    # fp8: linears kept in bf16 by fully qualified name (fnmatch): the output layers of the
+    # built-in, torchvision and timm models (torchtitan keeps "output"); [] converts them all.
+    fp8_skip: list[str] = field(
+        default_factory=lambda: ["lm_head", "head", "head.*", "fc", "classifier*", "output"]
+    )
+    # fp8: also keep the linears too small to gain, by torchao's H100 thresholds for the recipe
+    # (torchtitan's auto_filter_small_kn); tensorwise and rowwise only.
+    fp8_skip_small: bool = False
     # trainer.strategy=fsdp2 only: the dtype gradients are reduce-scattered in; null = fp32.
     reduce_dtype: ReduceDtype | None = None
+    # trainer.strategy=fsdp2 only: gather parameters cast to bf16/fp16, no autocast (torchtitan's
+    # policy): half the all-gather traffic, but norms, embeddings and the residual stream then run
+    # in low precision, unlike DDP; false = autocast over fp32 weights, as DDP and one process.
+    fsdp_cast_params: bool = False
 
 
 @dataclass

@@ -132,7 +132,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         "trainer.channels_last=true cannot run with trainer.strategy=fsdp2, which shards only "
         "contiguous parameters (channels_last convolution weights are not); leave it null",
     )
-    _validate_optimizer(run.optimizer)
+    _validate_optimizer(run.optimizer, run.trainer)
     _validate_scheduler(run.scheduler)
     _validate_model(run.model)
     _validate_synthetic_sizes(run)
@@ -174,7 +174,7 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
         )
 
 
-def _validate_optimizer(optimizer: OptimizerConfig) -> None:
+def _validate_optimizer(optimizer: OptimizerConfig, trainer: TrainerConfig) -> None:
     require(optimizer.lr > 0, f"optimizer.lr={optimizer.lr} must be positive")
     require(optimizer.weight_decay >= 0, "optimizer.weight_decay must be 0 or more")
     if isinstance(optimizer, AdamWConfig):
@@ -187,6 +187,11 @@ def _validate_optimizer(optimizer: OptimizerConfig) -> None:
         require(
             not optimizer.nesterov or optimizer.momentum > 0,
             "optimizer.nesterov=true needs optimizer.momentum > 0",
+        )
+        require(
+            not (optimizer.fused and trainer.strategy is Strategy.fsdp2),
+            "optimizer.fused=true cannot run with trainer.strategy=fsdp2: FSDP2's DTensors have "
+            "no fused SGD kernel; leave it null",
         )
 
 

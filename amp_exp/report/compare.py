@@ -21,7 +21,8 @@ VARIANT_KEYS = {
     "precision.stochastic_rounding",
     "precision.fp8_recipe",
     "precision.fp8_emulate",
-    "precision.fp8_skip_first_last",
+    "precision.fp8_skip",
+    "precision.fp8_skip_small",
 }
 # The keys a comparison is about; every other config key that differs is part of a run's setting.
 COMPARED_KEYS = {"model.name", "precision.name", *VARIANT_KEYS}
@@ -83,8 +84,10 @@ def precision_label(summary: dict[str, Any]) -> str:
         return "bf16_true (nearest)"
     if precision == "fp8":
         details = [str(knobs.get("fp8_recipe", "tensorwise"))]
-        if knobs.get("fp8_skip_first_last") is False:
+        if knobs.get("fp8_skip") == []:
             details.append("all linears")
+        if knobs.get("fp8_skip_small"):
+            details.append("large linears")
         if knobs.get("fp8_emulate"):
             details.append("emulated")
         return f"fp8 ({', '.join(details)})"

@@ -47,19 +47,23 @@ class Distributed:
         """Whether each rank holds a shard of the model (FSDP2), not a replica (DDP)."""
         return self.strategy is Strategy.fsdp2
 
-    def wrap(self, model: nn.Module, dtypes: fsdp.ShardingDtypes | None = None) -> nn.Module:
+    def wrap(self, model: nn.Module, dtypes: fsdp.ShardingDtypes) -> nn.Module:
         """The module that trains: a DDP replica, or (FSDP2) ``model`` itself, sharded in place.
 
         Either way every rank starts from rank 0's weights: DDP broadcasts them here, and every
-        rank built the same weights from the same seed before FSDP2 sharded them.
+        rank built the same weights from the same seed before FSDP2 sharded them. Gradients are
+        summed in ``dtypes.reduce`` under either strategy.
         """
         if self.shards:
-            assert dtypes is not None, "FSDP2 needs its dtypes"
             self.trained = fsdp.shard_model(model, dtypes, self.device)
-        else:
-            device_ids = [self.device] if self.device.type == "cuda" else None
-            self.trained = DistributedDataParallel(model, device_ids=device_ids)
-        return self.trained
+            return self.trained
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids)
+        reduce_dtype = fsdp.DTYPES[dtypes.reduce]
+        if any(p.dtype != reduce_dtype for p in model.parameters() if p.requires_grad):
+            ddp.register_comm_hook(None, reduce_in(reduce_dtype))
+        self.trained = ddp
+        return ddp
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """For all but the last micro-batch of an accumulated step: no gradient reduction."""
@@ -111,6 +115,18 @@ class Distributed:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total
 
+    def maximum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest of the ranks' ``tensor``, on every rank."""
+        largest = tensor.clone()
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return largest
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (a small picklable object), by rank, on every rank."""
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
     def max(self, value: float) -> float:
         """The largest of the ranks' values, on every rank (reads the device)."""
         largest = torch.tensor(float(value), device=self.device)
@@ -130,6 +146,26 @@ class Distributed:
         # another that holds the same NaNs.
         mismatch = not torch.equal(local.view(torch.int64), reference.view(torch.int64))
         return not self.any(mismatch)
+
+
+def reduce_in(dtype: torch.dtype):
+    """A DDP communication hook that sums each gradient bucket over the ranks in ``dtype``.
+
+    bf16_true's gradients are bf16: summed in bf16, a ring all-reduce rounds at every hop; summed
+    in fp32 (as FSDP2's reduce_dtype does) the mean rounds once, back into the bucket.
+    """
+
+    def hook(group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
+        buffer = bucket.buffer()
+        # DDP's own hook divides before it sums too, which keeps the sum in range.
+        mean = buffer.to(dtype).div_(dist.get_world_size(group))
+
+        def cast_back(done: torch.futures.Future) -> torch.Tensor:
+            return buffer.copy_(done.value()[0])
+
+        return dist.all_reduce(mean, group=group, async_op=True).get_future().then(cast_back)
+
+    return hook
 
 
 def plain_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:

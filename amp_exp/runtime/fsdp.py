@@ -1,10 +1,12 @@
 """FSDP2: the model sharded over the ranks with ``fully_shard``, under one mixed-precision policy.
 
 Each rank keeps a shard of every parameter (a DTensor), of its gradient and of its optimizer
-state. Before a block's forward the block's parameters are all-gathered, already cast to the
-policy's ``param_dtype``; after its backward the gradients are reduce-scattered in
-``reduce_dtype``, then kept as fp32 shards for the optimizer. So the fp32 master weights of AMP
-stay, and the forward runs in ``param_dtype`` without autocast.
+state. Before a block's forward the block's parameters are all-gathered; after its backward the
+gradients are reduce-scattered in ``reduce_dtype``, then kept as fp32 shards for the optimizer.
+By default the gathered parameters are the stored fp32 weights and autocast computes, as under
+DDP: one precision is one computation under every strategy. With ``precision.fsdp_cast_params``
+they are gathered already cast to the policy's ``param_dtype``, and the forward runs in it
+without autocast (torchtitan's way: less traffic, another computation).
 
 The model's state goes to and from DCP (torch.distributed.checkpoint) as sharded state dicts keyed
 by parameter name, which is what lets a checkpoint written by N ranks load on M.
@@ -30,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from amp_exp.config.precisions import SHORT_NAMES, DType, spec_of
+from amp_exp.config.precisions import SHORT_NAMES, spec_of
 from amp_exp.config.schema import Precision, ReduceDtype
 from amp_exp.runtime.blocks import model_blocks
 
@@ -46,12 +48,14 @@ class ShardingDtypes:
     reduce: str
 
     @classmethod
-    def for_precision(cls, precision: Precision, reduce: ReduceDtype | None) -> ShardingDtypes:
-        """The precision table's FSDP2 dtypes (config.precisions); ``reduce`` overrides the
-        reduction's."""
+    def for_precision(
+        cls, precision: Precision, reduce: ReduceDtype | None, cast_params: bool = False
+    ) -> ShardingDtypes:
+        """The precision table's dtypes (config.precisions): the stored weights, or under
+        ``cast_params`` its FSDP2 cast; ``reduce`` overrides the reduction's."""
         spec = spec_of(precision)
-        param = (spec.fsdp_param_dtype or DType.float32).short
-        return cls(param, spec.fsdp_reduce_dtype.short if reduce is None else reduce.value)
+        param = (spec.fsdp_param_dtype if cast_params else None) or spec.weight_dtype
+        return cls(param.short, spec.reduce_dtype.short if reduce is None else reduce.value)
 
     @property
     def casts_params(self) -> bool:

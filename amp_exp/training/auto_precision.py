@@ -67,7 +67,8 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
     if candidates == [Precision.fp32]:
         return ResolvedPrecision(Precision.fp32, f"auto: fp32, nothing else to try ({left_out})")
     # Before the batch: a DataLoader seeds its workers from torch's generator.
-    saved = rng_state()
+    device = next(workload.model.parameters()).device
+    saved = rng_state(device)
     try:
         batch = workload.task.to_device(next(iter(workload.data.train)))
         key = choice_key(cfg, capability, workload.channels_last, candidates, batch)
@@ -80,7 +81,7 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
             seconds = time_candidates(workload.model, workload.task, batch, candidates)
             write_entries(CACHE_FILE, {key: {"ms": {p.value: s * 1e3 for p, s in seconds.items()}}})
     finally:
-        restore_rng_state(saved)
+        restore_rng_state(saved, device)
     chosen, why = pick_fastest(seconds)
     listed = ", ".join(f"{p.value} {milliseconds(s)}" for p, s in seconds.items())
     reason = f"auto: {chosen.value}; this model's forward+backward ({source}): {listed}; {why}"

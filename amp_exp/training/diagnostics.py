@@ -1,8 +1,10 @@
 """AMP health: the checklist of the mixed-precision guides, run automatically.
 
-Diagnostics ride on optimizer hooks, so the engine's loop stays as it is: a pre-step hook sees
-the gradients after ``unscale_`` and clipping, a post-step hook sees the updated parameters.
-They read the device only on the few steps they examine.
+Diagnostics are a step callback (training/callbacks.py): after clipping they see the gradients
+the optimizer will use, after the step the updated (and rounded) parameters. They read the
+device only on the few steps they examine. Under FSDP2 each rank holds a shard of every
+gradient and weight: on those steps the ranks sum their counts and take the largest magnitude,
+so every figure describes the whole model, as one process would measure it.
 
 Every ``underflow_every`` steps a diagnostics row reports how fp16 would treat the gradients and
 the share of weights that did not change since the previous row (``stale_weight_frac``): with
@@ -21,7 +23,9 @@ import torch
 from torch import nn
 
 from amp_exp.config.schema import DiagnosticsConfig
+from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import local
+from amp_exp.training.callbacks import StepCallback
 from amp_exp.training.loop import Progress
 
 log = logging.getLogger("amp_exp")
@@ -31,14 +35,23 @@ FP16_MAX = 65504.0
 WORST_LAYERS = 5
 
 
+def _largest(magnitudes: torch.Tensor) -> torch.Tensor:
+    # An FSDP2 rank's shard of a small parameter may be empty.
+    return magnitudes.max() if magnitudes.numel() else magnitudes.new_zeros(())
+
+
 def gradient_ranges(
-    named_grads: list[tuple[str, torch.Tensor]], scale: float
+    named_grads: list[tuple[str, torch.Tensor]],
+    scale: float,
+    distributed: Distributed | None = None,
 ) -> tuple[dict[str, float], list[dict], float]:
     """How fp16 would treat these unscaled fp32 gradients, with and without ``scale`` applied.
 
     Fractions are of all elements, and zeros count as lost: a gradient that already flushed to
     zero in the fp16 backward cannot be told apart from an exact zero. Returns the totals, the
-    worst layers and the largest magnitude; every statistic comes back in one host read.
+    worst layers and the largest magnitude; every statistic comes back in one host read. With
+    ``distributed`` the gradients are this rank's shards: the counts are summed over the ranks
+    and the largest magnitude is the largest of theirs.
     """
     stats = torch.stack(
         [
@@ -48,12 +61,16 @@ def gradient_ranges(
                     (g.abs() < FP16_SMALLEST_SUBNORMAL).sum(),
                     (g.abs() * scale < FP16_SMALLEST_SUBNORMAL).sum(),
                     (g.abs() * scale > FP16_MAX).sum(),
-                    g.abs().max(),
+                    _largest(g.abs()),
                 ]
             ).double()
             for _, g in named_grads
         ]
     )
+    if distributed is not None:
+        stats = torch.cat(
+            [distributed.sum(stats[:, :4]), distributed.maximum(stats[:, 4:])], dim=1
+        )
     rows = [row[:4] for row in stats.tolist()]
     max_abs = float(stats[:, 4].max())
     layers = [
@@ -91,26 +108,29 @@ def largest_safe_scale(max_abs_grad: float) -> float | None:
     return 2.0 ** min(exponent, 24)
 
 
-class Diagnostics:
+class Diagnostics(StepCallback):
     """Runs the checks and the underflow measurement on the steps that call for them."""
+
+    name = "diagnostics"
 
     def __init__(
         self,
         cfg: DiagnosticsConfig,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
         progress: Callable[[], Progress],
         current_scale: Callable[[], float | None],
         emit: Callable[[dict], None],
         weight_dtype: torch.dtype = torch.float32,
+        distributed: Distributed | None = None,
     ) -> None:
-        """``progress`` is the engine's; optimizer hooks run inside the step it is about to
-        record, so the step being examined is ``progress().step + 1``. ``weight_dtype`` is what
-        the precision stores weights in: bf16 weights and gradients are by design in bf16_true.
-        """
+        """``progress`` is the engine's: callbacks run inside the step it is about to record.
+        ``weight_dtype`` is what the precision stores weights in: bf16 weights and gradients
+        are by design in bf16_true. ``distributed``: the ranks the model is sharded over, if it
+        is (under DDP every rank holds the whole, reduced gradients)."""
         self.cfg = cfg
         self.named_parameters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.progress, self.current_scale, self.emit = progress, current_scale, emit
+        self.shards = distributed if distributed is not None and distributed.shards else None
         self.fp32_weights = weight_dtype == torch.float32
         self.steps_checked = 0
         self.checks: dict[str, dict] = {
@@ -131,9 +151,7 @@ class Diagnostics:
         self._snapshot: list[torch.Tensor] = []
         self._snapshot_step = progress().step
         if cfg.underflow_every:
-            self._snapshot = [p.detach().clone() for _, p in self.named_parameters]
-        optimizer.register_step_pre_hook(self._before_step)
-        optimizer.register_step_post_hook(self._after_step)
+            self._snapshot = [local(p).detach().clone() for _, p in self.named_parameters]
 
     def _checking(self) -> bool:
         return self.cfg.checks and self.steps_checked < self.cfg.check_steps
@@ -146,36 +164,34 @@ class Diagnostics:
             result["offenders"] += new
             log.warning("AMP check failed: %s: %s", what, ", ".join(new))
 
-    def _before_step(self, optimizer, args, kwargs) -> None:
-        # Under FSDP2 each rank examines its own shard of every gradient (gathering them all
-        # would hold the whole model's gradients on one rank, which sharding exists to avoid);
-        # a parameter smaller than the world size leaves some ranks an empty shard.
-        grads = [
-            (n, local(p.grad))
-            for n, p in self.named_parameters
-            if p.grad is not None and local(p.grad).numel() > 0
-        ]
+    def after_clip(self, step: int) -> None:
+        grads = [(n, local(p.grad)) for n, p in self.named_parameters if p.grad is not None]
         if self._checking() and grads:
-            finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]).tolist()
             wrong_dtype = self.fp32_weights
-            bad = [
-                name
-                for (name, grad), ok in zip(grads, finite, strict=True)
-                if (wrong_dtype and grad.dtype != torch.float32) or not ok
-            ]
-            self._fail(
-                "unscaled_grads_fp32_finite", bad, "gradients after unscale_ not fp32 and finite"
+            bad = torch.stack(
+                [
+                    ~torch.isfinite(grad).all() | (wrong_dtype and grad.dtype != torch.float32)
+                    for _, grad in grads
+                ]
             )
-        if self._is_diagnostics_step() and grads:
-            self._measure_underflow(grads)
+            if self.shards is not None:
+                bad = self.shards.maximum(bad.int())
+            offenders = [name for (name, _), flag in zip(grads, bad.tolist(), strict=True) if flag]
+            self._fail(
+                "unscaled_grads_fp32_finite",
+                offenders,
+                "gradients after unscale_ not fp32 and finite",
+            )
+        if self._is_diagnostics_step(step) and grads:
+            self._measure_underflow(step, grads)
 
-    def _is_diagnostics_step(self) -> bool:
+    def _is_diagnostics_step(self, step: int) -> bool:
         every = self.cfg.underflow_every
-        return bool(every) and (self.progress().step + 1) % every == 0
+        return bool(every) and step % every == 0
 
-    def _after_step(self, optimizer, args, kwargs) -> None:
-        if self._is_diagnostics_step():
-            self._emit_row()
+    def after_step(self, step: int) -> None:
+        if self._is_diagnostics_step(step):
+            self._emit_row(step)
         if not self._checking():
             return
         self.steps_checked += 1
@@ -183,34 +199,39 @@ class Diagnostics:
             bad = [name for name, p in self.named_parameters if p.dtype != torch.float32]
             self._fail("master_weights_fp32", bad, "master parameters not fp32 after step")
 
-    def _measure_underflow(self, grads: list[tuple[str, torch.Tensor]]) -> None:
+    def _measure_underflow(self, step: int, grads: list[tuple[str, torch.Tensor]]) -> None:
         scale = self.current_scale() or 1.0
-        totals, worst, max_abs = gradient_ranges(grads, scale)
+        totals, worst, max_abs = gradient_ranges(grads, scale, self.shards)
         suggestion = largest_safe_scale(max_abs)
         if suggestion is not None and suggestion < (self.suggested_init_scale or math.inf):
             self.suggested_init_scale = suggestion
-        step = self.progress().step + 1
         self.underflow = {"step": step, "scale": scale, **totals, "worst": worst}
         self._row = {f"grad_{name}": value for name, value in totals.items()}
 
     def _measure_stale_weights(self, step: int) -> dict:
         """The share of weight elements equal to their value at the previous row; one read."""
-        weights = [p.detach() for _, p in self.named_parameters]
-        unchanged = torch.stack(
-            [(w == old).sum() for w, old in zip(weights, self._snapshot, strict=True)]
-        ).sum()
-        total = sum(w.numel() for w in weights)
-        self.stale_weight_frac = unchanged.item() / total if total else None
+        weights = [local(p).detach() for _, p in self.named_parameters]
+        counts = torch.stack(
+            [
+                torch.stack(
+                    [torch.tensor(w.numel(), device=w.device), (w == old).sum()]
+                ).double()
+                for w, old in zip(weights, self._snapshot, strict=True)
+            ]
+        ).sum(dim=0)
+        if self.shards is not None:
+            counts = self.shards.sum(counts)
+        total, unchanged = counts.tolist()
+        self.stale_weight_frac = unchanged / total if total else None
         window = step - self._snapshot_step
         for w, old in zip(weights, self._snapshot, strict=True):
             old.copy_(w)
         self._snapshot_step = step
         return {"stale_weight_frac": self.stale_weight_frac, "stale_window_steps": window}
 
-    def _emit_row(self) -> None:
+    def _emit_row(self, step: int) -> None:
         """One diagnostics row: the gradient range (pre-step) and the stale weights (now)."""
         progress = self.progress()
-        step = progress.step + 1
         row = {
             "kind": "diagnostics",
             "step": step,

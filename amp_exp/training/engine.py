@@ -3,12 +3,14 @@
 The engine trains whatever its ``Task`` hands it and knows nothing of what that is. It does no
 I/O: rows go to ``emit`` and checkpoints to a ``CheckpointSink``. Nothing in the per-step path
 reads a device value back to the host: loss, scale and gradient norm stay on the device and are
-read only at log intervals. The exceptions are rare events: a skipped step is examined when it
-happens, and the fp32/bf16 non-finite guard reads one flag.
+read only at log intervals. A step with non-finite gradients is skipped on the device, and the
+host learns of it at the next log step (training/skip_record.py); only an optimizer that cannot
+skip on the device makes the host decide, one read per step (training/precision.py).
 
 Under torchrun (``distributed``) every rank runs this loop on its own shard. The ranks agree on
-whatever a host decision depends on (the logged loss, a stop request, evaluation sums) at log
-intervals, so they always take the same branch and meet in the same collectives.
+whatever a host decision depends on (the logged loss, skipped steps, evaluation sums) at log
+intervals, and on a stop request at least every ``STOP_CHECK_STEPS`` steps, so they always take
+the same branch and meet in the same collectives.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from torch import nn
 
 from amp_exp.runtime.distributed import Distributed, load_plain_state, plain_state, unwrap
 from amp_exp.tasks.base import Batches, Task
+from amp_exp.training.callbacks import StepCallbacks
 from amp_exp.training.loop import LoopPlan, Progress, TrainResult
 from amp_exp.training.meters import Throughput, peak_memory_bytes, reset_peak_memory, synchronize
 from amp_exp.training.precision import PrecisionPolicy
-from amp_exp.training.rng import restore_rng_state, rng_state
-from amp_exp.training.skips import SkipMonitor, nonfinite_names
+from amp_exp.training.rng import own_rng_state, restore_rng_state, rng_state
+from amp_exp.training.skip_record import SkipRecord
+from amp_exp.training.skips import SkipMonitor
 
 Emit = Callable[[dict], None]
 
@@ -71,7 +75,10 @@ class Engine:
         self.progress = Progress()
         # Timed training of this run, over every attempt a resume continues.
         self.throughput = Throughput(self.device)
-        policy.watch(optimizer)
+        # What examines each step besides the update, in training/callbacks.ORDER.
+        self.callbacks = StepCallbacks()
+        names = {id(p): name for name, p in unwrap(model).named_parameters()}
+        self.skip_record = SkipRecord([names[id(p)] for p in self.parameters], self.device)
 
     @property
     def total_steps(self) -> int:
@@ -81,7 +88,8 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: model, optimizer, schedule, scaler, progress,
-        and every random number generator."""
+        the skipped steps not yet read, and every rank's random number generators (a
+        collective under torchrun: every rank calls it)."""
         model_state, optimizer_state = (
             plain_state(self.model, self.optimizer)
             if self.distributed is None
@@ -94,7 +102,8 @@ class Engine:
             **self.policy.state_dict(),
             "progress": dataclasses.asdict(self.progress),
             "throughput": self.throughput.state_dict(),
-            "rng": rng_state(),
+            "skip_record": self.skip_record.state_dict(),
+            "rng": self._every_rank(rng_state(self.device)),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -105,12 +114,18 @@ class Engine:
         self.policy.load_state_dict(state)
         self.progress = Progress(**state["progress"])
         self.throughput.load_state_dict(state["throughput"])
-        restore_rng_state(state["rng"])
+        self.skip_record.load_state_dict(state["skip_record"])
+        rank = 0 if self.distributed is None else self.distributed.rank.rank
+        restore_rng_state(own_rng_state(state["rng"], rank), self.device)
 
     # --- collectives (no-ops in a single process) ---------------------------------------------
 
     def _sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.distributed is None else self.distributed.sum(tensor)
+
+    def _every_rank(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, by rank, on every rank."""
+        return [value] if self.distributed is None else self.distributed.gather(value)
 
     def _gradient_sync(self, micro_batch: int) -> contextlib.AbstractContextManager:
         """DDP and FSDP2 reduce gradients on the last micro-batch of a step only."""
@@ -119,11 +134,11 @@ class Engine:
             return contextlib.nullcontext()
         return self.distributed.no_sync()
 
-    def _stop_agreed(self, requested: bool, is_log_step: bool) -> bool:
-        """A signal may reach the ranks at different steps; they agree at a log step."""
+    def _stop_agreed(self, requested: bool, step: int) -> bool:
+        """A signal may reach the ranks at different steps; they agree at a stop check."""
         if self.distributed is None:
             return requested
-        return is_log_step and self.distributed.any(requested)
+        return self.plan.is_stop_check_step(step) and self.distributed.any(requested)
 
     # --- pieces of a step ---------------------------------------------------------------------
 
@@ -140,10 +155,12 @@ class Engine:
 
     def train_step(
         self, batches: Iterator[Any], interval_loss: torch.Tensor, want_grad_norm: bool
-    ) -> tuple[bool, torch.Tensor | None]:
-        """One optimizer step over ``grad_accum_steps`` micro-batches: (stepped, grad norm)."""
+    ) -> torch.Tensor | None:
+        """One optimizer step over ``grad_accum_steps`` micro-batches, in the sequence that
+        training/callbacks.py states; returns the gradient norm (on the device) or None."""
         accum = self.plan.grad_accum_steps
         progress = self.progress
+        step = progress.step + 1
         for micro_batch in range(accum):
             batch = self.task.to_device(next(batches))
             with self._gradient_sync(micro_batch):
@@ -153,30 +170,40 @@ class Engine:
                 self.policy.backward(loss)
             interval_loss += loss.detach()
             progress.samples += self.task.batch_samples(batch) * self.world_size
-        stepped, grad_norm = self.policy.step(self.optimizer, self.parameters, want_grad_norm)
-        progress.step += 1
-        progress.interval_steps += 1
-        if stepped:
-            progress.consecutive_skips = 0
-            if self.scheduler is not None:
-                self.scheduler.step()
-        else:
-            progress.skipped_steps += 1
-            progress.consecutive_skips += 1
-            self._on_skipped_step(interval_loss)
-        self.optimizer.zero_grad(set_to_none=True)
-        return stepped, grad_norm
-
-    def _on_skipped_step(self, interval_loss: torch.Tensor) -> None:
-        named = [(name, p) for name, p in unwrap(self.model).named_parameters() if p.requires_grad]
-        self.skips.on_skipped_step(
-            self.progress,
-            self.policy.precision.value,
-            self.policy.scale(),
-            nonfinite_parameters=lambda: nonfinite_names(named),
-            # Every earlier step of the interval was applied, so its loss was finite: the
+        gradients = self.policy.unscale_and_clip(self.optimizer, self.parameters, want_grad_norm)
+        self.callbacks.after_clip(step)
+        self.policy.update(self.optimizer, gradients.found_inf)
+        self.callbacks.after_step(step)
+        if gradients.found_inf is not None:
+            # Every earlier step since the last read was applied, so its loss was finite: the
             # interval's sum is finite exactly when this step's loss is.
-            loss_finite=lambda: bool(torch.isfinite(self._sum_over_ranks(interval_loss))),
+            self.skip_record.add(step, gradients.found_inf, interval_loss, gradients.nonfinite)
+        progress.step = step
+        progress.interval_steps += 1
+        if self.scheduler is not None:
+            # As if the step was applied: _read_skips takes back the steps that were not.
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return gradients.norm
+
+    def _read_skips(self) -> None:
+        """Take in the steps the device skipped since the last read; one host read.
+
+        The schedule stepped on each of them, so it is moved back by as many: until this read
+        the learning rate ran ahead by the steps skipped in the interval.
+        """
+        skipped = self.skip_record.read(self.distributed)
+        progress = self.progress
+        progress.consecutive_skips = skipped.run
+        if not skipped.count:
+            return
+        progress.skipped_steps += skipped.count
+        if self.scheduler is not None:
+            # amp_exp's schedules (LambdaLR, OneCycleLR) are closed-form in the step count.
+            self.scheduler.last_epoch -= skipped.count + 1
+            self.scheduler.step()
+        self.skips.on_skipped_steps(
+            progress, self.policy.precision.value, self.policy.scale(), skipped
         )
 
     def log_row(
@@ -242,6 +269,11 @@ class Engine:
         """Save when ``checkpoints`` says one is due, off the throughput clock."""
         if checkpoints is None or not checkpoints.is_due(self.progress, last):
             return
+        # Due by the step count; is it inside a run of skipped steps as of now, not as of the
+        # last log step?
+        self.progress.consecutive_skips = self.skip_record.current_run()
+        if not checkpoints.is_due(self.progress, last):
+            return
         with self.throughput.paused():
             # The ranks' mean, so that every rank resumes the interval from the same sum.
             interval_mean = self._sum_over_ranks(interval_loss) / self.world_size
@@ -277,11 +309,12 @@ class Engine:
             throughput.start(progress.samples, progress.step)
         for step in range(first_step, plan.total_steps + 1):
             is_log_step = plan.is_log_step(step)
-            _, grad_norm = self.train_step(batches, interval_loss, want_grad_norm=is_log_step)
+            grad_norm = self.train_step(batches, interval_loss, want_grad_norm=is_log_step)
             if step == first_step - 1 + warmup_steps:
                 throughput.start(progress.samples, step)
                 warmup_s = time.perf_counter() - started
             if is_log_step:
+                self._read_skips()
                 row = self.log_row(interval_loss, grad_norm, throughput.lap(progress.samples, step))
                 scale = row["scale"]
                 emit(row)
@@ -292,10 +325,12 @@ class Engine:
                     progress.eval = self.evaluate()
                 emit({"kind": "eval", "step": step, "samples": progress.samples, **progress.eval})
             last = step == plan.total_steps
-            stopped_early = self._stop_agreed(stop_requested(), is_log_step) and not last
+            stopped_early = self._stop_agreed(stop_requested(), step) and not last
             self.maybe_save(checkpoints, interval_loss, last or stopped_early)
             if stopped_early:
                 break
+        if stopped_early and not is_log_step:
+            self._read_skips()
         synchronize(self.device)
         return TrainResult(
             progress=progress,

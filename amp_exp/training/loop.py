@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from amp_exp.config.schema import TrainerConfig
 from amp_exp.errors import ConfigError
 
+# Under torchrun the ranks agree whether to stop (a preemption signal may reach only some of
+# them) at every log step and at least every this many steps, so a preempted job trains at most
+# this many steps more, whatever trainer.log_every is. Each check is one all-reduce of a flag and
+# one host read: a sync every ten steps, not every step.
+STOP_CHECK_STEPS = 10
+
 
 @dataclass(frozen=True)
 class LoopPlan:
@@ -36,6 +42,9 @@ class LoopPlan:
 
     def is_log_step(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.total_steps
+
+    def is_stop_check_step(self, step: int) -> bool:
+        return step % STOP_CHECK_STEPS == 0 or self.is_log_step(step)
 
     def is_eval_step(self, step: int) -> bool:
         if self.eval_every is None:

@@ -12,9 +12,9 @@ from torch import nn
 from amp_exp.config.schema import (
     AdamWConfig,
     OptimizerConfig,
-    Precision,
     SchedulerConfig,
     SchedulerName,
+    SGDConfig,
 )
 from amp_exp.training.stochastic_rounding import StochasticRoundingStep
 
@@ -33,18 +33,19 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def use_fused_adamw(cfg: AdamWConfig, device: torch.device, precision: Precision) -> bool:
+def use_fused(cfg: OptimizerConfig, device: torch.device, sharded: bool) -> bool:
+    """Fused kernels on CUDA: one launch for the whole update, and a step with non-finite
+    gradients skipped inside it (``found_inf``), so the host never has to read whether to step.
+    FSDP2's DTensors have a fused AdamW but no fused SGD."""
     if cfg.fused is not None:
         return cfg.fused
-    # Under fp16 a fused kernel hides a skipped step inside itself; the host-side skip check of
-    # the non-fused path is what keeps the LR schedule from advancing on skipped steps.
-    return device.type == "cuda" and precision is not Precision.fp16
+    return device.type == "cuda" and not (sharded and isinstance(cfg, SGDConfig))
 
 
 def torchao_adamw_fits(cfg: OptimizerConfig, device: torch.device) -> bool:
     """torchao's AdamW rounds stochastically inside one compiled kernel per parameter, with no
-    fp32 copy of the whole model. It compiles each parameter shape on first use: seconds on a
-    GPU, but 13-100 s for a small MLP on a 2-core CPU, so the CPU uses StochasticRoundingStep."""
+    fp32 copy of the model. It compiles each parameter shape on first use: seconds on a GPU, but
+    13-100 s for a small MLP on a 2-core CPU, so the CPU uses StochasticRoundingStep."""
     on_gpu = device.type == "cuda"
     return isinstance(cfg, AdamWConfig) and on_gpu and find_spec("torchao") is not None
 
@@ -53,41 +54,49 @@ def build_optimizer(
     cfg: OptimizerConfig,
     model: nn.Module,
     device: torch.device,
-    precision: Precision,
     stochastic_rounding: bool = False,
-) -> torch.optim.Optimizer:
-    """``stochastic_rounding``: the model is bf16 (precision=bf16_true) and each update is
-    rounded to it stochastically."""
+    sharded: bool = False,
+) -> tuple[torch.optim.Optimizer, StochasticRoundingStep | None]:
+    """The optimizer, and the step that must drive it to round its updates to bf16
+    stochastically (``stochastic_rounding``: the model is bf16, precision=bf16_true) when its
+    own kernels do not. ``sharded``: FSDP2 has replaced the parameters with DTensor shards."""
     groups = parameter_groups(model, cfg.weight_decay)
     if stochastic_rounding and torchao_adamw_fits(cfg, device):
         from torchao.optim import _AdamW
 
         log.info("bf16 stochastic rounding: torchao's AdamW (compiles on its first step)")
-        return _AdamW(
+        optimizer = _AdamW(
             groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, bf16_stochastic_round=True
         )
-    optimizer = _build_torch_optimizer(cfg, groups, device, precision)
-    if stochastic_rounding:
-        StochasticRoundingStep(optimizer)
-    return optimizer
+        return optimizer, None
+    optimizer = _build_torch_optimizer(cfg, groups, use_fused(cfg, device, sharded))
+    return optimizer, StochasticRoundingStep() if stochastic_rounding else None
 
 
 def _build_torch_optimizer(
-    cfg: OptimizerConfig, groups: list[dict], device: torch.device, precision: Precision
+    cfg: OptimizerConfig, groups: list[dict], fused: bool
 ) -> torch.optim.Optimizer:
+    foreach = None if fused else True
     if isinstance(cfg, AdamWConfig):
-        fused = use_fused_adamw(cfg, device, precision)
         return torch.optim.AdamW(
-            groups,
-            lr=cfg.lr,
-            betas=tuple(cfg.betas),
-            eps=cfg.eps,
-            fused=fused or None,
-            foreach=None if fused else True,
+            groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused, foreach=foreach
         )
-    return torch.optim.SGD(
-        groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, foreach=True
+    optimizer = torch.optim.SGD(
+        groups,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
+        fused=fused,
+        foreach=foreach,
     )
+    if fused and cfg.momentum:
+        # torch's fused SGD creates its momentum buffers with torch.empty on the first step and
+        # leaves them so when that step is skipped (found_inf), then reads them as initialized.
+        # Zeros make the first applied step's buffer exactly its gradient, as a fresh one is.
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
 
 
 def cosine_with_warmup(total_steps: int, warmup_steps: int, min_lr_ratio: float):

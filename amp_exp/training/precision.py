@@ -2,7 +2,9 @@
 
 One code path serves every precision. The GradScaler exists only for fp16 (bf16 keeps fp32's
 exponent range, so its gradients do not underflow); everything else is the same call sequence:
-autocast forward and loss -> scaled backward -> unscale_ -> clip -> step -> update.
+autocast forward and loss -> scaled backward -> unscale_ -> clip -> step -> update. A step with
+non-finite gradients is skipped on the device where the optimizer allows it (fused kernels take
+``found_inf``), so no step reads the device; the engine learns of skips at log steps.
 bf16_true has no autocast: the model itself is bf16 (``prepare_model``). fp8 runs torchao's
 float8 linears under bf16 autocast.
 """
@@ -11,16 +13,45 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from amp_exp.config.precisions import spec_of
 from amp_exp.config.schema import Precision, PrecisionConfig
-from amp_exp.runtime.fsdp import whole
+from amp_exp.runtime.fsdp import local, whole
 from amp_exp.training.precision_modes import Fp8Conversion, convert_to_fp8, to_bf16_true
+from amp_exp.training.stochastic_rounding import StochasticRoundingStep
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """What a step learned of its gradients, all on the device: the total norm (None when not
+    computed), and where steps can skip, ``found_inf`` (1.0: skip) and a non-finite flag per
+    parameter."""
+
+    norm: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+    nonfinite: torch.Tensor | None = None
+
+
+def per_tensor_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each tensor, in order: one foreach kernel per device and dtype, as
+    ``torch.nn.utils.get_total_norm`` computes them before it sums them."""
+    norms: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    grouped = _group_tensors_by_device_and_dtype([tensors], with_indices=True)
+    for (device, _), ((group,), indices) in grouped.items():
+        if _has_foreach_support(group, device):
+            group_norms = torch._foreach_norm(group)
+        else:  # FSDP2's DTensors
+            group_norms = [torch.linalg.vector_norm(tensor) for tensor in group]
+        for index, norm in zip(indices, group_norms, strict=True):
+            norms[index] = norm
+    return norms
 
 
 class PrecisionPolicy:
@@ -60,8 +91,11 @@ class PrecisionPolicy:
             )
         self.guard_nonfinite = guard_nonfinite
         self.params_cast = params_cast
-        self._optimizer_stepped = False
         self.fp8: Fp8Conversion | None = None
+        # Set when the optimizer's own kernels cannot round bf16 updates stochastically.
+        self.rounding: StochasticRoundingStep | None = None
+        # The flag of a parameter without a gradient this step.
+        self._finite = torch.zeros((), device=device)
 
     @property
     def uses_autocast(self) -> bool:
@@ -109,17 +143,6 @@ class PrecisionPolicy:
         (pytorch/ao#643), so fp8 evaluates under no_grad."""
         return torch.no_grad() if self.precision is Precision.fp8 else torch.inference_mode()
 
-    def watch(self, optimizer: torch.optim.Optimizer) -> None:
-        """Learn whether the scaler ran ``optimizer.step()`` without reading found_inf.
-
-        GradScaler calls ``optimizer.step()`` only when the gradients are finite, so a post-step
-        hook tells a skipped step from a real one with no extra device sync.
-        """
-        optimizer.register_step_post_hook(self._on_optimizer_step)
-
-    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._optimizer_stepped = True
-
     def summary(self) -> dict:
         """What summary.json records about an fp8 run's conversion (nothing for other modes)."""
         if self.fp8 is None:
@@ -142,43 +165,69 @@ class PrecisionPolicy:
         else:
             self.scaler.scale(loss).backward()
 
-    def step(
+    def unscale_and_clip(
         self,
         optimizer: torch.optim.Optimizer,
         parameters: list[torch.nn.Parameter],
         want_grad_norm: bool,
-    ) -> tuple[bool, torch.Tensor | None]:
-        """Unscale, clip, step and update. Returns (stepped, grad_norm tensor or None).
+    ) -> Gradients:
+        """Unscale and clip the gradients, and find on the device whether the step must skip.
 
-        The gradient norm is computed when clipping needs it or when the caller asks for it (at
-        log intervals), so a step without clipping reads its gradients only once.
+        The gradient norm is computed when clipping needs it, when the caller asks for it (at
+        log intervals), or when non-finite gradients must be found; it stays on the device.
         """
         if self.scaler is not None:
             # Clipping thresholds refer to true gradients, so unscale before measuring them.
             self.scaler.unscale_(optimizer)
-        # A fused optimizer under a scaler hides its skip inside the kernel, and without a scaler
-        # only the guard can skip: both must read the norm on the host (one sync per step).
-        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-        checks_on_host = self.guard_nonfinite if self.scaler is None else fused
-        grad_norm = None
+        skips = self.scaler is not None or self.guard_nonfinite
+        if not (skips or want_grad_norm or self.clip_grad_norm is not None):
+            return Gradients()
+        with_grads = [p for p in parameters if p.grad is not None]
+        norms = per_tensor_norms([p.grad for p in with_grads])
+        if not norms:
+            return Gradients()
+        # Of FSDP2's gradient shards the norms are DTensors: whole() sums them over the ranks.
+        total = torch.linalg.vector_norm(torch.stack(norms))
         if self.clip_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm)
-        elif want_grad_norm or checks_on_host:
-            grad_norm = torch.nn.utils.get_total_norm(
-                [p.grad for p in parameters if p.grad is not None]
-            )
-        if grad_norm is not None:
-            # Of FSDP2's gradient shards the norm is a DTensor already summed over the ranks.
-            grad_norm = whole(grad_norm)
-        finite = bool(torch.isfinite(grad_norm)) if checks_on_host else True
-        if self.scaler is None:
-            if finite:
-                optimizer.step()
-            return finite, grad_norm
-        self._optimizer_stepped = False
-        self.scaler.step(optimizer)
-        self.scaler.update()
-        return (finite if fused else self._optimizer_stepped), grad_norm
+            torch.nn.utils.clip_grads_with_norm_(with_grads, self.clip_grad_norm, whole(total))
+        total = whole(total)
+        if not skips:
+            return Gradients(total)
+        # This rank's share of each parameter's norm: an inf or NaN anywhere in a shard shows.
+        local_norms = iter(torch.stack([local(norm) for norm in norms]).float())
+        nonfinite = torch.stack(
+            [next(local_norms) if p.grad is not None else self._finite for p in parameters]
+        )
+        return Gradients(total, (~torch.isfinite(total)).float(), ~torch.isfinite(nonfinite))
+
+    def update(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
+        """Step the optimizer, or skip the step where ``found_inf`` is 1, without a host read
+        where the optimizer can skip on the device.
+
+        A fused optimizer takes ``found_inf`` into its kernel, as it does from a GradScaler.
+        Any other optimizer must be told on the host whether to step: one read per step, the
+        price of ``trainer.on_nonfinite`` with a non-fused optimizer (and, inside GradScaler,
+        of fp16 with one).
+        """
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        elif found_inf is None:
+            self._step(optimizer)
+        elif getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
+            try:
+                self._step(optimizer)
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+        elif not found_inf:
+            self._step(optimizer)
+
+    def _step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.rounding is None:
+            optimizer.step()
+        else:
+            self.rounding.step(optimizer)
 
     def scale(self) -> float | None:
         """The current loss scale; reads the device, so call it only at log intervals."""

@@ -17,6 +17,7 @@ rest of the model runs under bf16 autocast, as in ``precision=bf16``.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from dataclasses import dataclass, field
 
 import torch
@@ -84,20 +85,31 @@ class Fp8Conversion:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def plan_fp8(model: nn.Module, skip_first_last: bool) -> Fp8Conversion:
-    """Choose the linear layers to convert, as torchtitan does: every linear whose dimensions
-    are multiples of 16, except (by default) the first and the last, whose precision matters
-    most for the loss and whose shapes rarely pay for the casts."""
+def plan_fp8(
+    model: nn.Module, skip: list[str], skip_small_for: str | None = None
+) -> Fp8Conversion:
+    """Choose the linear layers to convert by their fully qualified names and shapes, as
+    torchtitan does (torchao's ``module_filter_fn``): every linear whose dimensions are
+    multiples of 16, except those a pattern of ``skip`` names (fnmatch) and, for the recipe
+    ``skip_small_for``, those torchao's auto filter expects no speed-up from."""
+    too_small = None
+    if skip_small_for is not None:
+        from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+        too_small = _auto_filter_for_recipe(skip_small_for, filter_fqns=[])
     plan = Fp8Conversion(emulated=False)
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for index, name in enumerate(linears):
-        out_features, in_features = model.get_submodule(name).weight.shape
-        if in_features % FP8_DIM_MULTIPLE or out_features % FP8_DIM_MULTIPLE:
-            plan.skipped[name] = f"{in_features}x{out_features} not multiples of {FP8_DIM_MULTIPLE}"
-        elif skip_first_last and index == 0:
-            plan.skipped[name] = "first layer"
-        elif skip_first_last and index == len(linears) - 1:
-            plan.skipped[name] = "last layer"
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        out_features, in_features = module.weight.shape
+        shape = f"{in_features}x{out_features}"
+        named = [pattern for pattern in skip if fnmatch.fnmatchcase(name, pattern)]
+        if named:
+            plan.skipped[name] = f"precision.fp8_skip: {named[0]}"
+        elif in_features % FP8_DIM_MULTIPLE or out_features % FP8_DIM_MULTIPLE:
+            plan.skipped[name] = f"{shape} not multiples of {FP8_DIM_MULTIPLE}"
+        elif too_small is not None and not too_small(module, name):
+            plan.skipped[name] = f"{shape} below torchao's {skip_small_for} size thresholds"
         else:
             plan.converted.append(name)
     return plan
@@ -107,9 +119,10 @@ def convert_to_fp8(model: nn.Module, cfg: PrecisionConfig) -> tuple[nn.Module, F
     """Swap the planned linears for torchao ``Float8Linear`` (in place, weights kept)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    plan = plan_fp8(model, cfg.fp8_skip_first_last)
+    recipe = cfg.fp8_recipe.value
+    plan = plan_fp8(model, list(cfg.fp8_skip), recipe if cfg.fp8_skip_small else None)
     plan.emulated = cfg.fp8_emulate
-    config = Float8LinearConfig.from_recipe_name(cfg.fp8_recipe.value)
+    config = Float8LinearConfig.from_recipe_name(recipe)
     config = dataclasses.replace(config, emulate=cfg.fp8_emulate)
     chosen = set(plan.converted)
     model = convert_to_float8_training(

@@ -1,23 +1,21 @@
 """The skip monitor: what to do when a step's gradients are not finite.
 
-A skipped step is examined while its gradients still exist (a rare event, so reading the device
-then costs nothing in the hot loop). fp16 stops with a diagnosis once loss scaling has collapsed;
-fp32 and bf16 have no scaler, so ``on_nonfinite`` decides whether one bad step stops the run.
+The device skips a step with non-finite gradients and records it (training/skip_record.py); the
+monitor judges what the record says at the next log step. fp16 stops with a diagnosis once loss
+scaling has collapsed; fp32 and bf16 have no scaler, so ``on_nonfinite`` decides whether one bad
+step stops the run (at that log step: the steps skipped meanwhile left the weights alone).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 from amp_exp.config.schema import NonFiniteAction, PrecisionConfig
 from amp_exp.errors import NumericalFault
-from amp_exp.runtime.fsdp import whole
 from amp_exp.training.loop import Progress
+from amp_exp.training.skip_record import SkippedSteps
 
 log = logging.getLogger("amp_exp")
 
@@ -45,30 +43,27 @@ class SkipMonitor:
     def _kept(self) -> str:
         return "; the last good checkpoint is kept" if self.checkpointing else ""
 
-    def on_skipped_step(
-        self,
-        progress: Progress,
-        precision: str,
-        scale: float | None,
-        nonfinite_parameters: Callable[[], list[str]],
-        loss_finite: Callable[[], bool],
+    def on_skipped_steps(
+        self, progress: Progress, precision: str, scale: float | None, skipped: SkippedSteps
     ) -> None:
-        """Record a skipped step (``progress`` already counts it); raise when training is stuck."""
-        step = progress.step
-        if progress.consecutive_skips == 1:
-            self.first_nonfinite = nonfinite_parameters()
+        """Record the steps the device skipped since the last read (``progress`` already counts
+        them); raise when training is stuck."""
+        step = skipped.first_step
+        if not skipped.carried_run:
+            # A run of skips began in this interval: its first step names the culprits.
+            self.first_nonfinite = skipped.nonfinite
         if progress.first_overflow is None:
             progress.first_overflow = {
                 "step": step,
-                "loss_finite": loss_finite(),
-                "parameters": self.first_nonfinite[:10],
-                "nonfinite_parameter_count": len(self.first_nonfinite),
+                "loss_finite": skipped.loss_finite,
+                "parameters": skipped.nonfinite[:10],
+                "nonfinite_parameter_count": len(skipped.nonfinite),
             }
             log.warning(
                 "first non-finite gradients at step %d (loss %s): %s",
                 step,
-                "finite" if progress.first_overflow["loss_finite"] else "non-finite",
-                ", ".join(self.first_nonfinite[:10]) or "none found",
+                "finite" if skipped.loss_finite else "non-finite",
+                ", ".join(skipped.nonfinite[:10]) or "none found",
             )
         layer = self.first_nonfinite[0] if self.first_nonfinite else "unknown"
         if scale is None:
@@ -79,30 +74,17 @@ class SkipMonitor:
                     f"precision.clip_grad_norm=1.0{self._kept()}"
                 )
             return
-        self.scale_history.append(f"{step}:{scale:g}")
-        too_many = progress.consecutive_skips >= self.max_consecutive_skips
+        self.scale_history.append(f"{progress.step}:{scale:g}")
+        too_many = skipped.longest_run >= self.max_consecutive_skips
         if too_many or scale < self.min_scale:
             reason = (
-                f"{progress.consecutive_skips} consecutive skipped steps"
+                f"{skipped.longest_run} consecutive skipped steps"
                 if too_many
                 else f"loss scale {scale:g} fell below precision.min_scale"
             )
             raise NumericalFault(
-                f"fp16 loss scaling collapsed at step {step}: {reason}. Scale history "
+                f"fp16 loss scaling collapsed by step {progress.step}: {reason}. Scale history "
                 f"(step:scale): {', '.join(self.scale_history)}. Gradients first went "
                 f"non-finite in {layer}. Try a lower precision.init_scale, precision=bf16, or "
                 f"precision.clip_grad_norm=1.0{self._kept()}"
             )
-
-
-def nonfinite_names(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> list[str]:
-    """Names of parameters whose current gradients hold inf or NaN (reads the device).
-
-    An FSDP2 gradient is gathered whole first, so every rank names the parameter whichever
-    rank's shard holds the inf: all ranks skip together and all must call this.
-    """
-    return [
-        name
-        for name, p in named_parameters
-        if p.grad is not None and not torch.isfinite(whole(p.grad)).all()
-    ]

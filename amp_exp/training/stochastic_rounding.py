@@ -5,9 +5,9 @@ bf16 neighbour rounds back to the weight itself: with a small learning rate most
 moving. Rounding up or down at random, with the probability of the distance to each neighbour,
 keeps every update in expectation.
 
-``StochasticRoundingStep`` does this for any torch optimizer: before the step it hands the
-optimizer fp32 copies of the bf16 parameters, gradients and state; after it, it rounds them back
-to bf16 stochastically. The random bits come from torch's generator of the parameters' device,
+``StochasticRoundingStep`` does this for any torch optimizer: it steps each bf16 parameter on an
+fp32 copy of it, its gradient and its state, and rounds the results back to bf16 stochastically,
+one parameter at a time. The random bits come from torch's generator of the parameters' device,
 which a checkpoint saves, so a resumed run rounds exactly as an uninterrupted one.
 """
 
@@ -35,50 +35,60 @@ def round_to_bf16_stochastically(x: torch.Tensor) -> torch.Tensor:
 
 
 class StochasticRoundingStep:
-    """Runs an optimizer's step in fp32 on its bf16 parameters; rounds the results stochastically.
+    """Steps a torch optimizer on bf16 parameters in fp32, one parameter at a time, and rounds
+    each result stochastically.
 
-    For the step alone, each bf16 parameter with a gradient is replaced in its param group by an
-    fp32 copy holding an fp32 copy of the gradient, and its state tensors shaped like it
-    (momentum, moments; not AdamW's scalar step count) by fp32 copies. Afterwards the result is
-    rounded into the parameter in place and the state back to bf16. The parameter object and its
-    dtype never change, so DDP's gradient hooks and torch.compile's guards stay valid; between
-    steps weights, gradients and state are bf16.
+    The parameters that are not bf16 (norm layers) step first, together. Then each bf16
+    parameter with a gradient steps alone: its param group holds an fp32 stand-in for it, with an
+    fp32 copy of its gradient and of its state, for that one call of ``optimizer.step()``;
+    afterwards the result is rounded into the parameter in place and the state back to bf16. So
+    at any moment at most one parameter has fp32 copies (AMP keeps fp32 masters of all of them),
+    the parameter object and its dtype never change (DDP's gradient hooks and torch.compile's
+    guards stay valid), and between steps weights, gradients and state are bf16.
+
+    State tensors take the parameter's dtype except the step count ``step``: torch.optim's own
+    rule when it loads a state dict (``Optimizer._process_value_according_to_param_policy``).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        # (param group, index, the bf16 parameter, its fp32 stand-in) for the step under way.
-        self._swapped: list[tuple[dict, int, torch.Tensor, torch.Tensor]] = []
-        optimizer.register_step_pre_hook(self._upcast)
-        optimizer.register_step_post_hook(self._round)
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = optimizer.param_groups
+        kept = [group["params"] for group in groups]
+        try:
+            for group, params in zip(groups, kept, strict=True):
+                group["params"] = [p for p in params if p.dtype != torch.bfloat16]
+            if any(group["params"] for group in groups):
+                optimizer.step()
+            for group in groups:
+                group["params"] = []
+            for group, params in zip(groups, kept, strict=True):
+                for p in params:
+                    if p.dtype == torch.bfloat16 and p.grad is not None:
+                        self._step_one(optimizer, group, p)
+        finally:
+            for group, params in zip(groups, kept, strict=True):
+                group["params"] = params
 
     @staticmethod
-    def _convert(state: dict, like: torch.Tensor, convert) -> dict:
-        return {
-            key: convert(value)
-            if isinstance(value, torch.Tensor)
-            and value.is_floating_point()
-            and value.shape == like.shape
-            else value
-            for key, value in state.items()
-        }
-
-    def _upcast(self, optimizer, args, kwargs) -> None:
-        for group in optimizer.param_groups:
-            for index, p in enumerate(group["params"]):
-                if p.dtype != torch.bfloat16 or p.grad is None:
-                    continue
-                stand_in = p.detach().float()
-                stand_in.grad = p.grad.float()
-                state = optimizer.state.pop(p, {})
-                optimizer.state[stand_in] = self._convert(state, p, torch.Tensor.float)
-                group["params"][index] = stand_in
-                self._swapped.append((group, index, p, stand_in))
-
     @torch.no_grad()
-    def _round(self, optimizer, args, kwargs) -> None:
-        for group, index, p, stand_in in self._swapped:
-            p.copy_(round_to_bf16_stochastically(stand_in))
+    def _step_one(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> None:
+        stand_in = p.detach().float()
+        stand_in.grad = p.grad.float()
+        state = optimizer.state.pop(p, {})
+        optimizer.state[stand_in] = _convert_state(state, torch.Tensor.float)
+        group["params"] = [stand_in]
+        try:
+            optimizer.step()
+        finally:
+            group["params"] = []
             state = optimizer.state.pop(stand_in)
-            optimizer.state[p] = self._convert(state, p, round_to_bf16_stochastically)
-            group["params"][index] = p
-        self._swapped.clear()
+        p.copy_(round_to_bf16_stochastically(stand_in))
+        optimizer.state[p] = _convert_state(state, round_to_bf16_stochastically)
+
+
+def _convert_state(state: dict, convert) -> dict:
+    return {
+        key: convert(value)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step"
+        else value
+        for key, value in state.items()
+    }
