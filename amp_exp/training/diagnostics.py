@@ -68,9 +68,7 @@ def gradient_ranges(
         ]
     )
     if distributed is not None:
-        stats = torch.cat(
-            [distributed.sum(stats[:, :4]), distributed.maximum(stats[:, 4:])], dim=1
-        )
+        stats = torch.cat([distributed.sum(stats[:, :4]), distributed.maximum(stats[:, 4:])], dim=1)
     rows = [row[:4] for row in stats.tolist()]
     max_abs = float(stats[:, 4].max())
     layers = [
@@ -213,9 +211,7 @@ class Diagnostics(StepCallback):
         weights = [local(p).detach() for _, p in self.named_parameters]
         counts = torch.stack(
             [
-                torch.stack(
-                    [torch.tensor(w.numel(), device=w.device), (w == old).sum()]
-                ).double()
+                torch.stack([torch.tensor(w.numel(), device=w.device), (w == old).sum()]).double()
                 for w, old in zip(weights, self._snapshot, strict=True)
             ]
         ).sum(dim=0)

@@ -85,9 +85,7 @@ class Fp8Conversion:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def plan_fp8(
-    model: nn.Module, skip: list[str], skip_small_for: str | None = None
-) -> Fp8Conversion:
+def plan_fp8(model: nn.Module, skip: list[str], skip_small_for: str | None = None) -> Fp8Conversion:
     """Choose the linear layers to convert by their fully qualified names and shapes, as
     torchtitan does (torchao's ``module_filter_fn``): every linear whose dimensions are
     multiples of 16, except those a pattern of ``skip`` names (fnmatch) and, for the recipe
