@@ -123,7 +123,11 @@ def test_checkpoint_holds_the_documented_fields(run_cfg, tmp_path) -> None:
         payload
     )
     assert payload["scaler"] is None and payload["precision"] == "bf16"
-    assert set(payload["rng"]) == {"torch", "cuda", "python", "numpy"}
+    # Every rank's generators, by rank: this process's CPU, device (none on the CPU), Python's
+    # and NumPy's.
+    (rng,) = payload["rng"]
+    assert set(rng) == {"torch", "device", "python", "numpy"} and rng["device"] is None
+    assert set(payload["skip_record"]) == {"record"}
     assert payload["config"]["precision"]["name"] == "bf16"
     assert (payload["step"], payload["epoch"], payload["batch_in_epoch"]) == (4, 0, 4)
 
@@ -228,9 +232,10 @@ def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoin
     )
     with pytest.raises(NumericalFault) as fault:
         train(cfg, tmp_path, loss_fn=inf_after(4))
+    # Skipped from step 5 on, read at each log step (every 2): the run reached 5 by step 10.
     message = str(fault.value)
-    assert "collapsed at step 9: 5 consecutive skipped steps" in message
-    assert "Scale history (step:scale): 5:32768, 6:16384" in message
+    assert "collapsed by step 10: 6 consecutive skipped steps" in message
+    assert "Scale history (step:scale): 6:16384, 8:4096, 10:1024" in message
     assert "non-finite in features.0.weight" in message
     assert "lower precision.init_scale, precision=bf16, or precision.clip_grad_norm" in message
     last = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
@@ -239,7 +244,7 @@ def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoin
 
 def test_fp16_scale_below_min_scale_stops_the_run(run_cfg) -> None:
     cfg = run_cfg(*TINY32, "precision=fp16", "precision.init_scale=4", "precision.min_scale=1")
-    with pytest.raises(NumericalFault, match=r"at step 3: loss scale 0\.5 fell below"):
+    with pytest.raises(NumericalFault, match=r"by step 4: loss scale 0\.25 fell below"):
         build(cfg, loss_fn=inf_after(0)).engine.fit(lambda row: None)
 
 

@@ -50,7 +50,11 @@ class Blocks(nn.Module):
 
 
 def test_the_policy_follows_the_precision_and_reduce_dtype_overrides_it():
-    bf16 = ShardingDtypes.for_precision(Precision.bf16, None)
+    # By default FSDP2 gathers the fp32 weights and autocast computes, as under DDP.
+    autocast = ShardingDtypes.for_precision(Precision.bf16, None)
+    assert (autocast.param, autocast.reduce, autocast.casts_params) == ("fp32", "fp32", False)
+    assert autocast.policy().param_dtype is None
+    bf16 = ShardingDtypes.for_precision(Precision.bf16, None, cast_params=True)
     assert (bf16.param, bf16.reduce) == ("bf16", "fp32")
     policy = bf16.policy()
     assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (
@@ -60,7 +64,7 @@ def test_the_policy_follows_the_precision_and_reduce_dtype_overrides_it():
     )
     # The root hands its output over in fp32, so the loss runs in fp32 as under autocast.
     assert bf16.policy(output_fp32=True).output_dtype == torch.float32
-    fp16 = ShardingDtypes.for_precision(Precision.fp16, ReduceDtype.fp16).policy()
+    fp16 = ShardingDtypes.for_precision(Precision.fp16, ReduceDtype.fp16, cast_params=True).policy()
     assert (fp16.param_dtype, fp16.reduce_dtype) == (torch.float16, torch.float16)
     fp32 = ShardingDtypes.for_precision(Precision.fp32, None)
     assert not fp32.casts_params
@@ -75,6 +79,21 @@ def test_the_policy_follows_the_precision_and_reduce_dtype_overrides_it():
         (["trainer.strategy=fsdp2", "precision.reduce_dtype=fp16"], "needs precision=fp16"),
         (["trainer.strategy=fsdp3"], r"expected one of \[ddp, fsdp2\]"),
         (["trainer.strategy=fsdp2", "trainer.channels_last=true"], "only contiguous parameters"),
+        (["precision.fsdp_cast_params=true"], "needs trainer.strategy=fsdp2"),
+        (
+            ["trainer.strategy=fsdp2", "precision=fp32", "precision.fsdp_cast_params=true"],
+            "precision=fp32 has no dtype to cast the parameters to; valid choices: bf16, fp16",
+        ),
+        (["trainer.strategy=fsdp2", "optimizer.fused=true"], "no fused SGD kernel"),
+        (
+            [
+                "precision=fp8",
+                "precision.fp8_emulate=true",
+                "precision.fp8_recipe=rowwise_with_gw_hp",
+                "precision.fp8_skip_small=true",
+            ],
+            "no size thresholds",
+        ),
     ],
 )
 def test_reduce_dtype_and_strategy_are_checked_before_anything_runs(overrides, message):
@@ -91,7 +110,7 @@ def test_fsdp2_without_torchrun_trains_as_a_group_of_one_and_closes_it(run_cfg, 
         "fsdp2",
         1,
     )
-    assert (summary["param_dtype"], summary["reduce_dtype"]) == ("bf16", "fp32")
+    assert (summary["param_dtype"], summary["reduce_dtype"]) == ("fp32", "fp32")
     assert summary["checks"]["master_weights_fp32"]["passed"] is True
     step_dir = tmp_path / "checkpoints" / "step_00000004"
     assert sorted(p.name for p in step_dir.iterdir()) == [".metadata", "__0_0.distcp", "engine.pt"]
@@ -108,7 +127,7 @@ def test_ddp_runs_in_one_process_say_so(run_cfg, tmp_path):
 
 def test_each_block_is_sharded_then_the_root_and_batchnorm_keeps_fp32_weights():
     with process_group(DeviceChoice.cpu, Strategy.fsdp2):
-        dtypes = ShardingDtypes.for_precision(Precision.bf16, None)
+        dtypes = ShardingDtypes.for_precision(Precision.bf16, None, cast_params=True)
         blocks = shard_model(Blocks(), dtypes, torch.device("cpu"))
         assert all(isinstance(block, FSDPModule) for block in blocks.blocks)
         assert isinstance(blocks, FSDPModule) and not isinstance(blocks.head, FSDPModule)

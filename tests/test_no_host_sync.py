@@ -1,8 +1,12 @@
-"""The hot loop never reads the device: host reads scale with log intervals, not with steps."""
+"""The hot loop never reads the device: host reads scale with log intervals, not with steps.
+
+A step with non-finite gradients is skipped on the device by a fused optimizer (CUDA's default),
+so the default trainer.on_nonfinite=skip costs no read either; a non-fused optimizer makes the
+host decide each step. On CUDA, torch's own sync detector proves it (skipped without a GPU).
+"""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 
 import pytest
@@ -13,6 +17,7 @@ from amp_exp.run import build
 from helpers.runs import TINY
 
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__")
+FUSED = "optimizer.fused=true"
 
 
 def count_host_reads(monkeypatch) -> Counter:
@@ -21,10 +26,7 @@ def count_host_reads(monkeypatch) -> Counter:
         original = getattr(torch.Tensor, name)
 
         def counting(self, *args, _original=original, _name=name, **kwargs):
-            # GradScaler.step reads found_inf on the host for non-fused optimizers; that check
-            # is PyTorch's own, not the engine's.
-            if not sys._getframe(1).f_code.co_filename.endswith("grad_scaler.py"):
-                counts[_name] += 1
+            counts[_name] += 1
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counting)
@@ -56,21 +58,54 @@ def host_reads(run_cfg, monkeypatch, steps: int, log_every: int, *overrides: str
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16_true"])
 def test_host_reads_depend_only_on_log_intervals(run_cfg, monkeypatch, precision) -> None:
-    # The fp32/bf16 non-finite guard reads one flag per step by design; it is measured below.
-    overrides = (f"precision={precision}", "trainer.on_nonfinite=off")
+    """With the default on_nonfinite=skip; GradScaler's own reads count too (a fused optimizer
+    takes its found_inf on the device)."""
+    overrides = (f"precision={precision}", FUSED)
     short = host_reads(run_cfg, monkeypatch, 6, 3, *overrides)
     long = host_reads(run_cfg, monkeypatch, 24, 12, *overrides)
     assert short == long
-    # Per log interval: the loss, the grad norm and, in fp16, the scale; then eval's two reads.
+    # Per log interval: the loss, the grad norm, the skip record and, in fp16, the scale; then
+    # eval's two reads.
     assert 0 < sum(short.values()) <= 2 * 4 + 2 + 4
 
 
 @pytest.mark.parametrize("action", ["skip", "stop"])
-def test_nonfinite_guard_costs_exactly_one_read_per_step(run_cfg, monkeypatch, action) -> None:
+def test_a_non_fused_optimizer_makes_the_guard_read_one_flag_per_step(
+    run_cfg, monkeypatch, action
+) -> None:
     def extra_reads(steps: int) -> int:
         guarded = host_reads(run_cfg, monkeypatch, steps, 3, f"trainer.on_nonfinite={action}")
-        unguarded = host_reads(run_cfg, monkeypatch, steps, 3, "trainer.on_nonfinite=off")
-        return sum(guarded.values()) - sum(unguarded.values())
+        fused = host_reads(run_cfg, monkeypatch, steps, 3, f"trainer.on_nonfinite={action}", FUSED)
+        return sum(guarded.values()) - sum(fused.values())
 
     assert extra_reads(6) == 6
     assert extra_reads(12) == 12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_no_step_synchronizes_with_the_gpu_by_default(run_cfg, precision, optimizer) -> None:
+    """CUDA's defaults (fused optimizers, on_nonfinite=skip) under torch's sync detector, which
+    raises on any synchronizing call; the first step (lazy initializations) runs before it."""
+    built = build(
+        run_cfg(
+            "trainer.device=cuda",
+            f"precision={precision}",
+            f"optimizer={optimizer}",
+            "trainer.max_steps=8",
+            *TINY,
+        )
+    )
+    engine = built.engine
+    batches = engine._train_batches()
+    interval_loss = torch.zeros((), device=engine.device)
+    engine.train_step(batches, interval_loss, want_grad_norm=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            engine.train_step(batches, interval_loss, want_grad_norm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.skip_record.read(None).count == 0

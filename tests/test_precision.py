@@ -7,23 +7,29 @@ import pytest
 import torch
 from torch import nn
 
-from amp_exp.config.schema import Precision, PrecisionConfig
+from amp_exp.config.schema import AdamWConfig, Precision, PrecisionConfig, SGDConfig
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.capability import check_request, pick_fastest
-from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.optim import build_optimizer
+from amp_exp.training.precision import Gradients, PrecisionPolicy
 from helpers.probes import capability_with
 
 CPU = torch.device("cpu")
 fp32, bf16, fp16 = Precision.fp32, Precision.bf16, Precision.fp16
 
 
-def tiny_setup(precision: Precision, **knobs):
+def tiny_setup(precision: Precision, fused: bool = False, **knobs):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
     policy = PrecisionPolicy(precision, PrecisionConfig(name=precision, **knobs), CPU)
-    policy.watch(optimizer)
     return model, optimizer, policy
+
+
+def step(policy: PrecisionPolicy, optimizer, model, want_grad_norm: bool = False) -> Gradients:
+    gradients = policy.unscale_and_clip(optimizer, list(model.parameters()), want_grad_norm)
+    policy.update(optimizer, gradients.found_inf)
+    return gradients
 
 
 def forward_backward(model, policy, loss_factor: float = 1.0) -> torch.Tensor:
@@ -75,30 +81,61 @@ def test_fp16_step_keeps_fp32_master_weights_and_unscaled_fp32_grads() -> None:
         lambda opt, args, kwargs: seen_at_step.append([p.grad.clone() for p in model.parameters()])
     )
     forward_backward(model, policy)
-    stepped, grad_norm = policy.step(optimizer, list(model.parameters()), want_grad_norm=True)
-    assert stepped
+    gradients = step(policy, optimizer, model, want_grad_norm=True)
+    assert gradients.found_inf == 0
     (grads,) = seen_at_step
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
     # Unscaled and clipped: a scaled gradient would have a norm near 65536 times larger.
     assert torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])) <= 1.0 + 1e-4
-    assert torch.isfinite(grad_norm)
+    assert torch.isfinite(gradients.norm)
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_fp16_overflow_is_skipped_and_backs_off_the_scale() -> None:
-    model, optimizer, policy = tiny_setup(Precision.fp16, init_scale=256.0)
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_fp16_overflow_is_skipped_and_backs_off_the_scale(fused: bool) -> None:
+    """Both GradScaler paths: a non-fused optimizer is not called; a fused one (SGD's fused
+    kernel runs on the CPU) takes found_inf into its kernel and leaves the weights alone."""
+    model, optimizer, policy = tiny_setup(Precision.fp16, fused=fused, init_scale=256.0)
     before = [p.detach().clone() for p in model.parameters()]
     forward_backward(model, policy, loss_factor=float("inf"))
-    stepped, _ = policy.step(optimizer, list(model.parameters()), want_grad_norm=False)
-    assert not stepped
+    gradients = step(policy, optimizer, model)
+    assert gradients.found_inf == 1
+    assert gradients.nonfinite.tolist() == [True] * 4
     assert policy.scale() == 128.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     # The next finite step goes through.
     optimizer.zero_grad()
     forward_backward(model, policy)
-    stepped, _ = policy.step(optimizer, list(model.parameters()), want_grad_norm=False)
-    assert stepped
+    assert step(policy, optimizer, model).found_inf == 0
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    "cfg", [SGDConfig(fused=True), AdamWConfig(fused=True)], ids=["sgd", "adamw"]
+)
+def test_a_fused_optimizer_skips_a_nonfinite_step_on_the_device(cfg) -> None:
+    """Without a scaler the non-finite guard hands the fused kernel found_inf: a skipped first
+    step leaves weights and state (AdamW's step count too) as they were, so the step after it
+    is an exact first step. (torch's fused SGD would read a momentum buffer it never wrote.)"""
+
+    def train(loss_factors: list[float]) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        optimizer, _ = build_optimizer(cfg, model, CPU)
+        policy = PrecisionPolicy(fp32, PrecisionConfig(name=fp32), CPU, guard_nonfinite=True)
+        for factor in loss_factors:
+            torch.manual_seed(1)  # the same batch every step
+            forward_backward(model, policy, loss_factor=factor)
+            step(policy, optimizer, model)
+            optimizer.zero_grad()
+        return [p.detach() for p in model.parameters()], optimizer
+
+    skipped_then_applied, optimizer = train([float("inf"), 1.0])
+    applied, _ = train([1.0])
+    assert optimizer.defaults["fused"]
+    assert all(torch.equal(a, b) for a, b in zip(skipped_then_applied, applied, strict=True))
+    if isinstance(cfg, AdamWConfig):
+        assert {state["step"].item() for state in optimizer.state.values()} == {1.0}
 
 
 def test_a_low_precision_must_win_by_5_percent_or_fp32_stays() -> None:

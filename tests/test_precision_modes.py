@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
-from amp_exp.config.schema import Precision
+from amp_exp.config.schema import GPTConfig, Precision, PrecisionConfig
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
 from amp_exp.results.resume_rules import config_changes
 from amp_exp.run import train
 from amp_exp.runtime.capability import check_request, require_fp8_hardware
+from amp_exp.tasks.gpt import GPT
 from amp_exp.tasks.vision_models import TinyCNN
 from amp_exp.training.auto_precision import CHOICES
 from amp_exp.training.precision_modes import plan_fp8, to_bf16_true
@@ -26,6 +29,8 @@ from amp_exp.training.stochastic_rounding import (
 )
 from helpers.runs import FAST, read_jsonl
 from helpers.warm_python import python_m
+
+BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
 
 # --- stochastic rounding ------------------------------------------------------------------------
 
@@ -64,11 +69,10 @@ def test_sgd_updates_below_half_a_bf16_step_move_weights_only_with_stochastic_ro
         weight = nn.Parameter(torch.ones(20_000, dtype=torch.bfloat16))
         # Each update is 2^-10, an eighth of bf16's step above 1.
         optimizer = torch.optim.SGD([weight], lr=2**-10 * (1 - momentum), momentum=momentum)
-        if stochastic:
-            StochasticRoundingStep(optimizer)
+        rounding = StochasticRoundingStep()
         for _ in range(16):
             weight.grad = torch.ones_like(weight)
-            optimizer.step()
+            rounding.step(optimizer) if stochastic else optimizer.step()
         return weight, optimizer
 
     nearest, _ = train_ones(stochastic=False)
@@ -81,6 +85,63 @@ def test_sgd_updates_below_half_a_bf16_step_move_weights_only_with_stochastic_ro
     # Step k moves 2^-10 (1 - momentum^k): the buffer's average building up to the gradient.
     expected = 2**-10 * sum(1 - momentum**k for k in range(1, 17))
     assert moved == pytest.approx(expected, rel=0.05)
+
+
+class FreshAllocations(TorchDispatchMode):
+    """Counts the bytes of the tensors that ops allocate while it is active, as they live and
+    die: ``peak`` is the most held at once. Views and in-place results allocate nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        for result, returned in zip(results, func._schema.returns, strict=False):
+            if isinstance(result, torch.Tensor) and returned.alias_info is None:
+                storage = result.untyped_storage()
+                self.live += storage.nbytes()
+                weakref.finalize(storage, self._freed, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def test_stochastic_rounding_holds_fp32_copies_of_one_parameter_at_a_time() -> None:
+    """AdamW in fp32 needs the parameter, its gradient and two moments: 16 bytes an element.
+    Of eight equal bf16 parameters the rounding step holds that for one at a time (with the
+    optimizer's and the rounding's temporaries), never for all eight as AMP's masters do."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(64, 64, bias=False) for _ in range(8)).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(layers.parameters(), lr=1e-3, foreach=True)
+    rounding = StochasticRoundingStep()
+    for _ in range(2):  # the first step creates the moments
+        for p in layers.parameters():
+            p.grad = torch.randn_like(p)
+        with FreshAllocations() as allocations:
+            rounding.step(optimizer)
+    one_parameter_in_fp32 = 16 * 64 * 64
+    assert allocations.peak < 2 * one_parameter_in_fp32
+    assert {s.dtype for state in optimizer.state.values() for s in state.values()} == {
+        torch.bfloat16,
+        torch.float32,  # the step count
+    }
+
+
+def test_the_step_count_of_a_0d_parameter_is_not_rounded_to_bf16() -> None:
+    """A 0-d parameter's moments are shaped like AdamW's step count; only the moments round."""
+    weight = nn.Parameter(torch.tensor(1.0, dtype=torch.bfloat16))
+    optimizer = torch.optim.AdamW([weight], lr=1e-4)
+    rounding = StochasticRoundingStep()
+    for _ in range(301):  # bf16 holds no odd number above 256
+        weight.grad = torch.ones_like(weight)
+        rounding.step(optimizer)
+    state = optimizer.state[weight]
+    assert (state["step"].dtype, state["step"].item()) == (torch.float32, 301.0)
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
 
 
 # --- model preparation --------------------------------------------------------------------------
@@ -98,22 +159,26 @@ def test_bf16_true_model_keeps_norm_layers_fp32_and_hands_back_fp32_logits() -> 
     assert model.head.weight.grad.dtype == torch.bfloat16
 
 
-def test_fp8_converts_linears_of_multiple_of_16_dims_but_not_the_first_and_last() -> None:
-    mlp = nn.Sequential(
-        nn.Linear(32, 64),
-        nn.Linear(64, 64),
-        nn.Linear(64, 48),
-        nn.Linear(48, 24),
-        nn.Linear(24, 10),
-    )
-    plan = plan_fp8(mlp, skip_first_last=True)
-    assert plan.converted == ["1", "2"]
+def test_fp8_keeps_linears_in_bf16_by_name_and_shape_and_says_why() -> None:
+    """GPT's first linear is blocks.0.attn.qkv, which converts like any block's; its output
+    head is kept by name. torchao's size thresholds keep all of a tiny model's."""
+    model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=16), vocab_size=120)
+    plan = plan_fp8(model, PrecisionConfig().fp8_skip)
+    blocks = [f"blocks.{i}.{name}" for i in (0, 1) for name in BLOCK_LINEARS]
+    assert plan.converted == blocks
+    assert plan.skipped == {"lm_head": "precision.fp8_skip: lm_head"}
+
+    model.blocks[1].mlp.fc = nn.Linear(64, 200)
+    plan = plan_fp8(model, ["blocks.0.*"], skip_small_for="tensorwise")
+    assert plan.converted == []
     assert plan.skipped == {
-        "0": "first layer",
-        "3": "48x24 not multiples of 16",
-        "4": "24x10 not multiples of 16",
+        **{name: "precision.fp8_skip: blocks.0.*" for name in blocks[:4]},
+        "blocks.1.attn.qkv": "64x192 below torchao's tensorwise size thresholds",
+        "blocks.1.attn.proj": "64x64 below torchao's tensorwise size thresholds",
+        "blocks.1.mlp.fc": "64x200 not multiples of 16",
+        "blocks.1.mlp.proj": "256x64 below torchao's tensorwise size thresholds",
+        "lm_head": "64x120 not multiples of 16",
     }
-    assert plan_fp8(mlp, skip_first_last=False).converted == ["0", "1", "2"]
 
 
 # --- what may run where -------------------------------------------------------------------------
@@ -265,8 +330,9 @@ def test_emulated_fp8_trains_with_a_falling_loss_and_is_never_timed(
     summary = train(cfg, tmp_path)
     losses = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     assert losses[-1] < losses[0] - 0.1
-    assert summary["fp8_converted"] == ["3", "5"]
-    assert summary["fp8_skipped"] == {"1": "first layer", "7": "64x10 not multiples of 16"}
+    # The MLP's head, "7", is kept for its shape; the first linear is no special case.
+    assert summary["fp8_converted"] == ["1", "3", "5"]
+    assert summary["fp8_skipped"] == {"7": "64x10 not multiples of 16"}
     assert summary["fp8_emulated"] is True
     assert summary["fp8_mfu_peak_source"] == "null: emulated fp8 is not timed"
     assert summary["samples_per_s"] is None and summary["step_time_ms"] is None

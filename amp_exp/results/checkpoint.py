@@ -34,7 +34,8 @@ from amp_exp.training.loop import Progress
 
 log = logging.getLogger("amp_exp")
 
-FORMAT = 2
+# 3: every rank's random generators, and the skipped steps not yet read (training.skip_record).
+FORMAT = 3
 # step_<N>.pt, or a sharded checkpoint's step_<N>/ directory.
 STEP_FILE = re.compile(r"step_(\d+)(\.pt)?$")
 # In a sharded checkpoint: rank 0's part, and the file DCP writes once every shard is written.

@@ -74,21 +74,27 @@ class StochasticRoundingStep:
         stand_in = p.detach().float()
         stand_in.grad = p.grad.float()
         state = optimizer.state.pop(p, {})
-        optimizer.state[stand_in] = _convert_state(state, torch.Tensor.float)
+        optimizer.state[stand_in] = {
+            key: value.float() if _rounds(key, value) else value for key, value in state.items()
+        }
         group["params"] = [stand_in]
         try:
             optimizer.step()
         finally:
             group["params"] = []
-            state = optimizer.state.pop(stand_in)
+            stepped = optimizer.state.pop(stand_in)
         p.copy_(round_to_bf16_stochastically(stand_in))
-        optimizer.state[p] = _convert_state(state, round_to_bf16_stochastically)
+        # Into the bf16 tensors the state had (none before the first step), so that between
+        # steps nothing is allocated anew.
+        for key, value in stepped.items():
+            if not _rounds(key, value):
+                state[key] = value
+            elif key in state:
+                state[key].copy_(round_to_bf16_stochastically(value))
+            else:
+                state[key] = round_to_bf16_stochastically(value)
+        optimizer.state[p] = state
 
 
-def _convert_state(state: dict, convert) -> dict:
-    return {
-        key: convert(value)
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step"
-        else value
-        for key, value in state.items()
-    }
+def _rounds(key: str, value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step"
