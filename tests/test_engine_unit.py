@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from amp_exp.config.schema import Precision, PrecisionConfig
+from amp_exp.runtime.distributed import load_plain_state, plain_state
+from amp_exp.runtime.ranks import WorkerRank
 from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
+from amp_exp.training.callbacks import ORDER, StepCallback
 from amp_exp.training.engine import Engine
 from amp_exp.training.loop import LoopPlan
 from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.precision_modes import to_bf16_true
+from amp_exp.training.rng import rng_state
+from amp_exp.training.stochastic_rounding import StochasticRoundingStep
 
 CPU = torch.device("cpu")
 
@@ -98,3 +105,116 @@ def test_state_dict_round_trip_continues_exactly() -> None:
     for name, parameter in whole.model.state_dict().items():
         assert torch.equal(parameter, second.model.state_dict()[name]), name
     assert second.progress.step == 12 and second.progress.epoch == whole.progress.epoch
+
+
+class Recorder(StepCallback):
+    """A step callback that notes what it saw, and when."""
+
+    def __init__(self, name: str, seen: list, model: nn.Module, optimizer) -> None:
+        self.name, self.seen, self.model, self.optimizer = name, seen, model, optimizer
+
+    def after_clip(self, step: int) -> None:
+        self.seen.append((self.name, "after_clip", step))
+
+    def after_step(self, step: int) -> None:
+        stand_ins = any(
+            p not in set(self.model.parameters()) for p in self.optimizer.param_groups[0]["params"]
+        )
+        dtypes = {p.dtype for p in self.model.parameters()}
+        self.seen.append((self.name, "after_step", step, stand_ins, dtypes))
+
+
+def test_step_callbacks_run_in_the_stated_order_after_the_rounded_update() -> None:
+    """Added in the opposite order, they still run as ORDER says; after_step comes after the
+    update, so the diagnostics see the bf16 weights stochastic rounding put in place, not the
+    optimizer's fp32 stand-ins."""
+    torch.manual_seed(0)
+    model = to_bf16_true(nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = PrecisionPolicy(Precision.bf16_true, PrecisionConfig(name=Precision.bf16_true), CPU)
+    policy.rounding = StochasticRoundingStep()
+    plan = LoopPlan(total_steps=2, log_every=2, timing_warmup_steps=1, eval_every=None)
+    engine = Engine(model, Regression(), Batches(), None, optimizer, policy, plan)
+    seen: list = []
+    for name in reversed(ORDER):
+        engine.callbacks.add(Recorder(name, seen, model, optimizer))
+    with pytest.raises(ValueError, match="no place in ORDER"):
+        engine.callbacks.add(Recorder("late", seen, model, optimizer))
+    engine.fit(lambda row: None)
+    assert engine.callbacks.names == list(ORDER)
+    first, second = ORDER[:2]
+    assert seen[:4] == [
+        (first, "after_clip", 1),
+        (second, "after_clip", 1),
+        (first, "after_step", 1, False, {torch.bfloat16}),
+        (second, "after_step", 1, False, {torch.bfloat16}),
+    ]
+    assert len(seen) == 8
+
+
+class FakeRanks:
+    """Rank 1 of 2 under DDP, whose peer's generators are ``peer``; nothing crosses a process."""
+
+    world_size, shards = 2, False
+    rank = WorkerRank(1, 2, 1)
+
+    def __init__(self, peer: dict) -> None:
+        self.peer = peer
+
+    def gather(self, value):
+        return [self.peer, value] if isinstance(value, dict) else [value, value]
+
+    def state_of(self, model, optimizer):
+        return plain_state(model, optimizer)
+
+    def load_state(self, model, optimizer, model_state, optimizer_state):
+        load_plain_state(model, optimizer, model_state, optimizer_state)
+
+
+def test_a_checkpoint_holds_every_ranks_generators_and_each_rank_restores_its_own() -> None:
+    """Rank 1 resumes from its own state, not from rank 0's (which drew other numbers)."""
+    torch.manual_seed(7)
+    peer = rng_state(CPU)
+    engine = make_engine(4)
+    engine.distributed = FakeRanks(peer)
+    torch.manual_seed(8)
+    own = torch.get_rng_state()
+    state = engine.state_dict()
+    assert len(state["rng"]) == 2 and torch.equal(state["rng"][0]["torch"], peer["torch"])
+    torch.manual_seed(9)
+    engine.load_state_dict(state)
+    assert torch.equal(torch.get_rng_state(), own)
+
+
+def test_a_skipped_step_is_skipped_on_the_device_and_taken_back_from_the_schedule() -> None:
+    """A fused optimizer skips step 3 inside its kernel; at the log step (5) the host learns of
+    it, counts it and moves the schedule back one step: it stepped 4 times, not 5."""
+    torch.manual_seed(0)
+    model = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+    policy = PrecisionPolicy(Precision.fp32, PrecisionConfig(), CPU, guard_nonfinite=True)
+    plan = LoopPlan(total_steps=5, log_every=5, timing_warmup_steps=1, eval_every=None)
+    engine = Engine(
+        model, Regression(), Batches(), None, optimizer, policy, plan, scheduler=schedule
+    )
+    calls = 0
+
+    def poison_step_3(grad: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return grad * float("inf") if calls == 3 else grad
+
+    model.weight.register_hook(poison_step_3)
+    rows: list[dict] = []
+    result = engine.fit(rows.append)
+    assert result.progress.skipped_steps == 1 and rows[0]["skipped_steps"] == 1
+    assert result.progress.first_overflow == {
+        "step": 3,
+        "loss_finite": True,
+        "parameters": ["weight"],
+        "nonfinite_parameter_count": 1,
+    }
+    assert schedule.last_epoch == 4
+    assert rows[0]["lr"] == pytest.approx(0.1 / 5)
+    assert torch.isfinite(model.weight).all()

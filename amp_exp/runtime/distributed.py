@@ -155,12 +155,14 @@ def reduce_in(dtype: torch.dtype):
     in fp32 (as FSDP2's reduce_dtype does) the mean rounds once, back into the bucket.
     """
 
-    def hook(group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
+    # Unannotated: DDP checks a hook's annotations against the classes themselves, which this
+    # module's postponed (string) annotations are not.
+    def hook(group, bucket):
         buffer = bucket.buffer()
         # DDP's own hook divides before it sums too, which keeps the sum in range.
         mean = buffer.to(dtype).div_(dist.get_world_size(group))
 
-        def cast_back(done: torch.futures.Future) -> torch.Tensor:
+        def cast_back(done):
             return buffer.copy_(done.value()[0])
 
         return dist.all_reduce(mean, group=group, async_op=True).get_future().then(cast_back)

@@ -103,6 +103,8 @@ class Engine:
             "progress": dataclasses.asdict(self.progress),
             "throughput": self.throughput.state_dict(),
             "skip_record": self.skip_record.state_dict(),
+            # Each rank's own: its loss over the partly filled log interval, its generators.
+            "interval_losses": self._every_rank(self.progress.interval_loss),
             "rng": self._every_rank(rng_state(self.device)),
         }
 
@@ -113,9 +115,13 @@ class Engine:
             self.scheduler.load_state_dict(state["scheduler"])
         self.policy.load_state_dict(state)
         self.progress = Progress(**state["progress"])
+        rank = 0 if self.distributed is None else self.distributed.rank.rank
+        losses = state["interval_losses"]
+        # On another number of ranks (FSDP2 reshards) each takes their mean: the same logged mean.
+        same_ranks = len(losses) == self.world_size
+        self.progress.interval_loss = losses[rank] if same_ranks else sum(losses) / len(losses)
         self.throughput.load_state_dict(state["throughput"])
         self.skip_record.load_state_dict(state["skip_record"])
-        rank = 0 if self.distributed is None else self.distributed.rank.rank
         restore_rng_state(own_rng_state(state["rng"], rank), self.device)
 
     # --- collectives (no-ops in a single process) ---------------------------------------------
@@ -275,9 +281,7 @@ class Engine:
         if not checkpoints.is_due(self.progress, last):
             return
         with self.throughput.paused():
-            # The ranks' mean, so that every rank resumes the interval from the same sum.
-            interval_mean = self._sum_over_ranks(interval_loss) / self.world_size
-            self.progress.interval_loss = interval_mean.item()
+            self.progress.interval_loss = interval_loss.item()
             checkpoints.save(self.state_dict())
 
     # --- the loop -------------------------------------------------------------------------------

@@ -79,7 +79,8 @@ class Progress:
     samples: int = 0
     skipped_steps: int = 0
     consecutive_skips: int = 0
-    # The partly filled log interval, so a resumed run logs the same rows.
+    # The partly filled log interval, so a resumed run logs the same rows (the loss: this rank's
+    # sum; a checkpoint keeps every rank's, Engine.state_dict).
     interval_steps: int = 0
     interval_loss: float = 0.0
     final_loss: float | None = None
