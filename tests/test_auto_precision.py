@@ -170,4 +170,4 @@ def test_auto_trains_bit_identically_to_the_precision_it_chose_requested(
     direct_state = load_newest_valid(tmp_path / "bf16")[1]
     for name, tensor in direct_state["model"].items():
         assert torch.equal(auto_state["model"][name], tensor), name
-    assert torch.equal(auto_state["rng"]["torch"], direct_state["rng"]["torch"])
+    assert torch.equal(auto_state["rng"][0]["torch"], direct_state["rng"][0]["torch"])

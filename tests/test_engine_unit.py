@@ -113,7 +113,7 @@ class Recorder(StepCallback):
     def __init__(self, name: str, seen: list, model: nn.Module, optimizer) -> None:
         self.name, self.seen, self.model, self.optimizer = name, seen, model, optimizer
 
-    def after_clip(self, step: int) -> None:
+    def after_clip(self, step: int, gradients) -> None:
         self.seen.append((self.name, "after_clip", step))
 
     def after_step(self, step: int) -> None:

@@ -5,7 +5,8 @@ The engine runs every step in this sequence (``Engine.train_step``):
     forward + loss -> backward -> unscale_ -> clip -> AFTER_CLIP -> update -> AFTER_STEP
 
 - ``after_clip`` sees the gradients as the optimizer will use them: unscaled, clipped and reduced
-  over the ranks; the weights are not updated yet.
+  over the ranks, with what the step found of them (``Gradients``: the norm, and whether the
+  device will skip the step); the weights are not updated yet.
 - ``after_step`` sees the weights as the next forward will: the update is complete, including its
   stochastic rounding to bf16 (part of the update, training/stochastic_rounding.py), or the step
   was skipped on the device.
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from amp_exp.training.precision import Gradients
+
 # Each callback's ``name``, in the order the callbacks run within each phase. The precision
 # audit goes first: it records what the step computed before anything else reads or changes it.
 # The diagnostics read the weights only after the update, rounding included, has put them in
@@ -31,7 +34,7 @@ class StepCallback:
 
     name: ClassVar[str]
 
-    def after_clip(self, step: int) -> None:
+    def after_clip(self, step: int, gradients: Gradients) -> None:
         """The gradients of optimizer step ``step`` (1-based) are final; nothing is updated."""
 
     def after_step(self, step: int) -> None:
@@ -54,9 +57,9 @@ class StepCallbacks:
     def names(self) -> list[str]:
         return [callback.name for callback in self._callbacks]
 
-    def after_clip(self, step: int) -> None:
+    def after_clip(self, step: int, gradients: Gradients) -> None:
         for callback in self._callbacks:
-            callback.after_clip(step)
+            callback.after_clip(step, gradients)
 
     def after_step(self, step: int) -> None:
         for callback in self._callbacks:

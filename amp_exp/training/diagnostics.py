@@ -27,6 +27,7 @@ from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import local
 from amp_exp.training.callbacks import StepCallback
 from amp_exp.training.loop import Progress
+from amp_exp.training.precision import Gradients
 
 log = logging.getLogger("amp_exp")
 
@@ -162,13 +163,17 @@ class Diagnostics(StepCallback):
             result["offenders"] += new
             log.warning("AMP check failed: %s: %s", what, ", ".join(new))
 
-    def after_clip(self, step: int) -> None:
+    def after_clip(self, step: int, gradients: Gradients) -> None:
         grads = [(n, local(p.grad)) for n, p in self.named_parameters if p.grad is not None]
         if self._checking() and grads:
             wrong_dtype = self.fp32_weights
+            # Non-finite gradients fail the check only in a step that applies them: the device
+            # skips those of an fp16 scale search or of the non-finite guard.
+            applied = True if gradients.found_inf is None else gradients.found_inf == 0
             bad = torch.stack(
                 [
-                    ~torch.isfinite(grad).all() | (wrong_dtype and grad.dtype != torch.float32)
+                    (~torch.isfinite(grad).all() & applied)
+                    | (wrong_dtype and grad.dtype != torch.float32)
                     for _, grad in grads
                 ]
             )

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -177,7 +178,7 @@ class Engine:
             interval_loss += loss.detach()
             progress.samples += self.task.batch_samples(batch) * self.world_size
         gradients = self.policy.unscale_and_clip(self.optimizer, self.parameters, want_grad_norm)
-        self.callbacks.after_clip(step)
+        self.callbacks.after_clip(step, gradients)
         self.policy.update(self.optimizer, gradients.found_inf)
         self.callbacks.after_step(step)
         if gradients.found_inf is not None:
@@ -188,7 +189,11 @@ class Engine:
         progress.interval_steps += 1
         if self.scheduler is not None:
             # As if the step was applied: _read_skips takes back the steps that were not.
-            self.scheduler.step()
+            with warnings.catch_warnings():
+                # Of a skipped first step PyTorch warns that the schedule loses its first value;
+                # taken back, it does not.
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+                self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return gradients.norm
 

@@ -126,4 +126,14 @@ def convert_to_fp8(model: nn.Module, cfg: PrecisionConfig) -> tuple[nn.Module, F
     model = convert_to_float8_training(
         model, module_filter_fn=lambda _, name: name in chosen, config=config
     )
+    for name in chosen:
+        model.get_submodule(name).register_forward_pre_hook(_cast_to_cpu_autocast)
     return model, plan
+
+
+def _cast_to_cpu_autocast(module: nn.Module, args: tuple) -> tuple:
+    """Float8Linear casts its input to the autocast dtype under CUDA's autocast only; emulated
+    on the CPU it would take a first layer's fp32 input as it comes. Cast it as on a GPU."""
+    if not torch.is_autocast_enabled("cpu"):
+        return args
+    return _cast_floats(args, torch.get_autocast_dtype("cpu"))
