@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from amp_exp.config.launch import worker_rank
 from amp_exp.config.plain import plain_run_config, to_plain_dict
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
 from amp_exp.config.store import register_configs
@@ -23,8 +24,7 @@ from amp_exp.errors import (
     RunRefused,
     RuntimeFault,
 )
-from amp_exp.runtime.ranks import worker_rank
-from amp_exp.runtime.sweep import sweep_job
+from amp_exp.results.sweep import sweep_job
 
 log = logging.getLogger("amp_exp")
 

@@ -14,16 +14,16 @@ import torch
 
 from amp_exp.config.schema import NonFiniteAction, RunConfig
 from amp_exp.runtime.blocks import checkpoint_blocks, compile_blocks
-from amp_exp.runtime.capability import ResolvedPrecision, capability_of, check_request
 from amp_exp.runtime.distributed import Distributed
-from amp_exp.runtime.flops import Utilization, peak_tflops
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
 from amp_exp.tasks.classification import LossFn
 from amp_exp.tasks.workload import build_workload
 from amp_exp.training.auto_precision import resolve_precision
+from amp_exp.training.capability import ResolvedPrecision, capability_of, check_request
 from amp_exp.training.diagnostics import Diagnostics, forward_activation_bytes
 from amp_exp.training.engine import Engine
+from amp_exp.training.flops import Utilization, peak_tflops
 from amp_exp.training.loop import LoopPlan, plan_total_steps
 from amp_exp.training.optim import build_optimizer, build_scheduler
 from amp_exp.training.precision import PrecisionPolicy

@@ -39,12 +39,12 @@ from amp_exp.results.loggers import (
 )
 from amp_exp.results.resume_rules import config_changes, data_position
 from amp_exp.results.summary import Status, completed_summary, make_summary
+from amp_exp.results.sweep import SweepJob
 from amp_exp.results.wandb_logger import open_wandb_logger
 from amp_exp.runtime.distributed import Distributed, process_group
 from amp_exp.runtime.fsdp import is_sharded, state_template
 from amp_exp.runtime.hardware import device_name
 from amp_exp.runtime.signals import StopRequest
-from amp_exp.runtime.sweep import SweepJob
 from amp_exp.tasks.classification import LossFn
 from amp_exp.training.loop import TrainResult
 from amp_exp.training.meters import state_bytes

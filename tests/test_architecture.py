@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "amp_exp"
 MAX_LINES = 400
 # Lowest first. A module may import from its own layer or a lower one. The config schema, the
 # precision table and the errors are leaves every layer may use; the rest of config/ composes and
-# checks configs, which needs the runtime's resolvers and launchers.
+# checks configs, with the resolvers and launchers composing needs, and sits below the runtime.
 LAYERS = [
     (
         "amp_exp.errors",
@@ -17,8 +17,8 @@ LAYERS = [
         "amp_exp.config.datasets",
         "amp_exp.config.precisions",
     ),
-    ("amp_exp.runtime",),
     ("amp_exp.config",),
+    ("amp_exp.runtime",),
     ("amp_exp.tasks",),
     ("amp_exp.training",),
     ("amp_exp.results",),

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from amp_exp.config.launch import WorkerRank, launch_time, log_file_suffix, worker_rank
 from amp_exp.errors import ConfigError, RuntimeFault
 from amp_exp.run import build, check_ranks_resumed_alike, resume, train
-from amp_exp.runtime import ranks
-from amp_exp.runtime.ranks import WorkerRank, launch_time, log_file_suffix, worker_rank
+from amp_exp.config import launch
 from amp_exp.tasks.sampling import DeviceTensorLoader, EpochShuffleSampler, epoch_permutation, shard
 
 
@@ -75,7 +75,7 @@ def test_every_worker_takes_the_launch_time_the_first_one_published(monkeypatch)
         def now(cls, tz=None):
             return next(clocks)
 
-    monkeypatch.setattr(ranks, "datetime", SkewedClock)
+    monkeypatch.setattr(launch, "datetime", SkewedClock)
     answers = []
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)

@@ -18,7 +18,6 @@ from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
 from amp_exp.results.dashboard import wandb_metrics
 from amp_exp.run import train
-from amp_exp.runtime.flops import Utilization, peak_tflops
 from amp_exp.tasks.gpt import GPT, flops_per_token, matmul_parameters
 from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.tasks.tokens import (
@@ -27,6 +26,7 @@ from amp_exp.tasks.tokens import (
     sample_chain,
 )
 from amp_exp.tasks.workload import build_data
+from amp_exp.training.flops import Utilization, peak_tflops
 from helpers.runs import FAST_LM, read_jsonl, run_cli, signal_self_at_call
 from helpers.wandb_records import read_only_run
 from test_checkpoint import assert_same_state, without_timing

@@ -15,9 +15,9 @@ from omegaconf import OmegaConf
 from amp_exp.config.schema import WandbMode
 from amp_exp.errors import ConfigError, NumericalFault
 from amp_exp.results.dashboard import choice_label, run_config, run_group, run_name, run_tags
+from amp_exp.results.sweep import SweepJob, sweep_job
 from amp_exp.results.wandb_logger import WandbLogger, open_wandb_logger, resolve_mode
 from amp_exp.run import train
-from amp_exp.runtime.sweep import SweepJob, sweep_job
 from helpers.fake_wandb import FakeWandb, install_fake_wandb
 from helpers.runs import TINY, inf_loss_at, read_jsonl, signal_self_at_call
 from helpers.wandb_records import read_only_run, read_run, run_files

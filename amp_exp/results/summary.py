@@ -15,7 +15,7 @@ from typing import Any
 
 from amp_exp.errors import first_line
 from amp_exp.results.files import FAILED_ATTEMPT_FILE, SUMMARY_FILE, write_json
-from amp_exp.runtime.provenance import git_sha
+from amp_exp.results.provenance import git_sha
 
 log = logging.getLogger("amp_exp")
 

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from amp_exp.config.launch import WorkerRank, torchrun_store, worker_rank
 from amp_exp.config.schema import DeviceChoice, Strategy
 from amp_exp.runtime import fsdp
 from amp_exp.runtime.hardware import resolve_device
-from amp_exp.runtime.ranks import WorkerRank, torchrun_store, worker_rank
 
 log = logging.getLogger("amp_exp")
 

@@ -27,10 +27,10 @@ from torch import nn
 from amp_exp.config.precisions import AUTO_CANDIDATES
 from amp_exp.config.schema import Precision, PrecisionConfig, RunConfig
 from amp_exp.runtime.cache import read_entries, write_entries
-from amp_exp.runtime.capability import Capability, ResolvedPrecision, pick_fastest
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
+from amp_exp.training.capability import Capability, ResolvedPrecision, pick_fastest
 from amp_exp.training.meters import synchronize
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.rng import restore_rng_state, rng_state
