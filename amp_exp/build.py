@@ -17,7 +17,6 @@ from amp_exp.runtime.blocks import checkpoint_blocks, compile_blocks
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
-from amp_exp.tasks.classification import LossFn
 from amp_exp.tasks.workload import build_workload
 from amp_exp.training.auto_precision import resolve_precision
 from amp_exp.training.capability import ResolvedPrecision, capability_of, check_request
@@ -75,9 +74,7 @@ def parallelism(distributed: Distributed | None, dtypes: ShardingDtypes | None) 
     return {"strategy": "fsdp2", "param_dtype": dtypes.param, "reduce_dtype": dtypes.reduce}
 
 
-def build(
-    cfg: RunConfig, loss_fn: LossFn | None = None, distributed: Distributed | None = None
-) -> Built:
+def build(cfg: RunConfig, distributed: Distributed | None = None) -> Built:
     device = distributed.device if distributed else resolve_device(cfg.trainer.device)
     check_request(cfg.precision.name, device, cfg.precision.fp8_emulate)
     configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
@@ -85,7 +82,7 @@ def build(
     capability = capability_of(device)
     seed_everything(cfg.seed)
     rank, world_size = (distributed.rank.rank, distributed.world_size) if distributed else (0, 1)
-    workload = build_workload(cfg, device, rank, world_size, loss_fn)
+    workload = build_workload(cfg, device, rank, world_size)
     resolved = resolve_precision(cfg, capability, workload, distributed)
     shards = distributed is not None and distributed.shards
     dtypes = (

@@ -45,7 +45,6 @@ from amp_exp.runtime.distributed import Distributed, process_group
 from amp_exp.runtime.fsdp import is_sharded, state_template
 from amp_exp.runtime.hardware import device_name
 from amp_exp.runtime.signals import StopRequest
-from amp_exp.tasks.classification import LossFn
 from amp_exp.training.loop import TrainResult
 from amp_exp.training.meters import state_bytes
 
@@ -249,16 +248,11 @@ def check_ranks_resumed_alike(built: Built, step: int | None = None) -> None:
         )
 
 
-def train(
-    cfg: RunConfig,
-    output_dir: Path,
-    loss_fn: LossFn | None = None,
-    sweep: SweepJob | None = None,
-) -> dict[str, Any]:
+def train(cfg: RunConfig, output_dir: Path, sweep: SweepJob | None = None) -> dict[str, Any]:
     """Run one experiment; writes metrics.jsonl, checkpoints and summary.json to ``output_dir``."""
     started = time.perf_counter()
     with process_group(cfg.trainer.device, cfg.trainer.strategy) as distributed:
-        return train_in_group(cfg, output_dir, distributed, loss_fn, sweep, started)
+        return train_in_group(cfg, output_dir, distributed, sweep, started)
 
 
 def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob | None):
@@ -289,7 +283,6 @@ def train_in_group(
     cfg: RunConfig,
     output_dir: Path,
     distributed: Distributed | None,
-    loss_fn: LossFn | None,
     sweep: SweepJob | None,
     started: float,
 ) -> dict[str, Any]:
@@ -297,7 +290,7 @@ def train_in_group(
     # Rank 0 holds the lock for the whole job; the other ranks only follow it.
     is_main = distributed is None or distributed.is_main
     with RunDirectoryLock(output_dir) if is_main else contextlib.nullcontext():
-        built = build(cfg, loss_fn, distributed)
+        built = build(cfg, distributed)
         if resume(cfg, built, output_dir):
             return completed_summary(output_dir)  # type: ignore[return-value]
         check_ranks_resumed_alike(built)

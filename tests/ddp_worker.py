@@ -25,8 +25,9 @@ from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.runtime.fsdp import local, whole
+from amp_exp.tasks import workload
 from amp_exp.training.precision import PrecisionPolicy
-from helpers.runs import inf_loss_at, signal_self_at_call
+from helpers.runs import inf_loss_at, overriding_loss, signal_self_at_call
 
 
 def die_at_call(n: int):
@@ -108,7 +109,9 @@ def main() -> None:
         return summary
 
     run.build, run.train_built = build_with_faults, train_and_keep
-    final["summary"] = run.train(cfg, args.output_dir, loss_fn)
+    if loss_fn is not None:
+        workload.make_task = overriding_loss(loss_fn)
+    final["summary"] = run.train(cfg, args.output_dir)
     torch.save(final, args.output_dir / f"rank{rank}.pt")
 
 

@@ -55,8 +55,10 @@ def without_timing(rows: list[dict]) -> list[dict]:
         "precision=fp16 precision.init_scale=16777216 precision.growth_interval=3",
     ],
 )
-def test_stopped_and_resumed_run_matches_uninterrupted_run(run_cfg, tmp_path, precision) -> None:
-    whole = assert_resume_is_exact(run_cfg, tmp_path, [*EXACT, *precision.split()])
+def test_stopped_and_resumed_run_matches_uninterrupted_run(
+    run_cfg, override_loss, tmp_path, precision
+) -> None:
+    whole = assert_resume_is_exact(run_cfg, override_loss, tmp_path, [*EXACT, *precision.split()])
     if "fp16" in precision:
         assert whole["skipped_steps"] > 0
 
@@ -85,19 +87,22 @@ MODES = [
         "precision=fp8 precision.fp8_emulate=true optimizer=adamw",
     ],
 )
-def test_bf16_true_and_emulated_fp8_resume_exactly(run_cfg, tmp_path, precision) -> None:
-    assert_resume_is_exact(run_cfg, tmp_path, [*MODES, *precision.split()])
+def test_bf16_true_and_emulated_fp8_resume_exactly(
+    run_cfg, override_loss, tmp_path, precision
+) -> None:
+    assert_resume_is_exact(run_cfg, override_loss, tmp_path, [*MODES, *precision.split()])
     payload = torch.load(tmp_path / "whole" / "checkpoints" / "last.pt", weights_only=True)
     dtypes = {t.dtype for t in payload["model"].values() if t.is_floating_point()}
     assert dtypes == ({torch.bfloat16} if "bf16_true" in precision else {torch.float32})
 
 
-def assert_resume_is_exact(run_cfg, tmp_path, overrides: list[str]) -> dict:
+def assert_resume_is_exact(run_cfg, override_loss, tmp_path, overrides: list[str]) -> dict:
     """Train 12 steps whole, and stopped after step 5 then resumed: the end states, and the
     rows, must be identical. Returns the uninterrupted run's summary."""
     whole = train(run_cfg(*overrides), tmp_path / "whole")
     # The signal arrives during step 5 (mid-epoch, mid-log-interval); the run stops after it.
-    first = train(run_cfg(*overrides), tmp_path / "split", loss_fn=signal_self_at_call(5))
+    override_loss(signal_self_at_call(5))
+    first = train(run_cfg(*overrides), tmp_path / "split")
     assert (first["status"], first["steps"], first["stop_signal"]) == ("stopped", 5, "SIGUSR1")
     second = train(run_cfg(*overrides, "resume=auto"), tmp_path / "split")
     assert second["status"] == "completed" and second["steps"] == 12
@@ -155,9 +160,12 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -
     assert payload["step"] == 1
 
 
-def test_truncated_newest_checkpoint_falls_back_with_a_warning(run_cfg, tmp_path, caplog) -> None:
+def test_truncated_newest_checkpoint_falls_back_with_a_warning(
+    override_loss, run_cfg, tmp_path, caplog
+) -> None:
     cfg = [*TINY32, "checkpoint.every_steps=2", "checkpoint.keep=1", "trainer.max_steps=6"]
-    train(run_cfg(*cfg), tmp_path, loss_fn=signal_self_at_call(4))
+    override_loss(signal_self_at_call(4))
+    train(run_cfg(*cfg), tmp_path)
     last = tmp_path / "checkpoints" / "last.pt"
     last.write_bytes(last.read_bytes()[:100])
     with caplog.at_level(logging.WARNING):
@@ -216,7 +224,7 @@ def inf_after(calls_ok: int):
 
 
 def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoint(
-    run_cfg, tmp_path
+    override_loss, run_cfg, tmp_path
 ) -> None:
     cfg = run_cfg(
         *TINY32,
@@ -227,7 +235,8 @@ def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoin
         "trainer.max_steps=20",
     )
     with pytest.raises(NumericalFault) as fault:
-        train(cfg, tmp_path, loss_fn=inf_after(4))
+        override_loss(inf_after(4))
+        train(cfg, tmp_path)
     message = str(fault.value)
     assert "collapsed at step 9: 5 consecutive skipped steps" in message
     assert "Scale history (step:scale): 5:32768, 6:16384" in message
@@ -237,22 +246,25 @@ def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoin
     assert last["step"] == 4
 
 
-def test_fp16_scale_below_min_scale_stops_the_run(run_cfg) -> None:
+def test_fp16_scale_below_min_scale_stops_the_run(override_loss, run_cfg) -> None:
     cfg = run_cfg(*TINY32, "precision=fp16", "precision.init_scale=4", "precision.min_scale=1")
     with pytest.raises(NumericalFault, match=r"at step 3: loss scale 0\.5 fell below"):
-        build(cfg, loss_fn=inf_after(0)).engine.fit(lambda row: None)
+        override_loss(inf_after(0))
+        build(cfg).engine.fit(lambda row: None)
 
 
-def test_nan_loss_in_bf16_is_skipped_and_leaves_the_weights(run_cfg) -> None:
-    built = build(run_cfg(*TINY32, "precision=bf16", "trainer.max_steps=2"), inf_after(0))
+def test_nan_loss_in_bf16_is_skipped_and_leaves_the_weights(run_cfg, override_loss) -> None:
+    override_loss(inf_after(0))
+    built = build(run_cfg(*TINY32, "precision=bf16", "trainer.max_steps=2"))
     before = [p.detach().clone() for p in built.model.parameters()]
     result = built.engine.fit(lambda row: None)
     assert result.progress.skipped_steps == 2
     assert all(torch.equal(a, b) for a, b in zip(before, built.model.parameters(), strict=True))
 
 
-def test_nan_loss_in_fp32_with_stop_stops(run_cfg) -> None:
-    built = build(run_cfg(*TINY32, "trainer.on_nonfinite=stop"), inf_after(1))
+def test_nan_loss_in_fp32_with_stop_stops(run_cfg, override_loss) -> None:
+    override_loss(inf_after(1))
+    built = build(run_cfg(*TINY32, "trainer.on_nonfinite=stop"))
     with pytest.raises(NumericalFault, match="non-finite gradients at step 2 in fp32"):
         built.engine.fit(lambda row: None)
 

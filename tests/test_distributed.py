@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from amp_exp.config import launch
 from amp_exp.config.launch import WorkerRank, launch_time, log_file_suffix, worker_rank
 from amp_exp.errors import ConfigError, RuntimeFault
 from amp_exp.run import build, check_ranks_resumed_alike, resume, train
-from amp_exp.config import launch
 from amp_exp.tasks.sampling import DeviceTensorLoader, EpochShuffleSampler, epoch_permutation, shard
 
 

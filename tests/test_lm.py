@@ -225,10 +225,13 @@ EXACT = ["trainer.max_steps=12", "trainer.log_every=2", "trainer.eval_every=null
         "precision=fp16 precision.init_scale=16777216 precision.growth_interval=3",
     ],
 )
-def test_stopped_and_resumed_lm_run_matches_uninterrupted_run(lm_cfg, tmp_path, precision) -> None:
+def test_stopped_and_resumed_lm_run_matches_uninterrupted_run(
+    override_loss, lm_cfg, tmp_path, precision
+) -> None:
     overrides = [*EXACT, *precision.split()]
     whole = train(lm_cfg(*overrides), tmp_path / "whole")
-    first = train(lm_cfg(*overrides), tmp_path / "split", loss_fn=signal_self_at_call(5))
+    override_loss(signal_self_at_call(5))
+    first = train(lm_cfg(*overrides), tmp_path / "split")
     assert (first["status"], first["steps"]) == ("stopped", 5)
     second = train(lm_cfg(*overrides, "resume=auto"), tmp_path / "split")
     assert second["status"] == "completed" and second["steps"] == 12

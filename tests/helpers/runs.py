@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
+from amp_exp.tasks import workload
 from helpers.warm_python import python_m
 
 # Small enough for 2 CPU cores, large enough that every code path runs.
@@ -85,6 +86,31 @@ def run_cli(
 def read_jsonl(path: Path) -> list[dict]:
 
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+class LossOverride:
+    """A real task trained with another loss: ``loss_fn(outputs, targets)``, on outputs flattened
+    to [positions, classes] as the task's own cross-entropy sees them. Everything else (data,
+    metrics, evaluation) is the task's."""
+
+    def __init__(self, task: Any, loss_fn: Callable[..., torch.Tensor]) -> None:
+        self.task, self.loss_fn = task, loss_fn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.task, name)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        outputs = model(inputs)
+        if outputs.dim() == 3:  # next-token logits: [batch, position, vocabulary]
+            outputs, targets = outputs.float().flatten(0, 1), targets.flatten()
+        return self.loss_fn(outputs, targets)
+
+
+def overriding_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    """A ``tasks.workload.make_task`` whose tasks train with ``loss_fn`` (tests inject faults)."""
+    real = workload.make_task
+    return lambda *args, **kwargs: LossOverride(real(*args, **kwargs), loss_fn)
 
 
 def inf_loss_at(steps: set[int], accum: int = 1) -> Callable[..., torch.Tensor]:
