@@ -59,16 +59,21 @@ FIELDS = (
     "samples_seen",
     "timed_steps",
     "warmup_s",
+    # Over every rank (global), timed steps of the latest attempts in the run's precision.
     "samples_per_s",
-    # Language models: tokens/s, and the FLOPs they stand for against the device's peak.
+    # Language models: tokens/s over every rank and per device, and the FLOPs one device ran
+    # (TFLOP/s) against one device's peak (MFU), as torchtitan and nanoGPT report them.
     "tokens_per_s",
+    "tokens_per_s_per_device",
     "flops_per_token",
     "tflops",
     "mfu",
     "mfu_peak_source",
-    # MFU against the probe's measured matmul peak (CUDA only).
+    # MFU against the probe's measured matmul peak (CUDA only), per device.
     "mfu_measured",
     "step_time_ms",
+    # Each attempt (a resume starts one): precision, first and last step, timed steps, speed.
+    "attempts",
     "peak_mem_bytes",
     "peak_mem_kind",
     "final_loss",

@@ -84,6 +84,7 @@ class Progress:
 @dataclass
 class TrainResult:
     progress: Progress
+    # Over the timed steps of the latest attempts in the run's current precision.
     samples_per_s: float | None
     step_time_ms: float | None
     timed_steps: int
@@ -92,3 +93,6 @@ class TrainResult:
     loss_scale: float | None
     # Set when a stop request (a preemption signal) ended the run before total_steps.
     stopped_early: bool = False
+    # Each attempt of the run (a resume starts one): precision, steps and speed
+    # (meters.Throughput.attempts).
+    attempts: list[dict] = field(default_factory=list)
