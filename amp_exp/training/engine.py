@@ -67,7 +67,7 @@ class Engine:
         """``model`` is what trains (it may be wrapped by DDP or torch.compile, or sharded by
         FSDP2); state dicts are taken from the module inside the wrappers, or (FSDP2) are this
         rank's shards, keyed by parameter name. ``meter`` turns samples/s into the task's units,
-        FLOPs and MFU (by default, units without FLOPs)."""
+        FLOPs and MFU (build.meter); without one, rows count samples only."""
         self.model, self.task, self.data, self.eval_data = model, task, data, eval_data
         self.optimizer, self.policy, self.plan = optimizer, policy, plan
         self.scheduler = scheduler
@@ -77,7 +77,7 @@ class Engine:
         self.world_size = 1 if distributed is None else distributed.world_size
         self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.progress = Progress()
-        self.meter = meter or Meter(task.unit, task.units_per_sample, self.world_size)
+        self.meter = meter or Meter()
         # Timed training of this run, attempt by attempt.
         self.throughput = Throughput(self.device, policy.precision.value, policy.timed)
         policy.watch(optimizer)
