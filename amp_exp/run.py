@@ -331,12 +331,7 @@ def train_built(
             cfg.checkpoint.every_steps,
             cfg.checkpoint.keep,
             # Each rank's place in the epoch is counted in batches of its own shard.
-            {
-                "world_size": built.engine.world_size,
-                "config": plain_run_config(cfg),
-                # What this run trains in, which a resume with precision=auto keeps.
-                "precision": built.resolved.precision.value,
-            },
+            {"world_size": built.engine.world_size, "config": plain_run_config(cfg)},
             writes=built.is_main,
         )
     loggers, wandb_logger = open_loggers(cfg, built, output_dir, sweep)

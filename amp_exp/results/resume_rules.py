@@ -98,11 +98,10 @@ def kept_precision(
     """What a resumed ``precision=auto`` trains in: the checkpoint's precision.
 
     Deciding again would let a changed timing cache turn a bf16 run into fp32 halfway, and the
-    report would take it for an fp32 baseline. None for a fresh start, an explicit precision (a
-    change within the autocast family is allowed, and the summary keeps the attempts apart), or a
-    checkpoint that does not record its precision (amp_exp before this rule): auto decides then.
+    report would take it for an fp32 baseline. None for a fresh start or an explicit precision (a
+    change within the autocast family is allowed, and the summary keeps the attempts apart).
     """
-    if found is None or requested is not Precision.auto or "precision" not in found[1]:
+    if found is None or requested is not Precision.auto:
         return None
     payload = found[1]
     saved = payload["precision"]

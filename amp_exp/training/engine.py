@@ -237,6 +237,12 @@ class Engine:
             model.train()
         return self.task.eval_metrics(self._sum_over_ranks(totals).tolist())
 
+    def _evaluate_at(self, step: int, emit: Emit) -> None:
+        with self.throughput.paused():
+            self.progress.eval = self.evaluate()
+        self.progress.eval_step = step
+        emit({"kind": "eval", "step": step, "samples": self.progress.samples, **self.progress.eval})
+
     def maybe_save(
         self,
         checkpoints: CheckpointSink | None,
@@ -292,14 +298,17 @@ class Engine:
                 interval_loss.zero_()
                 progress.interval_steps = 0
             if plan.is_eval_step(step):
-                with throughput.paused():
-                    progress.eval = self.evaluate()
-                emit({"kind": "eval", "step": step, "samples": progress.samples, **progress.eval})
+                self._evaluate_at(step, emit)
             last = step == plan.total_steps
             stopped_early = self._stop_agreed(stop_requested(), is_log_step) and not last
             self.maybe_save(checkpoints, interval_loss, last or stopped_early)
             if stopped_early:
                 break
+        # Resumed at its last step, saved before that step was the last (a run stopped at step
+        # 20, resumed with max_steps=20): it ends, as every run does, with an evaluation.
+        resumed_at_end = first_step > plan.total_steps and progress.eval_step != progress.step
+        if resumed_at_end and plan.is_eval_step(progress.step):
+            self._evaluate_at(progress.step, emit)
         synchronize(self.device)
         return TrainResult(
             progress=progress,

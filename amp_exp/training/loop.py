@@ -76,6 +76,8 @@ class Progress:
     final_loss: float | None = None
     # The latest evaluation, as the task names its metrics (eval_loss, eval_acc, ...).
     eval: dict[str, float | None] = field(default_factory=dict)
+    # The step it was made at.
+    eval_step: int | None = None
     # The first skipped step: when, which parameters had non-finite gradients, and whether the
     # loss itself was finite (if it was, the overflow happened in the backward pass).
     first_overflow: dict | None = None
