@@ -50,6 +50,8 @@ from amp_exp.training.loop import TrainResult
 from amp_exp.training.meters import state_bytes
 
 log = logging.getLogger("amp_exp")
+# A checkpoint found to resume from: its path, and what it holds.
+Found = tuple[Path, dict[str, Any]]
 
 
 def run_summary(
@@ -108,9 +110,6 @@ def run_summary(
 def outcome_phrase(summary: dict[str, Any], unit: str) -> str:
     rate = summary[f"{unit}_per_s"]
     return f"{'-' if rate is None else f'{rate:.0f}'} {unit}/s"
-
-
-Found = tuple[Path, dict[str, Any]]
 
 
 def find_checkpoint(
