@@ -44,6 +44,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     """One job: validate, train, and return the final loss for sweepers that optimize it."""
     from amp_exp.results.summary import record_failure
     from amp_exp.run import train
+    from amp_exp.tasks.workload import declared_metrics
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
@@ -57,8 +58,9 @@ def hydra_main(cfg: DictConfig) -> float | None:
         rank = worker_rank()
         if (rank is None or rank.is_main) and not isinstance(error, RunRefused):
             config = to_plain_dict(cfg) if validated is None else plain_run_config(validated)
+            declared = None if validated is None else declared_metrics(validated.task).as_dict()
             try:
-                record_failure(output_dir, config, error)
+                record_failure(output_dir, config, error, declared)
             except RuntimeFault as unrecorded:  # the full disk that failed the run, say
                 log.warning("%s", unrecorded)
         if hydra_cfg.mode == RunMode.MULTIRUN or not isinstance(error, EXPECTED_ERRORS):

@@ -12,18 +12,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amp_exp.config.schema import NonFiniteAction, RunConfig
+from amp_exp.config.schema import NonFiniteAction, Precision, RunConfig
 from amp_exp.runtime.blocks import checkpoint_blocks, compile_blocks
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
-from amp_exp.tasks.workload import build_workload
+from amp_exp.tasks.workload import Workload, build_workload
 from amp_exp.training.auto_precision import resolve_precision
 from amp_exp.training.capability import ResolvedPrecision, capability_of, check_request
 from amp_exp.training.diagnostics import Diagnostics, forward_activation_bytes
 from amp_exp.training.engine import Engine
-from amp_exp.training.flops import Utilization, peak_tflops
+from amp_exp.training.flops import peak_tflops
 from amp_exp.training.loop import LoopPlan, plan_total_steps
+from amp_exp.training.meters import Meter
 from amp_exp.training.optim import build_optimizer, build_scheduler
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.rng import seed_everything
@@ -44,8 +45,6 @@ class Built:
     channels_last: bool
     engine: Engine
     hardware: dict
-    # Tokens/s to TFLOP/s and MFU, for tasks whose unit is tokens.
-    utilization: Utilization = field(default_factory=Utilization)
     # What the data records in summary.json (the synthetic tokens' loss_floor).
     recorded: dict = field(default_factory=dict)
     distributed: Distributed | None = None
@@ -74,7 +73,13 @@ def parallelism(distributed: Distributed | None, dtypes: ShardingDtypes | None) 
     return {"strategy": "fsdp2", "param_dtype": dtypes.param, "reduce_dtype": dtypes.reduce}
 
 
-def build(cfg: RunConfig, distributed: Distributed | None = None) -> Built:
+def build(
+    cfg: RunConfig,
+    distributed: Distributed | None = None,
+    kept: ResolvedPrecision | None = None,
+) -> Built:
+    """``kept``: the precision a resumed run keeps (results.resume_rules.kept_precision), in place
+    of deciding precision=auto again."""
     device = distributed.device if distributed else resolve_device(cfg.trainer.device)
     check_request(cfg.precision.name, device, cfg.precision.fp8_emulate)
     configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
@@ -83,7 +88,7 @@ def build(cfg: RunConfig, distributed: Distributed | None = None) -> Built:
     seed_everything(cfg.seed)
     rank, world_size = (distributed.rank.rank, distributed.world_size) if distributed else (0, 1)
     workload = build_workload(cfg, device, rank, world_size)
-    resolved = resolve_precision(cfg, capability, workload, distributed)
+    resolved = kept or resolve_precision(cfg, capability, workload, distributed)
     shards = distributed is not None and distributed.shards
     dtypes = (
         ShardingDtypes.for_precision(resolved.precision, cfg.precision.reduce_dtype)
@@ -112,6 +117,9 @@ def build(cfg: RunConfig, distributed: Distributed | None = None) -> Built:
     if cfg.trainer.compile and not shards:
         # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
         trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
+    hardware = capability.summary(resolved.precision, resolved.timed_on_model)
+    for advice in hardware["advice"]:
+        log.warning("%s", advice)
     engine = Engine(
         trained,
         workload.task,
@@ -125,14 +133,8 @@ def build(cfg: RunConfig, distributed: Distributed | None = None) -> Built:
             cfg.precision, cfg.trainer.on_nonfinite, cfg.checkpoint.every_steps is not None
         ),
         distributed=distributed,
+        meter=meter(cfg, workload, resolved.precision, device, world_size, hardware),
     )
-    hardware = capability.summary(resolved.precision)
-    for advice in hardware["advice"]:
-        log.warning("%s", advice)
-    peak, measured_peak = (None, None), None
-    if device.type == "cuda":
-        peak = peak_tflops(device_name(device), resolved.precision, cfg.trainer.tf32)
-        measured_peak = hardware["measured_peak_tflops"]
     return Built(
         device,
         resolved,
@@ -140,10 +142,34 @@ def build(cfg: RunConfig, distributed: Distributed | None = None) -> Built:
         workload.channels_last,
         engine,
         hardware,
-        Utilization(workload.flops_per_token, *peak, measured_peak),
         data.recorded,
         distributed,
         parallelism=parallelism(distributed, dtypes),
+    )
+
+
+def meter(
+    cfg: RunConfig,
+    workload: Workload,
+    precision: Precision,
+    device: torch.device,
+    world_size: int,
+    hardware: dict,
+) -> Meter:
+    """The run's meter: the task's units, the model's FLOPs, and one device's peaks (on a GPU:
+    the datasheet's, and the probe's measured one)."""
+    peak, measured_peak = (None, None), None
+    if device.type == "cuda":
+        peak = peak_tflops(device_name(device), precision, cfg.trainer.tf32)
+        measured_peak = hardware["measured_peak_tflops"]
+    task = workload.task
+    return Meter(
+        task.unit,
+        task.units_per_sample,
+        world_size,
+        workload.flops_per_token,
+        *peak,
+        measured_peak,
     )
 
 

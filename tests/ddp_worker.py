@@ -1,7 +1,8 @@
 """One rank of a data-parallel test run; tests/test_ddp.py starts two of these with torchrun.
 
 Usage: torchrun --standalone --nproc_per_node=2 tests/ddp_worker.py OUTPUT_DIR [--inf-at STEP]
-[--inf-in-shard-at STEP] [--signal-at CALL [--stop-signal NAME]] [--die-at CALL] [OVERRIDE ...]
+[--inf-in-shard-at STEP] [--signal-at CALL [--stop-signal NAME]] [--die-at CALL]
+[--peak-tflops PEAK] [--ticking-clock] [OVERRIDE ...]
 
 Run as a script, its directory (tests/) is on sys.path, so it imports tests/helpers/.
 Faults are injected on rank 1 only. Each rank saves what it ended with to OUTPUT_DIR/rank<r>.pt
@@ -20,14 +21,22 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
+import amp_exp.build
 import amp_exp.run as run
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.runtime.fsdp import local, whole
 from amp_exp.tasks import workload
+from amp_exp.training.meters import Throughput
 from amp_exp.training.precision import PrecisionPolicy
-from helpers.runs import inf_loss_at, overriding_loss, signal_self_at_call
+from helpers.runs import (
+    inf_loss_at,
+    meter_with_peak,
+    overriding_loss,
+    signal_self_at_call,
+    ticking_clock,
+)
 
 
 def die_at_call(n: int):
@@ -76,6 +85,10 @@ def main() -> None:
     parser.add_argument(
         "--die-at", type=int, help="loss call at which rank 1 of torchrun's first attempt dies"
     )
+    parser.add_argument("--peak-tflops", type=float, help="a device peak, so the CPU has MFU")
+    parser.add_argument(
+        "--ticking-clock", action="store_true", help="each throughput clock read is 1 s later"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     rank = int(os.environ["RANK"])
@@ -92,6 +105,10 @@ def main() -> None:
     if rank == 1 and args.die_at is not None and first_attempt:
         loss_fn = die_at_call(args.die_at)
 
+    if args.peak_tflops is not None:
+        amp_exp.build.meter = meter_with_peak(args.peak_tflops)
+    if args.ticking_clock:
+        Throughput._now = ticking_clock()
     real_build, real_train_built = run.build, run.train_built
     final: dict = {}
 

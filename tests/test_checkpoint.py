@@ -246,6 +246,54 @@ def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoin
     assert last["step"] == 4
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_run_without_a_scaler_that_skips_step_after_step_stops_as_fp16_does(
+    run_cfg, override_loss, precision
+) -> None:
+    """One rule for every precision: precision.max_consecutive_skips skipped steps in a row stop
+    the run (exit status 3); it never completes having trained nothing."""
+    cfg = run_cfg(
+        *TINY32,
+        f"precision={precision}",
+        "precision.max_consecutive_skips=3",
+        "trainer.max_steps=8",
+    )
+    override_loss(inf_after(1))
+    with pytest.raises(NumericalFault) as fault:
+        build(cfg).engine.fit(lambda row: None)
+    assert str(fault.value) == (
+        f"training stalled at step 4 in {precision}: 3 consecutive skipped steps "
+        "(precision.max_consecutive_skips), the gradients non-finite every time, first in "
+        "features.0.weight. Try a lower optimizer.lr or precision.clip_grad_norm=1.0; the last "
+        "good checkpoint is kept"
+    )
+    assert fault.value.exit_status == 3
+
+
+def test_a_resume_in_another_precision_keeps_each_attempts_precision_and_speed_apart(
+    run_cfg, override_loss, tmp_path
+) -> None:
+    """fp16 stopped at step 3, resumed as fp32: the run's speed is fp32's alone, and the
+    summary lists both attempts with their own."""
+    overrides = [*TINY32, "trainer.max_steps=6", "trainer.eval_every=null"]
+    override_loss(signal_self_at_call(3))
+    first = train(run_cfg(*overrides, "precision=fp16"), tmp_path)
+    assert (first["status"], first["steps"]) == ("stopped", 3)
+    second = train(run_cfg(*overrides, "precision=fp32", "resume=auto"), tmp_path)
+    assert (second["status"], second["precision"]) == ("completed", "fp32")
+    fp16, fp32 = second["attempts"]
+    assert (fp16["precision"], fp16["first_step"], fp16["last_step"]) == ("fp16", 1, 3)
+    assert (fp32["precision"], fp32["first_step"], fp32["last_step"]) == ("fp32", 4, 6)
+    assert fp16["samples_per_s"] == first["samples_per_s"]
+    assert first["attempts"] == [fp16]
+    # One warm-up step, then steps 5 and 6 timed: nothing of fp16's in the run's figures.
+    assert (second["samples_per_s"], second["step_time_ms"]) == (
+        fp32["samples_per_s"],
+        fp32["step_time_ms"],
+    )
+    assert second["timed_steps"] == fp32["timed_steps"] == 2
+
+
 def test_fp16_scale_below_min_scale_stops_the_run(override_loss, run_cfg) -> None:
     cfg = run_cfg(*TINY32, "precision=fp16", "precision.init_scale=4", "precision.min_scale=1")
     with pytest.raises(NumericalFault, match=r"at step 3: loss scale 0\.5 fell below"):

@@ -21,10 +21,14 @@ def test_a_few_steps_of_each_precision_complete(run_cfg, tmp_path, precision: st
     assert summary["skipped_steps"] == 0
     assert (summary["loss_scale"] is not None) == (precision == "fp16")
     assert summary["samples_per_s"] > 0
-    assert 0 <= summary["eval_acc"] <= 1
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [2, 4]
+    # One evaluation, at the end, over the whole eval split: a count of its 64 images.
+    (evaluation,) = [r for r in rows if r["kind"] == "eval"]
+    assert evaluation["step"] == 4 and evaluation["eval_acc"] == summary["eval_acc"]
+    correct = summary["eval_acc"] * 64
+    assert correct == round(correct)
     assert all(r["grad_norm"] > 0 for r in train_rows)
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 

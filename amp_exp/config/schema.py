@@ -218,8 +218,8 @@ class PrecisionConfig:
     growth_interval: int = 2000
     # Max total gradient norm after unscaling; null = no clipping.
     clip_grad_norm: float | None = None
-    # fp16 stops with a diagnosis after this many skipped steps in a row, or when the loss scale
-    # falls below min_scale (below 1 the true gradients themselves overflow fp16).
+    # Every precision stops with a diagnosis after this many skipped steps in a row; fp16 also
+    # when the loss scale falls below min_scale (below 1 the true gradients overflow fp16).
     max_consecutive_skips: int = 50
     min_scale: float = 1.0
     # bf16_true: round each update to bf16 stochastically, so updates smaller than half a bf16

@@ -32,6 +32,7 @@ WANDB_KEYS = {
     "skipped_steps": "amp/skipped_steps",
     "samples_per_s": "perf/samples_per_s",
     "tokens_per_s": "perf/tokens_per_s",
+    "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
     "tflops": "perf/tflops",
     "mfu": "perf/mfu",
     "mfu_measured": "perf/mfu_measured",

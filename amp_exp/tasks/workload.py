@@ -34,6 +34,7 @@ from amp_exp.tasks.custom import build_custom_data, build_custom_model
 from amp_exp.tasks.gpt import GPT, flops_per_token
 from amp_exp.tasks.images import build_data as build_image_data
 from amp_exp.tasks.lm import LanguageModelTask
+from amp_exp.tasks.metrics import TaskMetrics
 from amp_exp.tasks.tokens import build_synthetic_tokens, build_text
 from amp_exp.tasks.vision_models import build_model as build_image_model
 from amp_exp.tasks.vision_models import is_convolutional
@@ -108,6 +109,12 @@ def make_task(
     if cfg.task is TaskName.classification:
         return ClassificationTask(device, facts["num_classes"], channels_last)
     return LanguageModelTask(device, facts["seq_len"], facts["vocab_size"])
+
+
+def declared_metrics(task: TaskName) -> TaskMetrics:
+    """What the task ``task`` names will evaluate, before anything is built (a failed run's
+    summary holds the same metric keys as a completed one)."""
+    return (ClassificationTask if task is TaskName.classification else LanguageModelTask).metrics
 
 
 def build_workload(

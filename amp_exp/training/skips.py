@@ -1,8 +1,10 @@
 """The skip monitor: what to do when a step's gradients are not finite.
 
 A skipped step is examined while its gradients still exist (a rare event, so reading the device
-then costs nothing in the hot loop). fp16 stops with a diagnosis once loss scaling has collapsed;
-fp32 and bf16 have no scaler, so ``on_nonfinite`` decides whether one bad step stops the run.
+then costs nothing in the hot loop). One rule covers every precision: ``max_consecutive_skips``
+skipped steps in a row stop the run with a diagnosis. fp16 also stops once its loss scale falls
+below ``min_scale``; fp32 and bf16 have no scaler, so ``on_nonfinite`` decides whether one bad step
+stops the run at once.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class SkipMonitor:
                 ", ".join(self.first_nonfinite[:10]) or "none found",
             )
         layer = self.first_nonfinite[0] if self.first_nonfinite else "unknown"
+        too_many = progress.consecutive_skips >= self.max_consecutive_skips
         if scale is None:
             if self.on_nonfinite is NonFiniteAction.stop:
                 raise NumericalFault(
@@ -78,9 +81,18 @@ class SkipMonitor:
                     "trainer.on_nonfinite=stop. Try a lower optimizer.lr or "
                     f"precision.clip_grad_norm=1.0{self._kept()}"
                 )
+            if too_many:
+                # Without a scaler nothing will make the next step finite: a run that skips
+                # every step would otherwise "complete" having trained nothing.
+                raise NumericalFault(
+                    f"training stalled at step {step} in {precision}: "
+                    f"{progress.consecutive_skips} consecutive skipped steps "
+                    "(precision.max_consecutive_skips), the gradients non-finite every time, "
+                    f"first in {layer}. Try a lower optimizer.lr or "
+                    f"precision.clip_grad_norm=1.0{self._kept()}"
+                )
             return
         self.scale_history.append(f"{step}:{scale:g}")
-        too_many = progress.consecutive_skips >= self.max_consecutive_skips
         if too_many or scale < self.min_scale:
             reason = (
                 f"{progress.consecutive_skips} consecutive skipped steps"

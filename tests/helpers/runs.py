@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import json
 import os
 import signal
@@ -139,3 +141,25 @@ def signal_self_at_call(n: int, signum: int = signal.SIGUSR1):
         return F.cross_entropy(logits, labels)
 
     return loss_fn
+
+
+def ticking_clock() -> Callable[[Any], float]:
+    """A stand-in for ``Throughput._now`` that reads one second later at each call: two runs
+    that read the throughput clock alike then time alike, whatever else the machine does."""
+    ticks = itertools.count()
+    return lambda _throughput: float(next(ticks))
+
+
+def meter_with_peak(peak_tflops: float) -> Callable[..., Any]:
+    """A stand-in for ``amp_exp.build.meter`` that gives the run's meter a device peak (no CPU
+    has one), so that a CPU run reports MFU."""
+    import amp_exp.build
+
+    real = amp_exp.build.meter
+
+    def meter(*args: Any) -> Any:
+        return dataclasses.replace(
+            real(*args), peak_tflops=peak_tflops, peak_source="a faked peak for tests"
+        )
+
+    return meter
