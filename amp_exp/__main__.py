@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from amp_exp.errors import (
     EXIT_CONFIG_ERROR,
     EXPECTED_ERRORS,
     ConfigError,
+    NumericalFault,
     RunRefused,
     RuntimeFault,
 )
@@ -51,7 +53,10 @@ def hydra_main(cfg: DictConfig) -> float | None:
     try:
         validated = validate(cfg)
         summary = train(validated, output_dir, sweep=sweep_job(hydra_cfg))
-    except Exception as error:
+    except Exception as caught:
+        error = caught
+        if isinstance(error, NumericalFault):
+            error = with_sensitivity_hint(error, list(hydra_cfg.overrides.task))
         # Every run leaves a summary.json, so a sweep report shows this one as failed. Once
         # validated, the config has what validation inferred (the task).
         rank = worker_rank()
@@ -68,6 +73,14 @@ def hydra_main(cfg: DictConfig) -> float | None:
     if summary["stop_signal"] is not None:
         sys.exit(128 + signal.Signals[summary["stop_signal"]])
     return summary["final_loss"]
+
+
+def with_sensitivity_hint(fault: NumericalFault, overrides: list[str]) -> NumericalFault:
+    """The fault, ending with the command that finds which modules to keep in fp32: this
+    run's overrides, but for where Hydra writes and what it resumes."""
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "resume="))]
+    command = shlex.join(["python", "-m", "amp_exp.sensitivity", *kept, "sensitivity.repair=true"])
+    return NumericalFault(f"{fault}. To find the modules to keep in fp32: {command}")
 
 
 def main() -> None:
