@@ -1,7 +1,8 @@
 """One rank of a data-parallel test run; tests/test_ddp.py starts two of these with torchrun.
 
 Usage: torchrun --standalone --nproc_per_node=2 tests/ddp_worker.py OUTPUT_DIR [--inf-at STEP]
-[--inf-in-shard-at STEP] [--signal-at CALL [--stop-signal NAME]] [--die-at CALL] [OVERRIDE ...]
+[--inf-in-shard-at STEP] [--signal-at CALL [--stop-signal NAME]] [--die-at CALL]
+[--linear-dtypes] [OVERRIDE ...]
 
 Run as a script, its directory (tests/) is on sys.path, so it imports tests/helpers/.
 Faults are injected on rank 1 only. Each rank saves what it ended with to OUTPUT_DIR/rank<r>.pt
@@ -12,6 +13,7 @@ rather than trust the run's own check. Also used by tests/test_fsdp.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -26,6 +28,7 @@ from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.runtime.fsdp import local, whole
 from amp_exp.training.precision import PrecisionPolicy
+from helpers.matmul_dtypes import linear_dtypes
 from helpers.runs import inf_loss_at, signal_self_at_call
 
 
@@ -75,6 +78,9 @@ def main() -> None:
     parser.add_argument(
         "--die-at", type=int, help="loss call at which rank 1 of torchrun's first attempt dies"
     )
+    parser.add_argument(
+        "--linear-dtypes", action="store_true", help="save each linear's output dtype in training"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     rank = int(os.environ["RANK"])
@@ -94,10 +100,14 @@ def main() -> None:
     real_build, real_train_built = run.build, run.train_built
     final: dict = {}
 
+    recording = contextlib.ExitStack()
+
     def build_with_faults(*build_args, **build_kwargs):
         built = real_build(*build_args, **build_kwargs)
         if args.inf_in_shard_at is not None:
             inf_in_own_shard_at(built.engine.policy, args.inf_in_shard_at, rank == 1, final)
+        if args.linear_dtypes:
+            final["linear_dtypes"] = recording.enter_context(linear_dtypes(built.model))
         return built
 
     def train_and_keep(cfg, built, *rest):
@@ -108,7 +118,10 @@ def main() -> None:
         return summary
 
     run.build, run.train_built = build_with_faults, train_and_keep
-    final["summary"] = run.train(cfg, args.output_dir, loss_fn)
+    with recording:
+        final["summary"] = run.train(cfg, args.output_dir, loss_fn)
+    if args.linear_dtypes:
+        final["linear_dtypes"] = {n: str(d[0]) for n, d in final["linear_dtypes"].items()}
     torch.save(final, args.output_dir / f"rank{rank}.pt")
 
 
