@@ -4,7 +4,8 @@ Each rank keeps a shard of every parameter (a DTensor), of its gradient and of i
 state. Before a block's forward the block's parameters are all-gathered, already cast to the
 policy's ``param_dtype``; after its backward the gradients are reduce-scattered in
 ``reduce_dtype``, then kept as fp32 shards for the optimizer. So the fp32 master weights of AMP
-stay, and the forward runs in ``param_dtype`` without autocast.
+stay, and the forward runs in ``param_dtype`` without autocast. BatchNorm and the modules
+``precision.keep_fp32`` names are sharded on their own, under an fp32 policy.
 
 The model's state goes to and from DCP (torch.distributed.checkpoint) as sharded state dicts keyed
 by parameter name, which is what lets a checkpoint written by N ranks load on M.

@@ -9,6 +9,7 @@ are a run's (2 config, 3 numerical, 4 runtime).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -52,6 +53,10 @@ def main() -> None:
             raise ConfigError(
                 "the sensitivity command measures one configuration; drop -m and run it once "
                 "per configuration"
+            )
+        if os.environ.get("WORLD_SIZE", "1") != "1":
+            raise ConfigError(
+                "the sensitivity command runs in one process; start it without torchrun"
             )
         check_overrides([*ENTRY_OVERRIDES, *argv])
     except ConfigError as error:

@@ -20,7 +20,9 @@ How each mode keeps them (``PrecisionPolicy.prepare_model`` and ``runtime.fsdp``
 - FSDP2 gives it a mixed-precision policy of its own: fp32 parameters, inputs cast to fp32, the
   output cast back to the forward's dtype (the next layer's gathered parameters are in it).
 
-The names kept are what a precision audit attributes fp32 FLOPs to (``kept_modules``).
+The outermost names kept are ``PrecisionPolicy.kept_fp32`` and summary.json's
+``keep_fp32_modules``: what a precision audit attributes fp32 FLOPs to (every module within one,
+``is_within``), and what the sensitivity command's repair reports the FLOP share of.
 """
 
 from __future__ import annotations
