@@ -93,7 +93,7 @@ class RangeShare:
         total = self.elements or math.nan
         return {
             f"{prefix}_overflow_frac": self.over / total,
-            f"{prefix}_underflow_frac": (self.under / total),
+            f"{prefix}_underflow_frac": self.under / total,
         }
 
 
@@ -101,11 +101,15 @@ class RangeShare:
 class ModuleError:
     """One module's measurements in one precision."""
 
+    activations: RangeShare
+    gradients: RangeShare
     output: Sqnr = field(default_factory=Sqnr)
     grad: Sqnr = field(default_factory=Sqnr)
     has_grad: bool = False
-    activations: RangeShare | None = None
-    gradients: RangeShare | None = None
+
+    @classmethod
+    def of(cls, dtype: torch.dtype) -> ModuleError:
+        return cls(RangeShare.of(dtype), RangeShare.of(dtype))
 
     @property
     def margin_db(self) -> float:
@@ -116,12 +120,12 @@ class ModuleError:
 
     @property
     def out_of_range(self) -> float:
-        counts = [share for share in (self.activations, self.gradients) if share is not None]
-        elements = sum(share.elements for share in counts)
-        return sum(share.over + share.under for share in counts) / elements if elements else 0.0
+        shares = (self.activations, self.gradients)
+        elements = sum(share.elements for share in shares)
+        outside = sum(share.over + share.under for share in shares)
+        return outside / elements if elements else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        assert self.activations is not None and self.gradients is not None
         return {
             "output_sqnr_db": self.output.db,
             "output_finite": self.output.finite,
@@ -139,9 +143,13 @@ def format_dtype(policy: PrecisionPolicy) -> torch.dtype:
     return policy.spec.engaged.matmul_dtypes[0].torch
 
 
-def _gradients(output: torch.Tensor, parameters: list, grad_output: torch.Tensor) -> list:
-    found = torch.autograd.grad(output, parameters, grad_output, allow_unused=True)
-    return [g.flatten() for g in found if g is not None]
+def _gradients(output: torch.Tensor, parameters: list, grad_output: torch.Tensor) -> torch.Tensor:
+    """The parameters' gradients, flattened into one tensor (zeros for one the call left unused,
+    so that the reference's and the target's line up)."""
+    found = torch.autograd.grad(
+        output, parameters, grad_output, allow_unused=True, materialize_grads=True
+    )
+    return torch.cat([g.flatten() for g in found])
 
 
 def measure_module(
@@ -153,10 +161,7 @@ def measure_module(
     seed: int,
 ) -> ModuleError:
     """The error ``target`` (the module prepared for ``policy``) makes on ``calls``."""
-    error = ModuleError(
-        activations=RangeShare.of(format_dtype(policy)),
-        gradients=RangeShare.of(format_dtype(policy)),
-    )
+    error = ModuleError.of(format_dtype(policy))
     ref_params = [p for p in reference.parameters() if p.requires_grad]
     target_params = [p for p in target.parameters() if p.requires_grad]
     for call in calls:
@@ -172,10 +177,9 @@ def measure_module(
         error.has_grad = True
         scaled = call.grad_output * grad_scale
         error.gradients.add(scaled)
-        ref_grads = _gradients(expected, ref_params, call.grad_output)
-        target_grads = _gradients(got, target_params, scaled.to(got.dtype))
-        if ref_grads:
-            error.grad.add(torch.cat(ref_grads), torch.cat(target_grads) / grad_scale)
+        expected_grads = _gradients(expected, ref_params, call.grad_output)
+        got_grads = _gradients(got, target_params, scaled.to(got.dtype))
+        error.grad.add(expected_grads, got_grads / grad_scale)
     return error
 
 

@@ -73,7 +73,8 @@ def sensitivity_report(
         "batches": len(reference.losses),
         "keep_fp32": keep_fp32,
         "reference_points_db": {"output": OUTPUT_SQNR_DB, "grad": GRAD_SQNR_DB},
-        "grad_scale": cfg.precision.init_scale,
+        # What fp16's gradients are scaled by, as the GradScaler starts (precision.init_scale).
+        "fp16_grad_scale": cfg.precision.init_scale,
         "loss": {
             "fp32": mean(reference.losses),
             **{p.value: loss_error(ls, reference.losses) for p, (_, ls) in measured.items()},
