@@ -121,6 +121,21 @@ def test_gpt_modules_are_ranked_with_their_flop_shares(compose_cfg, tmp_path) ->
     assert report["modules"][-1]["bf16"]["output_sqnr_db"] == math.inf
 
 
+def test_emulated_fp8_ranks_its_float8_linears_below_those_it_keeps_in_bf16(
+    compose_cfg, tmp_path
+) -> None:
+    overrides = [*FAST_LM, "sensitivity.precisions=[fp8]", "precision.fp8_emulate=true"]
+    report = run_sensitivity(
+        validate(compose_cfg(*overrides, "sensitivity.batches=1", fast=False)), tmp_path
+    )
+    sqnr = {m["name"]: m["fp8"]["output_sqnr_db"] for m in report["modules"]}
+    # The first and last linears stay bf16 (precision.fp8_skip_first_last): 8 bits, not 3.
+    in_bf16 = min(sqnr["blocks.0.attn.qkv"], sqnr["lm_head"])
+    float8 = ["blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.1.mlp.proj"]
+    assert all(sqnr[name] < in_bf16 - 10 for name in float8)
+    assert report["rankings"]["fp8"][0] in float8
+
+
 # --- pieces ------------------------------------------------------------------------------------
 
 

@@ -134,12 +134,13 @@ def override_line(keep: list[str]) -> str:
 class Search:
     """The trials of one repair, memoized by the set kept, bounded by ``max_trials``."""
 
-    def __init__(self, cfg: RunConfig, precision: Precision, output_dir: Path) -> None:
-        self.cfg, self.precision = cfg, precision
-        self.verify_dir = output_dir / VERIFY_DIR
+    def __init__(
+        self, cfg: RunConfig, precision: Precision, verify_dir: Path, reference: Trial
+    ) -> None:
+        self.cfg, self.precision, self.verify_dir = cfg, precision, verify_dir
+        self.reference = reference
         self.trials: list[Trial] = []
         self.tried: dict[frozenset[str], Trial] = {}
-        self.reference = judge_reference(verify(cfg, Precision.fp32, [], self.verify_dir / "fp32"))
 
     @property
     def trials_left(self) -> int:
@@ -197,7 +198,8 @@ def search(run: Search, given: list[str], candidates: list[str]) -> tuple[list[s
         size *= 2
     if found is None:
         return None, "no passing set within sensitivity.max_trials; raise it to search further"
-    for name in reversed([name for name in found if name not in given]):
+    # Least sensitive first: the likeliest to be unneeded.
+    for name in [n for n in reversed(candidates) if n in found and n not in given]:
         fewer = [kept for kept in found if kept != name]
         outcome = run.passes(fewer)
         if outcome is None:
@@ -222,7 +224,10 @@ def repair(
         cfg.sensitivity.max_trials,
         cfg.sensitivity.verify_steps,
     )
-    run = Search(cfg, precision, output_dir)
+    verify_dir = output_dir / VERIFY_DIR
+    log.info("repair: the fp32 reference run")
+    fp32 = judge_reference(verify(cfg, Precision.fp32, [], verify_dir / "fp32"))
+    run = Search(cfg, precision, verify_dir, fp32)
     keep, conclusion = search(run, given, [name for name in candidates if name not in given])
     kept_share = reference.flop_share(keep or [])
     log.info("repair: %s%s", conclusion, f": {override_line(keep)}" if keep else "")
