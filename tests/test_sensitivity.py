@@ -247,6 +247,19 @@ def test_refusals_are_one_line_with_exit_status_2(tmp_path) -> None:
         "amp_exp.sensitivity: error: the sensitivity command measures one configuration; drop "
         "-m and run it once per configuration"
     ]
+    unmatched = python_m(
+        "amp_exp.sensitivity", *PLANTED, "precision.keep_fp32=[bgi]", "wandb.mode=disabled",
+        cwd=tmp_path, env=with_helpers(),
+    )  # fmt: skip
+    assert unmatched.returncode == 2
+    assert (
+        unmatched.stdout.strip()
+        .splitlines()[-1]
+        .endswith(
+            "precision.keep_fp32: 'bgi' matches no module of the model; nearest names: big, act, "
+            "flatten"
+        )
+    )
 
 
 @pytest.mark.slow
