@@ -23,6 +23,7 @@ from amp_exp.training.capability import ResolvedPrecision, capability_of, check_
 from amp_exp.training.diagnostics import Diagnostics, forward_activation_bytes
 from amp_exp.training.engine import Engine
 from amp_exp.training.flops import peak_tflops
+from amp_exp.training.keep_fp32 import match_keep_fp32
 from amp_exp.training.loop import LoopPlan, plan_total_steps
 from amp_exp.training.meters import Meter
 from amp_exp.training.optim import build_optimizer, build_scheduler
@@ -88,6 +89,9 @@ def build(
     seed_everything(cfg.seed)
     rank, world_size = (distributed.rank.rank, distributed.world_size) if distributed else (0, 1)
     workload = build_workload(cfg, device, rank, world_size)
+    # As soon as the model exists: a pattern that matches nothing stops the run before
+    # precision=auto's timing or anything else is spent on it.
+    keep_fp32 = match_keep_fp32(workload.model, cfg.precision.keep_fp32)
     resolved = kept or resolve_precision(cfg, capability, workload, distributed)
     shards = distributed is not None and distributed.shards
     dtypes = (
@@ -101,6 +105,7 @@ def build(
         device,
         guard_nonfinite=cfg.trainer.on_nonfinite is not NonFiniteAction.off,
         params_cast=dtypes is not None and dtypes.casts_params,
+        keep_fp32=keep_fp32,
     )
     model, data = policy.prepare_model(workload.model), workload.data
     if cfg.trainer.activation_checkpointing:
@@ -108,7 +113,7 @@ def build(
     if shards and cfg.trainer.compile:
         # torchtitan's order: each block compiled (after its checkpointing), then sharded.
         compile_blocks(model, cfg.trainer.compile_mode)
-    trained = distributed.wrap(model, dtypes) if distributed else model
+    trained = distributed.wrap(model, dtypes, keep_fp32) if distributed else model
     # After wrapping: FSDP2 replaced the parameters with their shards.
     optimizer = build_optimizer(
         cfg.optimizer, model, device, resolved.precision, policy.stochastic_rounding

@@ -2,7 +2,7 @@
 
 Usage: torchrun --standalone --nproc_per_node=2 tests/ddp_worker.py OUTPUT_DIR [--inf-at STEP]
 [--inf-in-shard-at STEP] [--signal-at CALL [--stop-signal NAME]] [--die-at CALL]
-[--peak-tflops PEAK] [--ticking-clock] [OVERRIDE ...]
+[--peak-tflops PEAK] [--ticking-clock] [--linear-dtypes] [OVERRIDE ...]
 
 Run as a script, its directory (tests/) is on sys.path, so it imports tests/helpers/.
 Faults are injected on rank 1 only. Each rank saves what it ended with to OUTPUT_DIR/rank<r>.pt
@@ -13,6 +13,7 @@ rather than trust the run's own check. Also used by tests/test_fsdp.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -30,6 +31,7 @@ from amp_exp.runtime.fsdp import local, whole
 from amp_exp.tasks import workload
 from amp_exp.training.meters import Throughput
 from amp_exp.training.precision import PrecisionPolicy
+from helpers.matmul_dtypes import linear_dtypes
 from helpers.runs import (
     inf_loss_at,
     meter_with_peak,
@@ -89,6 +91,9 @@ def main() -> None:
     parser.add_argument(
         "--ticking-clock", action="store_true", help="each throughput clock read is 1 s later"
     )
+    parser.add_argument(
+        "--linear-dtypes", action="store_true", help="save each linear's output dtype in training"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     rank = int(os.environ["RANK"])
@@ -112,10 +117,14 @@ def main() -> None:
     real_build, real_train_built = run.build, run.train_built
     final: dict = {}
 
+    recording = contextlib.ExitStack()
+
     def build_with_faults(*build_args, **build_kwargs):
         built = real_build(*build_args, **build_kwargs)
         if args.inf_in_shard_at is not None:
             inf_in_own_shard_at(built.engine.policy, args.inf_in_shard_at, rank == 1, final)
+        if args.linear_dtypes:
+            final["linear_dtypes"] = recording.enter_context(linear_dtypes(built.model))
         return built
 
     def train_and_keep(cfg, built, *rest):
@@ -128,7 +137,10 @@ def main() -> None:
     run.build, run.train_built = build_with_faults, train_and_keep
     if loss_fn is not None:
         workload.make_task = overriding_loss(loss_fn)
-    final["summary"] = run.train(cfg, args.output_dir)
+    with recording:
+        final["summary"] = run.train(cfg, args.output_dir)
+    if args.linear_dtypes:
+        final["linear_dtypes"] = {n: str(d[0]) for n, d in final["linear_dtypes"].items()}
     torch.save(final, args.output_dir / f"rank{rank}.pt")
 
 

@@ -25,6 +25,8 @@ LAYERS = [
     ("amp_exp.results",),
     ("amp_exp.report",),
     ("amp_exp.build", "amp_exp.run", "amp_exp.doctor", "amp_exp.__main__"),
+    # It verifies its repairs with real runs (amp_exp.run), so it sits above the composition root.
+    ("amp_exp.sensitivity",),
 ]
 
 

@@ -240,8 +240,9 @@ def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoin
     message = str(fault.value)
     assert "collapsed at step 9: 5 consecutive skipped steps" in message
     assert "Scale history (step:scale): 5:32768, 6:16384" in message
-    assert "non-finite in features.0.weight" in message
-    assert "lower precision.init_scale, precision=bf16, or precision.clip_grad_norm" in message
+    assert "the forward pass (or the loss) overflowed" in message
+    assert "first features.0.weight" in message
+    assert "lower precision.init_scale, precision=bf16, precision.clip_grad_norm=1.0, or" in message
     last = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert last["step"] == 4
 

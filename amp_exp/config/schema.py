@@ -233,6 +233,8 @@ class PrecisionConfig:
     fp8_skip_first_last: bool = True
     # trainer.strategy=fsdp2 only: the dtype gradients are reduce-scattered in; null = fp32.
     reduce_dtype: ReduceDtype | None = None
+    # Globs over the model's module names (named_modules) that run in fp32 in every mode.
+    keep_fp32: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -353,6 +355,8 @@ class RunConfig:
     resume: str | None = None
     wandb: WandbConfig = MISSING
     report: ReportConfig = MISSING
+    # python -m amp_exp.sensitivity's settings (config/sensitivity.py); a run ignores them.
+    sensitivity: Any = MISSING
     seed: int = 0
 
 

@@ -8,6 +8,7 @@ from hydra.core.config_store import ConfigStore
 
 from amp_exp.config.launch import register_resolvers
 from amp_exp.config.schema import SCHEMAS, RunConfig
+from amp_exp.config.sensitivity import SensitivityConfig
 
 SCHEMA_GROUP = "schema"
 # Optional: hydra/launcher=slurm and submitit_* (amp_exp.config.launchers).
@@ -23,6 +24,7 @@ def register_configs() -> None:
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
             store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=schema)
+    store.store(group=f"{SCHEMA_GROUP}/sensitivity", name="sensitivity", node=SensitivityConfig)
     # hydra/launcher=submitit_*: jobs that resume when requeued, if the optional plugin is there.
     if find_spec(SUBMITIT_PLUGIN) is not None:
         from amp_exp.config.launchers import register_launchers

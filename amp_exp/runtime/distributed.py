@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,15 +47,21 @@ class Distributed:
         """Whether each rank holds a shard of the model (FSDP2), not a replica (DDP)."""
         return self.strategy is Strategy.fsdp2
 
-    def wrap(self, model: nn.Module, dtypes: fsdp.ShardingDtypes | None = None) -> nn.Module:
-        """The module that trains: a DDP replica, or (FSDP2) ``model`` itself, sharded in place.
+    def wrap(
+        self,
+        model: nn.Module,
+        dtypes: fsdp.ShardingDtypes | None = None,
+        keep_fp32: Sequence[str] = (),
+    ) -> nn.Module:
+        """The module that trains: a DDP replica, or (FSDP2) ``model`` itself, sharded in place,
+        with the ``keep_fp32`` modules under an fp32 policy.
 
         Either way every rank starts from rank 0's weights: DDP broadcasts them here, and every
         rank built the same weights from the same seed before FSDP2 sharded them.
         """
         if self.shards:
             assert dtypes is not None, "FSDP2 needs its dtypes"
-            self.trained = fsdp.shard_model(model, dtypes, self.device)
+            self.trained = fsdp.shard_model(model, dtypes, self.device, keep_fp32)
         else:
             device_ids = [self.device] if self.device.type == "cuda" else None
             self.trained = DistributedDataParallel(model, device_ids=device_ids)

@@ -1,7 +1,8 @@
 """Model preparation for the precisions beyond autocast: pure bf16 (bf16_true) and fp8.
 
 ``to_bf16_true`` stores the model in bf16, apart from normalization layers (and modules that set
-``keep_in_fp32 = True``), which keep fp32 parameters, buffers and arithmetic. Why the norms:
+``keep_in_fp32 = True`` or that ``precision.keep_fp32`` names), which keep fp32 parameters,
+buffers and arithmetic. Why the norms:
 BatchNorm's running statistics are moving averages whose small increments round away in bf16,
 as weight updates do, and reductions over a whole batch or feature dimension lose digits in
 bf16; their parameters are a tiny share of any model, so bf16 would save almost nothing.
@@ -17,12 +18,14 @@ rest of the model runs under bf16 autocast, as in ``precision=bf16``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from amp_exp.config.schema import PrecisionConfig
+from amp_exp.training.keep_fp32 import cast_floats, is_within, outermost
 
 NORM_LAYERS = (
     nn.modules.batchnorm._NormBase,
@@ -34,24 +37,16 @@ NORM_LAYERS = (
 FP8_DIM_MULTIPLE = 16
 
 
-def _cast_floats(value, dtype: torch.dtype):
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floats(item, dtype) for item in value)
-    return value
-
-
 def _cast_inputs(dtype: torch.dtype):
-    def hook(module: nn.Module, args: tuple) -> tuple:
-        return _cast_floats(args, dtype)
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
     return hook
 
 
 def _cast_output(dtype: torch.dtype):
     def hook(module: nn.Module, args: tuple, output):
-        return _cast_floats(output, dtype)
+        return cast_floats(output, dtype)
 
     return hook
 
@@ -60,16 +55,22 @@ def keeps_fp32(module: nn.Module) -> bool:
     return isinstance(module, NORM_LAYERS) or getattr(module, "keep_in_fp32", False)
 
 
-def to_bf16_true(model: nn.Module) -> nn.Module:
-    """The model in bf16, its norm layers in fp32, taking bf16 inputs and giving fp32 outputs."""
+def to_bf16_true(model: nn.Module, keep_fp32: Sequence[str] = ()) -> nn.Module:
+    """The model in bf16, its norm layers and the ``keep_fp32`` modules in fp32, taking bf16
+    inputs and giving fp32 outputs.
+
+    Only the outermost fp32 modules are hooked: a norm inside a kept module takes fp32 from the
+    layer before it and must hand fp32 to the layer after it.
+    """
     model.to(torch.bfloat16)
-    for module in model.modules():
-        if keeps_fp32(module) and module is not model:
-            module.float()
-            module.register_forward_pre_hook(_cast_inputs(torch.float32))
-            # Back to bf16 for the layer after it, whose weights are bf16.
-            module.register_forward_hook(_cast_output(torch.bfloat16))
-    model.register_forward_pre_hook(_cast_inputs(torch.bfloat16))
+    fp32_names = [name for name, module in model.named_modules() if name and keeps_fp32(module)]
+    for name in outermost([*fp32_names, *keep_fp32]):
+        module = model.get_submodule(name)
+        module.float()
+        module.register_forward_pre_hook(_cast_inputs(torch.float32), with_kwargs=True)
+        # Back to bf16 for the layer after it, whose weights are bf16.
+        module.register_forward_hook(_cast_output(torch.bfloat16))
+    model.register_forward_pre_hook(_cast_inputs(torch.bfloat16), with_kwargs=True)
     model.register_forward_hook(_cast_output(torch.float32))
     return model
 
@@ -84,15 +85,20 @@ class Fp8Conversion:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def plan_fp8(model: nn.Module, skip_first_last: bool) -> Fp8Conversion:
+def plan_fp8(
+    model: nn.Module, skip_first_last: bool, keep_fp32: Sequence[str] = ()
+) -> Fp8Conversion:
     """Choose the linear layers to convert, as torchtitan does: every linear whose dimensions
     are multiples of 16, except (by default) the first and the last, whose precision matters
-    most for the loss and whose shapes rarely pay for the casts."""
+    most for the loss and whose shapes rarely pay for the casts, and those inside a
+    ``keep_fp32`` module."""
     plan = Fp8Conversion(emulated=False)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for index, name in enumerate(linears):
         out_features, in_features = model.get_submodule(name).weight.shape
-        if in_features % FP8_DIM_MULTIPLE or out_features % FP8_DIM_MULTIPLE:
+        if is_within(name, keep_fp32):
+            plan.skipped[name] = "precision.keep_fp32"
+        elif in_features % FP8_DIM_MULTIPLE or out_features % FP8_DIM_MULTIPLE:
             plan.skipped[name] = f"{in_features}x{out_features} not multiples of {FP8_DIM_MULTIPLE}"
         elif skip_first_last and index == 0:
             plan.skipped[name] = "first layer"
@@ -103,11 +109,13 @@ def plan_fp8(model: nn.Module, skip_first_last: bool) -> Fp8Conversion:
     return plan
 
 
-def convert_to_fp8(model: nn.Module, cfg: PrecisionConfig) -> tuple[nn.Module, Fp8Conversion]:
+def convert_to_fp8(
+    model: nn.Module, cfg: PrecisionConfig, keep_fp32: Sequence[str] = ()
+) -> tuple[nn.Module, Fp8Conversion]:
     """Swap the planned linears for torchao ``Float8Linear`` (in place, weights kept)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    plan = plan_fp8(model, cfg.fp8_skip_first_last)
+    plan = plan_fp8(model, cfg.fp8_skip_first_last, keep_fp32)
     plan.emulated = cfg.fp8_emulate
     config = Float8LinearConfig.from_recipe_name(cfg.fp8_recipe.value)
     config = dataclasses.replace(config, emulate=cfg.fp8_emulate)

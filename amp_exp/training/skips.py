@@ -34,6 +34,8 @@ class SkipMonitor:
     # Whether a checkpoint exists to fall back on; the stop message says so only when it does.
     checkpointing: bool = False
     first_nonfinite: list[str] = field(default_factory=list)
+    # Whether the loss was finite at the first step of the current run of skipped steps.
+    first_loss_finite: bool = True
     scale_history: deque = field(default_factory=lambda: deque(maxlen=8))
 
     @classmethod
@@ -59,10 +61,11 @@ class SkipMonitor:
         step = progress.step
         if progress.consecutive_skips == 1:
             self.first_nonfinite = nonfinite_parameters()
+            self.first_loss_finite = loss_finite()
         if progress.first_overflow is None:
             progress.first_overflow = {
                 "step": step,
-                "loss_finite": loss_finite(),
+                "loss_finite": self.first_loss_finite,
                 "parameters": self.first_nonfinite[:10],
                 "nonfinite_parameter_count": len(self.first_nonfinite),
             }
@@ -101,10 +104,33 @@ class SkipMonitor:
             )
             raise NumericalFault(
                 f"fp16 loss scaling collapsed at step {step}: {reason}. Scale history "
-                f"(step:scale): {', '.join(self.scale_history)}. Gradients first went "
-                f"non-finite in {layer}. Try a lower precision.init_scale, precision=bf16, or "
-                f"precision.clip_grad_norm=1.0{self._kept()}"
+                f"(step:scale): {', '.join(self.scale_history)}. {self._where()}. Try a lower "
+                "precision.init_scale, precision=bf16, precision.clip_grad_norm=1.0, or keeping "
+                f"modules in fp32 (precision.keep_fp32){self._kept()}"
             )
+
+    def _where(self) -> str:
+        """Where the overflow began, as far as the gradients of its first skipped step say."""
+        if not self.first_nonfinite:
+            return "No gradient was non-finite on the host's reading"
+        if not self.first_loss_finite:
+            return (
+                "The loss itself was non-finite, so the forward pass (or the loss) overflowed "
+                f"and every gradient with it ({len(self.first_nonfinite)} parameters, first "
+                f"{self.first_nonfinite[0]}): the gradients cannot say where"
+            )
+        suspects = suspect_modules(self.first_nonfinite)
+        return (
+            f"The loss was finite and the backward overflowed: most suspect {', '.join(suspects)} "
+            "(the last modules, in definition order, whose gradients went non-finite: the "
+            "backward reaches them first)"
+        )
+
+
+def suspect_modules(parameters: list[str], count: int = 3) -> list[str]:
+    """The modules owning ``parameters`` (names in definition order), the last ones first."""
+    owners = dict.fromkeys(name.rpartition(".")[0] or "(the model itself)" for name in parameters)
+    return list(reversed(owners))[:count]
 
 
 def nonfinite_names(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> list[str]:
