@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -12,19 +13,21 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from amp_exp.config.launch import worker_rank
 from amp_exp.config.plain import plain_run_config, to_plain_dict
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
+from amp_exp.config.schema import Precision
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.errors import (
     EXIT_CONFIG_ERROR,
     EXPECTED_ERRORS,
     ConfigError,
+    NumericalFault,
     RunRefused,
     RuntimeFault,
 )
-from amp_exp.runtime.ranks import worker_rank
-from amp_exp.runtime.sweep import sweep_job
+from amp_exp.results.sweep import sweep_job
 
 log = logging.getLogger("amp_exp")
 
@@ -44,6 +47,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     """One job: validate, train, and return the final loss for sweepers that optimize it."""
     from amp_exp.results.summary import record_failure
     from amp_exp.run import train
+    from amp_exp.tasks.workload import declared_metrics
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
@@ -51,14 +55,19 @@ def hydra_main(cfg: DictConfig) -> float | None:
     try:
         validated = validate(cfg)
         summary = train(validated, output_dir, sweep=sweep_job(hydra_cfg))
-    except Exception as error:
+    except Exception as caught:
+        error = caught
+        # fp32 has nothing to keep in fp32: its faults are the model's or the optimizer's.
+        if isinstance(error, NumericalFault) and validated.precision.name is not Precision.fp32:
+            error = with_sensitivity_hint(error, list(hydra_cfg.overrides.task))
         # Every run leaves a summary.json, so a sweep report shows this one as failed. Once
         # validated, the config has what validation inferred (the task).
         rank = worker_rank()
         if (rank is None or rank.is_main) and not isinstance(error, RunRefused):
             config = to_plain_dict(cfg) if validated is None else plain_run_config(validated)
+            declared = None if validated is None else declared_metrics(validated.task).as_dict()
             try:
-                record_failure(output_dir, config, error)
+                record_failure(output_dir, config, error, declared)
             except RuntimeFault as unrecorded:  # the full disk that failed the run, say
                 log.warning("%s", unrecorded)
         if hydra_cfg.mode == RunMode.MULTIRUN or not isinstance(error, EXPECTED_ERRORS):
@@ -68,6 +77,14 @@ def hydra_main(cfg: DictConfig) -> float | None:
     if summary["stop_signal"] is not None:
         sys.exit(128 + signal.Signals[summary["stop_signal"]])
     return summary["final_loss"]
+
+
+def with_sensitivity_hint(fault: NumericalFault, overrides: list[str]) -> NumericalFault:
+    """The fault, ending with the command that finds which modules to keep in fp32: this
+    run's overrides, but for where Hydra writes and what it resumes."""
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "resume="))]
+    command = shlex.join(["python", "-m", "amp_exp.sensitivity", *kept, "sensitivity.repair=true"])
+    return NumericalFault(f"{fault}. To find the modules to keep in fp32: {command}")
 
 
 def main() -> None:

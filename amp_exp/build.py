@@ -13,19 +13,20 @@ from dataclasses import dataclass, field
 import torch
 
 from amp_exp.config.precisions import DType
-from amp_exp.config.schema import NonFiniteAction, RunConfig
+from amp_exp.config.schema import NonFiniteAction, Precision, RunConfig
 from amp_exp.runtime.blocks import checkpoint_blocks, compile_blocks
-from amp_exp.runtime.capability import ResolvedPrecision, capability_of, check_request
 from amp_exp.runtime.distributed import Distributed
-from amp_exp.runtime.flops import Utilization, peak_tflops
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
-from amp_exp.tasks.classification import LossFn
-from amp_exp.tasks.workload import build_workload
+from amp_exp.tasks.workload import Workload, build_workload
 from amp_exp.training.auto_precision import resolve_precision
+from amp_exp.training.capability import ResolvedPrecision, capability_of, check_request
 from amp_exp.training.diagnostics import Diagnostics, forward_activation_bytes
 from amp_exp.training.engine import Engine
+from amp_exp.training.flops import peak_tflops
+from amp_exp.training.keep_fp32 import match_keep_fp32
 from amp_exp.training.loop import LoopPlan, plan_total_steps
+from amp_exp.training.meters import Meter
 from amp_exp.training.optim import build_optimizer, build_scheduler
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.rng import seed_everything
@@ -46,8 +47,6 @@ class Built:
     channels_last: bool
     engine: Engine
     hardware: dict
-    # Tokens/s to TFLOP/s and MFU, for tasks whose unit is tokens.
-    utilization: Utilization = field(default_factory=Utilization)
     # What the data records in summary.json (the synthetic tokens' loss_floor).
     recorded: dict = field(default_factory=dict)
     distributed: Distributed | None = None
@@ -78,8 +77,12 @@ def parallelism(
 
 
 def build(
-    cfg: RunConfig, loss_fn: LossFn | None = None, distributed: Distributed | None = None
+    cfg: RunConfig,
+    distributed: Distributed | None = None,
+    kept: ResolvedPrecision | None = None,
 ) -> Built:
+    """``kept``: the precision a resumed run keeps (results.resume_rules.kept_precision), in place
+    of deciding precision=auto again."""
     device = distributed.device if distributed else resolve_device(cfg.trainer.device)
     check_request(cfg.precision.name, device, cfg.precision.fp8_emulate)
     configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
@@ -87,8 +90,11 @@ def build(
     capability = capability_of(device)
     seed_everything(cfg.seed)
     rank, world_size = (distributed.rank.rank, distributed.world_size) if distributed else (0, 1)
-    workload = build_workload(cfg, device, rank, world_size, loss_fn)
-    resolved = resolve_precision(cfg, capability, workload, distributed)
+    workload = build_workload(cfg, device, rank, world_size)
+    # As soon as the model exists: a pattern that matches nothing stops the run before
+    # precision=auto's timing or anything else is spent on it.
+    keep_fp32 = match_keep_fp32(workload.model, cfg.precision.keep_fp32)
+    resolved = kept or resolve_precision(cfg, capability, workload, distributed)
     shards = distributed is not None and distributed.shards
     dtypes = None
     if distributed is not None:
@@ -101,6 +107,7 @@ def build(
         device,
         guard_nonfinite=cfg.trainer.on_nonfinite is not NonFiniteAction.off,
         params_cast=shards and dtypes is not None and dtypes.casts_params,
+        keep_fp32=keep_fp32,
     )
     model, data = policy.prepare_model(workload.model), workload.data
     if cfg.trainer.activation_checkpointing:
@@ -108,7 +115,7 @@ def build(
     if shards and cfg.trainer.compile:
         # torchtitan's order: each block compiled (after its checkpointing), then sharded.
         compile_blocks(model, cfg.trainer.compile_mode)
-    trained = distributed.wrap(model, dtypes) if distributed else model
+    trained = distributed.wrap(model, dtypes, keep_fp32) if distributed else model
     # After wrapping: FSDP2 replaced the parameters with their shards.
     optimizer, policy.rounding = build_optimizer(
         cfg.optimizer, model, device, policy.stochastic_rounding, sharded=shards
@@ -117,6 +124,9 @@ def build(
     if cfg.trainer.compile and not shards:
         # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
         trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
+    hardware = capability.summary(resolved.precision, resolved.timed_on_model)
+    for advice in hardware["advice"]:
+        log.warning("%s", advice)
     engine = Engine(
         trained,
         workload.task,
@@ -130,14 +140,8 @@ def build(
             cfg.precision, cfg.trainer.on_nonfinite, cfg.checkpoint.every_steps is not None
         ),
         distributed=distributed,
+        meter=meter(cfg, workload, resolved.precision, device, world_size, hardware),
     )
-    hardware = capability.summary(resolved.precision)
-    for advice in hardware["advice"]:
-        log.warning("%s", advice)
-    peak, measured_peak = (None, None), None
-    if device.type == "cuda":
-        peak = peak_tflops(device_name(device), resolved.precision, cfg.trainer.tf32)
-        measured_peak = hardware["measured_peak_tflops"]
     return Built(
         device,
         resolved,
@@ -145,10 +149,34 @@ def build(
         workload.channels_last,
         engine,
         hardware,
-        Utilization(workload.flops_per_token, *peak, measured_peak),
         data.recorded,
         distributed,
         parallelism=parallelism(distributed, dtypes, policy.spec.weight_dtype),
+    )
+
+
+def meter(
+    cfg: RunConfig,
+    workload: Workload,
+    precision: Precision,
+    device: torch.device,
+    world_size: int,
+    hardware: dict,
+) -> Meter:
+    """The run's meter: the task's units, the model's FLOPs, and one device's peaks (on a GPU:
+    the datasheet's, and the probe's measured one)."""
+    peak, measured_peak = (None, None), None
+    if device.type == "cuda":
+        peak = peak_tflops(device_name(device), precision, cfg.trainer.tf32)
+        measured_peak = hardware["measured_peak_tflops"]
+    task = workload.task
+    return Meter(
+        task.unit,
+        task.units_per_sample,
+        world_size,
+        workload.flops_per_token,
+        *peak,
+        measured_peak,
     )
 
 
@@ -165,12 +193,15 @@ def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None
     )
     engine.callbacks.add(diagnostics)
     measure = None
-    if built.device.type == "cuda" and engine.policy.uses_autocast:
+    # Not under FSDP2: a forward with gradients and no backward would leave its parameters
+    # gathered and its backward hooks waiting.
+    sharded = built.distributed is not None and built.distributed.shards
+    if built.device.type == "cuda" and engine.policy.uses_autocast and not sharded:
         inputs = engine.task.to_device(next(iter(engine.data)))[0]
 
         def measure(use_autocast: bool) -> int:
             # The bare model: a DDP forward with gradients but no backward would break DDP's
-            # next step. (Never under FSDP2, which casts without autocast.)
+            # next step.
             return forward_activation_bytes(
                 built.model, inputs, engine.policy.autocast, use_autocast
             )

@@ -1,7 +1,7 @@
 """``python -m amp_exp.doctor``: what each precision measures on this machine, and what to use.
 
 Prints the probe's table (runtime.probe), the device's facts, a verdict per precision and the
-recommendation, all from ``runtime.capability``: the same answers a run's precision=auto and its
+recommendation, all from ``training.capability``: the same answers a run's precision=auto and its
 warnings get. ``--json`` prints them as JSON; ``--refresh`` measures again instead of reading the
 cache, and forgets precision=auto's cached choices.
 """
@@ -15,10 +15,10 @@ import torch
 
 from amp_exp.config.schema import DeviceChoice, Precision, TrainerConfig
 from amp_exp.runtime.cache import cache_dir, forget
-from amp_exp.runtime.capability import CPU_FLAGS_OF_INTEREST, Capability, capability_of
 from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.runtime.probe import CACHE_FILE, KERNELS
 from amp_exp.training.auto_precision import CACHE_FILE as AUTO_CACHE_FILE
+from amp_exp.training.capability import CPU_FLAGS_OF_INTEREST, Capability, capability_of
 
 
 def table(capability: Capability) -> list[str]:

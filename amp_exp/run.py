@@ -37,34 +37,20 @@ from amp_exp.results.loggers import (
     describe_eval,
     keep_metrics_until,
 )
-from amp_exp.results.resume_rules import config_changes, data_position
+from amp_exp.results.resume_rules import config_changes, data_position, kept_precision
 from amp_exp.results.summary import Status, completed_summary, make_summary
+from amp_exp.results.sweep import SweepJob
 from amp_exp.results.wandb_logger import open_wandb_logger
 from amp_exp.runtime.distributed import Distributed, process_group
 from amp_exp.runtime.fsdp import is_sharded, state_template
 from amp_exp.runtime.hardware import device_name
 from amp_exp.runtime.signals import StopRequest
-from amp_exp.runtime.sweep import SweepJob
-from amp_exp.tasks.classification import LossFn
 from amp_exp.training.loop import TrainResult
 from amp_exp.training.meters import state_bytes
 
 log = logging.getLogger("amp_exp")
-
-
-def token_throughput(built: Built, samples_per_s: float | None) -> dict[str, Any]:
-    """tokens/s, TFLOP/s and MFU, for a task that counts tokens; nothing for other tasks."""
-    task = built.engine.task
-    if task.unit != "tokens":
-        return {}
-    tokens_per_s = None if samples_per_s is None else samples_per_s * task.units_per_sample
-    utilization = built.utilization
-    return {
-        "tokens_per_s": tokens_per_s,
-        "flops_per_token": utilization.flops_per_token,
-        **utilization.of(tokens_per_s),
-        "mfu_peak_source": utilization.peak_source,
-    }
+# A checkpoint found to resume from: its path, and what it holds.
+Found = tuple[Path, dict[str, Any]]
 
 
 def run_summary(
@@ -98,9 +84,9 @@ def run_summary(
         samples_seen=progress.samples,
         timed_steps=result.timed_steps,
         warmup_s=result.warmup_s,
-        samples_per_s=result.samples_per_s,
-        **token_throughput(built, result.samples_per_s),
+        **engine.meter.summary(result.samples_per_s),
         step_time_ms=result.step_time_ms,
+        attempts=result.attempts,
         peak_mem_bytes=result.peak_mem_bytes,
         peak_mem_kind="cuda_max_allocated" if device.type == "cuda" else "cpu_peak_rss",
         final_loss=progress.final_loss,
@@ -125,18 +111,18 @@ def outcome_phrase(summary: dict[str, Any], unit: str) -> str:
     return f"{'-' if rate is None else f'{rate:.0f}'} {unit}/s"
 
 
-def resume(cfg: RunConfig, built: Built, output_dir: Path) -> bool:
-    """Restore ``built`` from the checkpoint ``cfg.resume`` points at, if there is one.
-
-    Returns whether the run is already complete there: resuming a completed run does nothing.
-    """
+def find_checkpoint(
+    cfg: RunConfig, output_dir: Path, distributed: Distributed | None
+) -> Found | None:
+    """The checkpoint ``cfg.resume`` points at and what it holds, or None (no resume, or nothing
+    saved yet). Every rank reads it, and the ranks agree on it before anything is built."""
     if cfg.resume is None:
-        return False
+        return None
     auto = cfg.resume == "auto"
     target = output_dir if auto else Path(cfg.resume).expanduser().resolve()
     if not auto and not target.exists():
         raise ConfigError(f"resume={cfg.resume}: no such file or directory")
-    if built.is_main and target.is_dir():
+    if (distributed is None or distributed.is_main) and target.is_dir():
         for stale in remove_stale_temporaries(target):
             log.info("removed %s, left by a save that was killed mid-write", stale)
     try:
@@ -146,23 +132,41 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path) -> bool:
             f"resume={cfg.resume}: no checkpoint in {checkpoint_dir(target)} loads ({error}); "
             "nothing was changed. Move the files away to start over"
         ) from None
-    if built.distributed is not None and built.distributed.shards:
-        # Loading shards is a collective: the ranks agree on the checkpoint (or none) first.
-        check_ranks_resumed_alike(built, -1 if found is None else found[1]["step"])
+    # precision=auto (kept from the checkpoint, or decided by rank 0) and loading shards are
+    # collectives: the ranks agree on the checkpoint (or none) first.
+    check_ranks_resumed_alike(distributed, -1 if found is None else found[1]["step"])
+    if found is None and not auto:
+        raise ConfigError(f"resume={cfg.resume}: no usable checkpoint there")
     if found is None:
-        if not auto:
-            raise ConfigError(f"resume={cfg.resume}: no usable checkpoint there")
         log.info("resume=auto: no checkpoint in %s yet, starting fresh", output_dir)
+    return found
+
+
+def resume(cfg: RunConfig, built: Built, output_dir: Path, found: Found | None) -> bool:
+    """Restore ``built`` from ``found`` (``find_checkpoint``'s), if there is one.
+
+    Returns whether the run is already complete there: resuming a completed run does nothing.
+    """
+    if found is None:
         return False
     path, payload = found
     check_resumable(cfg, built, payload)
-    if payload["step"] >= built.engine.total_steps and completed_summary(output_dir):
+    total_steps = built.engine.total_steps
+    if payload["step"] >= total_steps and completed_summary(output_dir):
         log.info(
             "resume=%s: this run completed at step %d; nothing to do, its results stay as they are",
             cfg.resume,
             payload["step"],
         )
         return True
+    if payload["step"] > total_steps:
+        # Its steps past the end cannot be undone: completing it would report more steps than
+        # it was to train, with no evaluation at its end.
+        raise RunRefused(
+            f"resume={cfg.resume}: the checkpoint is at step {payload['step']}, past the "
+            f"{total_steps} steps this run now trains; nothing was changed. Resume with "
+            f"trainer.max_steps={payload['step']} or more, or start a new run directory"
+        )
     if "sharded" in payload:
         engine = built.engine
         with_optimizer = "optimizer" in payload["sharded"]
@@ -234,14 +238,13 @@ def replicas_identical(built: Built) -> bool | None:
     return identical
 
 
-def check_ranks_resumed_alike(built: Built, step: int | None = None) -> None:
+def check_ranks_resumed_alike(distributed: Distributed | None, step: int) -> None:
     """Every rank reads the checkpoint itself; one that saw another file (or none) would train a
     diverging replica and, a step out of line, hang the others in a collective. ``step``: the
-    checkpoint's (-1: none), before loading it; by default where the engine stands."""
-    if built.distributed is None:
+    checkpoint's (-1: none), before loading it."""
+    if distributed is None:
         return
-    step = built.engine.progress.step if step is None else step
-    lowest, highest = -built.distributed.max(-step), built.distributed.max(step)
+    lowest, highest = -distributed.max(-step), distributed.max(step)
     if lowest != highest:
         raise RuntimeFault(
             f"the ranks resumed at different steps ({lowest:.0f} to {highest:.0f}): every node "
@@ -249,16 +252,11 @@ def check_ranks_resumed_alike(built: Built, step: int | None = None) -> None:
         )
 
 
-def train(
-    cfg: RunConfig,
-    output_dir: Path,
-    loss_fn: LossFn | None = None,
-    sweep: SweepJob | None = None,
-) -> dict[str, Any]:
+def train(cfg: RunConfig, output_dir: Path, sweep: SweepJob | None = None) -> dict[str, Any]:
     """Run one experiment; writes metrics.jsonl, checkpoints and summary.json to ``output_dir``."""
     started = time.perf_counter()
     with process_group(cfg.trainer.device, cfg.trainer.strategy) as distributed:
-        return train_in_group(cfg, output_dir, distributed, loss_fn, sweep, started)
+        return train_in_group(cfg, output_dir, distributed, sweep, started)
 
 
 def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob | None):
@@ -289,7 +287,6 @@ def train_in_group(
     cfg: RunConfig,
     output_dir: Path,
     distributed: Distributed | None,
-    loss_fn: LossFn | None,
     sweep: SweepJob | None,
     started: float,
 ) -> dict[str, Any]:
@@ -297,10 +294,10 @@ def train_in_group(
     # Rank 0 holds the lock for the whole job; the other ranks only follow it.
     is_main = distributed is None or distributed.is_main
     with RunDirectoryLock(output_dir) if is_main else contextlib.nullcontext():
-        built = build(cfg, loss_fn, distributed)
-        if resume(cfg, built, output_dir):
+        found = find_checkpoint(cfg, output_dir, distributed)
+        built = build(cfg, distributed, kept_precision(cfg.precision.name, found))
+        if resume(cfg, built, output_dir, found):
             return completed_summary(output_dir)  # type: ignore[return-value]
-        check_ranks_resumed_alike(built)
         return train_built(cfg, built, output_dir, sweep, started)
 
 
@@ -332,8 +329,6 @@ def train_built(
     loggers, wandb_logger = open_loggers(cfg, built, output_dir, sweep)
 
     def emit(row: dict[str, Any]) -> None:
-        if "tokens_per_s" in row:
-            row = {**row, **built.utilization.of(row["tokens_per_s"])}
         for logger in loggers:
             logger.log(row)
 

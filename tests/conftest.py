@@ -16,8 +16,9 @@ from omegaconf import DictConfig
 from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
+from amp_exp.tasks import workload
 from helpers.probes import inject_probe
-from helpers.runs import FAST, OFFLINE_SWEEP_LRS, composed, run_cli
+from helpers.runs import FAST, OFFLINE_SWEEP_LRS, composed, overriding_loss, run_cli
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -80,6 +81,13 @@ def run_cfg(compose_cfg) -> Callable[..., RunConfig]:
         return validate(compose_cfg(*overrides))
 
     return _run_cfg
+
+
+@pytest.fixture
+def override_loss(monkeypatch) -> Callable[[Callable[..., torch.Tensor]], None]:
+    """``override_loss(loss_fn)``: tasks built from then on train with ``loss_fn(outputs,
+    targets)``, as a fault-injecting test needs (helpers.runs.LossOverride)."""
+    return lambda loss_fn: monkeypatch.setattr(workload, "make_task", overriding_loss(loss_fn))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """One rank of a data-parallel test run; tests/test_ddp.py starts two of these with torchrun.
 
 Usage: torchrun --standalone --nproc_per_node=2 tests/ddp_worker.py OUTPUT_DIR [--inf-at STEP]
-[--inf-in-shard-at STEP] [--signal-at CALL [--stop-signal NAME]] [--die-at CALL] [OVERRIDE ...]
+[--inf-in-shard-at STEP] [--signal-at CALL [--stop-signal NAME]] [--die-at CALL]
+[--peak-tflops PEAK] [--ticking-clock] [--linear-dtypes] [OVERRIDE ...]
 
 Run as a script, its directory (tests/) is on sys.path, so it imports tests/helpers/.
 Faults are injected on rank 1 only. Each rank saves what it ended with to OUTPUT_DIR/rank<r>.pt
@@ -12,6 +13,7 @@ rather than trust the run's own check. Also used by tests/test_fsdp.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -20,13 +22,23 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
+import amp_exp.build
 import amp_exp.run as run
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.runtime.fsdp import local, whole
+from amp_exp.tasks import workload
+from amp_exp.training.meters import Throughput
 from amp_exp.training.precision import PrecisionPolicy
-from helpers.runs import inf_loss_at, signal_self_at_call
+from helpers.matmul_dtypes import linear_dtypes
+from helpers.runs import (
+    inf_loss_at,
+    meter_with_peak,
+    overriding_loss,
+    signal_self_at_call,
+    ticking_clock,
+)
 
 
 def die_at_call(n: int):
@@ -75,6 +87,13 @@ def main() -> None:
     parser.add_argument(
         "--die-at", type=int, help="loss call at which rank 1 of torchrun's first attempt dies"
     )
+    parser.add_argument("--peak-tflops", type=float, help="a device peak, so the CPU has MFU")
+    parser.add_argument(
+        "--ticking-clock", action="store_true", help="each throughput clock read is 1 s later"
+    )
+    parser.add_argument(
+        "--linear-dtypes", action="store_true", help="save each linear's output dtype in training"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     rank = int(os.environ["RANK"])
@@ -91,13 +110,21 @@ def main() -> None:
     if rank == 1 and args.die_at is not None and first_attempt:
         loss_fn = die_at_call(args.die_at)
 
+    if args.peak_tflops is not None:
+        amp_exp.build.meter = meter_with_peak(args.peak_tflops)
+    if args.ticking_clock:
+        Throughput._now = ticking_clock()
     real_build, real_train_built = run.build, run.train_built
     final: dict = {}
+
+    recording = contextlib.ExitStack()
 
     def build_with_faults(*build_args, **build_kwargs):
         built = real_build(*build_args, **build_kwargs)
         if args.inf_in_shard_at is not None:
             inf_in_own_shard_at(built.engine.policy, args.inf_in_shard_at, rank == 1, final)
+        if args.linear_dtypes:
+            final["linear_dtypes"] = recording.enter_context(linear_dtypes(built.model))
         return built
 
     def train_and_keep(cfg, built, *rest):
@@ -108,7 +135,12 @@ def main() -> None:
         return summary
 
     run.build, run.train_built = build_with_faults, train_and_keep
-    final["summary"] = run.train(cfg, args.output_dir, loss_fn)
+    if loss_fn is not None:
+        workload.make_task = overriding_loss(loss_fn)
+    with recording:
+        final["summary"] = run.train(cfg, args.output_dir)
+    if args.linear_dtypes:
+        final["linear_dtypes"] = {n: str(d[0]) for n, d in final["linear_dtypes"].items()}
     torch.save(final, args.output_dir / f"rank{rank}.pt")
 
 

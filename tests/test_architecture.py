@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "amp_exp"
 MAX_LINES = 400
 # Lowest first. A module may import from its own layer or a lower one. The config schema, the
 # precision table and the errors are leaves every layer may use; the rest of config/ composes and
-# checks configs, which needs the runtime's resolvers and launchers.
+# checks configs, with the resolvers and launchers composing needs, and sits below the runtime.
 LAYERS = [
     (
         "amp_exp.errors",
@@ -17,13 +18,15 @@ LAYERS = [
         "amp_exp.config.datasets",
         "amp_exp.config.precisions",
     ),
-    ("amp_exp.runtime",),
     ("amp_exp.config",),
+    ("amp_exp.runtime",),
     ("amp_exp.tasks",),
     ("amp_exp.training",),
     ("amp_exp.results",),
     ("amp_exp.report",),
     ("amp_exp.build", "amp_exp.run", "amp_exp.doctor", "amp_exp.__main__"),
+    # It verifies its repairs with real runs (amp_exp.run), so it sits above the composition root.
+    ("amp_exp.sensitivity",),
 ]
 
 
@@ -113,10 +116,66 @@ def test_every_module_is_short_and_says_its_job() -> None:
             assert ast.get_docstring(ast.parse(text)), f"{name} has no module docstring"
 
 
+# What only a task knows: its data, its loss, its metrics and the unit its throughput counts.
+TASK_WORDS = ("image", "label", "cross_entropy", "accuracy", "argmax", "logits", "token", "unit")
+
+
+def code_names(tree: ast.AST) -> set[str]:
+    """Every name the code uses: identifiers, attributes, imported names and string constants
+    (a key such as ``f"{unit}_per_s"``), but not comments or docstrings."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        ):
+            names.add(node.value)
+    return names
+
+
 def test_the_engine_names_no_task() -> None:
-    engine = (PACKAGE / "training" / "engine.py").read_text().lower()
-    for word in ("image", "label", "cross_entropy", "accuracy", "argmax", "logits", "token"):
-        assert word not in engine, word
+    names = code_names(ast.parse((PACKAGE / "training" / "engine.py").read_text()))
+    leaks = sorted(name for name in names for word in TASK_WORDS if word in name.lower())
+    assert not leaks, leaks
+    graph = import_graph()
+    assert not {m for m in graph["amp_exp.training.engine"] if m.startswith("amp_exp.tasks.")} - {
+        "amp_exp.tasks.base"
+    }
+
+
+def test_the_task_word_check_sees_code_and_not_comments() -> None:
+    tree = ast.parse('"""A doc about tokens."""\n# logits here\nrow[f"{unit}_per_s"] = token\n')
+    assert {"unit", "_per_s", "token"} <= code_names(tree)
+    assert not any("logits" in name or "tokens." in name for name in code_names(tree))
+
+
+def test_paths_cited_in_configs_docs_and_code_exist() -> None:
+    root = PACKAGE.parent
+    cited = set()
+    for path in [*root.glob("conf/**/*.yaml"), *root.glob("docs/*.md"), root / "README.md"]:
+        cited |= set(re.findall(r"amp_exp/[\w/]+\.py", path.read_text()))
+    for path in PACKAGE.rglob("*.py"):
+        cited |= set(re.findall(r"amp_exp/[\w/]+\.py", path.read_text()))
+    assert not sorted(p for p in cited if not (root / p).is_file())
 
 
 def test_the_top_level_holds_few_modules() -> None:

@@ -55,8 +55,10 @@ def without_timing(rows: list[dict]) -> list[dict]:
         "precision=fp16 precision.init_scale=16777216 precision.growth_interval=3",
     ],
 )
-def test_stopped_and_resumed_run_matches_uninterrupted_run(run_cfg, tmp_path, precision) -> None:
-    whole = assert_resume_is_exact(run_cfg, tmp_path, [*EXACT, *precision.split()])
+def test_stopped_and_resumed_run_matches_uninterrupted_run(
+    run_cfg, override_loss, tmp_path, precision
+) -> None:
+    whole = assert_resume_is_exact(run_cfg, override_loss, tmp_path, [*EXACT, *precision.split()])
     if "fp16" in precision:
         assert whole["skipped_steps"] > 0
 
@@ -85,19 +87,22 @@ MODES = [
         "precision=fp8 precision.fp8_emulate=true optimizer=adamw",
     ],
 )
-def test_bf16_true_and_emulated_fp8_resume_exactly(run_cfg, tmp_path, precision) -> None:
-    assert_resume_is_exact(run_cfg, tmp_path, [*MODES, *precision.split()])
+def test_bf16_true_and_emulated_fp8_resume_exactly(
+    run_cfg, override_loss, tmp_path, precision
+) -> None:
+    assert_resume_is_exact(run_cfg, override_loss, tmp_path, [*MODES, *precision.split()])
     payload = torch.load(tmp_path / "whole" / "checkpoints" / "last.pt", weights_only=True)
     dtypes = {t.dtype for t in payload["model"].values() if t.is_floating_point()}
     assert dtypes == ({torch.bfloat16} if "bf16_true" in precision else {torch.float32})
 
 
-def assert_resume_is_exact(run_cfg, tmp_path, overrides: list[str]) -> dict:
+def assert_resume_is_exact(run_cfg, override_loss, tmp_path, overrides: list[str]) -> dict:
     """Train 12 steps whole, and stopped after step 5 then resumed: the end states, and the
     rows, must be identical. Returns the uninterrupted run's summary."""
     whole = train(run_cfg(*overrides), tmp_path / "whole")
     # The signal arrives during step 5 (mid-epoch, mid-log-interval); the run stops after it.
-    first = train(run_cfg(*overrides), tmp_path / "split", loss_fn=signal_self_at_call(5))
+    override_loss(signal_self_at_call(5))
+    first = train(run_cfg(*overrides), tmp_path / "split")
     assert (first["status"], first["steps"], first["stop_signal"]) == ("stopped", 5, "SIGUSR1")
     second = train(run_cfg(*overrides, "resume=auto"), tmp_path / "split")
     assert second["status"] == "completed" and second["steps"] == 12
@@ -159,9 +164,12 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -
     assert payload["step"] == 1
 
 
-def test_truncated_newest_checkpoint_falls_back_with_a_warning(run_cfg, tmp_path, caplog) -> None:
+def test_truncated_newest_checkpoint_falls_back_with_a_warning(
+    override_loss, run_cfg, tmp_path, caplog
+) -> None:
     cfg = [*TINY32, "checkpoint.every_steps=2", "checkpoint.keep=1", "trainer.max_steps=6"]
-    train(run_cfg(*cfg), tmp_path, loss_fn=signal_self_at_call(4))
+    override_loss(signal_self_at_call(4))
+    train(run_cfg(*cfg), tmp_path)
     last = tmp_path / "checkpoints" / "last.pt"
     last.write_bytes(last.read_bytes()[:100])
     with caplog.at_level(logging.WARNING):
@@ -220,7 +228,7 @@ def inf_after(calls_ok: int):
 
 
 def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoint(
-    run_cfg, tmp_path
+    override_loss, run_cfg, tmp_path
 ) -> None:
     cfg = run_cfg(
         *TINY32,
@@ -231,33 +239,86 @@ def test_stuck_fp16_run_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoin
         "trainer.max_steps=20",
     )
     with pytest.raises(NumericalFault) as fault:
-        train(cfg, tmp_path, loss_fn=inf_after(4))
+        override_loss(inf_after(4))
+        train(cfg, tmp_path)
     # Skipped from step 5 on, read at each log step (every 2): the run reached 5 by step 10.
     message = str(fault.value)
     assert "collapsed by step 10: 6 consecutive skipped steps" in message
     assert "Scale history (step:scale): 6:16384, 8:4096, 10:1024" in message
-    assert "non-finite in features.0.weight" in message
-    assert "lower precision.init_scale, precision=bf16, or precision.clip_grad_norm" in message
+    assert "the forward pass (or the loss) overflowed" in message
+    assert "first features.0.weight" in message
+    assert "lower precision.init_scale, precision=bf16, precision.clip_grad_norm=1.0, or" in message
     last = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert last["step"] == 4
 
 
-def test_fp16_scale_below_min_scale_stops_the_run(run_cfg) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_run_without_a_scaler_that_skips_step_after_step_stops_as_fp16_does(
+    run_cfg, override_loss, precision
+) -> None:
+    """One rule for every precision: precision.max_consecutive_skips skipped steps in a row stop
+    the run (exit status 3); it never completes having trained nothing."""
+    cfg = run_cfg(
+        *TINY32,
+        f"precision={precision}",
+        "precision.max_consecutive_skips=3",
+        "trainer.max_steps=8",
+    )
+    override_loss(inf_after(1))
+    with pytest.raises(NumericalFault) as fault:
+        build(cfg).engine.fit(lambda row: None)
+    assert str(fault.value) == (
+        f"training stalled by step 4 in {precision}: 3 consecutive skipped steps "
+        "(precision.max_consecutive_skips), the gradients non-finite every time, first in "
+        "features.0.weight. Try a lower optimizer.lr or precision.clip_grad_norm=1.0; the last "
+        "good checkpoint is kept"
+    )
+    assert fault.value.exit_status == 3
+
+
+def test_a_resume_in_another_precision_keeps_each_attempts_precision_and_speed_apart(
+    run_cfg, override_loss, tmp_path
+) -> None:
+    """fp16 stopped at step 3, resumed as fp32: the run's speed is fp32's alone, and the
+    summary lists both attempts with their own."""
+    overrides = [*TINY32, "trainer.max_steps=6", "trainer.eval_every=null"]
+    override_loss(signal_self_at_call(3))
+    first = train(run_cfg(*overrides, "precision=fp16"), tmp_path)
+    assert (first["status"], first["steps"]) == ("stopped", 3)
+    second = train(run_cfg(*overrides, "precision=fp32", "resume=auto"), tmp_path)
+    assert (second["status"], second["precision"]) == ("completed", "fp32")
+    fp16, fp32 = second["attempts"]
+    assert (fp16["precision"], fp16["first_step"], fp16["last_step"]) == ("fp16", 1, 3)
+    assert (fp32["precision"], fp32["first_step"], fp32["last_step"]) == ("fp32", 4, 6)
+    assert fp16["samples_per_s"] == first["samples_per_s"]
+    assert first["attempts"] == [fp16]
+    # One warm-up step, then steps 5 and 6 timed: nothing of fp16's in the run's figures.
+    assert (second["samples_per_s"], second["step_time_ms"]) == (
+        fp32["samples_per_s"],
+        fp32["step_time_ms"],
+    )
+    assert second["timed_steps"] == fp32["timed_steps"] == 2
+
+
+def test_fp16_scale_below_min_scale_stops_the_run(override_loss, run_cfg) -> None:
     cfg = run_cfg(*TINY32, "precision=fp16", "precision.init_scale=4", "precision.min_scale=1")
     with pytest.raises(NumericalFault, match=r"by step 4: loss scale 0\.25 fell below"):
-        build(cfg, loss_fn=inf_after(0)).engine.fit(lambda row: None)
+        override_loss(inf_after(0))
+        build(cfg).engine.fit(lambda row: None)
 
 
-def test_nan_loss_in_bf16_is_skipped_and_leaves_the_weights(run_cfg) -> None:
-    built = build(run_cfg(*TINY32, "precision=bf16", "trainer.max_steps=2"), inf_after(0))
+def test_nan_loss_in_bf16_is_skipped_and_leaves_the_weights(run_cfg, override_loss) -> None:
+    override_loss(inf_after(0))
+    built = build(run_cfg(*TINY32, "precision=bf16", "trainer.max_steps=2"))
     before = [p.detach().clone() for p in built.model.parameters()]
     result = built.engine.fit(lambda row: None)
     assert result.progress.skipped_steps == 2
     assert all(torch.equal(a, b) for a, b in zip(before, built.model.parameters(), strict=True))
 
 
-def test_nan_loss_in_fp32_with_stop_stops(run_cfg) -> None:
-    built = build(run_cfg(*TINY32, "trainer.on_nonfinite=stop"), inf_after(1))
+def test_nan_loss_in_fp32_with_stop_stops(run_cfg, override_loss) -> None:
+    override_loss(inf_after(1))
+    built = build(run_cfg(*TINY32, "trainer.on_nonfinite=stop"))
     with pytest.raises(NumericalFault, match="non-finite gradients at step 2 in fp32"):
         built.engine.fit(lambda row: None)
 

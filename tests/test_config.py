@@ -19,7 +19,17 @@ from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from helpers.warm_python import python_m
 
-GROUPS = ("model", "dataset", "optimizer", "scheduler", "precision", "trainer", "wandb", "report")
+GROUPS = (
+    "model",
+    "dataset",
+    "optimizer",
+    "scheduler",
+    "precision",
+    "trainer",
+    "wandb",
+    "report",
+    "sensitivity",
+)
 # Options that need a value the YAML cannot know, or a partner of the other kind of data.
 REQUIRED = {
     ("model", "torchvision"): ["model.name=mobilenet_v3_small"],

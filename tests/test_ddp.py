@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers.probes import inject_probe
-from helpers.runs import FAST, TINY, read_jsonl
+from helpers.runs import FAST, FAST_LM, TINY, meter_with_peak, read_jsonl, ticking_clock
 from helpers.torchrun import TWO_RANKS, assert_bitwise_equal, run_worker, torchrun
 from helpers.wandb_records import read_only_run
 from helpers.warm_python import python_m
@@ -140,6 +140,47 @@ def test_inf_on_one_rank_makes_every_rank_skip(tmp_path):
     assert ranks[0]["scale"] == ranks[1]["scale"] == 65536.0 / 2
     assert_bitwise_equal(ranks[0]["model"], ranks[1]["model"])
     assert ranks[0]["summary"]["replicas_identical"] is True
+
+
+def test_tflops_and_mfu_are_per_device_and_tokens_per_second_global(
+    tmp_path, monkeypatch, compose_cfg
+):
+    """gpt_tiny at one global batch of 8 sequences: one process, then two ranks of 4 each, on a
+    clock that ticks a second per reading (so both time alike) and a faked peak of 1 TFLOP/s. The
+    global tokens/s are the same; TFLOP/s and MFU, per device, halve."""
+    import amp_exp.build
+    from amp_exp.config.validate import validate
+    from amp_exp.run import train
+    from amp_exp.training.meters import Throughput
+
+    lm_run = [*FAST_LM, "precision=fp32", "trainer.eval_every=null"]
+    monkeypatch.setattr(amp_exp.build, "meter", meter_with_peak(1.0))
+    monkeypatch.setattr(Throughput, "_now", ticking_clock())
+    alone = train(validate(compose_cfg(*lm_run, fast=False)), tmp_path / "alone")
+    per_rank_batch = [o for o in lm_run if not o.startswith("dataset.batch_size=")]
+    ranks = run_worker(
+        tmp_path / "two",
+        "--peak-tflops=1",
+        "--ticking-clock",
+        *per_rank_batch,
+        "dataset.batch_size=4",
+    )
+    two = ranks[0]["summary"]
+
+    assert (alone["world_size"], two["world_size"]) == (1, 2)
+    assert two["samples_seen"] == alone["samples_seen"]
+    assert two["tokens_per_s"] == pytest.approx(alone["tokens_per_s"])
+    assert two["tokens_per_s_per_device"] == pytest.approx(alone["tokens_per_s"] / 2)
+    assert alone["mfu"] == pytest.approx(alone["tflops"] / 1.0)
+    for key in ("tflops", "mfu"):
+        assert two[key] == pytest.approx(alone[key] / 2), key
+    # The rows say the same as the summary.
+    rows = [
+        [row for row in read_jsonl(run / "metrics.jsonl") if row["kind"] == "train"][-1]
+        for run in (tmp_path / "alone", tmp_path / "two")
+    ]
+    assert rows[1]["tokens_per_s"] == pytest.approx(rows[0]["tokens_per_s"])
+    assert rows[1]["mfu"] == pytest.approx(rows[0]["mfu"] / 2)
 
 
 @pytest.fixture(scope="module")

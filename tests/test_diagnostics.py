@@ -4,6 +4,7 @@ underflow, first-overflow forensics."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 
 import pytest
@@ -12,13 +13,13 @@ import torch
 import amp_exp.doctor
 import amp_exp.runtime.probe
 from amp_exp.config.schema import Precision
-from amp_exp.run import train
+from amp_exp.run import build, train
 from amp_exp.runtime.cache import read_entries, write_entries
 from amp_exp.tasks.vision_models import l2_normalize_function
 from amp_exp.training.auto_precision import CACHE_FILE as AUTO_CACHE_FILE
 from amp_exp.training.diagnostics import FP16_MAX, gradient_ranges, largest_safe_scale
 from helpers.probes import capability_with, inject_probe, timing_at
-from helpers.runs import TINY
+from helpers.runs import TINY, read_jsonl
 from helpers.warm_python import python_m
 
 CPU = torch.device("cpu")
@@ -191,9 +192,18 @@ def test_custom_function_gradient_is_correct() -> None:
 
 
 def test_model_with_the_custom_function_trains_in_fp16(run_cfg, tmp_path) -> None:
-    summary = train(run_cfg("precision=fp16", "model.normalize_features=true", *TINY), tmp_path)
+    """Every step applied under the fp16 scaler, and every weight moved: the gradient reaches the
+    layers below the custom function through its backward."""
+    cfg = run_cfg("precision=fp16", "model.normalize_features=true", *TINY)
+    initial = {name: p.detach().clone() for name, p in build(cfg).model.named_parameters()}
+    summary = train(cfg, tmp_path)
+    assert (summary["precision"], summary["steps"], summary["skipped_steps"]) == ("fp16", 4, 0)
+    assert summary["loss_scale"] is not None
     assert summary["checks"]["unscaled_grads_fp32_finite"]["passed"]
-    assert summary["final_loss"] is not None
+    rows = [row for row in read_jsonl(tmp_path / "metrics.jsonl") if row["kind"] == "train"]
+    assert all(math.isfinite(row["loss"]) and row["grad_norm"] > 0 for row in rows)
+    trained = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert [name for name, p in initial.items() if torch.equal(p, trained[name])] == []
 
 
 def doctor(*args: str) -> subprocess.CompletedProcess:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from amp_exp.config import launch
+from amp_exp.config.launch import WorkerRank, launch_time, log_file_suffix, worker_rank
 from amp_exp.errors import ConfigError, RuntimeFault
-from amp_exp.run import build, check_ranks_resumed_alike, resume, train
-from amp_exp.runtime import ranks
-from amp_exp.runtime.ranks import WorkerRank, launch_time, log_file_suffix, worker_rank
+from amp_exp.run import build, check_ranks_resumed_alike, find_checkpoint, resume, train
 from amp_exp.tasks.sampling import DeviceTensorLoader, EpochShuffleSampler, epoch_permutation, shard
 
 
@@ -75,7 +75,7 @@ def test_every_worker_takes_the_launch_time_the_first_one_published(monkeypatch)
         def now(cls, tz=None):
             return next(clocks)
 
-    monkeypatch.setattr(ranks, "datetime", SkewedClock)
+    monkeypatch.setattr(launch, "datetime", SkewedClock)
     answers = []
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
@@ -88,10 +88,11 @@ def test_every_worker_takes_the_launch_time_the_first_one_published(monkeypatch)
 
 def test_a_checkpoint_resumes_only_with_the_ranks_that_wrote_it(run_cfg, tmp_path):
     train(run_cfg(), tmp_path)
-    built = build(run_cfg("resume=auto"))
+    cfg = run_cfg("resume=auto")
+    built = build(cfg)
     built.engine.world_size = 2
     with pytest.raises(RuntimeFault, match="written by 1 data-parallel ranks and this run has 2"):
-        resume(run_cfg("resume=auto"), built, tmp_path)
+        resume(cfg, built, tmp_path, find_checkpoint(cfg, tmp_path, None))
 
 
 def test_ranks_that_resumed_at_different_steps_stop_with_one_line(run_cfg):
@@ -105,9 +106,6 @@ def test_ranks_that_resumed_at_different_steps_stop_with_one_line(run_cfg):
         def max(self, value: float) -> float:
             return max(value, next(self.contributions))
 
-    built = build(run_cfg())
-    built.distributed = RanksAt(0)
-    check_ranks_resumed_alike(built)
-    built.distributed = RanksAt(4)
+    check_ranks_resumed_alike(RanksAt(0), 0)
     with pytest.raises(RuntimeFault, match=r"resumed at different steps \(0 to 4\)"):
-        check_ranks_resumed_alike(built)
+        check_ranks_resumed_alike(RanksAt(4), 0)

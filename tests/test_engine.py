@@ -21,17 +21,22 @@ def test_a_few_steps_of_each_precision_complete(run_cfg, tmp_path, precision: st
     assert summary["skipped_steps"] == 0
     assert (summary["loss_scale"] is not None) == (precision == "fp16")
     assert summary["samples_per_s"] > 0
-    assert 0 <= summary["eval_acc"] <= 1
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [2, 4]
+    # One evaluation, at the end, over the whole eval split: a count of its 64 images.
+    (evaluation,) = [r for r in rows if r["kind"] == "eval"]
+    assert evaluation["step"] == 4 and evaluation["eval_acc"] == summary["eval_acc"]
+    correct = summary["eval_acc"] * 64
+    assert correct == round(correct)
     assert all(r["grad_norm"] > 0 for r in train_rows)
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
-def test_forced_overflow_is_skipped_counted_and_holds_the_scheduler(run_cfg) -> None:
+def test_forced_overflow_is_skipped_counted_and_holds_the_scheduler(override_loss, run_cfg) -> None:
     cfg = run_cfg("precision=fp16", "precision.init_scale=1024", "trainer.max_steps=3", *TINY)
-    built = build(cfg, loss_fn=inf_loss_at({1}))
+    override_loss(inf_loss_at({1}))
+    built = build(cfg)
     rows: list[dict] = []
     with warnings.catch_warnings():
         # The skipped first step is exactly when PyTorch would warn about scheduler order.
@@ -43,9 +48,10 @@ def test_forced_overflow_is_skipped_counted_and_holds_the_scheduler(run_cfg) -> 
     assert [r["skipped_steps"] for r in rows if "loss" in r] == [1, 1]
 
 
-def test_overflowed_step_leaves_the_parameters_alone(run_cfg) -> None:
+def test_overflowed_step_leaves_the_parameters_alone(override_loss, run_cfg) -> None:
     cfg = run_cfg("precision=fp16", "trainer.max_steps=1", *TINY)
-    built = build(cfg, loss_fn=inf_loss_at({1}))
+    override_loss(inf_loss_at({1}))
+    built = build(cfg)
     before = {k: v.clone() for k, v in built.model.state_dict().items() if v.is_floating_point()}
     built.engine.fit(lambda row: None)
     after = built.model.state_dict()
@@ -117,7 +123,7 @@ def test_eval_every_adds_eval_rows(run_cfg, tmp_path) -> None:
     assert [r["step"] for r in eval_rows] == [2, 4]
 
 
-def test_every_job_of_a_sweep_trains_on_the_same_batches(run_cfg) -> None:
+def test_every_job_of_a_sweep_trains_on_the_same_batches(override_loss, run_cfg) -> None:
     """Jobs differ only in what the grid varies: same batches, same order, same initial weights."""
 
     def observe(*overrides: str):
@@ -131,7 +137,8 @@ def test_every_job_of_a_sweep_trains_on_the_same_batches(run_cfg) -> None:
             labels.append(target.clone())
             return F.cross_entropy(logits, target)
 
-        built = build(cfg, loss_fn=loss_fn)
+        override_loss(loss_fn)
+        built = build(cfg)
         inputs: list[torch.Tensor] = []
         built.model.register_forward_pre_hook(lambda module, args: inputs.append(args[0].clone()))
         initial = {k: v.clone() for k, v in built.model.state_dict().items()}
@@ -151,9 +158,10 @@ def test_every_job_of_a_sweep_trains_on_the_same_batches(run_cfg) -> None:
     assert not torch.equal(fp32[0][0], fp32[0][3])  # a new epoch is a new order
 
 
-def test_results_of_a_diverged_run_are_strict_json(run_cfg, tmp_path) -> None:
+def test_results_of_a_diverged_run_are_strict_json(override_loss, run_cfg, tmp_path) -> None:
     """Python writes bare NaN and Infinity, which strict JSON readers refuse; results use null."""
-    summary = train(run_cfg("trainer.on_nonfinite=off", *TINY), tmp_path, loss_fn=inf_loss_at({4}))
+    override_loss(inf_loss_at({4}))
+    summary = train(run_cfg("trainer.on_nonfinite=off", *TINY), tmp_path)
     assert summary["final_loss"] == float("inf")
 
     def refuse(constant: str) -> None:
@@ -166,7 +174,7 @@ def test_results_of_a_diverged_run_are_strict_json(run_cfg, tmp_path) -> None:
 
 
 def test_compiled_model_stays_one_graph_through_scaler_steps_and_skips(
-    run_cfg, tmp_path, monkeypatch
+    override_loss, run_cfg, tmp_path, monkeypatch
 ) -> None:
     """Only the model is compiled: the scaler's unscale/step/update and a skipped step with its
     scale back-off run outside the graph, so they neither break it nor make it recompile.
@@ -187,7 +195,8 @@ def test_compiled_model_stays_one_graph_through_scaler_steps_and_skips(
         "trainer.eval_every=null",
         *TINY,
     )
-    summary = train(cfg, tmp_path, loss_fn=inf_loss_at({3}))
+    override_loss(inf_loss_at({3}))
+    summary = train(cfg, tmp_path)
     assert summary["skipped_steps"] == 1 and summary["loss_scale"] == 65536.0 / 2
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] == 1

@@ -18,7 +18,6 @@ from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
 from amp_exp.results.dashboard import wandb_metrics
 from amp_exp.run import train
-from amp_exp.runtime.flops import Utilization, peak_tflops
 from amp_exp.tasks.gpt import GPT, flops_per_token, matmul_parameters
 from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.tasks.tokens import (
@@ -27,6 +26,8 @@ from amp_exp.tasks.tokens import (
     sample_chain,
 )
 from amp_exp.tasks.workload import build_data
+from amp_exp.training.flops import peak_tflops
+from amp_exp.training.meters import Meter
 from helpers.runs import FAST_LM, read_jsonl, run_cli, signal_self_at_call
 from helpers.wandb_records import read_only_run
 from test_checkpoint import assert_same_state, without_timing
@@ -123,16 +124,35 @@ def test_peak_comes_from_the_table_for_the_device_and_math(name, precision, tf32
         assert f"{peak:g} TFLOP/s" in source
 
 
-def test_utilization_turns_tokens_per_second_into_tflops_and_mfu() -> None:
-    assert Utilization(1e9, 100.0, "x").of(50_000.0) == {
+def test_the_meter_turns_samples_per_second_into_tokens_tflops_and_mfu() -> None:
+    # 100 sequences of 500 tokens a second, at 1 GFLOP a token, on a 100 TFLOP/s device.
+    meter = Meter("tokens", 500, 1, 1e9, 100.0, "x")
+    assert meter.rates(100.0) == {
+        "samples_per_s": 100.0,
+        "tokens_per_s": 50_000.0,
+        "tokens_per_s_per_device": 50_000.0,
         "tflops": 50.0,
         "mfu": 0.5,
         "mfu_measured": None,
     }
     # Against the probe's measured peak too, where one was measured (CUDA).
-    assert Utilization(1e9, 100.0, "x", 80.0).of(50_000.0)["mfu_measured"] == 50.0 / 80.0
-    assert Utilization(1e9).of(50_000.0) == {"tflops": 50.0, "mfu": None, "mfu_measured": None}
-    assert Utilization().of(50_000.0) == {"tflops": None, "mfu": None, "mfu_measured": None}
+    measured = Meter("tokens", 500, 1, 1e9, 100.0, "x", 80.0)
+    assert measured.rates(100.0)["mfu_measured"] == 50.0 / 80.0
+    assert Meter("tokens", 500, 1, 1e9).rates(100.0)["mfu"] is None
+    assert Meter("tokens", 500).rates(100.0)["tflops"] is None
+    assert Meter("tokens", 500, 1, 1e9, 100.0).summary(None)["tokens_per_s"] is None
+    # A task that counts samples gets samples/s alone.
+    assert Meter().summary(100.0) == {"samples_per_s": 100.0}
+
+
+def test_tflops_and_mfu_are_per_device_and_tokens_per_second_global() -> None:
+    """The same global tokens/s on 4 devices is a quarter of the work per device."""
+    one, four = (Meter("tokens", 500, ranks, 1e9, 100.0, "x", 80.0) for ranks in (1, 4))
+    alone, spread = one.rates(100.0), four.rates(100.0)
+    assert spread["tokens_per_s"] == alone["tokens_per_s"] == 50_000.0
+    assert spread["tokens_per_s_per_device"] == 12_500.0
+    for key in ("tflops", "mfu", "mfu_measured"):
+        assert spread[key] == pytest.approx(alone[key] / 4)
 
 
 # --- synthetic tokens ------------------------------------------------------------------------
@@ -225,10 +245,13 @@ EXACT = ["trainer.max_steps=12", "trainer.log_every=2", "trainer.eval_every=null
         "precision=fp16 precision.init_scale=16777216 precision.growth_interval=3",
     ],
 )
-def test_stopped_and_resumed_lm_run_matches_uninterrupted_run(lm_cfg, tmp_path, precision) -> None:
+def test_stopped_and_resumed_lm_run_matches_uninterrupted_run(
+    override_loss, lm_cfg, tmp_path, precision
+) -> None:
     overrides = [*EXACT, *precision.split()]
     whole = train(lm_cfg(*overrides), tmp_path / "whole")
-    first = train(lm_cfg(*overrides), tmp_path / "split", loss_fn=signal_self_at_call(5))
+    override_loss(signal_self_at_call(5))
+    first = train(lm_cfg(*overrides), tmp_path / "split")
     assert (first["status"], first["steps"]) == ("stopped", 5)
     second = train(lm_cfg(*overrides, "resume=auto"), tmp_path / "split")
     assert second["status"] == "completed" and second["steps"] == 12
@@ -244,7 +267,7 @@ def test_stopped_and_resumed_lm_run_matches_uninterrupted_run(lm_cfg, tmp_path, 
 
 
 def without_token_rates(path: Path) -> list[dict]:
-    rates = {"tokens_per_s", "tflops", "mfu"}
+    rates = {"tokens_per_s", "tokens_per_s_per_device", "tflops", "mfu", "mfu_measured"}
     return [
         {k: v for k, v in row.items() if k not in rates} for row in without_timing(read_jsonl(path))
     ]

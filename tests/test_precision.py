@@ -9,7 +9,7 @@ from torch import nn
 
 from amp_exp.config.schema import AdamWConfig, Precision, PrecisionConfig, SGDConfig
 from amp_exp.errors import ConfigError
-from amp_exp.runtime.capability import check_request, pick_fastest
+from amp_exp.training.capability import check_request, pick_fastest
 from amp_exp.training.optim import build_optimizer
 from amp_exp.training.precision import Gradients, PrecisionPolicy
 from helpers.probes import capability_with

@@ -18,10 +18,10 @@ from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
 from amp_exp.results.resume_rules import config_changes
 from amp_exp.run import train
-from amp_exp.runtime.capability import check_request, require_fp8_hardware
 from amp_exp.tasks.gpt import GPT
 from amp_exp.tasks.vision_models import TinyCNN
 from amp_exp.training.auto_precision import CHOICES
+from amp_exp.training.capability import check_request, require_fp8_hardware
 from amp_exp.training.precision_modes import plan_fp8, to_bf16_true
 from amp_exp.training.stochastic_rounding import (
     StochasticRoundingStep,

@@ -10,8 +10,8 @@ import torch
 import amp_exp.runtime.probe
 from amp_exp.config.schema import Precision
 from amp_exp.runtime.cache import cache_dir, read_entries
-from amp_exp.runtime.capability import capability_of
 from amp_exp.runtime.probe import CACHE_FILE, KERNELS, Shapes, cache_key, measure, probe, remember
+from amp_exp.training.capability import capability_of
 from helpers.probes import timing_at
 
 CPU = torch.device("cpu")

@@ -307,6 +307,76 @@ def test_a_job_killed_before_its_summary_is_listed_as_killed(tmp_path: Path) -> 
     assert "2 runs (1 completed, 1 killed)" in (tmp_path / "report.md").read_text()
 
 
+def write_parallel_run(path: Path, precision: str, acc: float, ranks: int, strategy: str) -> None:
+    """A tiny_cnn run of ``ranks`` ranks of batch 16 each."""
+    summary = write_run(path, "tiny_cnn", precision, 1000.0 * ranks, acc, world_size=ranks)
+    summary.update(strategy=strategy, global_batch_size=16 * ranks, param_dtype="fp32")
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+def test_world_size_strategy_and_global_batch_are_part_of_the_setting(tmp_path: Path) -> None:
+    """A 1-rank fp32 run at global batch 16 is no baseline for a 2-rank bf16 run at 32."""
+    write_parallel_run(tmp_path / "0", "fp32", 0.80, 1, "single")
+    write_parallel_run(tmp_path / "1", "bf16", 0.79, 2, "ddp")
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
+    bf16 = rows_by_run(report)["1"]
+    assert bf16["setting"] == "world_size=2, strategy=ddp, global_batch_size=32"
+    assert bf16["baseline"] is None and bf16["speedup"] is None
+    assert report["verdicts"][1] == (
+        "tiny_cnn (world_size=2, strategy=ddp, global_batch_size=32): no completed fp32 run to "
+        "compare with; bf16 final loss 1.5000"
+    )
+    write_parallel_run(tmp_path / "2", "fp32", 0.80, 2, "ddp")
+    bf16 = rows_by_run(build_report([tmp_path], tmp_path, tolerance=0.5))["1"]
+    assert bf16["baseline"] == "2" and bf16["speedup"] == 1.0
+
+
+def test_the_report_says_so_when_its_runs_ran_under_different_strategies(tmp_path: Path) -> None:
+    write_parallel_run(tmp_path / "0", "fp32", 0.80, 2, "ddp")
+    write_parallel_run(tmp_path / "1", "fp32", 0.80, 2, "fsdp2")
+    write_parallel_run(tmp_path / "2", "bf16", 0.80, 2, "fsdp2")
+    summary = json.loads((tmp_path / "2" / "summary.json").read_text())
+    summary.update(param_dtype="bf16", reduce_dtype="fp32")
+    (tmp_path / "2" / "summary.json").write_text(json.dumps(summary))
+    build_report([tmp_path], tmp_path, tolerance=0.5)
+    assert (
+        "These runs ran under different strategies, so each is compared only with the fp32 run "
+        "of its own strategy, world size and global batch: ddp (weights compute in fp32, "
+        "gradients reduced in -); fsdp2 (weights compute in bf16, gradients reduced in fp32); "
+        "fsdp2 (weights compute in fp32, gradients reduced in -)."
+    ) in (tmp_path / "report.md").read_text()
+    write_parallel_run(tmp_path / "ddp" / "0", "fp32", 0.80, 2, "ddp")
+    build_report([tmp_path / "ddp"], tmp_path / "ddp", tolerance=0.5)
+    assert "different strategies" not in (tmp_path / "ddp" / "report.md").read_text()
+
+
+def test_a_killed_jobs_config_is_resolved_so_it_keeps_its_fp32_partner(
+    tmp_path: Path, run_cfg, compose_cfg
+) -> None:
+    """Hydra saves the job's config before validation infers its task, with its interpolations
+    as written: read as saved, the killed job would sit alone under task=null."""
+    from omegaconf import OmegaConf
+
+    from amp_exp.config.plain import plain_run_config
+
+    interpolated = "dataset.eval_batch_size=${dataset.batch_size}"
+    summary = write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    summary["config"] = plain_run_config(run_cfg(interpolated, "precision=fp32"))
+    (tmp_path / "0" / "summary.json").write_text(json.dumps(summary))
+    killed = tmp_path / "1" / ".hydra"
+    killed.mkdir(parents=True)
+    saved = compose_cfg(interpolated, "precision=bf16")
+    assert saved.task is None and "${" in OmegaConf.to_yaml(saved)
+    (killed / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
+    row = rows_by_run(report)["1"]
+    assert (row["status"], row["setting"]) == ("killed", "")
+    assert report["verdicts"] == [
+        "tiny_cnn: bf16 killed (no summary.json: the process was killed (SIGKILL, out of memory) "
+        "or is still running)"
+    ]
+
+
 def test_only_rank_0_of_a_torchrun_sweep_writes_the_report(tmp_path: Path, monkeypatch) -> None:
     from amp_exp.report.callback import SweepReport
 

@@ -17,7 +17,7 @@ from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock
 from amp_exp.results.resume_rules import config_changes
 from amp_exp.results.summary import record_failure
 from amp_exp.run import train
-from helpers.runs import FAST, TINY, read_jsonl
+from helpers.runs import FAST, TINY, read_jsonl, signal_self_at_call
 from helpers.warm_python import python_m
 
 # 256 samples / batch 16: 16 batches an epoch.
@@ -132,6 +132,26 @@ def test_resume_refuses_another_experiment_before_loading_anything(
     assert snapshot(tmp_path) == before
 
 
+def test_a_resume_past_its_new_last_step_is_refused_in_one_line(
+    run_cfg, override_loss, tmp_path
+) -> None:
+    """A run stopped at step 6 cannot end at step 4: it would report 6 steps of 4, and no eval."""
+    override_loss(signal_self_at_call(6))
+    stopped = train(run_cfg(*SHORT, "trainer.max_steps=8"), tmp_path)
+    assert (stopped["status"], stopped["steps"]) == ("stopped", 6)
+    before = snapshot(tmp_path)
+    with pytest.raises(RunRefused) as refused:
+        train(run_cfg(*SHORT, "resume=auto", "trainer.max_steps=4"), tmp_path)
+    assert str(refused.value) == (
+        "resume=auto: the checkpoint is at step 6, past the 4 steps this run now trains; nothing "
+        "was changed. Resume with trainer.max_steps=6 or more, or start a new run directory"
+    )
+    assert snapshot(tmp_path) == before
+    resumed = train(run_cfg(*SHORT, "resume=auto", "trainer.max_steps=6"), tmp_path)
+    assert (resumed["status"], resumed["steps"], resumed["total_steps"]) == ("completed", 6, 6)
+    assert resumed["eval_acc"] is not None
+
+
 def test_what_may_change_on_resume_is_allowed_and_listed() -> None:
     saved = {"trainer": {"max_steps": 4, "log_every": 2}, "wandb": {"mode": "offline"}}
     current = {"trainer": {"max_steps": 8, "log_every": 4}, "wandb": {"mode": "online"}}
@@ -149,7 +169,8 @@ def test_what_may_change_on_resume_is_allowed_and_listed() -> None:
 
 def test_a_failure_never_replaces_a_completed_summary(run_cfg, tmp_path) -> None:
     completed = train(run_cfg(*SHORT), tmp_path)
-    written = record_failure(tmp_path, completed["config"], NumericalFault("scale collapsed"))
+    error = NumericalFault("scale collapsed")
+    written = record_failure(tmp_path, completed["config"], error, completed["task_metrics"])
     assert written.name == "summary.failed.json"
     assert json.loads((tmp_path / "summary.json").read_text()) == completed
     failed = json.loads(written.read_text())

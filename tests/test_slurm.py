@@ -23,7 +23,7 @@ from helpers.runs import FAST, TINY, read_jsonl, run_cli
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
-from amp_exp.runtime.launchers import LocalConf
+from amp_exp.config.launchers import LocalConf
 from amp_exp.runtime.signals import StopRequest
 from hydra_plugins._amp_exp_submitit import with_resume
 

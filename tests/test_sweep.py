@@ -147,3 +147,8 @@ def test_joblib_launcher_runs_jobs_in_parallel_and_reports_them(tmp_path: Path) 
         ("fp32", "completed"),
         ("bf16", "completed"),
     ]
+    # Each job saves its config as it starts and its summary as it ends: in parallel, each
+    # started before the other ended.
+    starts = [(tmp_path / job / ".hydra" / "config.yaml").stat().st_mtime for job in ("0", "1")]
+    ends = [(tmp_path / job / "summary.json").stat().st_mtime for job in ("0", "1")]
+    assert max(starts) < min(ends)

@@ -15,9 +15,9 @@ from omegaconf import OmegaConf
 from amp_exp.config.schema import WandbMode
 from amp_exp.errors import ConfigError, NumericalFault
 from amp_exp.results.dashboard import choice_label, run_config, run_group, run_name, run_tags
+from amp_exp.results.sweep import SweepJob, sweep_job
 from amp_exp.results.wandb_logger import WandbLogger, open_wandb_logger, resolve_mode
 from amp_exp.run import train
-from amp_exp.runtime.sweep import SweepJob, sweep_job
 from helpers.fake_wandb import FakeWandb, install_fake_wandb
 from helpers.runs import TINY, inf_loss_at, read_jsonl, signal_self_at_call
 from helpers.wandb_records import read_only_run, read_run, run_files
@@ -39,10 +39,11 @@ EVAL_KEYS = {"eval/loss", "eval/acc"}
 
 
 def test_fp16_run_logs_every_key_at_its_steps_and_the_scale_falls_on_overflow(
-    run_cfg, tmp_path
+    override_loss, run_cfg, tmp_path
 ) -> None:
     cfg = run_cfg("precision=fp16", "precision.init_scale=1024", "wandb.mode=offline", *TINY)
-    summary = train(cfg, tmp_path, loss_fn=inf_loss_at({3}))
+    override_loss(inf_loss_at({3}))
+    summary = train(cfg, tmp_path)
     run = read_only_run(tmp_path)
     assert run.kinds[-1] == "exit"  # finished, and the file is complete
     assert [row["_step"] for row in run.history] == [2, 4]
@@ -299,10 +300,13 @@ def test_the_record_reader_follows_records_across_blocks(tmp_path) -> None:
     assert len(history[-1]["long"]) == 80_000
 
 
-def test_a_resumed_run_continues_the_same_wandb_run(run_cfg, tmp_path, monkeypatch) -> None:
+def test_a_resumed_run_continues_the_same_wandb_run(
+    override_loss, run_cfg, tmp_path, monkeypatch
+) -> None:
     fake = install_fake_wandb(monkeypatch)
     overrides = ("wandb.mode=offline", "trainer.max_steps=6", *TINY)
-    train(run_cfg(*overrides), tmp_path, loss_fn=signal_self_at_call(3))
+    override_loss(signal_self_at_call(3))
+    train(run_cfg(*overrides), tmp_path)
     train(run_cfg(*overrides, "resume=auto"), tmp_path)
     first, second = fake.runs
     assert "id" not in fake.called("init")[0]
@@ -312,10 +316,13 @@ def test_a_resumed_run_continues_the_same_wandb_run(run_cfg, tmp_path, monkeypat
     assert [row["_step"] for row in second.history] == [4, 6]
 
 
-def test_amp_health_reaches_the_wandb_summary(run_cfg, tmp_path, monkeypatch) -> None:
+def test_amp_health_reaches_the_wandb_summary(
+    override_loss, run_cfg, tmp_path, monkeypatch
+) -> None:
     fake = install_fake_wandb(monkeypatch)
     cfg = run_cfg("precision=fp16", "wandb.mode=offline", "diagnostics.underflow_every=2", *TINY)
-    summary = train(cfg, tmp_path, loss_fn=inf_loss_at({3}))
+    override_loss(inf_loss_at({3}))
+    summary = train(cfg, tmp_path)
     run = fake.run
     assert run.summary["amp/checks_passed"] is True
     assert run.summary["amp/first_overflow_step"] == 3
@@ -325,11 +332,14 @@ def test_amp_health_reaches_the_wandb_summary(run_cfg, tmp_path, monkeypatch) ->
     assert [row["_step"] for row in underflow_rows] == [2, 4]
 
 
-def test_a_run_that_raises_is_marked_failed_on_wandb(run_cfg, tmp_path, monkeypatch) -> None:
+def test_a_run_that_raises_is_marked_failed_on_wandb(
+    override_loss, run_cfg, tmp_path, monkeypatch
+) -> None:
     fake = install_fake_wandb(monkeypatch)
     cfg = run_cfg("trainer.on_nonfinite=stop", "wandb.mode=offline", *TINY)
     with pytest.raises(NumericalFault):
-        train(cfg, tmp_path, loss_fn=inf_loss_at({2}))
+        override_loss(inf_loss_at({2}))
+        train(cfg, tmp_path)
     assert fake.run.exit_code == 1
     assert len(fake.called("teardown")) == 1
 

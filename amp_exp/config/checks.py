@@ -118,10 +118,19 @@ def check_data(dataset: DatasetConfig) -> None:
         )
 
 
+def require_cuda() -> None:
+    """trainer.device=cuda needs a CUDA device that torch can use."""
+    import torch  # only when a CUDA device is asked for: the other checks stay light
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.device=cuda, but no CUDA device is available to torch {torch.__version__}; "
+            "use trainer.device=auto or trainer.device=cpu"
+        )
+
+
 def check_device(device: DeviceChoice) -> None:
     if device is DeviceChoice.cuda:
-        from amp_exp.runtime.hardware import require_cuda  # imports torch: only when asked for
-
         require_cuda()
 
 

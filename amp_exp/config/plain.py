@@ -1,10 +1,14 @@
-"""A config as plain Python values: nested dicts for files and W&B, dotted keys for comparing."""
+"""A config as plain Python values: nested dicts for files and W&B, dotted keys for comparing;
+and a saved plain config typed by the schemas again."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from amp_exp.config.schema import SCHEMAS, RunConfig
 
 
 def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:
@@ -26,3 +30,15 @@ def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def typed_config(saved: DictConfig) -> DictConfig:
+    """A job's saved config (Hydra's ``.hydra/config.yaml``, untyped) typed as composing had
+    typed it: each group by the one schema whose fields it holds, so ``validate`` reads it."""
+    typed = OmegaConf.structured(RunConfig)
+    for group, schemas in SCHEMAS.items():
+        keys = set(saved.get(group) or {})
+        for schema in schemas.values():
+            if {field.name for field in fields(schema)} == keys:
+                typed[group] = OmegaConf.structured(schema)
+    return OmegaConf.merge(typed, saved)

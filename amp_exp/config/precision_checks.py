@@ -22,6 +22,8 @@ from amp_exp.errors import require
 def validate_precision(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
     """Raise ``ConfigError`` on the first precision value that cannot run with ``trainer``."""
     _validate_scaler(precision)
+    blank = [pattern for pattern in precision.keep_fp32 if not pattern.strip()]
+    require(not blank, "precision.keep_fp32 holds an empty pattern; give module names or globs")
     _validate_fp8(precision, trainer)
     _validate_reduce_dtype(precision, trainer)
     _validate_cast_params(precision, trainer)

@@ -78,7 +78,7 @@ class PrecisionSpec:
     optimizer_state_dtype: DType
     # Dynamic loss scaling with torch.amp.GradScaler.
     grad_scaler: bool
-    # Which datasheet peak its matmuls can reach (runtime.flops): fp32 reads TF32 when allowed.
+    # Which datasheet peak its matmuls can reach (training.flops): fp32 reads TF32 when allowed.
     peak_math: str
     # The probed kernels it runs: pure bf16 computes as bf16 autocast does; fp8 is not probed.
     probed_as: Precision | None

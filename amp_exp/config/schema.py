@@ -220,8 +220,8 @@ class PrecisionConfig:
     growth_interval: int = 2000
     # Max total gradient norm after unscaling; null = no clipping.
     clip_grad_norm: float | None = None
-    # fp16 stops with a diagnosis after this many skipped steps in a row, or when the loss scale
-    # falls below min_scale (below 1 the true gradients themselves overflow fp16).
+    # Every precision stops with a diagnosis after this many skipped steps in a row; fp16 also
+    # when the loss scale falls below min_scale (below 1 the true gradients overflow fp16).
     max_consecutive_skips: int = 50
     min_scale: float = 1.0
     # bf16_true: round each update to bf16 stochastically, so updates smaller than half a bf16
@@ -245,6 +245,8 @@ class PrecisionConfig:
     # policy): half the all-gather traffic, but norms, embeddings and the residual stream then run
     # in low precision, unlike DDP; false = autocast over fp32 weights, as DDP and one process.
     fsdp_cast_params: bool = False
+    # Globs over the model's module names (named_modules) that run in fp32 in every mode.
+    keep_fp32: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -365,6 +367,8 @@ class RunConfig:
     resume: str | None = None
     wandb: WandbConfig = MISSING
     report: ReportConfig = MISSING
+    # python -m amp_exp.sensitivity's settings (config/sensitivity.py); a run ignores them.
+    sensitivity: Any = MISSING
     seed: int = 0
 
 

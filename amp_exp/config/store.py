@@ -6,11 +6,12 @@ from importlib.util import find_spec
 
 from hydra.core.config_store import ConfigStore
 
+from amp_exp.config.launch import register_resolvers
 from amp_exp.config.schema import SCHEMAS, RunConfig
-from amp_exp.runtime.ranks import register_resolvers
+from amp_exp.config.sensitivity import SensitivityConfig
 
 SCHEMA_GROUP = "schema"
-# Optional: hydra/launcher=slurm and submitit_* (amp_exp.runtime.launchers).
+# Optional: hydra/launcher=slurm and submitit_* (amp_exp.config.launchers).
 SUBMITIT_PLUGIN = "hydra_plugins.hydra_submitit_launcher"
 
 
@@ -23,8 +24,9 @@ def register_configs() -> None:
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
             store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=schema)
+    store.store(group=f"{SCHEMA_GROUP}/sensitivity", name="sensitivity", node=SensitivityConfig)
     # hydra/launcher=submitit_*: jobs that resume when requeued, if the optional plugin is there.
     if find_spec(SUBMITIT_PLUGIN) is not None:
-        from amp_exp.runtime.launchers import register_launchers
+        from amp_exp.config.launchers import register_launchers
 
         register_launchers()

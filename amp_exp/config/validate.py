@@ -45,6 +45,7 @@ from amp_exp.config.schema import (
     TrainerConfig,
     WandbConfig,
 )
+from amp_exp.config.sensitivity import validate_sensitivity
 from amp_exp.errors import ConfigError, first_line, require
 
 # NumPy seeds its generator with an unsigned 32-bit integer.
@@ -127,6 +128,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         "report.tolerance must be 0 or more, or null (the task's default)",
     )
     validate_precision(run.precision, run.trainer)
+    validate_sensitivity(run.sensitivity, run.precision, run.trainer)
     require(
         not (run.trainer.channels_last and run.trainer.strategy is Strategy.fsdp2),
         "trainer.channels_last=true cannot run with trainer.strategy=fsdp2, which shards only "
@@ -163,7 +165,7 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
         f"{unknown[0] if unknown else ''} is not a known key or config group; "
         f"valid top-level keys: {', '.join(sorted(known))}",
     )
-    for section in [*SCHEMAS, "checkpoint", "diagnostics"]:
+    for section in [*SCHEMAS, "checkpoint", "diagnostics", "sensitivity"]:
         node = cfg[section]
         known = {f.name for f in fields(OmegaConf.get_type(node))}
         unknown = sorted(set(node.keys()) - known)

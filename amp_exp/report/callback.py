@@ -11,8 +11,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from amp_exp.config.launch import worker_rank
 from amp_exp.config.schema import ReportConfig
-from amp_exp.runtime.ranks import worker_rank
 
 log = logging.getLogger("amp_exp")
 

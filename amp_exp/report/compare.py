@@ -26,6 +26,9 @@ VARIANT_KEYS = {
 }
 # The keys a comparison is about; every other config key that differs is part of a run's setting.
 COMPARED_KEYS = {"model.name", "precision.name", *VARIANT_KEYS}
+# How a run ran, from its summary: part of its setting too. A 1-rank fp32 run at global batch 16
+# is no baseline for a 2-rank bf16 run at 32, whose difference would come from the batch.
+RUN_FACTS = ("world_size", "strategy", "global_batch_size")
 # A run in which at least this share of the weights did not move over the last diagnostics
 # interval has stalled.
 STALL_FRACTION = 0.5
@@ -47,18 +50,55 @@ def varied_keys(runs: list[Run]) -> list[str]:
     return [key for key in keys if len({json.dumps(flat.get(key)) for flat in flats}) > 1]
 
 
-def assign_settings(runs: list[Run]) -> None:
-    """Name, for each run, the config values in which it differs from the runs of its model.
+def varied_facts(runs: list[Run]) -> list[str]:
+    """The ``RUN_FACTS`` whose known values differ between ``runs`` (a killed run knows none)."""
+    return [
+        key
+        for key in RUN_FACTS
+        if len({run.summary[key] for run in runs if run.summary.get(key) is not None}) > 1
+    ]
 
-    fp16 with clipping is then compared with fp32 with clipping, not with fp32 without it. Runs
-    whose summary holds no config are left with an empty setting.
+
+def assign_settings(runs: list[Run]) -> None:
+    """Name, for each run, the config values and the ``RUN_FACTS`` in which it differs from the
+    runs of its model.
+
+    fp16 with clipping is then compared with fp32 with clipping, not with fp32 without it, and a
+    2-rank run with a 2-rank run. Runs whose summary holds no config are left with an empty
+    setting.
     """
     for model in dict.fromkeys(run.model for run in runs):
         group = [run for run in runs if run.model == model and "config" in run.summary]
         varied = [key for key in varied_keys(group) if key not in COMPARED_KEYS]
-        flats = [flatten_config(run.summary["config"]) for run in group]
-        for run, flat in zip(group, flats, strict=True):
-            run.setting = ", ".join(f"{key}={_override_value(flat.get(key))}" for key in varied)
+        facts = varied_facts(group)
+        for run in group:
+            flat = flatten_config(run.summary["config"])
+            values = [flat.get(key) for key in varied] + [run.summary.get(key) for key in facts]
+            run.setting = ", ".join(
+                f"{key}={_override_value(value)}"
+                for key, value in zip([*varied, *facts], values, strict=True)
+            )
+
+
+def strategy_note(rows: list[dict[str, Any]]) -> str | None:
+    """A sentence for the report when its runs ran under different strategies, None otherwise:
+    each is compared only within its own strategy, and a precision may compute in other dtypes
+    under each (FSDP2 casts the weights themselves)."""
+    seen = {
+        (row["strategy"], row["param_dtype"], row["reduce_dtype"])
+        for row in rows
+        if row["strategy"] is not None
+    }
+    if len({strategy for strategy, _, _ in seen}) < 2:
+        return None
+    described = "; ".join(
+        f"{strategy} (weights compute in {param or '-'}, gradients reduced in {reduce or '-'})"
+        for strategy, param, reduce in sorted(seen, key=str)
+    )
+    return (
+        "These runs ran under different strategies, so each is compared only with the "
+        f"{BASELINE} run of its own strategy, world size and global batch: {described}."
+    )
 
 
 def find_baseline(run: Run, runs: list[Run]) -> Run | None:

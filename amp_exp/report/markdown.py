@@ -13,6 +13,7 @@ from amp_exp.report.compare import (
     describe_end,
     show_delta,
     show_tolerance,
+    strategy_note,
     tolerance_for,
 )
 from amp_exp.results.files import REPORT_JSON, REPORT_MD, json_safe, write_text
@@ -171,6 +172,10 @@ def health_line(row: dict[str, Any]) -> str:
     return f"- `{row['run']}` ({row['model']} {row['precision']}): " + "; ".join(parts)
 
 
+def _sentence(text: str | None) -> str:
+    return f" {text}" if text else ""
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     rows = report["runs"]
     unfinished = [row for row in rows if row["status"] != "completed"]
@@ -183,7 +188,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{len(rows)} runs ({', '.join(f'{n} {status}' for status, n in sorted(statuses.items()))})"
         + (f", on {', '.join(devices)}" if devices else "")
         + f". Each run is compared with the completed {BASELINE} run of the same model and "
-        "setting." + tolerance_sentence(report),
+        "setting." + tolerance_sentence(report) + _sentence(strategy_note(rows)),
         "",
         "## Verdict",
         "",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from amp_exp.errors import ConfigError
 from amp_exp.results.files import JOB_CONFIG, METRICS_FILE, SUMMARY_FILE
 from amp_exp.results.loggers import read_rows
 from amp_exp.results.summary import Status, make_summary
@@ -58,11 +59,30 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def job_config(path: Path) -> dict[str, Any]:
+    """The config a job saved before it ran, as a completed job's summary records it: typed,
+    validated (which infers the task) and resolved. One that no longer validates (its data gone,
+    a schema changed since) is read as saved, its interpolations resolved where they resolve."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from amp_exp.config.plain import plain_run_config, typed_config
+    from amp_exp.config.validate import validate
+
+    saved = OmegaConf.load(path / JOB_CONFIG)
+    try:
+        return plain_run_config(validate(typed_config(saved)))
+    except (ConfigError, OmegaConfBaseException) as error:
+        log.warning("%s: its config does not validate (%s); read as saved", path, error)
+    try:
+        return OmegaConf.to_container(saved, resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException:
+        return OmegaConf.to_container(saved, resolve=False)  # type: ignore[return-value]
+
+
 def killed_summary(path: Path) -> dict[str, Any]:
     """What a job that never wrote summary.json (SIGKILL, the OOM killer) shows in a report."""
-    from omegaconf import OmegaConf
-
-    config = OmegaConf.to_container(OmegaConf.load(path / JOB_CONFIG), resolve=False)
+    config = job_config(path)
     return make_summary(
         Status.killed,
         config,

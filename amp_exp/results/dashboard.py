@@ -14,7 +14,7 @@ from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import (
     RunConfig,
 )
-from amp_exp.runtime.sweep import SweepJob
+from amp_exp.results.sweep import SweepJob
 
 # The base name already carries these, so a sweep over them adds nothing to it.
 NAMED_KEYS = frozenset({"model", "model.name", "precision", "precision.name", "seed"})
@@ -32,6 +32,7 @@ WANDB_KEYS = {
     "skipped_steps": "amp/skipped_steps",
     "samples_per_s": "perf/samples_per_s",
     "tokens_per_s": "perf/tokens_per_s",
+    "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
     "tflops": "perf/tflops",
     "mfu": "perf/mfu",
     "mfu_measured": "perf/mfu_measured",

@@ -3,7 +3,8 @@
 A checkpoint continues one experiment. Changing what is trained (task, model, data, batch,
 optimizer, schedule, seed, precision family) would either run silently on different data or fail
 deep inside ``load_state_dict``; so those are refused, before anything is loaded. How long and how
-visibly the run goes on (``max_steps``, logging, W&B, checkpoints) may change.
+visibly the run goes on (``max_steps``, logging, W&B, checkpoints) may change. A run resumed
+with ``precision=auto`` keeps the precision it trained in; ``auto`` is not decided afresh.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 from typing import Any
 
 from amp_exp.config.plain import flatten_config
+from amp_exp.config.schema import Precision
+from amp_exp.training.capability import ResolvedPrecision
 
 # Sections and keys whose change makes another experiment.
 FIXED = (
@@ -87,3 +90,25 @@ def data_position(
         return progress
     trained = progress["batch_in_epoch"] * saved_world_size
     return {**progress, "batch_in_epoch": trained // world_size}
+
+
+def kept_precision(
+    requested: Precision, found: tuple[Any, dict[str, Any]] | None
+) -> ResolvedPrecision | None:
+    """What a resumed ``precision=auto`` trains in: the checkpoint's precision.
+
+    Deciding again would let a changed timing cache turn a bf16 run into fp32 halfway, and the
+    report would take it for an fp32 baseline. None for a fresh start or an explicit precision (a
+    change within the autocast family is allowed, and the summary keeps the attempts apart).
+    """
+    if found is None or requested is not Precision.auto:
+        return None
+    payload = found[1]
+    saved = payload["precision"]
+    chosen_by_auto = payload["config"]["precision"]["name"] == Precision.auto.value
+    how = "as precision=auto chose it" if chosen_by_auto else "as requested then"
+    return ResolvedPrecision(
+        Precision(saved),
+        f"auto: {saved}, kept from the checkpoint at step {payload['step']} ({how})",
+        timed_on_model=chosen_by_auto,
+    )

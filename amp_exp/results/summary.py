@@ -15,7 +15,7 @@ from typing import Any
 
 from amp_exp.errors import first_line
 from amp_exp.results.files import FAILED_ATTEMPT_FILE, SUMMARY_FILE, write_json
-from amp_exp.runtime.provenance import git_sha
+from amp_exp.results.provenance import git_sha
 
 log = logging.getLogger("amp_exp")
 
@@ -59,16 +59,21 @@ FIELDS = (
     "samples_seen",
     "timed_steps",
     "warmup_s",
+    # Over every rank (global), timed steps of the latest attempts in the run's precision.
     "samples_per_s",
-    # Language models: tokens/s, and the FLOPs they stand for against the device's peak.
+    # Language models: tokens/s over every rank and per device, and the FLOPs one device ran
+    # (TFLOP/s) against one device's peak (MFU), as torchtitan and nanoGPT report them.
     "tokens_per_s",
+    "tokens_per_s_per_device",
     "flops_per_token",
     "tflops",
     "mfu",
     "mfu_peak_source",
-    # MFU against the probe's measured matmul peak (CUDA only).
+    # MFU against the probe's measured matmul peak (CUDA only), per device.
     "mfu_measured",
     "step_time_ms",
+    # Each attempt (a resume starts one): precision, first and last step, timed steps, speed.
+    "attempts",
     "peak_mem_bytes",
     "peak_mem_kind",
     "final_loss",
@@ -93,6 +98,8 @@ FIELDS = (
     "fp8_skipped",
     # Why an fp8 run has no MFU against a bf16 peak (null for the other precisions).
     "fp8_mfu_peak_source",
+    # The modules precision.keep_fp32 matched (the outermost ones), run in fp32 in every mode.
+    "keep_fp32_modules",
     "replicas_identical",
     "wall_s",
     "torch_version",
@@ -159,14 +166,25 @@ def make_summary(
     return summary
 
 
-def failure_summary(config: dict[str, Any], error: Exception) -> dict[str, Any]:
-    """What a run that raised leaves in summary.json, so a sweep report can show it as failed."""
+def failure_summary(
+    config: dict[str, Any], error: Exception, task_metrics: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What a run that raised leaves in summary.json, so a sweep report can show it as failed;
+    ``task_metrics``, where the task is known, gives it the same metric keys (null)."""
     return make_summary(
-        Status.failed, config, error=f"{type(error).__name__}: {first_line(str(error))}"
+        Status.failed,
+        config,
+        task_metrics=task_metrics,
+        error=f"{type(error).__name__}: {first_line(str(error))}",
     )
 
 
-def record_failure(output_dir: Path, config: dict[str, Any], error: Exception) -> Path:
+def record_failure(
+    output_dir: Path,
+    config: dict[str, Any],
+    error: Exception,
+    task_metrics: dict[str, Any] | None = None,
+) -> Path:
     """Write the failure summary; beside, never over, a completed run's summary.json."""
     path = output_dir / SUMMARY_FILE
     if completed_summary(output_dir) is not None:
@@ -174,7 +192,7 @@ def record_failure(output_dir: Path, config: dict[str, Any], error: Exception) -
         log.error(
             "this run completed before; its summary.json is kept, this failure is in %s", path
         )
-    write_json(path, failure_summary(config, error))
+    write_json(path, failure_summary(config, error, task_metrics))
     return path
 
 

@@ -31,7 +31,7 @@ from amp_exp.results.dashboard import (
 )
 from amp_exp.results.files import WANDB_RUN_ID_FILE
 from amp_exp.results.loggers import TRAIN
-from amp_exp.runtime.sweep import SweepJob
+from amp_exp.results.sweep import SweepJob
 
 log = logging.getLogger("amp_exp")
 

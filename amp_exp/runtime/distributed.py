@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from amp_exp.config.launch import WorkerRank, torchrun_store, worker_rank
 from amp_exp.config.schema import DeviceChoice, Strategy
 from amp_exp.runtime import fsdp
 from amp_exp.runtime.hardware import resolve_device
-from amp_exp.runtime.ranks import WorkerRank, torchrun_store, worker_rank
 
 log = logging.getLogger("amp_exp")
 
@@ -47,15 +47,18 @@ class Distributed:
         """Whether each rank holds a shard of the model (FSDP2), not a replica (DDP)."""
         return self.strategy is Strategy.fsdp2
 
-    def wrap(self, model: nn.Module, dtypes: fsdp.ShardingDtypes) -> nn.Module:
-        """The module that trains: a DDP replica, or (FSDP2) ``model`` itself, sharded in place.
+    def wrap(
+        self, model: nn.Module, dtypes: fsdp.ShardingDtypes, keep_fp32: Sequence[str] = ()
+    ) -> nn.Module:
+        """The module that trains: a DDP replica, or (FSDP2) ``model`` itself, sharded in place,
+        with the ``keep_fp32`` modules under an fp32 policy.
 
         Either way every rank starts from rank 0's weights: DDP broadcasts them here, and every
         rank built the same weights from the same seed before FSDP2 sharded them. Gradients are
         summed in ``dtypes.reduce`` under either strategy.
         """
         if self.shards:
-            self.trained = fsdp.shard_model(model, dtypes, self.device)
+            self.trained = fsdp.shard_model(model, dtypes, self.device, keep_fp32)
             return self.trained
         device_ids = [self.device] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids)

@@ -6,7 +6,8 @@ gradients are reduce-scattered in ``reduce_dtype``, then kept as fp32 shards for
 By default the gathered parameters are the stored fp32 weights and autocast computes, as under
 DDP: one precision is one computation under every strategy. With ``precision.fsdp_cast_params``
 they are gathered already cast to the policy's ``param_dtype``, and the forward runs in it
-without autocast (torchtitan's way: less traffic, another computation).
+without autocast (torchtitan's way: less traffic, another computation); BatchNorm and the modules
+``precision.keep_fp32`` names are then sharded on their own, under an fp32 policy.
 
 The model's state goes to and from DCP (torch.distributed.checkpoint) as sharded state dicts keyed
 by parameter name, which is what lets a checkpoint written by N ranks load on M.
@@ -15,7 +16,7 @@ by parameter name, which is what lets a checkpoint written by N ranks load on M.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from amp_exp.config.precisions import SHORT_NAMES, spec_of
 from amp_exp.config.schema import Precision, ReduceDtype
+from amp_exp.errors import ConfigError
 from amp_exp.runtime.blocks import model_blocks
 
 DTYPES = {name: dtype.torch for dtype, name in SHORT_NAMES.items()}
@@ -68,23 +70,61 @@ class ShardingDtypes:
             output_dtype=torch.float32 if output_fp32 and self.casts_params else None,
         )
 
+    def fp32_policy(self, cast_inputs: bool) -> MixedPrecisionPolicy:
+        """A module kept in fp32 in a low-precision forward: its parameters stay fp32, and with
+        ``cast_inputs`` its inputs come in as fp32 and its output goes back to the forward's
+        dtype, which the next module's gathered parameters are in."""
+        return MixedPrecisionPolicy(
+            param_dtype=torch.float32 if cast_inputs else None,
+            reduce_dtype=DTYPES[self.reduce],
+            output_dtype=DTYPES[self.param] if cast_inputs else None,
+            cast_forward_inputs=cast_inputs,
+        )
 
-def shard_model(model: nn.Module, dtypes: ShardingDtypes, device: torch.device) -> nn.Module:
-    """Shard each block of ``model.blocks``, then the root (which takes every other parameter).
+
+def check_shardable_alone(model: nn.Module, names: Sequence[str]) -> None:
+    """A module sharded on its own must own its parameters: one it shares with a module outside
+    it (tied weights) would be gathered with this module's group and used, still sharded, by
+    the other."""
+    for name in names:
+        kept = model.get_submodule(name)
+        inside = {id(p) for p in kept.parameters()}
+        modules_inside = {id(m) for m in kept.modules()}
+        for other, module in model.named_modules():
+            if id(module) in modules_inside:
+                continue
+            shared = [n for n, p in module.named_parameters(recurse=False) if id(p) in inside]
+            if shared:
+                raise ConfigError(
+                    f"precision.keep_fp32: {name} shares its parameter {other}.{shared[0]} with a "
+                    "module outside it (tied weights), which trainer.strategy=fsdp2 cannot shard "
+                    "apart; keep a module that holds both, or use trainer.strategy=ddp"
+                )
+
+
+def shard_model(
+    model: nn.Module,
+    dtypes: ShardingDtypes,
+    device: torch.device,
+    keep_fp32: Sequence[str] = (),
+) -> nn.Module:
+    """Shard each ``keep_fp32`` module and each BatchNorm under an fp32 policy, each block of
+    ``model.blocks``, then the root (which takes every other parameter).
 
     The model changes in place (its parameters become DTensor shards): build its optimizer after.
     """
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     if dtypes.casts_params:
+        check_shardable_alone(model, keep_fp32)
+        for name in keep_fp32:
+            fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=dtypes.fp32_policy(True))
         # BatchNorm keeps fp32 weights, as FSDP1's MixedPrecision does by default: its running
         # statistics are fp32 buffers, and the CPU and cuDNN kernels take them beside a
         # low-precision input only when weight and bias are fp32 too. Its input stays as it comes.
-        keep_fp32 = MixedPrecisionPolicy(
-            reduce_dtype=DTYPES[dtypes.reduce], cast_forward_inputs=False
-        )
+        kept = {id(m) for name in keep_fp32 for m in model.get_submodule(name).modules()}
         for module in model.modules():
-            if isinstance(module, _BatchNorm):
-                fully_shard(module, mesh=mesh, mp_policy=keep_fp32)
+            if isinstance(module, _BatchNorm) and id(module) not in kept:
+                fully_shard(module, mesh=mesh, mp_policy=dtypes.fp32_policy(False))
     for block in model_blocks(model) or []:
         fully_shard(block, mesh=mesh, mp_policy=dtypes.policy())
     # Without autocast nothing would run the loss in fp32 (autocast keeps cross_entropy and

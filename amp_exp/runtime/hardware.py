@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from amp_exp.config.checks import require_cuda
 from amp_exp.config.schema import DeviceChoice
 from amp_exp.errors import ConfigError
 
@@ -29,15 +30,6 @@ def resolve_device(choice: DeviceChoice, local_rank: int | None = None) -> torch
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
-
-
-def require_cuda() -> None:
-    """trainer.device=cuda needs a CUDA device that torch can use."""
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"trainer.device=cuda, but no CUDA device is available to torch {torch.__version__}; "
-            "use trainer.device=auto or trainer.device=cpu"
-        )
 
 
 def configure_backends(device: torch.device, deterministic: bool, tf32: bool) -> None:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ClassificationTask:
@@ -25,19 +21,10 @@ class ClassificationTask:
         default_tolerance=0.5,
     )
 
-    def __init__(
-        self,
-        device: torch.device,
-        num_classes: int,
-        channels_last: bool = False,
-        loss_fn: LossFn | None = None,
-    ) -> None:
-        """``loss_fn(logits, labels)`` replaces cross-entropy for training (tests inject faults
-        through it); evaluation always reports cross-entropy."""
+    def __init__(self, device: torch.device, num_classes: int, channels_last: bool = False) -> None:
         self.device = device
         self.num_classes = num_classes
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.loss_fn = loss_fn or F.cross_entropy
 
     def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]):
         images, labels = batch
@@ -49,7 +36,7 @@ class ClassificationTask:
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         images, labels = batch
-        return self.loss_fn(model(images), labels)
+        return F.cross_entropy(model(images), labels)
 
     def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         images, labels = batch

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_exp.tasks.classification import LossFn
 from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -30,15 +29,10 @@ class LanguageModelTask:
         default_tolerance=0.01,
     )
 
-    def __init__(
-        self, device: torch.device, seq_len: int, vocab_size: int, loss_fn: LossFn | None = None
-    ) -> None:
-        """``loss_fn(logits, targets)``, on logits flattened to [tokens, vocab], replaces
-        cross-entropy for training (tests inject faults through it)."""
+    def __init__(self, device: torch.device, seq_len: int, vocab_size: int) -> None:
         self.device = device
         self.units_per_sample = seq_len
         self.vocab_size = vocab_size
-        self.loss_fn = loss_fn or F.cross_entropy
 
     def to_device(self, batch: Batch) -> Batch:
         # Token data may be stored as int32 (half the memory); embeddings and cross-entropy
@@ -57,7 +51,7 @@ class LanguageModelTask:
         # fp32 logits: under autocast they come out of the head in fp16/bf16, and the loss is a
         # log-softmax over the whole vocabulary, whose small probabilities low precision loses.
         logits = model(inputs).float()
-        return self.loss_fn(logits.flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def eval_sums(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         inputs, targets = batch

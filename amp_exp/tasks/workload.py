@@ -29,11 +29,12 @@ from amp_exp.config.schema import (
 )
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.tasks.base import Batch, DataBundle, Task
-from amp_exp.tasks.classification import ClassificationTask, LossFn
+from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.custom import build_custom_data, build_custom_model
 from amp_exp.tasks.gpt import GPT, flops_per_token
 from amp_exp.tasks.images import build_data as build_image_data
 from amp_exp.tasks.lm import LanguageModelTask
+from amp_exp.tasks.metrics import TaskMetrics
 from amp_exp.tasks.tokens import build_synthetic_tokens, build_text
 from amp_exp.tasks.vision_models import build_model as build_image_model
 from amp_exp.tasks.vision_models import is_convolutional
@@ -101,14 +102,24 @@ def check_output_fits(task: Task, model: nn.Module, batch: Batch, cfg: RunConfig
         )
 
 
+def make_task(
+    cfg: RunConfig, facts: dict[str, Any], device: torch.device, channels_last: bool
+) -> Task:
+    """The task ``cfg.task`` names, sized by the data's facts."""
+    if cfg.task is TaskName.classification:
+        return ClassificationTask(device, facts["num_classes"], channels_last)
+    return LanguageModelTask(device, facts["seq_len"], facts["vocab_size"])
+
+
+def declared_metrics(task: TaskName) -> TaskMetrics:
+    """What the task ``task`` names will evaluate, before anything is built (a failed run's
+    summary holds the same metric keys as a completed one)."""
+    return (ClassificationTask if task is TaskName.classification else LanguageModelTask).metrics
+
+
 def build_workload(
-    cfg: RunConfig,
-    device: torch.device,
-    rank: int = 0,
-    world_size: int = 1,
-    loss_fn: LossFn | None = None,
+    cfg: RunConfig, device: torch.device, rank: int = 0, world_size: int = 1
 ) -> Workload:
-    """``loss_fn(outputs, targets)`` replaces the task's training loss (tests inject faults)."""
     data = build_data(cfg, device, rank, world_size)
     facts = data.facts
     model = build_model(cfg, facts).to(device)
@@ -119,11 +130,7 @@ def build_workload(
         channels_last = device.type == "cuda" and is_convolutional(model) and not sharded
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    task: Task
-    if cfg.task is TaskName.classification:
-        task = ClassificationTask(device, facts["num_classes"], channels_last, loss_fn)
-    else:
-        task = LanguageModelTask(device, facts["seq_len"], facts["vocab_size"], loss_fn)
+    task = make_task(cfg, facts, device, channels_last)
     check_output_fits(task, model, next(iter(data.train)), cfg)
     flops = flops_per_token(model, facts["seq_len"]) if isinstance(model, GPT) else None
     return Workload(task, data, model, channels_last, flops)

@@ -27,10 +27,10 @@ from torch import nn
 from amp_exp.config.precisions import AUTO_CANDIDATES
 from amp_exp.config.schema import Precision, PrecisionConfig, RunConfig
 from amp_exp.runtime.cache import read_entries, write_entries
-from amp_exp.runtime.capability import Capability, ResolvedPrecision, pick_fastest
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
+from amp_exp.training.capability import Capability, ResolvedPrecision, pick_fastest
 from amp_exp.training.meters import synchronize
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.rng import restore_rng_state, rng_state
@@ -51,13 +51,21 @@ def resolve_precision(
     """The precision the run trains in, and why; precision=auto is decided here."""
     requested = cfg.precision.name
     if requested is not Precision.auto:
-        return ResolvedPrecision(requested, f"requested: precision={requested.value}")
+        return ResolvedPrecision(requested, f"requested: precision={variant_name(cfg.precision)}")
     if distributed is None:
         return choose(cfg, capability, workload)
     resolved = choose(cfg, capability, workload) if distributed.is_main else None
     # The largest of rank 0's choice and the others' -1 is rank 0's choice.
     index = int(distributed.max(-1 if resolved is None else CHOICES.index(resolved.precision)))
-    return resolved or ResolvedPrecision(CHOICES[index], "auto: as rank 0 chose")
+    return resolved or ResolvedPrecision(CHOICES[index], "auto: as rank 0 chose", True)
+
+
+def variant_name(precision: PrecisionConfig) -> str:
+    """The precision as conf/precision/ names it: bf16_true with updates rounded to nearest is
+    the bf16_true_nearest preset, however it was asked for."""
+    if precision.name is Precision.bf16_true and not precision.stochastic_rounding:
+        return "bf16_true_nearest (bf16_true, precision.stochastic_rounding=false)"
+    return precision.name.value
 
 
 def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> ResolvedPrecision:
@@ -85,7 +93,7 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
     chosen, why = pick_fastest(seconds)
     listed = ", ".join(f"{p.value} {milliseconds(s)}" for p, s in seconds.items())
     reason = f"auto: {chosen.value}; this model's forward+backward ({source}): {listed}; {why}"
-    return ResolvedPrecision(chosen, reason + (f"; {left_out}" if left_out else ""))
+    return ResolvedPrecision(chosen, reason + (f"; {left_out}" if left_out else ""), True)
 
 
 def milliseconds(seconds: float) -> str:

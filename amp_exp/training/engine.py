@@ -30,7 +30,13 @@ from amp_exp.runtime.distributed import Distributed, load_plain_state, plain_sta
 from amp_exp.tasks.base import Batches, Task
 from amp_exp.training.callbacks import StepCallbacks
 from amp_exp.training.loop import LoopPlan, Progress, TrainResult
-from amp_exp.training.meters import Throughput, peak_memory_bytes, reset_peak_memory, synchronize
+from amp_exp.training.meters import (
+    Meter,
+    Throughput,
+    peak_memory_bytes,
+    reset_peak_memory,
+    synchronize,
+)
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.rng import own_rng_state, restore_rng_state, rng_state
 from amp_exp.training.skip_record import SkipRecord
@@ -61,10 +67,12 @@ class Engine:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         skips: SkipMonitor | None = None,
         distributed: Distributed | None = None,
+        meter: Meter | None = None,
     ) -> None:
         """``model`` is what trains (it may be wrapped by DDP or torch.compile, or sharded by
         FSDP2); state dicts are taken from the module inside the wrappers, or (FSDP2) are this
-        rank's shards, keyed by parameter name."""
+        rank's shards, keyed by parameter name. ``meter`` turns samples/s into the task's units,
+        FLOPs and MFU (build.meter); without one, rows count samples only."""
         self.model, self.task, self.data, self.eval_data = model, task, data, eval_data
         self.optimizer, self.policy, self.plan = optimizer, policy, plan
         self.scheduler = scheduler
@@ -74,8 +82,9 @@ class Engine:
         self.world_size = 1 if distributed is None else distributed.world_size
         self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.progress = Progress()
-        # Timed training of this run, over every attempt a resume continues.
-        self.throughput = Throughput(self.device)
+        self.meter = meter or Meter()
+        # Timed training of this run, attempt by attempt.
+        self.throughput = Throughput(self.device, policy.precision.value, policy.timed)
         # What examines each step besides the update, in training/callbacks.ORDER.
         self.callbacks = StepCallbacks()
         names = {id(p): name for name, p in unwrap(model).named_parameters()}
@@ -102,7 +111,7 @@ class Engine:
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             **self.policy.state_dict(),
             "progress": dataclasses.asdict(self.progress),
-            "throughput": self.throughput.state_dict(),
+            "throughput": self.throughput.state_dict(self.progress.step),
             "skip_record": self.skip_record.state_dict(),
             # Each rank's own: its loss over the partly filled log interval, its generators.
             "interval_losses": self._every_rank(self.progress.interval_loss),
@@ -227,8 +236,8 @@ class Engine:
         progress = self.progress
         interval_total = self._sum_over_ranks(interval_loss).item()
         progress.final_loss = interval_total / (progress.interval_steps * self.world_size)
-        samples_per_s, step_time_ms = rates if self.policy.timed else (None, None)
-        row = {
+        samples_per_s, step_time_ms = rates
+        return {
             "kind": "train",
             "step": progress.step,
             "epoch": progress.epoch,
@@ -239,15 +248,10 @@ class Engine:
             "grad_norm": None if grad_norm is None else grad_norm.item(),
             "scale": self.policy.scale(),
             "skipped_steps": progress.skipped_steps,
-            "samples_per_s": samples_per_s,
+            **self.meter.rates(samples_per_s),
             "step_time_ms": step_time_ms,
             "peak_mem_bytes": peak_memory_bytes(self.device),
         }
-        if self.task.unit != "samples":
-            row[f"{self.task.unit}_per_s"] = (
-                None if samples_per_s is None else samples_per_s * self.task.units_per_sample
-            )
-        return row
 
     def evaluate(self) -> dict[str, float | None]:
         """The task's eval metrics over the eval split, in the training precision.
@@ -270,6 +274,12 @@ class Engine:
                     totals += self.task.eval_sums(model, self.task.to_device(batch))
             model.train()
         return self.task.eval_metrics(self._sum_over_ranks(totals).tolist())
+
+    def _evaluate_at(self, step: int, emit: Emit) -> None:
+        with self.throughput.paused():
+            self.progress.eval = self.evaluate()
+        self.progress.eval_step = step
+        emit({"kind": "eval", "step": step, "samples": self.progress.samples, **self.progress.eval})
 
     def maybe_save(
         self,
@@ -330,9 +340,7 @@ class Engine:
                 interval_loss.zero_()
                 progress.interval_steps = 0
             if plan.is_eval_step(step):
-                with throughput.paused():
-                    progress.eval = self.evaluate()
-                emit({"kind": "eval", "step": step, "samples": progress.samples, **progress.eval})
+                self._evaluate_at(step, emit)
             last = step == plan.total_steps
             stopped_early = self._stop_agreed(stop_requested(), step) and not last
             self.maybe_save(checkpoints, interval_loss, last or stopped_early)
@@ -340,12 +348,18 @@ class Engine:
                 break
         if stopped_early and not is_log_step:
             self._read_skips()
+        # Resumed at its last step, saved before that step was the last (a run stopped at step
+        # 20, resumed with max_steps=20): it ends, as every run does, with an evaluation.
+        resumed_at_end = first_step > plan.total_steps and progress.eval_step != progress.step
+        if resumed_at_end and plan.is_eval_step(progress.step):
+            self._evaluate_at(progress.step, emit)
         synchronize(self.device)
         return TrainResult(
             progress=progress,
-            samples_per_s=throughput.samples_per_s() if self.policy.timed else None,
-            step_time_ms=throughput.step_time_ms() if self.policy.timed else None,
-            timed_steps=throughput.total_steps,
+            samples_per_s=throughput.samples_per_s(),
+            step_time_ms=throughput.step_time_ms(),
+            timed_steps=throughput.timed_steps(),
+            attempts=throughput.attempts(progress.step),
             warmup_s=warmup_s,
             peak_mem_bytes=peak_memory_bytes(self.device),
             loss_scale=scale,

@@ -86,6 +86,8 @@ class Progress:
     final_loss: float | None = None
     # The latest evaluation, as the task names its metrics (eval_loss, eval_acc, ...).
     eval: dict[str, float | None] = field(default_factory=dict)
+    # The step it was made at.
+    eval_step: int | None = None
     # The first skipped step: when, which parameters had non-finite gradients, and whether the
     # loss itself was finite (if it was, the overflow happened in the backward pass).
     first_overflow: dict | None = None
@@ -94,6 +96,7 @@ class Progress:
 @dataclass
 class TrainResult:
     progress: Progress
+    # Over the timed steps of the latest attempts in the run's current precision.
     samples_per_s: float | None
     step_time_ms: float | None
     timed_steps: int
@@ -102,3 +105,6 @@ class TrainResult:
     loss_scale: float | None
     # Set when a stop request (a preemption signal) ended the run before total_steps.
     stopped_early: bool = False
+    # Each attempt of the run (a resume starts one): precision, steps and speed
+    # (meters.Throughput.attempts).
+    attempts: list[dict] = field(default_factory=list)

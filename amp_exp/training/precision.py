@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_
 from amp_exp.config.precisions import spec_of
 from amp_exp.config.schema import Precision, PrecisionConfig
 from amp_exp.runtime.fsdp import local, whole
+from amp_exp.training.keep_fp32 import run_without_autocast
 from amp_exp.training.precision_modes import Fp8Conversion, convert_to_fp8, to_bf16_true
 from amp_exp.training.stochastic_rounding import StochasticRoundingStep
 
@@ -64,8 +66,13 @@ class PrecisionPolicy:
         device: torch.device,
         guard_nonfinite: bool = False,
         params_cast: bool = False,
+        keep_fp32: Sequence[str] = (),
     ) -> None:
         """``guard_nonfinite``: without a scaler, skip steps whose gradients are inf or NaN.
+
+        ``keep_fp32``: the modules (outermost names, training.keep_fp32.match_keep_fp32) that
+        compute in fp32 whatever the precision; ``prepare_model`` makes them do so, but under
+        FSDP2, whose policy per module does it (runtime.fsdp).
 
         ``params_cast``: FSDP2's mixed-precision policy already gathers the parameters in this
         precision's dtype and casts the model's inputs to it, so the forward runs in that dtype
@@ -91,6 +98,8 @@ class PrecisionPolicy:
             )
         self.guard_nonfinite = guard_nonfinite
         self.params_cast = params_cast
+        # What a precision audit attributes fp32 FLOPs to: these modules and all inside them.
+        self.kept_fp32 = list(keep_fp32)
         self.fp8: Fp8Conversion | None = None
         # Set when the optimizer's own kernels cannot round bf16 updates stochastically.
         self.rounding: StochasticRoundingStep | None = None
@@ -118,9 +127,11 @@ class PrecisionPolicy:
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """The model as this precision trains it; call before the optimizer and any wrapper."""
         if self.precision is Precision.bf16_true:
-            return to_bf16_true(model)
+            return to_bf16_true(model, self.kept_fp32)
+        if self.uses_autocast:
+            run_without_autocast(model, self.kept_fp32, self.device.type)
         if self.precision is Precision.fp8:
-            model, self.fp8 = convert_to_fp8(model, self.cfg)
+            model, self.fp8 = convert_to_fp8(model, self.cfg, self.kept_fp32)
             if self.fp8.emulated:
                 log.warning("fp8 is emulated (precision.fp8_emulate=true): slow, so not timed")
             log.info(
@@ -144,10 +155,12 @@ class PrecisionPolicy:
         return torch.no_grad() if self.precision is Precision.fp8 else torch.inference_mode()
 
     def summary(self) -> dict:
-        """What summary.json records about an fp8 run's conversion (nothing for other modes)."""
+        """What summary.json records: the modules kept in fp32, and an fp8 run's conversion."""
+        kept = {"keep_fp32_modules": self.kept_fp32}
         if self.fp8 is None:
-            return {}
+            return kept
         return {
+            **kept,
             "fp8_emulated": self.fp8.emulated,
             "fp8_converted": self.fp8.converted,
             "fp8_skipped": self.fp8.skipped,

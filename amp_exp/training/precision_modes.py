@@ -1,7 +1,8 @@
 """Model preparation for the precisions beyond autocast: pure bf16 (bf16_true) and fp8.
 
 ``to_bf16_true`` stores the model in bf16, apart from normalization layers (and modules that set
-``keep_in_fp32 = True``), which keep fp32 parameters, buffers and arithmetic. Why the norms:
+``keep_in_fp32 = True`` or that ``precision.keep_fp32`` names), which keep fp32 parameters,
+buffers and arithmetic. Why the norms:
 BatchNorm's running statistics are moving averages whose small increments round away in bf16,
 as weight updates do, and reductions over a whole batch or feature dimension lose digits in
 bf16; their parameters are a tiny share of any model, so bf16 would save almost nothing.
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from amp_exp.config.schema import PrecisionConfig
+from amp_exp.training.keep_fp32 import cast_floats, is_within, outermost
 
 NORM_LAYERS = (
     nn.modules.batchnorm._NormBase,
@@ -35,24 +38,16 @@ NORM_LAYERS = (
 FP8_DIM_MULTIPLE = 16
 
 
-def _cast_floats(value, dtype: torch.dtype):
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floats(item, dtype) for item in value)
-    return value
-
-
 def _cast_inputs(dtype: torch.dtype):
-    def hook(module: nn.Module, args: tuple) -> tuple:
-        return _cast_floats(args, dtype)
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
     return hook
 
 
 def _cast_output(dtype: torch.dtype):
     def hook(module: nn.Module, args: tuple, output):
-        return _cast_floats(output, dtype)
+        return cast_floats(output, dtype)
 
     return hook
 
@@ -61,16 +56,22 @@ def keeps_fp32(module: nn.Module) -> bool:
     return isinstance(module, NORM_LAYERS) or getattr(module, "keep_in_fp32", False)
 
 
-def to_bf16_true(model: nn.Module) -> nn.Module:
-    """The model in bf16, its norm layers in fp32, taking bf16 inputs and giving fp32 outputs."""
+def to_bf16_true(model: nn.Module, keep_fp32: Sequence[str] = ()) -> nn.Module:
+    """The model in bf16, its norm layers and the ``keep_fp32`` modules in fp32, taking bf16
+    inputs and giving fp32 outputs.
+
+    Only the outermost fp32 modules are hooked: a norm inside a kept module takes fp32 from the
+    layer before it and must hand fp32 to the layer after it.
+    """
     model.to(torch.bfloat16)
-    for module in model.modules():
-        if keeps_fp32(module) and module is not model:
-            module.float()
-            module.register_forward_pre_hook(_cast_inputs(torch.float32))
-            # Back to bf16 for the layer after it, whose weights are bf16.
-            module.register_forward_hook(_cast_output(torch.bfloat16))
-    model.register_forward_pre_hook(_cast_inputs(torch.bfloat16))
+    fp32_names = [name for name, module in model.named_modules() if name and keeps_fp32(module)]
+    for name in outermost([*fp32_names, *keep_fp32]):
+        module = model.get_submodule(name)
+        module.float()
+        module.register_forward_pre_hook(_cast_inputs(torch.float32), with_kwargs=True)
+        # Back to bf16 for the layer after it, whose weights are bf16.
+        module.register_forward_hook(_cast_output(torch.bfloat16))
+    model.register_forward_pre_hook(_cast_inputs(torch.bfloat16), with_kwargs=True)
     model.register_forward_hook(_cast_output(torch.float32))
     return model
 
@@ -85,11 +86,17 @@ class Fp8Conversion:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def plan_fp8(model: nn.Module, skip: list[str], skip_small_for: str | None = None) -> Fp8Conversion:
+def plan_fp8(
+    model: nn.Module,
+    skip: Sequence[str],
+    skip_small_for: str | None = None,
+    keep_fp32: Sequence[str] = (),
+) -> Fp8Conversion:
     """Choose the linear layers to convert by their fully qualified names and shapes, as
     torchtitan does (torchao's ``module_filter_fn``): every linear whose dimensions are
-    multiples of 16, except those a pattern of ``skip`` names (fnmatch) and, for the recipe
-    ``skip_small_for``, those torchao's auto filter expects no speed-up from."""
+    multiples of 16, except those inside a ``keep_fp32`` module, those a pattern of ``skip``
+    names (fnmatch) and, for the recipe ``skip_small_for``, those torchao's auto filter expects
+    no speed-up from."""
     too_small = None
     if skip_small_for is not None:
         from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
@@ -102,7 +109,9 @@ def plan_fp8(model: nn.Module, skip: list[str], skip_small_for: str | None = Non
         out_features, in_features = module.weight.shape
         shape = f"{in_features}x{out_features}"
         named = [pattern for pattern in skip if fnmatch.fnmatchcase(name, pattern)]
-        if named:
+        if is_within(name, keep_fp32):
+            plan.skipped[name] = "precision.keep_fp32"
+        elif named:
             plan.skipped[name] = f"precision.fp8_skip: {named[0]}"
         elif in_features % FP8_DIM_MULTIPLE or out_features % FP8_DIM_MULTIPLE:
             plan.skipped[name] = f"{shape} not multiples of {FP8_DIM_MULTIPLE}"
@@ -113,12 +122,15 @@ def plan_fp8(model: nn.Module, skip: list[str], skip_small_for: str | None = Non
     return plan
 
 
-def convert_to_fp8(model: nn.Module, cfg: PrecisionConfig) -> tuple[nn.Module, Fp8Conversion]:
+def convert_to_fp8(
+    model: nn.Module, cfg: PrecisionConfig, keep_fp32: Sequence[str] = ()
+) -> tuple[nn.Module, Fp8Conversion]:
     """Swap the planned linears for torchao ``Float8Linear`` (in place, weights kept)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     recipe = cfg.fp8_recipe.value
-    plan = plan_fp8(model, list(cfg.fp8_skip), recipe if cfg.fp8_skip_small else None)
+    skip_small_for = recipe if cfg.fp8_skip_small else None
+    plan = plan_fp8(model, list(cfg.fp8_skip), skip_small_for, keep_fp32)
     plan.emulated = cfg.fp8_emulate
     config = Float8LinearConfig.from_recipe_name(recipe)
     config = dataclasses.replace(config, emulate=cfg.fp8_emulate)
@@ -136,4 +148,4 @@ def _cast_to_cpu_autocast(module: nn.Module, args: tuple) -> tuple:
     on the CPU it would take a first layer's fp32 input as it comes. Cast it as on a GPU."""
     if not torch.is_autocast_enabled("cpu"):
         return args
-    return _cast_floats(args, torch.get_autocast_dtype("cpu"))
+    return cast_floats(args, torch.get_autocast_dtype("cpu"))

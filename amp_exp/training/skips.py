@@ -1,9 +1,11 @@
 """The skip monitor: what to do when a step's gradients are not finite.
 
 The device skips a step with non-finite gradients and records it (training/skip_record.py); the
-monitor judges what the record says at the next log step. fp16 stops with a diagnosis once loss
-scaling has collapsed; fp32 and bf16 have no scaler, so ``on_nonfinite`` decides whether one bad
-step stops the run (at that log step: the steps skipped meanwhile left the weights alone).
+monitor judges what the record says at the next log step, where the steps skipped meanwhile have
+left the weights alone. One rule covers every precision: ``max_consecutive_skips`` skipped steps
+in a row stop the run with a diagnosis. fp16 also stops once its loss scale falls below
+``min_scale``; fp32 and bf16 have no scaler, so ``on_nonfinite`` decides whether one bad step
+stops the run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class SkipMonitor:
     # Whether a checkpoint exists to fall back on; the stop message says so only when it does.
     checkpointing: bool = False
     first_nonfinite: list[str] = field(default_factory=list)
+    # Whether the loss was finite at the first step of the current run of skipped steps.
+    first_loss_finite: bool = True
     scale_history: deque = field(default_factory=lambda: deque(maxlen=8))
 
     @classmethod
@@ -52,6 +56,7 @@ class SkipMonitor:
         if not skipped.carried_run:
             # A run of skips began in this interval: its first step names the culprits.
             self.first_nonfinite = skipped.nonfinite
+            self.first_loss_finite = skipped.loss_finite
         if progress.first_overflow is None:
             progress.first_overflow = {
                 "step": step,
@@ -66,6 +71,7 @@ class SkipMonitor:
                 ", ".join(skipped.nonfinite[:10]) or "none found",
             )
         layer = self.first_nonfinite[0] if self.first_nonfinite else "unknown"
+        too_many = skipped.longest_run >= self.max_consecutive_skips
         if scale is None:
             if self.on_nonfinite is NonFiniteAction.stop:
                 raise NumericalFault(
@@ -73,9 +79,18 @@ class SkipMonitor:
                     "trainer.on_nonfinite=stop. Try a lower optimizer.lr or "
                     f"precision.clip_grad_norm=1.0{self._kept()}"
                 )
+            if too_many:
+                # Without a scaler nothing will make the next step finite: a run that skips
+                # every step would otherwise "complete" having trained nothing.
+                raise NumericalFault(
+                    f"training stalled by step {progress.step} in {precision}: "
+                    f"{skipped.longest_run} consecutive skipped steps "
+                    "(precision.max_consecutive_skips), the gradients non-finite every time, "
+                    f"first in {layer}. Try a lower optimizer.lr or "
+                    f"precision.clip_grad_norm=1.0{self._kept()}"
+                )
             return
         self.scale_history.append(f"{progress.step}:{scale:g}")
-        too_many = skipped.longest_run >= self.max_consecutive_skips
         if too_many or scale < self.min_scale:
             reason = (
                 f"{skipped.longest_run} consecutive skipped steps"
@@ -84,7 +99,30 @@ class SkipMonitor:
             )
             raise NumericalFault(
                 f"fp16 loss scaling collapsed by step {progress.step}: {reason}. Scale history "
-                f"(step:scale): {', '.join(self.scale_history)}. Gradients first went "
-                f"non-finite in {layer}. Try a lower precision.init_scale, precision=bf16, or "
-                f"precision.clip_grad_norm=1.0{self._kept()}"
+                f"(step:scale): {', '.join(self.scale_history)}. {self._where()}. Try a lower "
+                "precision.init_scale, precision=bf16, precision.clip_grad_norm=1.0, or keeping "
+                f"modules in fp32 (precision.keep_fp32){self._kept()}"
             )
+
+    def _where(self) -> str:
+        """Where the overflow began, as far as the gradients of its first skipped step say."""
+        if not self.first_nonfinite:
+            return "No gradient was non-finite on the device's reading"
+        if not self.first_loss_finite:
+            return (
+                "The loss itself was non-finite, so the forward pass (or the loss) overflowed "
+                f"and every gradient with it ({len(self.first_nonfinite)} parameters, first "
+                f"{self.first_nonfinite[0]}): the gradients cannot say where"
+            )
+        suspects = suspect_modules(self.first_nonfinite)
+        return (
+            f"The loss was finite and the backward overflowed: most suspect {', '.join(suspects)} "
+            "(the last modules, in definition order, whose gradients went non-finite: the "
+            "backward reaches them first)"
+        )
+
+
+def suspect_modules(parameters: list[str], count: int = 3) -> list[str]:
+    """The modules owning ``parameters`` (names in definition order), the last ones first."""
+    owners = dict.fromkeys(name.rpartition(".")[0] or "(the model itself)" for name in parameters)
+    return list(reversed(owners))[:count]

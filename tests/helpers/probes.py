@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from amp_exp.config.schema import Precision
-from amp_exp.runtime.capability import Capability
 from amp_exp.runtime.probe import KERNELS, KernelTime, remember
+from amp_exp.training.capability import Capability
 
 
 def timing_at(speed: float) -> dict[str, KernelTime]:

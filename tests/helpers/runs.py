@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import json
 import os
 import signal
@@ -17,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
+from amp_exp.tasks import workload
 from helpers.warm_python import python_m
 
 # Small enough for 2 CPU cores, large enough that every code path runs.
@@ -87,6 +90,31 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+class LossOverride:
+    """A real task trained with another loss: ``loss_fn(outputs, targets)``, on outputs flattened
+    to [positions, classes] as the task's own cross-entropy sees them. Everything else (data,
+    metrics, evaluation) is the task's."""
+
+    def __init__(self, task: Any, loss_fn: Callable[..., torch.Tensor]) -> None:
+        self.task, self.loss_fn = task, loss_fn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.task, name)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        outputs = model(inputs)
+        if outputs.dim() == 3:  # next-token logits: [batch, position, vocabulary]
+            outputs, targets = outputs.float().flatten(0, 1), targets.flatten()
+        return self.loss_fn(outputs, targets)
+
+
+def overriding_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    """A ``tasks.workload.make_task`` whose tasks train with ``loss_fn`` (tests inject faults)."""
+    real = workload.make_task
+    return lambda *args, **kwargs: LossOverride(real(*args, **kwargs), loss_fn)
+
+
 def inf_loss_at(steps: set[int], accum: int = 1) -> Callable[..., torch.Tensor]:
     """A loss function that overflows on the given optimizer steps (1-based)."""
     calls = 0
@@ -113,3 +141,25 @@ def signal_self_at_call(n: int, signum: int = signal.SIGUSR1):
         return F.cross_entropy(logits, labels)
 
     return loss_fn
+
+
+def ticking_clock() -> Callable[[Any], float]:
+    """A stand-in for ``Throughput._now`` that reads one second later at each call: two runs
+    that read the throughput clock alike then time alike, whatever else the machine does."""
+    ticks = itertools.count()
+    return lambda _throughput: float(next(ticks))
+
+
+def meter_with_peak(peak_tflops: float) -> Callable[..., Any]:
+    """A stand-in for ``amp_exp.build.meter`` that gives the run's meter a device peak (no CPU
+    has one), so that a CPU run reports MFU."""
+    import amp_exp.build
+
+    real = amp_exp.build.meter
+
+    def meter(*args: Any) -> Any:
+        return dataclasses.replace(
+            real(*args), peak_tflops=peak_tflops, peak_source="a faked peak for tests"
+        )
+
+    return meter

@@ -62,3 +62,32 @@ def make_counting(vocab_size: int = 11, seq_len: int = 8, size: int = 64):
     inputs = (starts[:, None] + torch.arange(seq_len)) % vocab_size
     dataset = TensorDataset(inputs, (inputs + 1) % vocab_size)
     return dataset, dataset
+
+
+class PlantedOverflow(nn.Module):
+    """A classifier with one layer planted to break fp16, and one that bf16 breaks.
+
+    ``big`` multiplies its input by weights so large that its activations reach about 1e5, beyond
+    fp16's 65504; the LayerNorm after it brings them back to 1, so in fp32 or bf16 (fp32's range)
+    the model trains. ``offset`` has weights near 1 whose small differences carry the signal:
+    bf16's 8 significant bits round most of them away, fp16's 11 fewer of them.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 16) -> None:
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.big = nn.Linear(math.prod(input_shape), width)
+        self.norm = nn.LayerNorm(width, elementwise_affine=False)
+        self.offset = nn.Linear(width, width)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(width, num_classes)
+        with torch.no_grad():
+            self.big.weight.mul_(3e5)
+            self.offset.weight.mul_(0.05).add_(1.0)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.offset(self.norm(self.big(self.flatten(images))))))
+
+
+def make_planted_overflow(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return PlantedOverflow(input_shape, num_classes)

@@ -1,6 +1,7 @@
-"""Model FLOPs utilization: achieved TFLOP/s against the device's published dense peak.
+"""The devices' published dense peaks, which model FLOPs utilization (MFU) is read against.
 
-MFU = FLOPs per token x tokens/s / peak. The peak depends on the device and on the math the
+MFU = FLOPs per token x tokens/s of one device / that device's peak (training.meters.Meter does
+the arithmetic). The peak depends on the device and on the math the
 precision runs: bf16 and fp16 on Tensor Cores, fp32 as TF32 on Tensor Cores where TF32 is on
 (Ampere and newer), else plain fp32. Every figure is the vendor's dense figure (no 2:4 sparsity),
 for fp16/bf16 with fp32 accumulation, as autocast runs it. A device missing from the table (any
@@ -10,7 +11,6 @@ CPU) has no MFU; its TFLOP/s are still reported.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from amp_exp.config.precisions import spec_of
 from amp_exp.config.schema import Precision
@@ -108,28 +108,3 @@ def peak_tflops(
                 return None, None
             return float(peaks[math]), f"{label} {math} dense {peaks[math]:g} TFLOP/s: {source}"
     return None, None
-
-
-@dataclass(frozen=True)
-class Utilization:
-    """Turns tokens/s into TFLOP/s and MFU for one run; all None where nothing is known."""
-
-    flops_per_token: float | None = None
-    peak_tflops: float | None = None
-    peak_source: str | None = None
-    # The probe's matmul rate on this GPU in the run's precision: what the GPU really delivers,
-    # often well below the datasheet (clocks, power limits), so MFU against it tells how much of
-    # the reachable speed the model gets.
-    measured_peak_tflops: float | None = None
-
-    def of(self, tokens_per_s: float | None) -> dict[str, float | None]:
-        if self.flops_per_token is None or tokens_per_s is None:
-            return {"tflops": None, "mfu": None, "mfu_measured": None}
-        tflops = self.flops_per_token * tokens_per_s / 1e12
-        return {
-            "tflops": tflops,
-            "mfu": None if self.peak_tflops is None else tflops / self.peak_tflops,
-            "mfu_measured": (
-                None if self.measured_peak_tflops is None else tflops / self.measured_peak_tflops
-            ),
-        }

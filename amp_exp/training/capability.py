@@ -36,6 +36,9 @@ CPU_FLAGS_OF_INTEREST = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "
 class ResolvedPrecision:
     precision: Precision
     reason: str
+    # precision=auto timed the run's own model in this precision: that timing, not the probe's
+    # generic kernels, speaks for its speed, so the probe's warning about it is not given.
+    timed_on_model: bool = False
 
 
 def times(factor: float) -> str:
@@ -211,12 +214,12 @@ class Capability:
             "reason": reason,
         }
 
-    def summary(self, precision: Precision) -> dict[str, Any]:
-        """summary.json's ``hardware``: the doctor's findings, the advice for this run, and the
-        measured peak in its precision."""
+    def summary(self, precision: Precision, timed_on_model: bool = False) -> dict[str, Any]:
+        """summary.json's ``hardware``: the doctor's findings, the advice for this run (none where
+        the run's own model was timed in its precision), and the measured peak in its precision."""
         return {
             **self.as_dict(),
-            "advice": self.advice(precision),
+            "advice": [] if timed_on_model else self.advice(precision),
             "measured_peak_tflops": (
                 self.tflops(probed) if (probed := probed_as(precision)) in self.measured else None
             ),

@@ -1,0 +1,80 @@
+"""``python -m amp_exp.sensitivity``'s work: measure, rank, write, and (if asked) repair.
+
+The model and data are built as a run builds them (tasks.workload), from the same seed, so the
+batches measured are the first batches a run with these overrides trains on. Each requested
+precision gets a copy of the fp32 model prepared by its own ``PrecisionPolicy``, which is how
+``precision.keep_fp32`` and fp8's conversion reach the measurement.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from amp_exp.config.schema import Precision, RunConfig
+from amp_exp.config.sensitivity import target_precisions
+from amp_exp.runtime.hardware import configure_backends, resolve_device
+from amp_exp.sensitivity.measure import measure_precision, ranking
+from amp_exp.sensitivity.reference import capture_reference
+from amp_exp.sensitivity.repair import repair
+from amp_exp.sensitivity.results import (
+    describe_ranking,
+    sensitivity_report,
+    write_repair,
+    write_sensitivity,
+)
+from amp_exp.tasks.workload import build_workload
+from amp_exp.training.capability import check_request
+from amp_exp.training.keep_fp32 import match_keep_fp32
+from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.rng import seed_everything
+
+log = logging.getLogger("amp_exp")
+
+
+def run_sensitivity(cfg: RunConfig, output_dir: Path) -> dict[str, Any]:
+    """Measure and rank, write sensitivity.json/.md and the chart into ``output_dir``; with
+    ``sensitivity.repair`` also search for the modules to keep in fp32 (repair.json)."""
+    settings = cfg.sensitivity
+    precisions = target_precisions(settings, cfg.precision.name)
+    device = resolve_device(cfg.trainer.device)
+    for precision in precisions:
+        check_request(precision, device, cfg.precision.fp8_emulate)
+    configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
+    seed_everything(cfg.seed)
+    workload = build_workload(cfg, device)
+    model, task = workload.model, workload.task
+    keep_fp32 = match_keep_fp32(model, cfg.precision.keep_fp32)
+    batches = [task.to_device(b) for b in itertools.islice(workload.data.train, settings.batches)]
+    log.info(
+        "sensitivity of model=%s on %d batch(es): fp32 reference, then %s",
+        cfg.model.name,
+        len(batches),
+        ", ".join(p.value for p in precisions),
+    )
+    reference = capture_reference(model, task, batches, cfg.seed)
+    measured = {}
+    for precision in precisions:
+        policy = PrecisionPolicy(precision, cfg.precision, device, keep_fp32=keep_fp32)
+        target_model = policy.prepare_model(copy.deepcopy(model))
+        errors, losses = measure_precision(
+            model, target_model, task, batches, reference, policy, cfg.seed
+        )
+        measured[precision] = (errors, losses)
+        log.info("%s", describe_ranking(precision, errors, ranking(errors), settings.show))
+    report = sensitivity_report(cfg, model, reference, measured, keep_fp32)
+    write_sensitivity(output_dir, report, settings.show)
+    log.info("sensitivity: %s", output_dir / "sensitivity.md")
+    if settings.repair:
+        target: Precision = precisions[0]
+        errors = measured[target][0]
+        # A module the precision leaves exact (an embedding under autocast) has nothing to gain.
+        candidates = [name for name in ranking(errors) if errors[name].margin_db < math.inf]
+        outcome = repair(cfg, target, candidates, reference, keep_fp32, output_dir)
+        write_repair(output_dir, outcome)
+        report["repair"] = outcome
+    return report

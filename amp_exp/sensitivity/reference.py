@@ -1,0 +1,161 @@
+"""The fp32 reference: what every measured module took in and was handed back, batch by batch.
+
+One fp32 forward and backward per batch, with hooks on the measured modules: a forward pre-hook
+keeps a copy of each call's inputs, and a hook on its output keeps the gradient of the loss with
+respect to that output. Each module is then run again on exactly those inputs in the target
+precision (sensitivity/measure.py), so its error is its own and does not compound from the
+modules before it.
+
+Measured are the modules that own parameters (``parameters(recurse=False)``): the linears,
+convolutions, embeddings and norms whose weights a precision computes with. Parameter-free ops
+(activations, attention's softmax, residual additions) count inside the blocks that call them
+but are not ranked on their own. FLOPs come from ``torch.utils.flop_counter``, forward and
+backward of the first batch, for every module (containers include their children).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from amp_exp.tasks.base import Batch, Task
+
+# FlopCounterMode's key for the whole program.
+GLOBAL_FLOPS = "Global"
+
+
+@dataclass
+class ModuleCall:
+    """One call of a module in the fp32 reference: its inputs and its output's gradient."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+    batch: int
+    # dLoss/dOutput; None where the output got no gradient (or is not a tensor).
+    grad_output: torch.Tensor | None = None
+    output_is_tensor: bool = True
+
+
+@dataclass
+class Reference:
+    """The fp32 reference of ``batches``: the loss of each, every measured module's calls, and
+    the FLOPs of every module by name ("" the whole model)."""
+
+    losses: list[float]
+    calls: dict[str, list[ModuleCall]]
+    flops: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_flops(self) -> int:
+        return self.flops.get("", 0)
+
+    def flop_share(self, names: Sequence[str]) -> float | None:
+        """The share of the model's FLOPs spent inside the modules ``names`` (outermost ones)."""
+        if not self.total_flops:
+            return None
+        return sum(self.flops.get(name, 0) for name in names) / self.total_flops
+
+
+def measured_modules(model: nn.Module) -> list[str]:
+    """The modules that own parameters, in definition order; never the root."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if name and next(module.parameters(recurse=False), None) is not None
+    ]
+
+
+def detached(value: Any) -> Any:
+    """A copy of ``value`` whose tensors are cut from the graph (and safe from in-place ops)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(detached(item) for item in value)
+    if isinstance(value, dict):
+        return {key: detached(item) for key, item in value.items()}
+    return value
+
+
+def seeded(seed: int) -> None:
+    """The same random numbers for the reference and each target precision (dropout)."""
+    torch.manual_seed(seed)
+
+
+def _recording_hooks(model: nn.Module, names: list[str], calls: dict, batch: int) -> list:
+    handles = []
+    for name in names:
+
+        def before(module, args, kwargs, name=name):
+            calls[name].append(ModuleCall(detached(args), detached(kwargs), batch))
+
+        def after(module, args, kwargs, output, name=name):
+            call = calls[name][-1]
+            if not isinstance(output, torch.Tensor):
+                call.output_is_tensor = False
+            elif output.requires_grad:
+
+                def keep_gradient(grad: torch.Tensor, call: ModuleCall = call) -> None:
+                    call.grad_output = grad.detach().clone()
+
+                output.register_hook(keep_gradient)
+
+        module = model.get_submodule(name)
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(module.register_forward_hook(after, with_kwargs=True))
+    return handles
+
+
+def module_flops(counter: FlopCounterMode, model: nn.Module) -> dict[str, int]:
+    """FlopCounterMode's per-module counts by ``named_modules`` name ("" for the model).
+
+    It names modules by the root's class name and their path from it (``GPT.blocks.0``), and
+    counts the whole program under ``Global``.
+    """
+    root = type(model).__name__
+    flops = {"": 0}
+    for key, by_op in counter.get_flop_counts().items():
+        total = int(sum(by_op.values()))
+        if key == GLOBAL_FLOPS:
+            flops[""] = total
+        elif key.startswith(root + "."):
+            flops[key.removeprefix(root + ".")] = total
+    return flops
+
+
+def capture_reference(
+    model: nn.Module, task: Task, batches: Sequence[Batch], seed: int
+) -> Reference:
+    """Forward and backward of each batch in fp32, recording every measured module's calls.
+
+    Leaves the model's gradients as they were (none), and its buffers as they were: BatchNorm
+    statistics would otherwise move with each pass.
+    """
+    names = measured_modules(model)
+    calls: dict[str, list[ModuleCall]] = {name: [] for name in names}
+    buffers = [b.detach().clone() for b in model.buffers()]
+    losses, flops = [], {}
+    model.train()
+    for index, batch in enumerate(batches):
+        handles = _recording_hooks(model, names, calls, index)
+        counter = FlopCounterMode(display=False) if index == 0 else None
+        try:
+            seeded(seed + index)
+            with counter or torch.enable_grad():
+                loss = task.loss(model, batch)
+                loss.backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        losses.append(float(loss.detach()))
+        if counter is not None:
+            flops = module_flops(counter, model)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for buffer, saved in zip(model.buffers(), buffers, strict=True):
+            buffer.copy_(saved)
+    return Reference(losses, calls, flops)

@@ -1,0 +1,218 @@
+"""What the sensitivity command leaves in its run directory: sensitivity.json, sensitivity.md,
+sensitivity.png (a bar chart, drawn only where matplotlib is installed; a failed plot is a
+warning) and, after a repair, repair.json."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from amp_exp.config.plain import plain_run_config
+from amp_exp.config.schema import Precision, RunConfig
+from amp_exp.results.files import write_json, write_text
+from amp_exp.sensitivity.measure import GRAD_SQNR_DB, OUTPUT_SQNR_DB, ModuleError, ranking
+from amp_exp.sensitivity.reference import Reference
+
+log = logging.getLogger("amp_exp")
+
+SENSITIVITY_JSON = "sensitivity.json"
+SENSITIVITY_MD = "sensitivity.md"
+SENSITIVITY_PNG = "sensitivity.png"
+REPAIR_JSON = "repair.json"
+# Where the chart puts a bar whose SQNR is infinite (exact) or that has no finite value.
+CHART_MAX_DB = 80.0
+
+Measured = dict[Precision, tuple[dict[str, ModuleError], list[float]]]
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def loss_error(losses: list[float], reference: list[float]) -> dict[str, Any]:
+    """The mean end-to-end loss in a precision against fp32's, on the same batches."""
+    loss, expected = mean(losses), mean(reference)
+    finite = math.isfinite(loss)
+    return {
+        "loss": loss,
+        "finite": finite,
+        "rel_error": abs(loss - expected) / abs(expected) if finite and expected else None,
+    }
+
+
+def sensitivity_report(
+    cfg: RunConfig,
+    model: nn.Module,
+    reference: Reference,
+    measured: Measured,
+    keep_fp32: list[str],
+) -> dict[str, Any]:
+    """sensitivity.json's content: ``modules`` most sensitive first (in the first precision)."""
+    rankings = {p.value: ranking(errors) for p, (errors, _) in measured.items()}
+    order = next(iter(rankings.values()))
+    modules = []
+    for name in order:
+        module = model.get_submodule(name)
+        entry: dict[str, Any] = {
+            "name": name,
+            "type": type(module).__name__,
+            "parameters": sum(p.numel() for p in module.parameters(recurse=False)),
+            "flop_share": reference.flop_share([name]),
+        }
+        for precision, (errors, _) in measured.items():
+            rank = rankings[precision.value].index(name) + 1
+            entry[precision.value] = {"rank": rank, **errors[name].as_dict()}
+        modules.append(entry)
+    return {
+        "model": cfg.model.name,
+        "precisions": list(rankings),
+        "batches": len(reference.losses),
+        "keep_fp32": keep_fp32,
+        "reference_points_db": {"output": OUTPUT_SQNR_DB, "grad": GRAD_SQNR_DB},
+        # What fp16's gradients are scaled by, as the GradScaler starts (precision.init_scale).
+        "fp16_grad_scale": cfg.precision.init_scale,
+        "loss": {
+            "fp32": mean(reference.losses),
+            **{p.value: loss_error(ls, reference.losses) for p, (_, ls) in measured.items()},
+        },
+        "total_flops": reference.total_flops,
+        "rankings": rankings,
+        "modules": modules,
+        "config": plain_run_config(cfg),
+    }
+
+
+def format_db(value: float | None, finite: bool | None) -> str:
+    if value is None:
+        return "-"
+    if finite is False:
+        return "non-finite"
+    if value == math.inf:
+        return "exact"
+    return f"{value:.1f}"
+
+
+def format_margin(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.1f}" if math.isfinite(value) else ("+inf" if value > 0 else "-inf")
+
+
+def format_share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def describe_ranking(
+    precision: Precision, errors: dict[str, ModuleError], order: list[str], show: int
+) -> str:
+    """The console's line for one precision: its most sensitive modules and their margins."""
+    below = [name for name in order if errors[name].margin_db < 0]
+    listed = ", ".join(
+        f"{name} ({format_db(errors[name].output.db, errors[name].output.finite)})"
+        for name in order[:show]
+    )
+    return (
+        f"{precision.value}: {len(below)} of {len(order)} modules below the reference points; "
+        f"most sensitive first (output SQNR, dB): {listed}"
+    )
+
+
+def markdown(report: dict[str, Any], show: int) -> str:
+    points = report["reference_points_db"]
+    lines = [
+        f"# Sensitivity of model={report['model']}: {', '.join(report['precisions'])} against fp32",
+        "",
+        f"{report['batches']} training batch(es); each module is fed its fp32 inputs, so its "
+        f"error is its own. Reference points (torchao's float8 tests): output SQNR "
+        f">= {points['output']:g} dB, gradient SQNR >= {points['grad']:g} dB.",
+        "",
+        "| precision | end-to-end loss | fp32 loss | relative error |",
+        "|---|---|---|---|",
+    ]
+    fp32_loss = report["loss"]["fp32"]
+    for precision in report["precisions"]:
+        loss = report["loss"][precision]
+        error = "non-finite" if not loss["finite"] else format_share(loss["rel_error"])
+        lines.append(f"| {precision} | {loss['loss']:.4f} | {fp32_loss:.4f} | {error} |")
+    for precision in report["precisions"]:
+        lines += [
+            "",
+            f"## {precision}: most sensitive first",
+            "",
+            "| rank | module | type | FLOPs | output SQNR dB | grad SQNR dB | margin dB | "
+            "act. over | act. under | grad over | grad under |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        by_name = {module["name"]: module for module in report["modules"]}
+        for name in report["rankings"][precision][:show]:
+            module = by_name[name]
+            m = module[precision]
+            lines.append(
+                f"| {m['rank']} | {name} | {module['type']} | {format_share(module['flop_share'])}"
+                f" | {format_db(m['output_sqnr_db'], m['output_finite'])}"
+                f" | {format_db(m['grad_sqnr_db'], m['grad_finite'])}"
+                f" | {format_margin(m['margin_db'])}"
+                f" | {format_share(m['activation_overflow_frac'])}"
+                f" | {format_share(m['activation_underflow_frac'])}"
+                f" | {format_share(m['gradient_overflow_frac'])}"
+                f" | {format_share(m['gradient_underflow_frac'])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict[str, Any], show: int):
+    """Output SQNR per module and precision, the most sensitive (first precision) on top."""
+    from matplotlib.figure import Figure
+
+    from amp_exp.report.plots import OTHER_COLOR, PRECISION_COLORS
+
+    names = report["rankings"][report["precisions"][0]][:show]
+    by_name = {module["name"]: module for module in report["modules"]}
+    precisions = report["precisions"]
+    height = 0.8 / len(precisions)
+    figure = Figure(figsize=(8, 1.2 + 0.45 * len(names) * len(precisions)), layout="constrained")
+    ax = figure.subplots()
+    for i, precision in enumerate(precisions):
+        for row, name in enumerate(names):
+            m = by_name[name][precision]
+            value = m["output_sqnr_db"]
+            broken = not m["output_finite"]
+            shown = 0.0 if broken else min(value, CHART_MAX_DB)
+            y = row + i * height
+            color = PRECISION_COLORS.get(precision, OTHER_COLOR)
+            ax.barh(y, shown, height, color=color, label=precision if row == 0 else None)
+            if broken or value == math.inf:
+                ax.text(shown, y, " non-finite" if broken else " exact", va="center", fontsize=8)
+    ax.axvline(report["reference_points_db"]["output"], color="black", linestyle="--", lw=1)
+    ax.set_yticks([row + height * (len(precisions) - 1) / 2 for row in range(len(names))])
+    ax.set_yticklabels(names)
+    ax.invert_yaxis()
+    ax.set_xlabel("output SQNR against fp32 (dB); dashed: torchao's 18 dB")
+    ax.legend(loc="best")
+    return figure
+
+
+def write_chart(path: Path, report: dict[str, Any], show: int) -> None:
+    """The bar chart, or a warning: matplotlib is optional and a plot never fails the command."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        figure = chart(report, show)
+        FigureCanvasAgg(figure)
+        figure.savefig(path, dpi=110)
+    except Exception as error:  # an optional part: whatever failed, the results stand
+        log.warning("sensitivity chart not drawn (%s: %s)", type(error).__name__, error)
+
+
+def write_sensitivity(output_dir: Path, report: dict[str, Any], show: int) -> None:
+    write_json(output_dir / SENSITIVITY_JSON, report)
+    write_text(output_dir / SENSITIVITY_MD, markdown(report, show))
+    write_chart(output_dir / SENSITIVITY_PNG, report, show)
+
+
+def write_repair(output_dir: Path, outcome: dict[str, Any]) -> None:
+    write_json(output_dir / REPAIR_JSON, outcome)

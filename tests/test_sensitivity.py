@@ -1,0 +1,275 @@
+"""The sensitivity command: per-module error against fp32, the ranking, the repair search, and
+the failure message that points to it. The planted model (helpers.user_code.PlantedOverflow) has
+one layer whose activations exceed 65504 in fp16 and one whose weights bf16 rounds away."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from amp_exp.config.store import register_configs
+from amp_exp.config.validate import validate
+from amp_exp.errors import ConfigError
+from amp_exp.sensitivity.command import run_sensitivity
+from amp_exp.sensitivity.measure import RangeShare, Sqnr
+from amp_exp.sensitivity.repair import search
+from amp_exp.training.skips import suspect_modules
+from helpers.runs import FAST, FAST_LM, composed
+from helpers.warm_python import python_m
+
+TESTS_DIR = Path(__file__).resolve().parent
+PLANTED = [
+    "model=custom",
+    "model._target_=helpers.user_code.make_planted_overflow",
+    "dataset.image_size=8",
+    "dataset.batch_size=16",
+    "precision=fp16",
+]
+# Short verification runs; an fp16 run that skips 4 steps in a row has collapsed.
+REPAIR = [
+    "sensitivity.precisions=[fp16,bf16]",
+    "sensitivity.repair=true",
+    "sensitivity.verify_steps=8",
+    "trainer.log_every=4",
+    "precision.max_consecutive_skips=4",
+]
+
+
+@pytest.fixture(scope="module")
+def repaired(tmp_path_factory) -> tuple[Path, dict]:
+    """The command on the planted model, ranked in fp16 and bf16 and repaired for fp16."""
+    register_configs()
+    out = tmp_path_factory.mktemp("sensitivity")
+    report = run_sensitivity(validate(composed((*FAST, *PLANTED, *REPAIR))), out)
+    return out, report
+
+
+def test_the_planted_overflow_layer_ranks_first_in_fp16_and_not_in_bf16(repaired) -> None:
+    out, _ = repaired
+    report = json.loads((out / "sensitivity.json").read_text())
+    assert report["rankings"]["fp16"][0] == "big"
+    assert report["rankings"]["bf16"][0] != "big"
+    big = report["modules"][0]
+    assert big["name"] == "big"
+    # Its fp16 output is not finite: above 65504, where bf16 (fp32's range) holds it.
+    assert big["fp16"]["output_finite"] is False
+    assert big["fp16"]["activation_overflow_frac"] > 0.5
+    assert big["bf16"]["activation_overflow_frac"] == 0
+    assert big["bf16"]["output_sqnr_db"] > 18
+    # The model's loss breaks in fp16 and barely moves in bf16.
+    assert report["loss"]["fp16"]["finite"] is False
+    assert report["loss"]["bf16"]["rel_error"] < 0.01
+    assert 0 < big["flop_share"] < 1
+
+
+def test_the_outputs_land_in_the_run_directory(repaired) -> None:
+    out, _ = repaired
+    assert {p.name for p in out.iterdir()} >= {
+        "sensitivity.json",
+        "sensitivity.md",
+        "sensitivity.png",
+        "repair.json",
+    }
+    markdown = (out / "sensitivity.md").read_text()
+    assert "## fp16: most sensitive first" in markdown
+    assert "| 1 | big | Linear |" in markdown
+
+
+def test_repair_keeps_the_planted_layer_and_proves_it_where_the_unrepaired_run_collapsed(
+    repaired,
+) -> None:
+    out, _ = repaired
+    repair = json.loads((out / "repair.json").read_text())
+    assert repair["verified"] is True
+    assert "big" in repair["keep_fp32"]
+    assert repair["override"] == f"'precision.keep_fp32=[{','.join(repair['keep_fp32'])}]'"
+    assert 0 < repair["low_precision_flop_share"] < 1
+    unrepaired, *_, passing = repair["trials"]
+    assert unrepaired["keep_fp32"] == [] and unrepaired["status"] == "numerical_fault"
+    assert "loss scaling collapsed" in unrepaired["why"]
+    assert passing["passed"] and passing["keep_fp32"] == repair["keep_fp32"]
+    assert (passing["status"], passing["skipped_steps"]) == ("completed", 0)
+    summary = json.loads((Path(passing["run_dir"]) / "summary.json").read_text())
+    assert summary["keep_fp32_modules"] == repair["keep_fp32"]
+    assert summary["precision"] == "fp16" and summary["skipped_steps"] == 0
+    fp32 = repair["reference"]
+    assert fp32["precision"] == "fp32" and fp32["status"] == "completed"
+    assert abs(passing["final_loss"] - fp32["final_loss"]) <= 0.05 * fp32["final_loss"]
+
+
+def test_modules_kept_in_fp32_show_no_error(run_cfg, tmp_path) -> None:
+    report = run_sensitivity(run_cfg(*PLANTED, "precision.keep_fp32=[big]"), tmp_path)
+    big = next(m for m in report["modules"] if m["name"] == "big")["fp16"]
+    assert big["output_sqnr_db"] == math.inf and big["grad_sqnr_db"] == math.inf
+    assert report["rankings"]["fp16"][-1] == "big"
+    assert report["loss"]["fp16"]["finite"] is True
+
+
+def test_gpt_modules_are_ranked_with_their_flop_shares(compose_cfg, tmp_path) -> None:
+    overrides = [*FAST_LM, "sensitivity.precisions=[bf16]", "sensitivity.batches=1"]
+    report = run_sensitivity(validate(compose_cfg(*overrides, fast=False)), tmp_path)
+    names = {m["name"] for m in report["modules"]}
+    assert {"wte", "blocks.0.attn.qkv", "blocks.1.mlp.proj", "ln_f", "lm_head"} <= names
+    shares = [m["flop_share"] for m in report["modules"]]
+    assert sum(shares) <= 1 + 1e-9 and max(shares) > 0
+    # Autocast leaves embeddings alone: their output is exact.
+    assert report["modules"][-1]["bf16"]["output_sqnr_db"] == math.inf
+
+
+def test_emulated_fp8_ranks_its_float8_linears_below_those_it_keeps_in_bf16(
+    compose_cfg, tmp_path
+) -> None:
+    overrides = [*FAST_LM, "sensitivity.precisions=[fp8]", "precision.fp8_emulate=true"]
+    report = run_sensitivity(
+        validate(compose_cfg(*overrides, "sensitivity.batches=1", fast=False)), tmp_path
+    )
+    sqnr = {m["name"]: m["fp8"]["output_sqnr_db"] for m in report["modules"]}
+    # The output head stays bf16 (precision.fp8_skip): 8 bits, not 3.
+    in_bf16 = sqnr["lm_head"]
+    float8 = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.1.mlp.proj"]
+    assert all(sqnr[name] < in_bf16 - 10 for name in float8)
+    assert report["rankings"]["fp8"][0] in float8
+
+
+# --- pieces ------------------------------------------------------------------------------------
+
+
+def test_sqnr_is_infinite_when_exact_minus_infinite_when_not_finite_and_else_in_db() -> None:
+    signal = torch.ones(100)
+    exact, broken, noisy = Sqnr(), Sqnr(), Sqnr()
+    exact.add(signal, signal.clone())
+    broken.add(signal, torch.full((100,), math.inf))
+    noisy.add(signal, signal * 1.1)  # noise power 1% of the signal's: 20 dB
+    assert (exact.db, broken.db) == (math.inf, -math.inf)
+    assert noisy.db == pytest.approx(20.0)
+
+
+def test_range_share_counts_fp16s_overflow_and_what_it_flushes_to_zero() -> None:
+    share = RangeShare.of(torch.float16)
+    assert share.smallest == 2.0**-24 and share.largest == 65504
+    share.add(torch.tensor([0.0, 1e5, -7e4, 1e-8, 1.0]))
+    assert share.shares("x") == {"x_overflow_frac": 0.4, "x_underflow_frac": 0.2}
+    assert RangeShare.of(torch.float8_e4m3fn).largest == 448
+
+
+class StubSearch:
+    """Trials that pass when ``needed`` is kept, without training anything."""
+
+    def __init__(self, needed: set[str], max_trials: int = 10) -> None:
+        self.needed, self.max_trials = needed, max_trials
+        self.reference = type("Reference", (), {"passed": True})()
+        self.precision = type("Precision", (), {"value": "fp16"})()
+        self.runs: list[list[str]] = []
+        self.tried: dict[frozenset, bool] = {}
+
+    def passes(self, keep: list[str]) -> bool | None:
+        if frozenset(keep) in self.tried:
+            return self.tried[frozenset(keep)]
+        if len(self.runs) == self.max_trials:
+            return None
+        self.runs.append(keep)
+        self.tried[frozenset(keep)] = self.needed <= set(keep)
+        return self.tried[frozenset(keep)]
+
+
+def test_search_adds_the_most_sensitive_modules_then_prunes_the_ones_not_needed() -> None:
+    run = StubSearch(needed={"b"})
+    keep, conclusion = search(run, [], ["a", "b", "c", "d"])
+    assert keep == ["b"] and conclusion.startswith("verified")
+    assert run.runs == [[], ["a"], ["a", "b"], ["b"]]
+
+
+def test_search_says_when_nothing_helps_and_when_its_trials_run_out() -> None:
+    keep, conclusion = search(StubSearch(needed={"elsewhere"}), [], ["a", "b", "c"])
+    assert keep is None and conclusion.startswith("nothing helps: with all 3 ranked modules")
+    keep, conclusion = search(StubSearch(needed={"d"}, max_trials=2), [], ["a", "b", "c", "d"])
+    assert keep is None and "raise it" in conclusion
+
+
+def test_a_run_that_passes_as_it_is_needs_no_module_kept() -> None:
+    keep, conclusion = search(StubSearch(needed=set()), [], ["a"])
+    assert keep == [] and conclusion.startswith("the run passes as it is")
+
+
+def test_the_backward_overflow_names_the_last_modules_with_non_finite_gradients() -> None:
+    names = ["embed.weight", "blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight"]
+    assert suspect_modules(names) == ["blocks.1.fc", "blocks.0.fc", "embed"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sensitivity.precisions=[bf16_true]"], "bf16_true is not ranked against fp32; valid"),
+        (["sensitivity.batches=0"], "sensitivity.batches=0 must be positive"),
+        (["sensitivity.precisions=[fp8]", "trainer.device=cpu"], "precision.fp8_emulate=true"),
+    ],
+)
+def test_bad_sensitivity_values_are_refused_before_anything_runs(run_cfg, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        run_cfg(*overrides)
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def with_helpers() -> dict[str, str]:
+    paths = [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+@pytest.mark.slow
+def test_the_command_composes_like_a_run_and_writes_its_own_run_directory(tmp_path) -> None:
+    result = python_m(
+        "amp_exp.sensitivity",
+        "trainer.device=cpu",
+        *PLANTED,
+        "dataset.num_workers=0",
+        "wandb.mode=disabled",
+        cwd=tmp_path,
+        env=with_helpers(),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run_dir,) = (tmp_path / "outputs" / "sensitivity").glob("*/*")
+    assert (run_dir / "sensitivity.json").is_file() and (run_dir / "sensitivity.log").is_file()
+    assert "fp16: 1 of 3 modules below the reference points" in result.stdout
+
+
+@pytest.mark.slow
+def test_refusals_are_one_line_with_exit_status_2(tmp_path) -> None:
+    refused = python_m("amp_exp.sensitivity", "-m", "seed=1,2", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "amp_exp.sensitivity: error: the sensitivity command measures one configuration; drop "
+        "-m and run it once per configuration"
+    ]
+    unmatched = python_m(
+        "amp_exp.sensitivity", *PLANTED, "precision.keep_fp32=[bgi]", "wandb.mode=disabled",
+        cwd=tmp_path, env=with_helpers(),
+    )  # fmt: skip
+    assert unmatched.returncode == 2
+    last = unmatched.stdout.strip().splitlines()[-1]
+    assert last.endswith("'bgi' matches no module of the model; nearest names: big, offset, norm")
+
+
+@pytest.mark.slow
+def test_an_fp16_numerical_fault_points_to_the_sensitivity_command(tmp_path) -> None:
+    overrides = [*PLANTED, "trainer.device=cpu", "dataset.num_workers=0", "wandb.mode=disabled"]
+    result = python_m(
+        "amp_exp", *overrides, "trainer.max_steps=30", f"hydra.run.dir={tmp_path}",
+        env=with_helpers(),
+    )  # fmt: skip
+    assert result.returncode == 3, result.stderr[-2000:]
+    message = result.stdout.strip().splitlines()[-1]
+    assert "fp16 loss scaling collapsed" in message
+    assert "the forward pass (or the loss) overflowed" in message
+    assert message.endswith(
+        "To find the modules to keep in fp32: python -m amp_exp.sensitivity "
+        f"{' '.join(overrides)} trainer.max_steps=30 sensitivity.repair=true"
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "python -m amp_exp.sensitivity" in summary["error"]
