@@ -227,6 +227,7 @@ def test_config_is_plain_with_precision_flat(run_cfg) -> None:
         "precision.fp8_emulate",
         "precision.fp8_skip_first_last",
         "precision.reduce_dtype",
+        "precision.keep_fp32",
         "precision.resolved",
     }
 

@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from amp_exp.config.schema import SCHEMAS, RunConfig
+from amp_exp.config.sensitivity import SensitivityConfig
 
 
 def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:
@@ -41,4 +42,6 @@ def typed_config(saved: DictConfig) -> DictConfig:
         for schema in schemas.values():
             if {field.name for field in fields(schema)} == keys:
                 typed[group] = OmegaConf.structured(schema)
+    if "sensitivity" in saved:
+        typed.sensitivity = OmegaConf.structured(SensitivityConfig)
     return OmegaConf.merge(typed, saved)
