@@ -23,7 +23,8 @@ LAYERS = [
     ("amp_exp.training",),
     ("amp_exp.results",),
     ("amp_exp.report",),
-    ("amp_exp.build", "amp_exp.run", "amp_exp.doctor", "amp_exp.__main__"),
+    # Entry points and the composition root; the speed trial builds runs as training does.
+    ("amp_exp.build", "amp_exp.run", "amp_exp.doctor", "amp_exp.speed", "amp_exp.__main__"),
 ]
 
 

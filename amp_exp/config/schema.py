@@ -333,6 +333,24 @@ class ReportConfig:
     wandb: bool = False
     # Seconds the W&B Report may take to reach the server and save, before it is given up.
     wandb_timeout: float = 10.0
+    # Time each model and setting of a sweep that varies precision in the interleaved trial
+    # (speed.*), for the report's speedups.
+    speed_trial: bool = True
+
+
+@dataclass
+class SpeedConfig:
+    """The interleaved speed trial (amp_exp/speed/): the run built once per precision, each
+    trained ``steps`` steps in turn (A B C A B C ...), ``rounds`` times, after ``warmup_steps``."""
+
+    # python -m amp_exp.speed times these and fp32; a sweep's trial, the precisions it ran.
+    precisions: list[Precision] = field(
+        default_factory=lambda: [Precision.fp32, Precision.bf16, Precision.fp16]
+    )
+    warmup_steps: int = 3
+    steps: int = 5
+    # The speedup's 95% CI is the median's over rounds (order statistics): 6 rounds at least.
+    rounds: int = 10
 
 
 @dataclass
@@ -353,6 +371,8 @@ class RunConfig:
     resume: str | None = None
     wandb: WandbConfig = MISSING
     report: ReportConfig = MISSING
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    # Jobs of a sweep that differ only in seed are replicates (docs/sweeps.md).
     seed: int = 0
 
 
