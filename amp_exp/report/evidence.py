@@ -137,7 +137,13 @@ def comparison(
 ) -> dict[str, Any] | None:
     """A precision against fp32 over the seeds both completed; None without such a pair."""
     completed = [row for row in rows if row["status"] == "completed"]
-    paired = [row for row in completed if row["baseline"] is not None]
+    # A seed is one replicate however many of its runs were handed in: a rerun of it measures
+    # no seed-to-seed noise, so the first run of each seed stands for it.
+    by_seed: dict[Any, Row] = {}
+    for row in completed:
+        if row["baseline"] is not None:
+            by_seed.setdefault(row["seed"], row)
+    paired = list(by_seed.values())
     if not paired:
         return None
     model, setting, precision = key

@@ -28,6 +28,8 @@ from scipy import stats
 CONFIDENCE = 0.95
 # Accuracies are ratios of counts: a difference of exactly the tolerance is within it.
 SLACK = 1e-9
+# Relative to the values, a standard deviation this small is rounding, not spread.
+NO_SPREAD = 1e-12
 # seeds_to_settle looks no further: beyond it the answer is "more than is practical".
 MAX_SEEDS = 1000
 
@@ -63,7 +65,8 @@ def mean_interval(values: Sequence[float]) -> Estimate:
     if data.size == 1:
         return Estimate(1, mean, None, None)
     sd = float(data.std(ddof=1))
-    if sd == 0:
+    if sd <= NO_SPREAD * max(1.0, float(np.abs(data).max())):
+        # Equal values, up to rounding: a spread of 1e-17 is no noise estimate.
         return Estimate(data.size, mean, (mean, mean), 0.0)
     low, high = stats.t.interval(CONFIDENCE, data.size - 1, loc=mean, scale=stats.sem(data))
     return Estimate(data.size, mean, (float(low), float(high)), sd)

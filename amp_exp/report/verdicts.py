@@ -27,10 +27,6 @@ VERDICT_WORDS = {
 }
 
 
-def times_phrase(speedup: float) -> str:
-    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
-
-
 def speed_phrase(comparison: dict[str, Any], emulated: bool) -> str:
     """The interleaved trial's speedup and its interval; else the jobs' own, labelled as such."""
     if emulated:
@@ -39,12 +35,12 @@ def speed_phrase(comparison: dict[str, Any], emulated: bool) -> str:
     if trial is not None:
         low, high = trial["ci95"]
         return (
-            f"{times_phrase(trial['median'])} (95% CI {low:.2f}x to {high:.2f}x {BASELINE}'s "
-            f"speed over {trial['rounds']} interleaved rounds)"
+            f"{trial['median']:.2f}x {BASELINE}'s speed (95% CI {low:.2f}x to {high:.2f}x, "
+            f"{trial['rounds']} interleaved rounds)"
         )
     if comparison["job_speedup"] is None:
         return "throughput not measured"
-    return f"{times_phrase(comparison['job_speedup'])} (jobs timed one after another)"
+    return f"{comparison['job_speedup']:.2f}x {BASELINE}'s speed (jobs timed one after another)"
 
 
 def quality_phrase(comparison: dict[str, Any]) -> str:
@@ -121,7 +117,7 @@ def cell_phrase(comparison: dict[str, Any], paired: list[Row], replicated: bool)
             found += ", ".join(notes(row))
     # The memory of a precision does not change with the seed: its first run stands for all.
     return (
-        f"{quality_phrase(comparison)}; {speed_phrase(comparison, paired[0]['emulated'])} and "
+        f"{quality_phrase(comparison)}; {speed_phrase(comparison, paired[0]['emulated'])}, "
         f"{memory_phrase(paired[0])} of {BASELINE}{loss_phrase(comparison)}{found}"
     )
 
