@@ -47,7 +47,7 @@ def test_seeds_form_one_cell_paired_seed_by_seed_with_scipys_interval(tmp_path: 
     assert [rows[str(job)]["baseline"] for job in (3, 4, 5)] == ["0", "1", "2"]
     assert {row["setting"] for row in rows.values()} == {""}  # the seed is no setting
     (comparison,) = report["comparisons"]
-    assert COMPARISON_KEYS <= comparison.keys()
+    assert comparison.keys() >= COMPARISON_KEYS
     reference = scipy_stats.ttest_rel(100 * np.array(bf16_acc), 100 * np.array(FP32_ACC))
     low, high = reference.confidence_interval(0.95)
     assert comparison["n"] == 3 and comparison["verdict"] == "matches"

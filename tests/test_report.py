@@ -107,8 +107,9 @@ def test_each_run_is_compared_with_fp32_of_its_model_and_setting(tmp_path: Path)
     assert report["verdicts"][0].startswith(
         "tiny_cnn (precision.clip_grad_norm=null): bf16 against fp32 on a single seed"
     )
-    assert "; 2.00x fp32's speed (jobs timed one after another), 0.50x the memory of fp32" in (
-        report["verdicts"][0]
+    assert (
+        "; 2.00x fp32's speed (jobs timed one after another), 0.50x the memory of fp32"
+        in (report["verdicts"][0])
     )
     assert report["verdicts"][1].startswith("tiny_cnn (precision.clip_grad_norm=1.0): bf16")
     assert report["verdicts"][2].startswith("mlp: bf16 against fp32 on a single seed")

@@ -21,9 +21,7 @@ DELTAS = 100 * (BF16 - FP32)
 def test_the_mean_interval_is_students_t_interval() -> None:
     values = [1.0, 1.5, 0.7, 1.2]
     estimate = stats.mean_interval(values)
-    low, high = scipy_stats.t.interval(
-        0.95, 3, loc=np.mean(values), scale=scipy_stats.sem(values)
-    )
+    low, high = scipy_stats.t.interval(0.95, 3, loc=np.mean(values), scale=scipy_stats.sem(values))
     assert estimate.n == 4 and estimate.mean == pytest.approx(np.mean(values))
     assert estimate.ci95 == pytest.approx((low, high))
     assert stats.mean_interval([2.0]).ci95 is None

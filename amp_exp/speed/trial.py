@@ -4,10 +4,10 @@ confidence interval.
 One process builds the run once per precision exactly as training builds it (``amp_exp.build``:
 the same model init, data, optimizer, precision policy and non-finite guard) and trains them in
 turn through training/timing.py: warm-up steps of each, then ``speed.rounds`` rounds of
-``speed.steps`` steps of each, in a fixed order. Round k's speedup is fp32's time per step over
-the precision's, both of round k, so drift in the machine's load cancels; the report takes their
-median and its distribution-free 95% interval (report/stats.py). The trial's engines are its own:
-no run's weights, files or random numbers are touched, and nothing is saved.
+``speed.steps`` steps of each, in a fixed order. Round k's speedup is fp32's median step time
+over the precision's, both of round k, so drift in the machine's load cancels; the report takes
+their median and its distribution-free 95% interval (report/stats.py). The trial's engines are
+its own: no run's weights, files or random numbers are touched, and nothing is saved.
 """
 
 from __future__ import annotations
@@ -45,13 +45,15 @@ def run_trial(configs: Mapping[str, RunConfig], speed: SpeedConfig) -> dict[str,
     built = {label: build(cfg) for label, cfg in ordered.items()}
     timed = {label: b for label, b in built.items() if b.engine.policy.timed}
     fp32 = built[BASELINE]
-    seconds = interleave(
+    steps = interleave(
         {label: training_step(b) for label, b in timed.items()},
         fp32.device,
         speed.steps,
         speed.rounds,
         speed.warmup_steps,
     )
+    # A round's median step: a neighbour's burst during one step does not move it.
+    seconds = {label: [statistics.median(r) for r in rounds] for label, rounds in steps.items()}
     samples_per_step = global_batch_size(configs[BASELINE], 1)
     return {
         "model": configs[BASELINE].model.name,
@@ -62,6 +64,7 @@ def run_trial(configs: Mapping[str, RunConfig], speed: SpeedConfig) -> dict[str,
         "warmup_steps": speed.warmup_steps,
         "steps": speed.steps,
         "rounds": speed.rounds,
+        # Each round's median step time.
         "ms_per_step": {label: [1e3 * s for s in values] for label, values in seconds.items()},
         "samples_per_s": {
             label: samples_per_step / statistics.median(values) for label, values in seconds.items()
@@ -110,7 +113,7 @@ def trial_markdown(trials: list[dict[str, Any]]) -> str:
         lines += [f"- {label}: {why}" for label, why in trial["not_timed"].items()]
         lines.append("")
     lines.append(
-        "Speedup: fp32's time per step over the precision's in the same round; the median over "
-        "rounds, and its distribution-free 95% confidence interval (order statistics)."
+        "Speedup: fp32's median step time over the precision's in the same round; the median "
+        "over rounds, and its distribution-free 95% confidence interval (order statistics)."
     )
     return "\n".join(lines) + "\n"

@@ -156,4 +156,4 @@ def time_candidates(
             for buffer, saved in zip(model.buffers(), buffers, strict=True):
                 buffer.copy_(saved)
         model.train(was_training)
-    return {p: min(passes) for p, passes in seconds.items()}
+    return {p: min(min(steps) for steps in rounds) for p, rounds in seconds.items()}
