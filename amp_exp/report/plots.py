@@ -288,7 +288,9 @@ def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
             capsize=4,
             color=[_color(row["precision"]) for row in bars],
         )
-        ax.bar_label(drawn, labels=[f"{m:.2f}x" for m in medians], fontsize="small")
+        ax.bar_label(
+            drawn, labels=[f"{m:.2f}x" for m in medians], label_type="center", fontsize="small"
+        )
         ax.axhline(1.0, color=_color("fp32"), linewidth=1, linestyle="--", label="fp32")
         ax.set_xticks(
             range(len(bars)),
