@@ -17,6 +17,19 @@ from amp_exp.report.compare import BASELINE, tolerance_for
 
 Row = dict[str, Any]
 CellKey = tuple[str, str, str]
+# What a comparison says about the quality metric (null where no run measured it).
+QUALITY_KEYS = (
+    "metric",
+    "metric_label",
+    "unit",
+    "tolerance",
+    "delta_mean",
+    "delta_ci95",
+    "p_value",
+    "p_equivalence",
+    "verdict",
+    "seeds_to_settle",
+)
 
 
 def cell_key(row: Row) -> CellKey:
@@ -61,11 +74,8 @@ def quality_evidence(paired: list[Row], tolerance: float | None) -> dict[str, An
     """The paired difference of the quality metric against fp32, and its verdict."""
     measured = [row for row in paired if row["quality_delta"] is not None]
     declared = next((row["quality_metric"] for row in measured), None)
-    empty = dict.fromkeys(
-        ("metric", "metric_label", "unit", "tolerance", "delta_mean", "delta_ci95", "p_value")
-    )
     if declared is None:
-        return {"n": 0, **empty, "p_equivalence": None, "verdict": None, "seeds_to_settle": None}
+        return {"n": 0, "deltas": {}, **dict.fromkeys(QUALITY_KEYS)}
     limit = float(tolerance_for(measured[0], tolerance))
     difference = stats.paired_difference([row["quality_delta"] for row in measured], limit)
     verdict = stats.verdict(difference, limit, declared["higher_is_better"])
