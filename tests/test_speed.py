@@ -3,6 +3,7 @@ rounds, it times what training runs, and ``python -m amp_exp.speed`` writes its 
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import statistics
@@ -10,16 +11,19 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 import amp_exp.speed.trial as trial_module
-from amp_exp.config.schema import Precision
+from amp_exp.config.schema import Precision, ReportConfig
 from amp_exp.errors import ConfigError
+from amp_exp.report.callback import SweepReport
 from amp_exp.results.files import SPEED_JSON, SPEED_MD
 from amp_exp.speed.__main__ import candidates
 from amp_exp.training.meters import synchronize
 from amp_exp.training.timing import interleave
 from helpers.runs import TINY
 from helpers.warm_python import python_m
+from test_report import write_run
 
 # Long enough steps that the clock's resolution and Python's overhead are small beside them.
 TRIAL = [*TINY, "model.width=16", "dataset.image_size=16", "dataset.batch_size=32"]
@@ -123,3 +127,40 @@ def test_python_m_amp_exp_speed_refuses_a_sweep_in_one_line(tmp_path: Path) -> N
         "amp_exp.speed: error: python -m amp_exp.speed times its precisions in one process: "
         "list them in speed.precisions=[...] instead of sweeping with -m"
     ]
+
+
+def sweep_start(callback: SweepReport, sweep_dir: Path, launcher: str) -> None:
+    config = OmegaConf.create(
+        {
+            "hydra": {"sweep": {"dir": str(sweep_dir)}, "launcher": {"_target_": launcher}},
+            "report": OmegaConf.structured(ReportConfig),
+        }
+    )
+    callback.on_multirun_start(config)
+    atexit.unregister(callback.build)
+
+
+def test_a_sweeps_trial_that_fails_never_costs_its_report(tmp_path: Path, caplog) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+
+    def failing_trial(sweep_dir: Path) -> None:
+        raise RuntimeError("out of memory")
+
+    callback = SweepReport(speed_trial=failing_trial)
+    sweep_start(callback, tmp_path, "hydra._internal.core_plugins.basic_launcher.BasicLauncher")
+    callback.build()
+    assert "no speed trial: out of memory" in caplog.messages
+    assert (tmp_path / "report.md").is_file()
+
+
+def test_under_slurm_the_sweeps_own_process_times_nothing(tmp_path: Path) -> None:
+    """It runs where the sweep was submitted, not on the nodes that trained."""
+    trials: list[Path] = []
+    callback = SweepReport(speed_trial=trials.append)
+    sweep_start(callback, tmp_path, "hydra_plugins._amp_exp_submitit.SlurmLauncher")
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    callback.build()
+    assert trials == [] and (tmp_path / "report.md").is_file()
+    sweep_start(callback, tmp_path, "hydra_plugins._amp_exp_submitit.LocalLauncher")
+    callback.build()
+    assert trials == [tmp_path]
