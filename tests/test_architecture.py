@@ -16,6 +16,7 @@ LAYERS = [
         "amp_exp.errors",
         "amp_exp.config.schema",
         "amp_exp.config.datasets",
+        "amp_exp.config.models",
         "amp_exp.config.precisions",
     ),
     ("amp_exp.config",),
@@ -24,7 +25,8 @@ LAYERS = [
     ("amp_exp.training",),
     ("amp_exp.results",),
     ("amp_exp.report",),
-    ("amp_exp.build", "amp_exp.run", "amp_exp.doctor", "amp_exp.__main__"),
+    # Entry points and the composition root; the speed trial builds runs as training does.
+    ("amp_exp.build", "amp_exp.run", "amp_exp.doctor", "amp_exp.speed", "amp_exp.__main__"),
     # It verifies its repairs with real runs (amp_exp.run), so it sits above the composition root.
     ("amp_exp.sensitivity",),
 ]
@@ -104,7 +106,8 @@ def test_the_schema_and_the_errors_are_leaves() -> None:
     graph = import_graph()
     assert graph["amp_exp.errors"] == set()
     assert graph["amp_exp.config.datasets"] == set()
-    assert graph["amp_exp.config.schema"] == {"amp_exp.config.datasets"}
+    assert graph["amp_exp.config.models"] == set()
+    assert graph["amp_exp.config.schema"] == {"amp_exp.config.datasets", "amp_exp.config.models"}
     assert graph["amp_exp.config.precisions"] == {"amp_exp.config.schema"}
 
 

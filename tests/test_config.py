@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from amp_exp.config.datasets import (
     dataset_name,
 )
+from amp_exp.config.models import TinyCNNConfig, TorchvisionModelConfig
+from amp_exp.config.plain import plain_run_config, run_config_from_plain
 from amp_exp.config.preflight import CONF_DIR, check_overrides
-from amp_exp.config.schema import (
-    AdamWConfig,
-    Precision,
-    SGDConfig,
-    TinyCNNConfig,
-    TorchvisionModelConfig,
-)
+from amp_exp.config.schema import SCHEMAS, AdamWConfig, Precision, SGDConfig
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from helpers.warm_python import python_m
@@ -185,3 +183,25 @@ def test_cli_rejects_bad_value_before_building_anything(tmp_path) -> None:
     ]
     assert "Traceback" not in result.stdout + result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_every_schema_of_a_group_has_fields_of_its_own() -> None:
+    """What lets a plain config (summary.json's) find its way back to its schemas."""
+    for group, schemas in SCHEMAS.items():
+        field_sets = [frozenset(f.name for f in fields(schema)) for schema in schemas.values()]
+        assert len(set(field_sets)) == len(field_sets), group
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("model=mlp", "precision=bf16_true_nearest", "seed=3"),
+        ("model=torchvision", "model.name=mobilenet_v3_small", "optimizer=adamw"),
+        ("model=gpt_tiny", "dataset=synthetic_tokens", "speed.precisions=[bf16]"),
+    ],
+)
+def test_a_plain_config_turns_back_into_the_run_config_it_came_from(
+    compose_cfg, overrides: tuple[str, ...]
+) -> None:
+    cfg = validate(compose_cfg(*overrides, fast=False))
+    assert run_config_from_plain(plain_run_config(cfg)) == cfg

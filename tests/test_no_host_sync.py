@@ -98,7 +98,7 @@ def test_no_step_synchronizes_with_the_gpu_by_default(run_cfg, precision, optimi
         )
     )
     engine = built.engine
-    batches = engine._train_batches()
+    batches = engine.train_batches()
     interval_loss = torch.zeros((), device=engine.device)
     engine.train_step(batches, interval_loss, want_grad_norm=False)
     torch.cuda.synchronize()

@@ -29,8 +29,11 @@ def write_run(
     skipped_steps: int = 0,
     final_loss: float = 1.5,
     world_size: int = 1,
+    seed: int = 0,
+    losses: list[float] | None = None,
 ) -> dict:
-    """A run directory as python -m amp_exp leaves it: summary.json and metrics.jsonl."""
+    """A run directory as python -m amp_exp leaves it: summary.json and metrics.jsonl, whose
+    training loss is ``losses`` at steps 1, 2, ... (2/step by default)."""
     path.mkdir(parents=True)
     scale = 1024.0 if precision == "fp16" else None
     summary = {
@@ -50,14 +53,15 @@ def write_run(
         "config": {
             "model": {"name": model},
             "precision": {"name": precision, "clip_grad_norm": clip},
-            "seed": 0,
+            "seed": seed,
         },
     }
     (path / "summary.json").write_text(json.dumps(summary))
+    losses = losses or [2.0 / step for step in (1, 2, 3)]
     rows = [
-        {"kind": "train", "step": step, "loss": 2.0 / step, "scale": scale}
+        {"kind": "train", "step": step, "loss": loss, "scale": scale}
         | {"skipped_steps": skipped_steps}
-        for step in (1, 2, 3)
+        for step, loss in enumerate(losses, start=1)
     ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return summary
@@ -101,28 +105,48 @@ def test_each_run_is_compared_with_fp32_of_its_model_and_setting(tmp_path: Path)
     # Grouped by model and setting, fp32 first; job 10 sorts after job 3, not after job 1.
     assert [row["run"] for row in report["runs"]] == ["0", "2", "10", "11", "1", "3"]
     assert report["verdicts"][0].startswith(
-        "tiny_cnn (precision.clip_grad_norm=null): bf16 2.00x faster and 0.50x the memory of fp32"
+        "tiny_cnn (precision.clip_grad_norm=null): bf16 against fp32 on a single seed"
     )
-    assert report["verdicts"][2].startswith("mlp: bf16 4.00x slower")
+    assert (
+        "; 2.00x fp32's speed (jobs timed one after another), 0.50x the memory of fp32"
+        in (report["verdicts"][0])
+    )
+    assert report["verdicts"][1].startswith("tiny_cnn (precision.clip_grad_norm=1.0): bf16")
+    assert report["verdicts"][2].startswith("mlp: bf16 against fp32 on a single seed")
+    assert "0.25x fp32's speed" in report["verdicts"][2]
 
 
-def test_verdict_says_plainly_when_accuracy_falls_outside_the_tolerance(tmp_path: Path) -> None:
+def test_a_single_seed_shows_the_difference_and_its_tolerance_but_claims_nothing(
+    tmp_path: Path,
+) -> None:
     write_run(tmp_path / "0", "resnet18", "fp32", 100.0, 0.900)
     write_run(tmp_path / "1", "resnet18", "bf16", 190.0, 0.898)
     write_run(tmp_path / "2", "resnet18", "fp16", 200.0, 0.870, skipped_steps=4)
-    (verdict,) = build_report([tmp_path], tmp_path, tolerance=0.5)["verdicts"]
-    assert verdict == (
-        "resnet18: bf16 1.90x faster and 1.00x the memory of fp32, accuracy -0.20 points vs "
-        "fp32, within ±0.5 points; fp16 2.00x faster and 1.00x the memory of fp32, accuracy "
-        "-3.00 points vs fp32, OUTSIDE ±0.5 points, skipped 4 steps"
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
+    assert report["verdicts"] == [
+        "resnet18: bf16 against fp32 on a single seed: Δ accuracy -0.20 points, tolerance "
+        "±0.5 points; one seed measures no noise, so no verdict (sweep seed=0,1,2 for one); "
+        "1.90x fp32's speed (jobs timed one after another), 1.00x the memory of fp32; loss gap "
+        "+0.00%, +0.0000 absolute, over the last 10% of steps",
+        "resnet18: fp16 against fp32 on a single seed: Δ accuracy -3.00 points, tolerance "
+        "±0.5 points; one seed measures no noise, so no verdict (sweep seed=0,1,2 for one); "
+        "2.00x fp32's speed (jobs timed one after another), 1.00x the memory of fp32; loss gap "
+        "+0.00%, +0.0000 absolute, over the last 10% of steps, skipped 4 steps",
+    ]
+    (bf16, fp16) = report["comparisons"]
+    assert (bf16["verdict"], bf16["n"], bf16["delta_ci95"], bf16["p_value"]) == (
+        "single_seed",
+        1,
+        None,
+        None,
     )
-    (lenient,) = build_report([tmp_path], tmp_path, tolerance=3.5)["verdicts"]
-    assert "OUTSIDE" not in lenient and "accuracy -3.00 points vs fp32, within ±3.5" in lenient
+    assert fp16["delta_mean"] == pytest.approx(-3.0)
+    report = build_report([tmp_path], tmp_path, tolerance=3.5)
+    assert "tolerance ±3.5 points" in report["verdicts"][1]
     report_md = (tmp_path / "report.md").read_text()
     assert "Tolerance: eval_acc ±3.5 points (`report.tolerance`)." in report_md
     # Without report.tolerance the task's own default judges: 0.5 points for classification.
-    (default,) = build_report([tmp_path], tmp_path)["verdicts"]
-    assert default == verdict
+    assert build_report([tmp_path], tmp_path)["comparisons"][0]["tolerance"] == 0.5
 
 
 def test_verdict_names_a_diverged_run(tmp_path: Path) -> None:
@@ -142,10 +166,10 @@ def test_runs_that_failed_or_stopped_are_shown_and_the_others_still_count(tmp_pa
     rows = rows_by_run(report)
     assert rows["1"]["status"] == "failed" and rows["1"]["speedup"] is None
     assert rows["2"]["speedup"] == 1.2
-    assert report["verdicts"] == [
-        "tiny_cnn: bf16 1.20x faster and 1.00x the memory of fp32, accuracy +0.00 points vs "
-        "fp32, within ±0.5 points; bf16 stopped; fp16 failed (RuntimeError: CUDA out of memory)"
-    ]
+    bf16, fp16 = report["verdicts"]
+    assert bf16.startswith("tiny_cnn: bf16 against fp32 on a single seed: Δ accuracy +0.00")
+    assert bf16.endswith("; bf16 stopped")
+    assert fp16 == "tiny_cnn: fp16 failed (RuntimeError: CUDA out of memory)"
     report_md = (tmp_path / "report.md").read_text()
     assert "4 runs (2 completed, 1 failed, 1 stopped)" in report_md
     assert "| 1 | tiny_cnn | fp16 | failed | - |" in report_md
@@ -208,7 +232,7 @@ def test_several_run_directories_are_reported_together(tmp_path: Path, capsys) -
     report = json.loads((tmp_path / "runs" / "report.json").read_text())
     assert [row["run"] for row in report["runs"]] == ["a", "b"]
     assert rows_by_run(report)["b"]["speedup"] == 0.7
-    assert "tiny_cnn: bf16 1.43x slower" in capsys.readouterr().out
+    assert "0.70x fp32's speed (jobs timed one after another)" in capsys.readouterr().out
 
 
 def test_a_missing_directory_is_a_one_line_error(tmp_path: Path, capsys) -> None:
@@ -412,9 +436,9 @@ def test_emulated_fp8_shows_as_not_timed_and_mode_variants_share_the_fp32_baseli
     assert rows["1"]["precision"] == "fp8 (rowwise, emulated)"
     assert rows["1"]["baseline"] == rows["2"]["baseline"] == "0"
     assert rows["1"]["setting"] == ""
-    (verdict,) = report["verdicts"]
-    assert "fp8 (rowwise, emulated) emulated, not timed and 1.00x the memory of fp32" in verdict
-    assert "bf16_true 1.11x slower" in verdict and "did not move" not in verdict
+    bf16_true, fp8 = report["verdicts"]
+    assert "; emulated, not timed, 1.00x the memory of fp32" in fp8
+    assert "0.90x fp32's speed" in bf16_true and "did not move" not in bf16_true
     markdown = (tmp_path / "report.md").read_text()
     assert "fp8 linears: 3 (kept in bf16: 1: first layer)" in markdown
     assert "1.0% of weights unchanged over the last interval" in markdown

@@ -14,7 +14,13 @@ pytestmark = pytest.mark.slow
 
 # TINY without model.width, so that a sweep can cross tiny_cnn with mlp.
 SMALL = [*FAST, "dataset.image_size=8", "dataset.batch_size=16"]
-PLOTS = ("loss_curves.png", "loss_scale.png", "throughput.png", "peak_memory.png")
+PLOTS = (
+    "loss_curves.png",
+    "loss_scale.png",
+    "throughput.png",
+    "peak_memory.png",
+    "speed_trial.png",
+)
 
 
 def summaries(sweep_dir: Path) -> dict[str, dict]:
@@ -25,7 +31,10 @@ def summaries(sweep_dir: Path) -> dict[str, dict]:
 
 def markdown_rows(report_md: str) -> dict[str, dict[str, str]]:
     """The run table of report.md, as {run: {header: cell}}."""
-    lines = [line for line in report_md.splitlines() if line.startswith("| ")]
+    runs = report_md.split("\n| run |", 1)[1]
+    lines = [
+        line for line in f"| run |{runs}".split("\n\n")[0].splitlines() if line.startswith("| ")
+    ]
     headers = [cell.strip() for cell in lines[0].strip("|").split("|")]
     rows = [
         dict(zip(headers, (c.strip() for c in line.strip("|").split("|")), strict=True))
@@ -42,7 +51,14 @@ def png_size(path: Path) -> tuple[int, int]:
 
 def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
     run_cli(
-        "-m", *SMALL, "precision=fp32,fp16", "model=tiny_cnn,mlp", f"hydra.sweep.dir={tmp_path}"
+        "-m",
+        *SMALL,
+        "precision=fp32,fp16",
+        "model=tiny_cnn,mlp",
+        # The speed trial at the sweep's end, kept short: enough rounds for a 95% interval.
+        "speed.rounds=6",
+        "speed.steps=2",
+        f"hydra.sweep.dir={tmp_path}",
     )
     jobs = summaries(tmp_path)  # each job its own directory and results
     assert sorted((s["model"], s["precision"]) for s in jobs.values()) == [
@@ -76,6 +92,22 @@ def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
         expected_scale = "-" if summary["loss_scale"] is None else f"{summary['loss_scale']:g}"
         assert cells["final loss scale"] == expected_scale
     assert [line.split(":")[0] for line in report["verdicts"]] == ["tiny_cnn", "mlp"]
+    # One seed measures no noise: each difference is shown, and no verdict claimed.
+    comparisons = report["comparisons"]
+    assert [(c["model"], c["verdict"]) for c in comparisons] == [
+        ("tiny_cnn", "single_seed"),
+        ("mlp", "single_seed"),
+    ]
+    assert all("on a single seed" in line for line in report["verdicts"])
+    # The interleaved trial timed each model's precisions, beside each job's own samples/s.
+    for comparison in comparisons:
+        low, high = comparison["speedup"]["ci95"]
+        assert low <= comparison["speedup"]["median"] <= high
+    assert all(
+        cells["trial speedup (95% CI)"] != "-"
+        for cells in table.values()
+        if cells["precision"] == "fp16"
+    )
     assert report["plots"] == list(PLOTS) and report["plot_errors"] == {}
     for name in PLOTS:
         width, height = png_size(tmp_path / name)

@@ -229,6 +229,7 @@ def test_config_is_plain_with_precision_flat(run_cfg) -> None:
         "precision.fp8_skip_small",
         "precision.reduce_dtype",
         "precision.fsdp_cast_params",
+        "precision.keep_fp32",
         "precision.resolved",
     }
 

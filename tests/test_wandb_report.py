@@ -114,7 +114,11 @@ def test_the_page_shows_only_the_sweeps_runs_grouped_by_the_precision_that_ran(
         }
     ]
     # precision.resolved is a flat key of the W&B config, so ".value" comes last.
-    assert runset["grouping"] == [{"section": "config", "name": "precision.resolved.value"}]
+    # A group per precision and setting: the swept learning rate is nested in the W&B config.
+    assert runset["grouping"] == [
+        {"section": "config", "name": "precision.resolved.value"},
+        {"section": "config", "name": "optimizer.value.lr"},
+    ]
     assert model["project"] == {"name": "amp_exp", "entityName": "my-team"}
     assert stub_wandb_api == [{"entityName": "my-team", "projectName": "amp_exp"}]
 
@@ -152,12 +156,30 @@ def test_the_page_carries_the_verdicts_and_the_table_of_report_md(
     model = page_model(root)
     report_md = (root / REPORT_MD).read_text()
     markdown = [b["content"] for b in model["spec"]["blocks"] if b["type"] == "markdown-block"]
-    verdicts, table = markdown
-    assert verdicts.startswith("- tiny_cnn (optimizer.lr=0.1): bf16 1.00x faster")
+    verdicts, evidence, table = markdown
+    assert verdicts.startswith("- tiny_cnn (optimizer.lr=0.1): bf16 against fp32 on a single")
     assert all(line in report_md for line in verdicts.splitlines())
+    assert evidence.splitlines()[0].startswith("| model | setting | precision | n | metric |")
+    assert evidence in report_md
     assert table.splitlines()[0].startswith("| run | model | precision | setting |")
     assert table in report_md
     assert model["displayName"] == f"amp_exp sweep {tmp_path.name} sweep"
+
+
+def test_the_seeds_of_a_precision_are_one_line_their_mean_in_a_min_max_band(
+    tmp_path: Path, stub_wandb_api
+) -> None:
+    root = tmp_path / "sweep"
+    for job, (precision, seed) in enumerate([(p, s) for p in ("fp32", "bf16") for s in (0, 1)]):
+        write_logged_run(root / str(job), precision, 0.1, f"id{job}")
+        summary = json.loads((root / str(job) / "summary.json").read_text())
+        summary["config"]["seed"] = seed
+        (root / str(job) / "summary.json").write_text(json.dumps(summary))
+    model = page_model(root)
+    (runset,) = panel_grid(model)["runSets"]
+    assert runset["grouping"] == [{"section": "config", "name": "precision.resolved.value"}]
+    for line in panels_by_type(model)["Run History Line Plot"]:
+        assert (line["groupAgg"], line["groupArea"]) == ("mean", "minmax")
 
 
 def test_language_model_runs_are_charted_by_their_quality_metric_and_tokens_per_second(

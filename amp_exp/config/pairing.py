@@ -16,12 +16,8 @@ from amp_exp.config.datasets import (
     TextDatasetConfig,
     dataset_name,
 )
-from amp_exp.config.schema import (
-    CustomModelConfig,
-    GPTConfig,
-    RunConfig,
-    TaskName,
-)
+from amp_exp.config.models import CustomModelConfig, GPTConfig
+from amp_exp.config.schema import RunConfig, TaskName
 from amp_exp.errors import ConfigError
 
 IMAGE_DATASETS = ", ".join(name.value for name in DatasetName)

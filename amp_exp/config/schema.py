@@ -1,7 +1,7 @@
 """Typed config schemas: one dataclass per config group, enums for every closed choice.
 
 A leaf: it imports nothing heavier than OmegaConf's ``MISSING``, and from amp_exp only the
-dataset schemas (config/datasets.py, a leaf too).
+model and dataset schemas (config/models.py, config/datasets.py, leaves too).
 Each YAML file under ``conf/`` lists its schema first in its defaults list (``config.store``
 registers them), so Hydra type-checks the YAML and every override against these dataclasses.
 """
@@ -19,6 +19,14 @@ from amp_exp.config.datasets import (
     ImageDatasetConfig,
     SyntheticTokensConfig,
     TextDatasetConfig,
+)
+from amp_exp.config.models import (
+    CustomModelConfig,
+    GPTConfig,
+    MLPConfig,
+    TimmModelConfig,
+    TinyCNNConfig,
+    TorchvisionModelConfig,
 )
 
 
@@ -92,80 +100,6 @@ class CompileMode(str, Enum):
     max_autotune = "max-autotune"
     max_autotune_no_cudagraphs = "max-autotune-no-cudagraphs"
 
-
-# --- model -------------------------------------------------------------------------------------
-
-
-@dataclass
-class TinyCNNConfig:
-    """Two 3x3 convolutions, global average pooling and a linear head."""
-
-    name: str = "tiny_cnn"
-    width: int = 32
-    # L2-normalize the pooled features with a custom autograd function that runs in fp32.
-    normalize_features: bool = False
-
-
-@dataclass
-class MLPConfig:
-    """Flattened input, ``depth`` hidden layers of ``hidden_dim`` units."""
-
-    name: str = "mlp"
-    hidden_dim: int = 256
-    depth: int = 2
-
-
-@dataclass
-class TorchvisionModelConfig:
-    """Any torchvision classification model by name, built with random weights."""
-
-    name: str = MISSING
-
-
-@dataclass
-class GPTConfig:
-    """A decoder-only transformer (tasks/gpt.py): pre-LayerNorm blocks, causal attention, a GELU
-    MLP, and an output head tied to the token embedding."""
-
-    name: str = "gpt"
-    n_layer: int = 12
-    n_head: int = 12
-    d_model: int = 768
-    # The longest context: the size of the position table. Token data is cut into windows of
-    # dataset.seq_len tokens, which defaults to this.
-    seq_len: int = 1024
-    # null = the dataset's vocabulary; a larger value pads the output head (e.g. 50304).
-    vocab_size: int | None = None
-    dropout: float = 0.0
-    # Biases in the linear layers and LayerNorms, as GPT-2 has them.
-    bias: bool = True
-
-
-@dataclass
-class TimmModelConfig:
-    """Any timm model by name (optional extra: pip install 'amp_exp[timm]'), random weights."""
-
-    name: str = MISSING
-    # Passed to timm.create_model, e.g. +model.kwargs.img_size=32 for a ViT on small images.
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class CustomModelConfig:
-    """The user's own model: ``_target_`` names a callable that returns an nn.Module.
-
-    It is called with ``kwargs`` plus those of the dataset's facts its signature accepts:
-    num_classes and input_shape for images; vocab_size and seq_len for tokens.
-    """
-
-    name: str = "custom"
-    _target_: str = MISSING
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-ModelConfig = Union[
-    TinyCNNConfig, MLPConfig, TorchvisionModelConfig, GPTConfig, TimmModelConfig, CustomModelConfig
-]
 
 # --- optimizer and scheduler --------------------------------------------------------------------
 
@@ -347,6 +281,24 @@ class ReportConfig:
     wandb: bool = False
     # Seconds the W&B Report may take to reach the server and save, before it is given up.
     wandb_timeout: float = 10.0
+    # Time each model and setting of a sweep that varies precision in the interleaved trial
+    # (speed.*), for the report's speedups.
+    speed_trial: bool = True
+
+
+@dataclass
+class SpeedConfig:
+    """The interleaved speed trial (amp_exp/speed/): the run built once per precision, each
+    trained ``steps`` steps in turn (A B C A B C ...), ``rounds`` times, after ``warmup_steps``."""
+
+    # python -m amp_exp.speed times these and fp32; a sweep's trial, the precisions it ran.
+    precisions: list[Precision] = field(
+        default_factory=lambda: [Precision.fp32, Precision.bf16, Precision.fp16]
+    )
+    warmup_steps: int = 3
+    steps: int = 5
+    # The speedup's 95% CI is the median's over rounds (order statistics): 6 rounds at least.
+    rounds: int = 10
 
 
 @dataclass
@@ -369,6 +321,8 @@ class RunConfig:
     report: ReportConfig = MISSING
     # python -m amp_exp.sensitivity's settings (config/sensitivity.py); a run ignores them.
     sensitivity: Any = MISSING
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    # Jobs of a sweep that differ only in seed are replicates (docs/sweeps.md).
     seed: int = 0
 
 

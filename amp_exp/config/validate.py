@@ -26,28 +26,35 @@ from amp_exp.config.datasets import (
     SyntheticTokensConfig,
     TextDatasetConfig,
 )
+from amp_exp.config.models import (
+    CustomModelConfig,
+    GPTConfig,
+    MLPConfig,
+    ModelConfig,
+    TimmModelConfig,
+    TinyCNNConfig,
+)
 from amp_exp.config.pairing import check_pairing
 from amp_exp.config.precision_checks import validate_precision
 from amp_exp.config.schema import (
     SCHEMAS,
     WANDB_TAG_MAX_CHARS,
     AdamWConfig,
-    CustomModelConfig,
-    GPTConfig,
-    MLPConfig,
-    ModelConfig,
     OptimizerConfig,
+    Precision,
     RunConfig,
     SchedulerConfig,
+    SpeedConfig,
     Strategy,
-    TimmModelConfig,
-    TinyCNNConfig,
     TrainerConfig,
     WandbConfig,
 )
 from amp_exp.config.sensitivity import validate_sensitivity
 from amp_exp.errors import ConfigError, first_line, require
 
+# The fewest rounds whose extreme order statistics hold the median with 95% confidence
+# (1 - 2 / 2**6 = 0.97; five rounds give only 0.94).
+MIN_SPEED_ROUNDS = 6
 # NumPy seeds its generator with an unsigned 32-bit integer.
 SEED_RANGE = range(2**32)
 # What W&B refuses in a project name at init, which would cost the run its dashboard entry.
@@ -127,6 +134,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         run.report.tolerance is None or run.report.tolerance >= 0,
         "report.tolerance must be 0 or more, or null (the task's default)",
     )
+    _validate_speed(run.speed)
     validate_precision(run.precision, run.trainer)
     validate_sensitivity(run.sensitivity, run.precision, run.trainer)
     require(
@@ -165,7 +173,7 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
         f"{unknown[0] if unknown else ''} is not a known key or config group; "
         f"valid top-level keys: {', '.join(sorted(known))}",
     )
-    for section in [*SCHEMAS, "checkpoint", "diagnostics", "sensitivity"]:
+    for section in [*SCHEMAS, "checkpoint", "diagnostics", "sensitivity", "speed"]:
         node = cfg[section]
         known = {f.name for f in fields(OmegaConf.get_type(node))}
         unknown = sorted(set(node.keys()) - known)
@@ -207,6 +215,21 @@ def _check_positive(section: object, prefix: str, *keys: str) -> None:
     for key in keys:
         value = getattr(section, key)
         require(value > 0, f"{prefix}.{key}={value} must be positive")
+
+
+def _validate_speed(speed: SpeedConfig) -> None:
+    require(speed.warmup_steps >= 0, "speed.warmup_steps must be 0 or more")
+    require(speed.steps > 0, f"speed.steps={speed.steps} must be positive")
+    require(
+        speed.rounds >= MIN_SPEED_ROUNDS,
+        f"speed.rounds={speed.rounds} must be {MIN_SPEED_ROUNDS} or more: with fewer, no two "
+        "rounds bound the median with 95% confidence",
+    )
+    require(
+        bool(speed.precisions) and Precision.auto not in speed.precisions,
+        "speed.precisions must list precisions to time, e.g. speed.precisions=[fp32,bf16]; "
+        f"valid choices: {', '.join(p.value for p in Precision if p is not Precision.auto)}",
+    )
 
 
 def _validate_dataset(dataset: DatasetConfig) -> None:

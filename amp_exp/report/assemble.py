@@ -1,17 +1,35 @@
-"""build_report: find the runs, compare them, and write report.md, report.json and the plots."""
+"""build_report: find the runs, compare them, weigh the evidence, and write report.md,
+report.json and the plots."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows, verdicts
+from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows
+from amp_exp.report.evidence import cell_key, gather, trial_speedup
 from amp_exp.report.markdown import write_report
 from amp_exp.report.runs import find_runs
+from amp_exp.report.verdicts import verdicts
+from amp_exp.results.files import SPEED_JSON
 
 log = logging.getLogger("amp_exp")
+
+
+def read_trials(dirs: list[Path]) -> list[dict[str, Any]]:
+    """The speed trials of every speed.json under ``dirs`` (amp_exp/speed/ writes them); one that
+    cannot be read is skipped with a warning, and the report falls back to the jobs' timings."""
+    trials = []
+    for directory in dirs:
+        for path in sorted(directory.rglob(SPEED_JSON)):
+            try:
+                trials += json.loads(path.read_text(encoding="utf-8"))["trials"]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                log.warning("report: skipping %s: %s", path, error)
+    return trials
 
 
 def draw_plots(
@@ -42,10 +60,18 @@ def build_report(dirs: list[Path], out_dir: Path, tolerance: float | None = None
     runs = find_runs(dirs)
     assign_settings(runs)
     rows = comparison_rows(runs, out_dir)
+    metrics = {os.path.relpath(run.path, out_dir): run.metrics for run in runs}
+    trials = read_trials(dirs)
+    for row in rows:
+        row["trial_speedup"] = trial_speedup(trials, cell_key(row))
+    cells, comparisons = gather(rows, metrics, tolerance, trials)
     report = {
         "tolerance": tolerance,
         "baseline_precision": BASELINE,
-        "verdicts": verdicts(rows, tolerance),
+        "verdicts": verdicts(rows, comparisons),
+        "comparisons": comparisons,
+        "cells": cells,
+        "speed_trials": trials,
         "runs": rows,
         "plots": [],
         "plot_errors": {},
@@ -53,7 +79,6 @@ def build_report(dirs: list[Path], out_dir: Path, tolerance: float | None = None
     out_dir.mkdir(parents=True, exist_ok=True)
     # The table is on disk before any plot is tried.
     write_report(out_dir, report)
-    metrics = {os.path.relpath(run.path, out_dir): run.metrics for run in runs}
     report["plots"], report["plot_errors"] = draw_plots(rows, metrics, out_dir)
     write_report(out_dir, report)
     return report

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,15 @@ log = logging.getLogger("amp_exp")
 
 class SweepReport(Callback):
     """Builds report.md, report.json and the plots in the sweep directory when a multirun ends,
-    and with ``report.wandb=true`` the sweep's W&B Report."""
+    after the interleaved speed trial (``report.speed_trial``), and with ``report.wandb=true``
+    the sweep's W&B Report."""
 
-    def __init__(self) -> None:
+    def __init__(self, speed_trial: Callable[[Path], Any] | None = None) -> None:
+        """``speed_trial(sweep_dir)`` writes the sweep's speed.json: conf/config.yaml hands in
+        amp_exp.speed.sweep.time_sweep, which builds models, a layer above the report's."""
         self.sweep_dir = Path()
         self.settings = ReportConfig()
+        self.speed_trial = speed_trial
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Resolving the sweep directory now pins its ${now:...} to the one the jobs use.
@@ -32,7 +37,15 @@ class SweepReport(Callback):
             tolerance=config.report.tolerance,
             wandb=config.report.wandb,
             wandb_timeout=config.report.wandb_timeout,
+            speed_trial=config.report.speed_trial,
         )
+        launcher = str(config.hydra.launcher.get("_target_", ""))
+        if self.settings.speed_trial and launcher.endswith("SlurmLauncher"):
+            # This process runs where the sweep was submitted, not on the jobs' nodes.
+            log.info(
+                "report.speed_trial: not under SLURM; time a node with python -m amp_exp.speed"
+            )
+            self.settings.speed_trial = False
         if self.settings.wandb and importlib.util.find_spec("wandb_workspaces") is None:
             from amp_exp.report.wandb_report import MISSING_LIBRARY
 
@@ -53,6 +66,12 @@ class SweepReport(Callback):
         if rank is not None and not rank.is_main:
             return  # under torchrun every rank runs the sweep; rank 0 alone writes its report
 
+        if self.settings.speed_trial and self.speed_trial is not None:
+            try:
+                self.speed_trial(self.sweep_dir)
+            except Exception as error:
+                # Without it the report shows the jobs' own timings, labelled as such.
+                log.warning("no speed trial: %s", error)
         try:
             report = build_report([self.sweep_dir], self.sweep_dir, self.settings.tolerance)
         except Exception as error:

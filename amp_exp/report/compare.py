@@ -1,10 +1,9 @@
-"""The comparison: each run against the completed fp32 run of its model and setting, and the
-verdict line per model that says what each precision bought, and at what cost."""
+"""The comparison table: each run against the completed fp32 run of its model, setting and seed
+(its pair), and how the report shows a difference (report/verdicts.py writes the sentences)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,10 @@ VARIANT_KEYS = {
     "precision.fp8_skip",
     "precision.fp8_skip_small",
 }
+# Jobs that differ only in seed are replicates of one cell: seed s is paired with fp32's seed s.
+REPLICATE_KEY = "seed"
 # The keys a comparison is about; every other config key that differs is part of a run's setting.
-COMPARED_KEYS = {"model.name", "precision.name", *VARIANT_KEYS}
+COMPARED_KEYS = {"model.name", "precision.name", REPLICATE_KEY, *VARIANT_KEYS}
 # How a run ran, from its summary: part of its setting too. A 1-rank fp32 run at global batch 16
 # is no baseline for a 2-rank bf16 run at 32, whose difference would come from the batch.
 RUN_FACTS = ("world_size", "strategy", "global_batch_size")
@@ -101,8 +102,13 @@ def strategy_note(rows: list[dict[str, Any]]) -> str | None:
     )
 
 
+def seed_of(run: Run) -> int | None:
+    return (run.summary.get("config") or {}).get(REPLICATE_KEY)
+
+
 def find_baseline(run: Run, runs: list[Run]) -> Run | None:
-    """The completed fp32 run of the same model and setting."""
+    """The completed fp32 run of the same model, setting and seed: the same initial weights and
+    the same batches, so the two form a pair."""
     return next(
         (
             other
@@ -111,6 +117,7 @@ def find_baseline(run: Run, runs: list[Run]) -> Run | None:
             and other.precision == BASELINE
             and other.model == run.model
             and other.setting == run.setting
+            and seed_of(other) == seed_of(run)
         ),
         None,
     )
@@ -195,6 +202,7 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "precision": precision_label(summary),
         "mode": run.precision,
         "setting": run.setting,
+        "seed": seed_of(run),
         "world_size": summary.get("world_size", 1),
         "strategy": summary.get("strategy"),
         "param_dtype": summary.get("param_dtype"),
@@ -225,29 +233,26 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
 
 
 def comparison_rows(runs: list[Run], out_dir: Path) -> list[dict[str, Any]]:
-    """One row per run, grouped by model and setting, fp32 first within each group."""
+    """One row per run, grouped by model and setting, fp32 first within each group, then by
+    precision variant and seed."""
     model_order = {model: i for i, model in enumerate(dict.fromkeys(r.model for r in runs))}
     setting_order = {setting: i for i, setting in enumerate(dict.fromkeys(r.setting for r in runs))}
+    labels = {id(r): precision_label(r.summary) for r in runs}
+    label_order = {label: i for i, label in enumerate(dict.fromkeys(labels.values()))}
     ordered = sorted(
         runs,
         key=lambda r: (
             model_order[r.model],
             setting_order[r.setting],
             PRECISION_ORDER.get(r.precision, len(PRECISION_ORDER)),
+            label_order[labels[id(r)]],
+            seed_of(r) if isinstance(seed_of(r), int) else -1,
         ),
     )
     return [
         comparison_row(run, find_baseline(run, runs) if run.completed else None, out_dir)
         for run in ordered
     ]
-
-
-def _speed_phrase(speedup: float | None, emulated: bool) -> str:
-    if emulated:
-        return "emulated, not timed"
-    if speedup is None:
-        return "throughput not measured"
-    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
 
 
 def tolerance_for(row: dict[str, Any], tolerance: float | None) -> float | None:
@@ -262,23 +267,15 @@ def show_delta(delta: float, unit: ToleranceUnit) -> str:
     return f"{delta:+.2f} points" if unit is ToleranceUnit.points else f"{delta:+.2%}"
 
 
+def show_interval(interval: list[float], unit: ToleranceUnit) -> str:
+    low, high = interval
+    if unit is ToleranceUnit.points:
+        return f"[{low:+.2f}, {high:+.2f}]"
+    return f"[{low:+.2%}, {high:+.2%}]"
+
+
 def show_tolerance(tolerance: float, unit: ToleranceUnit) -> str:
     return f"±{tolerance:g} points" if unit is ToleranceUnit.points else f"±{tolerance:.2%}"
-
-
-def quality_phrase(row: dict[str, Any], tolerance: float | None) -> str:
-    """The quality metric against fp32's, and whether the difference lies within tolerance."""
-    declared = row["quality_metric"]
-    delta = row["quality_delta"]
-    if declared is None or delta is None:
-        return "no eval metric to compare"
-    label = next(m["label"] for m in declared["metrics"] if m["name"] == declared["quality"])
-    unit = ToleranceUnit(declared["tolerance_unit"])
-    limit = tolerance_for(row, tolerance)
-    shown = f"{label} {show_delta(delta, unit)} vs {BASELINE}"
-    # Accuracies are ratios of counts; a difference of exactly the tolerance is within it.
-    within = "within" if abs(delta) <= limit + 1e-9 else "OUTSIDE"
-    return f"{shown}, {within} {show_tolerance(limit, unit)}"
 
 
 def describe_end(row: dict[str, Any]) -> str:
@@ -295,45 +292,3 @@ def stall_phrase(row: dict[str, Any]) -> str | None:
     if row["mode"] == "bf16_true" and row["stochastic_rounding"] is False:
         return f"{phrase}: updates round away in bf16; use precision.stochastic_rounding=true"
     return f"{phrase}: the learning rate may be too small for the weights' precision"
-
-
-def _judge(row: dict[str, Any], tolerance: float | None) -> str:
-    precision = row["precision"]
-    if row["status"] != "completed":
-        return f"{precision} {describe_end(row)}"
-    notes = f", skipped {row['skipped_steps']} steps" if row["skipped_steps"] else ""
-    if row["final_loss"] is not None and not math.isfinite(row["final_loss"]):
-        notes += f", the loss diverged ({row['final_loss']})"
-    stall = stall_phrase(row)
-    if stall:
-        notes += f", {stall}"
-    if row["baseline"] is None:
-        final = "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}"
-        return f"{precision} final loss {final}{notes}"
-    memory = "memory not measured"
-    if row["peak_mem_ratio"] is not None:
-        memory = f"{row['peak_mem_ratio']:.2f}x the memory"
-    if row["state_ratio"] is not None:
-        memory += f" ({row['state_ratio']:.2f}x the weights and optimizer state)"
-    quality = quality_phrase(row, tolerance)
-    return (
-        f"{precision} {_speed_phrase(row['speedup'], row['emulated'])} and {memory} of "
-        f"{BASELINE}, {quality}{notes}"
-    )
-
-
-def verdicts(rows: list[dict[str, Any]], tolerance: float | None) -> list[str]:
-    """One line per model (and setting): what each precision bought over fp32, and at what cost.
-
-    ``tolerance`` is in the unit of each task's quality metric; None takes the task's default."""
-    lines = []
-    for model, setting in dict.fromkeys((row["model"], row["setting"]) for row in rows):
-        group = [row for row in rows if (row["model"], row["setting"]) == (model, setting)]
-        is_baseline = [r["precision"] == BASELINE and r["status"] == "completed" for r in group]
-        parts = [] if any(is_baseline) else [f"no completed {BASELINE} run to compare with"]
-        parts += [
-            _judge(row, tolerance) for row, base in zip(group, is_baseline, strict=True) if not base
-        ]
-        subject = f"{model} ({setting})" if setting else model
-        lines.append(f"{subject}: {'; '.join(parts) or f'only {BASELINE} ran'}")
-    return lines

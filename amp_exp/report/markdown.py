@@ -12,6 +12,7 @@ from amp_exp.report.compare import (
     BASELINE,
     describe_end,
     show_delta,
+    show_interval,
     show_tolerance,
     strategy_note,
     tolerance_for,
@@ -31,12 +32,21 @@ def _text(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def show_speedup(speedup: dict[str, Any] | None) -> str:
+    """A speed trial's median speedup and its 95% CI: 1.12x [1.05, 1.20]."""
+    if speedup is None:
+        return "-"
+    low, high = speedup["ci95"]
+    return f"{speedup['median']:.2f}x [{low:.2f}, {high:.2f}]"
+
+
 # (header, row key, how to show a value)
 COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("run", "run", str),
     ("model", "model", str),
     ("precision", "precision", str),
     ("setting", "setting", str),
+    ("seed", "seed", _text),
     ("ranks", "world_size", _formatter("d")),
     ("strategy", "strategy", _text),
     ("param dtype", "param_dtype", _text),
@@ -46,6 +56,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("tokens/s", "tokens_per_s", _formatter(",.0f")),
     ("MFU", "mfu", _formatter(".1%")),
     (f"speedup vs {BASELINE}", "speedup", _formatter(".2f", suffix="x")),
+    ("trial speedup (95% CI)", "trial_speedup", show_speedup),
     ("peak memory", "peak_mem_bytes", _formatter(",.1f", 1 / 2**20, " MiB")),
     (f"memory vs {BASELINE}", "peak_mem_ratio", _formatter(".2f", suffix="x")),
     ("weights + opt. state", "state_bytes", _formatter(",.2f", 1 / 2**20, " MiB")),
@@ -54,6 +65,15 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("skipped steps", "skipped_steps", _formatter("d")),
     ("final loss scale", "loss_scale", _formatter("g")),
 ]
+EVIDENCE_NOTE = (
+    "Seeds are replicates: seed s of a precision is paired with seed s of fp32 (the same initial "
+    "weights and batches). Δ is the mean paired difference with its 95% t interval and the "
+    "paired t-test's p; a verdict `matches` when the interval lies inside ± the tolerance, "
+    "`worse` or `better` when it lies wholly beyond it, `inconclusive` otherwise, and "
+    "`single_seed` claims nothing. Loss gap: (loss - fp32's) / fp32's at matched steps over the "
+    "last 10% of training. Trial speedup: the median over rounds of an interleaved timing trial "
+    "(docs/sweeps.md)."
+)
 MFU_NOTE = "MFU: achieved TFLOP/s over the GPU's dense peak (summary.json's mfu_peak_source). "
 MEMORY_KINDS = {
     "cpu_peak_rss": "peak resident memory of the process (CPU), Python and torch included",
@@ -66,6 +86,7 @@ MEMORY_KINDS = {
 # on listed GPUs only) and perplexity. Failed runs carry no world size.
 OPTIONAL_COLUMNS: dict[str, Callable[[Any], bool]] = {
     "setting": bool,
+    "trial_speedup": lambda speedup: speedup is not None,
     "world_size": lambda ranks: (ranks or 1) > 1,
     "strategy": lambda strategy: strategy == "fsdp2",
     "param_dtype": lambda dtype: dtype not in (None, "fp32"),
@@ -113,6 +134,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     for header, key, show in COLUMNS:
         if key in OPTIONAL_COLUMNS and not any(OPTIONAL_COLUMNS[key](row[key]) for row in rows):
             continue
+        if key == "seed" and len({row["seed"] for row in rows}) < 2:
+            continue  # seeds are shown where they vary: a replicated sweep
         columns.append((header, lambda row, key=key, show=show: show(row[key])))
         if key == "final_loss":
             columns += metric_columns(rows)
@@ -123,6 +146,63 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         lines.append("| " + " | ".join(show(row) for _, show in columns) + " |")
     return lines
+
+
+def _table(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
+
+
+def _estimate(estimate: dict[str, Any] | None, show: Callable[[float], str]) -> str:
+    if estimate is None:
+        return "-"
+    ci = estimate["ci95"]
+    return show(estimate["mean"]) + ("" if ci is None else f" [{show(ci[0])}, {show(ci[1])}]")
+
+
+def evidence_table(report: dict[str, Any]) -> list[str]:
+    """A row per cell (model, setting, precision over its seeds): the quality metric's mean and
+    95% CI, and against fp32 the paired difference, its p-value, the verdict, the loss gap and
+    the speed trial's speedup."""
+    compared = {(c["model"], c["setting"], c["precision"]): c for c in report["comparisons"]}
+    formats = {
+        metric["name"]: metric["fmt"]
+        for row in report["runs"]
+        if row["quality_metric"] is not None
+        for metric in row["quality_metric"]["metrics"]
+    }
+    with_setting = any(cell["setting"] for cell in report["cells"])
+    header = ["model", *(["setting"] * with_setting), "precision", "n", "metric"]
+    header += ["mean [95% CI]", f"Δ vs {BASELINE} [95% CI]", "p", "verdict"]
+    header += ["loss gap [95% CI]", "trial speedup [95% CI]"]
+    body = []
+    for cell in report["cells"]:
+        found = compared.get((cell["model"], cell["setting"], cell["precision"]), {})
+        metric = cell["metric"]
+        mean = _estimate(cell if metric else None, _formatter(formats.get(metric, ".4g")))
+        delta = "-"
+        if found.get("delta_mean") is not None:
+            unit = ToleranceUnit(found["unit"])
+            delta = show_delta(found["delta_mean"], unit)
+            if found["delta_ci95"] is not None:
+                delta += " " + show_interval(found["delta_ci95"], unit)
+        p_value = found.get("p_value")
+        body.append(
+            [
+                cell["model"],
+                *([cell["setting"] or "-"] * with_setting),
+                cell["precision"],
+                str(cell["n"]),
+                metric or "-",
+                mean,
+                delta,
+                "-" if p_value is None else f"{p_value:.2g}",
+                found.get("verdict") or "-",
+                _estimate(found.get("loss_gap_rel"), _formatter("+.2%")),
+                show_speedup(found.get("speedup")),
+            ]
+        )
+    return _table(header, body)
 
 
 def tolerance_sentence(report: dict[str, Any]) -> str:
@@ -187,12 +267,18 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"{len(rows)} runs ({', '.join(f'{n} {status}' for status, n in sorted(statuses.items()))})"
         + (f", on {', '.join(devices)}" if devices else "")
-        + f". Each run is compared with the completed {BASELINE} run of the same model and "
-        "setting." + tolerance_sentence(report) + _sentence(strategy_note(rows)),
+        + f". Each run is compared with the completed {BASELINE} run of the same model, "
+        "setting and seed." + tolerance_sentence(report) + _sentence(strategy_note(rows)),
         "",
         "## Verdict",
         "",
         *(f"- {line}" for line in report["verdicts"]),
+        "",
+        "## Evidence",
+        "",
+        *evidence_table(report),
+        "",
+        EVIDENCE_NOTE,
         "",
         "## Runs",
         "",

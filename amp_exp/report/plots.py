@@ -15,6 +15,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from amp_exp.report import curves
+
 Rows = list[dict[str, Any]]
 Metrics = dict[str, list[dict[str, Any]]]
 
@@ -62,29 +64,101 @@ def _model_panels(models: list[str], panel_size: tuple[float, float]) -> tuple[F
     return figure, axes[: len(models)]
 
 
-def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
-    """Training loss of every run, one panel per model."""
-    curves = [(row, _train_rows(metrics, row)) for row in rows]
-    curves = [(row, points) for row, points in curves if points]
-    models = list(dict.fromkeys(row["model"] for row, _ in curves))
-    if not models:
-        return None
-    figure, axes = _model_panels(models, (5.2, 3.8))
-    for ax, model in zip(axes, models, strict=True):
-        panel = [(row, points) for row, points in curves if row["model"] == model]
-        losses = [p["loss"] for _, points in panel for p in points if p["loss"] > 0]
-        if losses and max(losses) > 100 * min(losses):
-            # A run that blows up would flatten every other curve on a linear axis.
-            ax.set_yscale("log")
-        for row, points in panel:
+def _cells(rows: Rows) -> dict[tuple[str, str, str], Rows]:
+    """The rows of each model, setting and precision: one cell, its seeds the replicates."""
+    cells: dict[tuple[str, str, str], Rows] = {}
+    for row in rows:
+        cells.setdefault((row["model"], row["setting"], row["precision"]), []).append(row)
+    return cells
+
+
+def _cell_label(row: dict[str, Any], seeds: int) -> str:
+    label = _label(row, with_model=False)
+    return f"{label}, mean of {seeds} seeds" if seeds > 1 else label
+
+
+def _draw_cell(ax: Any, cell: Rows, metrics: Metrics, fp32_band: curves.Band) -> None:
+    """One precision's loss: a line per seed, their mean over them; a run that did not complete
+    dashed; where the mean leaves the fp32 band for good, a marker."""
+    color = _color(cell[0]["precision"])
+    done = [
+        curves.train_curve(metrics.get(r["run"], [])) for r in cell if r["status"] == "completed"
+    ]
+    done = [curve for curve in done if curve]
+    for row in cell:
+        points = _train_rows(metrics, row)
+        if points and (row["status"] != "completed" or len(done) > 1):
             ax.plot(
                 [p["step"] for p in points],
                 [p["loss"] for p in points],
-                color=_color(row["precision"]),
+                color=color,
+                alpha=0.35 if row["status"] == "completed" else 0.8,
+                linewidth=0.8,
                 linestyle="-" if row["status"] == "completed" else "--",
-                marker="." if len(points) < 30 else None,
-                label=_label(row, with_model=False),
+                label=_label(row, with_model=False) if row["status"] != "completed" else None,
             )
+    if not done:
+        return
+    mean = curves.mean_curve(done)
+    steps = sorted(mean)
+    ax.plot(
+        steps,
+        [mean[s] for s in steps],
+        color=color,
+        linewidth=1.8,
+        marker="." if len(steps) < 30 else None,
+        label=_cell_label(cell[0], len(done)),
+    )
+    left = curves.left_band_at(mean, fp32_band) if fp32_band and len(done) > 1 else None
+    if left is not None and cell[0]["precision"] != "fp32":
+        step = left[0]
+        ax.scatter([step], [mean[step]], marker="v", s=60, color=color, zorder=4)
+        ax.annotate(
+            f"left the fp32 band at step {step}",
+            (step, mean[step]),
+            textcoords="offset points",
+            xytext=(4, 8),
+            color=color,
+            fontsize="small",
+        )
+
+
+def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
+    """Training loss, one panel per model: the band of fp32's seeds (lowest to highest) with
+    each precision's mean over its seeds drawn over it; a single seed is its own line."""
+    shown = [row for row in rows if _train_rows(metrics, row)]
+    models = list(dict.fromkeys(row["model"] for row in shown))
+    if not models:
+        return None
+    figure, axes = _model_panels(models, (5.2, 3.8))
+    cells = _cells(shown)
+    for ax, model in zip(axes, models, strict=True):
+        panel = [row for row in shown if row["model"] == model]
+        losses = [p["loss"] for row in panel for p in _train_rows(metrics, row) if p["loss"] > 0]
+        if losses and max(losses) > 100 * min(losses):
+            # A run that blows up would flatten every other curve on a linear axis.
+            ax.set_yscale("log")
+        for setting in dict.fromkeys(row["setting"] for row in panel):
+            fp32 = [
+                curves.train_curve(metrics.get(r["run"], []))
+                for r in cells.get((model, setting, "fp32"), [])
+                if r["status"] == "completed"
+            ]
+            fp32_band = curves.band([curve for curve in fp32 if curve])
+            if fp32_band:
+                steps = sorted(fp32_band)
+                ax.fill_between(
+                    steps,
+                    [fp32_band[s][0] for s in steps],
+                    [fp32_band[s][1] for s in steps],
+                    color=_color("fp32"),
+                    alpha=0.25,
+                    linewidth=0,
+                    label=f"fp32 band ({len(fp32)} seeds){f', {setting}' if setting else ''}",
+                )
+            for (cell_model, cell_setting, _), cell in cells.items():
+                if (cell_model, cell_setting) == (model, setting):
+                    _draw_cell(ax, cell, metrics, fp32_band)
         ax.set(title=model, xlabel="step", ylabel="training loss (mean per log interval)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -191,11 +265,51 @@ def peak_memory_bars(rows: Rows, metrics: Metrics) -> Figure | None:
     return _bars(rows, "peak_mem_bytes", "peak_mem_ratio", 2**20, "peak memory (MiB)")
 
 
+def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
+    """The interleaved speed trial: each precision's median speedup over fp32, with its 95% CI."""
+    trialled = {
+        key: cell[0] for key, cell in _cells(rows).items() if cell[0]["trial_speedup"] is not None
+    }
+    models = list(dict.fromkeys(model for model, _, _ in trialled))
+    if not models:
+        return None
+    figure, axes = _model_panels(models, (4.2, 4.0))
+    for ax, model in zip(axes, models, strict=True):
+        bars = [row for (cell_model, _, _), row in trialled.items() if cell_model == model]
+        medians = [row["trial_speedup"]["median"] for row in bars]
+        errors = [
+            [m - row["trial_speedup"]["ci95"][0] for m, row in zip(medians, bars, strict=True)],
+            [row["trial_speedup"]["ci95"][1] - m for m, row in zip(medians, bars, strict=True)],
+        ]
+        drawn = ax.bar(
+            range(len(bars)),
+            medians,
+            yerr=errors,
+            capsize=4,
+            color=[_color(row["precision"]) for row in bars],
+        )
+        ax.bar_label(
+            drawn, labels=[f"{m:.2f}x" for m in medians], label_type="center", fontsize="small"
+        )
+        ax.axhline(1.0, color=_color("fp32"), linewidth=1, linestyle="--", label="fp32")
+        ax.set_xticks(
+            range(len(bars)),
+            [_label(row, with_model=False).replace(" ", "\n") for row in bars],
+            fontsize="small",
+        )
+        ax.set(title=model, ylabel="speedup over fp32 (median, 95% CI)")
+        ax.margins(y=0.2)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    return figure
+
+
 PLOTS: dict[str, Callable[[Rows, Metrics], Figure | None]] = {
     "loss_curves.png": loss_curves,
     "loss_scale.png": loss_scale_trace,
     "throughput.png": throughput_bars,
     "peak_memory.png": peak_memory_bars,
+    "speed_trial.png": speed_trial_bars,
 }
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from amp_exp.report.compare import declared_metrics, varied_keys
-from amp_exp.report.markdown import markdown_table
+from amp_exp.report.compare import REPLICATE_KEY, declared_metrics, varied_keys
+from amp_exp.report.markdown import evidence_table, markdown_table
 from amp_exp.report.runs import Run, find_runs
 from amp_exp.results.dashboard import SKIP_RATE, SUMMARIES, WANDB_KEYS, X_AXIS, wandb_key_of
 from amp_exp.results.files import WANDB_RUN_ID_FILE
@@ -53,6 +53,7 @@ class SweepPage:
     description: str
     run_ids: tuple[str, ...]
     verdicts: tuple[str, ...]
+    evidence: tuple[str, ...]  # markdown lines: the verdict table of report.md
     table: tuple[str, ...]  # markdown lines
     swept_keys: tuple[str, ...]  # dotted config keys ("optimizer.lr"), precision.resolved first
     eval_key: str
@@ -126,6 +127,7 @@ def sweep_page(runs: list[Run], report: dict[str, Any], out_dir: Path) -> SweepP
         description=f"{len(logged)} W&B runs of the {len(runs)} runs in {out_dir.resolve()}",
         run_ids=tuple(str(_run_id(run)) for run in logged),
         verdicts=tuple(report["verdicts"]),
+        evidence=tuple(evidence_table(report)),
         table=tuple(markdown_table(report["runs"])),
         swept_keys=_swept_keys(logged),
         eval_key=_quality_key(logged),
@@ -175,13 +177,23 @@ def _config_column(wr: Any, key: str) -> Any:
     return column(wr.Config(key))
 
 
+def _group_key(key: str) -> str:
+    """A Runset's groupby string for a config key (flat or nested: see _config_column)."""
+    return f"config.{key}.value" if key.startswith(FLAT_SECTION) else f"config.{key}"
+
+
 def _panels(wr: Any, page: SweepPage) -> list[Any]:
     memory_key = WANDB_KEYS["peak_mem_bytes"]
+    # The runs of a group are the seeds of one precision and setting: their mean, in a band
+    # from the lowest to the highest seed.
+    seeds = {"groupby_aggfunc": "mean", "groupby_rangefunc": "minmax"}
     charts = [
-        wr.LinePlot(title="training loss", x=X_AXIS, y=[WANDB_KEYS["loss"]]),
-        wr.LinePlot(title="fp16 loss scale", x=X_AXIS, y=[WANDB_KEYS["scale"]], log_y=True),
-        wr.LinePlot(title="share of steps skipped", x=X_AXIS, y=[SKIP_RATE]),
-        wr.LinePlot(title=page.eval_key, x=X_AXIS, y=[page.eval_key]),
+        wr.LinePlot(title="training loss", x=X_AXIS, y=[WANDB_KEYS["loss"]], **seeds),
+        wr.LinePlot(
+            title="fp16 loss scale", x=X_AXIS, y=[WANDB_KEYS["scale"]], log_y=True, **seeds
+        ),
+        wr.LinePlot(title="share of steps skipped", x=X_AXIS, y=[SKIP_RATE], **seeds),
+        wr.LinePlot(title=page.eval_key, x=X_AXIS, y=[page.eval_key], **seeds),
         wr.BarPlot(title="throughput", metrics=[page.throughput_key], orientation="v"),
         wr.BarPlot(title="peak memory (bytes)", metrics=[memory_key], orientation="v"),
     ]
@@ -222,7 +234,8 @@ def build_page(page: SweepPage, entity: str) -> Any:
         project=page.project,
         name="this sweep",
         filters=expr.And(expr.Metric("ID").isin(list(page.run_ids))),
-        groupby=[f"config.{PRECISION_KEY}.value"],  # a flat key: see _config_column
+        # A group per precision and setting, so that the seeds of each are one line.
+        groupby=[_group_key(key) for key in page.swept_keys if key != REPLICATE_KEY],
     )
     return wr.Report(
         entity=entity,
@@ -233,7 +246,8 @@ def build_page(page: SweepPage, entity: str) -> Any:
         blocks=[
             wr.H2("Verdict"),
             wr.MarkdownBlock("\n".join(f"- {line}" for line in page.verdicts)),
-            wr.H2("Runs by precision"),
+            wr.MarkdownBlock("\n".join(page.evidence)),
+            wr.H2("Runs by precision and setting: the mean of the seeds, in their min-max band"),
             wr.PanelGrid(runsets=[runset], panels=_panels(wr, page)),
             wr.H2("Runs"),
             wr.MarkdownBlock("\n".join(page.table)),

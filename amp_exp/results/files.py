@@ -27,6 +27,9 @@ WANDB_RUN_ID_FILE = "wandb_run_id"
 JOB_CONFIG = Path(".hydra") / "config.yaml"
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
+# The interleaved speed trial (amp_exp/speed/): in its run directory, or a sweep's beside report.*
+SPEED_JSON = "speed.json"
+SPEED_MD = "speed.md"
 
 
 def json_safe(value: Any) -> Any:

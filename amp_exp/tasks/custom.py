@@ -17,10 +17,8 @@ from torch import nn
 from amp_exp.config.datasets import (
     CustomDatasetConfig,
 )
-from amp_exp.config.schema import (
-    CustomModelConfig,
-    TaskName,
-)
+from amp_exp.config.models import CustomModelConfig
+from amp_exp.config.schema import TaskName
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.tasks.base import DataBundle
 from amp_exp.tasks.sampling import dataset_loaders

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_exp.config.schema import GPTConfig
+from amp_exp.config.models import GPTConfig
 
 
 class CausalSelfAttention(nn.Module):

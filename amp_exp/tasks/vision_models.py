@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from amp_exp.config.schema import (
+from amp_exp.config.models import (
     MLPConfig,
     ModelConfig,
     TimmModelConfig,

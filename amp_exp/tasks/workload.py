@@ -20,13 +20,8 @@ from amp_exp.config.datasets import (
     SyntheticTokensConfig,
     dataset_name,
 )
-from amp_exp.config.schema import (
-    CustomModelConfig,
-    GPTConfig,
-    RunConfig,
-    Strategy,
-    TaskName,
-)
+from amp_exp.config.models import CustomModelConfig, GPTConfig
+from amp_exp.config.schema import RunConfig, Strategy, TaskName
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.tasks.base import Batch, DataBundle, Task
 from amp_exp.tasks.classification import ClassificationTask

@@ -2,7 +2,8 @@
 
 Before training, a few forward+backward passes of the built model on one real batch run under
 each candidate's autocast: fp32, and each low precision the probe does not rule out
-(``Capability.trial_candidates``). The candidates take turns and each keeps its fastest pass;
+(``Capability.trial_candidates``). The candidates take turns (training/timing.py, the timing
+code the speed trial uses too) and each keeps its fastest pass;
 ``capability.pick_fastest`` names the winner. The trial leaves no trace: gradients come from
 ``torch.autograd.grad``, so no ``.grad`` is written and no optimizer steps, and the model's buffers
 (BatchNorm statistics) and every random number generator are restored. The run is then
@@ -16,9 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,9 +30,9 @@ from amp_exp.runtime.distributed import Distributed
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
 from amp_exp.training.capability import Capability, ResolvedPrecision, pick_fastest
-from amp_exp.training.meters import synchronize
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.rng import restore_rng_state, rng_state
+from amp_exp.training.timing import interleave
 
 CACHE_FILE = "auto_precision.json"
 # Timed passes per candidate, after one untimed warm-up pass each.
@@ -146,23 +145,24 @@ def time_candidates(
     parameters = [p for p in model.parameters() if p.requires_grad]
     buffers = [b.detach().clone() for b in model.buffers()]
     was_training = model.training
-    best = dict.fromkeys(candidates, math.inf)
+
+    def pass_of(policy: PrecisionPolicy) -> Callable[[], object]:
+        def forward_backward() -> object:
+            with policy.autocast():
+                loss = task.loss(model, batch)
+            return torch.autograd.grad(loss, parameters, allow_unused=True)
+
+        return forward_backward
+
     model.train()
     try:
-        for timed in [False] + [True] * PASSES:
-            # In turns, so that a load spike slows one pass of each candidate, not all of one.
-            for precision, policy in policies.items():
-                synchronize(device)
-                started = time.perf_counter()
-                with policy.autocast():
-                    loss = task.loss(model, batch)
-                torch.autograd.grad(loss, parameters, allow_unused=True)
-                synchronize(device)
-                if timed:
-                    best[precision] = min(best[precision], time.perf_counter() - started)
+        # In turns, so that a load spike slows one pass of each candidate, not all of one.
+        seconds = interleave(
+            {p: pass_of(policy) for p, policy in policies.items()}, device, 1, PASSES
+        )
     finally:
         with torch.no_grad():
             for buffer, saved in zip(model.buffers(), buffers, strict=True):
                 buffer.copy_(saved)
         model.train(was_training)
-    return best
+    return {p: min(min(steps) for steps in rounds) for p, rounds in seconds.items()}

@@ -158,7 +158,7 @@ class Engine:
 
     # --- pieces of a step ---------------------------------------------------------------------
 
-    def _train_batches(self) -> Iterator[Any]:
+    def train_batches(self) -> Iterator[Any]:
         """Batches from where ``progress`` stands, keeping its epoch position current."""
         progress = self.progress
         for epoch in itertools.count(progress.epoch):
@@ -315,7 +315,7 @@ class Engine:
         plan, progress = self.plan, self.progress
         first_step = progress.step + 1
         warmup_steps = min(plan.timing_warmup_steps, max(plan.total_steps - first_step, 0))
-        batches = self._train_batches()
+        batches = self.train_batches()
         throughput = self.throughput
         reset_peak_memory(self.device)
         interval_loss = torch.tensor(progress.interval_loss, device=self.device)

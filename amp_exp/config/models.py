@@ -1,0 +1,84 @@
+"""Model schemas: one dataclass per family of model, registered in ``SCHEMAS["model"]``.
+
+Image models (ours, torchvision's, timm's), GPT language models and the user's own model each
+have a dataclass. A leaf like config/schema.py: it imports nothing from amp_exp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from omegaconf import MISSING
+
+
+@dataclass
+class TinyCNNConfig:
+    """Two 3x3 convolutions, global average pooling and a linear head."""
+
+    name: str = "tiny_cnn"
+    width: int = 32
+    # L2-normalize the pooled features with a custom autograd function that runs in fp32.
+    normalize_features: bool = False
+
+
+@dataclass
+class MLPConfig:
+    """Flattened input, ``depth`` hidden layers of ``hidden_dim`` units."""
+
+    name: str = "mlp"
+    hidden_dim: int = 256
+    depth: int = 2
+
+
+@dataclass
+class TorchvisionModelConfig:
+    """Any torchvision classification model by name, built with random weights."""
+
+    name: str = MISSING
+
+
+@dataclass
+class GPTConfig:
+    """A decoder-only transformer (tasks/gpt.py): pre-LayerNorm blocks, causal attention, a GELU
+    MLP, and an output head tied to the token embedding."""
+
+    name: str = "gpt"
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    # The longest context: the size of the position table. Token data is cut into windows of
+    # dataset.seq_len tokens, which defaults to this.
+    seq_len: int = 1024
+    # null = the dataset's vocabulary; a larger value pads the output head (e.g. 50304).
+    vocab_size: int | None = None
+    dropout: float = 0.0
+    # Biases in the linear layers and LayerNorms, as GPT-2 has them.
+    bias: bool = True
+
+
+@dataclass
+class TimmModelConfig:
+    """Any timm model by name (optional extra: pip install 'amp_exp[timm]'), random weights."""
+
+    name: str = MISSING
+    # Passed to timm.create_model, e.g. +model.kwargs.img_size=32 for a ViT on small images.
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CustomModelConfig:
+    """The user's own model: ``_target_`` names a callable that returns an nn.Module.
+
+    It is called with ``kwargs`` plus those of the dataset's facts its signature accepts:
+    num_classes and input_shape for images; vocab_size and seq_len for tokens.
+    """
+
+    name: str = "custom"
+    _target_: str = MISSING
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+ModelConfig = Union[
+    TinyCNNConfig, MLPConfig, TorchvisionModelConfig, GPTConfig, TimmModelConfig, CustomModelConfig
+]

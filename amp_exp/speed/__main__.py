@@ -1,0 +1,91 @@
+"""``python -m amp_exp.speed [overrides]``: how much faster than fp32 each precision trains a model.
+
+Composed by Hydra exactly as a run (``model=... dataset=... trainer.device=...``, the same
+checks before anything is built), plus ``speed.*``: the precisions to time (fp32, the baseline,
+always among them), warm-up steps, steps per round and rounds (amp_exp/speed/trial.py). Writes
+speed.json and speed.md into its run directory and prints each speedup with its 95% CI:
+
+    python -m amp_exp.speed model=resnet18 'speed.precisions=[fp32,bf16,fp16]'
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from amp_exp.config.plain import plain_run_config
+from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
+from amp_exp.config.schema import Precision, RunConfig
+from amp_exp.config.store import register_configs
+from amp_exp.config.validate import validate
+from amp_exp.errors import EXIT_CONFIG_ERROR, EXPECTED_ERRORS, ConfigError
+from amp_exp.results.files import SPEED_JSON, SPEED_MD, write_json, write_text
+from amp_exp.speed.trial import run_trial, trial_markdown
+
+log = logging.getLogger("amp_exp")
+
+# Its own log file name, and no .hydra/ folder: a report of the directories around it must not
+# take the trial's directory for a training run that was killed (speed.json keeps the config).
+HYDRA_OVERRIDES = ["hydra.job.name=speed", "hydra.output_subdir=null"]
+
+register_configs()
+
+
+def candidates(cfg: RunConfig) -> dict[str, RunConfig]:
+    """The run in each precision of ``speed.precisions``, fp32 first."""
+    precisions = dict.fromkeys([Precision.fp32, *cfg.speed.precisions])
+    configs = {}
+    for precision in precisions:
+        configs[precision.value] = copy.deepcopy(cfg)
+        configs[precision.value].precision.name = precision
+    return configs
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
+def speed_main(cfg: DictConfig) -> None:
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        validated = validate(cfg)
+        trial = run_trial(candidates(validated), validated.speed)
+    except EXPECTED_ERRORS as error:
+        log.error("%s", error)
+        sys.exit(error.exit_status)
+    write_json(output_dir / SPEED_JSON, {"trials": [trial], "config": plain_run_config(validated)})
+    write_text(output_dir / SPEED_MD, trial_markdown([trial]))
+    for label, found in trial["speedup"].items():
+        low, high = found["ci95"]
+        log.info(
+            "%s: %.2fx fp32's speed (95%% CI %.2fx to %.2fx over %d rounds)",
+            label,
+            found["median"],
+            low,
+            high,
+            found["rounds"],
+        )
+    log.info("speed trial: %s", output_dir / SPEED_MD)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    try:
+        if "-m" in argv or "--multirun" in argv:
+            raise ConfigError(
+                "python -m amp_exp.speed times its precisions in one process: list them in "
+                "speed.precisions=[...] instead of sweeping with -m"
+            )
+        check_overrides(argv)
+    except ConfigError as error:
+        print(f"amp_exp.speed: error: {error}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    sys.argv[1:] = [*HYDRA_OVERRIDES, *argv]
+    speed_main()
+
+
+if __name__ == "__main__":
+    main()

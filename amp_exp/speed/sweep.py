@@ -1,0 +1,64 @@
+"""The speed trial at the end of a sweep: one trial per model and setting that ran fp32 and some
+other precision, written to the sweep's speed.json (and speed.md) before its report is built.
+
+The report callback (report/callback.py) receives ``time_sweep`` from conf/config.yaml rather
+than importing it: the trial builds models (``amp_exp.build``), a layer above the report's.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from amp_exp.config.plain import run_config_from_plain
+from amp_exp.config.schema import Precision, RunConfig
+from amp_exp.report.compare import BASELINE, assign_settings, precision_label
+from amp_exp.report.runs import Run, find_runs
+from amp_exp.results.files import SPEED_JSON, SPEED_MD, write_json, write_text
+
+log = logging.getLogger("amp_exp")
+
+
+def trial_config(run: Run) -> RunConfig:
+    """The job's config, in the precision it ran (a job of precision=auto names its choice)."""
+    cfg = run_config_from_plain(run.summary["config"])
+    cfg.precision.name = Precision(run.precision)
+    return cfg
+
+
+def trial_groups(runs: list[Run]) -> dict[tuple[str, str], dict[str, Run]]:
+    """Per model and setting that completed fp32 and another precision: one completed job of each
+    precision label (the first seed's: the speed of a precision does not depend on the seed)."""
+    groups: dict[tuple[str, str], dict[str, Run]] = {}
+    for run in runs:
+        if run.completed and "config" in run.summary:
+            group = groups.setdefault((run.model, run.setting), {})
+            group.setdefault(precision_label(run.summary), run)
+    return {key: jobs for key, jobs in groups.items() if BASELINE in jobs and len(jobs) > 1}
+
+
+def time_sweep(sweep_dir: Path) -> Path | None:
+    """Run the sweep's trials and write speed.json and speed.md; returns speed.json's path, or
+    None when no model and setting ran fp32 and another precision. A trial that fails is recorded
+    with its error, and the report of that group falls back to the jobs' own timings."""
+    from amp_exp.speed.trial import run_trial, trial_markdown
+
+    runs = find_runs([sweep_dir])
+    assign_settings(runs)
+    trials: list[dict[str, Any]] = []
+    for (model, setting), jobs in trial_groups(runs).items():
+        where = f"{model}{f' ({setting})' if setting else ''}"
+        log.info("speed trial: %s in %s, interleaved", ", ".join(jobs), where)
+        try:
+            configs = {label: trial_config(run) for label, run in jobs.items()}
+            trial = run_trial(configs, configs[BASELINE].speed)
+        except Exception as error:
+            log.warning("speed trial of %s failed: %s", where, error)
+            trial = {"error": f"{type(error).__name__}: {error}"}
+        trials.append({**trial, "model": model, "setting": setting})
+    if not trials:
+        return None
+    write_json(sweep_dir / SPEED_JSON, {"trials": trials})
+    write_text(sweep_dir / SPEED_MD, trial_markdown(trials))
+    return sweep_dir / SPEED_JSON

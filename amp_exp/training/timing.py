@@ -1,0 +1,89 @@
+"""Interleaved timing: the one way amp_exp times candidates against each other.
+
+Timed one after another, two jobs on a shared machine measure whatever the neighbours were doing
+during each (the same bf16 job timed 2.95x and 1.18x fp32 on two seeds of one sweep). Here the
+candidates take turns instead: after untimed warm-up steps of each, every round runs ``steps``
+steps of each candidate in the same order (A B C A B C ...), so a load spike slows one round of
+each candidate rather than all of one, and candidate k of round r is compared with the baseline
+of the same round.
+
+Every step is timed on its own, so a round can be summarized by its median step, which a
+neighbour's burst does not move (scripts/bench_parity.py reads median step times too). On CUDA
+the steps are timed by events on the stream, read after one synchronize at the end of the
+round: the time is that of the work, not of its launch, and no step waits for the host.
+
+``precision=auto`` (training/auto_precision.py) and the speed trial (amp_exp/speed/) both call
+``interleave``; only what a step is differs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Mapping
+from typing import TypeVar
+
+import torch
+
+from amp_exp.training.meters import synchronize
+
+Key = TypeVar("Key", bound=Hashable)
+
+
+class StepClock:
+    """The seconds each step of a stretch took: CUDA events, or the host clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def _mark(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self.marks = [self._mark()]
+
+    def lap(self) -> None:
+        """Mark the end of a step."""
+        self.marks.append(self._mark())
+
+    def seconds(self) -> list[float]:
+        """Each step's time since ``start``, in order."""
+        synchronize(self.device)
+        pairs = zip(self.marks, self.marks[1:], strict=False)
+        if self.cuda:
+            return [begin.elapsed_time(end) / 1e3 for begin, end in pairs]
+        return [end - begin for begin, end in pairs]
+
+
+def interleave(
+    steppers: Mapping[Key, Callable[[], object]],
+    device: torch.device,
+    steps: int,
+    rounds: int,
+    warmup_steps: int = 1,
+) -> dict[Key, list[list[float]]]:
+    """Seconds of each step of each candidate in each round: ``{key: [[round 1's steps], ...]}``.
+
+    ``steppers`` maps each candidate to a callable that runs one step of it; they run in the
+    mapping's order within every round.
+    """
+    for step in steppers.values():
+        for _ in range(warmup_steps):
+            step()
+    clock = StepClock(device)
+    seconds: dict[Key, list[list[float]]] = {key: [] for key in steppers}
+    for _ in range(rounds):
+        for key, step in steppers.items():
+            clock.start()
+            for _ in range(steps):
+                step()
+                clock.lap()
+            seconds[key].append(clock.seconds())
+    return seconds

@@ -1,0 +1,78 @@
+"""Replicated sweeps end to end: seeds as replicates, verdicts from their spread, and the speed
+trial at the end of a sweep that leaves the jobs' results as they were."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from amp_exp.report.assemble import build_report
+from amp_exp.results.files import SPEED_JSON, SPEED_MD
+from amp_exp.speed.sweep import time_sweep
+from helpers.runs import FAST, TINY, run_cli
+
+pytestmark = pytest.mark.slow
+
+# A short trial: enough rounds for a 95% interval of the median, two steps each.
+SHORT_TRIAL = ["speed.rounds=6", "speed.steps=2", "speed.warmup_steps=1"]
+
+
+def test_three_seeds_of_bf16_match_fp32_or_are_inconclusive_never_worse(tmp_path: Path) -> None:
+    run_cli(
+        "-m",
+        *FAST,
+        *TINY,
+        # Accuracy in steps of 0.2 points, finer than the 0.5-point tolerance.
+        "dataset.eval_size=512",
+        "precision=fp32,bf16",
+        "seed=0,1,2",
+        "report.speed_trial=false",
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    report = json.loads((tmp_path / "report.json").read_text())
+    (comparison,) = report["comparisons"]
+    assert (comparison["precision"], comparison["n"]) == ("bf16", 3)
+    assert comparison["verdict"] in ("matches", "inconclusive")
+    assert comparison["speedup"] is None and not (tmp_path / SPEED_JSON).exists()
+    assert [cell["seeds"] for cell in report["cells"]] == [[0, 1, 2], [0, 1, 2]]
+    # The trial afterwards, as the sweep's end would run it: the jobs' files stay as they were.
+    jobs = {p: p.read_bytes() for p in tmp_path.glob("*/*") if p.is_file()}
+    assert time_sweep(tmp_path) == tmp_path / SPEED_JSON
+    assert {p: p.read_bytes() for p in tmp_path.glob("*/*") if p.is_file()} == jobs
+    (trial,) = json.loads((tmp_path / SPEED_JSON).read_text())["trials"]
+    assert (trial["model"], trial["setting"], list(trial["speedup"])) == ("tiny_cnn", "", ["bf16"])
+    assert "| bf16 |" in (tmp_path / SPEED_MD).read_text()
+    (timed,) = build_report([tmp_path], tmp_path)["comparisons"]
+    low, high = timed["speedup"]["ci95"]
+    assert low <= timed["speedup"]["median"] <= high
+    assert timed["verdict"] == comparison["verdict"]
+
+
+def test_a_mode_that_stalls_training_is_worse_than_fp32(tmp_path: Path) -> None:
+    # At a small learning rate most updates are below half a bf16 step: rounded to nearest, they
+    # are lost, and the weights stall while fp32's learn.
+    run_cli(
+        "-m",
+        *FAST,
+        "model=mlp",
+        "dataset.image_size=8",
+        "dataset.batch_size=16",
+        "dataset.noise_std=0.5",
+        "optimizer.lr=0.003",
+        "trainer.max_steps=40",
+        "diagnostics.underflow_every=10",
+        "precision=fp32,bf16_true_nearest",
+        "seed=0,1,2",
+        "report.speed_trial=false",
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    report = json.loads((tmp_path / "report.json").read_text())
+    (comparison,) = report["comparisons"]
+    assert (comparison["precision"], comparison["n"]) == ("bf16_true (nearest)", 3)
+    assert comparison["verdict"] == "worse"
+    assert comparison["delta_ci95"][1] < -comparison["tolerance"]
+    (line,) = report["verdicts"]
+    assert line.startswith("mlp: bf16_true (nearest) is worse than fp32: Δ accuracy -")
+    assert "updates round away in bf16" in line
