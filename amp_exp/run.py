@@ -10,6 +10,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +19,25 @@ import torch
 from amp_exp.build import Built, attach_diagnostics, build, global_batch_size
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
-from amp_exp.errors import ConfigError, RunRefused, RuntimeFault
+from amp_exp.errors import RuntimeFault
 from amp_exp.results.checkpoint import (
     Checkpointer,
     ShardedCheckpointer,
-    UnusableCheckpoints,
     checkpoint_dir,
-    load_newest_valid,
     load_shards,
     remove_stale_temporaries,
+)
+from amp_exp.results.claim import (
+    check_directory,
+    check_same_experiment,
+    find_checkpoint,
+    nothing_to_do,
+    resume_target,
 )
 from amp_exp.results.files import METRICS_FILE, SUMMARY_FILE, write_json
 from amp_exp.results.lock import RunDirectoryLock
 from amp_exp.results.loggers import ConsoleLogger, JsonlLogger, Logger, keep_metrics_until
-from amp_exp.results.resume_rules import config_changes, data_position
+from amp_exp.results.resume_rules import data_position
 from amp_exp.results.summary import Status, completed_summary, make_summary
 from amp_exp.results.wandb_logger import open_wandb_logger
 from amp_exp.runtime.distributed import Distributed, process_group
@@ -129,39 +135,25 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path) -> bool:
     """Restore ``built`` from the checkpoint ``cfg.resume`` points at, if there is one.
 
     Returns whether the run is already complete there: resuming a completed run does nothing.
+    What may resume where is results.claim's to say; here the checkpoint is loaded.
     """
-    if cfg.resume is None:
+    target = resume_target(cfg, output_dir)
+    if target is None:
         return False
-    auto = cfg.resume == "auto"
-    target = output_dir if auto else Path(cfg.resume).expanduser().resolve()
-    if not auto and not target.exists():
-        raise ConfigError(f"resume={cfg.resume}: no such file or directory")
     if built.is_main and target.is_dir():
         for stale in remove_stale_temporaries(target):
             log.info("removed %s, left by a save that was killed mid-write", stale)
-    try:
-        found = load_newest_valid(target)
-    except UnusableCheckpoints as error:
-        raise RuntimeFault(
-            f"resume={cfg.resume}: no checkpoint in {checkpoint_dir(target)} loads ({error}); "
-            "nothing was changed. Move the files away to start over"
-        ) from None
+    found = find_checkpoint(cfg, target)
     if built.distributed is not None and built.distributed.shards:
         # Loading shards is a collective: the ranks agree on the checkpoint (or none) first.
         check_ranks_resumed_alike(built, -1 if found is None else found[1]["step"])
     if found is None:
-        if not auto:
-            raise ConfigError(f"resume={cfg.resume}: no usable checkpoint there")
         log.info("resume=auto: no checkpoint in %s yet, starting fresh", output_dir)
         return False
     path, payload = found
     check_resumable(cfg, built, payload)
     if payload["step"] >= built.engine.total_steps and completed_summary(output_dir):
-        log.info(
-            "resume=%s: this run completed at step %d; nothing to do, its results stay as they are",
-            cfg.resume,
-            payload["step"],
-        )
+        log.info("%s", nothing_to_do(cfg, payload["step"]))
         return True
     if "sharded" in payload:
         engine = built.engine
@@ -184,16 +176,10 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path) -> bool:
 
 
 def check_resumable(cfg: RunConfig, built: Built, payload: dict[str, Any]) -> None:
-    """Refuse, before loading anything, a checkpoint of another experiment, or of another world
-    size unless it is sharded (DCP reshards it; the data position is carried over, see
-    resume_rules.data_position)."""
-    refused, allowed = config_changes(payload["config"], plain_run_config(cfg))
-    if refused:
-        raise RunRefused(
-            f"resume={cfg.resume}: the checkpoint belongs to another experiment "
-            f"({'; '.join(refused)}); these cannot change on resume, so resume with the "
-            "checkpoint's values or start a new run directory"
-        )
+    """Say what the resume changes, and refuse a checkpoint of another world size unless it is
+    sharded (DCP reshards it; the data position is carried over, see
+    resume_rules.data_position). find_checkpoint refused another experiment already."""
+    allowed = check_same_experiment(cfg, payload.get("config"), "the checkpoint")
     if allowed:
         log.info("resuming with changed settings: %s", "; ".join(allowed))
     saved_world_size = payload["world_size"]
@@ -261,6 +247,19 @@ def train(
         return train_in_group(cfg, output_dir, distributed, loss_fn, sweep, started)
 
 
+@contextlib.contextmanager
+def user_code_cannot_exit() -> Iterator[None]:
+    """A model, data set or loss that calls ``sys.exit()`` ends the run as failed (exit 4, with
+    its summary.json): a run's exit status and its results are amp_exp's to write."""
+    try:
+        yield
+    except SystemExit as escaped:
+        raise RuntimeFault(
+            f"the run's model or data code raised SystemExit({escaped.code!r}); amp_exp stopped "
+            "the run: remove the sys.exit() call from it"
+        ) from None
+
+
 def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob | None):
     """The console, metrics.jsonl and (if it starts) W&B; none on ranks other than 0."""
     if not built.is_main:
@@ -297,7 +296,14 @@ def train_in_group(
     # Rank 0 holds the lock for the whole job; the other ranks only follow it.
     is_main = distributed is None or distributed.is_main
     with RunDirectoryLock(output_dir) if is_main else contextlib.nullcontext():
-        built = build(cfg, loss_fn, distributed)
+        # Every rank: they read the same files and refuse alike, before any collective.
+        world_size = 1 if distributed is None else distributed.world_size
+        done = check_directory(cfg, output_dir, world_size)
+        if done is not None:
+            log.info("%s", done)
+            return completed_summary(output_dir)  # type: ignore[return-value]
+        with user_code_cannot_exit():
+            built = build(cfg, loss_fn, distributed)
         if resume(cfg, built, output_dir):
             return completed_summary(output_dir)  # type: ignore[return-value]
         check_ranks_resumed_alike(built)
@@ -339,7 +345,7 @@ def train_built(
 
     try:
         diagnostics = attach_diagnostics(cfg, built, emit)
-        with StopRequest() as stop:
+        with StopRequest() as stop, user_code_cannot_exit():
             result = built.engine.fit(emit, checkpoints, stop_requested=stop)
         stop_signal = stop.requested
         if distributed is not None and result.stopped_early:

@@ -2,6 +2,8 @@
 
 Image models classify images; gpt models predict the next token. The task (``task=``) follows
 from the dataset unless the dataset is the user's own; the user's own model fits either task.
+Activation checkpointing recomputes transformer blocks, which amp_exp's own image models (tiny_cnn,
+mlp) do not have; whether a torchvision, timm or user model has them shows once it is built.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from amp_exp.config.datasets import (
 from amp_exp.config.schema import (
     CustomModelConfig,
     GPTConfig,
+    MLPConfig,
     RunConfig,
     TaskName,
+    TinyCNNConfig,
 )
 from amp_exp.errors import ConfigError
+from amp_exp.runtime.blocks import no_blocks
 
 IMAGE_DATASETS = ", ".join(name.value for name in DatasetName)
 VALID_PAIRINGS = (
@@ -86,6 +91,8 @@ def check_pairing(run: RunConfig) -> TaskName:
             )
     if task is TaskName.lm:
         _check_token_sizes(run)
+    if run.trainer.activation_checkpointing and isinstance(run.model, (TinyCNNConfig, MLPConfig)):
+        raise no_blocks(model_name)
     return task
 
 

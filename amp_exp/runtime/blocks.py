@@ -22,6 +22,15 @@ def model_blocks(model: nn.Module) -> nn.ModuleList | None:
     return blocks if isinstance(blocks, nn.ModuleList) else None
 
 
+def no_blocks(model_name: str) -> ConfigError:
+    """Activation checkpointing asked of a model without blocks; config.pairing refuses it for
+    the built-in models before a job starts, this for the user's own once built."""
+    return ConfigError(
+        f"trainer.activation_checkpointing=true recomputes the blocks of a transformer "
+        f"(model.blocks), and model {model_name} has none; set it to false"
+    )
+
+
 def checkpoint_blocks(model: nn.Module, model_name: str) -> None:
     """Make each block recompute its activations in the backward instead of keeping them.
 
@@ -32,10 +41,7 @@ def checkpoint_blocks(model: nn.Module, model_name: str) -> None:
     """
     blocks = model_blocks(model)
     if blocks is None:
-        raise ConfigError(
-            f"trainer.activation_checkpointing=true recomputes the blocks of a transformer "
-            f"(model.blocks), and model {model_name} has none; set it to false"
-        )
+        raise no_blocks(model_name)
     for index, block in enumerate(blocks):
         # The non-reentrant checkpoint, which torch recommends: it supports inputs that need no
         # gradient and, under FSDP2, gathers the block's parameters again for the recomputation.

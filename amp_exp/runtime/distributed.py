@@ -15,7 +15,9 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from amp_exp.config.schema import DeviceChoice, Strategy
+from amp_exp.errors import RuntimeFault
 from amp_exp.runtime import fsdp
 from amp_exp.runtime.hardware import resolve_device
 from amp_exp.runtime.ranks import WorkerRank, torchrun_store, worker_rank
@@ -31,16 +34,47 @@ from amp_exp.runtime.ranks import WorkerRank, torchrun_store, worker_rank
 log = logging.getLogger("amp_exp")
 
 
+# Each rank's "host pid" in the group's store, so that a rank whose peer died can say which.
+PID_KEY = "amp_exp_pid/{rank}"
+
+
 class Distributed:
     """This process's share of a data-parallel run: its rank, device, strategy and model."""
 
     def __init__(
-        self, rank: WorkerRank, device: torch.device, strategy: Strategy = Strategy.ddp
+        self,
+        rank: WorkerRank,
+        device: torch.device,
+        strategy: Strategy = Strategy.ddp,
+        store: dist.Store | None = None,
     ) -> None:
+        """``store``: the group's corner of torchrun's store, where the ranks say who they are."""
         self.rank, self.device, self.strategy = rank, device, strategy
         self.world_size = rank.world_size
         self.is_main = rank.is_main
         self.trained: nn.Module | None = None
+        self._store = store
+        if store is not None:
+            store.set(PID_KEY.format(rank=rank.rank), f"{socket.gethostname()} {os.getpid()}")
+
+    def lost_ranks(self) -> list[str]:
+        """The other ranks on this node whose process has died, as "rank N (pid P)".
+
+        A collective whose peer died fails with the transport's words for it (gloo: "Connection
+        closed by peer [address]:port"), which name no rank; the pids the ranks published at the
+        start do. Ranks on other nodes cannot be looked at from here.
+        """
+        if self._store is None:
+            return []
+        host, lost = socket.gethostname(), []
+        for other in range(self.world_size):
+            key = PID_KEY.format(rank=other)
+            if other == self.rank.rank or not self._store.check([key]):
+                continue
+            where, _, pid = self._store.get(key).decode().rpartition(" ")
+            if where == host and not process_alive(int(pid)):
+                lost.append(f"rank {other} (pid {pid})")
+        return lost
 
     @property
     def shards(self) -> bool:
@@ -132,6 +166,25 @@ class Distributed:
         return not self.any(mismatch)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this node runs: a zombie (dead, not yet reaped by torchrun's
+    agent) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc to read: only whether the pid exists can be told
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    # "pid (command) state ...": the command may hold spaces and parentheses.
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
 def plain_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """The whole model's state (from inside its wrappers) and the optimizer's."""
     return unwrap(model).state_dict(), optimizer.state_dict()
@@ -186,6 +239,7 @@ def process_group(
     NCCL on CUDA, with each rank pinned to its local GPU; gloo on the CPU. A group the caller
     already initialized is used as it is and left open. FSDP2 outside torchrun trains in a group
     of one process, so that one code path (DTensors, DCP checkpoints) serves every world size.
+    A run that fails because another rank of this node died raises ``RuntimeFault`` naming it.
     """
     rank = worker_rank()
     if rank is None and strategy is Strategy.fsdp2:
@@ -202,8 +256,8 @@ def process_group(
         import submitit
 
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    store = agent_store() if owned else None
     if owned:
-        store = agent_store()
         placement = {}
         if store is not None:
             placement = {"store": store, "rank": rank.rank, "world_size": rank.world_size}
@@ -214,8 +268,19 @@ def process_group(
     if not rank.is_main:
         # Rank 0 speaks for the job; the other ranks report only errors.
         log.setLevel(logging.ERROR)
+    distributed = Distributed(rank, device, strategy, store)
     try:
-        yield Distributed(rank, device, strategy)
+        yield distributed
+    except Exception:
+        lost = distributed.lost_ranks()
+        if not lost:
+            raise
+        # The collective that failed says only that a connection closed; the cause is the rank
+        # that died.
+        raise RuntimeFault(
+            f"lost {', '.join(lost)} of {rank.world_size}: its process died, so the run cannot "
+            "go on; resume=auto continues from the last checkpoint"
+        ) from None
     finally:
         if owned:
             dist.destroy_process_group()

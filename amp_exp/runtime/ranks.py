@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -21,6 +22,9 @@ from amp_exp.errors import ConfigError
 # Under the agent's store, beside torchrun's own keys; the run id keeps separate jobs apart, and
 # leaving out the restart count keeps a worker group restarted by torchrun in the same directory.
 LAUNCH_TIME_KEY = "amp_exp/launch_time/{run_id}"
+# Rank 0's verdict on a command, per attempt: a worker group torchrun restarts asks again.
+VERDICT_KEY = "amp_exp/verdict/{run_id}/{attempt}"
+FAILED = "failed"
 STORE_TIMEOUT = timedelta(seconds=120)
 
 
@@ -90,6 +94,31 @@ def launch_time() -> datetime:
     # compare_set with an empty expected value writes only if the key is absent: first one wins.
     agreed = store.compare_set(key, "", now.isoformat())
     return datetime.fromisoformat(agreed.decode())
+
+
+def rank0_decides(decide: Callable[[], str]) -> str:
+    """``decide()`` on rank 0, and what it returned on every other worker of a torchrun job.
+
+    For what one process must decide for all, before anything else runs: the others wait for
+    the answer in torchrun's store. Outside torchrun (or its agent's store) every process
+    decides for itself. If rank 0 raises, the others get ``failed <its exit status>``.
+    """
+    rank, store = worker_rank(), torchrun_store(STORE_TIMEOUT)
+    if rank is None or store is None:
+        return decide()
+    key = VERDICT_KEY.format(
+        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "none"),
+        attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+    )
+    if not rank.is_main:
+        return store.get(key).decode()
+    try:
+        verdict = decide()
+    except BaseException as error:
+        store.set(key, f"{FAILED} {getattr(error, 'exit_status', 1)}")
+        raise
+    store.set(key, verdict)
+    return verdict
 
 
 def log_file_suffix() -> str:

@@ -101,6 +101,22 @@ def check_output_fits(task: Task, model: nn.Module, batch: Batch, cfg: RunConfig
         )
 
 
+def check_trainable(model: nn.Module, cfg: RunConfig) -> None:
+    """An optimizer needs parameters that take a gradient (floating point, requires_grad)."""
+    parameters = list(model.parameters())
+    if any(p.requires_grad for p in parameters):
+        return
+    found = (
+        f"none of its {len(parameters)} parameters requires a gradient (all frozen or integer)"
+        if parameters
+        else "it has no parameters"
+    )
+    raise ConfigError(
+        f"model={cfg.model.name} has nothing to train: {found}; give it floating-point "
+        "parameters with requires_grad=True"
+    )
+
+
 def build_workload(
     cfg: RunConfig,
     device: torch.device,
@@ -112,6 +128,7 @@ def build_workload(
     data = build_data(cfg, device, rank, world_size)
     facts = data.facts
     model = build_model(cfg, facts).to(device)
+    check_trainable(model, cfg)
     channels_last = cfg.trainer.channels_last
     if channels_last is None:
         # FSDP2 shards only contiguous parameters, and channels_last convolution weights are not.
