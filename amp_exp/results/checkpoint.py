@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from amp_exp.errors import first_line
+from amp_exp.errors import RuntimeFault, first_line
 from amp_exp.results.dcp_reader import (
     DCP_METADATA,
     SafeFileSystemReader,
@@ -122,7 +123,13 @@ class ShardedCheckpointer(Checkpointer):
         final = self.directory / f"step_{payload['step']:08d}"
         # The same name on every rank; a leftover of a killed save is written over.
         partial = self.directory / f".{final.name}{TMP_SUFFIX}"
-        dcp.save(shards, checkpoint_id=partial)
+        try:
+            dcp.save(shards, checkpoint_id=partial)
+        except CheckpointException as error:  # a full disk on some rank, say
+            raise RuntimeFault(
+                f"could not write {partial} ({dcp_cause(error)}); the previous checkpoints are "
+                "intact"
+            ) from None
         if not self.writes:
             return
         atomic_save(payload, partial / ENGINE_STATE)
@@ -239,10 +246,20 @@ def read_checkpoint(path: Path, mmap: bool = False) -> Any:
 def load_shards(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """Fill ``template`` (this run's sharded state dicts) from the checkpoint's shards, on any
     number of ranks: DCP reshards. Every rank calls this."""
-    dcp.load(
-        template,
-        checkpoint_id=path,
-        storage_reader=SafeFileSystemReader(path),
-        planner=SafeLoadPlanner(),
-    )
+    try:
+        dcp.load(
+            template,
+            checkpoint_id=path,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(),
+        )
+    except CheckpointException as error:
+        raise RuntimeFault(f"the shards of {path} do not load: {dcp_cause(error)}") from None
     return template
+
+
+def dcp_cause(error: CheckpointException) -> str:
+    """What went wrong, from DCP's error: every failed rank's traceback in one message (and a
+    BaseException, which no ``except Exception`` would catch), whose last line says it."""
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__

@@ -77,13 +77,13 @@ class ClassificationTask:
         """What makes a batch's labels something cross-entropy cannot take: one class index per
         sample, an integer in [0, num_classes)."""
         valid = f"one class index in [0, {self.num_classes}) per sample"
-        if labels.is_floating_point() or labels.is_complex() or labels.dtype is torch.bool:
-            return f"its labels are {labels.dtype}, not {valid} (an integer tensor)"
         if tuple(labels.shape) != (batch_size,):
             return (
                 f"its labels have shape {list(labels.shape)}, not [{batch_size}]: {valid}"
                 " (for one-hot labels, their argmax)"
             )
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype is torch.bool:
+            return f"its labels are {labels.dtype}, not {valid} (an integer tensor)"
         low, high = int(labels.min()), int(labels.max())
         if low < 0 or high >= self.num_classes:
             return (
