@@ -294,6 +294,25 @@ def test_with_no_server_the_command_stops_in_one_line_within_30_s_after_report_m
 
 
 @pytest.mark.slow
+def test_what_matplotlib_says_of_its_cache_never_adds_a_line_to_the_error(tmp_path: Path) -> None:
+    """A config folder matplotlib cannot use (here a file; in a fresh home, none yet): it warns,
+    and builds its font cache in a temporary folder, through the logging module."""
+    root = write_sweep(tmp_path / "sweep")
+    (tmp_path / "not_a_folder").write_text("")
+    result, _ = report_cli(
+        root,
+        tmp_path / "home",
+        WANDB_API_KEY=FAKE_API_KEY,
+        WANDB_BASE_URL=UNREACHABLE_SERVER,
+        MPLCONFIGDIR=str(tmp_path / "not_a_folder"),
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("amp_exp.report: error: no W&B report: cannot reach")
+    assert (root / "loss_curves.png").is_file()
+
+
+@pytest.mark.slow
 def test_without_an_api_key_the_command_stops_in_one_line_and_never_prompts(
     tmp_path: Path,
 ) -> None:

@@ -15,7 +15,10 @@ import contextlib
 import itertools
 import logging
 import os
+import signal
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,9 @@ log = logging.getLogger("amp_exp")
 
 # Each rank's "host pid" in the group's store, so that a rank whose peer died can say which.
 PID_KEY = "amp_exp_pid/{rank}"
+# How gloo says that the other end of a connection is gone.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+PEER_EXIT_S = 5.0
 
 
 class Distributed:
@@ -57,24 +63,29 @@ class Distributed:
         if store is not None:
             store.set(PID_KEY.format(rank=rank.rank), f"{socket.gethostname()} {os.getpid()}")
 
-    def lost_ranks(self) -> list[str]:
+    def lost_ranks(self, patience_s: float = 0.0) -> list[str]:
         """The other ranks on this node whose process has died, as "rank N (pid P)".
 
         A collective whose peer died fails with the transport's words for it (gloo: "Connection
         closed by peer [address]:port"), which name no rank; the pids the ranks published at the
-        start do. Ranks on other nodes cannot be looked at from here.
+        start do. A peer's connections close before its process is gone: ``patience_s`` is how
+        long it may take to die. Ranks on other nodes cannot be looked at from here.
         """
         if self._store is None:
             return []
-        host, lost = socket.gethostname(), []
+        peers = {}
         for other in range(self.world_size):
             key = PID_KEY.format(rank=other)
-            if other == self.rank.rank or not self._store.check([key]):
-                continue
-            where, _, pid = self._store.get(key).decode().rpartition(" ")
-            if where == host and not process_alive(int(pid)):
-                lost.append(f"rank {other} (pid {pid})")
-        return lost
+            if other != self.rank.rank and self._store.check([key]):
+                where, _, pid = self._store.get(key).decode().rpartition(" ")
+                if where == socket.gethostname():
+                    peers[other] = int(pid)
+        deadline = time.monotonic() + patience_s
+        while True:
+            lost = [f"rank {r} (pid {pid})" for r, pid in peers.items() if not process_alive(pid)]
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.05)
 
     @property
     def shards(self) -> bool:
@@ -164,6 +175,11 @@ class Distributed:
         # another that holds the same NaNs.
         mismatch = not torch.equal(local.view(torch.int64), reference.view(torch.int64))
         return not self.any(mismatch)
+
+
+def peer_gone(error: Exception) -> bool:
+    """Whether ``error`` is the transport saying the other end of a connection is gone."""
+    return isinstance(error, dist.DistError) or any(words in str(error) for words in PEER_GONE)
 
 
 def process_alive(pid: int) -> bool:
@@ -271,9 +287,18 @@ def process_group(
     distributed = Distributed(rank, device, strategy, store)
     try:
         yield distributed
-    except Exception:
-        lost = distributed.lost_ranks()
+    except Exception as error:
+        patience_s, sigterm = 0.0, None
+        if peer_gone(error):
+            patience_s = PEER_EXIT_S
+            if threading.current_thread() is threading.main_thread():
+                # torchrun's agent SIGTERMs every worker once one has died; this one finds out
+                # which, records its failure and exits (the agent SIGKILLs it in 30 s otherwise).
+                sigterm = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        lost = distributed.lost_ranks(patience_s)
         if not lost:
+            if sigterm is not None:
+                signal.signal(signal.SIGTERM, sigterm)
             raise
         # The collective that failed says only that a connection closed; the cause is the rank
         # that died.

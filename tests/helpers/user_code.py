@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 
 import torch
 from torch import nn
@@ -137,3 +139,22 @@ def make_blobs(seed: int, size: int = 256, classes: int = 4):
             TensorDataset(centers[labels] + torch.randn(count, 16, generator=generator), labels)
         )
     return tuple(splits)
+
+
+class MortalClassifier(nn.Module):
+    """Rank 1 of a torchrun job is SIGKILLed in its ``die_at``-th forward, as by the OOM killer."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, die_at: int) -> None:
+        super().__init__()
+        self.model = make_classifier(input_shape, num_classes)
+        self.die_at, self.calls = die_at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.die_at and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.model(x)
+
+
+def make_mortal(input_shape: tuple[int, ...], num_classes: int, die_at: int = 4) -> nn.Module:
+    return MortalClassifier(input_shape, num_classes, die_at)
