@@ -16,7 +16,6 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -32,13 +31,17 @@ from amp_exp.config.schema import DeviceChoice, Strategy
 from amp_exp.errors import RuntimeFault
 from amp_exp.runtime import fsdp
 from amp_exp.runtime.hardware import resolve_device
-from amp_exp.runtime.ranks import WorkerRank, torchrun_store, worker_rank
+from amp_exp.runtime.ranks import (
+    WorkerRank,
+    peer_pids,
+    publish_pid,
+    torchrun_store,
+    worker_rank,
+)
 
 log = logging.getLogger("amp_exp")
 
 
-# Each rank's "host pid" in the group's store, so that a rank whose peer died can say which.
-PID_KEY = "amp_exp_pid/{rank}"
 # How gloo says that the other end of a connection is gone.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 PEER_EXIT_S = 5.0
@@ -48,44 +51,12 @@ class Distributed:
     """This process's share of a data-parallel run: its rank, device, strategy and model."""
 
     def __init__(
-        self,
-        rank: WorkerRank,
-        device: torch.device,
-        strategy: Strategy = Strategy.ddp,
-        store: dist.Store | None = None,
+        self, rank: WorkerRank, device: torch.device, strategy: Strategy = Strategy.ddp
     ) -> None:
-        """``store``: the group's corner of torchrun's store, where the ranks say who they are."""
         self.rank, self.device, self.strategy = rank, device, strategy
         self.world_size = rank.world_size
         self.is_main = rank.is_main
         self.trained: nn.Module | None = None
-        self._store = store
-        if store is not None:
-            store.set(PID_KEY.format(rank=rank.rank), f"{socket.gethostname()} {os.getpid()}")
-
-    def lost_ranks(self, patience_s: float = 0.0) -> list[str]:
-        """The other ranks on this node whose process has died, as "rank N (pid P)".
-
-        A collective whose peer died fails with the transport's words for it (gloo: "Connection
-        closed by peer [address]:port"), which name no rank; the pids the ranks published at the
-        start do. A peer's connections close before its process is gone: ``patience_s`` is how
-        long it may take to die. Ranks on other nodes cannot be looked at from here.
-        """
-        if self._store is None:
-            return []
-        peers = {}
-        for other in range(self.world_size):
-            key = PID_KEY.format(rank=other)
-            if other != self.rank.rank and self._store.check([key]):
-                where, _, pid = self._store.get(key).decode().rpartition(" ")
-                if where == socket.gethostname():
-                    peers[other] = int(pid)
-        deadline = time.monotonic() + patience_s
-        while True:
-            lost = [f"rank {r} (pid {pid})" for r, pid in peers.items() if not process_alive(pid)]
-            if lost or time.monotonic() >= deadline:
-                return lost
-            time.sleep(0.05)
 
     @property
     def shards(self) -> bool:
@@ -182,6 +153,23 @@ def peer_gone(error: Exception) -> bool:
     return isinstance(error, dist.DistError) or any(words in str(error) for words in PEER_GONE)
 
 
+def lost_ranks(patience_s: float = 0.0) -> list[str]:
+    """The other ranks on this node whose process has died, as "rank N (pid P)".
+
+    A collective whose peer died fails with the transport's words for it (gloo: "Connection
+    closed by peer [address]:port"), which name no rank; the pids the ranks published at the
+    start do (``ranks.publish_pid``). A peer's connections close before its process is gone:
+    ``patience_s`` is how long it may take to die. Ranks on other nodes cannot be looked at.
+    """
+    peers = peer_pids()
+    deadline = time.monotonic() + patience_s
+    while True:
+        lost = [f"rank {r} (pid {pid})" for r, pid in peers.items() if not process_alive(pid)]
+        if lost or not peers or time.monotonic() >= deadline:
+            return lost
+        time.sleep(0.05)
+
+
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` of this node runs: a zombie (dead, not yet reaped by torchrun's
     agent) does not."""
@@ -272,8 +260,8 @@ def process_group(
         import submitit
 
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-    store = agent_store() if owned else None
     if owned:
+        store = agent_store()
         placement = {}
         if store is not None:
             placement = {"store": store, "rank": rank.rank, "world_size": rank.world_size}
@@ -284,9 +272,9 @@ def process_group(
     if not rank.is_main:
         # Rank 0 speaks for the job; the other ranks report only errors.
         log.setLevel(logging.ERROR)
-    distributed = Distributed(rank, device, strategy, store)
+    publish_pid()
     try:
-        yield distributed
+        yield Distributed(rank, device, strategy)
     except Exception as error:
         patience_s, sigterm = 0.0, None
         if peer_gone(error):
@@ -295,7 +283,7 @@ def process_group(
                 # torchrun's agent SIGTERMs every worker once one has died; this one finds out
                 # which, records its failure and exits (the agent SIGKILLs it in 30 s otherwise).
                 sigterm = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        lost = distributed.lost_ranks(patience_s)
+        lost = lost_ranks(patience_s)
         if not lost:
             if sigterm is not None:
                 signal.signal(signal.SIGTERM, sigterm)

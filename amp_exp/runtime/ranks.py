@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -25,6 +26,8 @@ LAUNCH_TIME_KEY = "amp_exp/launch_time/{run_id}"
 # Rank 0's verdict on a command, per attempt: a worker group torchrun restarts asks again.
 VERDICT_KEY = "amp_exp/verdict/{run_id}/{attempt}"
 FAILED = "failed"
+# Each worker's host and pid, so that a rank whose peer died can say which one.
+PID_KEY = "amp_exp/pid/{run_id}/{attempt}/{rank}"
 STORE_TIMEOUT = timedelta(seconds=120)
 
 
@@ -106,10 +109,7 @@ def rank0_decides(decide: Callable[[], str]) -> str:
     rank, store = worker_rank(), torchrun_store(STORE_TIMEOUT)
     if rank is None or store is None:
         return decide()
-    key = VERDICT_KEY.format(
-        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "none"),
-        attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-    )
+    key = _attempt_key(VERDICT_KEY)
     if not rank.is_main:
         return store.get(key).decode()
     try:
@@ -119,6 +119,36 @@ def rank0_decides(decide: Callable[[], str]) -> str:
         raise
     store.set(key, verdict)
     return verdict
+
+
+def _attempt_key(template: str, **names: object) -> str:
+    return template.format(
+        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "none"),
+        attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        **names,
+    )
+
+
+def publish_pid() -> None:
+    """Say in torchrun's store which process on which host this worker is (nothing outside)."""
+    rank, store = worker_rank(), torchrun_store(STORE_TIMEOUT)
+    if rank is not None and store is not None:
+        store.set(_attempt_key(PID_KEY, rank=rank.rank), f"{socket.gethostname()} {os.getpid()}")
+
+
+def peer_pids() -> dict[int, int]:
+    """The pid of every other worker of this torchrun attempt on this host that published one."""
+    rank, store = worker_rank(), torchrun_store(STORE_TIMEOUT)
+    if rank is None or store is None:
+        return {}
+    found = {}
+    for other in range(rank.world_size):
+        key = _attempt_key(PID_KEY, rank=other)
+        if other != rank.rank and store.check([key]):
+            host, _, pid = store.get(key).decode().rpartition(" ")
+            if host == socket.gethostname():
+                found[other] = int(pid)
+    return found
 
 
 def log_file_suffix() -> str:
