@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import signal
@@ -20,13 +21,13 @@ from amp_exp.config.schema import Precision
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.errors import (
-    EXIT_CONFIG_ERROR,
     EXPECTED_ERRORS,
+    WRITES_NOTHING,
     ConfigError,
     NumericalFault,
-    RunRefused,
     RuntimeFault,
 )
+from amp_exp.results.claim import FollowRank0, claim
 from amp_exp.results.sweep import sweep_job
 
 log = logging.getLogger("amp_exp")
@@ -49,6 +50,9 @@ def hydra_main(cfg: DictConfig) -> float | None:
     from amp_exp.run import train
     from amp_exp.tasks.workload import declared_metrics
 
+    # A log record that train.log cannot take (a full disk) must not print a traceback of its
+    # own: the run meets the same disk where it writes its results, and says so in one line.
+    logging.raiseExceptions = False
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     validated = None
@@ -63,13 +67,14 @@ def hydra_main(cfg: DictConfig) -> float | None:
         # Every run leaves a summary.json, so a sweep report shows this one as failed. Once
         # validated, the config has what validation inferred (the task).
         rank = worker_rank()
-        if (rank is None or rank.is_main) and not isinstance(error, RunRefused):
+        if (rank is None or rank.is_main) and not isinstance(error, WRITES_NOTHING):
             config = to_plain_dict(cfg) if validated is None else plain_run_config(validated)
             declared = None if validated is None else declared_metrics(validated.task).as_dict()
             try:
                 record_failure(output_dir, config, error, declared)
             except RuntimeFault as unrecorded:  # the full disk that failed the run, say
-                log.warning("%s", unrecorded)
+                if not isinstance(error, RuntimeFault):
+                    log.warning("%s", unrecorded)
         if hydra_cfg.mode == RunMode.MULTIRUN or not isinstance(error, EXPECTED_ERRORS):
             raise  # in a sweep, Hydra records this job as failed and runs the others
         log.error("%s", error)
@@ -88,12 +93,21 @@ def with_sensitivity_hint(fault: NumericalFault, overrides: list[str]) -> Numeri
 
 
 def main() -> None:
-    try:
-        check_overrides(sys.argv[1:])
-    except ConfigError as error:
-        print(f"amp_exp: error: {error}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
-    hydra_main()
+    """Pre-flight, then the command's directory claimed, then Hydra: a command refused at any
+    of the first two steps has written nothing (results/claim.py)."""
+    with contextlib.ExitStack() as held:
+        try:
+            launch = check_overrides(sys.argv[1:])
+            done = None if launch is None else held.enter_context(claim(launch))
+        except FollowRank0 as refused:
+            sys.exit(refused.exit_status)  # rank 0 said why, in one line
+        except (ConfigError, RuntimeFault) as error:
+            print(f"amp_exp: error: {error}", file=sys.stderr)
+            sys.exit(error.exit_status)
+        if done is not None:
+            print(f"amp_exp: {done}")
+            return
+        hydra_main()
 
 
 if __name__ == "__main__":

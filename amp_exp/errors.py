@@ -5,7 +5,9 @@
   kind of it, refuses a run directory (busy, or resumed with a changed config) and writes
   nothing there, not even a failure summary.
 - ``RuntimeFault`` (exit 4): the run started, and what it found on disk or among its ranks does
-  not let it go on (a checkpoint from another world size, ranks that resumed at different steps).
+  not let it go on (a checkpoint from another world size, ranks that resumed at different steps,
+  a full disk). ``NoCheckpointLoads``, a kind of it, stops a resume whose checkpoints all fail
+  to load, and writes nothing either.
 - ``NumericalFault`` (exit 3): training cannot go on in this precision; the message says why and
   what to try.
 """
@@ -33,6 +35,10 @@ class RuntimeFault(RuntimeError):
     exit_status = EXIT_RUNTIME_FAULT
 
 
+class NoCheckpointLoads(RuntimeFault):
+    """A resume found checkpoints and none of them loads; the directory was left as it was."""
+
+
 class NumericalFault(RuntimeError):
     """Training cannot go on in this precision; the message says why and what to try."""
 
@@ -41,6 +47,9 @@ class NumericalFault(RuntimeError):
 
 # The errors whose message is the whole story: the entry point prints it as one line.
 EXPECTED_ERRORS = (ConfigError, RuntimeFault, NumericalFault)
+# The errors raised before a run wrote anything, which leave its directory as it was: no failure
+# summary is recorded for them.
+WRITES_NOTHING = (RunRefused, NoCheckpointLoads)
 
 
 def require(condition: bool, message: str) -> None:

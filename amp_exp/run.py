@@ -10,6 +10,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +19,21 @@ import torch
 from amp_exp.build import Built, attach_diagnostics, build, global_batch_size
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
-from amp_exp.errors import ConfigError, RunRefused, RuntimeFault
+from amp_exp.errors import RunRefused, RuntimeFault
 from amp_exp.results.checkpoint import (
     Checkpointer,
     ShardedCheckpointer,
-    UnusableCheckpoints,
     checkpoint_dir,
-    load_newest_valid,
     load_shards,
     remove_stale_temporaries,
 )
+from amp_exp.results.claim import (
+    check_directory,
+    check_same_experiment,
+    nothing_to_do,
+    resume_target,
+)
+from amp_exp.results.claim import find_checkpoint as checkpoint_to_resume
 from amp_exp.results.files import METRICS_FILE, SUMMARY_FILE, write_json
 from amp_exp.results.lock import RunDirectoryLock
 from amp_exp.results.loggers import (
@@ -37,7 +43,7 @@ from amp_exp.results.loggers import (
     describe_eval,
     keep_metrics_until,
 )
-from amp_exp.results.resume_rules import config_changes, data_position, kept_precision
+from amp_exp.results.resume_rules import data_position, kept_precision
 from amp_exp.results.summary import Status, completed_summary, make_summary
 from amp_exp.results.sweep import SweepJob
 from amp_exp.results.wandb_logger import open_wandb_logger
@@ -115,28 +121,18 @@ def find_checkpoint(
     cfg: RunConfig, output_dir: Path, distributed: Distributed | None
 ) -> Found | None:
     """The checkpoint ``cfg.resume`` points at and what it holds, or None (no resume, or nothing
-    saved yet). Every rank reads it, and the ranks agree on it before anything is built."""
-    if cfg.resume is None:
+    saved yet); one of another experiment is refused (results.claim). Every rank reads it, and
+    the ranks agree on it before anything is built."""
+    target = resume_target(cfg, output_dir)
+    if target is None:
         return None
-    auto = cfg.resume == "auto"
-    target = output_dir if auto else Path(cfg.resume).expanduser().resolve()
-    if not auto and not target.exists():
-        raise ConfigError(f"resume={cfg.resume}: no such file or directory")
     if (distributed is None or distributed.is_main) and target.is_dir():
         for stale in remove_stale_temporaries(target):
             log.info("removed %s, left by a save that was killed mid-write", stale)
-    try:
-        found = load_newest_valid(target)
-    except UnusableCheckpoints as error:
-        raise RuntimeFault(
-            f"resume={cfg.resume}: no checkpoint in {checkpoint_dir(target)} loads ({error}); "
-            "nothing was changed. Move the files away to start over"
-        ) from None
+    found = checkpoint_to_resume(cfg, target)
     # precision=auto (kept from the checkpoint, or decided by rank 0) and loading shards are
     # collectives: the ranks agree on the checkpoint (or none) first.
     check_ranks_resumed_alike(distributed, -1 if found is None else found[1]["step"])
-    if found is None and not auto:
-        raise ConfigError(f"resume={cfg.resume}: no usable checkpoint there")
     if found is None:
         log.info("resume=auto: no checkpoint in %s yet, starting fresh", output_dir)
     return found
@@ -153,11 +149,7 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path, found: Found | None) 
     check_resumable(cfg, built, payload)
     total_steps = built.engine.total_steps
     if payload["step"] >= total_steps and completed_summary(output_dir):
-        log.info(
-            "resume=%s: this run completed at step %d; nothing to do, its results stay as they are",
-            cfg.resume,
-            payload["step"],
-        )
+        log.info("%s", nothing_to_do(cfg, payload["step"]))
         return True
     if payload["step"] > total_steps:
         # Its steps past the end cannot be undone: completing it would report more steps than
@@ -188,16 +180,10 @@ def resume(cfg: RunConfig, built: Built, output_dir: Path, found: Found | None) 
 
 
 def check_resumable(cfg: RunConfig, built: Built, payload: dict[str, Any]) -> None:
-    """Refuse, before loading anything, a checkpoint of another experiment, or of another world
-    size unless it is sharded (DCP reshards it; the data position is carried over, see
-    resume_rules.data_position)."""
-    refused, allowed = config_changes(payload["config"], plain_run_config(cfg))
-    if refused:
-        raise RunRefused(
-            f"resume={cfg.resume}: the checkpoint belongs to another experiment "
-            f"({'; '.join(refused)}); these cannot change on resume, so resume with the "
-            "checkpoint's values or start a new run directory"
-        )
+    """Say what the resume changes, and refuse a checkpoint of another world size unless it is
+    sharded (DCP reshards it; the data position is carried over, see
+    resume_rules.data_position). find_checkpoint refused another experiment already."""
+    allowed = check_same_experiment(cfg, payload.get("config"), "the checkpoint")
     if allowed:
         log.info("resuming with changed settings: %s", "; ".join(allowed))
     saved_world_size = payload["world_size"]
@@ -259,6 +245,19 @@ def train(cfg: RunConfig, output_dir: Path, sweep: SweepJob | None = None) -> di
         return train_in_group(cfg, output_dir, distributed, sweep, started)
 
 
+@contextlib.contextmanager
+def user_code_cannot_exit() -> Iterator[None]:
+    """A model, data set or loss that calls ``sys.exit()`` ends the run as failed (exit 4, with
+    its summary.json): a run's exit status and its results are amp_exp's to write."""
+    try:
+        yield
+    except SystemExit as escaped:
+        raise RuntimeFault(
+            f"the run's model or data code raised SystemExit({escaped.code!r}); amp_exp stopped "
+            "the run: remove the sys.exit() call from it"
+        ) from None
+
+
 def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob | None):
     """The console, metrics.jsonl and (if it starts) W&B; none on ranks other than 0."""
     if not built.is_main:
@@ -294,8 +293,15 @@ def train_in_group(
     # Rank 0 holds the lock for the whole job; the other ranks only follow it.
     is_main = distributed is None or distributed.is_main
     with RunDirectoryLock(output_dir) if is_main else contextlib.nullcontext():
+        # Every rank: they read the same files and refuse alike, before any collective.
+        world_size = 1 if distributed is None else distributed.world_size
+        done = check_directory(cfg, output_dir, world_size)
+        if done is not None:
+            log.info("%s", done)
+            return completed_summary(output_dir)  # type: ignore[return-value]
         found = find_checkpoint(cfg, output_dir, distributed)
-        built = build(cfg, distributed, kept_precision(cfg.precision.name, found))
+        with user_code_cannot_exit():
+            built = build(cfg, distributed, kept_precision(cfg.precision.name, found))
         if resume(cfg, built, output_dir, found):
             return completed_summary(output_dir)  # type: ignore[return-value]
         return train_built(cfg, built, output_dir, sweep, started)
@@ -334,7 +340,7 @@ def train_built(
 
     try:
         diagnostics = attach_diagnostics(cfg, built, emit)
-        with StopRequest() as stop:
+        with StopRequest() as stop, user_code_cannot_exit():
             result = built.engine.fit(emit, checkpoints, stop_requested=stop)
         stop_signal = stop.requested
         if distributed is not None and result.stopped_early:

@@ -1,11 +1,14 @@
-"""Fixtures every test gets: registered schemas, W&B and measurement caches kept local, and
-the real config composed from conf/ and shrunk. Shared helpers live in tests/helpers/."""
+"""Fixtures every test gets: registered schemas, W&B, matplotlib and measurement caches kept
+local (nothing depends on the home directory), and the real config composed from conf/ and
+shrunk. Shared helpers live in tests/helpers/."""
 
 from __future__ import annotations
 
 import copy
 import os
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,6 +30,14 @@ def pytest_configure(config: pytest.Config) -> None:
         # test starts. Two OpenMP threads per process on a busy core wait on each other.
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    else:
+        # Matplotlib keeps its config and font cache in the home directory, whose state no test
+        # may depend on: one folder of the session's own, set before any test module imports
+        # matplotlib (which reads it once), and inherited by the xdist workers and every process
+        # a test starts.
+        matplotlib_dir = tempfile.mkdtemp(prefix="amp_exp-tests-matplotlib-")
+        os.environ["MPLCONFIGDIR"] = matplotlib_dir
+        config.add_cleanup(lambda: shutil.rmtree(matplotlib_dir, ignore_errors=True))
 
 
 @pytest.fixture(scope="session", autouse=True)

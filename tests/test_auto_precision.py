@@ -3,6 +3,7 @@ across ranks."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -14,6 +15,7 @@ import amp_exp.training.auto_precision as auto_precision
 from amp_exp.config.schema import Precision
 from amp_exp.results.checkpoint import load_newest_valid
 from amp_exp.run import build, train
+from amp_exp.runtime.cache import cache_dir, read_entries
 from amp_exp.tasks.base import DataBundle
 from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.workload import Workload
@@ -153,6 +155,25 @@ def test_the_choice_is_cached_so_a_second_run_times_nothing(
     # Another model is another choice.
     choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0])
     assert len(trials) == 2
+
+
+@pytest.mark.parametrize("bf16_ms", [-5.5, 0, 1e-9, float("nan"), "10"])
+def test_cached_times_that_cannot_be_measurements_are_timed_again(
+    run_cfg, own_cache, monkeypatch, caplog, bf16_ms
+) -> None:
+    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.025})
+    cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
+    choose(cfg, capability, small_workload()[0])
+    entries = read_entries(auto_precision.CACHE_FILE)
+    [entry] = entries.values()
+    entry["ms"]["bf16"] = bf16_ms
+    (cache_dir() / auto_precision.CACHE_FILE).write_text(json.dumps(entries))
+    with caplog.at_level(logging.WARNING):
+        again = choose(cfg, capability, small_workload()[0])
+    assert len(trials) == 2 and again.precision is fp32
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "holds times for this model that are no measurement (bf16 took " in warning
+    assert "cached from an earlier run" not in again.reason
 
 
 def test_where_the_probe_rules_every_low_precision_out_fp32_needs_no_trial(

@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from amp_exp.config.checks import IMAGE_EXTENSIONS, TORCHVISION_DATA_DIRS
 from amp_exp.config.datasets import DatasetName
 from amp_exp.config.preflight import CONF_DIR, check_overrides
 from amp_exp.errors import ConfigError, RuntimeFault
+from helpers.disks import FULL, fill, small_disk
 from helpers.runs import FAST, TINY
 from helpers.warm_python import python_m
 
@@ -95,6 +98,13 @@ BAD_INPUTS = [
     (["hydra.run.dir=a_file/run"], "hydra.run.dir=a_file/run: a_file is a file, not a directory"),
     (["-m", "hydra.sweep.dir=a_file/sweep", "seed=1,2"], "a_file is a file, not a directory"),
     (["hydra.run.dir=/proc/amp_exp_run"], "cannot create a directory in /proc"),
+    # Decided by the config alone: before job 0, not when job 1 starts.
+    (
+        ["-m", "trainer.activation_checkpointing=false,true"],
+        "trainer.activation_checkpointing=true recomputes the blocks of a transformer "
+        "(model.blocks), and model tiny_cnn has none; set it to false",
+    ),
+    (["model=mlp", "trainer.activation_checkpointing=true"], "model mlp has none"),
     pytest.param(
         ["-m", "trainer.device=cpu,cuda"],
         "trainer.device=cuda, but no CUDA device is available",
@@ -225,6 +235,116 @@ def test_full_disk_during_a_checkpoint_save_fails_in_one_line(run_cfg, tmp_path,
     path, payload = load_newest_valid(tmp_path)
     assert (path, payload["step"]) == (last, 1)
     assert sorted(p.name for p in last.parent.iterdir()) == ["last.pt"]
+
+
+# --- a full disk: exit 4 and one line, wherever it happens ----------------------------------------
+
+
+def test_a_metrics_row_the_disk_refuses_stops_the_run_in_one_line(run_cfg, tmp_path) -> None:
+    from amp_exp.run import train
+
+    (tmp_path / "metrics.jsonl").symlink_to(FULL)  # every write: No space left on device
+    with pytest.raises(RuntimeFault) as raised:
+        train(run_cfg(*TINY, "trainer.max_steps=2"), tmp_path)
+    assert str(raised.value) == (
+        f"could not write {tmp_path / 'metrics.jsonl'} (No space left on device); the rows "
+        "before this one are kept"
+    )
+
+
+def statvfs_with_free(free_bytes: int):
+    real = os.statvfs
+
+    def statvfs(path):
+        stats = real(path)
+        return os.statvfs_result(
+            (4096, 4096, stats.f_blocks, free_bytes // 4096, free_bytes // 4096, *stats[5:])
+        )
+
+    return statvfs
+
+
+def test_preflight_refuses_a_directory_without_room_for_a_run(workspace, monkeypatch) -> None:
+    from amp_exp.results.claim import claim
+
+    launch = check_overrides(["hydra.run.dir=runs/new"])
+    monkeypatch.setattr("amp_exp.results.claim.os.statvfs", statvfs_with_free(24 * 1024))
+    with pytest.raises(RuntimeFault) as raised, claim(launch):
+        pass
+    assert str(raised.value) == (
+        f"{workspace}/runs/new has 24 KiB free, and a run needs at least 1 MiB for its config, "
+        "log and results; free some space or choose another directory"
+    )
+    assert not (workspace / "runs").exists()
+
+
+@pytest.mark.slow
+def test_cli_a_disk_that_refuses_metrics_and_log_exits_4_in_one_line(workspace) -> None:
+    run_dir = workspace / "run"
+    run_dir.mkdir()
+    for name in ("metrics.jsonl", "train.log"):
+        (run_dir / name).symlink_to(FULL)
+    result = python_m("amp_exp", *FAST, *TINY, f"hydra.run.dir={run_dir}", timeout=300)
+    assert result.returncode == 4, result.stderr[-2000:]
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output and "Logging error" not in output
+    [error] = [line for line in output.splitlines() if "ERROR" in line]
+    assert error.endswith(
+        f"could not write {run_dir / 'metrics.jsonl'} (No space left on device); the rows "
+        "before this one are kept"
+    )
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+
+
+def fill_once_training(disk: Path, metrics: Path) -> threading.Thread:
+    """Fill ``disk`` to the last byte once the run has logged its first row."""
+
+    def wait_then_fill() -> None:
+        deadline = time.monotonic() + 240
+        while not (metrics.is_file() and metrics.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fill(disk)
+
+    filler = threading.Thread(target=wait_then_fill, daemon=True)
+    filler.start()
+    return filler
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("leave_kib", "says"),
+    [
+        (0, "amp_exp: error: cannot write "),  # not even the lock file
+        (24, "KiB free, and a run needs at least 1 MiB"),
+        (2048, "(No space left on device)"),  # room to start; full once training
+    ],
+    ids=["full", "24 KiB left", "fills while training"],
+)
+def test_cli_on_a_full_disk_exits_4_in_one_line(tmp_path, leave_kib, says) -> None:
+    with small_disk(tmp_path / "disk", 3072) as disk:
+        fill(disk, leave_kib)
+        run_dir = disk / "run"
+        filler = fill_once_training(disk, run_dir / "metrics.jsonl") if leave_kib > 1024 else None
+        result = python_m(
+            "amp_exp",
+            *FAST,
+            *TINY,
+            "trainer.max_steps=100000",
+            "trainer.log_every=1",
+            "trainer.eval_every=null",
+            "checkpoint.every_steps=null",
+            f"hydra.run.dir={run_dir}",
+            timeout=300,
+        )
+        if filler is not None:
+            filler.join()
+        assert result.returncode == 4, result.stderr[-2000:]
+        output = result.stdout + result.stderr
+        assert "Traceback" not in output and "Logging error" not in output
+        [error] = [line for line in output.splitlines() if "error" in line.lower()]
+        assert says in error
+        if filler is None:  # refused before anything was written
+            assert not run_dir.exists()
 
 
 # --- as a user runs it --------------------------------------------------------------------------

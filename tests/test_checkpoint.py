@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 import os
 import pickle
@@ -13,11 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from amp_exp.errors import NumericalFault, RuntimeFault
-from amp_exp.results.checkpoint import Checkpointer, UnusableCheckpoints, load_newest_valid
+from amp_exp.errors import NoCheckpointLoads, NumericalFault, RuntimeFault
+from amp_exp.results.checkpoint import (
+    Checkpointer,
+    UnusableCheckpoints,
+    load_newest_valid,
+    load_shards,
+)
+from amp_exp.results.dcp_reader import read_metadata
 from amp_exp.run import build, train
+from amp_exp.runtime.distributed import process_group
+from amp_exp.runtime.fsdp import state_template
 from helpers.runs import FAST, TINY, read_jsonl, run_cli, signal_self_at_call
 
 # The shared tiny run at batch 32: 256 samples make 8 batches an epoch.
@@ -199,6 +212,99 @@ def test_pickled_code_payload_is_refused_and_never_runs(tmp_path, caplog) -> Non
     # Without weights_only the same file would have run its payload.
     pickle.loads((checkpoints / "last.pt").read_bytes())
     assert marker.exists()
+
+
+class ShellPayload:
+    """What an attacker puts in a pickle: a shell command run as the pickle is read."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+# FSDP2 in a group of one process: a DCP checkpoint, step_00000004/, as under torchrun.
+SHARDED = [*TINY32, "trainer.strategy=fsdp2", "checkpoint.every_steps=2"]
+
+
+@pytest.fixture
+def sharded_run(run_cfg, tmp_path) -> Path:
+    train(run_cfg(*SHARDED), tmp_path)
+    return tmp_path / "checkpoints" / "step_00000004"
+
+
+def assert_resume_refused_unrun(run_cfg, run_dir: Path, marker: Path, says: str) -> None:
+    with pytest.raises(NoCheckpointLoads) as refused:
+        train(run_cfg(*SHARDED, "resume=auto", "trainer.max_steps=6"), run_dir)
+    message = str(refused.value)
+    assert "\n" not in message and "step_00000004: " in message and says in message, message
+    assert not marker.exists()
+
+
+def test_a_dcp_metadata_file_that_smuggles_code_is_refused_and_never_runs(
+    run_cfg, tmp_path, sharded_run
+) -> None:
+    marker = tmp_path / "payload-ran"
+    (sharded_run / ".metadata").write_bytes(pickle.dumps(ShellPayload(marker)))
+    assert_resume_refused_unrun(run_cfg, tmp_path, marker, ".metadata refers to posix.system")
+    # torch's own reader would have run it.
+    with pytest.raises(CheckpointException):
+        dcp.load({}, checkpoint_id=sharded_run)
+    assert marker.exists()
+
+
+def smuggle_into_a_value(step_dir: Path, payload: object) -> str:
+    """Point one non-tensor value of a DCP checkpoint (an optimizer hyperparameter) at a pickle
+    of ``payload`` appended to its shard file, in a metadata file that is itself clean."""
+    metadata = read_metadata(step_dir / ".metadata")
+    index, where = next(
+        (index, where)
+        for index, where in metadata.storage_data.items()
+        if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)
+    )
+    shard = step_dir / where.relative_path
+    smuggled = io.BytesIO()
+    torch.save(payload, smuggled)
+    offset = shard.stat().st_size
+    with shard.open("ab") as file:
+        file.write(smuggled.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(
+        where, offset=offset, length=len(smuggled.getvalue())
+    )
+    (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    return index.fqn
+
+
+def test_a_dcp_value_that_smuggles_code_is_refused_and_never_runs(
+    run_cfg, tmp_path, sharded_run
+) -> None:
+    marker = tmp_path / "payload-ran"
+    fqn = smuggle_into_a_value(sharded_run, ShellPayload(marker))
+    assert_resume_refused_unrun(run_cfg, tmp_path, marker, f"the value of {fqn} is not plain data")
+    # Loading the shards refuses it too, should a checkpoint reach them unchecked.
+    cfg = run_cfg(*SHARDED)
+    with process_group(cfg.trainer.device, cfg.trainer.strategy) as alone:
+        engine = build(cfg, distributed=alone).engine
+        template = state_template(engine.model, engine.optimizer, with_optimizer=True)
+        with pytest.raises(RuntimeFault, match=f"do not load: .*the value of {fqn} is not plain"):
+            load_shards(sharded_run, template)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_cli_resume_from_a_smuggling_dcp_checkpoint_exits_4_in_one_line(tmp_path) -> None:
+    run = [*FAST, *SHARDED, f"hydra.run.dir={tmp_path}"]
+    run_cli(*run)
+    marker = tmp_path / "payload-ran"
+    metadata = tmp_path / "checkpoints" / "step_00000004" / ".metadata"
+    metadata.write_bytes(pickle.dumps(ShellPayload(marker)))
+    result = run_cli(*run, "resume=auto", "trainer.max_steps=6", expect_rc=4)
+    [line] = result.stderr.splitlines()
+    assert (
+        line.startswith("amp_exp: error: resume=auto: no checkpoint in") and "posix.system" in line
+    )
+    assert not marker.exists()
 
 
 def test_resume_in_another_precision_warns_what_is_reset(run_cfg, tmp_path, caplog) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from amp_exp.config.preflight import check_overrides
 from amp_exp.config.validate import validate
-from amp_exp.errors import ConfigError
+from amp_exp.errors import ConfigError, RuntimeFault
 from amp_exp.run import build, train
 from amp_exp.tasks.custom import accepted
 from helpers.runs import FAST_TRAINER, TINY_GPT, TINY_TOKENS
@@ -189,6 +189,116 @@ def test_a_model_whose_output_does_not_fit_the_task_stops_before_training(
     assert "cannot train on dataset=synthetic" in message and expected in message
 
 
+@pytest.mark.parametrize(
+    ("kind", "found"),
+    [
+        ("none", "it has no parameters"),
+        ("integer", "none of its 1 parameters requires a gradient (all frozen or integer)"),
+        ("frozen", "none of its 4 parameters requires a gradient (all frozen or integer)"),
+    ],
+)
+def test_a_model_with_nothing_to_train_is_one_line(run_cfg, kind, found) -> None:
+    cfg = run_cfg(*custom_model("make_untrainable"), f"+model.kwargs.kind={kind}")
+    message = one_line_config_error(lambda: build(cfg))
+    assert message == (
+        f"model=custom has nothing to train: {found}; give it floating-point parameters with "
+        "requires_grad=True"
+    )
+
+
+def badly_labelled(kind: str) -> list[str]:
+    return [
+        *FAST_TRAINER,
+        "dataset=custom",
+        f"dataset._target_={HELPERS}.make_badly_labelled",
+        f"+dataset.kwargs.kind={kind}",
+        "task=classification",
+        "dataset.num_classes=3",
+        "dataset.batch_size=16",
+        *custom_model("make_classifier"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kind", "problem"),
+    [
+        ("too_large", "its labels hold 5, outside [0, 3) for 3 classes (dataset.num_classes)"),
+        ("negative", "its labels hold -3, outside [0, 3) for 3 classes (dataset.num_classes)"),
+        ("float", "its labels are torch.float32, not one class index in [0, 3) per sample"),
+        ("one_hot", "its labels have shape [16, 3], not [16]: one class index in [0, 3) per"),
+        ("two_d", "its labels have shape [16, 1], not [16]"),
+    ],
+)
+def test_labels_a_loss_cannot_take_stop_the_run_before_training_in_one_line(
+    compose_cfg, kind, problem
+) -> None:
+    cfg = validate(compose_cfg(*badly_labelled(kind), fast=False))
+    message = one_line_config_error(lambda: build(cfg))
+    assert (
+        message.startswith("model=custom cannot train on dataset=custom: ") and problem in message
+    )
+
+
+@pytest.mark.parametrize(
+    ("vocab_size", "problem"),
+    [
+        # make_counting counts modulo 16: ids up to 15 in a vocabulary of 11.
+        (11, "its inputs hold token id 15, outside the vocabulary [0, 11) (dataset.vocab_size)"),
+        (16, None),
+    ],
+)
+def test_token_ids_beyond_the_vocabulary_stop_the_run_before_training(
+    compose_cfg, vocab_size, problem
+) -> None:
+    cfg = validate(
+        compose_cfg(
+            *FAST_TRAINER,
+            "dataset=custom",
+            f"dataset._target_={HELPERS}.make_counting",
+            "+dataset.kwargs.vocab_size=16",
+            "task=lm",
+            f"dataset.vocab_size={vocab_size}",
+            "dataset.batch_size=8",
+            *custom_model("make_lm"),
+            fast=False,
+        )
+    )
+    if problem is None:
+        build(cfg)
+        return
+    assert problem in one_line_config_error(lambda: build(cfg))
+
+
+def test_the_guides_own_data_trains_an_mlp(compose_cfg, tmp_path) -> None:
+    """16-dimensional points, as docs/custom_models.md's my_pkg.make_data makes them."""
+    cfg = validate(
+        compose_cfg(
+            *FAST_TRAINER,
+            "dataset=custom",
+            f"dataset._target_={HELPERS}.make_blobs",
+            "task=classification",
+            "dataset.num_classes=4",
+            "dataset.batch_size=16",
+            "model=mlp",
+            "model.hidden_dim=8",
+            fast=False,
+        )
+    )
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "completed" and summary["eval_acc"] is not None
+
+
+@pytest.mark.parametrize("exit_at", [1, 3], ids=["in the output check", "while training"])
+def test_a_model_that_calls_sys_exit_fails_the_run_in_one_line(run_cfg, tmp_path, exit_at) -> None:
+    cfg = run_cfg(*custom_model("make_exiting"), f"+model.kwargs.exit_at={exit_at}")
+    with pytest.raises(RuntimeFault) as raised:
+        train(cfg, tmp_path)
+    assert str(raised.value) == (
+        "the run's model or data code raised SystemExit(0); amp_exp stopped the run: remove the "
+        "sys.exit() call from it"
+    )
+
+
 def test_the_output_check_leaves_no_trace_in_batchnorm_statistics(run_cfg) -> None:
     built = build(run_cfg())
     batchnorm = built.model.features[1]
@@ -223,6 +333,28 @@ def test_cli_trains_a_model_from_a_module_on_pythonpath(tmp_path, task_overrides
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_cli_a_model_that_calls_sys_exit_exits_4_with_one_line_and_a_summary(tmp_path) -> None:
+    paths = [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    result = python_m(
+        "amp_exp",
+        *FAST_TRAINER,
+        *custom_model("make_exiting"),
+        "+model.kwargs.exit_at=3",
+        "dataset.image_size=8",
+        f"hydra.run.dir={tmp_path}",
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 4, result.stderr[-2000:]
+    errors = [line for line in result.stdout.splitlines() if "[ERROR]" in line]
+    assert len(errors) == 1 and "raised SystemExit(0)" in errors[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "SystemExit(0)" in summary["error"]
 
 
 @pytest.mark.slow

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,8 @@ from amp_exp.run import build, find_checkpoint, resume, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import whole
 from helpers.runs import FAST, TINY, read_jsonl
-from helpers.torchrun import assert_bitwise_equal, run_worker, torchrun
+from helpers.torchrun import TORCHRUN_TWO_RANKS, assert_bitwise_equal, run_worker, torchrun
+from helpers.warm_python import python_m
 
 pytestmark = pytest.mark.slow
 
@@ -154,3 +157,48 @@ def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path):
         assert overflow["loss_finite"] is True
     assert ranks[0]["scale"] == ranks[1]["scale"] == 65536.0 / 2
     assert ranks[0]["summary"]["replicas_identical"] is True
+
+
+def test_a_rank_that_dies_is_named_in_one_line_and_in_the_summary(tmp_path):
+    """SIGKILL rank 1 mid-run: rank 0's collective fails with gloo's "Connection closed by peer";
+    rank 0 stops with one line that names the rank it lost, and exit status 4 (unless torchrun's
+    agent, which stops every worker once one has died, SIGTERMs it first), no traceback."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    tests = str(Path(__file__).resolve().parent)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    result = python_m(
+        "torch.distributed.run",
+        *TORCHRUN_TWO_RANKS,
+        "--redirects=3",
+        f"--log-dir={logs}",
+        "-m",
+        "amp_exp",
+        *FAST,
+        "dataset.image_size=8",
+        "dataset.batch_size=16",
+        "trainer.strategy=fsdp2",
+        "model=custom",
+        "model._target_=helpers.user_code.make_mortal",
+        "trainer.max_steps=8",
+        f"hydra.run.dir={run_dir}",
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode != 0
+    lost = "lost rank 1 (pid "
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith(f"RuntimeFault: {lost}")
+    assert summary["error"].endswith(
+        "of 2: its process died, so the run cannot go on; resume=auto continues from the last "
+        "checkpoint"
+    )
+    [error] = [line for line in (run_dir / "train.log").read_text().splitlines() if "ERROR" in line]
+    assert lost in error
+    [rank0_err] = logs.rglob("attempt_0/0/stderr.log")
+    assert "Traceback" not in rank0_err.read_text()
+    rank0 = result.stderr.split("rank      : 0 (local_rank: 0)")[1].splitlines()[1]
+    assert rank0.split(":")[1].split()[0] in ("4", "-15"), rank0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 
 import pytest
@@ -104,3 +106,44 @@ def test_fp32_on_a_gpu_is_cached_apart_with_and_without_tf32(monkeypatch) -> Non
         assert cache_key(gpu, "fp32").endswith(" | fp32")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.mark.parametrize(
+    ("kernel", "ms", "why"),
+    [
+        ("matmul", 0, "matmul: fp16 took 0 ms"),
+        ("conv", -1, "conv: fp16 took -1 ms"),
+        ("attention", float("nan"), "attention: fp16 took nan ms"),
+        # The doctor's "625525164x": faster than any kernel can be timed.
+        ("matmul", 1e-9, "matmul: fp16 took 1e-09 ms"),
+        # A time of its own, but 5000 times fp32's 1 ms.
+        ("matmul", 5000.0, "matmul: fp16 took 5e+03x fp32's time"),
+        ("conv", "fast", "conv: fp16 took 'fast' ms"),
+    ],
+)
+def test_cached_timings_that_cannot_be_measurements_are_measured_again(
+    own_cache, monkeypatch, caplog, kernel, ms, why
+) -> None:
+    measured = []
+
+    def fake_measure(device, precisions):
+        measured.append(list(precisions))
+        return {p: timing_at(0.5) for p in precisions}
+
+    monkeypatch.setattr(amp_exp.runtime.probe, "measure", fake_measure)
+    precisions = ["fp32", "bf16", "fp16"]
+    remember(CPU, {p: timing_at(1.0) for p in precisions})
+    entries = read_entries(CACHE_FILE)
+    entries[cache_key(CPU, "fp16")]["kernels"][kernel]["ms"] = ms
+    (own_cache / CACHE_FILE).write_text(json.dumps(entries))
+    with caplog.at_level(logging.WARNING):
+        timings = probe(CPU, precisions)
+    assert measured == [precisions]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning == (
+        f"{own_cache / CACHE_FILE} holds timings that are no measurement ({why}); measuring again"
+    )
+    assert timings["fp16"] == timing_at(0.5)
+    # What the doctor and precision=auto then read is a measurement again, from the cache.
+    assert capability_of(CPU).relative_speed(Precision.fp16) == pytest.approx(1.0)
+    assert measured == [precisions]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -223,6 +226,86 @@ def test_a_line_cut_short_by_a_killed_run_is_skipped(tmp_path: Path) -> None:
     report = build_report([tmp_path], tmp_path, tolerance=0.5)
     assert report["runs"][0]["status"] == "completed"
     assert "loss_curves.png" in report["plots"]
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"[1]", "it holds a JSON list, not an object"),
+        (b'"completed"', "it holds a JSON str, not an object"),
+        (b'{"foo": 1}', "its status is None, not one of completed, stopped, failed, killed"),
+        (b'{"status": "done"}', "its status is 'done', not one of completed, stopped, failed"),
+        (b'{"status": "completed"', "Expecting ',' delimiter"),
+        (b'{"status": "completed\xff"}', "'utf-8' codec can't decode byte 0xff"),
+    ],
+)
+def test_a_summary_that_is_no_summary_is_named_and_the_others_are_reported(
+    tmp_path: Path, caplog, content: bytes, why: str
+) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    write_run(tmp_path / "1", "tiny_cnn", "bf16", 1500.0, 0.8)
+    write_run(tmp_path / "2", "tiny_cnn", "fp16", 1200.0, 0.8)
+    (tmp_path / "2" / "summary.json").write_bytes(content)
+    with caplog.at_level(logging.WARNING):
+        report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    rows = rows_by_run(report)
+    assert rows["2"]["status"] == "failed" and rows["2"]["error"].startswith(
+        f"unreadable summary.json: {why}"
+    )
+    assert rows["1"]["speedup"] == 1.5
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"{tmp_path / '2' / 'summary.json'}: unreadable ({why}")
+
+
+def test_fields_of_the_wrong_kind_are_left_out_and_named(tmp_path: Path, caplog, capsys) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    summary = write_run(tmp_path / "1", "tiny_cnn", "bf16", 1500.0, 0.8)
+    summary.update(
+        samples_per_s="fast",
+        world_size="2",
+        skipped_steps=True,
+        checks=[1],
+        first_overflow={"step": 3},
+        hardware={"advice": "use fp32"},
+    )
+    (tmp_path / "1" / "summary.json").write_text(json.dumps(summary))
+    with caplog.at_level(logging.WARNING):
+        assert main([str(tmp_path)]) == 0
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning == (
+        f"{tmp_path / '1' / 'summary.json'}: left out world_size, skipped_steps, samples_per_s, "
+        "checks, first_overflow, hardware, not of the kind amp_exp writes there"
+    )
+    row = rows_by_run(json.loads((tmp_path / "report.json").read_text()))["1"]
+    assert (row["status"], row["samples_per_s"], row["speedup"]) == ("completed", None, None)
+    assert row["eval_acc_delta_points"] == 0.0  # what could be read still counts
+    assert "tiny_cnn: bf16 throughput not measured" in capsys.readouterr().out
+
+
+def test_metrics_lines_that_are_no_rows_are_skipped(tmp_path: Path, caplog) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    metrics = tmp_path / "0" / "metrics.jsonl"
+    metrics.write_bytes(b"\xff\xfe not text\n{}\n[2]\n" + metrics.read_bytes())
+    with caplog.at_level(logging.WARNING):
+        report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+    assert f"{metrics}: skipping 3 unreadable line(s)" in caplog.text
+    assert "loss_curves.png" in report["plots"]
+
+
+def test_a_sweep_directory_that_cannot_be_written_is_a_one_line_error(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+
+    def read_only(path, write, durable=True):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr("amp_exp.results.files.atomic_write", read_only)
+    assert main([str(tmp_path)]) == 4
+    assert capsys.readouterr().err == (
+        f"amp_exp.report: error: could not write {tmp_path / 'report.json'} (Read-only file "
+        "system); nothing was written; write it elsewhere with --out DIR\n"
+    )
 
 
 def test_several_run_directories_are_reported_together(tmp_path: Path, capsys) -> None:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from amp_exp.errors import NumericalFault, RunRefused, RuntimeFault
-from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock
+from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock, holder_of
 from amp_exp.results.resume_rules import config_changes
 from amp_exp.results.summary import record_failure
 from amp_exp.run import train
@@ -36,12 +39,32 @@ def amp_exp_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return python_m("amp_exp", *FAST, *overrides, f"hydra.run.dir={run_dir}", timeout=300)
 
 
+def take_lock_elsewhere(directory: Path) -> subprocess.CompletedProcess:
+    """Another process tries the lock of ``directory``; it prints what it got."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; "
+            "from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock\n"
+            f"try:\n    RunDirectoryLock(Path({str(directory)!r})).__enter__(); print('taken')\n"
+            "except RunDirectoryBusy as busy:\n    print(busy)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_a_second_process_is_refused_while_the_first_holds_the_directory(tmp_path) -> None:
     holder = f"pid {os.getpid()} on {socket.gethostname()}"
-    with RunDirectoryLock(tmp_path), pytest.raises(RunDirectoryBusy, match=holder):
-        RunDirectoryLock(tmp_path).__enter__()
-    with RunDirectoryLock(tmp_path):  # released on exit
-        pass
+    with RunDirectoryLock(tmp_path):
+        # The pre-flight takes the lock, then the run takes it again, in one process.
+        with RunDirectoryLock(tmp_path):
+            pass
+        assert holder in take_lock_elsewhere(tmp_path).stdout
+        assert holder_of(tmp_path) is None  # this process holds it: not in its own way
+    assert take_lock_elsewhere(tmp_path).stdout.strip() == "taken"  # released with the last
 
 
 def test_the_lock_dies_with_its_process(tmp_path) -> None:
@@ -66,21 +89,103 @@ def test_the_lock_dies_with_its_process(tmp_path) -> None:
         pass
 
 
+def assert_refused_in_one_line(result: subprocess.CompletedProcess, status: int, says: str) -> None:
+    assert result.returncode == status, result.stderr[-2000:]
+    assert result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("amp_exp: error: ") and says in line, line
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A run directory as a completed CLI run leaves it: Hydra's files, train.log, results."""
+    run_dir = tmp_path_factory.mktemp("finished")
+    result = amp_exp_cli(run_dir, *SHORT, "checkpoint.every_steps=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run_dir
+
+
+@pytest.fixture
+def finished_copy(finished_run, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(finished_run, copy)
+    return copy
+
+
 @pytest.mark.slow
-def test_a_run_in_a_busy_directory_exits_2_in_one_line_and_touches_nothing(tmp_path) -> None:
-    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+def test_a_run_in_a_busy_directory_exits_2_in_one_line_and_touches_nothing(finished_copy) -> None:
+    (finished_copy / "summary.json").unlink()  # a run that is still going
+    with RunDirectoryLock(finished_copy):
+        before = snapshot(finished_copy)
+        result = amp_exp_cli(finished_copy, *SHORT, "precision=bf16", "resume=auto")
+    assert_refused_in_one_line(result, 2, f"is in use by pid {os.getpid()}")
+    # Not even Hydra's .hydra/*.yaml and train.log: a report would list the job as it ran.
+    assert snapshot(finished_copy) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overrides", "status", "says"),
+    [
+        # A fresh run of another seed, precision or length over the completed one.
+        (["seed=1"], 2, "holds a completed run (4 steps); a new run there would overwrite it"),
+        (["precision=bf16"], 2, "continue it with resume=auto"),
+        (["trainer.max_steps=3"], 2, "or give this run its own directory"),
+        (["resume=auto", "seed=1"], 2, "belongs to another experiment (seed: 0 -> 1)"),
+    ],
+)
+def test_a_refused_command_writes_nothing(finished_copy, overrides, status, says) -> None:
+    before = snapshot(finished_copy)
+    result = amp_exp_cli(finished_copy, *SHORT, "checkpoint.every_steps=2", *overrides)
+    assert_refused_in_one_line(result, status, says)
+    assert snapshot(finished_copy) == before
+
+
+@pytest.mark.slow
+def test_a_resume_where_no_checkpoint_loads_exits_4_and_writes_nothing(finished_copy) -> None:
+    (finished_copy / "summary.json").unlink()  # killed after its last checkpoint
+    for checkpoint in (finished_copy / "checkpoints").iterdir():
+        checkpoint.write_bytes(b"not a checkpoint")
+    before = snapshot(finished_copy)
+    result = amp_exp_cli(finished_copy, *SHORT, "resume=auto", "trainer.max_steps=6")
+    assert_refused_in_one_line(result, 4, "no checkpoint in")
+    assert snapshot(finished_copy) == before  # no failed summary.json either
+
+
+@pytest.mark.slow
+def test_a_refused_resume_into_a_new_directory_leaves_no_directory(finished_run, tmp_path) -> None:
+    new_dir = tmp_path / "new" / "run"
+    result = amp_exp_cli(new_dir, *SHORT, f"resume={finished_run}", "seed=1")
+    assert_refused_in_one_line(result, 2, "belongs to another experiment")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_resuming_a_completed_cli_run_does_nothing_and_writes_nothing(finished_copy) -> None:
+    before = snapshot(finished_copy)
+    result = amp_exp_cli(finished_copy, *SHORT, "checkpoint.every_steps=2", "resume=auto")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == (
+        "amp_exp: resume=auto: this run completed at step 4; nothing to do, its results stay "
+        "as they are"
+    )
+    assert snapshot(finished_copy) == before
+
+
+@pytest.mark.slow
+def test_a_second_sweep_into_a_sweep_directory_is_refused_unless_it_resumes(tmp_path) -> None:
+    sweep = [*FAST, *SHORT, "seed=0,1", f"hydra.sweep.dir={tmp_path}"]
+    first = python_m("amp_exp", "-m", *sweep, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
     before = snapshot(tmp_path)
-    with RunDirectoryLock(tmp_path):
-        result = amp_exp_cli(tmp_path, *SHORT)
-    assert result.returncode == 2, result.stderr[-2000:]
-    output = (result.stdout + result.stderr).splitlines()
-    errors = [line for line in output if "error" in line.lower()]
-    assert len(errors) == 1 and f"pid {os.getpid()}" in errors[0]
-    after = snapshot(tmp_path)
-    assert {k: v for k, v in after.items() if not k.startswith((".hydra", "train.log"))} == {
-        **{k: v for k, v in before.items()},
-        ".amp_exp.lock": after[".amp_exp.lock"],
-    }
+    again = python_m("amp_exp", "-m", *sweep, timeout=300)
+    assert_refused_in_one_line(again, 2, "holds the results of an earlier sweep (jobs 0, 1)")
+    assert snapshot(tmp_path) == before
+    resumed = python_m("amp_exp", "-m", *sweep, "resume=auto", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert resumed.stdout.count("this run completed at step 4; nothing to do") == 2
+    for job in ("0", "1"):
+        assert (tmp_path / job / "summary.json").read_bytes() == before[f"{job}/summary.json"]
 
 
 def test_resume_skips_a_torn_last_line_and_says_so(run_cfg, tmp_path, caplog) -> None:
@@ -102,6 +207,88 @@ def test_resuming_a_completed_run_does_nothing_and_says_so(run_cfg, tmp_path, ca
     assert "completed at step 4; nothing to do" in caplog.text
     assert summary == json.loads((tmp_path / "summary.json").read_text())
     assert snapshot(tmp_path) == {**before, ".amp_exp.lock": before[".amp_exp.lock"]}
+
+
+@pytest.mark.parametrize(
+    "override", ["seed=1", "precision=bf16", "trainer.max_steps=3", "checkpoint.every_steps=null"]
+)
+def test_a_new_run_never_replaces_a_completed_one(run_cfg, tmp_path, override) -> None:
+    train(run_cfg(*SHORT), tmp_path)
+    before = snapshot(tmp_path)
+    with pytest.raises(RunRefused, match="holds a completed run") as refused:
+        train(run_cfg(*SHORT, override), tmp_path)
+    assert "\n" not in str(refused.value)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_fresh_start_never_replaces_the_checkpoints_of_a_run_that_can_go_on(
+    run_cfg, tmp_path
+) -> None:
+    train(run_cfg(*SHORT, "checkpoint.every_steps=2"), tmp_path)
+    (tmp_path / "summary.json").unlink()  # killed after a checkpoint
+    before = snapshot(tmp_path)
+    with pytest.raises(RunRefused, match=r"holds the checkpoints of a run that can go on"):
+        train(run_cfg(*SHORT), tmp_path)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_completed_run_without_checkpoints_is_never_started_over(run_cfg, tmp_path) -> None:
+    no_checkpoints = [*SHORT, "checkpoint.every_steps=null"]
+    completed = train(run_cfg(*no_checkpoints), tmp_path)
+    before = snapshot(tmp_path)
+    # Asked for the same training: nothing to do.
+    assert train(run_cfg(*no_checkpoints, "resume=auto"), tmp_path) == completed
+    with pytest.raises(RunRefused, match="completed at step 4 and saved no checkpoint"):
+        train(run_cfg(*no_checkpoints, "resume=auto", "trainer.max_steps=6"), tmp_path)
+    with pytest.raises(RunRefused, match=r"belongs to another experiment \(seed: 0 -> 1\)"):
+        train(run_cfg(*no_checkpoints, "resume=auto", "seed=1"), tmp_path)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_failed_attempt_without_checkpoints_may_be_run_again(run_cfg, tmp_path) -> None:
+    record_failure(tmp_path, {}, NumericalFault("scale collapsed"))
+    assert train(run_cfg(*SHORT), tmp_path)["status"] == "completed"
+
+
+def test_resume_takes_the_newest_checkpoint_even_when_last_pt_is_older(
+    run_cfg, tmp_path, monkeypatch
+) -> None:
+    """A full disk at step 4 let step_00000004.pt through and stopped last.pt (still step 2)."""
+    real_save, steps_saved = torch.save, []
+
+    def disk_full_on_the_second_last_pt(payload, file) -> None:
+        # Each step saves step_<N>.pt, then last.pt.
+        steps_saved.append(payload["step"])
+        if steps_saved == [2, 2, 4, 4]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(payload, file)
+
+    monkeypatch.setattr(torch, "save", disk_full_on_the_second_last_pt)
+    run = [*SHORT, "checkpoint.every_steps=2", "checkpoint.keep=2"]
+    with pytest.raises(RuntimeFault, match=r"last\.pt"):
+        train(run_cfg(*run), tmp_path)
+    monkeypatch.setattr(torch, "save", real_save)
+    checkpoints = tmp_path / "checkpoints"
+    assert torch.load(checkpoints / "last.pt", weights_only=True)["step"] == 2
+    summary = train(run_cfg(*run, "resume=auto", "trainer.max_steps=6"), tmp_path)
+    assert summary["resumed_from"] == str(checkpoints / "step_00000004.pt")
+    assert summary["steps"] == 6
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [
+        2,
+        4,
+        6,
+    ]
+
+
+def test_metrics_lines_that_are_no_rows_are_skipped_on_resume(run_cfg, tmp_path, caplog) -> None:
+    train(run_cfg(*SHORT, "checkpoint.every_steps=2"), tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_bytes(b"{}\n[1]\n\xff\xfe\n" + metrics.read_bytes())
+    (tmp_path / "summary.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        summary = train(run_cfg(*SHORT, "resume=auto", "trainer.max_steps=6"), tmp_path)
+    assert summary["status"] == "completed" and "skipped 3 unreadable line(s)" in caplog.text
+    assert [r["step"] for r in read_jsonl(metrics) if r["kind"] == "train"] == [2, 4, 6]
 
 
 def test_a_completed_run_can_be_extended(run_cfg, tmp_path) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
 from amp_exp.tasks.tokens import CACHE_DIRNAME, build_text
+from helpers.disks import fill, small_disk
 from helpers.runs import FAST_TRAINER, TINY_GPT
 from helpers.warm_python import python_m
 
@@ -112,3 +116,68 @@ def test_cli_without_the_gpt2_files_exits_2_with_one_line(tmp_path) -> None:
     assert missing.returncode == 2
     errors = [line for line in missing.stdout.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "tiktoken's GPT-2 files are not cached" in errors[0]
+
+
+def corpus_of(tmp_path, size: int = 20) -> Path:
+    corpus = tmp_path / "data" / "corpus.txt"
+    corpus.parent.mkdir()
+    corpus.write_text(SENTENCE * size)
+    return corpus
+
+
+def test_a_corrupt_token_cache_is_rebuilt_and_said_once(text_cfg, tmp_path, caplog) -> None:
+    corpus = corpus_of(tmp_path)
+    cfg = text_cfg(f"dataset.path={corpus}")
+    build_text(cfg.dataset, 16, 0, CPU)
+    [cached] = (corpus.parent / CACHE_DIRNAME).glob("*.npy")
+    cached.write_bytes(cached.read_bytes()[:100])  # a copy cut short
+    with caplog.at_level(logging.WARNING):
+        data = build_text(cfg.dataset, 16, 0, CPU)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert (
+        warning.startswith(f"token cache {cached} is unreadable (")
+        and "tokenizing again" in warning
+    )
+    assert len(data.train) > 0
+    assert bytes(np.load(cached).astype(np.uint8)) == corpus.read_bytes()  # rebuilt
+
+
+def no_room_for_the_cache(monkeypatch) -> None:
+    """np.save on a full disk: part of the file written, then ENOSPC."""
+
+    def save_half(file, array) -> None:
+        file.write(b"\x93NUMPY half a header")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(np, "save", save_half)
+
+
+def test_a_token_cache_the_disk_refuses_costs_a_warning_and_no_files(
+    text_cfg, tmp_path, monkeypatch, caplog
+) -> None:
+    corpus = corpus_of(tmp_path, size=200)
+    cache = tmp_path / "cache"
+    no_room_for_the_cache(monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        summary = train(
+            text_cfg(f"dataset.path={corpus}", f"dataset.cache_dir={cache}"), tmp_path / "run"
+        )
+    assert summary["status"] == "completed"
+    [warning] = [r.getMessage() for r in caplog.records if "could not cache" in r.getMessage()]
+    assert warning.endswith(
+        "(No space left on device); training on them all the same, and tokenizing again next time"
+    )
+    assert list((corpus.parent / CACHE_DIRNAME).iterdir()) == [] and list(cache.iterdir()) == []
+
+
+def test_a_token_cache_on_a_really_full_disk_leaves_no_partial_file(text_cfg, tmp_path) -> None:
+    corpus = tmp_path / "data" / "corpus.txt"
+    corpus.parent.mkdir()
+    corpus.write_bytes(os.urandom(2**20))  # 1 MB, and 2 MB of tokens
+    (corpus.parent / CACHE_DIRNAME).write_text("in the way")  # the cache goes to cache_dir
+    with small_disk(tmp_path / "disk", 1024) as disk:
+        fill(disk, 64)
+        cfg = text_cfg(f"dataset.path={corpus}", f"dataset.cache_dir={disk / 'tokens'}")
+        data = build_text(cfg.dataset, 16, 0, CPU)
+        assert len(data.train) > 0
+        assert not list((disk / "tokens").glob("*"))  # no partial .tmp file fills the disk

@@ -290,11 +290,9 @@ def test_without_wandb_workspaces_the_error_names_the_extra_to_install(
 
 
 def report_cli(root: Path, home: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:
-    """``python -m amp_exp.report ROOT --wandb`` in a home without W&B credentials."""
-    import matplotlib
-
-    # matplotlib's font cache stays where it is: rebuilding it would print a line and take 3 s.
-    env = env_without_wandb(home, MPLCONFIGDIR=matplotlib.get_configdir(), **env)
+    """``python -m amp_exp.report ROOT --wandb`` in a home without W&B credentials (matplotlib
+    keeps the session's cache: conftest.py)."""
+    env = env_without_wandb(home, **env)
     started = time.monotonic()
     result = python_m("amp_exp.report", str(root), "--wandb", timeout=120, env=env)
     return result, time.monotonic() - started
@@ -320,17 +318,30 @@ def test_with_no_server_the_command_stops_in_one_line_within_30_s_after_report_m
 
 
 @pytest.mark.slow
+def test_what_matplotlib_says_of_its_cache_never_adds_a_line_to_the_error(tmp_path: Path) -> None:
+    """A config folder matplotlib cannot use (here a file; in a fresh home, none yet): it warns,
+    and builds its font cache in a temporary folder, through the logging module."""
+    root = write_sweep(tmp_path / "sweep")
+    (tmp_path / "not_a_folder").write_text("")
+    result, _ = report_cli(
+        root,
+        tmp_path / "home",
+        WANDB_API_KEY=FAKE_API_KEY,
+        WANDB_BASE_URL=UNREACHABLE_SERVER,
+        MPLCONFIGDIR=str(tmp_path / "not_a_folder"),
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("amp_exp.report: error: no W&B report: cannot reach")
+    assert (root / "loss_curves.png").is_file()
+
+
+@pytest.mark.slow
 def test_without_an_api_key_the_command_stops_in_one_line_and_never_prompts(
     tmp_path: Path,
 ) -> None:
-    import matplotlib
-
     root = write_sweep(tmp_path / "sweep")
-    env = env_without_wandb(
-        tmp_path / "home",
-        WANDB_BASE_URL=UNREACHABLE_SERVER,
-        MPLCONFIGDIR=matplotlib.get_configdir(),
-    )
+    env = env_without_wandb(tmp_path / "home", WANDB_BASE_URL=UNREACHABLE_SERVER)
     command = [sys.executable, "-m", "amp_exp.report", str(root), "--wandb"]
     returncode, output = run_at_terminal(command, env, timeout=120)
     assert returncode == 2

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -21,6 +23,11 @@ from amp_exp.errors import ConfigError
 # Under the agent's store, beside torchrun's own keys; the run id keeps separate jobs apart, and
 # leaving out the restart count keeps a worker group restarted by torchrun in the same directory.
 LAUNCH_TIME_KEY = "amp_exp/launch_time/{run_id}"
+# Rank 0's verdict on a command, per attempt: a worker group torchrun restarts asks again.
+VERDICT_KEY = "amp_exp/verdict/{run_id}/{attempt}"
+FAILED = "failed"
+# Each worker's host and pid, so that a rank whose peer died can say which one.
+PID_KEY = "amp_exp/pid/{run_id}/{attempt}/{rank}"
 STORE_TIMEOUT = timedelta(seconds=120)
 
 
@@ -90,6 +97,58 @@ def launch_time() -> datetime:
     # compare_set with an empty expected value writes only if the key is absent: first one wins.
     agreed = store.compare_set(key, "", now.isoformat())
     return datetime.fromisoformat(agreed.decode())
+
+
+def rank0_decides(decide: Callable[[], str]) -> str:
+    """``decide()`` on rank 0, and what it returned on every other worker of a torchrun job.
+
+    For what one process must decide for all, before anything else runs: the others wait for
+    the answer in torchrun's store. Outside torchrun (or its agent's store) every process
+    decides for itself. If rank 0 raises, the others get ``failed <its exit status>``.
+    """
+    rank, store = worker_rank(), torchrun_store(STORE_TIMEOUT)
+    if rank is None or store is None:
+        return decide()
+    key = _attempt_key(VERDICT_KEY)
+    if not rank.is_main:
+        return store.get(key).decode()
+    try:
+        verdict = decide()
+    except BaseException as error:
+        store.set(key, f"{FAILED} {getattr(error, 'exit_status', 1)}")
+        raise
+    store.set(key, verdict)
+    return verdict
+
+
+def _attempt_key(template: str, **names: object) -> str:
+    return template.format(
+        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "none"),
+        attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        **names,
+    )
+
+
+def publish_pid() -> None:
+    """Say in torchrun's store which process on which host this worker is (nothing outside)."""
+    rank, store = worker_rank(), torchrun_store(STORE_TIMEOUT)
+    if rank is not None and store is not None:
+        store.set(_attempt_key(PID_KEY, rank=rank.rank), f"{socket.gethostname()} {os.getpid()}")
+
+
+def peer_pids() -> dict[int, int]:
+    """The pid of every other worker of this torchrun attempt on this host that published one."""
+    rank, store = worker_rank(), torchrun_store(STORE_TIMEOUT)
+    if rank is None or store is None:
+        return {}
+    found = {}
+    for other in range(rank.world_size):
+        key = _attempt_key(PID_KEY, rank=other)
+        if other != rank.rank and store.check([key]):
+            host, _, pid = store.get(key).decode().rpartition(" ")
+            if host == socket.gethostname():
+                found[other] = int(pid)
+    return found
 
 
 def log_file_suffix() -> str:

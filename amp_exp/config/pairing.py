@@ -2,6 +2,8 @@
 
 Image models classify images; gpt models predict the next token. The task (``task=``) follows
 from the dataset unless the dataset is the user's own; the user's own model fits either task.
+Activation checkpointing recomputes transformer blocks, which amp_exp's own image models (tiny_cnn,
+mlp) do not have; whether a torchvision, timm or user model has them shows once it is built.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from amp_exp.config.datasets import (
     TextDatasetConfig,
     dataset_name,
 )
-from amp_exp.config.models import CustomModelConfig, GPTConfig
+from amp_exp.config.models import CustomModelConfig, GPTConfig, MLPConfig, TinyCNNConfig
 from amp_exp.config.schema import RunConfig, TaskName
 from amp_exp.errors import ConfigError
 
@@ -53,6 +55,15 @@ def data_vocab_size(run: RunConfig) -> int | None:
     return dataset.vocab_size if isinstance(dataset, CustomDatasetConfig) else None
 
 
+def no_blocks(model_name: str) -> ConfigError:
+    """Activation checkpointing asked of a model without blocks; refused here for the built-in
+    models before a job starts, and by runtime.blocks for the user's own once built."""
+    return ConfigError(
+        f"trainer.activation_checkpointing=true recomputes the blocks of a transformer "
+        f"(model.blocks), and model {model_name} has none; set it to false"
+    )
+
+
 def check_pairing(run: RunConfig) -> TaskName:
     """The run's task, after checking that model, data and task fit together."""
     data_name, model_name = dataset_name(run.dataset), run.model.name
@@ -82,6 +93,8 @@ def check_pairing(run: RunConfig) -> TaskName:
             )
     if task is TaskName.lm:
         _check_token_sizes(run)
+    if run.trainer.activation_checkpointing and isinstance(run.model, (TinyCNNConfig, MLPConfig)):
+        raise no_blocks(model_name)
     return task
 
 

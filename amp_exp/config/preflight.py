@@ -4,7 +4,9 @@ Hydra reports a bad value with a multi-line message and, in a sweep, only when t
 it starts. Composing each override value here first means ``precision=fp8`` or a typo in job 7 of
 a sweep fails at once, with one line that names the valid choices, before any model is built.
 Each composed job then gets the checks that need no training (config/checks.py), and the run or
-sweep directory is checked for being one Hydra can create.
+sweep directory is checked for being one Hydra can create. What it found (``Launch``) tells the
+entry point which directory the command will write to, so that it can claim it before Hydra
+writes anything there (results/claim.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 from argparse import Namespace
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
 
 from amp_exp.config.checks import check_job, check_output_dir
+from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import SUBMITIT_PLUGIN
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError, first_line
@@ -44,6 +47,26 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 CONF_DIR = PACKAGE_DIR / "conf"
 CONFIG_NAME = "config"
 SUBMITIT_LAUNCHERS = "hydra/launcher/submitit_"
+
+
+@dataclass(frozen=True)
+class OutputDir:
+    key: str  # hydra.run.dir or hydra.sweep.dir
+    value: str
+    # Whether ``value`` is the directory itself: else what it names is known only once the job
+    # runs (``${hydra.job.override_dirname}``), and ``value`` is the part before that.
+    resolved: bool
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the command will run: its jobs' configs, as checked, and where they write."""
+
+    multirun: bool
+    # The single run's config, or the sweep jobs the pre-flight checked (every value of every
+    # swept key is in one of them).
+    jobs: list[RunConfig]
+    output_dir: OutputDir
 
 
 def describe_error(error: Exception) -> str:
@@ -157,11 +180,10 @@ def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
 
 def compose_base(
     config_name: str, overrides: list[str], multirun: bool
-) -> tuple[DictConfig, bool, list[str], tuple[str, str]]:
+) -> tuple[DictConfig, bool, list[str], OutputDir]:
     """The config of the non-sweep overrides, whether it asks for a multirun, its
     ``hydra.sweeper.params`` (presets under conf/experiment/ set both, so
-    ``experiment=precision_sweep`` sweeps without -m), and the directory Hydra will create, as
-    (key, path)."""
+    ``experiment=precision_sweep`` sweeps without -m), and the directory Hydra will create."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     cfg = compose_checked(config_name, fixed, return_hydra_config=True)
@@ -175,22 +197,25 @@ def compose_base(
     return cfg, multirun, [f"{key}={value}" for key, value in params.items()], output_dir
 
 
-def output_directory(cfg: DictConfig, mode: str) -> tuple[str, str]:
-    """``hydra.<mode>.dir`` and its value: resolved where what it names is known before the run,
-    else the part before its first interpolation, the directory it will be created in."""
+def output_directory(cfg: DictConfig, mode: str) -> OutputDir:
+    """``hydra.<mode>.dir`` and its value: resolved where what it names is known before the run
+    (the timestamp of amp_exp's default is this process's launch time, the one Hydra resolves
+    later), else the part before its first interpolation, the directory it will be created in."""
     key = f"hydra.{mode}.dir"
     try:
-        return key, str(OmegaConf.select(cfg, key, throw_on_resolution_failure=True))
+        value = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        return OutputDir(key, str(value), True)
     except OmegaConfBaseException:
         raw = str(OmegaConf.to_container(cfg.hydra)[mode]["dir"])
-        return key, raw.partition("${")[0] or "."
+        return OutputDir(key, raw.partition("${")[0] or ".", False)
 
 
-def check_overrides(argv: list[str]) -> None:
-    """Raise ConfigError, with a one-line message, if any override cannot run."""
+def check_overrides(argv: list[str]) -> Launch | None:
+    """Raise ConfigError, with a one-line message, if any override cannot run; else what will
+    run (None for Hydra's own --help, --info, --cfg, which run nothing)."""
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
-        return
+        return None
     config_name = args.config_name or CONFIG_NAME
     try:
         with search_path(args):
@@ -204,10 +229,13 @@ def check_overrides(argv: list[str]) -> None:
                 if not multirun
                 else (compose_checked(config_name, overrides) for overrides in jobs)
             )
+            checked = []
             for cfg in configs:
-                check_job(validate(cfg), os.environ)
-        check_output_dir(*output_dir)
+                checked.append(validate(cfg))
+                check_job(checked[-1], os.environ)
+        check_output_dir(output_dir.key, output_dir.value)
     # Hydra raises ValueError for some bad overrides, and PyYAML its own errors for a config
     # file that does not parse.
     except (ValueError, yaml.YAMLError, OmegaConfBaseException, HydraException) as error:
         raise ConfigError(describe_error(error)) from error
+    return Launch(multirun, checked, output_dir)

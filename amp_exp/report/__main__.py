@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from amp_exp.config.schema import ReportConfig
-from amp_exp.errors import EXIT_CONFIG_ERROR
+from amp_exp.errors import EXIT_CONFIG_ERROR, RuntimeFault
 from amp_exp.report.assemble import build_report
 from amp_exp.report.runs import ReportError
 
@@ -56,12 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.wandb_timeout <= 0:
         parser.error("--wandb-timeout must be positive")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Matplotlib says so when it builds its font cache (the first plot in a fresh home): not a
+    # line of this command's output, which is the report, or one error line.
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
     out_dir = args.out or Path(os.path.commonpath([d.resolve() for d in args.dirs]))
     try:
         report = build_report(args.dirs, out_dir, args.tolerance)
     except ReportError as error:
         print(f"amp_exp.report: error: {error}", file=sys.stderr)
         return 1
+    except RuntimeFault as error:  # report.md cannot be written there: read-only, or full
+        print(f"amp_exp.report: error: {error}; write it elsewhere with --out DIR", file=sys.stderr)
+        return error.exit_status
     print("\n".join(report["verdicts"]))
     print(f"report: {out_dir / 'report.md'}")
     if args.wandb:

@@ -2,7 +2,9 @@
 
 It reads files alone, so a report works on runs copied from another machine and on runs logged
 without W&B. A job that never wrote summary.json (SIGKILL, the OOM killer) is found by the config
-Hydra saved before it ran, and listed as killed.
+Hydra saved before it ran, and listed as killed. What cannot be read is named in one line and
+passed over: a summary.json that is no summary (the run is listed as failed), a field of the
+wrong kind, a line of metrics.jsonl that is no row.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from amp_exp.errors import ConfigError
+from amp_exp.errors import ConfigError, first_line
 from amp_exp.results.files import JOB_CONFIG, METRICS_FILE, SUMMARY_FILE
 from amp_exp.results.loggers import read_rows
 from amp_exp.results.summary import Status, make_summary
@@ -80,12 +82,105 @@ def job_config(path: Path) -> dict[str, Any]:
         return OmegaConf.to_container(saved, resolve=False)  # type: ignore[return-value]
 
 
+# What the report computes with, by summary.json field, and the kind of value amp_exp writes
+# there. A summary edited by hand or written by another program may hold anything; a field of
+# another kind is left out (as if never measured), and said so, rather than failing the report
+# of every run.
+NUMBER = (int, float)
+
+
+class Nullable:
+    """A key that may be missing or null; ``inner`` otherwise."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+
+FIELD_KINDS: dict[str, Any] = {
+    **dict.fromkeys(
+        ("model", "precision", "error", "strategy", "param_dtype", "reduce_dtype"), str
+    ),
+    **dict.fromkeys(("device_name", "peak_mem_kind", "stop_signal"), str),
+    **dict.fromkeys(("world_size", "skipped_steps", "steps"), int),
+    **dict.fromkeys(
+        ("samples_per_s", "tokens_per_s", "mfu", "peak_mem_bytes", "state_bytes", "final_loss"),
+        NUMBER,
+    ),
+    **dict.fromkeys(
+        ("eval_acc", "eval_perplexity", "loss_scale", "stale_weight_frac", "suggested_init_scale"),
+        NUMBER,
+    ),
+    "fp8_emulated": bool,
+    "config": {"precision": Nullable(dict), "wandb": Nullable(dict)},
+    "checks": {str: {"passed": Nullable(bool), "offenders": Nullable([str])}},
+    "underflow": {"underflow_frac_scaled": Nullable(NUMBER)},
+    "first_overflow": {"step": int, "loss_finite": bool, "parameters": [str]},
+    "hardware": {"advice": Nullable([str])},
+    "fp8_converted": [str],
+    "fp8_skipped": {str: str},
+}
+
+
+def conforms(value: Any, kind: Any) -> bool:
+    """Whether ``value`` (read from JSON) is of ``kind``: a type, NUMBER, [kind] (a list),
+    {str: kind} (a mapping), or {key: kind} (an object with those keys; others may be there)."""
+    if isinstance(kind, Nullable):
+        return value is None or conforms(value, kind.inner)
+    if isinstance(value, bool) and kind is not bool:
+        return False  # JSON's true is no count or measure
+    if isinstance(kind, list):
+        return isinstance(value, list) and all(conforms(item, kind[0]) for item in value)
+    if isinstance(kind, dict):
+        if not isinstance(value, dict):
+            return False
+        if str in kind:
+            return all(conforms(item, kind[str]) for item in value.values())
+        return all(
+            conforms(value.get(key), inner) for key, inner in kind.items() if key in value
+        ) and all(key in value for key, inner in kind.items() if not isinstance(inner, Nullable))
+    return isinstance(value, kind)
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """A run's summary.json, its fields of the wrong kind left out (and named); raises
+    ValueError (or OSError) for a file that is no summary at all."""
+    summary = json.loads((path / SUMMARY_FILE).read_bytes().decode("utf-8"))
+    if not isinstance(summary, dict):
+        raise ValueError(f"it holds a JSON {type(summary).__name__}, not an object")
+    statuses = [status.value for status in Status]
+    if summary.get("status") not in statuses:
+        raise ValueError(
+            f"its status is {summary.get('status')!r}, not one of {', '.join(statuses)}"
+        )
+    wrong = [
+        key
+        for key, kind in FIELD_KINDS.items()
+        if summary.get(key) is not None and not conforms(summary[key], kind)
+    ]
+    if wrong:
+        log.warning(
+            "%s: left out %s, not of the kind amp_exp writes there",
+            path / SUMMARY_FILE,
+            ", ".join(wrong),
+        )
+    return {key: value for key, value in summary.items() if key not in wrong}
+
+
+def job_identity(path: Path) -> dict[str, Any]:
+    """The config Hydra saved before the job ran, to place a run that left no usable summary;
+    empty when that is missing or unreadable too."""
+    try:
+        config = job_config(path)
+    except Exception:  # a broken file of any kind: the run is listed all the same
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def killed_summary(path: Path) -> dict[str, Any]:
     """What a job that never wrote summary.json (SIGKILL, the OOM killer) shows in a report."""
-    config = job_config(path)
     return make_summary(
         Status.killed,
-        config,
+        job_identity(path),
         error=f"no {SUMMARY_FILE}: the process was killed (SIGKILL, out of memory) or is "
         "still running",
     )
@@ -93,11 +188,16 @@ def killed_summary(path: Path) -> dict[str, Any]:
 
 def load_run(path: Path) -> Run:
     try:
-        summary = json.loads((path / SUMMARY_FILE).read_text(encoding="utf-8"))
+        summary = read_summary(path)
     except FileNotFoundError:
         summary = killed_summary(path)
-    except (OSError, json.JSONDecodeError) as error:
-        summary = make_summary(Status.failed, {}, error=f"unreadable {SUMMARY_FILE}: {error}")
+    except (OSError, ValueError) as error:
+        # UnicodeDecodeError and json.JSONDecodeError are ValueErrors too.
+        reason = first_line(str(error)) or type(error).__name__
+        log.warning("%s: unreadable (%s); listed as failed", path / SUMMARY_FILE, reason)
+        summary = make_summary(
+            Status.failed, job_identity(path), error=f"unreadable {SUMMARY_FILE}: {reason}"
+        )
     return Run(path, summary, read_metrics(path / METRICS_FILE))
 
 

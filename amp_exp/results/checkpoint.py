@@ -7,7 +7,9 @@ executed.
 
 Under FSDP2 a checkpoint is a directory, ``step_<N>/``: the model's and optimizer's shards in
 DCP's format (torch.distributed.checkpoint: ``.metadata`` and a ``.distcp`` file per rank), which
-loads on any number of ranks, and the rest of the state in ``engine.pt``, written by rank 0.
+loads on any number of ranks, and the rest of the state in ``engine.pt``, written by rank 0. DCP's
+own reader would unpickle its files with Python's full unpickler; they are read through
+``results.dcp_reader`` instead, which runs no code from them either.
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from amp_exp.errors import first_line
+from amp_exp.errors import RuntimeFault, first_line
+from amp_exp.results.dcp_reader import (
+    DCP_METADATA,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_checkpoint,
+)
 from amp_exp.results.files import (
     CHECKPOINT_DIR,
     LAST_CHECKPOINT,
@@ -40,7 +49,6 @@ FORMAT = 3
 STEP_FILE = re.compile(r"step_(\d+)(\.pt)?$")
 # In a sharded checkpoint: rank 0's part, and the file DCP writes once every shard is written.
 ENGINE_STATE = "engine.pt"
-DCP_METADATA = ".metadata"
 
 
 def atomic_save(payload: dict[str, Any], path: Path) -> None:
@@ -116,7 +124,13 @@ class ShardedCheckpointer(Checkpointer):
         final = self.directory / f"step_{payload['step']:08d}"
         # The same name on every rank; a leftover of a killed save is written over.
         partial = self.directory / f".{final.name}{TMP_SUFFIX}"
-        dcp.save(shards, checkpoint_id=partial)
+        try:
+            dcp.save(shards, checkpoint_id=partial)
+        except CheckpointException as error:  # a full disk on some rank, say
+            raise RuntimeFault(
+                f"could not write {partial} ({dcp_cause(error)}); the previous checkpoints are "
+                "intact"
+            ) from None
         if not self.writes:
             return
         atomic_save(payload, partial / ENGINE_STATE)
@@ -168,18 +182,37 @@ class UnusableCheckpoints(Exception):
         self.reasons = reasons
 
 
-def load_newest_valid(target: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads, or None when there is none at all.
+def numbered_step(path: Path) -> int | None:
+    """The step in a numbered checkpoint's name; None for last.pt or a file given by name."""
+    match = STEP_FILE.fullmatch(path.name)
+    return int(match.group(1)) if match else None
 
-    A corrupt or unsafe one is reported and passed over for an older one; when every one is
-    unusable, ``UnusableCheckpoints`` is raised: a run must not take that for "no checkpoint yet"
-    and start over on top of its history.
+
+def load_newest_valid(target: Path, look: bool = False) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint at the highest step that loads, or None when there is none at all.
+
+    last.pt usually holds the newest step, but not always: a save that filled the disk may have
+    written step_<N>.pt and failed on last.pt. So last.pt is read first, then each numbered
+    checkpoint newer than what was found, newest first; last.pt wins a tie. A corrupt or unsafe
+    one is reported and passed over for an older one; when every one is unusable,
+    ``UnusableCheckpoints`` is raised: a run must not take that for "no checkpoint yet" and start
+    over on top of its history. ``look`` only looks at what the checkpoints hold: their
+    tensors are mapped instead of read, and what is passed over is not logged (the load that
+    follows says so).
     """
     reasons: dict[Path, str] = {}
+    best: tuple[Path, dict[str, Any]] | None = None
     for path in candidates(target):
+        step = numbered_step(path)
+        if best is not None and step is not None and step <= best[1]["step"]:
+            break  # numbered checkpoints come newest first: none of the rest is newer
         try:
-            payload = read_checkpoint(path)
-            if not isinstance(payload, dict) or "progress" not in payload:
+            payload = read_checkpoint(path, mmap=look)
+            if not (
+                isinstance(payload, dict)
+                and "progress" in payload
+                and isinstance(payload.get("step"), int)
+            ):
                 raise ValueError("not an amp_exp checkpoint")
             if payload.get("format") != FORMAT:
                 raise ValueError(
@@ -187,29 +220,47 @@ def load_newest_valid(target: Path) -> tuple[Path, dict[str, Any]] | None:
                 )
         except Exception as error:  # a truncated, foreign or malicious file: try an older one
             reasons[path] = first_line(str(error)) or repr(error)
-            log.warning(
-                "checkpoint %s is unusable (%s); trying the one before it", path, reasons[path]
-            )
+            if not look:
+                log.warning(
+                    "checkpoint %s is unusable (%s); trying the one before it", path, reasons[path]
+                )
             continue
-        return path, payload
-    if reasons:
+        if best is None or payload["step"] > best[1]["step"]:
+            best = path, payload
+    if best is None and reasons:
         raise UnusableCheckpoints(reasons)
-    return None
+    return best
 
 
-def read_checkpoint(path: Path) -> Any:
-    """A checkpoint file, or of a sharded checkpoint what rank 0 wrote (its shards load later,
-    into this run's shapes: ``load_shards``)."""
+def read_checkpoint(path: Path, mmap: bool = False) -> Any:
+    """A checkpoint file, or of a sharded checkpoint what rank 0 wrote, once its DCP files are
+    known to hold only data (its shards load later, into this run's shapes: ``load_shards``)."""
     if not path.is_dir():
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     missing = [name for name in (DCP_METADATA, ENGINE_STATE) if not (path / name).is_file()]
     if missing:
         raise ValueError(f"incomplete sharded checkpoint: no {' or '.join(missing)}")
-    return torch.load(path / ENGINE_STATE, map_location="cpu", weights_only=True)
+    check_checkpoint(path)
+    return torch.load(path / ENGINE_STATE, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def load_shards(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """Fill ``template`` (this run's sharded state dicts) from the checkpoint's shards, on any
     number of ranks: DCP reshards. Every rank calls this."""
-    dcp.load(template, checkpoint_id=path)
+    try:
+        dcp.load(
+            template,
+            checkpoint_id=path,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(),
+        )
+    except CheckpointException as error:
+        raise RuntimeFault(f"the shards of {path} do not load: {dcp_cause(error)}") from None
     return template
+
+
+def dcp_cause(error: CheckpointException) -> str:
+    """What went wrong, from DCP's error: every failed rank's traceback in one message (and a
+    BaseException, which no ``except Exception`` would catch), whose last line says it."""
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__

@@ -60,9 +60,11 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise write_fault(path, error) from None
 
 
-def write_fault(path: Path, error: OSError) -> RuntimeFault:
-    """One line: what could not be written, why, and that the file on disk is the previous one."""
-    state = f"the previous {path.name} is intact" if path.exists() else "nothing was written"
+def write_fault(path: Path, error: OSError, state: str | None = None) -> RuntimeFault:
+    """One line: what could not be written, why, and what is on disk (by default: the previous
+    file, untouched)."""
+    if state is None:
+        state = f"the previous {path.name} is intact" if path.exists() else "nothing was written"
     reason = error.strerror or first_line(str(error))
     return RuntimeFault(f"could not write {path} ({reason}); {state}")
 

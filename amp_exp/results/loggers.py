@@ -6,12 +6,13 @@ touch tensors. Every row names its kind (``train``, ``eval``, ``diagnostics``) i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from amp_exp.results.files import json_line, write_text
+from amp_exp.results.files import json_line, write_fault, write_text
 from amp_exp.tasks.metrics import TaskMetrics
 
 log = logging.getLogger("amp_exp")
@@ -26,35 +27,58 @@ class Logger(Protocol):
 
 
 class JsonlLogger:
-    """One JSON object per line, flushed per row so a killed run keeps everything logged."""
+    """One JSON object per line, flushed per row so a killed run keeps everything logged.
+
+    A row the file system refuses (a full disk, a quota) stops the run with one line
+    (``RuntimeFault``); the rows before it stay, and a resume skips a line it tore.
+    """
 
     def __init__(self, path: Path, append: bool = False) -> None:
         """``append`` continues the rows a resumed run carried over; otherwise start afresh."""
         self.path = path
-        self._file = path.open("a" if append else "w", encoding="utf-8")
+        try:
+            self._file = path.open("a" if append else "w", encoding="utf-8")
+        except OSError as error:
+            raise write_fault(path, error) from None
 
     def log(self, row: dict[str, Any]) -> None:
-        self._file.write(json_line(row) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json_line(row) + "\n")
+            self._file.flush()
+        except OSError as error:
+            raise write_fault(self.path, error, "the rows before this one are kept") from None
 
     def close(self) -> None:
-        self._file.close()
+        # A row the disk refused is still in the buffer, and closing tries it once more; that
+        # failure was raised when it happened, so it must not replace the run's own error now.
+        with contextlib.suppress(OSError):
+            self._file.close()
 
 
 def read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The rows of a metrics.jsonl, and how many lines could not be read (a line torn by a
-    process killed mid-write)."""
+    """The rows of a metrics.jsonl, and how many lines could not be read: a line torn by a
+    process killed mid-write, bytes that are not UTF-8, or JSON that is not a row (an object with
+    its ``kind`` and ``step``)."""
     if not path.is_file():
         return [], 0
     rows, unreadable = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().splitlines():
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError and json.JSONDecodeError both are
+            unreadable += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("kind"), str) and is_step(row.get("step")):
+            rows.append(row)
+        else:
             unreadable += 1
     return rows, unreadable
+
+
+def is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def keep_metrics_until(source: Path, destination: Path, last_step: int) -> None:

@@ -202,4 +202,5 @@ def completed_summary(output_dir: Path) -> dict[str, Any] | None:
         summary = json.loads((output_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return summary if summary.get("status") == Status.completed.value else None
+    completed = isinstance(summary, dict) and summary.get("status") == Status.completed.value
+    return summary if completed else None

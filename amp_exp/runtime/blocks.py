@@ -12,8 +12,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from amp_exp.config.pairing import no_blocks
 from amp_exp.config.schema import CompileMode
-from amp_exp.errors import ConfigError
 
 
 def model_blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -32,10 +32,7 @@ def checkpoint_blocks(model: nn.Module, model_name: str) -> None:
     """
     blocks = model_blocks(model)
     if blocks is None:
-        raise ConfigError(
-            f"trainer.activation_checkpointing=true recomputes the blocks of a transformer "
-            f"(model.blocks), and model {model_name} has none; set it to false"
-        )
+        raise no_blocks(model_name)
     for index, block in enumerate(blocks):
         # The non-reentrant checkpoint, which torch recommends: it supports inputs that need no
         # gradient and, under FSDP2, gathers the block's parameters again for the recomputation.

@@ -3,18 +3,41 @@
 It lives in ``$XDG_CACHE_HOME/amp_exp`` (``~/.cache/amp_exp`` without it). Every file maps a key
 to an entry. Losing a file costs a measurement, never a result, so a file that does not parse is
 treated as empty, and concurrent writers (the ranks of a job, the jobs of a sweep) may each drop
-the other's new entry: both entries are measured again later.
+the other's new entry: both entries are measured again later. A cached time that cannot be a
+measurement (``implausible_times``) is stale too: its reader measures again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from amp_exp.runtime.atomic import atomic_write
+
+# No kernel or training step is timed faster than a microsecond, and no precision runs 1000 times
+# faster or slower than fp32 on one (fp16 on CPUs without its kernels: 20-140x slower).
+MIN_PLAUSIBLE_MS = 1e-3
+PLAUSIBLE_RATIO = 1e3
+
+
+def implausible_times(ms: Mapping[str, Any], baseline: str = "fp32") -> str | None:
+    """Why cached times (milliseconds, by precision) cannot be measurements, or None if they
+    can: each must be a finite number of at least ``MIN_PLAUSIBLE_MS``, within
+    ``PLAUSIBLE_RATIO`` of the baseline's."""
+    for name, value in ms.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value >= MIN_PLAUSIBLE_MS):
+            return f"{name} took {value!r} ms"
+    base = ms.get(baseline)
+    for name, value in ms.items():
+        if base and not 1 / PLAUSIBLE_RATIO <= value / base <= PLAUSIBLE_RATIO:
+            return f"{name} took {value / base:.3g}x {baseline}'s time"
+    return None
 
 
 def cache_dir() -> Path:

@@ -15,7 +15,11 @@ import contextlib
 import itertools
 import logging
 import os
+import signal
+import threading
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,12 +27,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from amp_exp.config.launch import WorkerRank, torchrun_store, worker_rank
+from amp_exp.config.launch import (
+    WorkerRank,
+    peer_pids,
+    publish_pid,
+    torchrun_store,
+    worker_rank,
+)
 from amp_exp.config.schema import DeviceChoice, Strategy
+from amp_exp.errors import RuntimeFault
 from amp_exp.runtime import fsdp
 from amp_exp.runtime.hardware import resolve_device
 
 log = logging.getLogger("amp_exp")
+
+
+# How gloo says that the other end of a connection is gone.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+PEER_EXIT_S = 5.0
 
 
 class Distributed:
@@ -173,6 +189,47 @@ def reduce_in(dtype: torch.dtype):
     return hook
 
 
+def peer_gone(error: Exception) -> bool:
+    """Whether ``error`` is the transport saying the other end of a connection is gone."""
+    return isinstance(error, dist.DistError) or any(words in str(error) for words in PEER_GONE)
+
+
+def lost_ranks(patience_s: float = 0.0) -> list[str]:
+    """The other ranks on this node whose process has died, as "rank N (pid P)".
+
+    A collective whose peer died fails with the transport's words for it (gloo: "Connection
+    closed by peer [address]:port"), which name no rank; the pids the ranks published at the
+    start do (``ranks.publish_pid``). A peer's connections close before its process is gone:
+    ``patience_s`` is how long it may take to die. Ranks on other nodes cannot be looked at.
+    """
+    peers = peer_pids()
+    deadline = time.monotonic() + patience_s
+    while True:
+        lost = [f"rank {r} (pid {pid})" for r, pid in peers.items() if not process_alive(pid)]
+        if lost or not peers or time.monotonic() >= deadline:
+            return lost
+        time.sleep(0.05)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this node runs: a zombie (dead, not yet reaped by torchrun's
+    agent) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc to read: only whether the pid exists can be told
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    # "pid (command) state ...": the command may hold spaces and parentheses.
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
 def plain_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """The whole model's state (from inside its wrappers) and the optimizer's."""
     return unwrap(model).state_dict(), optimizer.state_dict()
@@ -227,6 +284,7 @@ def process_group(
     NCCL on CUDA, with each rank pinned to its local GPU; gloo on the CPU. A group the caller
     already initialized is used as it is and left open. FSDP2 outside torchrun trains in a group
     of one process, so that one code path (DTensors, DCP checkpoints) serves every world size.
+    A run that fails because another rank of this node died raises ``RuntimeFault`` naming it.
     """
     rank = worker_rank()
     if rank is None and strategy is Strategy.fsdp2:
@@ -255,8 +313,28 @@ def process_group(
     if not rank.is_main:
         # Rank 0 speaks for the job; the other ranks report only errors.
         log.setLevel(logging.ERROR)
+    publish_pid()
     try:
         yield Distributed(rank, device, strategy)
+    except Exception as error:
+        patience_s, sigterm = 0.0, None
+        if peer_gone(error):
+            patience_s = PEER_EXIT_S
+            if threading.current_thread() is threading.main_thread():
+                # torchrun's agent SIGTERMs every worker once one has died; this one finds out
+                # which, records its failure and exits (the agent SIGKILLs it in 30 s otherwise).
+                sigterm = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        lost = lost_ranks(patience_s)
+        if not lost:
+            if sigterm is not None:
+                signal.signal(signal.SIGTERM, sigterm)
+            raise
+        # The collective that failed says only that a connection closed; the cause is the rank
+        # that died.
+        raise RuntimeFault(
+            f"lost {', '.join(lost)} of {rank.world_size}: its process died, so the run cannot "
+            "go on; resume=auto continues from the last checkpoint"
+        ) from None
     finally:
         if owned:
             dist.destroy_process_group()

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
-from amp_exp.runtime.cache import read_entries, write_entries
+from amp_exp.runtime.cache import cache_dir, implausible_times, read_entries, write_entries
 from amp_exp.runtime.hardware import cpu_flags, device_name
 
 log = logging.getLogger("amp_exp")
@@ -218,6 +218,19 @@ def remember(device: torch.device, timings: dict[str, Timing]) -> None:
     )
 
 
+def stale_timings(found: dict[str, Timing]) -> str | None:
+    """Why cached timings cannot be measurements (runtime.cache.implausible_times, kernel by
+    kernel, and a rate that is no positive number), or None."""
+    for kernel in KERNELS:
+        why = implausible_times({p: timing[kernel].ms for p, timing in found.items()})
+        if why:
+            return f"{kernel}: {why}"
+    rates = [k.tflops for timing in found.values() for k in timing.values()]
+    if not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in rates):
+        return "a kernel's TFLOP/s is not a positive number"
+    return None
+
+
 def probe(
     device: torch.device, precisions: Iterable[str], refresh: bool = False
 ) -> dict[str, Timing]:
@@ -229,6 +242,14 @@ def probe(
         entry = cached.get(cache_key(device, precision))
         with contextlib.suppress(KeyError, TypeError):
             found[precision] = timing_from_json(entry["kernels"])
+    stale = stale_timings(found)
+    if stale:
+        log.warning(
+            "%s holds timings that are no measurement (%s); measuring again",
+            cache_dir() / CACHE_FILE,
+            stale,
+        )
+        found = {}
     missing = [p for p in precisions if p not in found]
     if missing:
         log.info(

@@ -74,5 +74,6 @@ class Task(Protocol):
         ...
 
     def output_problem(self, model: nn.Module, batch: Batch) -> str | None:
-        """Why the model's output on one batch cannot be trained on, or None if it can."""
+        """Why one batch (its labels or token ids), or the model's output on it, cannot be
+        trained on, or None if it can."""
         ...

@@ -56,7 +56,10 @@ class ClassificationTask:
     def output_problem(
         self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
     ) -> str | None:
-        images, _ = batch
+        images, labels = batch
+        problem = self.label_problem(labels, images.shape[0])
+        if problem:
+            return problem
         outputs = model(images)
         expected = f"[{images.shape[0]}, {self.num_classes}]"
         if not isinstance(outputs, torch.Tensor):
@@ -64,4 +67,23 @@ class ClassificationTask:
             return f"returns {type(outputs).__name__}, not a tensor of class logits {expected}"
         if tuple(outputs.shape) != (images.shape[0], self.num_classes):
             return f"returns logits of shape {list(outputs.shape)}, expected {expected}"
+        return None
+
+    def label_problem(self, labels: torch.Tensor, batch_size: int) -> str | None:
+        """What makes a batch's labels something cross-entropy cannot take: one class index per
+        sample, an integer in [0, num_classes)."""
+        valid = f"one class index in [0, {self.num_classes}) per sample"
+        if tuple(labels.shape) != (batch_size,):
+            return (
+                f"its labels have shape {list(labels.shape)}, not [{batch_size}]: {valid}"
+                " (for one-hot labels, their argmax)"
+            )
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype is torch.bool:
+            return f"its labels are {labels.dtype}, not {valid} (an integer tensor)"
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= self.num_classes:
+            return (
+                f"its labels hold {low if low < 0 else high}, outside [0, {self.num_classes}) "
+                f"for {self.num_classes} classes (dataset.num_classes)"
+            )
         return None

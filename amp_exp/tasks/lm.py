@@ -72,7 +72,10 @@ class LanguageModelTask:
         return {"eval_loss": eval_loss, "eval_perplexity": perplexity}
 
     def output_problem(self, model: nn.Module, batch: Batch) -> str | None:
-        inputs, _ = batch
+        inputs, targets = batch
+        problem = self.token_problem(inputs, targets)
+        if problem:
+            return problem
         outputs = model(inputs)
         expected = f"[{inputs.shape[0]}, {inputs.shape[1]}, vocab_size>={self.vocab_size}]"
         if not isinstance(outputs, torch.Tensor):
@@ -80,4 +83,20 @@ class LanguageModelTask:
         shape = tuple(outputs.shape)
         if len(shape) != 3 or shape[:2] != tuple(inputs.shape) or shape[2] < self.vocab_size:
             return f"returns logits of shape {list(shape)}, expected {expected}"
+        return None
+
+    def token_problem(self, inputs: torch.Tensor, targets: torch.Tensor) -> str | None:
+        """What makes a batch's token ids something the embedding or the loss cannot take."""
+        if inputs.dim() != 2 or targets.shape != inputs.shape:
+            return (
+                f"its inputs {list(inputs.shape)} and targets {list(targets.shape)} are not "
+                "[batch, seq_len] sequences of one shape"
+            )
+        for name, ids in (("inputs", inputs), ("targets", targets)):
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.vocab_size:
+                return (
+                    f"its {name} hold token id {low if low < 0 else high}, outside the "
+                    f"vocabulary [0, {self.vocab_size}) (dataset.vocab_size)"
+                )
         return None

@@ -9,7 +9,9 @@ resumed run continues mid-epoch exactly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import math
 import os
 import tempfile
@@ -24,7 +26,8 @@ from amp_exp.config.datasets import (
     TextDatasetConfig,
     Tokenizer,
 )
-from amp_exp.errors import ConfigError
+from amp_exp.errors import ConfigError, first_line
+from amp_exp.runtime.atomic import atomic_write
 from amp_exp.tasks.base import DataBundle
 from amp_exp.tasks.sampling import DeviceTensorLoader, check_batch_fits
 
@@ -32,6 +35,8 @@ GPT2_END_OF_TEXT = 50256
 # Bumped whenever the cached token format changes, so stale caches are never read.
 CACHE_VERSION = 1
 CACHE_DIRNAME = ".amp_exp_tokens"
+
+log = logging.getLogger("amp_exp")
 
 
 def token_facts(vocab_size: int, seq_len: int) -> dict:
@@ -223,17 +228,42 @@ def default_cache_dir() -> Path:
     return Path(base) / "amp_exp" / "tokens"
 
 
-def save_atomically(path: Path, tokens: np.ndarray) -> None:
-    """Ranks, or runs of a sweep, that tokenize at once each write their own temporary file;
-    the rename makes one of them the cache, never a mix."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
-        np.save(handle, tokens)
-    # A temporary file is private (0600); the cache is for everyone who may read the data.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(handle.name, 0o666 & ~umask)
-    os.replace(handle.name, path)
+def read_cache(path: Path) -> np.ndarray | None:
+    """The tokens cached in ``path``, or None for a cache that cannot be read (a truncated or
+    foreign file): it is removed, said once, and built again."""
+    try:
+        tokens = np.load(path)
+        if tokens.dtype != np.uint16 or tokens.ndim != 1:
+            raise ValueError(f"it holds {tokens.dtype} of shape {tokens.shape}, not uint16 tokens")
+    except (OSError, ValueError, EOFError) as error:
+        log.warning("token cache %s is unreadable (%s); tokenizing again", path, describe(error))
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+    return tokens
+
+
+def save_cache(tokens: np.ndarray, paths: tuple[Path, ...]) -> None:
+    """Cache ``tokens`` in the first of ``paths`` that takes them. Ranks, or runs of a sweep, that
+    tokenize at once each write a temporary file of their own, and the rename makes one of them
+    the cache, never a mix; a failed write leaves no partial file. The tokens are in memory
+    already, so a disk that takes none of them costs a warning, not the run."""
+    for path in paths:
+        try:
+            atomic_write(path, lambda file: np.save(file, tokens), durable=False)
+            return
+        except OSError as error:
+            refused = error
+    log.warning(
+        "could not cache the tokens in %s (%s); training on them all the same, and tokenizing "
+        "again next time",
+        " or ".join(str(path.parent) for path in paths),
+        describe(refused),
+    )
+
+
+def describe(error: Exception) -> str:
+    return getattr(error, "strerror", None) or first_line(str(error)) or type(error).__name__
 
 
 def load_text_tokens(cfg: TextDatasetConfig) -> np.ndarray:
@@ -245,13 +275,10 @@ def load_text_tokens(cfg: TextDatasetConfig) -> np.ndarray:
     beside = (path if path.is_dir() else path.parent) / CACHE_DIRNAME / name
     elsewhere = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     for candidate in (beside, elsewhere / name):
-        if candidate.is_file():
-            return np.load(candidate)
+        if candidate.is_file() and (cached := read_cache(candidate)) is not None:
+            return cached
     tokens = tokenize(files, cfg.tokenizer)
-    try:
-        save_atomically(beside, tokens)
-    except OSError:
-        save_atomically(elsewhere / name, tokens)
+    save_cache(tokens, (beside, elsewhere / name))
     return tokens
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -81,9 +82,10 @@ class TinyCNN(nn.Module):
         return self.head(self.features(x))
 
 
-def build_mlp(input_shape: tuple[int, int, int], num_classes: int, cfg: MLPConfig) -> nn.Module:
+def build_mlp(input_shape: tuple[int, ...], num_classes: int, cfg: MLPConfig) -> nn.Module:
+    """Flattens inputs of any shape: images, or the vectors of the user's own data."""
     layers: list[nn.Module] = [nn.Flatten()]
-    width = input_shape[0] * input_shape[1] * input_shape[2]
+    width = math.prod(input_shape)
     for _ in range(cfg.depth):
         layers += [nn.Linear(width, cfg.hidden_dim), nn.ReLU(inplace=True)]
         width = cfg.hidden_dim

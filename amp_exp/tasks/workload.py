@@ -112,12 +112,29 @@ def declared_metrics(task: TaskName) -> TaskMetrics:
     return (ClassificationTask if task is TaskName.classification else LanguageModelTask).metrics
 
 
+def check_trainable(model: nn.Module, cfg: RunConfig) -> None:
+    """An optimizer needs parameters that take a gradient (floating point, requires_grad)."""
+    parameters = list(model.parameters())
+    if any(p.requires_grad for p in parameters):
+        return
+    found = (
+        f"none of its {len(parameters)} parameters requires a gradient (all frozen or integer)"
+        if parameters
+        else "it has no parameters"
+    )
+    raise ConfigError(
+        f"model={cfg.model.name} has nothing to train: {found}; give it floating-point "
+        "parameters with requires_grad=True"
+    )
+
+
 def build_workload(
     cfg: RunConfig, device: torch.device, rank: int = 0, world_size: int = 1
 ) -> Workload:
     data = build_data(cfg, device, rank, world_size)
     facts = data.facts
     model = build_model(cfg, facts).to(device)
+    check_trainable(model, cfg)
     channels_last = cfg.trainer.channels_last
     if channels_last is None:
         # FSDP2 shards only contiguous parameters, and channels_last convolution weights are not.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from amp_exp.config.precisions import AUTO_CANDIDATES
 from amp_exp.config.schema import Precision, PrecisionConfig, RunConfig
-from amp_exp.runtime.cache import read_entries, write_entries
+from amp_exp.runtime.cache import cache_dir, implausible_times, read_entries, write_entries
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
@@ -33,6 +34,8 @@ from amp_exp.training.capability import Capability, ResolvedPrecision, pick_fast
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.rng import restore_rng_state, rng_state
 from amp_exp.training.timing import interleave
+
+log = logging.getLogger("amp_exp")
 
 CACHE_FILE = "auto_precision.json"
 # Timed passes per candidate, after one untimed warm-up pass each.
@@ -80,11 +83,11 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
         batch = workload.task.to_device(next(iter(workload.data.train)))
         key = choice_key(cfg, capability, workload.channels_last, candidates, batch)
         source = f"fastest of {PASSES} passes"
-        try:
-            cached = read_entries(CACHE_FILE)[key]["ms"]
+        cached = cached_ms(key, candidates)
+        if cached is not None:
             seconds = {p: cached[p.value] / 1e3 for p in candidates}
             source += ", cached from an earlier run"
-        except (KeyError, TypeError):
+        else:
             seconds = time_candidates(workload.model, workload.task, batch, candidates)
             write_entries(CACHE_FILE, {key: {"ms": {p.value: s * 1e3 for p, s in seconds.items()}}})
     finally:
@@ -93,6 +96,25 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
     listed = ", ".join(f"{p.value} {milliseconds(s)}" for p, s in seconds.items())
     reason = f"auto: {chosen.value}; this model's forward+backward ({source}): {listed}; {why}"
     return ResolvedPrecision(chosen, reason + (f"; {left_out}" if left_out else ""), True)
+
+
+def cached_ms(key: str, candidates: Sequence[Precision]) -> dict[str, float] | None:
+    """The candidates' times cached under ``key`` by an earlier run; None when there are none,
+    or when they cannot be measurements (then with a warning: they are timed again)."""
+    try:
+        entry = read_entries(CACHE_FILE)[key]["ms"]
+        ms = {p.value: entry[p.value] for p in candidates}
+    except (KeyError, TypeError):
+        return None
+    why = implausible_times(ms)
+    if why:
+        log.warning(
+            "%s holds times for this model that are no measurement (%s); timing again",
+            cache_dir() / CACHE_FILE,
+            why,
+        )
+        return None
+    return ms
 
 
 def milliseconds(seconds: float) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 
 import torch
 from torch import nn
@@ -91,3 +93,97 @@ class PlantedOverflow(nn.Module):
 
 def make_planted_overflow(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return PlantedOverflow(input_shape, num_classes)
+
+
+# --- models that cannot train, and data with bad labels ----------------------------------------
+
+
+class Unparametrized(nn.Module):
+    """Logits sliced from the inputs: nothing for an optimizer to change."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)[:, : self.num_classes]
+
+
+class IntegerTable(Unparametrized):
+    def __init__(self, num_classes: int) -> None:
+        super().__init__(num_classes)
+        self.table = nn.Parameter(torch.zeros(num_classes, dtype=torch.long), requires_grad=False)
+
+
+def make_untrainable(input_shape: tuple[int, ...], num_classes: int, kind: str) -> nn.Module:
+    """A model with no parameters, integer parameters only, or every parameter frozen."""
+    if kind == "none":
+        return Unparametrized(num_classes)
+    if kind == "integer":
+        return IntegerTable(num_classes)
+    return make_classifier(input_shape, num_classes).requires_grad_(False)
+
+
+class ExitingClassifier(nn.Module):
+    """Calls sys.exit(0) in its ``exit_at``-th forward (the first is amp_exp's output check)."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, exit_at: int) -> None:
+        super().__init__()
+        self.model = make_classifier(input_shape, num_classes)
+        self.exit_at, self.calls = exit_at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.exit_at:
+            raise SystemExit(0)
+        return self.model(x)
+
+
+def make_exiting(input_shape: tuple[int, ...], num_classes: int, exit_at: int = 1) -> nn.Module:
+    return ExitingClassifier(input_shape, num_classes, exit_at)
+
+
+def make_badly_labelled(seed: int, kind: str, classes: int = 3):
+    """make_labelled_vectors with labels a loss cannot take: ``kind`` names how."""
+    train, held_out = make_labelled_vectors(seed, classes=classes)
+    points, labels = train.tensors
+    bad = {
+        "too_large": labels + classes,
+        "negative": labels - classes,
+        "float": labels.float(),
+        "one_hot": torch.nn.functional.one_hot(labels, classes).float(),
+        "two_d": labels[:, None],
+    }[kind]
+    return TensorDataset(points, bad), held_out
+
+
+def make_blobs(seed: int, size: int = 256, classes: int = 4):
+    """docs/custom_models.md's my_pkg.make_data: 16-dimensional points, a Gaussian blob a class."""
+    generator = torch.Generator().manual_seed(seed)
+    centers = 3 * torch.randn(classes, 16, generator=generator)
+    splits = []
+    for count in (size, size // 4):
+        labels = torch.randint(classes, (count,), generator=generator)
+        splits.append(
+            TensorDataset(centers[labels] + torch.randn(count, 16, generator=generator), labels)
+        )
+    return tuple(splits)
+
+
+class MortalClassifier(nn.Module):
+    """Rank 1 of a torchrun job is SIGKILLed in its ``die_at``-th forward, as by the OOM killer."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, die_at: int) -> None:
+        super().__init__()
+        self.model = make_classifier(input_shape, num_classes)
+        self.die_at, self.calls = die_at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.die_at and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.model(x)
+
+
+def make_mortal(input_shape: tuple[int, ...], num_classes: int, die_at: int = 4) -> nn.Module:
+    return MortalClassifier(input_shape, num_classes, die_at)
