@@ -45,7 +45,7 @@ def take_lock_elsewhere(directory: Path) -> subprocess.CompletedProcess:
         [
             sys.executable,
             "-c",
-            "import sys; from pathlib import Path; "
+            "from pathlib import Path; "
             "from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock\n"
             f"try:\n    RunDirectoryLock(Path({str(directory)!r})).__enter__(); print('taken')\n"
             "except RunDirectoryBusy as busy:\n    print(busy)",
