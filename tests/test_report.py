@@ -247,7 +247,7 @@ def test_a_summary_that_is_no_summary_is_named_and_the_others_are_reported(
     write_run(tmp_path / "2", "tiny_cnn", "fp16", 1200.0, 0.8)
     (tmp_path / "2" / "summary.json").write_bytes(content)
     with caplog.at_level(logging.WARNING):
-        report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+        report = build_report([tmp_path], tmp_path, tolerance=0.5)
     rows = rows_by_run(report)
     assert rows["2"]["status"] == "failed" and rows["2"]["error"].startswith(
         f"unreadable summary.json: {why}"
@@ -278,8 +278,8 @@ def test_fields_of_the_wrong_kind_are_left_out_and_named(tmp_path: Path, caplog,
     )
     row = rows_by_run(json.loads((tmp_path / "report.json").read_text()))["1"]
     assert (row["status"], row["samples_per_s"], row["speedup"]) == ("completed", None, None)
-    assert row["eval_acc_delta_points"] == 0.0  # what could be read still counts
-    assert "tiny_cnn: bf16 throughput not measured" in capsys.readouterr().out
+    assert row["quality_delta"] == 0.0  # what could be read still counts
+    assert "; throughput not measured, " in capsys.readouterr().out
 
 
 def test_metrics_lines_that_are_no_rows_are_skipped(tmp_path: Path, caplog) -> None:
@@ -287,7 +287,7 @@ def test_metrics_lines_that_are_no_rows_are_skipped(tmp_path: Path, caplog) -> N
     metrics = tmp_path / "0" / "metrics.jsonl"
     metrics.write_bytes(b"\xff\xfe not text\n{}\n[2]\n" + metrics.read_bytes())
     with caplog.at_level(logging.WARNING):
-        report = build_report([tmp_path], tmp_path, accuracy_tolerance=0.5)
+        report = build_report([tmp_path], tmp_path, tolerance=0.5)
     assert f"{metrics}: skipping 3 unreadable line(s)" in caplog.text
     assert "loss_curves.png" in report["plots"]
 
