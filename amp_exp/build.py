@@ -21,8 +21,9 @@ from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
 from amp_exp.tasks.classification import LossFn
 from amp_exp.tasks.workload import build_workload
+from amp_exp.training.audit.step import PrecisionAudit
 from amp_exp.training.auto_precision import resolve_precision
-from amp_exp.training.diagnostics import Diagnostics, forward_activation_bytes
+from amp_exp.training.diagnostics import Diagnostics
 from amp_exp.training.engine import Engine
 from amp_exp.training.loop import LoopPlan, plan_total_steps
 from amp_exp.training.optim import build_optimizer, build_scheduler
@@ -152,7 +153,7 @@ def build(
 
 def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None]) -> Diagnostics:
     engine = built.engine
-    diagnostics = Diagnostics(
+    return Diagnostics(
         cfg.diagnostics,
         built.model,
         engine.optimizer,
@@ -161,16 +162,14 @@ def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None
         emit=emit,
         weight_dtype=engine.policy.weight_dtype,
     )
-    measure = None
-    if built.device.type == "cuda" and engine.policy.uses_autocast:
-        inputs = engine.task.to_device(next(iter(engine.data)))[0]
 
-        def measure(use_autocast: bool) -> int:
-            # The bare model: a DDP forward with gradients but no backward would break DDP's
-            # next step. (Never under FSDP2, which casts without autocast.)
-            return forward_activation_bytes(
-                built.model, inputs, engine.policy.autocast, use_autocast
-            )
 
-    diagnostics.activation_memory(measure)
-    return diagnostics
+def attach_audit(cfg: RunConfig, built: Built) -> PrecisionAudit | None:
+    """The precision audit of one step (training/audit/), unless turned off: then nothing is
+    installed, and no step pays for it."""
+    if not cfg.diagnostics.audit:
+        return None
+    if cfg.trainer.compile:
+        log.info("no precision audit under trainer.compile=true: compiled kernels hide their ops")
+        return None
+    return PrecisionAudit(built.engine, cfg.diagnostics.audit_step)

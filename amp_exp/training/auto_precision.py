@@ -5,8 +5,8 @@ each candidate's autocast: fp32, and each low precision the probe does not rule 
 (``Capability.trial_candidates``). The candidates take turns and each keeps its fastest pass;
 ``capability.pick_fastest`` names the winner. The trial leaves no trace: gradients come from
 ``torch.autograd.grad``, so no ``.grad`` is written and no optimizer steps, and the model's buffers
-(BatchNorm statistics) and every random number generator are restored. The run is then
-bit-identical to the same run with the chosen precision requested.
+(BatchNorm statistics) and every random number generator are restored (``runtime.no_trace``).
+The run is then bit-identical to the same run with the chosen precision requested.
 
 The choice is cached per model config, batch shape, device and torch version, so a second run
 costs nothing. Under torchrun, rank 0 decides and the other ranks take its choice.
@@ -29,11 +29,11 @@ from amp_exp.config.schema import Precision, PrecisionConfig, RunConfig
 from amp_exp.runtime.cache import read_entries, write_entries
 from amp_exp.runtime.capability import Capability, ResolvedPrecision, pick_fastest
 from amp_exp.runtime.distributed import Distributed
+from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
 from amp_exp.training.meters import synchronize
 from amp_exp.training.precision import PrecisionPolicy
-from amp_exp.training.rng import restore_rng_state, rng_state
 
 CACHE_FILE = "auto_precision.json"
 # Timed passes per candidate, after one untimed warm-up pass each.
@@ -66,9 +66,8 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
     left_out = capability.left_out()
     if candidates == [Precision.fp32]:
         return ResolvedPrecision(Precision.fp32, f"auto: fp32, nothing else to try ({left_out})")
-    # Before the batch: a DataLoader seeds its workers from torch's generator.
-    saved = rng_state()
-    try:
+    # The batch too: a DataLoader seeds its workers from torch's generator.
+    with leaves_no_trace(workload.model):
         batch = workload.task.to_device(next(iter(workload.data.train)))
         key = choice_key(cfg, capability, workload.channels_last, candidates, batch)
         source = f"fastest of {PASSES} passes"
@@ -79,8 +78,6 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
         except (KeyError, TypeError):
             seconds = time_candidates(workload.model, workload.task, batch, candidates)
             write_entries(CACHE_FILE, {key: {"ms": {p.value: s * 1e3 for p, s in seconds.items()}}})
-    finally:
-        restore_rng_state(saved)
     chosen, why = pick_fastest(seconds)
     listed = ", ".join(f"{p.value} {milliseconds(s)}" for p, s in seconds.items())
     reason = f"auto: {chosen.value}; this model's forward+backward ({source}): {listed}; {why}"
@@ -129,17 +126,14 @@ def time_candidates(
 ) -> dict[Precision, float]:
     """Each candidate's fastest forward+backward of ``model`` on ``batch``, in seconds.
 
-    Leaves the model as it found it: no ``.grad`` written, buffers restored, training mode kept.
-    The caller restores the random number generators.
+    Leaves no trace: no ``.grad`` written, and generators, buffers and modes restored.
     """
     device = next(model.parameters()).device
     policies = {p: PrecisionPolicy(p, PrecisionConfig(name=p), device) for p in candidates}
     parameters = [p for p in model.parameters() if p.requires_grad]
-    buffers = [b.detach().clone() for b in model.buffers()]
-    was_training = model.training
     best = dict.fromkeys(candidates, math.inf)
-    model.train()
-    try:
+    with leaves_no_trace(model):
+        model.train()
         for timed in [False] + [True] * PASSES:
             # In turns, so that a load spike slows one pass of each candidate, not all of one.
             for precision, policy in policies.items():
@@ -151,9 +145,4 @@ def time_candidates(
                 synchronize(device)
                 if timed:
                     best[precision] = min(best[precision], time.perf_counter() - started)
-    finally:
-        with torch.no_grad():
-            for buffer, saved in zip(model.buffers(), buffers, strict=True):
-                buffer.copy_(saved)
-        model.train(was_training)
     return best

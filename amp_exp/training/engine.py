@@ -32,6 +32,8 @@ from amp_exp.training.rng import restore_rng_state, rng_state
 from amp_exp.training.skips import SkipMonitor, nonfinite_names
 
 Emit = Callable[[dict], None]
+StepInstrument = Callable[[int, int], contextlib.AbstractContextManager]
+NO_INSTRUMENT = contextlib.nullcontext()
 
 
 class CheckpointSink(Protocol):
@@ -71,6 +73,9 @@ class Engine:
         self.progress = Progress()
         # Timed training of this run, over every attempt a resume continues.
         self.throughput = Throughput(self.device)
+        # Called before each step with the step and this attempt's first timed step; the
+        # context it returns wraps that step (training/audit/step.py audits one this way).
+        self.step_instrument: StepInstrument = lambda step, first_timed_step: NO_INSTRUMENT
         policy.watch(optimizer)
 
     @property
@@ -277,7 +282,8 @@ class Engine:
             throughput.start(progress.samples, progress.step)
         for step in range(first_step, plan.total_steps + 1):
             is_log_step = plan.is_log_step(step)
-            _, grad_norm = self.train_step(batches, interval_loss, want_grad_norm=is_log_step)
+            with self.step_instrument(step, first_step + warmup_steps):
+                _, grad_norm = self.train_step(batches, interval_loss, want_grad_norm=is_log_step)
             if step == first_step - 1 + warmup_steps:
                 throughput.start(progress.samples, step)
                 warmup_s = time.perf_counter() - started
