@@ -206,3 +206,18 @@ def test_turning_the_audit_off_never_enters_the_dispatch_mode(
     assert entered == [] and off["precision_audit"] is None
     train(run_cfg(*TINY), tmp_path / "on")
     assert len(entered) == 1
+
+
+def test_with_gradient_accumulation_the_saved_bytes_are_those_of_one_forward(run_cfg, tmp_path):
+    def saved(*overrides: str) -> dict:
+        summary = train(run_cfg(*TINY, *overrides), tmp_path / str(len(overrides)))
+        return summary["precision_audit"]["saved_activation_bytes"]
+
+    assert saved("trainer.grad_accum_steps=2") == saved()
+
+
+def test_an_audit_step_below_1_is_refused_in_one_line(compose_cfg) -> None:
+    from amp_exp.config.validate import validate
+
+    with pytest.raises(ConfigError, match=r"^diagnostics.audit_step must be 1 or more, or null"):
+        validate(compose_cfg("diagnostics.audit_step=0"))

@@ -118,11 +118,13 @@ class _Recording(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        recorder = self.recorder
+        recorder.backward_started = recorder.backward_started or recorder.tracker.is_bw
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         formula = FORMULAS.get(packet)
         if formula is not None:
-            self.recorder.record(packet, formula(*args, **kwargs, out_val=out), args)
+            recorder.record(packet, formula(*args, **kwargs, out_val=out), args)
         return out
 
 
@@ -141,6 +143,7 @@ class MatmulRecorder:
         wrapper_path = next(name for name, module in model.named_modules() if module is inner)
         self._prefix = type(model).__name__ + (f".{wrapper_path}" if wrapper_path else "")
         self._mode = _Recording(self)
+        # Whether any op of a backward has run yet (the saved-tensor count stops there).
         self.backward_started = False
 
     def module_name(self) -> str:
@@ -151,7 +154,6 @@ class MatmulRecorder:
 
     def record(self, packet: Any, flops: int, args: tuple) -> None:
         backward = self.tracker.is_bw
-        self.backward_started |= backward
         dtype = dtype_name(operand_dtype(packet, args))
         self.flops.flops[(self.module_name(), BACKWARD if backward else FORWARD, dtype)] += flops
 

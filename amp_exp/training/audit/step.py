@@ -128,9 +128,11 @@ class PrecisionAudit:
         fp8 = policy.fp8.converted if policy.fp8 is not None else None
         verdict = judge(policy.spec, flops, figures["weight_elements"], fp8)
         is_main = engine.distributed is None or engine.distributed.is_main
+        by_dtype = flops.by_dtype()
+        if is_main:
+            log.info("%s", described(step, share_by_dtype(by_dtype), figures))
         if verdict.engaged is False and is_main:
             log.warning("%s", warning_text(policy.precision.value, verdict))
-        by_dtype = flops.by_dtype()
         return {
             "step": step,
             "ranks": figures["ranks"],
@@ -165,3 +167,17 @@ class PrecisionAudit:
 
     def summary(self) -> dict[str, Any] | None:
         return self.result
+
+
+def shares(fractions: dict[str, float]) -> str:
+    shown = [f"{dtype} {share:.0%}" for dtype, share in fractions.items() if share >= 0.005]
+    return ", ".join(shown) or "none"
+
+
+def described(step: int, flops_shares: dict[str, float], figures: dict[str, Any]) -> str:
+    """The audit in one line: what the matmuls ran in, and what the forward saved."""
+    saved = figures["saved_activation_bytes"]
+    return (
+        f"precision audit @ step {step}: matmul FLOPs {shares(flops_shares)}; saved for backward "
+        f"{saved['total'] / 2**20:,.2f} MiB ({shares(share_by_dtype(saved['by_dtype']))})"
+    )
