@@ -221,3 +221,24 @@ def test_an_audit_step_below_1_is_refused_in_one_line(compose_cfg) -> None:
 
     with pytest.raises(ConfigError, match=r"^diagnostics.audit_step must be 1 or more, or null"):
         validate(compose_cfg("diagnostics.audit_step=0"))
+
+
+def test_flops_by_module_splits_any_step_by_module_and_dtype() -> None:
+    """What a per-module precision choice reads: the FLOP share each module ran in each dtype."""
+    from helpers.user_code import make_with_fp32_matmuls
+
+    model = make_with_fp32_matmuls((8,), num_classes=4, kind="autocast_off", width=16)
+    x = torch.randn(2, 8)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().sum()
+        loss.backward()  # outside autocast, which would cast the backward's matmuls too
+
+    found = matmuls.flops_by_module(model, model, step)
+    # Forward 2*m*n*k; backward the weight gradient, and the input's but in the first layer.
+    assert found == {
+        "embed": {"bfloat16": 2 * 2 * 8 * 16 * 2},
+        "island.linear": {"float32": 2 * 2 * 16 * 16 * 3},
+        "head": {"bfloat16": 2 * 2 * 16 * 4 * 3},
+    }
