@@ -4,15 +4,16 @@
 audited step it returns a context that records the step's matmuls (``matmuls``) and the bytes
 its forward saves for backward (``saved``), catches its gradients before the optimizer steps,
 and afterwards reads the state and communication dtypes (``dtypes``) and judges whether the
-precision engaged (``verdict``). At every other step it returns None, and the run pays nothing:
-no dispatch mode, no hook. The audited step trains like any other; only its time, samples and
-step are left out of throughput.
+precision engaged (``verdict``). At every other step it returns a context that does nothing: no
+dispatch mode, no hook. The audited step trains like any other; only its time, samples and step
+are left out of throughput.
 
 The step audited is ``diagnostics.audit_step``, or by default the first timed step (the first
 after ``trainer.timing_warmup_steps``): kernels are chosen and caches warm by then. A resumed run
 that started past it audits its own first timed step. Under torchrun every rank audits its
-step; the FLOPs are summed over the ranks, the bytes are the largest rank's (what one device
-holds), and rank 0 warns and records.
+step; the FLOPs are summed over the ranks, the saved bytes are the largest rank's (what one
+device holds), the state and dtypes rank 0's (its shards under FSDP2), and rank 0 warns and
+records.
 """
 
 from __future__ import annotations
