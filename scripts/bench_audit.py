@@ -53,13 +53,16 @@ def audit_share(overrides: list[str]) -> dict[str, float]:
         finally:
             steps.append((time.perf_counter() - wall, time.process_time() - cpu))
 
-    Engine.train_step = timed
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = validate(compose("config", overrides=[*FIXED, *overrides]))
     cpu_started = time.process_time()
-    with tempfile.TemporaryDirectory() as tmp:
-        summary = train(cfg, Path(tmp))
+    Engine.train_step = timed
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            summary = train(cfg, Path(tmp))
+    finally:
+        Engine.train_step = train_step
     cpu_s = time.process_time() - cpu_started
     audited = summary["precision_audit"]["step"] - 1
     others = steps[:audited] + steps[audited + 1 :]
