@@ -19,9 +19,10 @@ from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
 from amp_exp.tasks.workload import Workload, build_workload
+from amp_exp.training.audit.step import PrecisionAudit
 from amp_exp.training.auto_precision import resolve_precision
 from amp_exp.training.capability import ResolvedPrecision, capability_of, check_request
-from amp_exp.training.diagnostics import Diagnostics, forward_activation_bytes
+from amp_exp.training.diagnostics import Diagnostics
 from amp_exp.training.engine import Engine
 from amp_exp.training.flops import peak_tflops
 from amp_exp.training.keep_fp32 import match_keep_fp32
@@ -192,19 +193,15 @@ def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None
         distributed=built.distributed,
     )
     engine.callbacks.add(diagnostics)
-    measure = None
-    # Not under FSDP2: a forward with gradients and no backward would leave its parameters
-    # gathered and its backward hooks waiting.
-    sharded = built.distributed is not None and built.distributed.shards
-    if built.device.type == "cuda" and engine.policy.uses_autocast and not sharded:
-        inputs = engine.task.to_device(next(iter(engine.data)))[0]
-
-        def measure(use_autocast: bool) -> int:
-            # The bare model: a DDP forward with gradients but no backward would break DDP's
-            # next step.
-            return forward_activation_bytes(
-                built.model, inputs, engine.policy.autocast, use_autocast
-            )
-
-    diagnostics.activation_memory(measure)
     return diagnostics
+
+
+def attach_audit(cfg: RunConfig, built: Built) -> PrecisionAudit | None:
+    """The precision audit of one step (training/audit/), unless turned off: then nothing is
+    installed, and no step pays for it."""
+    if not cfg.diagnostics.audit:
+        return None
+    if cfg.trainer.compile:
+        log.info("no precision audit under trainer.compile=true: compiled kernels hide their ops")
+        return None
+    return PrecisionAudit(built.engine, cfg.diagnostics.audit_step)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from amp_exp.build import Built, attach_diagnostics, build, global_batch_size
+from amp_exp.build import Built, attach_audit, attach_diagnostics, build, global_batch_size
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
 from amp_exp.errors import RunRefused, RuntimeFault
@@ -340,6 +340,7 @@ def train_built(
 
     try:
         diagnostics = attach_diagnostics(cfg, built, emit)
+        audit = attach_audit(cfg, built)
         with StopRequest() as stop, user_code_cannot_exit():
             result = built.engine.fit(emit, checkpoints, stop_requested=stop)
         stop_signal = stop.requested
@@ -354,6 +355,7 @@ def train_built(
             stop_signal,
             time.perf_counter() - started,
             **diagnostics.summary(),
+            precision_audit=None if audit is None else audit.summary(),
             replicas_identical=replicas_identical(built),
         )
         if built.is_main:

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from amp_exp.run import train
 from helpers.probes import inject_probe
 from helpers.runs import FAST, FAST_LM, TINY, meter_with_peak, read_jsonl, ticking_clock
 from helpers.torchrun import TWO_RANKS, assert_bitwise_equal, run_worker, torchrun
@@ -80,6 +81,24 @@ def test_a_rank_without_eval_batches_does_not_hang_the_others(torchrun_job):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["eval_acc"] in (0.0, 1.0)
     assert len([row for row in read_jsonl(run_dir / "metrics.jsonl") if "eval_acc" in row]) == 4
+
+
+def test_each_rank_audits_its_step_and_the_summary_holds_one_audit_of_both(
+    torchrun_job, run_cfg, tmp_path
+):
+    """The FLOPs of both ranks' audited steps, summed: twice those of one process training the
+    same per-rank batch."""
+    (run_dir,) = (torchrun_job / "outputs" / "runs").glob("*/*")
+    audit = json.loads((run_dir / "summary.json").read_text())["precision_audit"]
+    assert (audit["ranks"], audit["engaged"], audit["flops_by_dtype"]) == (2, True, {"bfloat16": 1})
+    assert audit["communication"] == {
+        "strategy": "ddp",
+        "allreduce_dtypes": ["float32"],
+        "comm_hooks": [],
+    }
+    alone = train(run_cfg(*DDP_RUN, "precision=bf16", *TINY), tmp_path)["precision_audit"]
+    assert audit["matmul_flops"] == 2 * alone["matmul_flops"]
+    assert audit["saved_activation_bytes"] == alone["saved_activation_bytes"]
 
 
 def test_under_torchrun_rank_0_times_the_model_and_every_rank_trains_its_choice(

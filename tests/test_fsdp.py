@@ -79,6 +79,21 @@ def test_fsdp2_trains_in_every_precision_with_its_policy(fsdp_sweep):
     assert "| strategy |" in header and "dtype" not in header
 
 
+def test_the_audit_reads_the_dtypes_fsdp2_gathers_and_reduces_in(fsdp_sweep):
+    """bf16 under FSDP2 gathers fp32 weights and autocasts, as under DDP: every matmul runs in
+    bf16, and the policy in force gathers and reduces in fp32 (precision.fsdp_cast_params=true
+    would gather bf16)."""
+    audit = json.loads((fsdp_sweep / "1" / "summary.json").read_text())["precision_audit"]
+    assert (audit["ranks"], audit["engaged"], audit["flops_by_dtype"]) == (2, True, {"bfloat16": 1})
+    policies = {
+        (policy["param_dtype"], policy["reduce_dtype"]): policy["modules"]
+        for policy in audit["communication"]["policies"]
+    }
+    assert policies == {("float32", "float32"): [""]}
+    # The optimizer steps this rank's fp32 shards.
+    assert set(audit["state"]["weights"]) == set(audit["state"]["grads"]) == {"float32"}
+
+
 def test_sigterm_then_resume_auto_ends_bit_exact_with_an_uninterrupted_run(tmp_path):
     """fp16 with its scaler, two micro-batches a step: SIGTERM reaches rank 1 during step 3;
     the ranks stop at log step 4 with a sharded checkpoint; resume=auto trains on to step 8 (the

@@ -60,3 +60,27 @@ def test_an_untimed_precision_counts_its_steps_but_reports_no_speed() -> None:
     emulated = timed_attempt("fp8", None, range(0, 4), timed=False)
     assert emulated.samples_per_s() is None and emulated.timed_steps() == 4
     assert emulated.attempts(4)[0]["samples_per_s"] is None
+
+
+def test_a_step_left_out_of_throughput_costs_it_no_time_samples_or_step(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    import amp_exp.training.meters as meters
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(meters.time, "perf_counter", lambda: clock.now)
+    progress = SimpleNamespace(samples=0, step=0)
+    throughput = meters.Throughput(CPU)
+    throughput.start(progress.samples, progress.step)
+
+    def step(seconds: float) -> None:
+        clock.now += seconds
+        progress.samples += 100
+        progress.step += 1
+
+    step(1.0)
+    with throughput.left_out(progress):
+        step(5.0)  # the audited step: slow, and not a step of timed training
+    step(1.0)
+    assert throughput.lap(progress.samples, progress.step) == (100.0, 1000.0)
+    assert throughput.timed_steps() == 2 and throughput.samples == 200

@@ -19,6 +19,7 @@ from amp_exp.tasks.classification import ClassificationTask
 from helpers.warm_python import python_m
 
 MiB = 2**20
+COMPUTES_IN = {"fp32": "float32", "fp16": "float16"}
 
 
 def write_run(
@@ -27,7 +28,7 @@ def write_run(
     precision: str,
     samples_per_s: float,
     eval_acc: float,
-    peak_mem_bytes: int = 400 * MiB,
+    activation_bytes: int = 100 * MiB,
     clip: float | None = None,
     skipped_steps: int = 0,
     final_loss: float = 1.5,
@@ -45,8 +46,13 @@ def write_run(
         "precision": precision,
         "device_name": "test-cpu",
         "samples_per_s": samples_per_s,
-        "peak_mem_bytes": peak_mem_bytes,
+        "peak_mem_bytes": 800 * MiB,
         "peak_mem_kind": "cpu_peak_rss",
+        "precision_audit": {
+            "engaged": True,
+            "flops_by_dtype": {COMPUTES_IN.get(precision, "bfloat16"): 1.0},
+            "saved_activation_bytes": {"total": activation_bytes},
+        },
         "final_loss": final_loss,
         "task_metrics": ClassificationTask.metrics.as_dict(),
         "eval_acc": eval_acc,
@@ -89,16 +95,16 @@ def rows_by_run(report: dict) -> dict[str, dict]:
 
 
 def test_each_run_is_compared_with_fp32_of_its_model_and_setting(tmp_path: Path) -> None:
-    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.80, peak_mem_bytes=400 * MiB)
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.80, activation_bytes=400 * MiB)
     write_run(tmp_path / "1", "mlp", "fp32", 4000.0, 0.70)
-    write_run(tmp_path / "2", "tiny_cnn", "bf16", 2000.0, 0.80, peak_mem_bytes=200 * MiB)
+    write_run(tmp_path / "2", "tiny_cnn", "bf16", 2000.0, 0.80, activation_bytes=200 * MiB)
     write_run(tmp_path / "3", "mlp", "bf16", 1000.0, 0.70)
     write_run(tmp_path / "10", "tiny_cnn", "fp32", 500.0, 0.80, clip=1.0)
     write_run(tmp_path / "11", "tiny_cnn", "bf16", 1500.0, 0.80, clip=1.0)
     report = build_report([tmp_path], tmp_path, tolerance=0.5)
     rows = rows_by_run(report)
     assert rows["2"]["speedup"] == 2.0 and rows["2"]["baseline"] == "0"
-    assert rows["2"]["peak_mem_ratio"] == 0.5
+    assert rows["2"]["activation_ratio"] == 0.5 and rows["2"]["peak_mem_ratio"] == 1.0
     assert rows["3"]["speedup"] == 0.25 and rows["3"]["baseline"] == "1"
     assert rows["11"]["speedup"] == 3.0 and rows["11"]["baseline"] == "10"
     assert rows["0"]["speedup"] == 1.0
@@ -111,7 +117,7 @@ def test_each_run_is_compared_with_fp32_of_its_model_and_setting(tmp_path: Path)
         "tiny_cnn (precision.clip_grad_norm=null): bf16 against fp32 on a single seed"
     )
     assert (
-        "; 2.00x fp32's speed (jobs timed one after another), 0.50x the memory of fp32"
+        "; 2.00x fp32's speed (jobs timed one after another), 0.50x the saved activations of fp32"
         in (report["verdicts"][0])
     )
     assert report["verdicts"][1].startswith("tiny_cnn (precision.clip_grad_norm=1.0): bf16")
@@ -129,11 +135,13 @@ def test_a_single_seed_shows_the_difference_and_its_tolerance_but_claims_nothing
     assert report["verdicts"] == [
         "resnet18: bf16 against fp32 on a single seed: Δ accuracy -0.20 points, tolerance "
         "±0.5 points; one seed measures no noise, so no verdict (sweep seed=0,1,2 for one); "
-        "1.90x fp32's speed (jobs timed one after another), 1.00x the memory of fp32; loss gap "
+        "1.90x fp32's speed (jobs timed one after another), 1.00x the saved activations of fp32; "
+        "loss gap "
         "+0.00%, +0.0000 absolute, over the last 10% of steps",
         "resnet18: fp16 against fp32 on a single seed: Δ accuracy -3.00 points, tolerance "
         "±0.5 points; one seed measures no noise, so no verdict (sweep seed=0,1,2 for one); "
-        "2.00x fp32's speed (jobs timed one after another), 1.00x the memory of fp32; loss gap "
+        "2.00x fp32's speed (jobs timed one after another), 1.00x the saved activations of fp32; "
+        "loss gap "
         "+0.00%, +0.0000 absolute, over the last 10% of steps, skipped 4 steps",
     ]
     (bf16, fp16) = report["comparisons"]
@@ -347,7 +355,6 @@ def test_amp_health_section_names_failed_checks_overflow_and_advice(tmp_path: Pa
         checks={
             "master_weights_fp32": {"passed": False, "offenders": ["head.bias"]},
             "unscaled_grads_fp32_finite": {"passed": True, "offenders": []},
-            "activation_memory_lower": {"passed": None, "note": "not measurable on the CPU"},
         },
         first_overflow={"step": 3, "loss_finite": True, "parameters": ["head.weight"]},
         underflow={"underflow_frac_scaled": 0.25},
@@ -359,10 +366,11 @@ def test_amp_health_section_names_failed_checks_overflow_and_advice(tmp_path: Pa
     markdown = (tmp_path / "report.md").read_text()
     section = markdown.split("## AMP health\n\n")[1].split("\n\n")[0].splitlines()
     assert section == [
-        "- `0` (tiny_cnn fp32): checks passed",
+        "- `0` (tiny_cnn fp32): checks passed; matmul FLOPs: float32 100%",
         "- `1` (tiny_cnn fp16): checks FAILED: master_weights_fp32 (head.bias); first overflow "
         "at step 3 (loss finite; head.weight); 25.00% of gradients lost to fp16 underflow; "
-        "suggested init_scale 262144; fp16 on this CPU: no fast fp16 kernels",
+        "suggested init_scale 262144; matmul FLOPs: float16 100%; fp16 on this CPU: no fast "
+        "fp16 kernels",
     ]
     health = rows_by_run(json.loads((tmp_path / "report.json").read_text()))["1"]["health"]
     assert health["failed_checks"] == {"master_weights_fp32": ["head.bias"]}
@@ -520,8 +528,59 @@ def test_emulated_fp8_shows_as_not_timed_and_mode_variants_share_the_fp32_baseli
     assert rows["1"]["baseline"] == rows["2"]["baseline"] == "0"
     assert rows["1"]["setting"] == ""
     bf16_true, fp8 = report["verdicts"]
-    assert "; emulated, not timed, 1.00x the memory of fp32" in fp8
+    assert "; emulated, not timed, 1.00x the saved activations of fp32" in fp8
     assert "0.90x fp32's speed" in bf16_true and "did not move" not in bf16_true
     markdown = (tmp_path / "report.md").read_text()
     assert "fp8 linears: 3 (kept in bf16: 1: first layer)" in markdown
     assert "1.0% of weights unchanged over the last interval" in markdown
+
+
+def test_a_run_whose_precision_did_not_engage_is_marked_and_not_judged_as_that_precision(
+    tmp_path: Path,
+) -> None:
+    write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.80, activation_bytes=400 * MiB)
+    summary = write_run(tmp_path / "1", "tiny_cnn", "bf16", 3000.0, 0.80)
+    summary["precision_audit"] |= {
+        "engaged": False,
+        "flops_by_dtype": {"float32": 0.88, "bfloat16": 0.12},
+        "shortfalls": ["12% of matmul FLOPs ran in bfloat16, at least 50% expected"],
+        "responsible": {"island": {"float32": 0.88}},
+    }
+    (tmp_path / "1" / "summary.json").write_text(json.dumps(summary))
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
+    row = rows_by_run(report)["1"]
+    assert row["precision"] == "bf16 (did not engage)" and row["engaged"] is False
+    (verdict,) = report["verdicts"]
+    assert verdict == (
+        "tiny_cnn: bf16 (did not engage): 12% of matmul FLOPs ran in bfloat16, at least 50% "
+        "expected, so its figures are not bf16's"
+    )
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| bf16 (did not engage) |" in markdown
+    assert (
+        "- `1` (tiny_cnn bf16 (did not engage)): checks passed; matmul FLOPs: float32 88%, "
+        "bfloat16 12%; DID NOT ENGAGE: 12% of matmul FLOPs ran in bfloat16, at least 50% "
+        "expected (island)"
+    ) in markdown
+
+
+def test_memory_columns_compare_saved_activations_and_state_and_keep_cpu_rss_a_footnote(
+    tmp_path: Path,
+) -> None:
+    for job, precision, activations in (("0", "fp32", 400 * MiB), ("1", "bf16", 200 * MiB)):
+        summary = write_run(tmp_path / job, "tiny_cnn", precision, 1000.0, 0.8, activations)
+        summary["state_bytes"] = 10 * MiB
+        (tmp_path / job / "summary.json").write_text(json.dumps(summary))
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
+    assert (
+        "0.50x the saved activations, 1.00x the weights and optimizer state of fp32"
+        in report["verdicts"][0]
+    )
+    markdown = (tmp_path / "report.md").read_text()
+    header = next(line for line in markdown.splitlines() if line.startswith("| run"))
+    assert "| saved activations | activations vs fp32 | weights + opt. state | state vs fp32 |" in (
+        header
+    )
+    assert "peak memory" not in header and "CUDA peak" not in header
+    assert "| 200.00 MiB | 0.50x | 10.00 MiB | 1.00x |" in markdown
+    assert "CPU peak resident memory of the process (not of the precision): `0` 800 MiB" in markdown

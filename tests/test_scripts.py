@@ -38,3 +38,14 @@ def test_gpu_bench_smoke_writes_both_tables_and_checks_parity(tmp_path: Path, mo
     assert modes["bf16_true"]["state_bytes"] < 0.51 * modes["fp32"]["state_bytes"]
     assert modes["fp8 tensorwise (emulated)"]["fp8_converted"] == 3
     assert "| fp8 tensorwise (emulated) | emulated, not timed | - |" in markdown
+
+
+def test_bench_audit_times_the_audited_step_against_the_others(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_audit
+
+    tiny = ["trainer.device=cpu", "trainer.max_steps=4", "trainer.timing_warmup_steps=1"]
+    figures = bench_audit.audit_share([*tiny, "model.width=4", "dataset.image_size=8"])
+    assert figures["audited_step"] == 2
+    assert figures["audited_step_s"] > 0 and figures["median_step_s"] > 0
+    assert figures["wall_s"] > figures["audited_step_s"]

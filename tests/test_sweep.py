@@ -85,7 +85,8 @@ def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
         assert cells["samples/s"] == f"{summary['samples_per_s']:,.1f}"
         speedup = summary["samples_per_s"] / baseline["samples_per_s"]
         assert cells["speedup vs fp32"] == f"{speedup:.2f}x"
-        assert cells["peak memory"] == f"{summary['peak_mem_bytes'] / 2**20:,.1f} MiB"
+        saved = summary["precision_audit"]["saved_activation_bytes"]["total"]
+        assert cells["saved activations"] == f"{saved / 2**20:,.2f} MiB"
         assert cells["final loss"] == f"{summary['final_loss']:.4f}"
         assert cells["eval_acc"] == f"{summary['eval_acc']:.2%}"
         assert cells["skipped steps"] == str(summary["skipped_steps"])

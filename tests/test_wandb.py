@@ -41,7 +41,14 @@ EVAL_KEYS = {"eval/loss", "eval/acc"}
 def test_fp16_run_logs_every_key_at_its_steps_and_the_scale_falls_on_overflow(
     override_loss, run_cfg, tmp_path
 ) -> None:
-    cfg = run_cfg("precision=fp16", "precision.init_scale=1024", "wandb.mode=offline", *TINY)
+    # The audit on the untimed first step: the first row's interval then has a timed step.
+    cfg = run_cfg(
+        "precision=fp16",
+        "precision.init_scale=1024",
+        "wandb.mode=offline",
+        "diagnostics.audit_step=1",
+        *TINY,
+    )
     override_loss(inf_loss_at({3}))
     summary = train(cfg, tmp_path)
     run = read_only_run(tmp_path)
@@ -331,6 +338,33 @@ def test_amp_health_reaches_the_wandb_summary(
     assert run.summary["perf/state_bytes"] == summary["state_bytes"]
     underflow_rows = [row for row in run.history if "amp/grad_underflow_frac" in row]
     assert [row["_step"] for row in underflow_rows] == [2, 4]
+
+
+def test_the_precision_audit_reaches_the_summary_and_a_table(run_cfg, tmp_path, monkeypatch):
+    fake = install_fake_wandb(monkeypatch)
+    summary = train(run_cfg("precision=bf16", "wandb.mode=offline", *TINY), tmp_path)
+    audit, run = summary["precision_audit"], fake.run
+    assert run.summary["audit/engaged"] is True
+    assert run.summary["audit/flops_share/bfloat16"] == 1.0
+    assert run.summary["audit/matmul_flops"] == audit["matmul_flops"]
+    saved = audit["saved_activation_bytes"]["total"]
+    assert run.summary["audit/saved_activation_bytes"] == saved
+    (table_row,) = [row for row in run.history if "audit/matmuls" in row]
+    assert table_row["_step"] == summary["steps"]  # beside the last row: W&B's steps only grow
+    table = table_row["audit/matmuls"]
+    assert table.columns == ["module", "dtype", "flops", "share"]
+    assert {(module, dtype) for module, dtype, _, _ in table.data} == {
+        ("features.0", "bfloat16"),
+        ("features.3", "bfloat16"),
+        ("head", "bfloat16"),
+    }
+    assert sum(flops for _, _, flops, _ in table.data) == audit["matmul_flops"]
+
+
+def test_a_table_w_and_b_refuses_costs_the_run_nothing(run_cfg, tmp_path, monkeypatch) -> None:
+    fake = install_fake_wandb(monkeypatch, raises={"Table": ValueError("bad table")})
+    summary = train(run_cfg("wandb.mode=offline", *TINY), tmp_path)
+    assert summary["status"] == "completed" and fake.run.exit_code == 0
 
 
 def test_a_run_that_raises_is_marked_failed_on_wandb(

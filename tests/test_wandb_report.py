@@ -138,6 +138,8 @@ def test_the_page_charts_loss_scale_skips_accuracy_throughput_memory_and_the_swe
     assert [bar["metrics"] for bar in panels["Bar Chart"]] == [
         ["perf/samples_per_s"],
         ["perf/peak_mem_bytes"],
+        # Each run's matmul FLOPs by dtype, from its precision audit.
+        [f"audit/flops_share/{dtype}" for dtype in ("float32", "bfloat16", "float16")],
     ]
     (parallel,) = panels["Parallel Coordinates Plot"]
     assert [column["accessor"] for column in parallel["columns"]] == [

@@ -231,6 +231,11 @@ class DiagnosticsConfig:
     # Every this many steps, measure how fp16 would treat the gradients and the share of weights
     # that did not change since the last time (holds one copy of the weights); 0 = off.
     underflow_every: int = 100
+    # Audit one training step: the dtype of every matmul, the bytes saved for backward, the
+    # state and communication dtypes, and whether the precision engaged (training/audit/).
+    audit: bool = True
+    # The step audited; null = the first timed step, after trainer.timing_warmup_steps.
+    audit_step: int | None = None
 
 
 # --- Weights & Biases ----------------------------------------------------------------------------

@@ -130,6 +130,11 @@ def validate(cfg: DictConfig) -> RunConfig:
     require(
         run.diagnostics.underflow_every >= 0, "diagnostics.underflow_every must be 0 (off) or more"
     )
+    audit_step = run.diagnostics.audit_step
+    require(
+        audit_step is None or audit_step >= 1,
+        "diagnostics.audit_step must be 1 or more, or null (the first timed step)",
+    )
     require(
         run.report.tolerance is None or run.report.tolerance >= 0,
         "report.tolerance must be 0 or more, or null (the task's default)",

@@ -33,6 +33,7 @@ RUN_FACTS = ("world_size", "strategy", "global_batch_size")
 # A run in which at least this share of the weights did not move over the last diagnostics
 # interval has stalled.
 STALL_FRACTION = 0.5
+NOT_ENGAGED = "did not engage"
 
 
 def _override_value(value: Any) -> str:
@@ -106,15 +107,26 @@ def seed_of(run: Run) -> int | None:
     return (run.summary.get("config") or {}).get(REPLICATE_KEY)
 
 
+def audit_of(summary: dict[str, Any]) -> dict[str, Any]:
+    """The run's precision audit (training/audit/), or nothing for a run without one."""
+    return summary.get("precision_audit") or {}
+
+
+def engaged(summary: dict[str, Any]) -> bool | None:
+    """Whether the run's audit found its precision engaged; None when it was not audited."""
+    return audit_of(summary).get("engaged")
+
+
 def find_baseline(run: Run, runs: list[Run]) -> Run | None:
-    """The completed fp32 run of the same model, setting and seed: the same initial weights and
-    the same batches, so the two form a pair."""
+    """The completed fp32 run of the same model, setting and seed, if its fp32 engaged: the same
+    initial weights and the same batches, so the two form a pair."""
     return next(
         (
             other
             for other in runs
             if other.completed
             and other.precision == BASELINE
+            and engaged(other.summary) is not False
             and other.model == run.model
             and other.setting == run.setting
             and seed_of(other) == seed_of(run)
@@ -124,12 +136,13 @@ def find_baseline(run: Run, runs: list[Run]) -> Run | None:
 
 
 def precision_label(summary: dict[str, Any]) -> str:
-    """The precision as the report shows it: the mode, and the variant of bf16_true or fp8."""
+    """The precision as the report shows it: the mode, the variant of bf16_true or fp8, and
+    whether it did not engage (then the run's figures are not that precision's)."""
     precision = str(summary.get("precision") or "?")
     knobs = (summary.get("config") or {}).get("precision") or {}
     if precision == "bf16_true" and knobs.get("stochastic_rounding") is False:
-        return "bf16_true (nearest)"
-    if precision == "fp8":
+        precision = "bf16_true (nearest)"
+    elif precision == "fp8":
         details = [str(knobs.get("fp8_recipe", "tensorwise"))]
         if knobs.get("fp8_skip") == []:
             details.append("all linears")
@@ -137,8 +150,8 @@ def precision_label(summary: dict[str, Any]) -> str:
             details.append("large linears")
         if knobs.get("fp8_emulate"):
             details.append("emulated")
-        return f"fp8 ({', '.join(details)})"
-    return precision
+        precision = f"fp8 ({', '.join(details)})"
+    return f"{precision} ({NOT_ENGAGED})" if engaged(summary) is False else precision
 
 
 def _ratio(value: float | None, baseline: float | None) -> float | None:
@@ -164,6 +177,41 @@ def amp_health(summary: dict[str, Any]) -> dict[str, Any]:
         "fp8_converted": summary.get("fp8_converted"),
         "fp8_skipped": summary.get("fp8_skipped"),
         "hardware_advice": (summary.get("hardware") or {}).get("advice", []),
+    }
+
+
+def saved_activation_bytes(summary: dict[str, Any]) -> int | None:
+    return (audit_of(summary).get("saved_activation_bytes") or {}).get("total")
+
+
+def cuda_peak(summary: dict[str, Any]) -> int | None:
+    is_cuda = summary.get("peak_mem_kind") == "cuda_max_allocated"
+    return summary.get("peak_mem_bytes") if is_cuda else None
+
+
+def memory_fields(summary: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """What a precision changes in memory: the bytes saved for backward (exact, every device)
+    and the CUDA peak, each against fp32's. The CPU's resident set measures the process, not
+    the precision, and stays a footnote (``peak_mem_bytes``)."""
+    saved, base_saved = saved_activation_bytes(summary), saved_activation_bytes(base)
+    return {
+        "saved_activation_bytes": saved,
+        "activation_ratio": _ratio(saved, base_saved),
+        "cuda_peak_bytes": cuda_peak(summary),
+        "cuda_peak_ratio": _ratio(cuda_peak(summary), cuda_peak(base)),
+    }
+
+
+def audit_health(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The audit, reduced to what the report shows: the dtypes the matmuls ran in, and why the
+    precision did not engage."""
+    audit = audit_of(summary)
+    if not audit:
+        return None
+    return {
+        "flops_by_dtype": audit.get("flops_by_dtype") or {},
+        "shortfalls": audit.get("shortfalls") or [],
+        "responsible": sorted(audit.get("responsible") or {}),
     }
 
 
@@ -214,8 +262,11 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "peak_mem_bytes": summary.get("peak_mem_bytes"),
         "peak_mem_ratio": _ratio(summary.get("peak_mem_bytes"), base.get("peak_mem_bytes")),
         "peak_mem_kind": summary.get("peak_mem_kind"),
+        **memory_fields(summary, base),
         "state_bytes": summary.get("state_bytes"),
         "state_ratio": _ratio(summary.get("state_bytes"), base.get("state_bytes")),
+        "engaged": engaged(summary),
+        "audit": audit_health(summary),
         "emulated": bool(summary.get("fp8_emulated")),
         "stale_weight_frac": summary.get("stale_weight_frac"),
         "stochastic_rounding": (

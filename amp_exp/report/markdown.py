@@ -57,9 +57,12 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("MFU", "mfu", _formatter(".1%")),
     (f"speedup vs {BASELINE}", "speedup", _formatter(".2f", suffix="x")),
     ("trial speedup (95% CI)", "trial_speedup", show_speedup),
-    ("peak memory", "peak_mem_bytes", _formatter(",.1f", 1 / 2**20, " MiB")),
-    (f"memory vs {BASELINE}", "peak_mem_ratio", _formatter(".2f", suffix="x")),
+    ("saved activations", "saved_activation_bytes", _formatter(",.2f", 1 / 2**20, " MiB")),
+    (f"activations vs {BASELINE}", "activation_ratio", _formatter(".2f", suffix="x")),
     ("weights + opt. state", "state_bytes", _formatter(",.2f", 1 / 2**20, " MiB")),
+    (f"state vs {BASELINE}", "state_ratio", _formatter(".2f", suffix="x")),
+    ("CUDA peak", "cuda_peak_bytes", _formatter(",.1f", 1 / 2**20, " MiB")),
+    (f"CUDA peak vs {BASELINE}", "cuda_peak_ratio", _formatter(".2f", suffix="x")),
     ("final loss", "final_loss", _formatter(".4f")),
     # The task's eval metrics and its quality metric against fp32's go here (metric_columns).
     ("skipped steps", "skipped_steps", _formatter("d")),
@@ -75,10 +78,12 @@ EVIDENCE_NOTE = (
     "(docs/sweeps.md)."
 )
 MFU_NOTE = "MFU: achieved TFLOP/s over the GPU's dense peak (summary.json's mfu_peak_source). "
-MEMORY_KINDS = {
-    "cpu_peak_rss": "peak resident memory of the process (CPU), Python and torch included",
-    "cuda_max_allocated": "peak memory allocated by tensors on the GPU",
-}
+MEMORY_NOTE = (
+    "Saved activations: the bytes autograd kept for backward in the audited step, counted once "
+    "per storage (exact on every device). Weights + opt. state: the bytes of the parameters and "
+    "the optimizer's state tensors at the end of training. CUDA peak: the most memory tensors "
+    "held on the GPU."
+)
 
 
 # Columns shown only when some row needs them: a setting that varies, data-parallel ranks, FSDP2
@@ -91,7 +96,10 @@ OPTIONAL_COLUMNS: dict[str, Callable[[Any], bool]] = {
     "strategy": lambda strategy: strategy == "fsdp2",
     "param_dtype": lambda dtype: dtype not in (None, "fp32"),
     "reduce_dtype": lambda dtype: dtype not in (None, "fp32"),
-    **{key: lambda value: value is not None for key in ("tokens_per_s", "mfu")},
+    **{
+        key: lambda value: value is not None
+        for key in ("tokens_per_s", "mfu", "cuda_peak_bytes", "cuda_peak_ratio")
+    },
 }
 Column = tuple[str, Callable[[dict[str, Any]], str]]
 
@@ -248,6 +256,7 @@ def health_line(row: dict[str, Any]) -> str:
             f"fp8 linears: {', '.join(health['fp8_converted']) or 'none'}"
             + (f" (kept in bf16: {kept})" if kept else "")
         )
+    parts += audit_parts(row["audit"])
     parts += health["hardware_advice"]
     return f"- `{row['run']}` ({row['model']} {row['precision']}): " + "; ".join(parts)
 
@@ -256,12 +265,33 @@ def _sentence(text: str | None) -> str:
     return f" {text}" if text else ""
 
 
+def audit_parts(audit: dict[str, Any] | None) -> list[str]:
+    """The dtypes the audited step's matmuls ran in, and why the precision did not engage."""
+    if audit is None:
+        return []
+    shares = ", ".join(f"{dtype} {share:.0%}" for dtype, share in audit["flops_by_dtype"].items())
+    parts = [f"matmul FLOPs: {shares or 'none'}"]
+    if audit["shortfalls"]:
+        where = f" ({', '.join(audit['responsible'])})" if audit["responsible"] else ""
+        parts.append(f"DID NOT ENGAGE: {'; '.join(audit['shortfalls'])}{where}")
+    return parts
+
+
+def rss_footnote(rows: list[dict[str, Any]]) -> str:
+    """The CPU's peak resident set per run: the process's (Python and torch included), which a
+    precision barely moves, so a footnote rather than a column."""
+    rss = [row for row in rows if row["peak_mem_kind"] == "cpu_peak_rss" and row["peak_mem_bytes"]]
+    if not rss:
+        return ""
+    listed = ", ".join(f"`{row['run']}` {row['peak_mem_bytes'] / 2**20:,.0f} MiB" for row in rss)
+    return f" CPU peak resident memory of the process (not of the precision): {listed}."
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     rows = report["runs"]
     unfinished = [row for row in rows if row["status"] != "completed"]
     statuses = Counter(row["status"] for row in rows)
     devices = sorted({row["device_name"] for row in rows if row["device_name"]})
-    memory_kinds = sorted({MEMORY_KINDS.get(row["peak_mem_kind"], "") for row in rows} - {""})
     lines = [
         "# amp_exp sweep report",
         "",
@@ -287,10 +317,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "Samples/s (and tokens/s) count timed training steps only (no warm-up, no evaluation); "
         "emulated fp8 runs are not timed. "
         + (MFU_NOTE if any(row["mfu"] is not None for row in rows) else "")
-        + "Peak memory: "
-        + ("; ".join(memory_kinds) or "not recorded")
-        + ". Weights + opt. state: the bytes of the parameters and the optimizer's state "
-        "tensors at the end of training.",
+        + MEMORY_NOTE
+        + rss_footnote(rows),
     ]
     completed = [row for row in rows if row["status"] == "completed"]
     if completed:

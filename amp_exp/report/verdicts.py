@@ -95,12 +95,14 @@ def notes(row: Row) -> list[str]:
 
 
 def memory_phrase(row: Row) -> str:
-    memory = "memory not measured"
-    if row["peak_mem_ratio"] is not None:
-        memory = f"{row['peak_mem_ratio']:.2f}x the memory"
-    if row["state_ratio"] is not None:
-        memory += f" ({row['state_ratio']:.2f}x the weights and optimizer state)"
-    return memory
+    """The saved activations, the state and (CUDA) the peak against fp32's (precision audit)."""
+    ratios = [
+        (row["activation_ratio"], "the saved activations"),
+        (row["state_ratio"], "the weights and optimizer state"),
+        (row["cuda_peak_ratio"], "the CUDA peak"),
+    ]
+    shown = ", ".join(f"{ratio:.2f}x {what}" for ratio, what in ratios if ratio is not None)
+    return shown or "memory not measured"
 
 
 def named(row: Row, replicated: bool) -> str:
@@ -135,9 +137,17 @@ def ended_phrase(row: Row, replicated: bool) -> str:
 
 def cell_parts(cell: list[Row], comparison: dict[str, Any] | None, replicated: bool) -> list[str]:
     """What one precision's runs of a model and setting that has an fp32 run showed."""
-    completed = [row for row in cell if row["status"] == "completed"]
+    completed = [
+        row for row in cell if row["status"] == "completed" and row["engaged"] is not False
+    ]
     paired = [row for row in completed if row["baseline"] is not None]
-    parts = []
+    # A run whose precision did not engage is no result of that precision (precision audit).
+    parts = [
+        f"{named(row, replicated)}: {'; '.join(row['audit']['shortfalls'])}, so its figures are "
+        f"not {row['mode']}'s"
+        for row in cell
+        if row["status"] == "completed" and row["engaged"] is False
+    ]
     if cell[0]["precision"] != BASELINE:
         if paired and comparison is not None:
             parts.append(cell_phrase(comparison, paired, replicated))

@@ -23,7 +23,14 @@ from typing import Any
 from amp_exp.report.compare import REPLICATE_KEY, declared_metrics, varied_keys
 from amp_exp.report.markdown import evidence_table, markdown_table
 from amp_exp.report.runs import Run, find_runs
-from amp_exp.results.dashboard import SKIP_RATE, SUMMARIES, WANDB_KEYS, X_AXIS, wandb_key_of
+from amp_exp.results.dashboard import (
+    FLOPS_SHARE_PREFIX,
+    SKIP_RATE,
+    SUMMARIES,
+    WANDB_KEYS,
+    X_AXIS,
+    wandb_key_of,
+)
 from amp_exp.results.files import WANDB_RUN_ID_FILE
 from amp_exp.results.wandb_logger import NO_API_KEY, describe
 
@@ -58,6 +65,8 @@ class SweepPage:
     swept_keys: tuple[str, ...]  # dotted config keys ("optimizer.lr"), precision.resolved first
     eval_key: str
     throughput_key: str
+    # The dtypes the runs' audited matmuls ran in (results/dashboard.py audit_summary).
+    flops_dtypes: tuple[str, ...] = ()
 
 
 def _run_id(run: Run) -> str | None:
@@ -134,6 +143,15 @@ def sweep_page(runs: list[Run], report: dict[str, Any], out_dir: Path) -> SweepP
         throughput_key=(
             TOKENS_PER_S_KEY if _measured(logged, "tokens_per_s") else WANDB_KEYS["samples_per_s"]
         ),
+        flops_dtypes=tuple(
+            dict.fromkeys(
+                dtype
+                for run in logged
+                for dtype in (
+                    (run.summary.get("precision_audit") or {}).get("flops_by_dtype") or {}
+                )
+            )
+        ),
     )
 
 
@@ -197,6 +215,15 @@ def _panels(wr: Any, page: SweepPage) -> list[Any]:
         wr.BarPlot(title="throughput", metrics=[page.throughput_key], orientation="v"),
         wr.BarPlot(title="peak memory (bytes)", metrics=[memory_key], orientation="v"),
     ]
+    if page.flops_dtypes:
+        charts.append(
+            wr.BarPlot(
+                title="matmul FLOPs by dtype (audited step), per run",
+                metrics=[f"{FLOPS_SHARE_PREFIX}{dtype}" for dtype in page.flops_dtypes],
+                orientation="v",
+                max_runs_to_show=len(page.run_ids),
+            )
+        )
     for i, chart in enumerate(charts):
         chart.layout = wr.Layout(
             x=PANEL_WIDTH * (i % GRID_COLUMNS),

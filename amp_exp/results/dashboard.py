@@ -118,3 +118,38 @@ def wandb_key_of(key: str) -> str | None:
     if key.startswith(EVAL_PREFIX):
         return f"eval/{key.removeprefix(EVAL_PREFIX)}"
     return None
+
+
+# The precision audit (training/audit/) on the dashboard: summary keys per run, and a table of
+# the audited step's matmul FLOPs by module and dtype.
+AUDIT_PREFIX = "audit/"
+FLOPS_SHARE_PREFIX = "audit/flops_share/"
+AUDIT_TABLE = "audit/matmuls"
+AUDIT_COLUMNS = ("module", "dtype", "flops", "share")
+
+
+def audit_summary(audit: dict[str, Any]) -> dict[str, Any]:
+    """The audit's run-summary keys: engaged, FLOPs, the share of each dtype, saved bytes."""
+    if not audit:
+        return {}
+    return {
+        f"{AUDIT_PREFIX}engaged": audit.get("engaged"),
+        f"{AUDIT_PREFIX}matmul_flops": audit.get("matmul_flops"),
+        f"{AUDIT_PREFIX}saved_activation_bytes": (
+            (audit.get("saved_activation_bytes") or {}).get("total")
+        ),
+        **{
+            f"{FLOPS_SHARE_PREFIX}{dtype}": share
+            for dtype, share in (audit.get("flops_by_dtype") or {}).items()
+        },
+    }
+
+
+def audit_rows(audit: dict[str, Any]) -> list[list[Any]]:
+    """One row per module and dtype: its matmul FLOPs and their share of the step's."""
+    total = audit.get("matmul_flops") or 0
+    return [
+        [module, dtype, flops, flops / total if total else None]
+        for module, dtypes in sorted((audit.get("modules") or {}).items())
+        for dtype, flops in dtypes.items()
+    ]

@@ -93,6 +93,9 @@ FIELDS = (
     "stale_weight_frac",
     # Bytes of the parameters and the optimizer state, counted from the tensors.
     "state_bytes",
+    # What one audited step ran in: matmul FLOPs by dtype and module, the bytes saved for
+    # backward, state and communication dtypes, and whether the precision engaged.
+    "precision_audit",
     "fp8_emulated",
     "fp8_converted",
     "fp8_skipped",

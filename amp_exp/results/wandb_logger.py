@@ -19,10 +19,14 @@ from amp_exp.config.checks import resolve_mode
 from amp_exp.config.schema import RunConfig, WandbConfig, WandbMode
 from amp_exp.errors import first_line
 from amp_exp.results.dashboard import (
+    AUDIT_COLUMNS,
+    AUDIT_TABLE,
     METRIC_GROUPS,
     SKIP_RATE,
     SUMMARIES,
     X_AXIS,
+    audit_rows,
+    audit_summary,
     run_config,
     run_group,
     run_name,
@@ -158,6 +162,8 @@ class WandbLogger:
         # Set to 1 when training raised, so the dashboard shows the run as failed, not finished.
         self.exit_code = 0
         self._last_step = self._last_skipped = 0
+        # W&B refuses a step lower than one it has seen: the audit table goes at the last one.
+        self._last_logged: int | None = None
         with self._contained("define metrics"):
             run.define_metric(X_AXIS)
             for pattern in METRIC_GROUPS:
@@ -199,6 +205,7 @@ class WandbLogger:
             return
         with self._contained(f"log step {row['step']}"):
             self.run.log(self._metrics(row), step=row["step"])
+            self._last_logged = row["step"]
 
     def record_summary(self, summary: dict[str, Any]) -> None:
         """Put the run's AMP health verdicts where the runs table can compare them."""
@@ -215,8 +222,14 @@ class WandbLogger:
             # The best loss the data allows, to read eval/loss against.
             "eval/loss_floor": summary.get("loss_floor"),
         }
+        audit = summary.get("precision_audit") or {}
+        health |= audit_summary(audit)
         with self._contained("write the summary"):
             self.run.summary.update({k: v for k, v in health.items() if v is not None})
+        if audit.get("modules"):
+            with self._contained("log the audit table"):
+                table = self._wandb.Table(columns=list(AUDIT_COLUMNS), data=audit_rows(audit))
+                self.run.log({AUDIT_TABLE: table}, step=self._last_logged)
 
     def close(self) -> None:
         with self._contained("finish the run"):

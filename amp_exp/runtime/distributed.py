@@ -156,6 +156,12 @@ class Distributed:
         """True on every rank if it is true on one (reads the device: log intervals only)."""
         return self.max(flag) > 0
 
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, on every rank."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
     def replicas_identical(self, tensors: list[torch.Tensor]) -> bool:
         """Whether every rank holds bit for bit what rank 0 holds in ``tensors``."""
         local = torch.cat([t.detach().reshape(-1).to(self.device, torch.float64) for t in tensors])

@@ -216,3 +216,17 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (a collective for a sharded DTensor: all ranks call it)."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def policies_in_force(model: nn.Module) -> list[tuple[str, torch.dtype, torch.dtype]]:
+    """(module name, param dtype, reduce dtype) of each sharded module, as ``fully_shard``
+    keeps its policy: unset dtypes resolved to what runs (the stored dtype, the param dtype)."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        policy = module._get_fsdp_state()._mp_policy
+        stored = next(module.parameters()).dtype
+        param = policy.param_dtype or stored
+        found.append((name, param, policy.reduce_dtype or param))
+    return found

@@ -23,6 +23,7 @@ from amp_exp.config.datasets import (
 from amp_exp.config.models import CustomModelConfig, GPTConfig
 from amp_exp.config.schema import RunConfig, Strategy, TaskName
 from amp_exp.errors import ConfigError, first_line
+from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, DataBundle, Task
 from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.custom import build_custom_data, build_custom_model
@@ -77,20 +78,12 @@ def build_model(cfg: RunConfig, facts: dict[str, Any]) -> nn.Module:
 
 def check_output_fits(task: Task, model: nn.Module, batch: Batch, cfg: RunConfig) -> None:
     """One forward pass without gradients, in training mode (where torchvision's googlenet
-    returns its auxiliary outputs), that leaves no trace: the random number generators are
-    forked and BatchNorm's running statistics are put back."""
-    device = next(iter(model.parameters()), torch.empty(0)).device
-    saved = [buffer.detach().clone() for buffer in model.buffers()]
+    returns its auxiliary outputs), that leaves no trace (runtime.no_trace)."""
     try:
-        forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-        with forked, torch.no_grad():
+        with leaves_no_trace(model), torch.no_grad():
             problem = task.output_problem(model, task.to_device(batch))
     except Exception as error:
         problem = f"fails on one batch: {type(error).__name__}: {first_line(str(error))}"
-    finally:
-        with torch.no_grad():
-            for buffer, value in zip(model.buffers(), saved, strict=True):
-                buffer.copy_(value)
     if problem:
         raise ConfigError(
             f"model={cfg.model.name} cannot train on dataset={dataset_name(cfg.dataset)}: {problem}"

@@ -6,8 +6,8 @@ each candidate's autocast: fp32, and each low precision the probe does not rule 
 code the speed trial uses too) and each keeps its fastest pass;
 ``capability.pick_fastest`` names the winner. The trial leaves no trace: gradients come from
 ``torch.autograd.grad``, so no ``.grad`` is written and no optimizer steps, and the model's buffers
-(BatchNorm statistics) and every random number generator are restored. The run is then
-bit-identical to the same run with the chosen precision requested.
+(BatchNorm statistics) and every random number generator are restored (``runtime.no_trace``).
+The run is then bit-identical to the same run with the chosen precision requested.
 
 The choice is cached per model config, batch shape, device and torch version, so a second run
 costs nothing. Under torchrun, rank 0 decides and the other ranks take its choice.
@@ -28,11 +28,11 @@ from amp_exp.config.precisions import AUTO_CANDIDATES
 from amp_exp.config.schema import Precision, PrecisionConfig, RunConfig
 from amp_exp.runtime.cache import cache_dir, implausible_times, read_entries, write_entries
 from amp_exp.runtime.distributed import Distributed
+from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
 from amp_exp.training.capability import Capability, ResolvedPrecision, pick_fastest
 from amp_exp.training.precision import PrecisionPolicy
-from amp_exp.training.rng import restore_rng_state, rng_state
 from amp_exp.training.timing import interleave
 
 log = logging.getLogger("amp_exp")
@@ -76,10 +76,8 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
     left_out = capability.left_out()
     if candidates == [Precision.fp32]:
         return ResolvedPrecision(Precision.fp32, f"auto: fp32, nothing else to try ({left_out})")
-    # Before the batch: a DataLoader seeds its workers from torch's generator.
-    device = next(workload.model.parameters()).device
-    saved = rng_state(device)
-    try:
+    # The batch too: a DataLoader seeds its workers from torch's generator.
+    with leaves_no_trace(workload.model):
         batch = workload.task.to_device(next(iter(workload.data.train)))
         key = choice_key(cfg, capability, workload.channels_last, candidates, batch)
         source = f"fastest of {PASSES} passes"
@@ -90,8 +88,6 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
         else:
             seconds = time_candidates(workload.model, workload.task, batch, candidates)
             write_entries(CACHE_FILE, {key: {"ms": {p.value: s * 1e3 for p, s in seconds.items()}}})
-    finally:
-        restore_rng_state(saved, device)
     chosen, why = pick_fastest(seconds)
     listed = ", ".join(f"{p.value} {milliseconds(s)}" for p, s in seconds.items())
     reason = f"auto: {chosen.value}; this model's forward+backward ({source}): {listed}; {why}"
@@ -159,14 +155,11 @@ def time_candidates(
 ) -> dict[Precision, float]:
     """Each candidate's fastest forward+backward of ``model`` on ``batch``, in seconds.
 
-    Leaves the model as it found it: no ``.grad`` written, buffers restored, training mode kept.
-    The caller restores the random number generators.
+    Leaves no trace: no ``.grad`` written, and generators, buffers and modes restored.
     """
     device = next(model.parameters()).device
     policies = {p: PrecisionPolicy(p, PrecisionConfig(name=p), device) for p in candidates}
     parameters = [p for p in model.parameters() if p.requires_grad]
-    buffers = [b.detach().clone() for b in model.buffers()]
-    was_training = model.training
 
     def pass_of(policy: PrecisionPolicy) -> Callable[[], object]:
         def forward_backward() -> object:
@@ -176,15 +169,10 @@ def time_candidates(
 
         return forward_backward
 
-    model.train()
-    try:
+    with leaves_no_trace(model):
+        model.train()
         # In turns, so that a load spike slows one pass of each candidate, not all of one.
         seconds = interleave(
             {p: pass_of(policy) for p, policy in policies.items()}, device, 1, PASSES
         )
-    finally:
-        with torch.no_grad():
-            for buffer, saved in zip(model.buffers(), buffers, strict=True):
-                buffer.copy_(saved)
-        model.train(was_training)
     return {p: min(min(steps) for steps in rounds) for p, rounds in seconds.items()}

@@ -246,32 +246,6 @@ class Diagnostics(StepCallback):
         self._row = {}
         self.emit(row)
 
-    def activation_memory(self, measure: Callable[[bool], int] | None) -> None:
-        """Compare the autocast forward's activation memory with fp32's (CUDA only).
-
-        ``measure(autocast)`` returns the bytes one training forward keeps for backward.
-        """
-        if measure is None:
-            note = "not measurable on the CPU: no allocator statistics"
-            if not self.fp32_weights:
-                note = "no autocast to compare with: the model itself is bf16"
-            self.checks["activation_memory_lower"] = {"passed": None, "note": note}
-            return
-        fp32_bytes, autocast_bytes = measure(False), measure(True)
-        passed = autocast_bytes < fp32_bytes
-        self.checks["activation_memory_lower"] = {
-            "passed": passed,
-            "fp32_bytes": fp32_bytes,
-            "autocast_bytes": autocast_bytes,
-        }
-        if not passed:
-            log.warning(
-                "AMP check failed: autocast forward used %d activation bytes, fp32 %d; the model "
-                "may be dominated by ops that autocast keeps in fp32",
-                autocast_bytes,
-                fp32_bytes,
-            )
-
     def summary(self) -> dict:
         """The figures summary.json gets: check results, underflow and the suggested scale."""
         return {
@@ -280,17 +254,3 @@ class Diagnostics(StepCallback):
             "suggested_init_scale": self.suggested_init_scale,
             "stale_weight_frac": self.stale_weight_frac,
         }
-
-
-def forward_activation_bytes(
-    model: nn.Module, images: torch.Tensor, autocast: Callable[[], object], use_autocast: bool
-) -> int:
-    """Peak CUDA memory one training forward adds, i.e. what it keeps for backward."""
-    torch.cuda.synchronize()
-    baseline = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    with autocast() if use_autocast else torch.autocast("cuda", enabled=False):
-        output = model(images)
-    peak = torch.cuda.max_memory_allocated() - baseline
-    del output
-    return peak

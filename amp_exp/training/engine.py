@@ -43,6 +43,8 @@ from amp_exp.training.skip_record import SkipRecord
 from amp_exp.training.skips import SkipMonitor
 
 Emit = Callable[[dict], None]
+StepInstrument = Callable[[int, int], contextlib.AbstractContextManager]
+NO_INSTRUMENT = contextlib.nullcontext()
 
 
 class CheckpointSink(Protocol):
@@ -89,6 +91,9 @@ class Engine:
         self.callbacks = StepCallbacks()
         names = {id(p): name for name, p in unwrap(model).named_parameters()}
         self.skip_record = SkipRecord([names[id(p)] for p in self.parameters], self.device)
+        # Called before each step with the step and this attempt's first timed step; the
+        # context it returns wraps that step (training/audit/step.py audits one this way).
+        self.step_instrument: StepInstrument = lambda step, first_timed_step: NO_INSTRUMENT
 
     @property
     def total_steps(self) -> int:
@@ -328,7 +333,8 @@ class Engine:
             throughput.start(progress.samples, progress.step)
         for step in range(first_step, plan.total_steps + 1):
             is_log_step = plan.is_log_step(step)
-            grad_norm = self.train_step(batches, interval_loss, want_grad_norm=is_log_step)
+            with self.step_instrument(step, first_step + warmup_steps):
+                grad_norm = self.train_step(batches, interval_loss, want_grad_norm=is_log_step)
             if step == first_step - 1 + warmup_steps:
                 throughput.start(progress.samples, step)
                 warmup_s = time.perf_counter() - started

@@ -99,6 +99,17 @@ class Throughput:
         finally:
             self.resume()
 
+    @contextlib.contextmanager
+    def left_out(self, progress: Any) -> Iterator[None]:
+        """Leave one step out of the timed training: its time, samples and step count
+        (``progress`` is the engine's, which the step advances)."""
+        samples, steps = progress.samples, progress.step
+        with self.paused():
+            yield
+        if self.started:
+            self.lap_samples += progress.samples - samples
+            self.lap_steps += progress.step - steps
+
     def lap(self, samples: int, steps: int) -> tuple[float | None, float | None]:
         """(samples/s, ms per step) since the last lap, or (None, None) before timing starts."""
         if not self.started or steps == self.lap_steps:

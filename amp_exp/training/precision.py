@@ -22,6 +22,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_
 
 from amp_exp.config.precisions import spec_of
 from amp_exp.config.schema import Precision, PrecisionConfig
+from amp_exp.errors import ConfigError
 from amp_exp.runtime.fsdp import local, whole
 from amp_exp.training.keep_fp32 import run_without_autocast
 from amp_exp.training.precision_modes import Fp8Conversion, convert_to_fp8, to_bf16_true
@@ -132,6 +133,8 @@ class PrecisionPolicy:
             run_without_autocast(model, self.kept_fp32, self.device.type)
         if self.precision is Precision.fp8:
             model, self.fp8 = convert_to_fp8(model, self.cfg, self.kept_fp32)
+            if not self.fp8.converted:
+                raise ConfigError(self._fp8_converted_nothing())
             if self.fp8.emulated:
                 log.warning("fp8 is emulated (precision.fp8_emulate=true): slow, so not timed")
             log.info(
@@ -143,6 +146,16 @@ class PrecisionPolicy:
                 ", ".join(f"{name}: {why}" for name, why in self.fp8.skipped.items()) or "none",
             )
         return model
+
+    def _fp8_converted_nothing(self) -> str:
+        skipped = self.fp8.skipped if self.fp8 else {}
+        why = ", ".join(f"{name}: {reason}" for name, reason in skipped.items())
+        first_last = any(reason in ("first layer", "last layer") for reason in skipped.values())
+        return (
+            f"precision=fp8 converted no linear layer ({why or 'the model has none'}), so no "
+            "matmul would run in float8; use precision=bf16"
+            + (" or precision.fp8_skip_first_last=false" if first_last else "")
+        )
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if not self.uses_autocast:

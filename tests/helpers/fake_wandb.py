@@ -21,6 +21,7 @@ import wandb as real_wandb
 
 REAL_LOGIN = inspect.signature(real_wandb.login)
 REAL_INIT = inspect.signature(real_wandb.init)
+REAL_TABLE = inspect.signature(real_wandb.Table)
 
 
 @dataclass
@@ -39,6 +40,12 @@ class FakeSummary(dict):
     def update(self, *args: Any, **kwargs: Any) -> None:
         self._wandb.record("summary.update", {"args": args, **kwargs})
         super().update(*args, **kwargs)
+
+
+@dataclass
+class FakeTable:
+    columns: list[str]
+    data: list[list[Any]]
 
 
 @dataclass
@@ -85,8 +92,8 @@ class FakeWandb(types.ModuleType):
 
     ``has_key`` is what ``login`` answers: whether an API key is configured. ``raises`` maps a
     call name (``setup``, ``login``, ``init``, ``init:online``, ``init:offline``, ``log``,
-    ``define_metric``, ``summary.update``, ``finish``, ``teardown``) to the exception it raises,
-    after the call is recorded.
+    ``define_metric``, ``summary.update``, ``Table``, ``finish``, ``teardown``) to the exception
+    it raises, after the call is recorded.
     """
 
     def __init__(self, has_key: bool = True, raises: dict[str, BaseException] | None = None):
@@ -134,6 +141,11 @@ class FakeWandb(types.ModuleType):
 
     def teardown(self) -> None:
         self.record("teardown", {})
+
+    def Table(self, **kwargs: Any) -> FakeTable:
+        REAL_TABLE.bind(**kwargs)
+        self.record("Table", kwargs)
+        return FakeTable(kwargs["columns"], kwargs["data"])
 
 
 def install_fake_wandb(monkeypatch: Any, **kwargs: Any) -> FakeWandb:

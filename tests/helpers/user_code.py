@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -187,3 +188,76 @@ class MortalClassifier(nn.Module):
 
 def make_mortal(input_shape: tuple[int, ...], num_classes: int, die_at: int = 4) -> nn.Module:
     return MortalClassifier(input_shape, num_classes, die_at)
+
+
+# Models that defeat the precision they are trained in, each in its own way: the precision audit
+# must notice and name the module (tests/test_audit.py).
+
+
+class Fp32Island(nn.Module):
+    """A linear layer that turns autocast off around its matmul, as code written for
+    numerical safety does."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return self.linear(x.float())
+
+
+class FloatCaster(nn.Module):
+    """A linear layer that casts its weights to float before using them."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.linear.weight.float(), self.linear.bias.float()
+        return nn.functional.linear(x.float(), weight, bias).to(x.dtype)
+
+
+class Fp32Matmul(torch.autograd.Function):
+    """x @ w, always in fp32: custom_fwd casts its inputs under autocast."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return x @ weight
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        return grad @ weight.t(), x.t() @ grad
+
+
+class CustomFp32(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / math.sqrt(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Fp32Matmul.apply(x, self.weight)
+
+
+ISLANDS = {"autocast_off": Fp32Island, "float_weights": FloatCaster, "custom_fwd": CustomFp32}
+
+
+def make_with_fp32_matmuls(
+    input_shape: tuple[int, ...], num_classes: int, kind: str, width: int = 256
+) -> nn.Module:
+    """A classifier whose middle layer (``island``) keeps its matmuls in fp32, the ``kind`` way;
+    with the default width it holds most of the model's matmul FLOPs."""
+    layers = {
+        "flatten": nn.Flatten(),
+        "embed": nn.Linear(math.prod(input_shape), width),
+        "act": nn.ReLU(),
+        "island": ISLANDS[kind](width),
+        "act2": nn.ReLU(),
+        "head": nn.Linear(width, num_classes),
+    }
+    return nn.Sequential(OrderedDict(layers))

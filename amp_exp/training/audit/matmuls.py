@@ -1,0 +1,177 @@
+"""The dtype every matmul of a training step ran in, its FLOPs, and the module it ran in.
+
+``MatmulRecorder`` is a ``TorchDispatchMode``: it sees each aten op after autocast, the
+FSDP2 casts and a model's own casts have chosen its inputs, so what it records is what ran,
+not what was asked for. A matmul-class op is one that ``torch.utils.flop_counter`` has a FLOP
+formula for (mm, addmm, bmm, baddbmm, ``_scaled_mm``, convolutions and their backward,
+scaled-dot-product, flash and memory-efficient attention); its FLOPs are that formula's. The
+module is the innermost one ``torch.utils.module_tracker.ModuleTracker`` says is running,
+forward or backward.
+
+torchao's float8 linears hand the mode ``aten.mm`` on ``Float8TrainingTensor`` operands (a
+wrapper subclass, whose dtype is the original one): an operand's dtype is that of the largest
+tensor it wraps (its float8 data, not its fp32 scale). The subclass's own inner ops (the
+dequantized fp32 mm of torchao's emulation, or ``_scaled_mm`` on a GPU) run inside the
+subclass, where the mode does not see them, so a float8 matmul counts once, as float8.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils.flop_counter import flop_registry
+from torch.utils.module_tracker import ModuleTracker
+
+aten = torch.ops.aten
+
+# The CPU's fused attention kernels have no formula of their own in torch 2.14: they take and
+# return what the flash kernels do, so the flash formulas count them.
+CPU_ATTENTION = {
+    "_scaled_dot_product_flash_attention_for_cpu": aten._scaled_dot_product_flash_attention,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        aten._scaled_dot_product_flash_attention_backward
+    ),
+}
+FORMULAS: dict[Any, Any] = {
+    **{getattr(aten, name): flop_registry[like] for name, like in CPU_ATTENTION.items()},
+    **flop_registry,
+}
+# Which arguments are the multiplied operands, where they are not the first two: addmm's first
+# is the added term; convolution_backward's first is the incoming gradient (of the same dtype).
+OPERANDS = {aten.addmm: (1, 2), aten.baddbmm: (1, 2), aten.convolution_backward: (1, 2)}
+FORWARD, BACKWARD = "forward", "backward"
+# What the tracker calls the code outside every module.
+OUTSIDE = "Global"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """As torch names it, without ``torch.``: bfloat16, float8_e4m3fn."""
+    return str(dtype).removeprefix("torch.")
+
+
+def stored_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a tensor's values are held in: for a wrapper subclass (torchao's float8
+    tensors), that of the largest tensor it wraps."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return tensor.dtype
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    largest = max((getattr(tensor, name) for name in names), key=lambda inner: inner.numel())
+    return stored_dtype(largest)
+
+
+def operand_dtype(packet: Any, args: tuple) -> torch.dtype:
+    """The dtype a matmul computed in: that of its widest operand (float8 e5m2 gradients meet
+    e4m3 weights in torchao's backward; the first operand names such a tie)."""
+    dtypes = [stored_dtype(args[i]) for i in OPERANDS.get(packet, (0, 1)) if i < len(args)]
+    return max(dtypes, key=lambda dtype: dtype.itemsize)
+
+
+@dataclass
+class MatmulFlops:
+    """FLOPs by (module, phase, dtype). Modules are named as in the model's
+    ``named_modules()``; "" is the model itself, "Global" code outside it (the loss)."""
+
+    flops: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        return sum(self.flops.values())
+
+    def by_dtype(self, phase: str | None = None) -> dict[str, int]:
+        found: Counter[str] = Counter()
+        for (_, in_phase, dtype), flops in self.flops.items():
+            if phase is None or in_phase == phase:
+                found[dtype] += flops
+        return dict(found)
+
+    def by_module(self) -> dict[str, dict[str, int]]:
+        """Module -> dtype -> FLOPs, forward and backward together."""
+        found: dict[str, Counter[str]] = {}
+        for (module, _, dtype), flops in self.flops.items():
+            found.setdefault(module, Counter())[dtype] += flops
+        return {module: dict(dtypes) for module, dtypes in found.items()}
+
+    def merged(self, others: Iterable[MatmulFlops]) -> MatmulFlops:
+        total = Counter(self.flops)
+        for other in others:
+            total.update(other.flops)
+        return MatmulFlops(total)
+
+    def as_rows(self) -> list[list[Any]]:
+        return [[*key, flops] for key, flops in sorted(self.flops.items())]
+
+    @classmethod
+    def from_rows(cls, rows: list[list[Any]]) -> MatmulFlops:
+        return cls(Counter({(m, p, d): flops for m, p, d, flops in rows}))
+
+
+class _Recording(TorchDispatchMode):
+    def __init__(self, recorder: MatmulRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        recorder = self.recorder
+        recorder.backward_started = recorder.backward_started or recorder.tracker.is_bw
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        formula = FORMULAS.get(packet)
+        if formula is not None:
+            recorder.record(packet, formula(*args, **kwargs, out_val=out), args)
+        return out
+
+
+class MatmulRecorder:
+    """Records every matmul-class op run while it is entered: its FLOPs, dtype and module.
+
+    ``model`` is what trains (maybe wrapped by DDP); ``inner`` is the module inside the
+    wrappers, whose ``named_modules()`` names the records.
+    """
+
+    def __init__(self, model: nn.Module, inner: nn.Module) -> None:
+        self.tracker = ModuleTracker()
+        self.flops = MatmulFlops()
+        # The tracker names modules "<root class>.<path>"; the records use the inner model's
+        # own paths, so strip the root and the wrappers' path to the inner model.
+        wrapper_path = next(name for name, module in model.named_modules() if module is inner)
+        self._prefix = type(model).__name__ + (f".{wrapper_path}" if wrapper_path else "")
+        self._mode = _Recording(self)
+        # Whether any op of a backward has run yet (the saved-tensor count stops there).
+        self.backward_started = False
+
+    def module_name(self) -> str:
+        innermost = max(self.tracker.parents, key=lambda name: name.count("."))
+        if innermost == OUTSIDE or innermost == self._prefix:
+            return "" if innermost == self._prefix else OUTSIDE
+        return innermost.removeprefix(self._prefix + ".")
+
+    def record(self, packet: Any, flops: int, args: tuple) -> None:
+        backward = self.tracker.is_bw
+        dtype = dtype_name(operand_dtype(packet, args))
+        self.flops.flops[(self.module_name(), BACKWARD if backward else FORWARD, dtype)] += flops
+
+    def __enter__(self) -> MatmulRecorder:
+        self.tracker.__enter__()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+        self.tracker.__exit__(*exc)
+
+
+def flops_by_module(
+    model: nn.Module, inner: nn.Module, step: Callable[[], object]
+) -> dict[str, dict[str, int]]:
+    """Module -> dtype -> matmul FLOPs of what ``step()`` runs through ``model`` (forward and
+    backward): the split a per-module precision choice is judged by."""
+    with MatmulRecorder(model, inner) as recorder:
+        step()
+    return recorder.flops.by_module()

@@ -1,0 +1,184 @@
+"""The audited step: one real training step, recorded, off the throughput clock.
+
+``PrecisionAudit.instrument`` is the engine's step instrument (``Engine.step_instrument``): at the
+audited step it returns a context that records the step's matmuls (``matmuls``) and the bytes
+its forward saves for backward (``saved``), catches its gradients before the optimizer steps,
+and afterwards reads the state and communication dtypes (``dtypes``) and judges whether the
+precision engaged (``verdict``). At every other step it returns a context that does nothing: no
+dispatch mode, no hook. The audited step trains like any other; only its time, samples and step
+are left out of throughput.
+
+The step audited is ``diagnostics.audit_step``, or by default the first timed step (the first
+after ``trainer.timing_warmup_steps``): kernels are chosen and caches warm by then. A resumed run
+that started past it audits its own first timed step. Under torchrun every rank audits its
+step; the FLOPs are summed over the ranks, the saved bytes are the largest rank's (what one
+device holds), the state and dtypes rank 0's (its shards under FSDP2), and rank 0 warns and
+records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from amp_exp.runtime.distributed import unwrap
+from amp_exp.training.audit import dtypes
+from amp_exp.training.audit.matmuls import BACKWARD, FORWARD, MatmulFlops, MatmulRecorder
+from amp_exp.training.audit.saved import SavedActivations
+from amp_exp.training.audit.verdict import (
+    higher_precision_modules,
+    judge,
+    share_by_dtype,
+    warning_text,
+)
+from amp_exp.training.engine import Engine
+
+log = logging.getLogger("amp_exp")
+
+TF32_NOTE = (
+    "float32 matmuls and convolutions ran as TF32 on this GPU (trainer.tf32=true): fp32 range, "
+    "10-bit mantissa; the dtype alone cannot show it"
+)
+
+
+class PrecisionAudit:
+    """Audits one step of ``engine``; ``summary()`` is what summary.json records of it."""
+
+    def __init__(self, engine: Engine, audit_step: int | None) -> None:
+        self.engine = engine
+        self.audit_step = audit_step
+        self.result: dict[str, Any] | None = None
+        self._first_step: int | None = None
+        engine.step_instrument = self.instrument
+
+    def instrument(self, step: int, first_timed_step: int) -> contextlib.AbstractContextManager:
+        """The audit's context at its step, a context that does nothing at every other."""
+        if self._first_step is None:
+            self._first_step = step  # where this attempt starts
+        wanted = self.audit_step
+        if wanted is None or wanted < self._first_step:
+            wanted = first_timed_step
+        if self.result is not None or step != min(wanted, self.engine.total_steps):
+            return contextlib.nullcontext()
+        return self._audited(step)
+
+    @contextlib.contextmanager
+    def _audited(self, step: int) -> Iterator[None]:
+        engine = self.engine
+        recorder = MatmulRecorder(engine.model, unwrap(engine.model))
+        saved = SavedActivations(stopped=lambda: recorder.backward_started)
+        grads: list[torch.Tensor] = []
+
+        def catch_grads(optimizer, args, kwargs) -> None:
+            grads.extend(p.grad for p in engine.parameters if p.grad is not None)
+
+        hook = engine.optimizer.register_step_pre_hook(catch_grads)
+        try:
+            with engine.throughput.left_out(engine.progress), recorder, saved:
+                yield
+        finally:
+            hook.remove()
+        local = self._local_figures(recorder.flops, saved.summary(), grads)
+        self.result = self._recorded(step, self._over_ranks(local))
+
+    def _local_figures(
+        self, flops: MatmulFlops, saved: dict, grads: list[torch.Tensor]
+    ) -> dict[str, Any]:
+        engine = self.engine
+        grad_bytes = dtypes.bytes_by_dtype(grads)
+        return {
+            "flops": flops.as_rows(),
+            "saved_activation_bytes": saved,
+            "state": {
+                "weights": dtypes.bytes_by_dtype(engine.parameters),
+                # None when the step was skipped (the optimizer never ran).
+                "grads": grad_bytes if grads else None,
+                "optimizer_state": dtypes.bytes_by_dtype(
+                    dtypes.optimizer_tensors(engine.optimizer)
+                ),
+            },
+            "weight_elements": dtypes.parameter_elements(unwrap(engine.model)),
+            "communication": dtypes.communication(engine.model, engine.distributed, grad_bytes),
+        }
+
+    def _over_ranks(self, local: dict[str, Any]) -> dict[str, Any]:
+        """The figures of all ranks: FLOPs summed, bytes of the largest rank."""
+        distributed = self.engine.distributed
+        if distributed is None:
+            return {**local, "ranks": 1}
+        everyone = distributed.gather_objects(local)
+        flops = MatmulFlops.from_rows(everyone[0]["flops"]).merged(
+            MatmulFlops.from_rows(other["flops"]) for other in everyone[1:]
+        )
+        largest = max(everyone, key=lambda f: f["saved_activation_bytes"]["total"])
+        return {
+            **local,
+            "flops": flops.as_rows(),
+            "saved_activation_bytes": largest["saved_activation_bytes"],
+            "ranks": len(everyone),
+        }
+
+    def _recorded(self, step: int, figures: dict[str, Any]) -> dict[str, Any]:
+        engine = self.engine
+        policy = engine.policy
+        flops = MatmulFlops.from_rows(figures["flops"])
+        fp8 = policy.fp8.converted if policy.fp8 is not None else None
+        verdict = judge(policy.spec, flops, figures["weight_elements"], fp8)
+        is_main = engine.distributed is None or engine.distributed.is_main
+        by_dtype = flops.by_dtype()
+        if is_main:
+            log.info("%s", described(step, share_by_dtype(by_dtype), figures))
+        if verdict.engaged is False and is_main:
+            log.warning("%s", warning_text(policy.precision.value, verdict))
+        return {
+            "step": step,
+            "ranks": figures["ranks"],
+            "engaged": verdict.engaged,
+            "shortfalls": verdict.shortfalls,
+            "responsible": verdict.responsible,
+            "matmul_flops": flops.total,
+            "flops_by_dtype": share_by_dtype(by_dtype),
+            **{
+                phase: {
+                    "matmul_flops": sum(flops.by_dtype(phase).values()),
+                    "flops_by_dtype": share_by_dtype(flops.by_dtype(phase)),
+                }
+                for phase in (FORWARD, BACKWARD)
+            },
+            "higher_precision_modules": higher_precision_modules(policy.spec, flops),
+            "modules": flops.by_module(),
+            "tf32": TF32_NOTE if self._tf32(by_dtype) else None,
+            "saved_activation_bytes": figures["saved_activation_bytes"],
+            "state": figures["state"],
+            "communication": figures["communication"],
+        }
+
+    def _tf32(self, by_dtype: dict[str, int]) -> bool:
+        device = self.engine.device
+        return (
+            device.type == "cuda"
+            and by_dtype.get("float32", 0) > 0
+            and torch.cuda.get_device_capability(device) >= (8, 0)
+            and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+        )
+
+    def summary(self) -> dict[str, Any] | None:
+        return self.result
+
+
+def shares(fractions: dict[str, float]) -> str:
+    shown = [f"{dtype} {share:.0%}" for dtype, share in fractions.items() if share >= 0.005]
+    return ", ".join(shown) or "none"
+
+
+def described(step: int, flops_shares: dict[str, float], figures: dict[str, Any]) -> str:
+    """The audit in one line: what the matmuls ran in, and what the forward saved."""
+    saved = figures["saved_activation_bytes"]
+    return (
+        f"precision audit @ step {step}: matmul FLOPs {shares(flops_shares)}; saved for backward "
+        f"{saved['total'] / 2**20:,.2f} MiB ({shares(share_by_dtype(saved['by_dtype']))})"
+    )

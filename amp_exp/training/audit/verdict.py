@@ -1,0 +1,140 @@
+"""Engaged or not: the audited step held against what the precision table says a run of that
+precision must show (``config.precisions.Engagement``).
+
+A precision engages when a large enough share of the matmul FLOPs ran in its dtypes, when every
+linear layer fp8 converted ran float8 matmuls, and when most weight elements are stored in the
+dtype a pure-bf16 run keeps them in. When it falls short, the verdict names the modules that
+made it fall short: those whose matmuls ran in other dtypes, the converted linears without a
+float8 matmul, the modules holding weights in another dtype.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from amp_exp.config.precisions import DType, PrecisionSpec
+from amp_exp.training.audit.matmuls import OUTSIDE, MatmulFlops
+
+FLOAT8 = frozenset(d.value for d in DType if d.value.startswith("float8"))
+# The modules a warning names, the largest first.
+NAMED = 5
+
+
+@dataclass
+class Verdict:
+    # None when nothing could be judged: no matmul ran.
+    engaged: bool | None
+    shortfalls: list[str] = field(default_factory=list)
+    # The modules responsible for a shortfall -> what each did (a dtype's share of all matmul
+    # FLOPs, or of the module's weight elements).
+    responsible: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def shown_module(name: str) -> str:
+    return {"": "(the model)", OUTSIDE: "(outside the model)"}.get(name, name)
+
+
+def _names(dtypes: tuple[DType, ...]) -> str:
+    return " or ".join(d.value for d in dtypes)
+
+
+def higher_precision_modules(
+    spec: PrecisionSpec, flops: MatmulFlops
+) -> dict[str, dict[str, float]]:
+    """Module -> dtype -> share of all matmul FLOPs, for the matmuls that ran in a wider dtype
+    than the precision computes in (fp32 in a bf16 run)."""
+    total = flops.total
+    width = spec.compute_dtype.torch.itemsize
+    found: dict[str, dict[str, float]] = {}
+    for module, dtypes in flops.by_module().items():
+        wider = {d: f / total for d, f in dtypes.items() if DType(d).torch.itemsize > width}
+        if wider:
+            found[module] = wider
+    return found
+
+
+def _matmul_share(spec: PrecisionSpec, flops: MatmulFlops, verdict: Verdict) -> None:
+    engagement, total = spec.engaged, flops.total
+    wanted = {d.value for d in engagement.matmul_dtypes}
+    share = sum(f for d, f in flops.by_dtype().items() if d in wanted) / total
+    if share >= engagement.min_matmul_share:
+        return
+    verdict.shortfalls.append(
+        f"{share:.0%} of matmul FLOPs ran in {_names(engagement.matmul_dtypes)}, at least "
+        f"{engagement.min_matmul_share:.0%} expected"
+    )
+    for module, dtypes in flops.by_module().items():
+        other = {d: f / total for d, f in dtypes.items() if d not in wanted and f}
+        if other:
+            verdict.responsible.setdefault(module, {}).update(other)
+
+
+def _fp8_in_converted(flops: MatmulFlops, converted: list[str], verdict: Verdict) -> None:
+    by_module = flops.by_module()
+    idle = [name for name in converted if not any(by_module.get(name, {}).get(d) for d in FLOAT8)]
+    if not idle:
+        return
+    verdict.shortfalls.append(
+        f"{len(idle)} of the {len(converted)} linears converted to float8 ran no float8 matmul"
+    )
+    total = flops.total
+    for name in idle:
+        dtypes = by_module.get(name, {})
+        verdict.responsible.setdefault(name, {}).update({d: f / total for d, f in dtypes.items()})
+
+
+def _weights_stored(wanted: DType, elements: dict[str, dict[str, int]], verdict: Verdict) -> None:
+    """Most weight elements in ``wanted``: norm layers keep fp32 by design, a tiny share."""
+    total = sum(n for dtypes in elements.values() for n in dtypes.values())
+    held = sum(dtypes.get(wanted.value, 0) for dtypes in elements.values())
+    if not total or held / total > 0.5:
+        return
+    verdict.shortfalls.append(f"{held / total:.0%} of weight elements stored in {wanted.value}")
+    for module, dtypes in elements.items():
+        count = sum(dtypes.values())
+        other = {d: n / count for d, n in dtypes.items() if d != wanted.value}
+        if other:
+            verdict.responsible.setdefault(module, {}).update(other)
+
+
+def judge(
+    spec: PrecisionSpec,
+    flops: MatmulFlops,
+    weight_elements: dict[str, dict[str, int]],
+    fp8_converted: list[str] | None = None,
+) -> Verdict:
+    """Whether the audited step shows what ``spec.engaged`` asks of its precision."""
+    if not flops.total:
+        return Verdict(None, ["no matmul ran in the audited step"])
+    verdict = Verdict(engaged=True)
+    engagement = spec.engaged
+    _matmul_share(spec, flops, verdict)
+    if engagement.fp8_matmuls and fp8_converted is not None:
+        _fp8_in_converted(flops, fp8_converted, verdict)
+    if engagement.weights is not None:
+        _weights_stored(engagement.weights, weight_elements, verdict)
+    verdict.engaged = not verdict.shortfalls
+    return verdict
+
+
+def warning_text(precision: str, verdict: Verdict) -> str:
+    """The one warning a run that did not engage gives: what fell short, and where."""
+    ranked = sorted(verdict.responsible.items(), key=lambda item: -sum(item[1].values()))
+    named = [
+        f"{shown_module(module)} ({', '.join(f'{d} {s:.0%}' for d, s in dtypes.items())})"
+        for module, dtypes in ranked[:NAMED]
+    ]
+    more = len(ranked) - NAMED
+    where = "; ".join(named) + (f" and {more} more" if more > 0 else "")
+    return (
+        f"precision={precision} did not engage: {'; '.join(verdict.shortfalls)}"
+        + (f". Responsible: {where}" if where else "")
+        + f". This run's figures are not {precision}'s"
+    )
+
+
+def share_by_dtype(counts: dict[str, int]) -> dict[str, float]:
+    total = sum(counts.values())
+    ordered = Counter(counts).most_common()
+    return {dtype: count / total for dtype, count in ordered if total}
