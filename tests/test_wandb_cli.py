@@ -72,7 +72,8 @@ def log_time(line: str) -> datetime:
 def wandb_start_seconds(train_log: str) -> tuple[float, list[str]]:
     """Seconds from the last line before W&B starts to its message, and all W&B lines."""
     lines = train_log.splitlines()
-    (before,) = [line for line in lines if "] - precision " in line]
+    # The run's first line names its precision (the audit's line later names it too).
+    before = next(line for line in lines if "] - precision " in line)
     wandb_lines = [line for line in lines if "W&B" in line]
     return (log_time(wandb_lines[0]) - log_time(before)).total_seconds(), wandb_lines
 
