@@ -13,7 +13,7 @@ import os
 from argparse import Namespace
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -60,9 +60,13 @@ def describe_error(error: Exception) -> str:
         group, _, option = (error.missing_cfg_file or "").rpartition("/")
         return f"{group}={option} is not an option; valid choices: {', '.join(error.options)}"
     cause = error.__cause__
-    if isinstance(cause, ConfigAttributeError) and cause.object_type is not None:
+    if isinstance(cause, ConfigAttributeError) and is_dataclass(cause.object_type):
         keys = ", ".join(sorted(f.name for f in fields(cause.object_type)))
         return f"{cause.full_key} is not a known key; valid keys: {keys}"
+    if isinstance(cause, ConfigAttributeError) and cause.object_type is dict:
+        # A free-form dict (model.kwargs, model.config): Hydra adds a new key only with +.
+        added = str(error).rpartition(" use ")[2]
+        return f"{cause.full_key} is a new key in a dict; add it with {added}"
     if isinstance(error, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
         override = str(error).removeprefix("Error merging override ")
         return f"{first_line(override)}: {first_line(str(cause))}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from omegaconf import MISSING
 
@@ -84,6 +84,12 @@ class WandbMode(str, Enum):
     online = "online"
     offline = "offline"
     disabled = "disabled"
+
+
+class AttnImplementation(str, Enum):
+    # A Hugging Face model's attention: torch's fused kernel (sdpa) or its own matmuls (eager).
+    sdpa = "sdpa"
+    eager = "eager"
 
 
 class CompileMode(str, Enum):
@@ -163,9 +169,23 @@ class CustomModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-ModelConfig = Union[
-    TinyCNNConfig, MLPConfig, TorchvisionModelConfig, GPTConfig, TimmModelConfig, CustomModelConfig
-]
+@dataclass
+class HFModelConfig:
+    """A Hugging Face transformers model (pip install 'amp_exp[hf]') through the auto class its
+    data needs: causal LM for tokens, image or sequence classification for labels (tasks/hf.py)."""
+
+    # A model type AutoConfig.for_model knows (gpt2, llama, vit, ...): random weights.
+    name: str | None = None
+    # A local save_pretrained folder: its config and weights (local_files_only); sets name.
+    path: str | None = None
+    # Config attributes set on top (+model.config.num_hidden_layers=2). Built from a type, the
+    # vocabulary, classes and image size follow the data unless set here.
+    config: dict[str, Optional[Union[int, float, bool, str]]] = field(default_factory=dict)
+    attn_implementation: AttnImplementation = AttnImplementation.sdpa
+
+
+ImageModelConfig = Union[TinyCNNConfig, MLPConfig, TorchvisionModelConfig, TimmModelConfig]
+ModelConfig = Union[ImageModelConfig, GPTConfig, CustomModelConfig, HFModelConfig]
 
 # --- optimizer and scheduler --------------------------------------------------------------------
 
@@ -363,6 +383,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "gpt": GPTConfig,
         "timm": TimmModelConfig,
         "custom": CustomModelConfig,
+        "hf": HFModelConfig,
     },
     "dataset": {
         "images": ImageDatasetConfig,

@@ -47,6 +47,7 @@ from amp_exp.config.schema import (
     Strategy,
     TimmModelConfig,
     TinyCNNConfig,
+    TorchvisionModelConfig,
     TrainerConfig,
     WandbConfig,
 )
@@ -333,7 +334,7 @@ def _validate_model(model: ModelConfig) -> None:
         _validate_timm(model)
     elif isinstance(model, CustomModelConfig):
         _check_target("model", model._target_)
-    else:
+    elif isinstance(model, TorchvisionModelConfig):  # hf models: config/hf.py, from pairing
         names = torchvision_model_names()
         _check(
             model.name in names,

@@ -56,19 +56,27 @@ def _cast_output(dtype: torch.dtype):
     return hook
 
 
+def _to_bf16(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+
+
 def keeps_fp32(module: nn.Module) -> bool:
     return isinstance(module, NORM_LAYERS) or getattr(module, "keep_in_fp32", False)
 
 
 def to_bf16_true(model: nn.Module) -> nn.Module:
     """The model in bf16, its norm layers in fp32, taking bf16 inputs and giving fp32 outputs."""
-    model.to(torch.bfloat16)
+    kept = [m for m in model.modules() if keeps_fp32(m) and m is not model]
+    inside_kept = {id(sub) for module in kept for sub in module.modules()}
     for module in model.modules():
-        if keeps_fp32(module) and module is not model:
-            module.float()
-            module.register_forward_pre_hook(_cast_inputs(torch.float32))
-            # Back to bf16 for the layer after it, whose weights are bf16.
-            module.register_forward_hook(_cast_output(torch.bfloat16))
+        if id(module) not in inside_kept:
+            # Only the module's own tensors: a kept module is never rounded through bf16, which
+            # would lose digits of loaded weights and of buffers such as rotary frequencies.
+            module._apply(_to_bf16, recurse=False)
+    for module in kept:
+        module.register_forward_pre_hook(_cast_inputs(torch.float32))
+        # Back to bf16 for the layer after it, whose weights are bf16.
+        module.register_forward_hook(_cast_output(torch.bfloat16))
     model.register_forward_pre_hook(_cast_inputs(torch.bfloat16))
     model.register_forward_hook(_cast_output(torch.float32))
     return model
