@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra._internal.utils import run_and_report
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -72,11 +73,14 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     try:
-        check_overrides(sys.argv[1:])
+        composed = check_overrides(sys.argv[1:])
     except ConfigError as error:
         print(f"amp_exp: error: {error}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
-    hydra_main()
+    if composed is None:  # a sweep, or --cfg, --help and the like: Hydra composes on its own
+        hydra_main()
+    else:  # one run, from the config the pre-flight composed; errors reported as Hydra does
+        run_and_report(lambda: composed.run(hydra_main))
 
 
 if __name__ == "__main__":

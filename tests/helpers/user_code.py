@@ -62,3 +62,13 @@ def make_counting(vocab_size: int = 11, seq_len: int = 8, size: int = 64):
     inputs = (starts[:, None] + torch.arange(seq_len)) % vocab_size
     dataset = TensorDataset(inputs, (inputs + 1) % vocab_size)
     return dataset, dataset
+
+
+def make_token_labels(seed: int, vocab_size: int = 16, seq_len: int = 8, size: int = 64):
+    """(train, eval) of token sequences labelled by whether their first token is even."""
+    generator = torch.Generator().manual_seed(seed)
+    splits = []
+    for count in (size, size // 2):
+        tokens = torch.randint(vocab_size, (count, seq_len), generator=generator)
+        splits.append(TensorDataset(tokens, tokens[:, 0] % 2))
+    return tuple(splits)
