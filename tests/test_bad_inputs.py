@@ -63,7 +63,7 @@ BAD_INPUTS = [
     (["-m", "seed=0,-1"], "seed=-1 must lie in"),
     (
         ["model=null"],
-        "model=null is not an option; valid choices: custom, gpt2_small, gpt_tiny, mlp",
+        "model=null is not an option; valid choices: custom, gpt2_small, gpt_tiny, hf, hf_gpt2",
     ),
     (["-m", "model=mlp,null"], "model=null is not an option; valid choices: custom, gpt2_small"),
     (["experiment=null"], "experiment=null is not an option; valid choices: clip_sweep"),

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from amp_exp.errors import first_line
 from amp_exp.results.files import (
@@ -40,6 +39,14 @@ STEP_FILE = re.compile(r"step_(\d+)(\.pt)?$")
 # In a sharded checkpoint: rank 0's part, and the file DCP writes once every shard is written.
 ENGINE_STATE = "engine.pt"
 DCP_METADATA = ".metadata"
+
+
+def dcp():
+    """torch.distributed.checkpoint, imported only by a sharded run: about 0.2 s of every
+    start-up otherwise."""
+    import torch.distributed.checkpoint
+
+    return torch.distributed.checkpoint
 
 
 def atomic_save(payload: dict[str, Any], path: Path) -> None:
@@ -115,7 +122,7 @@ class ShardedCheckpointer(Checkpointer):
         final = self.directory / f"step_{payload['step']:08d}"
         # The same name on every rank; a leftover of a killed save is written over.
         partial = self.directory / f".{final.name}{TMP_SUFFIX}"
-        dcp.save(shards, checkpoint_id=partial)
+        dcp().save(shards, checkpoint_id=partial)
         if not self.writes:
             return
         atomic_save(payload, partial / ENGINE_STATE)
@@ -210,5 +217,5 @@ def read_checkpoint(path: Path) -> Any:
 def load_shards(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """Fill ``template`` (this run's sharded state dicts) from the checkpoint's shards, on any
     number of ranks: DCP reshards. Every rank calls this."""
-    dcp.load(template, checkpoint_id=path)
+    dcp().load(template, checkpoint_id=path)
     return template
