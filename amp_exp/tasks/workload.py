@@ -90,10 +90,7 @@ def build_model(cfg: RunConfig, facts: dict[str, Any]) -> nn.Module:
 def check_output_fits(task: Task, model: nn.Module, batch: Batch, cfg: RunConfig) -> None:
     """One forward pass without gradients, in training mode (where torchvision's googlenet
     returns its auxiliary outputs), that leaves no trace: the random number generators are
-    forked and BatchNorm's running statistics are put back. On two samples of the batch, which
-    BatchNorm's training mode needs and a shape check does not need more of: the full batch
-    cost every start-up a training step's forward."""
-    batch = tuple(part[:2] for part in batch)
+    forked and BatchNorm's running statistics are put back."""
     device = next(iter(model.parameters()), torch.empty(0)).device
     saved = [buffer.detach().clone() for buffer in model.buffers()]
     try:
