@@ -7,6 +7,7 @@ loop is the textbook one: autocast, scale, backward, unscale_, clip, step, updat
 
     python scripts/bench_parity.py --model tiny_cnn --precision fp32
     python scripts/bench_parity.py --model resnet18 --precision bf16 --rounds 3
+    python scripts/bench_parity.py --model hf_llama_tiny --dataset synthetic_tokens  # transformers
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 def overrides(args: argparse.Namespace) -> list[str]:
     """The shared config: the engine's defaults for logging, the rest pinned for both sides."""
+    images = args.dataset == "synthetic"
     return [
         f"model={args.model}",
+        f"dataset={args.dataset}",
         f"precision={args.precision}",
         f"trainer.device={args.device}",
         f"trainer.max_steps={args.steps}",
         f"dataset.batch_size={args.batch_size}",
-        f"dataset.image_size={args.image_size}",
+        *([f"dataset.image_size={args.image_size}"] if images else []),
         f"dataset.train_size={args.batch_size * 16}",
         "trainer.eval_every=null",
         "checkpoint.every_steps=null",
@@ -88,11 +91,17 @@ def hand_written_loop(engine, model, F, torch) -> None:
     model.train()
     while done < steps:
         data.set_epoch(epoch)
-        for images, labels in data:
+        for inputs, targets in data:
             if done == steps:
                 break
             with torch.autocast(engine.device.type, policy.dtype, enabled=policy.uses_autocast):
-                loss = F.cross_entropy(model(images), labels)
+                if engine.task.unit == "tokens":
+                    # Next-token prediction: fp32 logits over every position, as nanoGPT.
+                    inputs, targets = inputs.long(), targets.long()
+                    logits = model(inputs).float().flatten(0, 1)
+                    loss = F.cross_entropy(logits, targets.flatten())
+                else:
+                    loss = F.cross_entropy(model(inputs), targets)
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
             if clip is not None:
@@ -132,6 +141,7 @@ def states_equal(a: Path, b: Path) -> tuple[bool, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny_cnn")
+    parser.add_argument("--dataset", default="synthetic", choices=["synthetic", "synthetic_tokens"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--steps", type=int, default=120)
@@ -162,6 +172,7 @@ def main() -> None:
     medians = {side: statistics.median(values) for side, values in times.items()}
     report = {
         "model": args.model,
+        "dataset": args.dataset,
         "precision": args.precision,
         "steps_timed_per_side": len(times["engine"]),
         "engine_median_ms": 1000 * medians["engine"],

@@ -71,6 +71,8 @@ def build_hf_model(cfg: HFModelConfig, task: TaskName, facts: dict[str, Any]) ->
     auto = getattr(transformers, f"AutoModelFor{kind}")
     attention = {"attn_implementation": cfg.attn_implementation.value}
     where = f"model.path={cfg.path}" if cfg.path else f"model.name={cfg.name}"
+    # Its progress bar for loading a few local files would only clutter the run's log.
+    transformers.utils.logging.disable_progress_bar()
     try:
         if cfg.path is None:
             model = auto.from_config(config, **attention)
@@ -83,6 +85,8 @@ def build_hf_model(cfg: HFModelConfig, task: TaskName, facts: dict[str, Any]) ->
             f"model=hf {where}: {auto.__name__} cannot build it: {type(error).__name__}: "
             f"{first_line(str(error))}"
         ) from None
+    finally:
+        transformers.utils.logging.enable_progress_bar()
     # fp32 master weights, whatever dtype a folder was saved in: the precision casts from there.
     return HFModel(model.float(), input_name, **call_kwargs)
 
