@@ -178,12 +178,17 @@ def main() -> None:
     report = []
     for precision in args.precisions.split(","):
         times: dict[str, list[float]] = {side: [] for side in SIDES}
+        # Each round's amp_exp/Trainer speed ratio: its spread is the noise of this machine.
+        round_ratios = []
         tokens_per_step = 0
         for round_ in range(args.rounds):
+            medians = {}
             for side in SIDES if round_ % 2 == 0 else SIDES[::-1]:
                 result = spawn(side, precision)
                 times[side] += result["step_times"]
+                medians[side] = statistics.median(result["step_times"])
                 tokens_per_step = result["tokens_per_step"]
+            round_ratios.append(medians["hf_trainer"] / medians["amp_exp"])
         rate = {side: tokens_per_step / statistics.median(times[side]) for side in SIDES}
         report.append(
             {
@@ -193,6 +198,7 @@ def main() -> None:
                 "amp_exp_tokens_per_s": rate["amp_exp"],
                 "hf_trainer_tokens_per_s": rate["hf_trainer"],
                 "ratio": rate["amp_exp"] / rate["hf_trainer"],
+                "round_ratios": sorted(round_ratios),
             }
         )
     print(json.dumps(report, indent=2))

@@ -116,9 +116,8 @@ def test_the_hf_extra_asks_for_the_version_the_check_wants_and_dev_includes_it()
 
 def test_transformers_names_every_module_under_the_hf_prefix(hf_cfg):
     model = build_workload(hf_cfg(*LLAMA, "precision=fp32"), CPU).model
-    names = dict(model.named_modules())
-    assert isinstance(model, HFModel) and isinstance(names["hf.model.layers.0.self_attn.q_proj"],
-                                                      torch.nn.Linear)  # fmt: skip
+    q_proj = dict(model.named_modules())["hf.model.layers.0.self_attn.q_proj"]
+    assert isinstance(model, HFModel) and isinstance(q_proj, torch.nn.Linear)
     saved = {f"hf.{key}" for key in model.hf.state_dict()}
     assert set(model.state_dict()) == saved
     assert model_blocks(model) is model.hf.model.layers

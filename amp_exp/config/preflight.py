@@ -4,7 +4,8 @@ Hydra reports a bad value with a multi-line message and, in a sweep, only when t
 it starts. Composing each override value here first means ``precision=fp8`` or a typo in job 7 of
 a sweep fails at once, with one line that names the valid choices, before any model is built.
 Each composed job then gets the checks that need no training (config/checks.py), and the run or
-sweep directory is checked for being one Hydra can create.
+sweep directory is checked for being one Hydra can create. A single run's composed config comes
+back for the job to start from (``ComposedRun``), so it is composed once, not three times.
 """
 
 from __future__ import annotations
@@ -194,8 +195,8 @@ class ComposedRun:
     """A single run's config as the pre-flight composed it, and the Hydra that composed it.
 
     ``run`` starts the job from it as ``Hydra.run`` would (output directory, logging, .hydra/,
-    callbacks), without the two compositions of its own Hydra's entry point would add: one to
-    learn the mode, one for the job (about a quarter of a second each).
+    callbacks), without the two more compositions Hydra's entry point would make: one to learn
+    the mode, one for the job (about a quarter of a second each).
     """
 
     config: DictConfig

@@ -60,10 +60,11 @@ def build_hf_model(cfg: HFModelConfig, task: TaskName, facts: dict[str, Any]) ->
     elif len(facts["input_shape"]) == 3:
         channels, size, _ = facts["input_shape"]
         kind, input_name, call_kwargs = "ImageClassification", "pixel_values", {}
-        data = {"num_labels": facts["num_classes"], "num_channels": channels, "image_size": size}
+        data = {"num_channels": channels, "image_size": size}
     else:
         kind, input_name, call_kwargs = "SequenceClassification", "input_ids", {}
-        data = {"num_labels": facts["num_classes"]}
+        data = {}
+    # Only what this type's config has: a ResNet's has no image size, say.
     known = hf.config_keys(cfg.name)
     config = hf.model_config(cfg, **{key: v for key, v in data.items() if key in known})
     if task is TaskName.classification:
