@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Said of an output with .logits, a transformers ModelOutput: amp_exp trains those directly.
+TRANSFORMERS_HINT = "; for a transformers model use model=hf (docs/hf.md)"
 
 
 class ClassificationTask:
@@ -65,7 +67,10 @@ class ClassificationTask:
         expected = f"[{images.shape[0]}, {self.num_classes}]"
         if not isinstance(outputs, torch.Tensor):
             # torchvision's googlenet and inception_v3 return auxiliary logits while training.
-            return f"returns {type(outputs).__name__}, not a tensor of class logits {expected}"
+            return (
+                f"returns {type(outputs).__name__}, not a tensor of class logits {expected}"
+                f"{TRANSFORMERS_HINT if hasattr(outputs, 'logits') else ''}"
+            )
         if tuple(outputs.shape) != (images.shape[0], self.num_classes):
             return f"returns logits of shape {list(outputs.shape)}, expected {expected}"
         return None

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_exp.tasks.classification import LossFn
+from amp_exp.tasks.classification import TRANSFORMERS_HINT, LossFn
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -72,7 +72,10 @@ class LanguageModelTask:
         outputs = model(inputs)
         expected = f"[{inputs.shape[0]}, {inputs.shape[1]}, vocab_size>={self.vocab_size}]"
         if not isinstance(outputs, torch.Tensor):
-            return f"returns {type(outputs).__name__}, not a tensor of logits {expected}"
+            return (
+                f"returns {type(outputs).__name__}, not a tensor of logits {expected}"
+                f"{TRANSFORMERS_HINT if hasattr(outputs, 'logits') else ''}"
+            )
         shape = tuple(outputs.shape)
         if len(shape) != 3 or shape[:2] != tuple(inputs.shape) or shape[2] < self.vocab_size:
             return f"returns logits of shape {list(shape)}, expected {expected}"

@@ -72,3 +72,11 @@ def make_token_labels(seed: int, vocab_size: int = 16, seq_len: int = 8, size: i
         tokens = torch.randint(vocab_size, (count, seq_len), generator=generator)
         splits.append(TensorDataset(tokens, tokens[:, 0] % 2))
     return tuple(splits)
+
+
+def make_transformers_gpt2(vocab_size: int) -> nn.Module:
+    """A transformers model as a user would hand it over: it returns a ModelOutput."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=vocab_size)
+    return AutoModelForCausalLM.from_config(config)
