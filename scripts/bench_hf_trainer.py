@@ -11,7 +11,8 @@ gets the usual causal-LM batch (``labels = input_ids``, its own loss); amp_exp i
 Each side runs in its own process, and the sides alternate over rounds, so that drift in the
 load of a shared machine hits both alike. Both are timed the same way: a synchronized clock
 read after each optimizer step (an optimizer post-step hook; the Trainer's ``on_step_end``),
-and the median step after the warm-up steps, turned into tokens/s.
+and the median step after the warm-up steps, turned into tokens/s; the same from the process's
+CPU time, which other jobs on a shared machine disturb far less.
 
 The Trainer needs accelerate (``pip install accelerate``), which amp_exp itself does not. On a
 machine other jobs share, ``OMP_NUM_THREADS=1`` keeps both sides from spinning threads that wait
@@ -32,6 +33,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SIDES = ("amp_exp", "hf_trainer")
+# Wall time per step, and the CPU time the process spent in it (user + system, all threads): on a
+# machine other jobs share, the CPU time is the steadier of the two, above all with one thread.
+CLOCKS = {"wall": "step_times", "cpu": "step_cpu_times"}
 
 
 def overrides(args: argparse.Namespace, precision: str) -> list[str]:
@@ -65,7 +69,7 @@ def composed(args: argparse.Namespace, precision: str):
         return validate(compose("config", overrides=overrides(args, precision)))
 
 
-def run_amp_exp(cfg, stamps: list[float], synchronize) -> int:
+def run_amp_exp(cfg, stamps: list[tuple[float, float]], synchronize) -> int:
     """Train; return the tokens of one step."""
     from amp_exp.run import build
 
@@ -74,14 +78,14 @@ def run_amp_exp(cfg, stamps: list[float], synchronize) -> int:
 
     def stamp(*_: object) -> None:
         synchronize(device)
-        stamps.append(time.perf_counter())
+        stamps.append((time.perf_counter(), time.process_time()))
 
     built.engine.optimizer.register_step_post_hook(stamp)
     built.engine.fit(lambda row: None)
     return cfg.dataset.batch_size * built.engine.task.units_per_sample
 
 
-def run_hf_trainer(cfg, stamps: list[float], synchronize) -> int:
+def run_hf_trainer(cfg, stamps: list[tuple[float, float]], synchronize) -> int:
     """Train; return the tokens of one step."""
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -106,7 +110,7 @@ def run_hf_trainer(cfg, stamps: list[float], synchronize) -> int:
     class Stamp(TrainerCallback):
         def on_step_end(self, *_: object, **__: object) -> None:
             synchronize(device)
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), time.process_time()))
 
     optimizer = cfg.optimizer
     with tempfile.TemporaryDirectory() as output_dir:
@@ -141,11 +145,15 @@ def run_side(side: str, precision: str, args: argparse.Namespace) -> dict:
     from amp_exp.training.meters import synchronize
 
     cfg = composed(args, precision)
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     run = run_amp_exp if side == "amp_exp" else run_hf_trainer
     tokens_per_step = run(cfg, stamps, synchronize)
-    step_times = [b - a for a, b in itertools.pairwise(stamps)][args.warmup :]
-    return {"step_times": step_times, "tokens_per_step": tokens_per_step}
+    steps = list(itertools.pairwise(stamps))[args.warmup :]
+    return {
+        "step_times": [b[0] - a[0] for a, b in steps],
+        "step_cpu_times": [b[1] - a[1] for a, b in steps],
+        "tokens_per_step": tokens_per_step,
+    }
 
 
 def spawn(side: str, precision: str) -> dict:
@@ -177,30 +185,31 @@ def main() -> None:
 
     report = []
     for precision in args.precisions.split(","):
-        times: dict[str, list[float]] = {side: [] for side in SIDES}
-        # Each round's amp_exp/Trainer speed ratio: its spread is the noise of this machine.
-        round_ratios = []
+        times: dict[str, dict[str, list[float]]] = {
+            clock: {side: [] for side in SIDES} for clock in CLOCKS
+        }
+        # Each round's Trainer/amp_exp step-time ratio: its spread is this machine's noise.
+        round_ratios: dict[str, list[float]] = {clock: [] for clock in CLOCKS}
         tokens_per_step = 0
         for round_ in range(args.rounds):
-            medians = {}
-            for side in SIDES if round_ % 2 == 0 else SIDES[::-1]:
-                result = spawn(side, precision)
-                times[side] += result["step_times"]
-                medians[side] = statistics.median(result["step_times"])
-                tokens_per_step = result["tokens_per_step"]
-            round_ratios.append(medians["hf_trainer"] / medians["amp_exp"])
-        rate = {side: tokens_per_step / statistics.median(times[side]) for side in SIDES}
-        report.append(
-            {
-                "model": args.model,
-                "precision": precision,
-                "steps_timed_per_side": len(times["amp_exp"]),
+            results = {side: spawn(side, precision) for side in SIDES[:: 1 - 2 * (round_ % 2)]}
+            for clock, key in CLOCKS.items():
+                for side in SIDES:
+                    times[clock][side] += results[side][key]
+                medians = {side: statistics.median(results[side][key]) for side in SIDES}
+                round_ratios[clock].append(medians["hf_trainer"] / medians["amp_exp"])
+            tokens_per_step = results["amp_exp"]["tokens_per_step"]
+        row = {"model": args.model, "precision": precision, "steps_timed_per_side": 0}
+        for clock in CLOCKS:
+            rate = {side: tokens_per_step / statistics.median(times[clock][side]) for side in SIDES}
+            row["steps_timed_per_side"] = len(times[clock]["amp_exp"])
+            row[clock] = {
                 "amp_exp_tokens_per_s": rate["amp_exp"],
                 "hf_trainer_tokens_per_s": rate["hf_trainer"],
                 "ratio": rate["amp_exp"] / rate["hf_trainer"],
-                "round_ratios": sorted(round_ratios),
+                "round_ratios": sorted(round_ratios[clock]),
             }
-        )
+        report.append(row)
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
