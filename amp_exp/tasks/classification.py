@@ -9,8 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# Said of an output with .logits, a transformers ModelOutput: amp_exp trains those directly.
-TRANSFORMERS_HINT = "; for a transformers model use model=hf (docs/hf.md)"
+
+
+def transformers_hint(outputs: object) -> str:
+    """Where a model's output is a transformers ModelOutput: amp_exp trains those as model=hf."""
+    if type(outputs).__module__.startswith("transformers."):
+        return "; for a transformers model use model=hf (docs/hf.md)"
+    return ""
 
 
 class ClassificationTask:
@@ -69,7 +74,7 @@ class ClassificationTask:
             # torchvision's googlenet and inception_v3 return auxiliary logits while training.
             return (
                 f"returns {type(outputs).__name__}, not a tensor of class logits {expected}"
-                f"{TRANSFORMERS_HINT if hasattr(outputs, 'logits') else ''}"
+                f"{transformers_hint(outputs)}"
             )
         if tuple(outputs.shape) != (images.shape[0], self.num_classes):
             return f"returns logits of shape {list(outputs.shape)}, expected {expected}"

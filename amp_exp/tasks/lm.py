@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_exp.tasks.classification import TRANSFORMERS_HINT, LossFn
+from amp_exp.tasks.classification import LossFn, transformers_hint
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -74,7 +74,7 @@ class LanguageModelTask:
         if not isinstance(outputs, torch.Tensor):
             return (
                 f"returns {type(outputs).__name__}, not a tensor of logits {expected}"
-                f"{TRANSFORMERS_HINT if hasattr(outputs, 'logits') else ''}"
+                f"{transformers_hint(outputs)}"
             )
         shape = tuple(outputs.shape)
         if len(shape) != 3 or shape[:2] != tuple(inputs.shape) or shape[2] < self.vocab_size:
