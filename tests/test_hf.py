@@ -23,7 +23,9 @@ from amp_exp.runtime.blocks import model_blocks
 from amp_exp.runtime.distributed import process_group
 from amp_exp.tasks.hf import HFModel, hf_flops_per_token
 from amp_exp.tasks.workload import build_workload
-from helpers.runs import FAST_TRAINER, TINY_TOKENS
+from helpers.runs import FAST_TRAINER, TINY_TOKENS, signal_self_at_call
+from test_checkpoint import assert_same_state
+from test_lm import EXACT, without_token_rates
 
 transformers = pytest.importorskip("transformers")
 
@@ -184,6 +186,25 @@ def test_tiny_gpt2_and_llama_by_name_train_in_bf16_and_fp16(hf_cfg, tmp_path, mo
     )
     # Finite, and no worse than a model that knows nothing would be (log of the vocabulary).
     assert summary["eval_loss"] < 1.2 * math.log(32)
+
+
+def test_a_stopped_and_resumed_gpt2_ends_bit_for_bit_where_an_uninterrupted_one_does(
+    hf_cfg, tmp_path
+):
+    """GPT-2's dropout (0.1 by default) draws from the random state the checkpoint carries."""
+    run = [*GPT2, *EXACT, "precision=fp32"]
+    train(hf_cfg(*run), tmp_path / "whole")
+    first = train(hf_cfg(*run), tmp_path / "split", loss_fn=signal_self_at_call(5))
+    assert (first["status"], first["steps"]) == ("stopped", 5)
+    assert train(hf_cfg(*run, "resume=auto"), tmp_path / "split")["steps"] == 12
+    ends = [
+        torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=True)
+        for name in ("whole", "split")
+    ]
+    for part in ("model", "optimizer", "scheduler", "progress"):
+        assert_same_state(ends[0][part], ends[1][part], part)
+    rows = [without_token_rates(tmp_path / name / "metrics.jsonl") for name in ("whole", "split")]
+    assert rows[0] == rows[1]
 
 
 def test_bf16_true_keeps_norms_and_rotary_frequencies_fp32_and_never_rounds_them(hf_cfg, tmp_path):
