@@ -1,12 +1,14 @@
 """Engine vs. a hand-written AMP loop: median step time, peak memory and final state.
 
 Each side runs in its own process (peak RSS is per process), and the sides alternate over
-several rounds so that drift in machine load hits both alike. Both sides build the same model,
-optimizer, scheduler and data from the same config and seed; only the loop differs. The hand
-loop is the textbook one: autocast, scale, backward, unscale_, clip, step, update.
+several rounds so that drift in machine load hits both alike. Step times are read from the wall
+clock and, steadier on a shared machine, from the process's CPU time. Both sides build the same
+model, optimizer, scheduler and data from the same config and seed; only the loop differs. The
+hand loop is the textbook one: autocast, scale, backward, unscale_, clip, step, update.
 
     python scripts/bench_parity.py --model tiny_cnn --precision fp32
     python scripts/bench_parity.py --model resnet18 --precision bf16 --rounds 3
+    python scripts/bench_parity.py --model hf_llama_tiny --dataset synthetic_tokens  # transformers
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 def overrides(args: argparse.Namespace) -> list[str]:
     """The shared config: the engine's defaults for logging, the rest pinned for both sides."""
+    images = args.dataset == "synthetic"
     return [
         f"model={args.model}",
+        f"dataset={args.dataset}",
         f"precision={args.precision}",
         f"trainer.device={args.device}",
         f"trainer.max_steps={args.steps}",
         f"dataset.batch_size={args.batch_size}",
-        f"dataset.image_size={args.image_size}",
+        *([f"dataset.image_size={args.image_size}"] if images else []),
         f"dataset.train_size={args.batch_size * 16}",
         "trainer.eval_every=null",
         "checkpoint.every_steps=null",
@@ -58,12 +62,12 @@ def run_side(side: str, args: argparse.Namespace, state_path: Path) -> dict:
     built = build(cfg)
     engine, device = built.engine, built.device
     optimizer = engine.optimizer
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
 
     def stamp(*_: object) -> None:
         # The same instrumentation on both sides: one synchronized clock read per step.
         synchronize(device)
-        stamps.append(time.perf_counter())
+        stamps.append((time.perf_counter(), time.process_time()))
 
     optimizer.register_step_post_hook(stamp)
     reset_peak_memory(device)
@@ -72,8 +76,13 @@ def run_side(side: str, args: argparse.Namespace, state_path: Path) -> dict:
     else:
         hand_written_loop(engine, built.model, F, torch)
     torch.save(built.model.state_dict(), state_path)
-    step_times = [b - a for a, b in itertools.pairwise(stamps)][args.warmup :]
-    return {"step_times": step_times, "peak_mem_bytes": peak_memory_bytes(device)}
+    steps = list(itertools.pairwise(stamps))[args.warmup :]
+    return {
+        "step_times": [b[0] - a[0] for a, b in steps],
+        # The process's CPU time per step: what other jobs on a shared machine disturb least.
+        "step_cpu_times": [b[1] - a[1] for a, b in steps],
+        "peak_mem_bytes": peak_memory_bytes(device),
+    }
 
 
 def hand_written_loop(engine, model, F, torch) -> None:
@@ -88,11 +97,17 @@ def hand_written_loop(engine, model, F, torch) -> None:
     model.train()
     while done < steps:
         data.set_epoch(epoch)
-        for images, labels in data:
+        for inputs, targets in data:
             if done == steps:
                 break
             with torch.autocast(engine.device.type, policy.dtype, enabled=policy.uses_autocast):
-                loss = F.cross_entropy(model(images), labels)
+                if engine.task.unit == "tokens":
+                    # Next-token prediction: fp32 logits over every position, as nanoGPT.
+                    inputs, targets = inputs.long(), targets.long()
+                    logits = model(inputs).float().flatten(0, 1)
+                    loss = F.cross_entropy(logits, targets.flatten())
+                else:
+                    loss = F.cross_entropy(model(inputs), targets)
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
             if clip is not None:
@@ -132,6 +147,7 @@ def states_equal(a: Path, b: Path) -> tuple[bool, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny_cnn")
+    parser.add_argument("--dataset", default="synthetic", choices=["synthetic", "synthetic_tokens"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--steps", type=int, default=120)
@@ -149,6 +165,7 @@ def main() -> None:
         return
 
     times: dict[str, list[float]] = {"engine": [], "hand": []}
+    cpu_times: dict[str, list[float]] = {"engine": [], "hand": []}
     peaks: dict[str, list[int]] = {"engine": [], "hand": []}
     with tempfile.TemporaryDirectory() as tmp:
         states = {side: Path(tmp) / f"{side}.pt" for side in times}
@@ -157,16 +174,22 @@ def main() -> None:
             for side in order:
                 result = spawn(side, args, states[side])
                 times[side] += result["step_times"]
+                cpu_times[side] += result["step_cpu_times"]
                 peaks[side].append(result["peak_mem_bytes"])
         identical, max_diff = states_equal(states["engine"], states["hand"])
     medians = {side: statistics.median(values) for side, values in times.items()}
+    cpu_medians = {side: statistics.median(values) for side, values in cpu_times.items()}
     report = {
         "model": args.model,
+        "dataset": args.dataset,
         "precision": args.precision,
         "steps_timed_per_side": len(times["engine"]),
         "engine_median_ms": 1000 * medians["engine"],
         "hand_median_ms": 1000 * medians["hand"],
         "ratio": medians["engine"] / medians["hand"],
+        "engine_median_cpu_ms": 1000 * cpu_medians["engine"],
+        "hand_median_cpu_ms": 1000 * cpu_medians["hand"],
+        "cpu_ratio": cpu_medians["engine"] / cpu_medians["hand"],
         "engine_peak_mem_bytes": max(peaks["engine"]),
         "hand_peak_mem_bytes": max(peaks["hand"]),
         "state_dicts_identical": identical,

@@ -66,7 +66,7 @@ BAD_INPUTS = [
     (["-m", "seed=0,-1"], "seed=-1 must lie in"),
     (
         ["model=null"],
-        "model=null is not an option; valid choices: custom, gpt2_small, gpt_tiny, mlp",
+        "model=null is not an option; valid choices: custom, gpt2_small, gpt_tiny, hf, hf_gpt2",
     ),
     (["-m", "model=mlp,null"], "model=null is not an option; valid choices: custom, gpt2_small"),
     (["experiment=null"], "experiment=null is not an option; valid choices: clip_sweep"),
@@ -102,7 +102,8 @@ BAD_INPUTS = [
     (
         ["-m", "trainer.activation_checkpointing=false,true"],
         "trainer.activation_checkpointing=true recomputes the blocks of a transformer "
-        "(model.blocks), and model tiny_cnn has none; set it to false",
+        "(model.blocks, or a Hugging Face model's _no_split_modules), and model tiny_cnn has "
+        "none; set it to false",
     ),
     (["model=mlp", "trainer.activation_checkpointing=true"], "model mlp has none"),
     pytest.param(

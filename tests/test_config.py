@@ -35,6 +35,9 @@ REQUIRED = {
     ("model", "custom"): ["model._target_=torch.nn.Identity"],
     ("model", "gpt_tiny"): ["dataset=synthetic_tokens"],
     ("model", "gpt2_small"): ["dataset=synthetic_tokens"],
+    ("model", "hf"): ["model.name=gpt2", "dataset=synthetic_tokens"],
+    ("model", "hf_gpt2"): ["dataset=synthetic_tokens"],
+    ("model", "hf_llama_tiny"): ["dataset=synthetic_tokens"],
     ("dataset", "image_folder"): [f"dataset.root={CONF_DIR}"],
     # The tests run on the CPU, where fp8 is emulated or refused.
     ("precision", "fp8"): ["precision.fp8_emulate=true"],
@@ -46,10 +49,12 @@ REQUIRED = {
         "dataset.num_classes=10",
     ],
 }
-# Options named otherwise than the value they select.
+# Options named otherwise than the value they select; hf models are named by their type.
 SELECTS = {("precision", "bf16_true_nearest"): "bf16_true"}
+MODEL_NAMES = {"hf": "gpt2", "hf_gpt2": "gpt2", "hf_llama_tiny": "llama"}
 # The shrinking overrides (conftest.FAST) name image keys, which other data does not have.
-NOT_IMAGES = {"gpt_tiny", "gpt2_small", "synthetic_tokens", "text", "custom"}
+NOT_IMAGES = {"gpt_tiny", "gpt2_small", "hf", "hf_gpt2", "hf_llama_tiny"}
+NOT_IMAGES |= {"synthetic_tokens", "text", "custom"}
 
 
 def all_options() -> list[tuple[str, str]]:
@@ -69,7 +74,7 @@ def test_every_option_composes_and_validates(compose_cfg, group: str, option: st
     cfg = validate(compose_cfg(*overrides, fast=fast))
     section = getattr(cfg, group)
     if group == "model" and option not in ("torchvision", "timm"):
-        assert section.name == option
+        assert section.name == MODEL_NAMES.get(option, option)
     if group == "dataset":
         assert dataset_name(section) == option
     if group in ("scheduler", "precision"):
@@ -109,8 +114,8 @@ def test_defaults_are_the_documented_ones(compose_cfg) -> None:
         (["precision=fp4"], "valid choices: auto, bf16, bf16_true, bf16_true_nearest, fp16"),
         (
             ["model=nope"],
-            "valid choices: custom, gpt2_small, gpt_tiny, mlp, resnet18, resnet50, timm, tiny_cnn, "
-            "torchvision",
+            "valid choices: custom, gpt2_small, gpt_tiny, hf, hf_gpt2, hf_llama_tiny, mlp, "
+            "resnet18, resnet50, timm, tiny_cnn, torchvision",
         ),
         (["trainer.max_steps=abc"], "trainer.max_steps=abc: Value 'abc'"),
         (["dataset.batch_size=-4"], "dataset.batch_size=-4 must be positive"),

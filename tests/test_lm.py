@@ -19,7 +19,8 @@ from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
 from amp_exp.results.dashboard import wandb_metrics
 from amp_exp.run import train
-from amp_exp.tasks.gpt import GPT, flops_per_token, matmul_parameters
+from amp_exp.tasks.flops import matmul_parameters
+from amp_exp.tasks.gpt import GPT, flops_per_token
 from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.tasks.tokens import (
     build_synthetic_tokens,

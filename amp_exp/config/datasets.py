@@ -28,8 +28,11 @@ class Tokenizer(str, Enum):
     bytes = "bytes"
     # GPT-2's BPE through tiktoken (optional extra), from files already cached.
     gpt2 = "gpt2"
+    # A local Hugging Face tokenizer folder (dataset.tokenizer_path), through AutoTokenizer.
+    hf = "hf"
 
 
+# tokenizer=hf: the tokenizer's own length (config/hf.py).
 TOKENIZER_VOCAB = {Tokenizer.bytes: 256, Tokenizer.gpt2: 50257}
 
 
@@ -86,6 +89,8 @@ class TextDatasetConfig:
     name: str = "text"
     path: str = MISSING
     tokenizer: Tokenizer = Tokenizer.bytes
+    # tokenizer=hf: a folder written by a tokenizer's save_pretrained (local_files_only).
+    tokenizer_path: str | None = None
     # The last eval_fraction of the tokens is held out for evaluation.
     eval_fraction: float = 0.1
     batch_size: int = 32

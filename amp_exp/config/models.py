@@ -1,13 +1,15 @@
 """Model schemas: one dataclass per family of model, registered in ``SCHEMAS["model"]``.
 
-Image models (ours, torchvision's, timm's), GPT language models and the user's own model each
-have a dataclass. A leaf like config/schema.py: it imports nothing from amp_exp.
+Image models (ours, torchvision's, timm's), GPT language models, Hugging Face transformers models
+and the user's own model each have a dataclass. A leaf like config/schema.py: it imports nothing
+from amp_exp.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from enum import Enum
+from typing import Any, Optional, Union
 
 from omegaconf import MISSING
 
@@ -79,6 +81,33 @@ class CustomModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+class AttnImplementation(str, Enum):
+    # A Hugging Face model's attention: torch's fused kernel (sdpa) or its own matmuls (eager).
+    sdpa = "sdpa"
+    eager = "eager"
+
+
+@dataclass
+class HFModelConfig:
+    """A Hugging Face transformers model (pip install 'amp_exp[hf]') through the auto class its
+    data needs: causal LM for tokens, image or sequence classification for labels (tasks/hf.py)."""
+
+    # A model type AutoConfig.for_model knows (gpt2, llama, vit, ...): random weights.
+    name: str | None = None
+    # A local save_pretrained folder: its config and weights (local_files_only); sets name.
+    path: str | None = None
+    # Config attributes set on top (+model.config.num_hidden_layers=2). Built from a type, the
+    # vocabulary, classes and image size follow the data unless set here.
+    config: dict[str, Optional[Union[int, float, bool, str]]] = field(default_factory=dict)
+    attn_implementation: AttnImplementation = AttnImplementation.sdpa
+
+
 ModelConfig = Union[
-    TinyCNNConfig, MLPConfig, TorchvisionModelConfig, GPTConfig, TimmModelConfig, CustomModelConfig
+    TinyCNNConfig,
+    MLPConfig,
+    TorchvisionModelConfig,
+    GPTConfig,
+    TimmModelConfig,
+    CustomModelConfig,
+    HFModelConfig,
 ]

@@ -23,6 +23,7 @@ from amp_exp.config.datasets import (
 from amp_exp.config.models import (
     CustomModelConfig,
     GPTConfig,
+    HFModelConfig,
     MLPConfig,
     TimmModelConfig,
     TinyCNNConfig,
@@ -339,6 +340,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "gpt": GPTConfig,
         "timm": TimmModelConfig,
         "custom": CustomModelConfig,
+        "hf": HFModelConfig,
     },
     "dataset": {
         "images": ImageDatasetConfig,

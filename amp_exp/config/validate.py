@@ -33,6 +33,7 @@ from amp_exp.config.models import (
     ModelConfig,
     TimmModelConfig,
     TinyCNNConfig,
+    TorchvisionModelConfig,
 )
 from amp_exp.config.pairing import check_pairing
 from amp_exp.config.precision_checks import validate_precision
@@ -303,7 +304,7 @@ def _validate_model(model: ModelConfig) -> None:
         _validate_timm(model)
     elif isinstance(model, CustomModelConfig):
         _check_target("model", model._target_)
-    else:
+    elif isinstance(model, TorchvisionModelConfig):  # hf models: config/hf.py, from pairing
         names = torchvision_model_names()
         require(
             model.name in names,

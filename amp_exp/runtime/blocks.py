@@ -1,10 +1,12 @@
 """A model's repeated blocks (``model.blocks``), the unit that is checkpointed, compiled and
 sharded one at a time.
 
-A transformer keeps its layers in an ``nn.ModuleList`` named ``blocks``. Recomputing, compiling
-and sharding it block by block is what torchtitan does: in that order, so that each compiled
-region holds one block's recomputation and each all-gather brings in one block's parameters.
-Models without blocks (the image models) are compiled and sharded whole.
+A transformer keeps its layers in an ``nn.ModuleList`` named ``blocks``; a Hugging Face model keeps
+them in the list of the layer classes it names in ``_no_split_modules`` (what accelerate never
+splits across devices). Recomputing, compiling and sharding it block by block is what torchtitan
+does: in that order, so that each compiled region holds one block's recomputation and each
+all-gather brings in one block's parameters. Models without blocks (the image models) are
+compiled and sharded whole.
 """
 
 from __future__ import annotations
@@ -17,9 +19,27 @@ from amp_exp.config.schema import CompileMode
 
 
 def model_blocks(model: nn.Module) -> nn.ModuleList | None:
-    """The model's transformer blocks, or None for a model that keeps none in ``blocks``."""
+    """The model's transformer blocks, or None for a model that keeps none."""
     blocks = getattr(model, "blocks", None)
-    return blocks if isinstance(blocks, nn.ModuleList) else None
+    if isinstance(blocks, nn.ModuleList):
+        return blocks
+    no_split = {name for m in model.modules() for name in getattr(m, "_no_split_modules", ()) or ()}
+    if not no_split:
+        return None
+    return next(
+        (
+            m
+            for m in model.modules()
+            if isinstance(m, nn.ModuleList) and len(m) and all(_is_one_of(b, no_split) for b in m)
+        ),
+        None,
+    )
+
+
+def _is_one_of(block: nn.Module, class_names: set[str]) -> bool:
+    """By class name, through a checkpoint wrapper and FSDP2's subclass of the block's class."""
+    inner = getattr(block, "_checkpoint_wrapped_module", block)
+    return any(cls.__name__ in class_names for cls in type(inner).__mro__)
 
 
 def checkpoint_blocks(model: nn.Module, model_name: str) -> None:

@@ -22,12 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -173,10 +167,12 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
     state by a zero-lr step, and an SGD momentum buffer so created holds weight_decay x param, not
     the nothing a fresh optimizer starts from.
     """
-    model_state = get_model_state_dict(model)
+    from torch.distributed.checkpoint import state_dict as dcp  # see state_template
+
+    model_state = dcp.get_model_state_dict(model)
     if not optimizer.state:
         return model_state, None
-    return model_state, get_optimizer_state_dict(model, optimizer)
+    return model_state, dcp.get_optimizer_state_dict(model, optimizer)
 
 
 def state_template(
@@ -187,9 +183,13 @@ def state_template(
     The optimizer's entries, created by a zero-lr step if it has none yet, are all overwritten
     by the load.
     """
-    template: dict[str, Any] = {"model": get_model_state_dict(model)}
+    # DCP is imported here, when a sharded run saves or loads, rather than at every start-up
+    # (about 0.2 s; fully_shard and DTensor come with torch.optim's import of torch._dynamo).
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    template: dict[str, Any] = {"model": dcp.get_model_state_dict(model)}
     if with_optimizer:
-        template["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        template["optimizer"] = dcp.get_optimizer_state_dict(model, optimizer)
     return template
 
 
@@ -199,9 +199,11 @@ def load_sharded_state(
     model_state: dict[str, Any],
     optimizer_state: dict[str, Any] | None,
 ) -> None:
-    set_model_state_dict(model, model_state)
+    from torch.distributed.checkpoint import state_dict as dcp  # see state_template
+
+    dcp.set_model_state_dict(model, model_state)
     if optimizer_state is not None:
-        set_optimizer_state_dict(model, optimizer, optimizer_state)
+        dcp.set_optimizer_state_dict(model, optimizer, optimizer_state)
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

@@ -9,6 +9,13 @@ from torch import nn
 from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 
 
+def transformers_hint(outputs: object) -> str:
+    """Where a model's output is a transformers ModelOutput: amp_exp trains those as model=hf."""
+    if type(outputs).__module__.startswith("transformers."):
+        return "; for a transformers model use model=hf (docs/hf.md)"
+    return ""
+
+
 class ClassificationTask:
     unit = "samples"
     units_per_sample = 1
@@ -64,7 +71,10 @@ class ClassificationTask:
         expected = f"[{images.shape[0]}, {self.num_classes}]"
         if not isinstance(outputs, torch.Tensor):
             # torchvision's googlenet and inception_v3 return auxiliary logits while training.
-            return f"returns {type(outputs).__name__}, not a tensor of class logits {expected}"
+            return (
+                f"returns {type(outputs).__name__}, not a tensor of class logits {expected}"
+                f"{transformers_hint(outputs)}"
+            )
         if tuple(outputs.shape) != (images.shape[0], self.num_classes):
             return f"returns logits of shape {list(outputs.shape)}, expected {expected}"
         return None

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_exp.config.models import GPTConfig
+from amp_exp.tasks.flops import decoder_flops_per_token, matmul_parameters
 
 
 class CausalSelfAttention(nn.Module):
@@ -108,24 +109,11 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def matmul_parameters(model: GPT) -> int:
-    """N of the FLOPs formula: every parameter but the position table, which is looked up, not
-    multiplied (nanoGPT's ``get_num_params(non_embedding=True)``). The token embedding counts
-    once, as the output head it is tied to. Biases and LayerNorm weights are included; they are
-    under 0.1% of GPT-2 small."""
-    return sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-
-
 def flops_per_token(model: GPT, seq_len: int) -> float:
-    """Training FLOPs per token, forward and backward: 6N + 12·L·H·Q·T (nanoGPT's
-    ``estimate_mfu``, the PaLM paper's appendix B; torchtitan counts the same).
-
-    6N: each parameter does one multiply-add (2 FLOPs) per token forward and two backward. The
-    attention term: per layer and token, the scores Q·K^T and their weighted sum of V each take
-    2·T·d FLOPs forward (d = H·Q), times 3 for forward and backward. T is the sequence length
-    trained on, and the causal mask is not discounted, by the same convention (flash kernels skip
-    the masked half of the scores, so by this count MFU is slightly generous).
-    """
+    """Training FLOPs per token, forward and backward: 6N + 12·L·H·Q·T (tasks/flops.py). N is
+    every parameter but the position table; the token embedding counts once, as the output
+    head it is tied to."""
     cfg = model.cfg
-    head_dim = cfg.d_model // cfg.n_head
-    return 6 * matmul_parameters(model) + 12 * cfg.n_layer * cfg.n_head * head_dim * seq_len
+    return decoder_flops_per_token(
+        matmul_parameters(model), cfg.n_layer, cfg.n_head, cfg.d_model // cfg.n_head, seq_len
+    )

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from amp_exp.tasks.classification import transformers_hint
 from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -79,7 +80,10 @@ class LanguageModelTask:
         outputs = model(inputs)
         expected = f"[{inputs.shape[0]}, {inputs.shape[1]}, vocab_size>={self.vocab_size}]"
         if not isinstance(outputs, torch.Tensor):
-            return f"returns {type(outputs).__name__}, not a tensor of logits {expected}"
+            return (
+                f"returns {type(outputs).__name__}, not a tensor of logits {expected}"
+                f"{transformers_hint(outputs)}"
+            )
         shape = tuple(outputs.shape)
         if len(shape) != 3 or shape[:2] != tuple(inputs.shape) or shape[2] < self.vocab_size:
             return f"returns logits of shape {list(shape)}, expected {expected}"

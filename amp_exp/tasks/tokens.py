@@ -20,12 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from amp_exp.config import hf
 from amp_exp.config.datasets import (
-    TOKENIZER_VOCAB,
     SyntheticTokensConfig,
     TextDatasetConfig,
     Tokenizer,
 )
+from amp_exp.config.pairing import text_vocab_size
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.runtime.atomic import atomic_write
 from amp_exp.tasks.base import DataBundle
@@ -35,6 +36,8 @@ GPT2_END_OF_TEXT = 50256
 # Bumped whenever the cached token format changes, so stale caches are never read.
 CACHE_VERSION = 1
 CACHE_DIRNAME = ".amp_exp_tokens"
+# What tokenize writes: uint16, or uint32 for a vocabulary over 65,536 (a Hugging Face tokenizer).
+TOKEN_DTYPES = (np.uint16, np.uint32)
 
 log = logging.getLogger("amp_exp")
 
@@ -200,27 +203,45 @@ def gpt2_encoding():
     return tiktoken.get_encoding("gpt2")
 
 
-def tokenize(files: list[Path], tokenizer: Tokenizer) -> np.ndarray:
-    """The files' tokens as one uint16 stream; GPT-2 separates files with <|endoftext|>."""
-    if tokenizer is Tokenizer.bytes:
+def tokenize(files: list[Path], cfg: TextDatasetConfig) -> np.ndarray:
+    """The files' tokens as one stream (uint16, or uint32 for a vocabulary over 65,536); GPT-2
+    and a Hugging Face tokenizer with an end-of-text token separate files with it."""
+    if cfg.tokenizer is Tokenizer.bytes:
         return np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8).astype(
             np.uint16
         )
-    encoding = gpt2_encoding()
+    if cfg.tokenizer is Tokenizer.gpt2:
+        encoding = gpt2_encoding()
+        encode, separator = encoding.encode_ordinary, GPT2_END_OF_TEXT
+    else:
+        tokenizer = hf.load_tokenizer(cfg.tokenizer_path)
+        separator = tokenizer.eos_token_id
+
+        def encode(text: str) -> list[int]:
+            # verbose=False: a whole file is longer than the model's context, on purpose.
+            return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
     stream: list[int] = []
     for file in files:
-        stream += encoding.encode_ordinary(file.read_text(encoding="utf-8", errors="replace"))
-        stream.append(GPT2_END_OF_TEXT)
-    return np.asarray(stream, dtype=np.uint16)
+        stream += encode(file.read_text(encoding="utf-8", errors="replace"))
+        if separator is not None:
+            stream.append(separator)
+    dtype = np.uint16 if text_vocab_size(cfg) <= 2**16 else np.uint32
+    return np.asarray(stream, dtype=dtype)
 
 
-def cache_name(path: Path, files: list[Path], tokenizer: Tokenizer) -> str:
-    """Changes whenever a file is added, removed, resized or touched, or the tokenizer changes."""
-    digest = hashlib.sha1(f"v{CACHE_VERSION} {tokenizer.value}".encode())
-    for file in files:
+def cache_name(path: Path, files: list[Path], cfg: TextDatasetConfig) -> str:
+    """Changes whenever a file is added, removed, resized or touched, or the tokenizer (or a
+    file of its folder) changes."""
+    digest = hashlib.sha1(f"v{CACHE_VERSION} {cfg.tokenizer.value}".encode())
+    named = [(file, file.relative_to(path.parent)) for file in files]
+    if cfg.tokenizer is Tokenizer.hf:
+        folder = Path(cfg.tokenizer_path).expanduser().resolve()
+        named += [(file, file) for file in sorted(folder.iterdir()) if file.is_file()]
+    for file, name in named:
         stat = file.stat()
-        digest.update(f"{file.relative_to(path.parent)} {stat.st_size} {stat.st_mtime_ns}".encode())
-    return f"{path.name}.{tokenizer.value}.{digest.hexdigest()[:16]}.npy"
+        digest.update(f"{name} {stat.st_size} {stat.st_mtime_ns}".encode())
+    return f"{path.name}.{cfg.tokenizer.value}.{digest.hexdigest()[:16]}.npy"
 
 
 def default_cache_dir() -> Path:
@@ -233,8 +254,8 @@ def read_cache(path: Path) -> np.ndarray | None:
     foreign file): it is removed, said once, and built again."""
     try:
         tokens = np.load(path)
-        if tokens.dtype != np.uint16 or tokens.ndim != 1:
-            raise ValueError(f"it holds {tokens.dtype} of shape {tokens.shape}, not uint16 tokens")
+        if tokens.dtype not in TOKEN_DTYPES or tokens.ndim != 1:
+            raise ValueError(f"it holds {tokens.dtype} of shape {tokens.shape}, not a token stream")
     except (OSError, ValueError, EOFError) as error:
         log.warning("token cache %s is unreadable (%s); tokenizing again", path, describe(error))
         with contextlib.suppress(OSError):
@@ -271,13 +292,13 @@ def load_text_tokens(cfg: TextDatasetConfig) -> np.ndarray:
     (or in ``cfg.cache_dir`` when that folder cannot be written)."""
     path = Path(cfg.path).expanduser().resolve()
     files = text_files(path)
-    name = cache_name(path, files, cfg.tokenizer)
+    name = cache_name(path, files, cfg)
     beside = (path if path.is_dir() else path.parent) / CACHE_DIRNAME / name
     elsewhere = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     for candidate in (beside, elsewhere / name):
         if candidate.is_file() and (cached := read_cache(candidate)) is not None:
             return cached
-    tokens = tokenize(files, cfg.tokenizer)
+    tokens = tokenize(files, cfg)
     save_cache(tokens, (beside, elsewhere / name))
     return tokens
 
@@ -314,4 +335,4 @@ def build_text(
         rank,
         world_size,
     )
-    return DataBundle(train, held_out, token_facts(TOKENIZER_VOCAB[cfg.tokenizer], seq_len))
+    return DataBundle(train, held_out, token_facts(text_vocab_size(cfg), seq_len))

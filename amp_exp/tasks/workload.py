@@ -14,13 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_exp.config import hf
 from amp_exp.config.datasets import (
     CustomDatasetConfig,
     ImageDatasetConfig,
     SyntheticTokensConfig,
     dataset_name,
 )
-from amp_exp.config.models import CustomModelConfig, GPTConfig
+from amp_exp.config.models import CustomModelConfig, GPTConfig, HFModelConfig
 from amp_exp.config.schema import RunConfig, Strategy, TaskName
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.runtime.no_trace import leaves_no_trace
@@ -28,6 +29,7 @@ from amp_exp.tasks.base import Batch, DataBundle, Task
 from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.custom import build_custom_data, build_custom_model
 from amp_exp.tasks.gpt import GPT, flops_per_token
+from amp_exp.tasks.hf import HFModel, build_hf_model, hf_flops_per_token
 from amp_exp.tasks.images import build_data as build_image_data
 from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.tasks.metrics import TaskMetrics
@@ -43,7 +45,7 @@ class Workload:
     # On the device, unwrapped: DDP and torch.compile wrap it later.
     model: nn.Module
     channels_last: bool
-    # Training FLOPs per token, where a formula for the model is known (gpt).
+    # Training FLOPs per token, where a formula for the model is known (gpt, hf language models).
     flops_per_token: float | None = None
 
 
@@ -54,7 +56,10 @@ def build_data(cfg: RunConfig, device: torch.device, rank: int, world_size: int)
     if isinstance(dataset, CustomDatasetConfig):
         return build_custom_data(dataset, cfg.task, cfg.seed, device, rank, world_size)
     # Token data: validate made sure one of the two says how long a sequence is.
-    seq_len = dataset.seq_len or cfg.model.seq_len
+    model = cfg.model
+    seq_len = dataset.seq_len or (
+        hf.max_positions(model) if isinstance(model, HFModelConfig) else model.seq_len
+    )
     build = build_synthetic_tokens if isinstance(dataset, SyntheticTokensConfig) else build_text
     return build(dataset, seq_len, cfg.seed, device, rank, world_size)
 
@@ -73,6 +78,8 @@ def build_model(cfg: RunConfig, facts: dict[str, Any]) -> nn.Module:
         return build_custom_model(cfg.model, facts)
     if isinstance(cfg.model, GPTConfig):
         return build_gpt(cfg.model, facts)
+    if isinstance(cfg.model, HFModelConfig):
+        return build_hf_model(cfg.model, cfg.task, facts)
     return build_image_model(cfg.model, facts["input_shape"], facts["num_classes"])
 
 
@@ -137,5 +144,9 @@ def build_workload(
         model = model.to(memory_format=torch.channels_last)
     task = make_task(cfg, facts, device, channels_last)
     check_output_fits(task, model, next(iter(data.train)), cfg)
-    flops = flops_per_token(model, facts["seq_len"]) if isinstance(model, GPT) else None
+    flops = None
+    if isinstance(model, GPT):
+        flops = flops_per_token(model, facts["seq_len"])
+    elif isinstance(model, HFModel) and cfg.task is TaskName.lm:
+        flops = hf_flops_per_token(model, facts["seq_len"])
     return Workload(task, data, model, channels_last, flops)

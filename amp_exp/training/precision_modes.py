@@ -52,6 +52,10 @@ def _cast_output(dtype: torch.dtype):
     return hook
 
 
+def _to_bf16(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+
+
 def keeps_fp32(module: nn.Module) -> bool:
     return isinstance(module, NORM_LAYERS) or getattr(module, "keep_in_fp32", False)
 
@@ -63,11 +67,15 @@ def to_bf16_true(model: nn.Module, keep_fp32: Sequence[str] = ()) -> nn.Module:
     Only the outermost fp32 modules are hooked: a norm inside a kept module takes fp32 from the
     layer before it and must hand fp32 to the layer after it.
     """
-    model.to(torch.bfloat16)
     fp32_names = [name for name, module in model.named_modules() if name and keeps_fp32(module)]
-    for name in outermost([*fp32_names, *keep_fp32]):
-        module = model.get_submodule(name)
-        module.float()
+    kept = outermost([*fp32_names, *keep_fp32])
+    for name, module in model.named_modules():
+        if not is_within(name, kept):
+            # Only the module's own tensors: a kept module is never rounded through bf16, which
+            # would lose digits of loaded weights and of buffers such as rotary frequencies.
+            module._apply(_to_bf16, recurse=False)
+    for name in kept:
+        module = model.get_submodule(name).float()
         module.register_forward_pre_hook(_cast_inputs(torch.float32), with_kwargs=True)
         # Back to bf16 for the layer after it, whose weights are bf16.
         module.register_forward_hook(_cast_output(torch.bfloat16))

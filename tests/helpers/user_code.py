@@ -261,3 +261,21 @@ def make_with_fp32_matmuls(
         "head": nn.Linear(width, num_classes),
     }
     return nn.Sequential(OrderedDict(layers))
+
+
+def make_token_labels(seed: int, vocab_size: int = 16, seq_len: int = 8, size: int = 64):
+    """(train, eval) of token sequences labelled by whether their first token is even."""
+    generator = torch.Generator().manual_seed(seed)
+    splits = []
+    for count in (size, size // 2):
+        tokens = torch.randint(vocab_size, (count, seq_len), generator=generator)
+        splits.append(TensorDataset(tokens, tokens[:, 0] % 2))
+    return tuple(splits)
+
+
+def make_transformers_gpt2(vocab_size: int) -> nn.Module:
+    """A transformers model as a user would hand it over: it returns a ModelOutput."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=vocab_size)
+    return AutoModelForCausalLM.from_config(config)

@@ -1,0 +1,215 @@
+"""Hugging Face transformers, checked before anything is built: the library, the model type or
+local folder, the config keys, the auto class the task needs, and a local tokenizer.
+
+``model=hf`` names a model type (``model.name=llama``), built from that type's default config
+with random weights, or a local ``save_pretrained`` folder (``model.path=DIR``) with its weights.
+Nothing is ever downloaded: folders are read with ``local_files_only``. transformers is an
+optional extra, imported here only when a run asks for it (it imports torch).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import json
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from amp_exp.config.models import HFModelConfig
+from amp_exp.config.schema import TaskName
+from amp_exp.errors import ConfigError, first_line
+
+# The oldest release whose API this module and tasks/hf.py use was read for (4.46.0's source:
+# AutoConfig.for_model, the auto classes' *_MAPPING_NAMES, from_config(attn_implementation=),
+# _no_split_modules, _keep_in_fp32_modules, get_text_config). pyproject's hf extra says the same.
+MIN_TRANSFORMERS = "4.46"
+INSTALL = "pip install 'amp_exp[hf]'"
+# Named first when a model type is unknown: the ones people train most.
+COMMON_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gemma", "phi3", "bert", "vit")
+# The auto class each kind of data needs: the name of its mapping in transformers, its class.
+CAUSAL_LM = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM")
+IMAGE_CLASSIFICATION = (
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "AutoModelForImageClassification",
+)
+SEQUENCE_CLASSIFICATION = (
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "AutoModelForSequenceClassification",
+)
+
+
+def require_transformers(why: str = "model=hf") -> None:
+    """transformers is installed and at least MIN_TRANSFORMERS, or one line with the command."""
+    try:
+        found = version("transformers")
+    except PackageNotFoundError:
+        raise ConfigError(f"{why} needs transformers, which is not installed: {INSTALL}") from None
+    from packaging.version import Version  # a dependency of transformers itself
+
+    if Version(found) < Version(MIN_TRANSFORMERS):
+        raise ConfigError(
+            f"{why} needs transformers>={MIN_TRANSFORMERS}, found {found}: {INSTALL} --upgrade"
+        )
+
+
+@functools.cache
+def model_types() -> tuple[str, ...]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return tuple(CONFIG_MAPPING_NAMES)
+
+
+def _types_hint(name: str, types: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(name, types, n=3, cutoff=0.75)
+    common = [t for t in COMMON_TYPES if t in types and t not in close]
+    return ", ".join([*close, *common])
+
+
+def saved_model_type(path: Path) -> str:
+    """The model type a save_pretrained folder holds, from its config.json."""
+    if not path.is_dir():
+        raise ConfigError(f"model.path={path}: no such directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(
+            f"model.path={path}: no config.json there; model.path needs a folder written by "
+            "save_pretrained"
+        )
+    try:
+        model_type = json.loads(config_file.read_text())["model_type"]
+    except (ValueError, KeyError) as error:
+        raise ConfigError(f"model.path={path}: config.json names no model_type ({error})") from None
+    return str(model_type)
+
+
+def check_model(model: HFModelConfig) -> None:
+    """The library, the model type (or folder) and each ``model.config`` key; fills in
+    ``model.name`` from the folder when only ``model.path`` is given."""
+    require_transformers()
+    if model.path is not None:
+        found = saved_model_type(Path(model.path).expanduser())
+        if model.name not in (None, found):
+            raise ConfigError(
+                f"model.name={model.name} but model.path={model.path} holds a {found} model; "
+                "leave model.name out with model.path"
+            )
+        model.name = found
+    if model.name is None:
+        raise ConfigError(
+            "model=hf needs model.name=TYPE (e.g. llama, gpt2) or model.path=DIR (a "
+            "save_pretrained folder)"
+        )
+    types = model_types()
+    if model.name not in types:
+        raise ConfigError(
+            f"model.name={model.name!r} is not a transformers model type; valid types include "
+            f"{_types_hint(model.name, types)} ({len(types)} in all: AutoConfig.for_model)"
+        )
+    known = config_keys(model.name)
+    for key in model.config:
+        if key not in known:
+            hint = ", ".join(difflib.get_close_matches(key, known, n=3)) or "none close"
+            raise ConfigError(
+                f"model.config.{key} is not an attribute of the {model.name} config; close "
+                f"ones: {hint}"
+            )
+
+
+@functools.cache
+def default_config(model_type: str):
+    """The model type's default transformers config; read it, never change it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]()
+
+
+@functools.cache
+def config_keys(model_type: str) -> frozenset[str]:
+    """What a model type's config takes: its attributes (aliases such as GPT-2's n_layer for
+    num_hidden_layers included) and its constructor's arguments."""
+    default = default_config(model_type)
+    config_class = type(default)
+    return frozenset(
+        [
+            *vars(default),
+            *getattr(config_class, "attribute_map", {}),
+            *inspect.signature(config_class.__init__).parameters,
+        ]
+    )
+
+
+def check_auto_class(model: HFModelConfig, task: TaskName, images: bool) -> None:
+    """The model type has the auto class its data needs: causal LM for tokens, image or
+    sequence classification for labels."""
+    mapping_name, auto_class = auto_class_for(task, images)
+    import transformers.models.auto.modeling_auto as modeling_auto
+
+    mapping = getattr(modeling_auto, mapping_name)
+    if model.name not in mapping:
+        raise ConfigError(
+            f"model.name={model.name} has no {auto_class} in transformers, which "
+            f"task={task.value} on this data needs; types that have one include "
+            f"{_types_hint(model.name, tuple(mapping))}"
+        )
+
+
+def auto_class_for(task: TaskName, images: bool) -> tuple[str, str]:
+    if task is TaskName.lm:
+        return CAUSAL_LM
+    return IMAGE_CLASSIFICATION if images else SEQUENCE_CLASSIFICATION
+
+
+def model_config(model: HFModelConfig, **defaults: Any):
+    """The model's transformers config: the type's default, or the folder's, with
+    ``model.config`` set on top. ``defaults`` (what the data says: vocabulary, classes, image
+    size) apply where ``model.config`` does not set the key, and only to a model built from
+    its type: a saved model's shapes are its weights'."""
+    from transformers import AutoConfig
+
+    overrides = dict(model.config)
+    if model.path is None:
+        return AutoConfig.for_model(model.name, **{**defaults, **overrides})
+    return AutoConfig.from_pretrained(
+        Path(model.path).expanduser(), local_files_only=True, **overrides
+    )
+
+
+def max_positions(model: HFModelConfig) -> int | None:
+    """The longest sequence the model's position table or RoPE setting is made for."""
+    return getattr(model_config(model).get_text_config(), "max_position_embeddings", None)
+
+
+def model_vocab_size(model: HFModelConfig) -> int | None:
+    """The vocabulary the model is fixed to, or None where it takes the data's: a model built
+    from its type without ``model.config.vocab_size``."""
+    if model.path is None and "vocab_size" not in model.config:
+        return None
+    return model_config(model).get_text_config().vocab_size
+
+
+@functools.cache
+def load_tokenizer(path: str):
+    """A local tokenizer folder, through AutoTokenizer, never downloading."""
+    require_transformers("dataset.tokenizer=hf")
+    from transformers import AutoTokenizer
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(
+            f"dataset.tokenizer_path={path}: no such directory; it needs a tokenizer folder "
+            "written by save_pretrained"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as error:
+        raise ConfigError(
+            f"dataset.tokenizer_path={path}: AutoTokenizer cannot load it "
+            f"({type(error).__name__}: {first_line(str(error))})"
+        ) from None
+
+
+def tokenizer_vocab_size(path: str) -> int:
+    """Every id the tokenizer can produce, added tokens included, lies below this."""
+    return len(load_tokenizer(path))
