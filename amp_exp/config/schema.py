@@ -167,9 +167,13 @@ class PrecisionConfig:
     # fp8: emulate the fp8 matmuls, on any device (numerics and tests; slow, so never timed).
     fp8_emulate: bool = False
     # fp8: linears kept in bf16 by fully qualified name (fnmatch): the output layers of the
-    # built-in, torchvision and timm models (torchtitan keeps "output"); [] converts them all.
+    # built-in, torchvision, timm and Hugging Face models (torchtitan keeps "output"); [] converts
+    # them all.
     fp8_skip: list[str] = field(
-        default_factory=lambda: ["lm_head", "head", "head.*", "fc", "classifier*", "output"]
+        default_factory=lambda: [
+            *("lm_head", "head", "head.*", "fc", "classifier*", "output"),
+            *("hf.lm_head", "hf.score", "hf.classifier*"),
+        ]
     )
     # fp8: also keep the linears too small to gain, by torchao's H100 thresholds for the recipe
     # (torchtitan's auto_filter_small_kn); tensorwise and rowwise only.
