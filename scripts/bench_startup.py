@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -116,6 +117,10 @@ def main() -> None:
                 wall, cpu = time_to_line(*clocks[name], args.threads)
                 walls[name].append(wall)
                 cpus[name].append(cpu)
+            # A completed run's directory takes only a resume (results/claim.py): every round
+            # starts fresh runs.
+            for run_dir in Path(tmp).iterdir():
+                shutil.rmtree(run_dir)
     result: dict[str, dict | int] = {"rounds": args.rounds}
     for label, times in (("wall", walls), ("cpu", cpus)):
 
