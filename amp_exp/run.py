@@ -1,4 +1,5 @@
-"""One run's life: build it, resume it, train it, and leave its results in its directory.
+"""One run's life: build it, resume it (results.resume), train it, and leave its results in its
+directory.
 
 ``train`` is what ``python -m amp_exp`` calls per Hydra job. Under torchrun every rank calls it
 and trains its shard; rank 0 alone writes the files and the W&B run, so a job has one of each.
@@ -19,21 +20,15 @@ import torch
 from amp_exp.build import Built, attach_audit, attach_diagnostics, build, global_batch_size
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
-from amp_exp.errors import RunRefused, RuntimeFault
+from amp_exp.errors import RuntimeFault
 from amp_exp.results.checkpoint import (
     Checkpointer,
     ShardedCheckpointer,
     checkpoint_dir,
-    load_shards,
-    remove_stale_temporaries,
 )
 from amp_exp.results.claim import (
     check_directory,
-    check_same_experiment,
-    nothing_to_do,
-    resume_target,
 )
-from amp_exp.results.claim import find_checkpoint as checkpoint_to_resume
 from amp_exp.results.files import METRICS_FILE, SUMMARY_FILE, write_json
 from amp_exp.results.lock import RunDirectoryLock
 from amp_exp.results.loggers import (
@@ -41,22 +36,20 @@ from amp_exp.results.loggers import (
     JsonlLogger,
     Logger,
     describe_eval,
-    keep_metrics_until,
 )
-from amp_exp.results.resume_rules import data_position, kept_precision
+from amp_exp.results.resume import find_checkpoint, resume
+from amp_exp.results.resume_rules import kept_precision
 from amp_exp.results.summary import Status, completed_summary, make_summary
 from amp_exp.results.sweep import SweepJob
 from amp_exp.results.wandb_logger import open_wandb_logger
 from amp_exp.runtime.distributed import Distributed, process_group
-from amp_exp.runtime.fsdp import is_sharded, state_template
+from amp_exp.runtime.fsdp import is_sharded
 from amp_exp.runtime.hardware import device_name
 from amp_exp.runtime.signals import StopRequest
 from amp_exp.training.loop import TrainResult
 from amp_exp.training.meters import state_bytes
 
 log = logging.getLogger("amp_exp")
-# A checkpoint found to resume from: its path, and what it holds.
-Found = tuple[Path, dict[str, Any]]
 
 
 def run_summary(
@@ -117,91 +110,6 @@ def outcome_phrase(summary: dict[str, Any], unit: str) -> str:
     return f"{'-' if rate is None else f'{rate:.0f}'} {unit}/s"
 
 
-def find_checkpoint(
-    cfg: RunConfig, output_dir: Path, distributed: Distributed | None
-) -> Found | None:
-    """The checkpoint ``cfg.resume`` points at and what it holds, or None (no resume, or nothing
-    saved yet); one of another experiment is refused (results.claim). Every rank reads it, and
-    the ranks agree on it before anything is built."""
-    target = resume_target(cfg, output_dir)
-    if target is None:
-        return None
-    if (distributed is None or distributed.is_main) and target.is_dir():
-        for stale in remove_stale_temporaries(target):
-            log.info("removed %s, left by a save that was killed mid-write", stale)
-    found = checkpoint_to_resume(cfg, target)
-    # precision=auto (kept from the checkpoint, or decided by rank 0) and loading shards are
-    # collectives: the ranks agree on the checkpoint (or none) first.
-    check_ranks_resumed_alike(distributed, -1 if found is None else found[1]["step"])
-    if found is None:
-        log.info("resume=auto: no checkpoint in %s yet, starting fresh", output_dir)
-    return found
-
-
-def resume(cfg: RunConfig, built: Built, output_dir: Path, found: Found | None) -> bool:
-    """Restore ``built`` from ``found`` (``find_checkpoint``'s), if there is one.
-
-    Returns whether the run is already complete there: resuming a completed run does nothing.
-    """
-    if found is None:
-        return False
-    path, payload = found
-    check_resumable(cfg, built, payload)
-    total_steps = built.engine.total_steps
-    if payload["step"] >= total_steps and completed_summary(output_dir):
-        log.info("%s", nothing_to_do(cfg, payload["step"]))
-        return True
-    if payload["step"] > total_steps:
-        # Its steps past the end cannot be undone: completing it would report more steps than
-        # it was to train, with no evaluation at its end.
-        raise RunRefused(
-            f"resume={cfg.resume}: the checkpoint is at step {payload['step']}, past the "
-            f"{total_steps} steps this run now trains; nothing was changed. Resume with "
-            f"trainer.max_steps={payload['step']} or more, or start a new run directory"
-        )
-    if "sharded" in payload:
-        engine = built.engine
-        with_optimizer = "optimizer" in payload["sharded"]
-        template = state_template(engine.model, engine.optimizer, with_optimizer)
-        payload = {**payload, **load_shards(path, template)}
-    payload["progress"] = data_position(
-        payload["progress"], payload["world_size"], built.engine.world_size
-    )
-    built.engine.load_state_dict(payload)
-    if built.is_main:
-        # The run directory holds checkpoints/<file>; its history up to the checkpoint carries
-        # over.
-        keep_metrics_until(
-            path.parent.parent / METRICS_FILE, output_dir / METRICS_FILE, payload["step"]
-        )
-    built.resumed_from = str(path)
-    log.info("resumed from %s at step %d", path, payload["step"])
-    return False
-
-
-def check_resumable(cfg: RunConfig, built: Built, payload: dict[str, Any]) -> None:
-    """Say what the resume changes, and refuse a checkpoint of another world size unless it is
-    sharded (DCP reshards it; the data position is carried over, see
-    resume_rules.data_position). find_checkpoint refused another experiment already."""
-    allowed = check_same_experiment(cfg, payload.get("config"), "the checkpoint")
-    if allowed:
-        log.info("resuming with changed settings: %s", "; ".join(allowed))
-    saved_world_size = payload["world_size"]
-    if saved_world_size != built.engine.world_size and "sharded" in payload:
-        log.info(
-            "resharding a checkpoint of %d ranks onto %d; the epoch goes on from the samples "
-            "trained on so far, in global batches of the new size",
-            saved_world_size,
-            built.engine.world_size,
-        )
-    elif saved_world_size != built.engine.world_size:
-        raise RuntimeFault(
-            f"the checkpoint was written by {saved_world_size} data-parallel ranks and this run "
-            f"has {built.engine.world_size}; resume with the same number of processes "
-            "(torchrun --nnodes x --nproc_per_node)"
-        )
-
-
 def replicas_identical(built: Built) -> bool | None:
     """Under torchrun, whether all ranks ended with bit-identical weights and loss scale.
 
@@ -222,20 +130,6 @@ def replicas_identical(built: Built) -> bool | None:
     if not identical:
         log.error("the ranks' model replicas differ at the end of the run")
     return identical
-
-
-def check_ranks_resumed_alike(distributed: Distributed | None, step: int) -> None:
-    """Every rank reads the checkpoint itself; one that saw another file (or none) would train a
-    diverging replica and, a step out of line, hang the others in a collective. ``step``: the
-    checkpoint's (-1: none), before loading it."""
-    if distributed is None:
-        return
-    lowest, highest = -distributed.max(-step), distributed.max(step)
-    if lowest != highest:
-        raise RuntimeFault(
-            f"the ranks resumed at different steps ({lowest:.0f} to {highest:.0f}): every node "
-            "must see the same run directory, on a file system they share"
-        )
 
 
 def train(cfg: RunConfig, output_dir: Path, sweep: SweepJob | None = None) -> dict[str, Any]:
@@ -302,8 +196,10 @@ def train_in_group(
         found = find_checkpoint(cfg, output_dir, distributed)
         with user_code_cannot_exit():
             built = build(cfg, distributed, kept_precision(cfg.precision.name, found))
-        if resume(cfg, built, output_dir, found):
+        resumed = resume(cfg, built.engine, output_dir, found, writes=built.is_main)
+        if resumed.complete:
             return completed_summary(output_dir)  # type: ignore[return-value]
+        built.resumed_from = resumed.path
         return train_built(cfg, built, output_dir, sweep, started)
 
 

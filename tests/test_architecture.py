@@ -26,7 +26,13 @@ LAYERS = [
     ("amp_exp.results",),
     ("amp_exp.report",),
     # Entry points and the composition root; the speed trial builds runs as training does.
-    ("amp_exp.build", "amp_exp.run", "amp_exp.doctor", "amp_exp.speed", "amp_exp.__main__"),
+    (
+        "amp_exp.build",
+        "amp_exp.run",
+        "amp_exp.doctor",
+        "amp_exp.speed",
+        "amp_exp.__main__",
+    ),
     # It verifies its repairs with real runs (amp_exp.run), so it sits above the composition root.
     ("amp_exp.sensitivity",),
 ]

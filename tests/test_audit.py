@@ -110,6 +110,31 @@ def test_a_model_that_keeps_its_matmuls_in_fp32_did_not_engage_and_is_named(
     assert f"precision={precision} did not engage" in warning and "island" in warning
 
 
+@pytest.mark.parametrize("precision", ["bf16", "bf16_true"])
+def test_modules_kept_in_fp32_are_reported_as_a_flop_share_and_not_held_against_the_precision(
+    precision, run_cfg, tmp_path, caplog
+) -> None:
+    overrides = [*fp32_island("autocast_off"), "precision.keep_fp32=[island]"]
+    with caplog.at_level(logging.WARNING, logger="amp_exp"):
+        audit = train(run_cfg(f"precision={precision}", *overrides), tmp_path)["precision_audit"]
+    kept = sum(
+        flops
+        for module, dtypes in audit["modules"].items()
+        if module == "island" or module.startswith("island.")
+        for flops in dtypes.values()
+    )
+    assert audit["keep_fp32_flop_share"] == pytest.approx(kept / audit["matmul_flops"])
+    assert audit["keep_fp32_flop_share"] > 0.5
+    # What is kept computes in fp32; the rest engages.
+    assert audit["modules"]["island.linear"].keys() == {"float32"}
+    assert audit["engaged"] is True and not did_not_engage(caplog)
+
+
+def test_without_keep_fp32_the_audit_has_no_kept_share(run_cfg, tmp_path) -> None:
+    audit = train(run_cfg("precision=bf16", *SMALL_IMAGES), tmp_path)["precision_audit"]
+    assert audit["keep_fp32_flop_share"] is None
+
+
 def test_autocast_for_the_wrong_device_type_did_not_engage(
     run_cfg, tmp_path, caplog, monkeypatch
 ) -> None:

@@ -11,7 +11,8 @@ from torch.distributed import TCPStore
 from amp_exp.config import launch
 from amp_exp.config.launch import WorkerRank, launch_time, log_file_suffix, worker_rank
 from amp_exp.errors import ConfigError, RuntimeFault
-from amp_exp.run import build, check_ranks_resumed_alike, find_checkpoint, resume, train
+from amp_exp.results.resume import check_ranks_resumed_alike, find_checkpoint, resume
+from amp_exp.run import build, train
 from amp_exp.tasks.sampling import DeviceTensorLoader, EpochShuffleSampler, epoch_permutation, shard
 
 
@@ -92,7 +93,7 @@ def test_a_checkpoint_resumes_only_with_the_ranks_that_wrote_it(run_cfg, tmp_pat
     built = build(cfg)
     built.engine.world_size = 2
     with pytest.raises(RuntimeFault, match="written by 1 data-parallel ranks and this run has 2"):
-        resume(cfg, built, tmp_path, find_checkpoint(cfg, tmp_path, None))
+        resume(cfg, built.engine, tmp_path, find_checkpoint(cfg, tmp_path, None), writes=True)
 
 
 def test_ranks_that_resumed_at_different_steps_stop_with_one_line(run_cfg):

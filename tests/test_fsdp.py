@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from amp_exp.run import build, find_checkpoint, resume, train
+from amp_exp.results.resume import find_checkpoint, resume
+from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import whole
 from helpers.runs import FAST, TINY, read_jsonl
@@ -138,7 +139,7 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path, run_cfg, fsd
     cfg.trainer.max_steps, cfg.resume = 8, "auto"
     with process_group(cfg.trainer.device, cfg.trainer.strategy) as alone:
         built = build(cfg, distributed=alone)
-        resume(cfg, built, run_dir, find_checkpoint(cfg, run_dir, alone))
+        resume(cfg, built.engine, run_dir, find_checkpoint(cfg, run_dir, alone), writes=True)
         loaded = {name: whole(value) for name, value in built.model.state_dict().items()}
         progress = built.engine.progress
     assert not dist.is_initialized()

@@ -247,6 +247,15 @@ def test_refusals_are_one_line_with_exit_status_2(tmp_path) -> None:
         "amp_exp.sensitivity: error: the sensitivity command measures one configuration; drop "
         "-m and run it once per configuration"
     ]
+    under_torchrun = python_m(
+        "amp_exp.sensitivity", cwd=tmp_path, env={**os.environ, "WORLD_SIZE": "2"}
+    )
+    assert under_torchrun.returncode == 2
+    assert under_torchrun.stderr.strip().splitlines() == [
+        "amp_exp.sensitivity: error: the sensitivity command runs in one process; start it "
+        "without torchrun"
+    ]
+    assert not (tmp_path / "outputs").exists()
     unmatched = python_m(
         "amp_exp.sensitivity", *PLANTED, "precision.keep_fp32=[bgi]", "wandb.mode=disabled",
         cwd=tmp_path, env=with_helpers(),

@@ -9,7 +9,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from amp_exp.config.schema import SCHEMAS, RunConfig
-from amp_exp.config.sensitivity import SensitivityConfig
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 
@@ -45,8 +44,6 @@ def typed_config(saved: DictConfig) -> DictConfig:
         schema = schema_of(group, set(saved.get(group) or {}))
         if schema is not None:
             typed[group] = OmegaConf.structured(schema)
-    if "sensitivity" in saved:
-        typed.sensitivity = OmegaConf.structured(SensitivityConfig)
     return OmegaConf.merge(typed, saved)
 
 

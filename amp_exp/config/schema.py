@@ -297,6 +297,29 @@ class ReportConfig:
 
 
 @dataclass
+class SensitivityConfig:
+    """python -m amp_exp.sensitivity's settings (rules: config/sensitivity.py); runs ignore them."""
+
+    # The precisions to rank modules for (fp16, bf16, fp8); null = precision= when it is one
+    # of those, else fp16 and bf16. Repair targets the first.
+    precisions: list[Precision] | None = None
+    # Training batches the errors are measured on, each against its own fp32 reference.
+    batches: int = 2
+    # The most sensitive modules the console and sensitivity.md list, per precision.
+    show: int = 10
+    # Search for modules to keep in fp32 until a short run in the first precision trains.
+    repair: bool = False
+    # Verification runs in the target precision, at most (the fp32 reference not counted).
+    max_trials: int = 6
+    # Optimizer steps of every verification run and of its fp32 reference.
+    verify_steps: int = 40
+    # A verification run passes with at most this many skipped steps, no loss-scale collapse,
+    # and a final loss within loss_tolerance (relative) of fp32's at the same step.
+    max_skipped_steps: int = 2
+    loss_tolerance: float = 0.05
+
+
+@dataclass
 class SpeedConfig:
     """The interleaved speed trial (amp_exp/speed/): the run built once per precision, each
     trained ``steps`` steps in turn (A B C A B C ...), ``rounds`` times, after ``warmup_steps``."""
@@ -329,8 +352,7 @@ class RunConfig:
     resume: str | None = None
     wandb: WandbConfig = MISSING
     report: ReportConfig = MISSING
-    # python -m amp_exp.sensitivity's settings (config/sensitivity.py); a run ignores them.
-    sensitivity: Any = MISSING
+    sensitivity: SensitivityConfig = field(default_factory=SensitivityConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
     # Jobs of a sweep that differ only in seed are replicates (docs/sweeps.md).
     seed: int = 0

@@ -7,8 +7,7 @@ from importlib.util import find_spec
 from hydra.core.config_store import ConfigStore
 
 from amp_exp.config.launch import register_resolvers
-from amp_exp.config.schema import SCHEMAS, RunConfig
-from amp_exp.config.sensitivity import SensitivityConfig
+from amp_exp.config.schema import SCHEMAS, RunConfig, SensitivityConfig
 
 SCHEMA_GROUP = "schema"
 # Optional: hydra/launcher=slurm and submitit_* (amp_exp.config.launchers).

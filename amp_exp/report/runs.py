@@ -62,20 +62,29 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def job_config(path: Path) -> dict[str, Any]:
-    """The config a job saved before it ran, as a completed job's summary records it: typed,
-    validated (which infers the task) and resolved. One that no longer validates (its data gone,
-    a schema changed since) is read as saved, its interpolations resolved where they resolve."""
-    from omegaconf import OmegaConf
+    """The config Hydra saved before the job ran, to place a run that left no usable summary:
+    typed, validated (which infers the task) and resolved, as a completed job's summary records
+    it. One that no longer validates (its data gone, a schema changed since) is read as saved,
+    its interpolations resolved where they resolve; a missing or broken file gives {}, and the
+    run is listed all the same."""
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from amp_exp.config.plain import plain_run_config, typed_config
     from amp_exp.config.validate import validate
 
-    saved = OmegaConf.load(path / JOB_CONFIG)
+    try:
+        saved = OmegaConf.load(path / JOB_CONFIG)
+    except Exception:  # a missing or broken file of any kind
+        return {}
+    if not isinstance(saved, DictConfig):
+        return {}
     try:
         return plain_run_config(validate(typed_config(saved)))
     except (ConfigError, OmegaConfBaseException) as error:
         log.warning("%s: its config does not validate (%s); read as saved", path, error)
+    except Exception:  # a saved file that parses but holds what no config can be
+        return {}
     try:
         return OmegaConf.to_container(saved, resolve=True)  # type: ignore[return-value]
     except OmegaConfBaseException:
@@ -166,21 +175,11 @@ def read_summary(path: Path) -> dict[str, Any]:
     return {key: value for key, value in summary.items() if key not in wrong}
 
 
-def job_identity(path: Path) -> dict[str, Any]:
-    """The config Hydra saved before the job ran, to place a run that left no usable summary;
-    empty when that is missing or unreadable too."""
-    try:
-        config = job_config(path)
-    except Exception:  # a broken file of any kind: the run is listed all the same
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
 def killed_summary(path: Path) -> dict[str, Any]:
     """What a job that never wrote summary.json (SIGKILL, the OOM killer) shows in a report."""
     return make_summary(
         Status.killed,
-        job_identity(path),
+        job_config(path),
         error=f"no {SUMMARY_FILE}: the process was killed (SIGKILL, out of memory) or is "
         "still running",
     )
@@ -196,7 +195,7 @@ def load_run(path: Path) -> Run:
         reason = first_line(str(error)) or type(error).__name__
         log.warning("%s: unreadable (%s); listed as failed", path / SUMMARY_FILE, reason)
         summary = make_summary(
-            Status.failed, job_identity(path), error=f"unreadable {SUMMARY_FILE}: {reason}"
+            Status.failed, job_config(path), error=f"unreadable {SUMMARY_FILE}: {reason}"
         )
     return Run(path, summary, read_metrics(path / METRICS_FILE))
 

@@ -87,7 +87,8 @@ def loss_phrase(comparison: dict[str, Any]) -> str:
 
 def notes(row: Row) -> list[str]:
     """What went wrong in a completed run: skipped steps, a diverged loss, stalled weights."""
-    found = [f"skipped {row['skipped_steps']} steps"] if row["skipped_steps"] else []
+    skipped = row["skipped_steps"]
+    found = [f"skipped {skipped} step{'' if skipped == 1 else 's'}"] if skipped else []
     if row["final_loss"] is not None and not math.isfinite(row["final_loss"]):
         found.append(f"the loss diverged ({row['final_loss']})")
     stall = stall_phrase(row)

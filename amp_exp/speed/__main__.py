@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from amp_exp.config import command
 from amp_exp.config.plain import plain_run_config
-from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
+from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.schema import Precision, RunConfig
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
-from amp_exp.errors import EXIT_CONFIG_ERROR, EXPECTED_ERRORS, ConfigError
 from amp_exp.results.files import SPEED_JSON, SPEED_MD, write_json, write_text
 from amp_exp.speed.trial import run_trial, trial_markdown
 
@@ -50,13 +49,13 @@ def candidates(cfg: RunConfig) -> dict[str, RunConfig]:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
 def speed_main(cfg: DictConfig) -> None:
     output_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        validated = validate(cfg)
-        trial = run_trial(candidates(validated), validated.speed)
-    except EXPECTED_ERRORS as error:
-        log.error("%s", error)
-        sys.exit(error.exit_status)
-    write_json(output_dir / SPEED_JSON, {"trials": [trial], "config": plain_run_config(validated)})
+    command.run_job(lambda: time_precisions(validate(cfg), output_dir))
+
+
+def time_precisions(cfg: RunConfig, output_dir: Path) -> None:
+    """The trial of ``cfg``'s precisions; speed.json, speed.md and a line per speedup."""
+    trial = run_trial(candidates(cfg), cfg.speed)
+    write_json(output_dir / SPEED_JSON, {"trials": [trial], "config": plain_run_config(cfg)})
     write_text(output_dir / SPEED_MD, trial_markdown([trial]))
     for label, found in trial["speedup"].items():
         low, high = found["ci95"]
@@ -72,19 +71,13 @@ def speed_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    try:
-        if "-m" in argv or "--multirun" in argv:
-            raise ConfigError(
-                "python -m amp_exp.speed times its precisions in one process: list them in "
-                "speed.precisions=[...] instead of sweeping with -m"
-            )
-        check_overrides(argv)
-    except ConfigError as error:
-        print(f"amp_exp.speed: error: {error}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
-    sys.argv[1:] = [*HYDRA_OVERRIDES, *argv]
-    speed_main()
+    command.start(
+        "amp_exp.speed",
+        speed_main,
+        HYDRA_OVERRIDES,
+        multirun_refusal="python -m amp_exp.speed times its precisions in one process: list them "
+        "in speed.precisions=[...] instead of sweeping with -m",
+    )
 
 
 if __name__ == "__main__":

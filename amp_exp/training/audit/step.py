@@ -32,6 +32,7 @@ from amp_exp.training.audit.saved import SavedActivations
 from amp_exp.training.audit.verdict import (
     higher_precision_modules,
     judge,
+    kept_fp32_share,
     share_by_dtype,
     warning_text,
 )
@@ -127,11 +128,13 @@ class PrecisionAudit:
         policy = engine.policy
         flops = MatmulFlops.from_rows(figures["flops"])
         fp8 = policy.fp8.converted if policy.fp8 is not None else None
-        verdict = judge(policy.spec, flops, figures["weight_elements"], fp8)
+        kept = policy.kept_fp32
+        verdict = judge(policy.spec, flops, figures["weight_elements"], fp8, kept)
+        kept_share = kept_fp32_share(flops, kept) if kept else None
         is_main = engine.distributed is None or engine.distributed.is_main
         by_dtype = flops.by_dtype()
         if is_main:
-            log.info("%s", described(step, share_by_dtype(by_dtype), figures))
+            log.info("%s", described(step, share_by_dtype(by_dtype), figures, kept_share))
         if verdict.engaged is False and is_main:
             log.warning("%s", warning_text(policy.precision.value, verdict))
         return {
@@ -150,6 +153,9 @@ class PrecisionAudit:
                 for phase in (FORWARD, BACKWARD)
             },
             "higher_precision_modules": higher_precision_modules(policy.spec, flops),
+            # The share of matmul FLOPs inside the modules precision.keep_fp32 kept (None when
+            # it keeps none); the verdict judges the rest.
+            "keep_fp32_flop_share": kept_share,
             "modules": flops.by_module(),
             "tf32": TF32_NOTE if self._tf32(by_dtype) else None,
             "saved_activation_bytes": figures["saved_activation_bytes"],
@@ -175,10 +181,17 @@ def shares(fractions: dict[str, float]) -> str:
     return ", ".join(shown) or "none"
 
 
-def described(step: int, flops_shares: dict[str, float], figures: dict[str, Any]) -> str:
-    """The audit in one line: what the matmuls ran in, and what the forward saved."""
+def described(
+    step: int,
+    flops_shares: dict[str, float],
+    figures: dict[str, Any],
+    kept_share: float | None = None,
+) -> str:
+    """The audit in one line: what the matmuls ran in (and how much of it precision.keep_fp32
+    kept in fp32), and what the forward saved."""
     saved = figures["saved_activation_bytes"]
+    kept = "" if kept_share is None else f" ({kept_share:.0%} kept in fp32 by precision.keep_fp32)"
     return (
-        f"precision audit @ step {step}: matmul FLOPs {shares(flops_shares)}; saved for backward "
-        f"{saved['total'] / 2**20:,.2f} MiB ({shares(share_by_dtype(saved['by_dtype']))})"
+        f"precision audit @ step {step}: matmul FLOPs {shares(flops_shares)}{kept}; saved for "
+        f"backward {saved['total'] / 2**20:,.2f} MiB ({shares(share_by_dtype(saved['by_dtype']))})"
     )

@@ -6,6 +6,9 @@ linear layer fp8 converted ran float8 matmuls, and when most weight elements are
 dtype a pure-bf16 run keeps them in. When it falls short, the verdict names the modules that
 made it fall short: those whose matmuls ran in other dtypes, the converted linears without a
 float8 matmul, the modules holding weights in another dtype.
+
+The modules ``precision.keep_fp32`` keeps are left out of every judgement: their fp32 is asked
+for, and the audit reports their share of the FLOPs beside the verdict (``kept_fp32_share``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 
 from amp_exp.config.precisions import DType, PrecisionSpec
 from amp_exp.training.audit.matmuls import OUTSIDE, MatmulFlops
+from amp_exp.training.keep_fp32 import is_within
 
 FLOAT8 = frozenset(d.value for d in DType if d.value.startswith("float8"))
 # The modules a warning names, the largest first.
@@ -52,6 +56,18 @@ def higher_precision_modules(
         if wider:
             found[module] = wider
     return found
+
+
+def without_modules(flops: MatmulFlops, kept: list[str]) -> MatmulFlops:
+    """``flops`` less the matmuls run inside the modules ``kept`` (outermost names)."""
+    return MatmulFlops(Counter({k: f for k, f in flops.flops.items() if not is_within(k[0], kept)}))
+
+
+def kept_fp32_share(flops: MatmulFlops, kept: list[str]) -> float | None:
+    """The share of the matmul FLOPs run inside the modules ``precision.keep_fp32`` kept."""
+    if not flops.total:
+        return None
+    return 1 - without_modules(flops, kept).total / flops.total
 
 
 def _matmul_share(spec: PrecisionSpec, flops: MatmulFlops, verdict: Verdict) -> None:
@@ -103,10 +119,15 @@ def judge(
     flops: MatmulFlops,
     weight_elements: dict[str, dict[str, int]],
     fp8_converted: list[str] | None = None,
+    kept: list[str] | tuple[str, ...] = (),
 ) -> Verdict:
-    """Whether the audited step shows what ``spec.engaged`` asks of its precision."""
+    """Whether the audited step shows what ``spec.engaged`` asks of its precision, outside the
+    modules ``kept`` in fp32."""
+    flops = without_modules(flops, list(kept))
+    weight_elements = {m: d for m, d in weight_elements.items() if not is_within(m, kept)}
     if not flops.total:
-        return Verdict(None, ["no matmul ran in the audited step"])
+        where = " outside precision.keep_fp32" if kept else ""
+        return Verdict(None, [f"no matmul ran in the audited step{where}"])
     verdict = Verdict(engaged=True)
     engagement = spec.engaged
     _matmul_share(spec, flops, verdict)
