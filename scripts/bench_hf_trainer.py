@@ -14,7 +14,7 @@ read after each optimizer step (an optimizer post-step hook; the Trainer's ``on_
 and the median step after the warm-up steps, turned into tokens/s; the same from the process's
 CPU time, which other jobs on a shared machine disturb far less.
 
-The Trainer needs accelerate (``pip install accelerate``), which amp_exp itself does not. On a
+The Trainer needs accelerate (``pip install -e ".[bench]"``), which amp_exp itself does not. On a
 machine other jobs share, ``OMP_NUM_THREADS=1`` keeps both sides from spinning threads that wait
 for a core.
 """
