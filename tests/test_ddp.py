@@ -306,7 +306,11 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_
     finally:
         job.kill()
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert (summary["status"], summary["stop_signal"]) == ("stopped", "SIGTERM"), stderr[-2000:]
+    errors = [line for line in stderr.splitlines() if "ERROR" in line or "Error" in line]
+    assert (summary["status"], summary["stop_signal"]) == ("stopped", "SIGTERM"), (
+        summary.get("error"),
+        errors[:10],
+    )
     assert summary["steps"] % 5 == 0 and summary["steps"] < 100000
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert checkpoint["step"] == summary["steps"] and checkpoint["world_size"] == 2

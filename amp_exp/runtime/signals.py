@@ -63,6 +63,10 @@ class StopRequest:
                 # that it not stop the run, so it stays ignored.
                 if signal.getsignal(sig) is not signal.SIG_IGN:
                     self._previous[sig] = signal.signal(sig, self._handle)
+                    # A signal is caught on whichever thread the kernel picks, a gloo or NCCL
+                    # thread in a socket call included: restarted, that call goes on, where an
+                    # EINTR would fail the collective and the run with it.
+                    signal.siginterrupt(sig, False)
         return self
 
     def __exit__(self, *exc: object) -> None:
