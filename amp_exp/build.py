@@ -14,10 +14,10 @@ import torch
 
 from amp_exp.config.precisions import DType
 from amp_exp.config.schema import NonFiniteAction, Precision, RunConfig
-from amp_exp.runtime.blocks import checkpoint_blocks, compile_blocks
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
+from amp_exp.tasks.blocks import checkpoint_blocks, compile_blocks, model_blocks
 from amp_exp.tasks.workload import Workload, build_workload
 from amp_exp.training.audit.step import PrecisionAudit
 from amp_exp.training.auto_precision import resolve_precision
@@ -116,7 +116,8 @@ def build(
     if shards and cfg.trainer.compile:
         # torchtitan's order: each block compiled (after its checkpointing), then sharded.
         compile_blocks(model, cfg.trainer.compile_mode)
-    trained = distributed.wrap(model, dtypes, keep_fp32) if distributed else model
+    blocks = model_blocks(model) or []
+    trained = distributed.wrap(model, dtypes, blocks, keep_fp32) if distributed else model
     # After wrapping: FSDP2 replaced the parameters with their shards.
     optimizer, policy.rounding = build_optimizer(
         cfg.optimizer, model, device, policy.stochastic_rounding, sharded=shards

@@ -19,9 +19,9 @@ from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.results.resume_rules import data_position
 from amp_exp.run import build, train
-from amp_exp.runtime.blocks import checkpoint_blocks, compile_blocks
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import ShardingDtypes, shard_model
+from amp_exp.tasks.blocks import checkpoint_blocks, compile_blocks, model_blocks
 from amp_exp.tasks.sampling import EpochShuffleSampler
 from amp_exp.tasks.vision_models import TinyCNN
 from helpers.runs import TINY
@@ -128,7 +128,8 @@ def test_ddp_runs_in_one_process_say_so(run_cfg, tmp_path):
 def test_each_block_is_sharded_then_the_root_and_batchnorm_keeps_fp32_weights():
     with process_group(DeviceChoice.cpu, Strategy.fsdp2):
         dtypes = ShardingDtypes.for_precision(Precision.bf16, None, cast_params=True)
-        blocks = shard_model(Blocks(), dtypes, torch.device("cpu"))
+        model = Blocks()
+        blocks = shard_model(model, dtypes, torch.device("cpu"), model_blocks(model))
         assert all(isinstance(block, FSDPModule) for block in blocks.blocks)
         assert isinstance(blocks, FSDPModule) and not isinstance(blocks.head, FSDPModule)
         out = blocks(torch.randn(2, 4))

@@ -19,8 +19,8 @@ from amp_exp.config.preflight import check_overrides
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import build, train
-from amp_exp.runtime.blocks import model_blocks
 from amp_exp.runtime.distributed import process_group
+from amp_exp.tasks.blocks import model_blocks
 from amp_exp.tasks.hf import HFModel, hf_flops_per_token
 from amp_exp.tasks.workload import build_workload
 from helpers.runs import FAST_TRAINER, TINY_TOKENS, signal_self_at_call

@@ -91,7 +91,8 @@ def test_kept_modules_compute_in_fp32_in_every_mode(compose_cfg, precision) -> N
 def test_fsdp2_shards_kept_modules_under_an_fp32_policy() -> None:
     with process_group(DeviceChoice.cpu, Strategy.fsdp2):
         dtypes = ShardingDtypes.for_precision(Precision.bf16, None, cast_params=True)
-        model = shard_model(tiny_gpt(), dtypes, torch.device("cpu"), ["blocks.0.mlp"])
+        gpt = tiny_gpt()
+        model = shard_model(gpt, dtypes, torch.device("cpu"), gpt.blocks, ["blocks.0.mlp"])
         with linear_dtypes(model) as seen:
             model(torch.randint(32, (2, 8))).sum().backward()
         assert seen["blocks.0.mlp.fc"][:2] == (torch.float32, torch.float32)
@@ -99,7 +100,7 @@ def test_fsdp2_shards_kept_modules_under_an_fp32_policy() -> None:
         # Back in bf16 for the block's next layer, which computes in bf16.
         assert seen["blocks.1.attn.qkv"][0] == torch.bfloat16
         with pytest.raises(ConfigError, match=r"lm_head shares its parameter wte\.weight"):
-            shard_model(tiny_gpt(), dtypes, torch.device("cpu"), ["lm_head"])
+            shard_model(tiny_gpt(), dtypes, torch.device("cpu"), keep_fp32=["lm_head"])
 
 
 def test_an_fsdp2_run_trains_with_kept_modules(compose_cfg, tmp_path) -> None:

@@ -78,7 +78,7 @@ def data_vocab_size(run: RunConfig) -> int | None:
 
 def no_blocks(model_name: str) -> ConfigError:
     """Activation checkpointing asked of a model without blocks; refused here for the built-in
-    models before a job starts, and by runtime.blocks for the user's own once built."""
+    models before a job starts, and by tasks.blocks for the user's own once built."""
     return ConfigError(
         f"trainer.activation_checkpointing=true recomputes the blocks of a transformer "
         f"(model.blocks, or a Hugging Face model's _no_split_modules), and model "

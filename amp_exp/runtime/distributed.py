@@ -66,17 +66,21 @@ class Distributed:
         return self.strategy is Strategy.fsdp2
 
     def wrap(
-        self, model: nn.Module, dtypes: fsdp.ShardingDtypes, keep_fp32: Sequence[str] = ()
+        self,
+        model: nn.Module,
+        dtypes: fsdp.ShardingDtypes,
+        blocks: Sequence[nn.Module] = (),
+        keep_fp32: Sequence[str] = (),
     ) -> nn.Module:
-        """The module that trains: a DDP replica, or (FSDP2) ``model`` itself, sharded in place,
-        with the ``keep_fp32`` modules under an fp32 policy.
+        """The module that trains: a DDP replica, or (FSDP2) ``model`` itself, sharded in place
+        block by block, with the ``keep_fp32`` modules under an fp32 policy.
 
         Either way every rank starts from rank 0's weights: DDP broadcasts them here, and every
         rank built the same weights from the same seed before FSDP2 sharded them. Gradients are
         summed in ``dtypes.reduce`` under either strategy.
         """
         if self.shards:
-            self.trained = fsdp.shard_model(model, dtypes, self.device, keep_fp32)
+            self.trained = fsdp.shard_model(model, dtypes, self.device, blocks, keep_fp32)
             return self.trained
         device_ids = [self.device] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids)

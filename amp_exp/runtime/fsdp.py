@@ -30,7 +30,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from amp_exp.config.precisions import SHORT_NAMES, spec_of
 from amp_exp.config.schema import Precision, ReduceDtype
 from amp_exp.errors import ConfigError
-from amp_exp.runtime.blocks import model_blocks
 
 DTYPES = {name: dtype.torch for dtype, name in SHORT_NAMES.items()}
 
@@ -100,10 +99,12 @@ def shard_model(
     model: nn.Module,
     dtypes: ShardingDtypes,
     device: torch.device,
+    blocks: Sequence[nn.Module] = (),
     keep_fp32: Sequence[str] = (),
 ) -> nn.Module:
-    """Shard each ``keep_fp32`` module and each BatchNorm under an fp32 policy, each block of
-    ``model.blocks``, then the root (which takes every other parameter).
+    """Shard each ``keep_fp32`` module and each BatchNorm under an fp32 policy, each of the
+    model's repeated ``blocks`` (tasks/blocks.py finds them), then the root (which takes every
+    other parameter).
 
     The model changes in place (its parameters become DTensor shards): build its optimizer after.
     """
@@ -119,7 +120,7 @@ def shard_model(
         for module in model.modules():
             if isinstance(module, _BatchNorm) and id(module) not in kept:
                 fully_shard(module, mesh=mesh, mp_policy=dtypes.fp32_policy(False))
-    for block in model_blocks(model) or []:
+    for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=dtypes.policy())
     # Without autocast nothing would run the loss in fp32 (autocast keeps cross_entropy and
     # softmax there): the root hands its output over in fp32.

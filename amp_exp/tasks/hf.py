@@ -8,7 +8,7 @@ they are the keys of the model's own ``save_pretrained``. The forward hands the 
 logits to the task, which computes the loss from them in fp32, as for every other model.
 
 The repeated layers the model names in ``_no_split_modules`` (``LlamaDecoderLayer``,
-``GPT2Block``) are its blocks (runtime/blocks.py): each is recomputed, compiled and sharded on
+``GPT2Block``) are its blocks (tasks/blocks.py): each is recomputed, compiled and sharded on
 its own, as a GPT's. Under bf16_true, normalization layers and rotary embeddings keep fp32
 weights, buffers and arithmetic (``keep_in_fp32``), as the precision keeps nn.LayerNorm.
 """
