@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from amp_exp.config.launch import ALONE
 from amp_exp.config.precisions import DType
 from amp_exp.config.schema import NonFiniteAction, Precision, RunConfig
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
 from amp_exp.tasks.blocks import checkpoint_blocks, compile_blocks, model_blocks
+from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import Workload, build_workload
 from amp_exp.training.audit.step import PrecisionAudit
 from amp_exp.training.auto_precision import resolve_precision
@@ -90,8 +92,8 @@ def build(
     # Measured under the backend switches just set; cached after the first run on this device.
     capability = capability_of(device)
     seed_everything(cfg.seed)
-    rank, world_size = (distributed.rank.rank, distributed.world_size) if distributed else (0, 1)
-    workload = build_workload(cfg, device, rank, world_size)
+    worker = distributed.rank if distributed else ALONE
+    workload = build_workload(cfg, Placement(cfg.seed, device, worker))
     # As soon as the model exists: a pattern that matches nothing stops the run before
     # precision=auto's timing or anything else is spent on it.
     keep_fp32 = match_keep_fp32(workload.model, cfg.precision.keep_fp32)
@@ -142,7 +144,7 @@ def build(
             cfg.precision, cfg.trainer.on_nonfinite, cfg.checkpoint.every_steps is not None
         ),
         distributed=distributed,
-        meter=meter(cfg, workload, resolved.precision, device, world_size, hardware),
+        meter=meter(cfg, workload, resolved.precision, device, worker.world_size, hardware),
     )
     return Built(
         device,

@@ -91,12 +91,13 @@ def run_hf_trainer(cfg, stamps: list[tuple[float, float]], synchronize) -> int:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from amp_exp.runtime.hardware import resolve_device
+    from amp_exp.tasks.sampling import Placement
     from amp_exp.tasks.workload import build_workload
     from amp_exp.training.rng import seed_everything
 
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed)  # the seed amp_exp's build sets before it builds the model
-    workload = build_workload(cfg, device)
+    workload = build_workload(cfg, Placement(cfg.seed, device))
     model = workload.model.hf
     inputs = workload.data.train.tensors[0].long().cpu()
 

@@ -190,6 +190,7 @@ def test_preflight_knows_torchvisions_image_extensions_and_data_folders() -> Non
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_unreadable_image_fails_in_one_line_naming_the_file(run_cfg, tmp_path, num_workers):
     from amp_exp.tasks.images import build_data
+    from amp_exp.tasks.sampling import Placement
 
     write_images(tmp_path, per_class=3)
     (tmp_path / "dog" / "1.png").write_bytes(b"not a png")
@@ -201,7 +202,7 @@ def test_unreadable_image_fails_in_one_line_naming_the_file(run_cfg, tmp_path, n
         "dataset.eval_fraction=0.2",
         f"dataset.num_workers={num_workers}",
     )
-    data = build_data(cfg.dataset, 0, torch.device("cpu"))
+    data = build_data(cfg.dataset, Placement(0, torch.device("cpu")))
     with pytest.raises(ConfigError) as raised:
         for _ in data.train:
             pass

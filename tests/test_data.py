@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from amp_exp.config.launch import WorkerRank
 from amp_exp.errors import ConfigError
 from amp_exp.tasks.images import build_data
-from amp_exp.tasks.sampling import DeviceTensorLoader
+from amp_exp.tasks.sampling import DeviceTensorLoader, Placement
 
 CPU = torch.device("cpu")
 
@@ -21,19 +22,19 @@ def first_batch(loader) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_synthetic_is_seeded_and_reshuffled_per_epoch(run_cfg) -> None:
     cfg = run_cfg()
-    a, b = build_data(cfg.dataset, 0, CPU), build_data(cfg.dataset, 0, CPU)
+    a, b = build_data(cfg.dataset, Placement(0, CPU)), build_data(cfg.dataset, Placement(0, CPU))
     assert isinstance(a.train, DeviceTensorLoader)
     assert torch.equal(first_batch(a.train)[0], first_batch(b.train)[0])
     epoch0 = first_batch(a.train)[1]
     a.train.set_epoch(1)
     assert not torch.equal(epoch0, first_batch(a.train)[1])
-    other_seed = build_data(cfg.dataset, 1, CPU)
+    other_seed = build_data(cfg.dataset, Placement(1, CPU))
     assert not torch.equal(first_batch(other_seed.train)[0], first_batch(b.train)[0])
 
 
 def test_synthetic_shapes_follow_the_config(run_cfg) -> None:
     cfg = run_cfg("dataset.channels=1", "dataset.image_size=12", "dataset.num_classes=7")
-    data = build_data(cfg.dataset, 0, CPU)
+    data = build_data(cfg.dataset, Placement(0, CPU))
     images, labels = first_batch(data.train)
     assert data.facts == {"input_shape": (1, 12, 12), "num_classes": 7}
     assert images.shape == (32, 1, 12, 12)
@@ -63,7 +64,7 @@ def test_cifar10_loads_real_files(run_cfg, tmp_path, monkeypatch) -> None:
     # The files are real CIFAR pickles but not the published ones, so their checksums differ.
     monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: True)
     cfg = run_cfg("dataset=cifar10", f"dataset.root={tmp_path}", "dataset.batch_size=8")
-    data = build_data(cfg.dataset, 0, CPU)
+    data = build_data(cfg.dataset, Placement(0, CPU))
     assert data.facts == {"input_shape": (3, 32, 32), "num_classes": 10}
     images, _ = first_batch(data.train)
     assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
@@ -74,7 +75,7 @@ def test_cifar10_loads_real_files(run_cfg, tmp_path, monkeypatch) -> None:
 def test_missing_dataset_says_how_to_get_it(run_cfg, tmp_path) -> None:
     cfg = run_cfg("dataset=cifar10", f"dataset.root={tmp_path}")
     with pytest.raises(ConfigError, match=r"dataset\.download=true") as raised:
-        build_data(cfg.dataset, 0, CPU)
+        build_data(cfg.dataset, Placement(0, CPU))
     assert "\n" not in str(raised.value)
 
 
@@ -98,7 +99,7 @@ def test_image_folder_holds_out_a_seeded_eval_split(run_cfg, tmp_path) -> None:
         "dataset.batch_size=4",
         "dataset.eval_fraction=0.25",
     )
-    data = build_data(cfg.dataset, 0, CPU)
+    data = build_data(cfg.dataset, Placement(0, CPU))
     assert data.facts == {"input_shape": (3, 16, 16), "num_classes": 2}
     images, _ = first_batch(data.train)
     assert images.shape == (4, 3, 16, 16)
@@ -115,7 +116,7 @@ def test_image_folder_uses_train_and_val_directories(run_cfg, tmp_path) -> None:
         "dataset.image_size=16",
         "dataset.batch_size=4",
     )
-    data = build_data(cfg.dataset, 0, CPU)
+    data = build_data(cfg.dataset, Placement(0, CPU))
     assert len(data.train) == 2
     assert sum(len(y) for _, y in data.eval) == 4
 
@@ -152,7 +153,7 @@ def test_under_ddp_rank_0_downloads_while_the_others_wait(run_cfg, tmp_path, mon
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", RecordingCIFAR10)
     monkeypatch.setattr(torch.distributed, "barrier", lambda: events.append("barrier"))
     cfg = run_cfg("dataset=cifar10", f"dataset.root={tmp_path}", "dataset.download=true")
-    data = build_data(cfg.dataset, 0, CPU, rank=rank, world_size=2)
+    data = build_data(cfg.dataset, Placement(0, CPU, WorkerRank(rank, 2, rank)))
     expected = {
         0: ["load(download=True)"] * 2 + ["barrier"],
         1: ["barrier"] + ["load(download=False)"] * 2,

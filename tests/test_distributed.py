@@ -7,13 +7,24 @@ from datetime import datetime
 import pytest
 import torch
 from torch.distributed import TCPStore
+from torch.utils.data import TensorDataset
 
 from amp_exp.config import launch
 from amp_exp.config.launch import WorkerRank, launch_time, log_file_suffix, worker_rank
 from amp_exp.errors import ConfigError, RuntimeFault
 from amp_exp.results.resume import check_ranks_resumed_alike, find_checkpoint, resume
 from amp_exp.run import build, train
-from amp_exp.tasks.sampling import DeviceTensorLoader, EpochShuffleSampler, epoch_permutation, shard
+from amp_exp.tasks.images import build_data, make_synthetic
+from amp_exp.tasks.sampling import (
+    DeviceTensorLoader,
+    EpochShuffleSampler,
+    Placement,
+    dataset_loaders,
+    epoch_permutation,
+    shard,
+)
+
+CPU = torch.device("cpu")
 
 
 def test_shards_are_disjoint_equal_and_cover_all_but_the_ragged_tail():
@@ -25,7 +36,9 @@ def test_shards_are_disjoint_equal_and_cover_all_but_the_ragged_tail():
 
 
 def test_sampler_shards_each_epoch_differently_and_resumes_mid_shard():
-    samplers = [EpochShuffleSampler(40, seed=3, rank=rank, world_size=2) for rank in (0, 1)]
+    samplers = [
+        EpochShuffleSampler(40, Placement(3, CPU, WorkerRank(rank, 2, rank))) for rank in (0, 1)
+    ]
     epoch0 = [list(s) for s in samplers]
     assert not set(epoch0[0]) & set(epoch0[1]) and len(epoch0[0]) == len(samplers[0]) == 20
     for s in samplers:
@@ -39,13 +52,58 @@ def test_device_loader_gives_each_rank_batches_of_its_own_shard():
     images = torch.arange(64.0).reshape(64, 1, 1, 1)
     loaders = [
         DeviceTensorLoader(
-            images, images.flatten(), batch_size=8, shuffle=True, seed=0, rank=r, world_size=2
+            images,
+            images.flatten(),
+            batch_size=8,
+            shuffled_for=Placement(0, CPU, WorkerRank(r, 2, r)),
         )
         for r in (0, 1)
     ]
     seen = [torch.cat([labels for _, labels in loader]).tolist() for loader in loaders]
     assert [len(loader) for loader in loaders] == [4, 4]
     assert not set(seen[0]) & set(seen[1]) and len(seen[0] + seen[1]) == 64
+
+
+def rank_of_two(rank: int, seed: int = 5) -> Placement:
+    return Placement(seed, CPU, WorkerRank(rank, 2, rank))
+
+
+def expected_rows(rank: int, train_size: int, batch_size: int, epoch: int, start_batch: int):
+    """What rank ``rank`` of two trains on from ``start_batch`` of ``epoch`` (seed 5): its shard
+    of the epoch's order, whole batches only."""
+    mine = shard(epoch_permutation(train_size, seed=5, epoch=epoch), rank, 2)
+    batches = len(mine) // batch_size
+    return mine[start_batch * batch_size : batches * batch_size]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_of_two_trains_on_its_shard_of_the_seeded_order_and_evaluates_every_other_image(
+    run_cfg, rank
+):
+    cfg = run_cfg(
+        "dataset.train_size=100",
+        "dataset.eval_size=21",
+        "dataset.batch_size=8",
+        "dataset.image_size=4",
+    )
+    data = build_data(cfg.dataset, rank_of_two(rank))
+    data.train.set_epoch(1, start_batch=2)
+    images, labels = make_synthetic(cfg.dataset, 100, 5, 0, CPU)
+    rows = expected_rows(rank, 100, 8, epoch=1, start_batch=2)
+    trained = [torch.cat(parts) for parts in zip(*data.train, strict=True)]
+    assert torch.equal(trained[0], images[rows]) and torch.equal(trained[1], labels[rows])
+    eval_images, _ = make_synthetic(cfg.dataset, 21, 5, 1, CPU)
+    evaluated = torch.cat([batch_images for batch_images, _ in data.eval])
+    assert torch.equal(evaluated, eval_images[rank::2])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_of_two_loads_its_shard_and_eval_share_of_a_map_style_dataset(rank):
+    train_set, eval_set = TensorDataset(torch.arange(50)), TensorDataset(torch.arange(21))
+    train, held_out = dataset_loaders(train_set, eval_set, 4, None, 0, rank_of_two(rank))
+    train.set_epoch(1, start_batch=2)
+    assert torch.cat([b for (b,) in train]).tolist() == expected_rows(rank, 50, 4, 1, 2).tolist()
+    assert torch.cat([b for (b,) in held_out]).tolist() == list(range(rank, 21, 2))
 
 
 def test_worker_rank_comes_from_torchruns_environment(monkeypatch):

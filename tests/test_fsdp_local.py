@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule
 
+from amp_exp.config.launch import WorkerRank
 from amp_exp.config.preflight import check_overrides
 from amp_exp.config.schema import CompileMode, DeviceChoice, Precision, ReduceDtype, Strategy
 from amp_exp.config.validate import validate
@@ -22,7 +23,7 @@ from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import ShardingDtypes, shard_model
 from amp_exp.tasks.blocks import checkpoint_blocks, compile_blocks, model_blocks
-from amp_exp.tasks.sampling import EpochShuffleSampler
+from amp_exp.tasks.sampling import EpochShuffleSampler, Placement
 from amp_exp.tasks.vision_models import TinyCNN
 from helpers.runs import TINY
 
@@ -225,6 +226,10 @@ def test_a_checkpoint_keeps_one_strategy(run_cfg, tmp_path):
         train(run_cfg(*FSDP, "resume=auto"), tmp_path)
 
 
+def rank_of(rank: int, world_size: int) -> Placement:
+    return Placement(0, torch.device("cpu"), WorkerRank(rank, world_size, rank))
+
+
 @pytest.mark.parametrize(("saved", "now"), [(2, 1), (1, 2), (4, 3)])
 def test_on_another_world_size_the_epoch_goes_on_from_the_samples_trained_on(saved, now):
     """No sample of the epoch is left out, and less than one global batch is seen again."""
@@ -232,12 +237,12 @@ def test_on_another_world_size_the_epoch_goes_on_from_the_samples_trained_on(sav
     seen = {
         i
         for rank in range(saved)
-        for i in list(EpochShuffleSampler(size, 0, rank, saved))[: trained_batches * batch]
+        for i in list(EpochShuffleSampler(size, rank_of(rank, saved)))[: trained_batches * batch]
     }
     progress = data_position({"batch_in_epoch": trained_batches}, saved, now)
     rest = []
     for rank in range(now):
-        sampler = EpochShuffleSampler(size, 0, rank, now)
+        sampler = EpochShuffleSampler(size, rank_of(rank, now))
         sampler.set_epoch(0, start=progress["batch_in_epoch"] * batch)
         rest += list(sampler)
     assert seen | set(rest) == set(range(size))

@@ -22,6 +22,7 @@ from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.tasks.blocks import model_blocks
 from amp_exp.tasks.hf import HFModel, hf_flops_per_token
+from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_workload
 from helpers.runs import FAST_TRAINER, TINY_TOKENS, signal_self_at_call
 from test_checkpoint import assert_same_state
@@ -30,7 +31,7 @@ from test_lm import EXACT, without_token_rates
 transformers = pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parent.parent
-CPU = torch.device("cpu")
+ON_CPU = Placement(0, torch.device("cpu"))
 LLAMA = ["model=hf_llama_tiny", *TINY_TOKENS, "dataset.seq_len=16"]
 GPT2 = [
     "model=hf",
@@ -117,13 +118,13 @@ def test_the_hf_extra_asks_for_the_version_the_check_wants_and_dev_includes_it()
 
 
 def test_transformers_names_every_module_under_the_hf_prefix(hf_cfg):
-    model = build_workload(hf_cfg(*LLAMA, "precision=fp32"), CPU).model
+    model = build_workload(hf_cfg(*LLAMA, "precision=fp32"), ON_CPU).model
     q_proj = dict(model.named_modules())["hf.model.layers.0.self_attn.q_proj"]
     assert isinstance(model, HFModel) and isinstance(q_proj, torch.nn.Linear)
     saved = {f"hf.{key}" for key in model.hf.state_dict()}
     assert set(model.state_dict()) == saved
     assert model_blocks(model) is model.hf.model.layers
-    gpt2 = build_workload(hf_cfg(*GPT2, "precision=fp32"), CPU).model
+    gpt2 = build_workload(hf_cfg(*GPT2, "precision=fp32"), ON_CPU).model
     assert model_blocks(gpt2) is gpt2.hf.transformer.h
 
 

@@ -12,6 +12,7 @@ from amp_exp.config.preflight import check_overrides
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
+from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_workload
 from helpers.runs import FAST_TRAINER, TINY_TOKENS
 from helpers.torchrun import torchrun
@@ -19,7 +20,7 @@ from helpers.torchrun import torchrun
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-CPU = torch.device("cpu")
+ON_CPU = Placement(0, torch.device("cpu"))
 CORPUS = " ".join(["the cat sat on the mat and the dog ran in the park"] * 100)
 
 
@@ -67,7 +68,7 @@ def tokenizer_dir(tmp_path_factory):
 def test_a_saved_model_loads_from_its_folder_with_its_weights(hf_cfg, saved_llama, tmp_path):
     cfg = hf_cfg("model=hf", f"model.path={saved_llama}", *TINY_TOKENS, "precision=fp32")
     assert cfg.model.name == "llama"  # from the folder's config.json
-    model = build_workload(cfg, CPU).model
+    model = build_workload(cfg, ON_CPU).model
     saved = transformers.AutoModelForCausalLM.from_pretrained(saved_llama).state_dict()
     for name, tensor in model.hf.state_dict().items():
         assert torch.equal(tensor, saved[name]), name
@@ -97,7 +98,7 @@ def test_a_local_tokenizer_tokenizes_text_for_the_model(hf_cfg, tokenizer_dir, t
     ]
     vocab = len(transformers.AutoTokenizer.from_pretrained(tokenizer_dir))
     cfg = hf_cfg("model=hf_llama_tiny", *text, "precision=fp32")
-    workload = build_workload(cfg, CPU)
+    workload = build_workload(cfg, ON_CPU)
     assert workload.data.facts["vocab_size"] == vocab
     assert workload.model.hf.config.vocab_size == vocab
     inputs, _ = next(iter(workload.data.train))
@@ -122,7 +123,7 @@ def test_an_image_model_classifies_images(hf_cfg, tmp_path):
         "+model.config.patch_size=4",
     ]
     cfg = hf_cfg(*vit, "precision=fp32", "dataset.image_size=16", fast=True)
-    model = build_workload(cfg, CPU).model
+    model = build_workload(cfg, ON_CPU).model
     # The classes and the image size follow the data.
     assert (model.hf.config.num_labels, model.hf.config.image_size) == (10, 16)
     summary = train(cfg, tmp_path)
@@ -153,7 +154,7 @@ def test_a_transformers_model_as_a_custom_model_is_pointed_to_model_hf(hf_cfg):
     custom = ["model=custom", "model._target_=helpers.user_code.make_transformers_gpt2"]
     cfg = hf_cfg(*custom, *TINY_TOKENS, "dataset.seq_len=8", "precision=fp32")
     with pytest.raises(ConfigError) as refused:
-        build_workload(cfg, CPU)
+        build_workload(cfg, ON_CPU)
     assert str(refused.value).endswith(
         "returns CausalLMOutputWithCrossAttentions, not a tensor of logits [8, 8, vocab_size>=32]"
         "; for a transformers model use model=hf (docs/hf.md)"

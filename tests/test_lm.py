@@ -22,6 +22,7 @@ from amp_exp.run import train
 from amp_exp.tasks.flops import matmul_parameters
 from amp_exp.tasks.gpt import GPT, flops_per_token
 from amp_exp.tasks.lm import LanguageModelTask
+from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.tokens import (
     build_synthetic_tokens,
     markov_chain,
@@ -164,7 +165,7 @@ def test_synthetic_tokens_are_seeded_and_each_epochs_order_depends_on_seed_and_e
     lm_cfg,
 ) -> None:
     cfg = lm_cfg()
-    a, b = build_data(cfg, CPU, 0, 1), build_data(cfg, CPU, 0, 1)
+    a, b = build_data(cfg, Placement(cfg.seed, CPU)), build_data(cfg, Placement(cfg.seed, CPU))
     first = next(iter(a.train))
     assert torch.equal(first[0], next(iter(b.train))[0])
     assert torch.equal(first[0][:, 1:], first[1][:, :-1])  # targets are the inputs, shifted
@@ -174,12 +175,12 @@ def test_synthetic_tokens_are_seeded_and_each_epochs_order_depends_on_seed_and_e
     b.train.set_epoch(1)
     assert torch.equal(next(iter(a.train))[0], next(iter(b.train))[0])
     cfg.seed = 1
-    assert not torch.equal(first[0], next(iter(build_data(cfg, CPU, 0, 1).train))[0])
+    assert not torch.equal(first[0], next(iter(build_data(cfg, Placement(cfg.seed, CPU)).train))[0])
 
 
 def test_loss_floor_is_the_true_chains_cross_entropy_on_its_samples(lm_cfg) -> None:
     cfg = lm_cfg("dataset.eval_size=2048")
-    data = build_synthetic_tokens(cfg.dataset, 16, seed=0, device=CPU)
+    data = build_synthetic_tokens(cfg.dataset, 16, Placement(0, CPU))
     successors, probs = markov_chain(32, 4, seed=0)
     table = torch.zeros(32, 32, dtype=torch.float64)
     table.scatter_add_(1, successors, probs)  # duplicate successors add up

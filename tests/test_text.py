@@ -14,12 +14,13 @@ import torch
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
+from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.tokens import CACHE_DIRNAME, build_text
 from helpers.disks import fill, small_disk
 from helpers.runs import FAST_TRAINER, TINY_GPT
 from helpers.warm_python import python_m
 
-CPU = torch.device("cpu")
+ON_CPU = Placement(0, torch.device("cpu"))
 # A tiny GPT on a text file given as dataset.path.
 FAST_TEXT = [*FAST_TRAINER, *TINY_GPT, "dataset=text", "dataset.batch_size=8"]
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
@@ -58,7 +59,7 @@ def test_text_folder_split_is_deterministic_and_tokenized_once(
     (folder / "a.txt").write_text("A" * 400)
     (folder / "notes.md").write_text("left out")
     cfg = text_cfg(f"dataset.path={folder}", "dataset.eval_fraction=0.2")
-    data = build_text(cfg.dataset, 16, 0, CPU)
+    data = build_text(cfg.dataset, 16, ON_CPU)
     train_tokens = torch.cat([x for x, _ in data.train])
     eval_tokens = torch.cat([x for x, _ in data.eval])
     assert set(train_tokens.unique().tolist()) == {ord("A"), ord("B")}
@@ -69,7 +70,7 @@ def test_text_folder_split_is_deterministic_and_tokenized_once(
         raise AssertionError("tokenized again instead of reading the cache")
 
     monkeypatch.setattr("amp_exp.tasks.tokens.tokenize", no_second_tokenizing)
-    again = build_text(cfg.dataset, 16, 0, CPU)
+    again = build_text(cfg.dataset, 16, ON_CPU)
     assert torch.equal(torch.cat([x for x, _ in again.eval]), eval_tokens)
 
 
@@ -82,7 +83,7 @@ def test_text_beside_an_unwritable_place_is_cached_in_the_cache_dir(text_cfg, tm
     (corpus.parent / CACHE_DIRNAME).write_text("in the way")
     cache = tmp_path / "cache"
     cfg = text_cfg(f"dataset.path={corpus}", f"dataset.cache_dir={cache}")
-    build_text(cfg.dataset, 16, 0, CPU)
+    build_text(cfg.dataset, 16, ON_CPU)
     assert len(list(cache.glob("corpus.txt.bytes.*.npy"))) == 1
 
 
@@ -94,7 +95,7 @@ def test_gpt2_tokenizer_without_its_cached_files_says_how_to_get_them(
     corpus.write_text(SENTENCE * 20)
     cfg = text_cfg(f"dataset.path={corpus}", "dataset.tokenizer=gpt2")
     with pytest.raises(ConfigError) as raised:
-        build_text(cfg.dataset, 16, 0, CPU)
+        build_text(cfg.dataset, 16, ON_CPU)
     message = str(raised.value)
     assert "not cached" in message and "tiktoken.get_encoding('gpt2')" in message
     assert "\n" not in message
@@ -128,11 +129,11 @@ def corpus_of(tmp_path, size: int = 20) -> Path:
 def test_a_corrupt_token_cache_is_rebuilt_and_said_once(text_cfg, tmp_path, caplog) -> None:
     corpus = corpus_of(tmp_path)
     cfg = text_cfg(f"dataset.path={corpus}")
-    build_text(cfg.dataset, 16, 0, CPU)
+    build_text(cfg.dataset, 16, ON_CPU)
     [cached] = (corpus.parent / CACHE_DIRNAME).glob("*.npy")
     cached.write_bytes(cached.read_bytes()[:100])  # a copy cut short
     with caplog.at_level(logging.WARNING):
-        data = build_text(cfg.dataset, 16, 0, CPU)
+        data = build_text(cfg.dataset, 16, ON_CPU)
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert (
         warning.startswith(f"token cache {cached} is unreadable (")
@@ -178,6 +179,6 @@ def test_a_token_cache_on_a_really_full_disk_leaves_no_partial_file(text_cfg, tm
     with small_disk(tmp_path / "disk", 1024) as disk:
         fill(disk, 64)
         cfg = text_cfg(f"dataset.path={corpus}", f"dataset.cache_dir={disk / 'tokens'}")
-        data = build_text(cfg.dataset, 16, 0, CPU)
+        data = build_text(cfg.dataset, 16, ON_CPU)
         assert len(data.train) > 0
         assert not list((disk / "tokens").glob("*"))  # no partial .tmp file fills the disk

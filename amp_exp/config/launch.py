@@ -42,6 +42,10 @@ class WorkerRank:
         return self.rank == 0
 
 
+# A process that trains by itself: all of the data is its share.
+ALONE = WorkerRank(0, 1, 0)
+
+
 def worker_rank() -> WorkerRank | None:
     """This process's place in a data-parallel job, or None when it trains alone.
 

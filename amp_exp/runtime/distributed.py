@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from amp_exp.config.launch import (
+    ALONE,
     WorkerRank,
     peer_pids,
     publish_pid,
@@ -382,7 +383,7 @@ def group_of_one(choice: DeviceChoice) -> Iterator[Distributed]:
         placement = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **placement)
     try:
-        yield Distributed(WorkerRank(0, 1, 0), device, Strategy.fsdp2)
+        yield Distributed(ALONE, device, Strategy.fsdp2)
     finally:
         if owned:
             close_group(device)

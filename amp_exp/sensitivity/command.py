@@ -27,6 +27,7 @@ from amp_exp.sensitivity.results import (
     write_repair,
     write_sensitivity,
 )
+from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_workload
 from amp_exp.training.capability import check_request
 from amp_exp.training.keep_fp32 import match_keep_fp32
@@ -46,7 +47,7 @@ def run_sensitivity(cfg: RunConfig, output_dir: Path) -> dict[str, Any]:
         check_request(precision, device, cfg.precision.fp8_emulate)
     configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
     seed_everything(cfg.seed)
-    workload = build_workload(cfg, device)
+    workload = build_workload(cfg, Placement(cfg.seed, device))
     model, task = workload.model, workload.task
     keep_fp32 = match_keep_fp32(model, cfg.precision.keep_fp32)
     batches = [task.to_device(b) for b in itertools.islice(workload.data.train, settings.batches)]

@@ -21,7 +21,7 @@ from amp_exp.config.models import CustomModelConfig
 from amp_exp.config.schema import TaskName
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.tasks.base import DataBundle
-from amp_exp.tasks.sampling import dataset_loaders
+from amp_exp.tasks.sampling import Placement, dataset_loaders
 
 
 def describe(error: BaseException) -> str:
@@ -71,14 +71,11 @@ def build_custom_model(cfg: CustomModelConfig, facts: dict[str, Any]) -> nn.Modu
 def build_custom_data(
     cfg: CustomDatasetConfig,
     task: TaskName,
-    seed: int,
-    device: torch.device,
-    rank: int = 0,
-    world_size: int = 1,
+    placement: Placement,
 ) -> DataBundle:
     """Loaders over the user's (train, eval) datasets, and the facts a model is built from."""
     where = f"dataset._target_={cfg._target_}"
-    splits = call_target("dataset", cfg._target_, cfg.kwargs, {"seed": seed})
+    splits = call_target("dataset", cfg._target_, cfg.kwargs, {"seed": placement.seed})
     if not (isinstance(splits, (tuple, list)) and len(splits) == 2):
         raise ConfigError(f"{where} returned {type(splits).__name__}, not (train, eval) datasets")
     train, held_out = splits
@@ -96,14 +93,6 @@ def build_custom_data(
     else:
         raise ConfigError(f"{where}: task=lm needs 1-D token sequences, got inputs of {shape}")
     loaders = dataset_loaders(
-        train,
-        held_out,
-        cfg.batch_size,
-        cfg.eval_batch_size,
-        cfg.num_workers,
-        seed,
-        device,
-        rank,
-        world_size,
+        train, held_out, cfg.batch_size, cfg.eval_batch_size, cfg.num_workers, placement
     )
     return DataBundle(*loaders, facts)

@@ -14,9 +14,15 @@ from torch.utils.data import Dataset, Subset
 
 from amp_exp.config.checks import check_image_folder, image_folder_splits
 from amp_exp.config.datasets import DatasetName, ImageDatasetConfig
+from amp_exp.config.launch import WorkerRank
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.tasks.base import DataBundle
-from amp_exp.tasks.sampling import DeviceTensorLoader, check_batch_fits, dataset_loaders
+from amp_exp.tasks.sampling import (
+    DeviceTensorLoader,
+    Placement,
+    check_batch_fits,
+    dataset_loaders,
+)
 
 
 def image_facts(input_shape: tuple[int, int, int], num_classes: int) -> dict:
@@ -79,7 +85,7 @@ TORCHVISION_SETS = {
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def _torchvision_splits(cfg: ImageDatasetConfig, root: Path, rank: int, world_size: int):
+def _torchvision_splits(cfg: ImageDatasetConfig, root: Path, worker: WorkerRank):
     import torchvision
     from torchvision import transforms
 
@@ -99,13 +105,13 @@ def _torchvision_splits(cfg: ImageDatasetConfig, root: Path, rank: int, world_si
                 "set dataset.root to it, or dataset.download=true to fetch it"
             ) from None
 
-    if cfg.download and world_size > 1:
+    if cfg.download and worker.world_size > 1:
         # Rank 0 downloads into the shared root while the other ranks wait: ranks downloading
         # into one directory at once would overwrite each other's files.
-        if rank == 0:
+        if worker.is_main:
             splits = load(download=True)
         torch.distributed.barrier()
-        if rank != 0:
+        if not worker.is_main:
             splits = load(download=False)
     else:
         splits = load(cfg.download)
@@ -138,30 +144,25 @@ def _image_folder_splits(cfg: ImageDatasetConfig, root: Path, seed: int):
     return train, held_out, (3, cfg.image_size, cfg.image_size), classes
 
 
-def build_data(
-    cfg: ImageDatasetConfig, seed: int, device: torch.device, rank: int = 0, world_size: int = 1
-) -> DataBundle:
-    """The splits for ``rank`` of ``world_size`` data-parallel ranks (0 of 1: all of them)."""
+def build_data(cfg: ImageDatasetConfig, placement: Placement) -> DataBundle:
+    """The splits for ``placement``'s worker of a data-parallel job (one alone: all of them)."""
+    seed, device = placement.seed, placement.device
     eval_batch_size = cfg.eval_batch_size or cfg.batch_size
     if cfg.name is DatasetName.synthetic:
         check_batch_fits(
-            cfg.batch_size, cfg.train_size, f"dataset.train_size={cfg.train_size}", world_size
+            cfg.batch_size,
+            cfg.train_size,
+            f"dataset.train_size={cfg.train_size}",
+            placement.worker.world_size,
         )
         train = DeviceTensorLoader(
             *make_synthetic(cfg, cfg.train_size, seed, 0, device),
             batch_size=cfg.batch_size,
-            shuffle=True,
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
+            shuffled_for=placement,
         )
         eval_images, eval_labels = make_synthetic(cfg, cfg.eval_size, seed, 1, device)
         held_out = DeviceTensorLoader(
-            eval_images[rank::world_size],
-            eval_labels[rank::world_size],
-            batch_size=eval_batch_size,
-            shuffle=False,
-            seed=seed,
+            placement.share(eval_images), placement.share(eval_labels), batch_size=eval_batch_size
         )
         shape = (cfg.channels, cfg.image_size, cfg.image_size)
         return DataBundle(train, held_out, image_facts(shape, cfg.num_classes))
@@ -169,16 +170,8 @@ def build_data(
     if cfg.name is DatasetName.image_folder:
         train_set, eval_set, shape, classes = _image_folder_splits(cfg, root, seed)
     else:
-        train_set, eval_set, shape, classes = _torchvision_splits(cfg, root, rank, world_size)
+        train_set, eval_set, shape, classes = _torchvision_splits(cfg, root, placement.worker)
     train_loader, eval_loader = dataset_loaders(
-        train_set,
-        eval_set,
-        cfg.batch_size,
-        cfg.eval_batch_size,
-        cfg.num_workers,
-        seed,
-        device,
-        rank,
-        world_size,
+        train_set, eval_set, cfg.batch_size, cfg.eval_batch_size, cfg.num_workers, placement
     )
     return DataBundle(train_loader, eval_loader, image_facts(shape, classes))

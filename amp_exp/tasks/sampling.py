@@ -9,11 +9,17 @@ trained on. Under torchrun each rank trains on its own shard of that order.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from amp_exp.config.launch import ALONE, WorkerRank
 from amp_exp.errors import ConfigError
+
+# What an eval split is dealt out as: the rows of tensors on the device, or a dataset's indices.
+Rows = TypeVar("Rows", torch.Tensor, range)
 
 
 def epoch_permutation(size: int, seed: int, epoch: int) -> torch.Tensor:
@@ -28,6 +34,26 @@ def shard(order: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return order[:usable][rank::world_size]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's data goes: the seed that orders it, the device it lives on, and the worker
+    of a data-parallel job whose share it is (``ALONE``: all of it)."""
+
+    seed: int
+    device: torch.device
+    worker: WorkerRank = ALONE
+
+    def epoch_order(self, size: int, epoch: int) -> torch.Tensor:
+        """This worker's shard of epoch ``epoch``'s order of ``size`` training samples."""
+        order = epoch_permutation(size, self.seed, epoch)
+        return shard(order, self.worker.rank, self.worker.world_size)
+
+    def share(self, rows: Rows) -> Rows:
+        """This worker's share of an eval split (a tensor's rows, or a range of indices): every
+        world_size-th row, so that the shares of all workers together are the whole split."""
+        return rows[self.worker.rank :: self.worker.world_size]
+
+
 class DeviceTensorLoader:
     """Batches sliced from tensors that already live on the training device.
 
@@ -36,19 +62,13 @@ class DeviceTensorLoader:
     """
 
     def __init__(
-        self,
-        *tensors: torch.Tensor,
-        batch_size: int,
-        shuffle: bool,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
+        self, *tensors: torch.Tensor, batch_size: int, shuffled_for: Placement | None = None
     ) -> None:
-        """``rank`` and ``world_size`` shard the shuffled order; unshuffled data is used whole."""
+        """``shuffled_for``: the placement whose seed orders each epoch and whose worker takes
+        its shard of that order; without one the rows are used whole, in order."""
         self.tensors = tensors
         self.size = len(tensors[0])
-        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
-        self.rank, self.world_size = rank, world_size
+        self.batch_size, self.placement = batch_size, shuffled_for
         self.epoch = self.start_batch = 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
@@ -56,16 +76,15 @@ class DeviceTensorLoader:
 
     def __len__(self) -> int:
         # Training drops the ragged last batch so every timed step has the same shape.
-        if self.shuffle:
-            return self.size // self.world_size // self.batch_size
+        if self.placement is not None:
+            return self.size // self.placement.worker.world_size // self.batch_size
         return -(-self.size // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        if self.shuffle:
-            order = epoch_permutation(self.size, self.seed, self.epoch)
-            order = shard(order, self.rank, self.world_size).to(self.tensors[0].device)
+        if self.placement is not None:
+            order = self.placement.epoch_order(self.size, self.epoch).to(self.tensors[0].device)
         for i in range(self.start_batch, len(self)):
-            if self.shuffle:
+            if self.placement is not None:
                 index = order[i * self.batch_size : (i + 1) * self.batch_size]
             else:
                 index = slice(i * self.batch_size, (i + 1) * self.batch_size)
@@ -75,21 +94,18 @@ class DeviceTensorLoader:
 class EpochShuffleSampler(Sampler[int]):
     """A DistributedSampler that can also start mid-epoch; one rank of one is a plain shuffle."""
 
-    def __init__(self, size: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
-        self.size, self.seed, self.rank, self.world_size = size, seed, rank, world_size
+    def __init__(self, size: int, placement: Placement) -> None:
+        self.size, self.placement = size, placement
         self.epoch = self.start = 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return self.size // self.world_size - self.start
+        return self.size // self.placement.worker.world_size - self.start
 
     def __iter__(self) -> Iterator[int]:
-        order = shard(
-            epoch_permutation(self.size, self.seed, self.epoch), self.rank, self.world_size
-        )
-        return iter(order[self.start :].tolist())
+        return iter(self.placement.epoch_order(self.size, self.epoch)[self.start :].tolist())
 
 
 class EpochDataLoader(DataLoader):
@@ -123,27 +139,25 @@ def dataset_loaders(
     batch_size: int,
     eval_batch_size: int | None,
     num_workers: int,
-    seed: int,
-    device: torch.device,
-    rank: int,
-    world_size: int,
+    placement: Placement,
 ) -> tuple[EpochDataLoader, EpochDataLoader]:
     """Loaders over map-style datasets: the training order sharded over the ranks, and each
     rank's share of the eval split."""
-    check_batch_fits(batch_size, len(train), f"the {len(train)} training samples", world_size)
+    described = f"the {len(train)} training samples"
+    check_batch_fits(batch_size, len(train), described, placement.worker.world_size)
     common = dict(
         num_workers=num_workers,
-        pin_memory=device.type == "cuda",
+        pin_memory=placement.device.type == "cuda",
         persistent_workers=num_workers > 0,
     )
     train_loader = EpochDataLoader(
         train,
         batch_size=batch_size,
-        sampler=EpochShuffleSampler(len(train), seed, rank, world_size),
+        sampler=EpochShuffleSampler(len(train), placement),
         drop_last=True,
         **common,
     )
-    eval_share = Subset(held_out, range(rank, len(held_out), world_size))
+    eval_share = Subset(held_out, placement.share(range(len(held_out))))
     eval_loader = EpochDataLoader(
         eval_share, batch_size=eval_batch_size or batch_size, shuffle=False, **common
     )

@@ -30,7 +30,7 @@ from amp_exp.config.pairing import text_vocab_size
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.runtime.atomic import atomic_write
 from amp_exp.tasks.base import DataBundle
-from amp_exp.tasks.sampling import DeviceTensorLoader, check_batch_fits
+from amp_exp.tasks.sampling import DeviceTensorLoader, Placement, check_batch_fits
 
 GPT2_END_OF_TEXT = 50256
 # Bumped whenever the cached token format changes, so stale caches are never read.
@@ -51,30 +51,17 @@ def token_loaders(
     eval_windows: torch.Tensor,
     batch_size: int,
     eval_batch_size: int | None,
-    seed: int,
-    rank: int,
-    world_size: int,
+    placement: Placement,
 ) -> tuple[DeviceTensorLoader, DeviceTensorLoader]:
     """Shuffled training windows sharded over the ranks, and each rank's share of eval."""
-    check_batch_fits(
-        batch_size, len(train_windows), f"the {len(train_windows)} training sequences", world_size
-    )
+    described = f"the {len(train_windows)} training sequences"
+    check_batch_fits(batch_size, len(train_windows), described, placement.worker.world_size)
     train = DeviceTensorLoader(
-        train_windows[:, :-1],
-        train_windows[:, 1:],
-        batch_size=batch_size,
-        shuffle=True,
-        seed=seed,
-        rank=rank,
-        world_size=world_size,
+        train_windows[:, :-1], train_windows[:, 1:], batch_size=batch_size, shuffled_for=placement
     )
-    mine = eval_windows[rank::world_size]
+    mine = placement.share(eval_windows)
     held_out = DeviceTensorLoader(
-        mine[:, :-1],
-        mine[:, 1:],
-        batch_size=eval_batch_size or batch_size,
-        shuffle=False,
-        seed=seed,
+        mine[:, :-1], mine[:, 1:], batch_size=eval_batch_size or batch_size
     )
     return train, held_out
 
@@ -133,23 +120,19 @@ def sample_chain(
 
 
 def build_synthetic_tokens(
-    cfg: SyntheticTokensConfig,
-    seq_len: int,
-    seed: int,
-    device: torch.device,
-    rank: int = 0,
-    world_size: int = 1,
+    cfg: SyntheticTokensConfig, seq_len: int, placement: Placement
 ) -> DataBundle:
-    """The chain depends only on ``seed``; the train split (0) and the eval split (1) are
-    different samples of it."""
+    """The chain depends only on the placement's seed; the train split (0) and the eval split
+    (1) are different samples of it."""
+    seed = placement.seed
     successors, probs = markov_chain(cfg.vocab_size, cfg.branching, seed)
     splits = [
-        sample_chain(successors, probs, size, seq_len + 1, seed * 1_000_003 + 1 + split).to(device)
+        sample_chain(successors, probs, size, seq_len + 1, seed * 1_000_003 + 1 + split).to(
+            placement.device
+        )
         for split, size in enumerate((cfg.train_size, cfg.eval_size))
     ]
-    train, held_out = token_loaders(
-        *splits, cfg.batch_size, cfg.eval_batch_size, seed, rank, world_size
-    )
+    train, held_out = token_loaders(*splits, cfg.batch_size, cfg.eval_batch_size, placement)
     floor = entropy_floor(successors, probs, seq_len)
     return DataBundle(
         train, held_out, token_facts(cfg.vocab_size, seq_len), recorded={"loss_floor": floor}
@@ -309,14 +292,7 @@ def windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
     return tokens[: count * seq_len + 1].unfold(0, seq_len + 1, seq_len)
 
 
-def build_text(
-    cfg: TextDatasetConfig,
-    seq_len: int,
-    seed: int,
-    device: torch.device,
-    rank: int = 0,
-    world_size: int = 1,
-) -> DataBundle:
+def build_text(cfg: TextDatasetConfig, seq_len: int, placement: Placement) -> DataBundle:
     """The last ``eval_fraction`` of the stream is the eval split, the rest trains."""
     tokens = torch.from_numpy(load_text_tokens(cfg).astype(np.int32))
     eval_count = math.ceil(len(tokens) * cfg.eval_fraction)
@@ -328,11 +304,9 @@ def build_text(
                 f"few for one sequence of {seq_len} (dataset.seq_len, dataset.eval_fraction)"
             )
     train, held_out = token_loaders(
-        *(windows(split.to(device), seq_len) for split in splits),
+        *(windows(split.to(placement.device), seq_len) for split in splits),
         cfg.batch_size,
         cfg.eval_batch_size,
-        seed,
-        rank,
-        world_size,
+        placement,
     )
     return DataBundle(train, held_out, token_facts(text_vocab_size(cfg), seq_len))

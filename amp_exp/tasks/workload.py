@@ -33,6 +33,7 @@ from amp_exp.tasks.hf import HFModel, build_hf_model, hf_flops_per_token
 from amp_exp.tasks.images import build_data as build_image_data
 from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.tasks.metrics import TaskMetrics
+from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.tokens import build_synthetic_tokens, build_text
 from amp_exp.tasks.vision_models import build_model as build_image_model
 from amp_exp.tasks.vision_models import is_convolutional
@@ -49,19 +50,19 @@ class Workload:
     flops_per_token: float | None = None
 
 
-def build_data(cfg: RunConfig, device: torch.device, rank: int, world_size: int) -> DataBundle:
+def build_data(cfg: RunConfig, placement: Placement) -> DataBundle:
     dataset = cfg.dataset
     if isinstance(dataset, ImageDatasetConfig):
-        return build_image_data(dataset, cfg.seed, device, rank, world_size)
+        return build_image_data(dataset, placement)
     if isinstance(dataset, CustomDatasetConfig):
-        return build_custom_data(dataset, cfg.task, cfg.seed, device, rank, world_size)
+        return build_custom_data(dataset, cfg.task, placement)
     # Token data: validate made sure one of the two says how long a sequence is.
     model = cfg.model
     seq_len = dataset.seq_len or (
         hf.max_positions(model) if isinstance(model, HFModelConfig) else model.seq_len
     )
     build = build_synthetic_tokens if isinstance(dataset, SyntheticTokensConfig) else build_text
-    return build(dataset, seq_len, cfg.seed, device, rank, world_size)
+    return build(dataset, seq_len, placement)
 
 
 def build_gpt(cfg: GPTConfig, facts: dict[str, Any]) -> GPT:
@@ -128,10 +129,10 @@ def check_trainable(model: nn.Module, cfg: RunConfig) -> None:
     )
 
 
-def build_workload(
-    cfg: RunConfig, device: torch.device, rank: int = 0, world_size: int = 1
-) -> Workload:
-    data = build_data(cfg, device, rank, world_size)
+def build_workload(cfg: RunConfig, placement: Placement) -> Workload:
+    """The data where ``placement`` says, and the model on the same device."""
+    device = placement.device
+    data = build_data(cfg, placement)
     facts = data.facts
     model = build_model(cfg, facts).to(device)
     check_trainable(model, cfg)
