@@ -164,8 +164,11 @@ class Diagnostics(StepCallback):
             log.warning("AMP check failed: %s: %s", what, ", ".join(new))
 
     def after_clip(self, step: int, gradients: Gradients) -> None:
+        checking, measuring = self._checking(), self._is_diagnostics_step(step)
+        if not (checking or measuring):
+            return  # most steps: nothing to look at, not even the list of gradients
         grads = [(n, local(p.grad)) for n, p in self.named_parameters if p.grad is not None]
-        if self._checking() and grads:
+        if checking and grads:
             wrong_dtype = self.fp32_weights
             # Non-finite gradients fail the check only in a step that applies them: the device
             # skips those of an fp16 scale search or of the non-finite guard.
@@ -185,7 +188,7 @@ class Diagnostics(StepCallback):
                 offenders,
                 "gradients after unscale_ not fp32 and finite",
             )
-        if self._is_diagnostics_step(step) and grads:
+        if measuring and grads:
             self._measure_underflow(step, grads)
 
     def _is_diagnostics_step(self, step: int) -> bool:
