@@ -186,8 +186,10 @@ class Engine:
             batch = self.task.to_device(next(batches))
             with self._gradient_sync(micro_batch):
                 with self.policy.autocast():
-                    # Dividing by accum makes k micro-batches sum to one batch k times larger.
-                    loss = self.task.loss(self.model, batch) / accum
+                    loss = self.task.loss(self.model, batch)
+                    if accum > 1:
+                        # k micro-batches then sum to one batch k times larger.
+                        loss = loss / accum
                 self.policy.backward(loss)
             interval_loss += loss.detach()
             progress.samples += self.task.batch_samples(batch) * self.world_size
