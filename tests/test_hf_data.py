@@ -4,6 +4,10 @@ a local tokenizer on text, image and sequence classification, and two ranks unde
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +186,58 @@ def test_two_ranks_train_the_llama_sharded_under_fsdp2(tmp_path):
     # FSDP2 gathers the fp32 weights and autocasts, as DDP does (precision.fsdp_cast_params).
     assert (summary["param_dtype"], summary["reduce_dtype"]) == ("fp32", "fp32")
     assert summary["flops_per_token"] > 0 and summary["eval_loss"] is not None
+
+
+def plant_custom_code(folder, config_name: str, auto_map: dict) -> Path:
+    """``folder``'s ``config_name`` given an ``auto_map`` that points at a module of the folder
+    which, imported, would write the file returned."""
+    marker = folder / "custom_code_ran"
+    (folder / "planted.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config_file = folder / config_name
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "auto_map": auto_map}))
+    return marker
+
+
+def test_a_tokenizer_folder_that_asks_to_run_its_code_is_refused_with_no_prompt(
+    tokenizer_dir, tmp_path
+):
+    """Caught: AutoTokenizer asked to trust the folder's code, which prompts on stdin and, told
+    "y", imports planted.py (the red team's case)."""
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, folder)
+    marker = plant_custom_code(
+        folder, "tokenizer_config.json", {"AutoTokenizer": ["planted.Tokenizer", None]}
+    )
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(CORPUS)
+    overrides = [
+        "model=hf_llama_tiny",
+        "dataset=text",
+        f"dataset.path={corpus}",
+        "dataset.tokenizer=hf",
+        f"dataset.tokenizer_path={folder}",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "amp_exp", *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
+        input="y\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    [line] = result.stderr.strip().splitlines()
+    assert "tokenizer_config.json asks to run code from the folder (auto_map: planted)" in line
+    assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+def test_a_model_folder_that_asks_to_run_its_code_is_refused(saved_llama, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(saved_llama, folder)
+    marker = plant_custom_code(
+        folder,
+        "config.json",
+        {"AutoConfig": "planted.Config", "AutoModelForCausalLM": "someone/repo--planted.Model"},
+    )
+    with pytest.raises(ConfigError, match=r"config\.json asks to run code .*auto_map: planted\)"):
+        check_overrides(["model=hf", f"model.path={folder}", "dataset=synthetic_tokens"])
+    assert not marker.exists()

@@ -3,8 +3,11 @@ local folder, the config keys, the auto class the task needs, and a local tokeni
 
 ``model=hf`` names a model type (``model.name=llama``), built from that type's default config
 with random weights, or a local ``save_pretrained`` folder (``model.path=DIR``) with its weights.
-Nothing is ever downloaded: folders are read with ``local_files_only``. transformers is an
-optional extra, imported here only when a run asks for it (it imports torch).
+Nothing is ever downloaded and no code from a folder ever runs: every ``from_pretrained`` passes
+``local_files_only=True`` and ``trust_remote_code=False``, and a folder whose config asks for its
+own code (an ``auto_map``) is refused before transformers is imported, so the library never
+prompts for permission on stdin. transformers is an optional extra, imported here only when a run
+asks for it (it imports torch).
 """
 
 from __future__ import annotations
@@ -26,6 +29,18 @@ from amp_exp.errors import ConfigError, first_line
 # _no_split_modules, _keep_in_fp32_modules, get_text_config). pyproject's hf extra says the same.
 MIN_TRANSFORMERS = "4.46"
 INSTALL = "pip install 'amp_exp[hf]'"
+# What every from_pretrained of a user's folder passes: read only what is on disk, run none of it.
+FOLDER_ONLY = {"local_files_only": True, "trust_remote_code": False}
+# The files in which a save_pretrained folder can ask for code of its own (an ``auto_map`` of
+# auto class to ``module.Class`` in the folder): the model's, the tokenizer's, a processor's.
+CODE_REQUESTS = (
+    "config.json",
+    "tokenizer_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "feature_extractor_config.json",
+    "image_processor_config.json",
+)
 # Named first when a model type is unknown: the ones people train most.
 COMMON_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gemma", "phi3", "bert", "vit")
 # The auto class each kind of data needs: the name of its mapping in transformers, its class.
@@ -67,10 +82,37 @@ def _types_hint(name: str, types: tuple[str, ...]) -> str:
     return ", ".join([*close, *common])
 
 
+def refuse_custom_code(folder: Path, option: str) -> None:
+    """Refuse a folder that asks transformers to import Python code from it (``auto_map``)."""
+    for name in CODE_REQUESTS:
+        try:
+            declared = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue  # absent or unreadable: transformers reports what it needs
+        if isinstance(declared, dict) and declared.get("auto_map"):
+            modules = sorted({str(v).split(".")[0] for v in _code_references(declared)})
+            raise ConfigError(
+                f"{option}={folder}: its {name} asks to run code from the folder "
+                f"(auto_map: {', '.join(modules) or 'custom classes'}), which amp_exp never "
+                "does; use a folder saved from a model or tokenizer class built into transformers"
+            )
+
+
+def _code_references(declared: dict[str, Any]) -> list[str]:
+    """The ``module.Class`` names an ``auto_map`` points to (a name, or a [slow, fast] pair)."""
+    auto_map = declared["auto_map"]
+    found = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+    names = []
+    for value in found:
+        names.extend(v for v in (value if isinstance(value, list) else [value]) if v)
+    return [name.rsplit("--", 1)[-1] for name in names]  # "repo--module.Class" names a Hub repo
+
+
 def saved_model_type(path: Path) -> str:
     """The model type a save_pretrained folder holds, from its config.json."""
     if not path.is_dir():
         raise ConfigError(f"model.path={path}: no such directory")
+    refuse_custom_code(path, "model.path")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ConfigError(
@@ -171,9 +213,7 @@ def model_config(model: HFModelConfig, **defaults: Any):
     overrides = dict(model.config)
     if model.path is None:
         return AutoConfig.for_model(model.name, **{**defaults, **overrides})
-    return AutoConfig.from_pretrained(
-        Path(model.path).expanduser(), local_files_only=True, **overrides
-    )
+    return AutoConfig.from_pretrained(Path(model.path).expanduser(), **FOLDER_ONLY, **overrides)
 
 
 def max_positions(model: HFModelConfig) -> int | None:
@@ -193,16 +233,17 @@ def model_vocab_size(model: HFModelConfig) -> int | None:
 def load_tokenizer(path: str):
     """A local tokenizer folder, through AutoTokenizer, never downloading."""
     require_transformers("dataset.tokenizer=hf")
-    from transformers import AutoTokenizer
-
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ConfigError(
             f"dataset.tokenizer_path={path}: no such directory; it needs a tokenizer folder "
             "written by save_pretrained"
         )
+    refuse_custom_code(folder, "dataset.tokenizer_path")
+    from transformers import AutoTokenizer
+
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return AutoTokenizer.from_pretrained(folder, **FOLDER_ONLY)
     except Exception as error:
         raise ConfigError(
             f"dataset.tokenizer_path={path}: AutoTokenizer cannot load it "

@@ -79,9 +79,7 @@ def build_hf_model(cfg: HFModelConfig, task: TaskName, facts: dict[str, Any]) ->
         if cfg.path is None:
             model = auto.from_config(config, **attention)
         else:
-            model = auto.from_pretrained(
-                cfg.path, config=config, local_files_only=True, **attention
-            )
+            model = auto.from_pretrained(cfg.path, config=config, **hf.FOLDER_ONLY, **attention)
     except Exception as error:
         raise ConfigError(
             f"model=hf {where}: {auto.__name__} cannot build it: {type(error).__name__}: "
