@@ -227,7 +227,7 @@ def test_full_disk_during_a_checkpoint_save_fails_in_one_line(run_cfg, tmp_path,
             try:
                 raise OSError(errno.ENOSPC, "No space left on device")
             except OSError:
-                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")  # noqa: B904
         real_save(payload, file)
 
     monkeypatch.setattr(torch, "save", save_until_the_disk_fills)

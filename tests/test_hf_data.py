@@ -194,7 +194,8 @@ def plant_custom_code(folder, config_name: str, auto_map: dict) -> Path:
     marker = folder / "custom_code_ran"
     (folder / "planted.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     config_file = folder / config_name
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "auto_map": auto_map}))
+    declared = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**declared, "auto_map": auto_map}))
     return marker
 
 
