@@ -8,12 +8,13 @@ cache, and forgets precision=auto's cached choices.
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 
 import torch
 
 from amp_exp.config.schema import DeviceChoice, Precision, TrainerConfig
+from amp_exp.results.contract import OneLineParser, enter
 from amp_exp.runtime.cache import cache_dir, forget
 from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.runtime.probe import CACHE_FILE, KERNELS
@@ -60,8 +61,12 @@ def report(capability: Capability) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m amp_exp.doctor", description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    return enter("amp_exp.doctor", lambda: diagnose(argv))
+
+
+def diagnose(argv: list[str] | None) -> None:
+    parser = OneLineParser(prog="python -m amp_exp.doctor", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
     parser.add_argument("--refresh", action="store_true", help="measure again, ignore the cache")
     parser.add_argument("--device", choices=[c.value for c in DeviceChoice], default="auto")
@@ -79,4 +84,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

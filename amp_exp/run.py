@@ -11,7 +11,6 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import torch
 from amp_exp.build import Built, attach_audit, attach_diagnostics, build, global_batch_size
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
-from amp_exp.errors import RuntimeFault
 from amp_exp.results.checkpoint import (
     Checkpointer,
     ShardedCheckpointer,
@@ -29,6 +27,7 @@ from amp_exp.results.checkpoint import (
 from amp_exp.results.claim import (
     check_directory,
 )
+from amp_exp.results.contract import user_code_cannot_exit
 from amp_exp.results.files import METRICS_FILE, SUMMARY_FILE, write_json
 from amp_exp.results.lock import RunDirectoryLock
 from amp_exp.results.loggers import (
@@ -137,19 +136,6 @@ def train(cfg: RunConfig, output_dir: Path, sweep: SweepJob | None = None) -> di
     started = time.perf_counter()
     with process_group(cfg.trainer.device, cfg.trainer.strategy) as distributed:
         return train_in_group(cfg, output_dir, distributed, sweep, started)
-
-
-@contextlib.contextmanager
-def user_code_cannot_exit() -> Iterator[None]:
-    """A model, data set or loss that calls ``sys.exit()`` ends the run as failed (exit 4, with
-    its summary.json): a run's exit status and its results are amp_exp's to write."""
-    try:
-        yield
-    except SystemExit as escaped:
-        raise RuntimeFault(
-            f"the run's model or data code raised SystemExit({escaped.code!r}); amp_exp stopped "
-            "the run: remove the sys.exit() call from it"
-        ) from None
 
 
 def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob | None):

@@ -327,7 +327,7 @@ def test_several_run_directories_are_reported_together(tmp_path: Path, capsys) -
 
 
 def test_a_missing_directory_is_a_one_line_error(tmp_path: Path, capsys) -> None:
-    assert main([str(tmp_path / "nope")]) == 1
+    assert main([str(tmp_path / "nope")]) == 2
     assert (
         capsys.readouterr().err
         == f"amp_exp.report: error: {tmp_path / 'nope'} is not a directory\n"
@@ -335,10 +335,10 @@ def test_a_missing_directory_is_a_one_line_error(tmp_path: Path, capsys) -> None
 
 
 @pytest.mark.slow
-def test_report_cli_on_a_directory_without_runs_exits_non_zero(tmp_path: Path) -> None:
+def test_report_cli_on_a_directory_without_runs_exits_2(tmp_path: Path) -> None:
     (tmp_path / "empty" / "0").mkdir(parents=True)
     result = python_m("amp_exp.report", str(tmp_path / "empty"), timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.splitlines() == [
         f"amp_exp.report: error: no runs under {tmp_path / 'empty'}: found no summary.json; give "
         "a sweep directory or run directories written by python -m amp_exp"

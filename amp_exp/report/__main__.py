@@ -9,19 +9,25 @@ when a multirun ends.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
 
 from amp_exp.config.schema import ReportConfig
-from amp_exp.errors import EXIT_CONFIG_ERROR, RuntimeFault
+from amp_exp.errors import RuntimeFault
 from amp_exp.report.assemble import build_report
-from amp_exp.report.runs import ReportError
+from amp_exp.report.runs import ReportError, run_paths
+from amp_exp.results.contract import OneLineParser, enter
+from amp_exp.results.files import REPORT_JSON, REPORT_MD
+
+COMMAND = "amp_exp.report"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = OneLineParser(
         prog="python -m amp_exp.report",
         description="Compare runs: writes report.md, report.json and PNG plots.",
     )
@@ -39,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         "(accuracy points, or relative loss); default: each task's own",
     )
     parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a report there that covers runs this one leaves out",
+    )
+    parser.add_argument(
         "--wandb",
         action="store_true",
         help="also save the comparison as a W&B Report of the runs' project and print its URL "
@@ -51,35 +62,71 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds to wait for the W&B server (default: %(default)s)",
     )
     args = parser.parse_args(argv)
-    if args.tolerance is not None and args.tolerance < 0:
-        parser.error("--tolerance must be 0 or more")
-    if args.wandb_timeout <= 0:
-        parser.error("--wandb-timeout must be positive")
+    # The sweep config's report.tolerance refuses the same values (config/validate.py).
+    if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        parser.error(f"--tolerance must be a finite number, 0 or more; got {args.tolerance}")
+    if not (math.isfinite(args.wandb_timeout) and args.wandb_timeout > 0):
+        parser.error(
+            f"--wandb-timeout must be a positive number of seconds; got {args.wandb_timeout}"
+        )
+    return args
+
+
+def reported_runs(out_dir: Path) -> set[str]:
+    """The runs (relative to ``out_dir``) of the report already there; empty if none."""
+    try:
+        rows = json.loads((out_dir / REPORT_JSON).read_text())["runs"]
+        return {str(row["run"]) for row in rows}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def where_to_write(dirs: list[Path], out_dir: Path, force: bool) -> Path:
+    """``out_dir``, unless it holds a report of runs this one leaves out: a report of fewer of a
+    sweep's runs never replaces the sweep's (without ``--force``), it goes beside it."""
+    left_out = reported_runs(out_dir) - {os.path.relpath(p, out_dir) for p in run_paths(dirs)}
+    if force or not left_out:
+        return out_dir
+    beside = next(
+        out_dir / f"report_{n}" for n in range(2, 10**6) if not (out_dir / f"report_{n}").exists()
+    )
+    print(
+        f"{out_dir / REPORT_MD} covers {len(left_out)} run(s) this report leaves out, so it stays "
+        f"as it is; this report goes to {beside}/ (--force replaces it)"
+    )
+    return beside
+
+
+def run(argv: list[str] | None) -> int:
+    args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # Matplotlib says so when it builds its font cache (the first plot in a fresh home): not a
     # line of this command's output, which is the report, or one error line.
     logging.getLogger("matplotlib").setLevel(logging.ERROR)
+    for directory in args.dirs:
+        if not directory.is_dir():
+            raise ReportError(f"{directory} is not a directory")
     out_dir = args.out or Path(os.path.commonpath([d.resolve() for d in args.dirs]))
+    out_dir = where_to_write(args.dirs, out_dir.resolve(), args.force)
     try:
         report = build_report(args.dirs, out_dir, args.tolerance)
-    except ReportError as error:
-        print(f"amp_exp.report: error: {error}", file=sys.stderr)
-        return 1
     except RuntimeFault as error:  # report.md cannot be written there: read-only, or full
-        print(f"amp_exp.report: error: {error}; write it elsewhere with --out DIR", file=sys.stderr)
-        return error.exit_status
+        raise RuntimeFault(f"{error}; write it elsewhere with --out DIR") from None
     print("\n".join(report["verdicts"]))
-    print(f"report: {out_dir / 'report.md'}")
+    print(f"report: {out_dir / REPORT_MD}")
     if args.wandb:
         from amp_exp.report.wandb_report import WandbReportError, publish_report
 
         try:
             url = publish_report(args.dirs, out_dir, report, args.wandb_timeout)
         except WandbReportError as error:
-            print(f"amp_exp.report: error: {error}", file=sys.stderr)
-            return EXIT_CONFIG_ERROR
+            raise ReportError(str(error)) from None
         print(f"W&B report: {url}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return enter(COMMAND, lambda: run(argv))
 
 
 if __name__ == "__main__":

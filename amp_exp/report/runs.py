@@ -23,8 +23,8 @@ from amp_exp.results.summary import Status, make_summary
 log = logging.getLogger("amp_exp")
 
 
-class ReportError(Exception):
-    """Nothing to report; the message is one line that says why."""
+class ReportError(ConfigError):
+    """Nothing to report (bad input, exit 2); the message is one line that says why."""
 
 
 @dataclass
@@ -201,6 +201,11 @@ def load_run(path: Path) -> Run:
 
 
 def find_runs(dirs: list[Path]) -> list[Run]:
+    return [load_run(path) for path in run_paths(dirs)]
+
+
+def run_paths(dirs: list[Path]) -> list[Path]:
+    """Every run directory under ``dirs`` (one with a summary.json or a job config), in order."""
     for directory in dirs:
         if not directory.is_dir():
             raise ReportError(f"{directory} is not a directory")
@@ -215,4 +220,4 @@ def find_runs(dirs: list[Path]) -> list[Run]:
             f"no runs under {', '.join(map(str, dirs))}: found no {SUMMARY_FILE}; give a sweep "
             "directory or run directories written by python -m amp_exp"
         )
-    return [load_run(path) for path in sorted(paths, key=_natural_key)]
+    return sorted(paths, key=_natural_key)

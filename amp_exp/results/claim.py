@@ -39,6 +39,7 @@ from amp_exp.results.checkpoint import (
     checkpoint_dir,
     load_newest_valid,
 )
+from amp_exp.results.finished import finished_results
 from amp_exp.results.lock import (
     LOCK_FILE,
     RunDirectoryBusy,
@@ -119,9 +120,9 @@ def nothing_to_do(cfg: RunConfig, step: Any) -> str:
 
 def holdings(directory: Path) -> str | None:
     """What in ``directory`` a new run would overwrite, in words; None if nothing."""
-    completed = completed_summary(directory)
-    if completed is not None:
-        return f"a completed run ({completed.get('steps')} steps)"
+    finished = finished_results(directory)
+    if finished:
+        return "; ".join(finished.values())
     found = candidates(directory)
     if found:
         return f"the checkpoints of a run that can go on ({found[0].relative_to(directory)})"

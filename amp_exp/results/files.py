@@ -30,6 +30,7 @@ REPORT_JSON = "report.json"
 # The interleaved speed trial (amp_exp/speed/): in its run directory, or a sweep's beside report.*
 SPEED_JSON = "speed.json"
 SPEED_MD = "speed.md"
+SENSITIVITY_JSON = "sensitivity.json"
 
 
 def json_safe(value: Any) -> Any:

@@ -14,10 +14,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from amp_exp.config import command
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
+from amp_exp.results import contract
 
 # Ahead of the user's overrides, which win over them as any later override does.
 ENTRY_OVERRIDES = [
@@ -34,11 +34,11 @@ def hydra_main(cfg: DictConfig) -> None:
     from amp_exp.sensitivity.command import run_sensitivity
 
     output_dir = Path(HydraConfig.get().runtime.output_dir)
-    command.run_job(lambda: run_sensitivity(validate(cfg), output_dir))
+    contract.run_job(lambda: run_sensitivity(validate(cfg), output_dir))
 
 
 def main() -> None:
-    command.start(
+    contract.start(
         "amp_exp.sensitivity",
         hydra_main,
         ENTRY_OVERRIDES,

@@ -13,13 +13,12 @@ from torch import nn
 
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import Precision, RunConfig
-from amp_exp.results.files import write_json, write_text
+from amp_exp.results.files import SENSITIVITY_JSON, write_json, write_text
 from amp_exp.sensitivity.measure import GRAD_SQNR_DB, OUTPUT_SQNR_DB, ModuleError, ranking
 from amp_exp.sensitivity.reference import Reference
 
 log = logging.getLogger("amp_exp")
 
-SENSITIVITY_JSON = "sensitivity.json"
 SENSITIVITY_MD = "sensitivity.md"
 SENSITIVITY_PNG = "sensitivity.png"
 REPAIR_JSON = "repair.json"

@@ -18,12 +18,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from amp_exp.config import command
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.schema import Precision, RunConfig
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
+from amp_exp.results import contract
 from amp_exp.results.files import SPEED_JSON, SPEED_MD, write_json, write_text
 from amp_exp.speed.trial import run_trial, trial_markdown
 
@@ -49,7 +49,7 @@ def candidates(cfg: RunConfig) -> dict[str, RunConfig]:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
 def speed_main(cfg: DictConfig) -> None:
     output_dir = Path(HydraConfig.get().runtime.output_dir)
-    command.run_job(lambda: time_precisions(validate(cfg), output_dir))
+    contract.run_job(lambda: time_precisions(validate(cfg), output_dir))
 
 
 def time_precisions(cfg: RunConfig, output_dir: Path) -> None:
@@ -71,7 +71,7 @@ def time_precisions(cfg: RunConfig, output_dir: Path) -> None:
 
 
 def main() -> None:
-    command.start(
+    contract.start(
         "amp_exp.speed",
         speed_main,
         HYDRA_OVERRIDES,

@@ -1,0 +1,196 @@
+"""The contract every ``python -m amp_exp.*`` command keeps, written once; each command's
+``main`` enters through ``enter``.
+
+- **Its directory is claimed** before anything is written there (``claim_directory``; training
+  runs through results/claim.py, which holds the same rules for checkpoints and resumes). A
+  directory that holds another command's finished results is refused, and so is one holding this
+  command's own, unless ``--force`` says to replace them; a refused command writes nothing.
+- **Bad input is one line and exit 2** (``ConfigError``, and ``OneLineParser`` for flags), a
+  numerical fault exit 3, a runtime fault exit 4 (a full disk, a dead rank), each one line on
+  stderr with no traceback.
+- **User code cannot end the command**: a model, data set or loss that calls ``sys.exit()`` is a
+  runtime fault (``user_code_cannot_exit``), never a silent exit 0.
+- **Signals stop it with 128 + N** (143 SIGTERM, 130 SIGINT, 138 SIGUSR1, 140 SIGUSR2). Training
+  finishes its step and checkpoints first (runtime/signals.py, whose handler displaces this one
+  for a run and hands the signal back after it); a measuring command stops where it is, having
+  written only whole files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn
+
+from amp_exp.config.preflight import check_overrides
+from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RunRefused, RuntimeFault
+from amp_exp.results.claim import check_free_space, make_directory, unmake_directory
+from amp_exp.results.finished import finished_results
+from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock, busy_message, holder_of
+from amp_exp.runtime.signals import PREEMPTION_SIGNALS
+
+log = logging.getLogger("amp_exp")
+
+FORCE_FLAG = "--force"
+
+
+class Stopped(BaseException):
+    """A signal stopped the command. A BaseException, so that no ``except Exception`` in the
+    command or in user code takes it for a failure and carries on."""
+
+    def __init__(self, received: signal.Signals) -> None:
+        super().__init__(received)
+        self.received = received
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a bad flag as one line and exit 2 (argparse prints its usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signal.Signals(signum))
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Each preemption signal raises ``Stopped`` for the length of the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can be set only from the main thread
+        return
+    previous = {s: signal.signal(s, _raise_stopped) for s in PREEMPTION_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def enter(command: str, body: Callable[[], int | None]) -> int:
+    """Run ``body`` (a command's work; returns its exit status, None for 0) under the contract;
+    returns the status the command exits with."""
+    try:
+        with stop_on_signals():
+            status = body() or 0
+    except Stopped as stopped:
+        print(f"{command}: stopped by {stopped.received.name}", file=sys.stderr)
+        status = 128 + stopped.received
+    except EXPECTED_ERRORS as error:
+        print(f"{command}: error: {error}", file=sys.stderr)
+        status = error.exit_status
+    return status
+
+
+@contextlib.contextmanager
+def user_code_cannot_exit() -> Iterator[None]:
+    """A model, data set or loss that calls ``sys.exit()`` ends the command as failed (exit 4):
+    a command's exit status and its results are amp_exp's to write."""
+    try:
+        yield
+    except SystemExit as escaped:
+        raise RuntimeFault(
+            f"the run's model or data code raised SystemExit({escaped.code!r}); amp_exp stopped "
+            "the run: remove the sys.exit() call from it"
+        ) from None
+
+
+def take_force_flag(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--force``, and whether it was there (a Hydra command's own flag)."""
+    return [a for a in argv if a != FORCE_FLAG], FORCE_FLAG in argv
+
+
+def refusal(command: str, directory: Path, force: bool) -> str | None:
+    """Why ``command`` may not write its results into ``directory``, or None."""
+    finished = finished_results(directory)
+    others = [held for owner, held in finished.items() if owner != command]
+    if others:
+        return (
+            f"{directory} holds {'; '.join(others)}; python -m {command} would mix its files "
+            "with them: give it its own directory (hydra.run.dir=...)"
+        )
+    if command in finished and not force:
+        return (
+            f"{directory} holds {finished[command]}; they stay as they are: give this one its "
+            f"own directory (hydra.run.dir=...), or pass {FORCE_FLAG} to replace them"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def claim_directory(command: str, directory: Path, force: bool = False) -> Iterator[None]:
+    """Hold ``directory`` for ``command`` while the block runs, once ``refusal`` allows it; a
+    refused or busy directory raises (exit 2), a full one exit 4, with nothing in it created or
+    changed."""
+    directory = directory.expanduser().resolve()
+
+    def check() -> None:
+        holder = holder_of(directory) if directory.is_dir() else None
+        if holder is not None:
+            raise RunDirectoryBusy(busy_message(directory, holder))
+        why = refusal(command, directory, force)
+        if why is not None:
+            raise RunRefused(why)
+
+    check()  # first without the lock, whose file a refused command must not leave behind
+    made = make_directory(directory)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(RunDirectoryLock(directory))
+            check_free_space(directory)
+            check()  # again: no other process can change the directory now
+        except BaseException:
+            held.close()
+            unmake_directory(directory, made)
+            raise
+        yield
+
+
+def start(
+    command: str,
+    hydra_main: Callable[[], None],
+    entry_overrides: Sequence[str],
+    multirun_refusal: str,
+    single_process: str | None = None,
+) -> NoReturn:
+    """``python -m <command> [--force] [overrides]`` for a command that Hydra composes as a run:
+    its command line checked before Hydra starts (``multirun_refusal`` is what ``-m`` is told,
+    ``single_process``, when given, what a torchrun launch is told), its run directory claimed,
+    then ``hydra_main``. ``entry_overrides`` go ahead of the user's, who may override them."""
+
+    def body() -> None:
+        argv, force = take_force_flag(sys.argv[1:])
+        if {"-m", "--multirun"} & set(argv):
+            raise ConfigError(multirun_refusal)
+        if single_process is not None and os.environ.get("WORLD_SIZE", "1") != "1":
+            raise ConfigError(single_process)
+        launch = check_overrides([*entry_overrides, *argv])
+        sys.argv[1:] = [*entry_overrides, *argv]
+        if launch is None or not launch.output_dir.resolved:  # --help, --cfg: nothing is written
+            hydra_main()
+            return
+        with claim_directory(command, Path(launch.output_dir.value), force):
+            hydra_main()
+
+    sys.exit(enter(command, body))
+
+
+def run_job(job: Callable[[], None]) -> None:
+    """``job()`` inside a command's Hydra job: an expected error (and user code's ``sys.exit``)
+    ends the process with its one log line and exit status."""
+    try:
+        with user_code_cannot_exit():
+            job()
+    except EXPECTED_ERRORS as error:
+        log.error("%s", error)
+        sys.exit(error.exit_status)
