@@ -186,6 +186,28 @@ class MortalClassifier(nn.Module):
         return self.model(x)
 
 
+class SignallingClassifier(nn.Module):
+    """Sends its own process ``signum`` in its ``signal_at``-th forward, as a scheduler's
+    preemption would, midway through whatever command runs it."""
+
+    def __init__(self, input_shape, num_classes: int, signal_at: int, signum: str) -> None:
+        super().__init__()
+        self.model = make_classifier(input_shape, num_classes)
+        self.signal_at, self.signum, self.calls = signal_at, signal.Signals[signum], 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.signal_at:
+            os.kill(os.getpid(), self.signum)
+        return self.model(x)
+
+
+def make_signalling(
+    input_shape: tuple[int, ...], num_classes: int, signal_at: int = 3, signum: str = "SIGTERM"
+) -> nn.Module:
+    return SignallingClassifier(input_shape, num_classes, signal_at, signum)
+
+
 def make_mortal(input_shape: tuple[int, ...], num_classes: int, die_at: int = 4) -> nn.Module:
     return MortalClassifier(input_shape, num_classes, die_at)
 

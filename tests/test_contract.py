@@ -1,0 +1,204 @@
+"""The contract every command keeps (amp_exp/results/contract.py), command by command: a
+directory holding finished results is refused and left byte for byte, a signal midway exits
+128 + N, user code's sys.exit(0) exits 4, a full disk exits 4, a bad value exits 2; each in one
+line, with no traceback. Training's own cases live beside its features (test_run_directory,
+test_bad_inputs, test_custom, test_cli); the ones here are the commands that came later."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from amp_exp.results.contract import enter
+from amp_exp.results.files import SPEED_JSON
+from helpers.disks import fill, small_disk
+from helpers.runs import FAST
+from helpers.warm_python import python_m
+from test_report import write_run
+
+TESTS_DIR = Path(__file__).resolve().parent
+CLASSIFIER = ["model=custom", "dataset.image_size=8"]
+SPEED = ["speed.precisions=[fp32,bf16]", "speed.rounds=6", "speed.steps=1", "speed.warmup_steps=1"]
+SENSITIVITY = ["sensitivity.precisions=[bf16]", "sensitivity.batches=1"]
+# Each measuring command, as a user runs it on a small classifier.
+COMMANDS = {
+    "amp_exp.speed": [*FAST, *SPEED],
+    "amp_exp.sensitivity": [*FAST, *SENSITIVITY],
+}
+RESULT_OF = {"amp_exp.speed": SPEED_JSON, "amp_exp.sensitivity": "sensitivity.json"}
+
+
+def with_user_code() -> dict[str, str]:
+    paths = [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def user_model(name: str, *kwargs: str) -> list[str]:
+    return [*CLASSIFIER, f"model._target_=helpers.user_code.{name}", *kwargs]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def the_one_error(result) -> str:
+    """The one line that says what went wrong; fails on a traceback or a second line."""
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if "error" in line.lower() or "stopped" in line]
+    assert len(errors) == 1, output[-3000:]
+    return errors[0]
+
+
+def finished_run(directory: Path) -> None:
+    directory.mkdir(parents=True)
+    (directory / "summary.json").write_text(json.dumps({"status": "completed", "steps": 4}))
+    (directory / "metrics.jsonl").write_text('{"kind": "train", "step": 4, "loss": 1.0}\n')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_finished_runs_directory_is_refused_and_left_byte_for_byte(command, tmp_path) -> None:
+    """Caught: speed.* added beside a finished run's files with exit 0 (the red team's case)."""
+    finished_run(tmp_path / "run")
+    before = snapshot(tmp_path / "run")
+    result = python_m(command, *COMMANDS[command], f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "holds a completed run (4 steps)" in the_one_error(result)
+    assert snapshot(tmp_path / "run") == before
+
+
+@pytest.mark.slow
+def test_a_commands_own_results_are_replaced_only_with_force(tmp_path) -> None:
+    run_dir = tmp_path / "speed"
+    run_dir.mkdir()
+    (run_dir / SPEED_JSON).write_text('{"trials": []}\n')
+    before = snapshot(run_dir)
+    args = [*COMMANDS["amp_exp.speed"], f"hydra.run.dir={run_dir}"]
+    refused = python_m("amp_exp.speed", *args)
+    assert refused.returncode == 2
+    assert "pass --force to replace them" in the_one_error(refused)
+    assert snapshot(run_dir) == before
+    forced = python_m("amp_exp.speed", "--force", *args)
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    assert json.loads((run_dir / SPEED_JSON).read_text())["trials"]  # the new trial
+
+
+@pytest.mark.slow
+def test_a_training_run_refuses_a_directory_holding_a_speed_trial(tmp_path) -> None:
+    run_dir = tmp_path / "speed"
+    run_dir.mkdir()
+    (run_dir / SPEED_JSON).write_text('{"trials": []}\n')
+    result = python_m("amp_exp", *FAST, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2
+    assert "finished results of python -m amp_exp.speed (speed.json)" in the_one_error(result)
+    assert snapshot(run_dir) == {SPEED_JSON: b'{"trials": []}\n'}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_sigterm_midway_exits_143_and_leaves_no_result(command, tmp_path) -> None:
+    result = python_m(
+        command,
+        *COMMANDS[command],
+        *user_model("make_signalling", "+model.kwargs.signal_at=3"),
+        f"hydra.run.dir={tmp_path}",
+        env=with_user_code(),
+    )
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
+    assert the_one_error(result) == f"{command}: stopped by SIGTERM"
+    assert not (tmp_path / RESULT_OF[command]).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_user_code_calling_sys_exit_0_exits_4(command, tmp_path) -> None:
+    """Caught: exit 0 with no result and no error (the red team's case)."""
+    result = python_m(
+        command,
+        *COMMANDS[command],
+        *user_model("make_exiting", "+model.kwargs.exit_at=3"),
+        f"hydra.run.dir={tmp_path}",
+        env=with_user_code(),
+    )
+    assert result.returncode == 4, result.stderr[-2000:]
+    assert "raised SystemExit(0)" in the_one_error(result)
+    assert not (tmp_path / RESULT_OF[command]).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [*COMMANDS, "amp_exp.report"])
+def test_a_full_disk_exits_4_in_one_line(command, tmp_path) -> None:
+    runs = tmp_path / "runs"
+    write_run(runs / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
+    with small_disk(tmp_path / "disk", 1024) as disk:
+        fill(disk, leave_kib=0 if command == "amp_exp.report" else 24)
+        if command == "amp_exp.report":
+            result = python_m(command, str(runs), "--out", str(disk / "report"))
+        else:
+            result = python_m(command, *COMMANDS[command], f"hydra.run.dir={disk / 'out'}")
+        assert result.returncode == 4, result.stderr[-2000:]
+        line = the_one_error(result)
+        assert "No space left on device" in line or "KiB free" in line
+        assert not (disk / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("command", "args", "says"),
+    [
+        ("amp_exp.speed", ["precision=fp9"], "precision=fp9 is not an option"),
+        ("amp_exp.sensitivity", ["precision=fp9"], "precision=fp9 is not an option"),
+        ("amp_exp.report", [".", "--tolerance", "nan"], "--tolerance must be a finite number"),
+        ("amp_exp.report", [".", "--tolerance", "inf"], "--tolerance must be a finite number"),
+        ("amp_exp.report", [".", "--bogus"], "unrecognized arguments: --bogus"),
+        ("amp_exp.doctor", ["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    ],
+)
+def test_a_bad_value_exits_2_in_one_line(command, args, says, tmp_path) -> None:
+    result = python_m(command, *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert says in the_one_error(result)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_of_fewer_runs_goes_beside_the_sweeps_report(tmp_path, capsys) -> None:
+    """Caught: ``report SWEEP/0 SWEEP/0 SWEEP/2`` replacing SWEEP/report.md of 4 runs with a
+    report of 2 (the red team's case)."""
+    from amp_exp.report.__main__ import main
+
+    for job, precision in enumerate(["fp32", "bf16", "fp32", "bf16"]):
+        write_run(tmp_path / str(job), "tiny_cnn", precision, 1000.0, 0.8, seed=job // 2)
+    assert main([str(tmp_path)]) == 0
+    before = snapshot(tmp_path)
+    assert (
+        main(
+            [str(tmp_path / "0"), str(tmp_path / "0"), str(tmp_path / "1"), "--out", str(tmp_path)]
+        )
+        == 0
+    )
+    assert "covers 2 run(s) this report leaves out" in capsys.readouterr().out
+    beside = json.loads((tmp_path / "report_2" / "report.json").read_text())
+    assert [row["run"] for row in beside["runs"]] == ["../0", "../1"]
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("report_2")} == before
+    assert main([str(tmp_path / "0"), str(tmp_path / "1"), "--out", str(tmp_path), "--force"]) == 0
+    assert len(json.loads((tmp_path / "report.json").read_text())["runs"]) == 2
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_a_signal_stops_a_command_with_128_plus_n_and_one_line(signum, capsys) -> None:
+    """The report and doctor have no step to finish: a signal stops them where they are.
+    Caught: a traceback (KeyboardInterrupt), or the signal's default (killed, no status)."""
+    done = []
+
+    def body() -> None:
+        os.kill(os.getpid(), signum)
+        done.append("went on")
+
+    assert enter("amp_exp.report", body) == 128 + signum
+    assert done == []
+    assert capsys.readouterr().err == f"amp_exp.report: stopped by {signal.Signals(signum).name}\n"
