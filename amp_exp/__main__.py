@@ -31,6 +31,7 @@ from amp_exp.errors import (
 )
 from amp_exp.results.claim import FollowRank0, claim
 from amp_exp.results.sweep import sweep_job
+from amp_exp.runtime.quiet import quiet_unactionable
 
 log = logging.getLogger("amp_exp")
 
@@ -43,6 +44,7 @@ log = logging.getLogger("amp_exp")
 # At import, not in main(): a submitit job unpickles hydra_main and composes its config without
 # ever calling main().
 register_configs()
+quiet_unactionable()
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)

@@ -202,3 +202,12 @@ def test_a_signal_stops_a_command_with_128_plus_n_and_one_line(signum, capsys) -
     assert enter("amp_exp.report", body) == 128 + signum
     assert done == []
     assert capsys.readouterr().err == f"amp_exp.report: stopped by {signal.Signals(signum).name}\n"
+
+
+def test_a_malformed_sweeper_override_is_one_line():
+    """Caught: OmegaConf's AttributeError traceback (the red team's case)."""
+    from amp_exp.config.preflight import check_overrides
+    from amp_exp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^hydra\.sweeper\.params: the override's value cannot"):
+        check_overrides(["-m", 'hydra.sweeper.params={precision: "fp32", seed: "0,1"}', "seed=1"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from argparse import Namespace
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -290,6 +291,17 @@ def check_overrides(argv: list[str]) -> Launch | None:
     # file that does not parse.
     except (ValueError, yaml.YAMLError, OmegaConfBaseException, HydraException) as error:
         raise ConfigError(describe_error(error)) from error
+    except AttributeError as error:
+        # OmegaConf fails on some values it cannot merge (a dict override of the sweeper's params
+        # node), re-raising the AttributeError of its own code with the key in its message.
+        found = re.search(r"full_key: (\S+)", str(error))
+        if found is None:
+            raise
+        key = found.group(1)
+        raise ConfigError(
+            f"{key}: the override's value cannot be merged into the config; write it as Hydra's "
+            "docs do (sweeper params: 'hydra.sweeper.params.seed=0,1', or -m seed=0,1)"
+        ) from error
     composed = None
     if not multirun and not args.experimental_rerun and composer is not None:
         composed = ComposedRun(base, config_name, composer)

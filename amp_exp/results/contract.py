@@ -35,6 +35,7 @@ from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RunRefused, RuntimeFaul
 from amp_exp.results.claim import check_free_space, make_directory, unmake_directory
 from amp_exp.results.finished import finished_results
 from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock, busy_message, holder_of
+from amp_exp.runtime.quiet import quiet_unactionable
 from amp_exp.runtime.signals import PREEMPTION_SIGNALS
 
 log = logging.getLogger("amp_exp")
@@ -80,6 +81,7 @@ def stop_on_signals() -> Iterator[None]:
 def enter(command: str, body: Callable[[], int | None]) -> int:
     """Run ``body`` (a command's work; returns its exit status, None for 0) under the contract;
     returns the status the command exits with."""
+    quiet_unactionable()
     try:
         with stop_on_signals():
             status = body() or 0
