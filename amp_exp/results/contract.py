@@ -56,7 +56,8 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse, with a bad flag as one line and exit 2 (argparse prints its usage first)."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        # "amp_exp.report: error: ...", as every other one-line error of a command begins.
+        print(f"{self.prog.removeprefix('python -m ')}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
 
