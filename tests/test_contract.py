@@ -211,3 +211,30 @@ def test_a_malformed_sweeper_override_is_one_line():
 
     with pytest.raises(ConfigError, match=r"^hydra\.sweeper\.params: the override's value cannot"):
         check_overrides(["-m", 'hydra.sweeper.params={precision: "fp32", seed: "0,1"}', "seed=1"])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_fills_a_real_disk_exits_4_in_one_line(tmp_path) -> None:
+    """Caught: torch's zip writer turning ENOSPC into "RuntimeError: [enforce fail at
+    inline_container.cc:672] . unexpected pos", a traceback and exit 1 (the red team's case). A
+    ResNet-18's 45 MB checkpoint cannot fit in the 2 MiB left."""
+    with small_disk(tmp_path / "disk", 3072) as disk:
+        fill(disk, leave_kib=2048)
+        run_dir = disk / "run"
+        result = python_m(
+            "amp_exp",
+            *FAST,
+            "model=resnet18",
+            "dataset.image_size=8",
+            "dataset.batch_size=16",
+            "trainer.max_steps=1",
+            "trainer.eval_every=null",
+            f"hydra.run.dir={run_dir}",
+        )
+        assert result.returncode == 4, result.stderr[-2000:]
+        line = the_one_error(result)
+        assert line.endswith(
+            f"could not write {run_dir}/checkpoints/last.pt (No space left on device); "
+            "nothing was written"
+        )
+        assert not list((run_dir / "checkpoints").glob(".*"))  # no partial file left
