@@ -155,6 +155,29 @@ def check_auto_class(model: HFModelConfig, task: TaskName, images: bool) -> None
         )
 
 
+def causal_variant(model: HFModelConfig) -> str:
+    """Why a model built by its type's causal-LM auto class saw later tokens, and whether the
+    type has a variant that does not (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES's class, which for
+    BERT-like encoders masks later tokens only as a decoder)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model.name)
+    if causal is None:
+        return (
+            f"the {model.name} type has no causal variant in transformers (no "
+            "AutoModelForCausalLM); use a decoder type such as gpt2 or llama"
+        )
+    if getattr(model_config(model).get_text_config(), "is_decoder", None) is False:
+        return (
+            f"the {model.name} type is an encoder; its causal variant, {causal}, masks later "
+            "tokens only with +model.config.is_decoder=true"
+        )
+    return (
+        f"{causal}, the {model.name} type's causal-LM class, sees later tokens even so; use a "
+        "decoder type such as gpt2 or llama"
+    )
+
+
 def auto_class_for(task: TaskName, images: bool) -> tuple[str, str]:
     if task is TaskName.lm:
         return CAUSAL_LM
