@@ -138,6 +138,24 @@ def test_defaults_are_the_documented_ones(compose_cfg) -> None:
         (["report.tolerance=-1"], "report.tolerance must be 0 or more"),
         (["report.wandb_timeout=0"], "report.wandb_timeout=0.0 must be positive"),
         (["experiment=init_scale_sweep", "precision.init_scale=8,-2"], "init_scale must be pos"),
+        (
+            [
+                "dataset=custom",
+                "dataset._target_=helpers.user_code.make_counting",
+                "task=lm",
+                "dataset.vocab_size=-1",
+            ],
+            "dataset.vocab_size=-1 must be 2 or more, or null",
+        ),
+        (
+            [
+                "dataset=custom",
+                "dataset._target_=helpers.user_code.make_labelled_vectors",
+                "task=classification",
+                "dataset.num_classes=0",
+            ],
+            "dataset.num_classes=0 must be positive or null",
+        ),
     ],
 )
 def test_bad_input_is_rejected_with_one_line(overrides: list[str], expected: str) -> None:

@@ -79,6 +79,16 @@ def test_an_unknown_model_type_is_refused_in_one_line_that_names_valid_ones():
         (["dataset.seq_len=64"], "exceeds the llama config's max_position_embeddings=32"),
         (["+model.config.vocab_size=16"], "vocabulary (16, model.config.vocab_size) is smaller"),
         (["model.path=/no/such/folder"], "model.path=/no/such/folder: no such directory"),
+        # Sizes by meaning (issue 35 item 5): transformers builds a GPT-2 without blocks from
+        # n_layer=-1, whose FLOP count came out negative.
+        (
+            ["model=hf", "model.name=gpt2", "+model.config.n_layer=-1"],
+            "model.config.n_layer=-1 must be an integer of 1 or more (a size, layer or head",
+        ),
+        (["model.config.num_hidden_layers=0"], "model.config.num_hidden_layers=0 must be an"),
+        (["model.config.num_attention_heads=-2"], "model.config.num_attention_heads=-2 must"),
+        (["model.config.hidden_size=0"], "model.config.hidden_size=0 must be an integer of 1"),
+        (["model.config.num_key_value_heads=true"], "num_key_value_heads=True must be an int"),
     ],
 )
 def test_a_bad_hf_value_is_one_line_before_anything_is_built(overrides, expected):
@@ -152,6 +162,14 @@ def test_flops_per_token_count_grouped_query_attention_and_swiglu_as_they_are():
     n = layers * (attention + swiglu + norms) + d + vocab * d
     expected = 6 * n + 12 * layers * heads * head_dim * seq_len
     assert hf_flops_per_token(model, seq_len) == expected
+
+
+def test_a_flop_count_of_zero_or_less_is_refused_never_reported():
+    # What transformers builds from num_hidden_layers=-1 (refused in the config, but possible
+    # from a folder): no layers, and 6N + 12·(-1)·4·16·64 = -11,904 FLOPs per token.
+    model = tiny_llama(num_hidden_layers=-1)
+    with pytest.raises(ConfigError, match=r"come to -11904 .* not a positive count"):
+        hf_flops_per_token(model, 64)
 
 
 def test_flops_formula_is_within_10_percent_of_torchs_flop_counter():

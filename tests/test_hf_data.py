@@ -89,6 +89,15 @@ def test_a_saved_model_keeps_its_shapes(saved_llama):
         check_overrides(["model=hf", "model.name=gpt2", f"model.path={saved_llama}"])
 
 
+def test_a_folder_whose_config_has_no_layers_is_refused_before_anything_is_built(
+    saved_llama, tmp_path
+):
+    config = json.loads((saved_llama / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 0}))
+    with pytest.raises(ConfigError, match=r"its config sets num_hidden_layers=0, which must be"):
+        check_overrides(["model=hf", f"model.path={tmp_path}", "dataset=synthetic_tokens"])
+
+
 def test_a_local_tokenizer_tokenizes_text_for_the_model(hf_cfg, tokenizer_dir, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(CORPUS)

@@ -67,6 +67,15 @@ def run_script(name: str, *args: str) -> dict | list:
     return json.loads(result.stdout)
 
 
+def test_bench_causal_times_the_check_inside_a_run() -> None:
+    tiny = ["trainer.device=cpu", "trainer.max_steps=4", "trainer.timing_warmup_steps=1"]
+    lm = ["model=gpt_tiny", "dataset=synthetic_tokens", "dataset.train_size=64"]
+    figures = run_script("bench_causal.py", "--repeats", "1", *tiny, *lm)
+    assert figures["status"] == "completed"
+    assert 0 < figures["check_s"] < figures["run_wall_s"]
+    assert figures["check_warm_median_s"] > 0
+
+
 def test_parity_trains_a_transformers_model_bit_for_bit_like_a_hand_written_loop() -> None:
     pytest.importorskip("transformers")
     report = run_script(

@@ -43,6 +43,26 @@ CODE_REQUESTS = (
 )
 # Named first when a model type is unknown: the ones people train most.
 COMMON_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gemma", "phi3", "bert", "vit")
+# Config attributes that size or count something, by transformers' common names (a type's
+# attribute_map adds its own, such as GPT-2's n_layer). transformers takes 0 or -1 for them and
+# builds a model without layers, or one whose FLOP count is negative.
+SIZE_KEYS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "n_inner",
+        "num_channels",
+        "image_size",
+        "patch_size",
+        "embedding_size",
+    }
+)
 # The auto class each kind of data needs: the name of its mapping in transformers, its class.
 CAUSAL_LM = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM")
 IMAGE_CLASSIFICATION = (
@@ -157,6 +177,39 @@ def check_model(model: HFModelConfig) -> None:
                 f"model.config.{key} is not an attribute of the {model.name} config; close "
                 f"ones: {hint}"
             )
+    _check_sizes(model)
+
+
+def size_keys(model_type: str) -> frozenset[str]:
+    """SIZE_KEYS, and what the type's config calls them (GPT-2's n_layer, n_head, n_embd)."""
+    aliases = getattr(type(default_config(model_type)), "attribute_map", {})
+    return SIZE_KEYS | {own for common, own in aliases.items() if common in SIZE_KEYS}
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_sizes(model: HFModelConfig) -> None:
+    """Sizes, layer counts and head counts are integers of 1 or more: each one ``model.config``
+    sets, and, for a folder, each its config.json sets (null leaves the type's default)."""
+    sized = size_keys(model.name)
+    for key, value in model.config.items():
+        if key in sized and value is not None and not _is_size(value):
+            raise ConfigError(
+                f"model.config.{key}={value} must be an integer of 1 or more (a size, layer or "
+                "head count)"
+            )
+    if model.path is None:
+        return
+    saved = model_config(model).get_text_config()
+    for key in sorted(SIZE_KEYS):
+        value = getattr(saved, key, None)
+        if value is not None and not _is_size(value):
+            raise ConfigError(
+                f"model.path={model.path}: its config sets {key}={value}, which must be an "
+                "integer of 1 or more (a size, layer or head count)"
+            )
 
 
 @functools.cache
@@ -195,6 +248,29 @@ def check_auto_class(model: HFModelConfig, task: TaskName, images: bool) -> None
             f"task={task.value} on this data needs; types that have one include "
             f"{_types_hint(model.name, tuple(mapping))}"
         )
+
+
+def causal_variant(model: HFModelConfig) -> str:
+    """Why a model built by its type's causal-LM auto class saw later tokens, and whether the
+    type has a variant that does not (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES's class, which for
+    BERT-like encoders masks later tokens only as a decoder)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model.name)
+    if causal is None:
+        return (
+            f"the {model.name} type has no causal variant in transformers (no "
+            "AutoModelForCausalLM); use a decoder type such as gpt2 or llama"
+        )
+    if getattr(model_config(model).get_text_config(), "is_decoder", None) is False:
+        return (
+            f"the {model.name} type is an encoder; its causal variant, {causal}, masks later "
+            "tokens only with +model.config.is_decoder=true"
+        )
+    return (
+        f"{causal}, the {model.name} type's causal-LM class, sees later tokens even so; use a "
+        "decoder type such as gpt2 or llama"
+    )
 
 
 def auto_class_for(task: TaskName, images: bool) -> tuple[str, str]:

@@ -264,6 +264,14 @@ def _validate_dataset(dataset: DatasetConfig) -> None:
             f"dataset.branching={dataset.branching} must lie in [1, dataset.vocab_size]",
         )
     if isinstance(dataset, CustomDatasetConfig):
+        require(
+            dataset.num_classes is None or dataset.num_classes > 0,
+            f"dataset.num_classes={dataset.num_classes} must be positive or null",
+        )
+        require(
+            dataset.vocab_size is None or dataset.vocab_size >= 2,
+            f"dataset.vocab_size={dataset.vocab_size} must be 2 or more, or null",
+        )
         _check_target("dataset", dataset._target_)
 
 

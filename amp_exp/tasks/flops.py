@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from amp_exp.errors import ConfigError
+
 
 def matmul_parameters(model: nn.Module) -> int:
     """N of the formula: every parameter but the embedding tables that are looked up, not
@@ -44,5 +46,14 @@ def matmul_parameters(model: nn.Module) -> int:
 def decoder_flops_per_token(
     matmul_params: int, layers: int, heads: int, head_dim: int, seq_len: int
 ) -> float:
-    """6N + 12·L·H·Q·T: forward and backward FLOPs per trained token."""
-    return 6 * matmul_params + 12 * layers * heads * head_dim * seq_len
+    """6N + 12·L·H·Q·T: forward and backward FLOPs per trained token. A count of 0 or less
+    comes only from sizes that make no model (a negative layer count), and is refused rather
+    than reported as a figure."""
+    flops = 6 * matmul_params + 12 * layers * heads * head_dim * seq_len
+    if flops <= 0:
+        raise ConfigError(
+            f"the model's training FLOPs per token come to {flops} (6·N + 12·L·H·Q·T with "
+            f"N={matmul_params}, L={layers} layers, H={heads} heads, Q={head_dim}, T={seq_len}), "
+            "not a positive count: its sizes, layer and head counts must be 1 or more"
+        )
+    return flops

@@ -16,6 +16,15 @@ from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
+# Rows of a batch the causal check changes, each after its own cut: in eval mode rows do not
+# mix, so four cuts spread from the first to the second-to-last position cost two forward passes
+# of four sequences, whatever the batch size.
+CAUSAL_CHECK_ROWS = 4
+# A change in logits beyond this share of their largest magnitude is a leak. A causal model's
+# logits before the cut are identical (the same kernels on the same prefix); an encoder's at
+# initialization move by 3-15% (BERT and RoBERTa on 32 tokens).
+CAUSAL_TOLERANCE = 1e-4
+
 
 class LanguageModelTask:
     unit = "tokens"
@@ -88,6 +97,30 @@ class LanguageModelTask:
         if len(shape) != 3 or shape[:2] != tuple(inputs.shape) or shape[2] < self.vocab_size:
             return f"returns logits of shape {list(shape)}, expected {expected}"
         return None
+
+    def future_leak(self, model: nn.Module, batch: Batch) -> str | None:
+        """Where the model's logits at a position t change when only the tokens after t change,
+        or None: a language model that sees later tokens reads the targets it is trained on
+        (they are its inputs shifted by one), and its loss means nothing. The caller runs it
+        in eval mode, without gradients."""
+        inputs = batch[0][:CAUSAL_CHECK_ROWS]
+        rows, length = inputs.shape
+        if length < 2:  # no later token to change
+            return None
+        cuts = torch.arange(rows, device=inputs.device) * (length - 2) // max(rows - 1, 1)
+        later = torch.arange(length, device=inputs.device) > cuts[:, None]
+        changed = torch.where(later, (inputs + 1) % self.vocab_size, inputs)
+        before, after = model(inputs).float(), model(changed).float()
+        # Per row: the largest change in any logit at or before its cut.
+        moved = (before - after).abs().amax(dim=-1).masked_fill(later, 0).amax(dim=-1)
+        leaks = (moved > CAUSAL_TOLERANCE * before.abs().amax(dim=(1, 2))).tolist()
+        if not any(leaks):
+            return None
+        row = leaks.index(True)
+        return (
+            f"its logits up to position {int(cuts[row])} change (by up to {float(moved[row]):.2g}) "
+            "when only the tokens after it change, so it sees the next tokens it learns to predict"
+        )
 
     def token_problem(self, inputs: torch.Tensor, targets: torch.Tensor) -> str | None:
         """What makes a batch's token ids something the embedding or the loss cannot take."""

@@ -3,7 +3,8 @@
 The one place that knows which models, data sets and tasks go together; the engine and the rest
 of the build see only a ``Task``, loaders and an ``nn.Module``. Before any training the model
 runs forward on one batch, so a model whose output does not fit the task stops the run with one
-line instead of a traceback mid-step.
+line instead of a traceback mid-step; a language model also runs the causal check (a model that
+sees later tokens would be trained on its own targets).
 """
 
 from __future__ import annotations
@@ -98,6 +99,40 @@ def check_output_fits(task: Task, model: nn.Module, batch: Batch, cfg: RunConfig
         )
 
 
+def model_label(cfg: RunConfig) -> str:
+    model = cfg.model
+    if isinstance(model, HFModelConfig):
+        return f"model=hf model.name={model.name}"
+    if isinstance(model, CustomModelConfig):
+        return f"model._target_={model._target_}"
+    return f"model={model.name}"
+
+
+def check_causal(task: LanguageModelTask, model: nn.Module, batch: Batch, cfg: RunConfig) -> None:
+    """The causal check (LanguageModelTask.future_leak), for every language model, before its
+    precision prepares it: so in fp32 master weights, without autocast, on the run's device. In
+    eval mode, where dropout (which would move every logit) is off; no gradients, no trace."""
+    try:
+        with leaves_no_trace(model), torch.no_grad():
+            model.eval()
+            problem = task.future_leak(model, task.to_device(batch))
+    except Exception as error:
+        raise ConfigError(
+            f"{model_label(cfg)} fails in eval mode (the causal check of task=lm) on one batch: "
+            f"{type(error).__name__}: {first_line(str(error))}"
+        ) from None
+    if problem is None:
+        return
+    if isinstance(cfg.model, HFModelConfig):
+        cause = hf.causal_variant(cfg.model)
+    else:
+        cause = (
+            "likely an encoder such as BERT, whose attention spans the whole sequence; a "
+            "language model needs a causal mask (scaled_dot_product_attention's is_causal=True)"
+        )
+    raise ConfigError(f"{model_label(cfg)} fails the causal check of task=lm: {problem}; {cause}")
+
+
 def make_task(
     cfg: RunConfig, facts: dict[str, Any], device: torch.device, channels_last: bool
 ) -> Task:
@@ -144,7 +179,10 @@ def build_workload(cfg: RunConfig, placement: Placement) -> Workload:
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     task = make_task(cfg, facts, device, channels_last)
-    check_output_fits(task, model, next(iter(data.train)), cfg)
+    batch = next(iter(data.train))
+    check_output_fits(task, model, batch, cfg)
+    if isinstance(task, LanguageModelTask):
+        check_causal(task, model, batch, cfg)
     flops = None
     if isinstance(model, GPT):
         flops = flops_per_token(model, facts["seq_len"])

@@ -37,6 +37,38 @@ def make_lm(vocab_size: int, width: int = 16) -> nn.Module:
     return TinyLM(vocab_size, width)
 
 
+class Encoder(TinyLM):
+    """TinyLM that adds the sequence's mean embedding at every position: like BERT's attention,
+    each position sees every later token."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        return self.head(x + x.mean(dim=1, keepdim=True))
+
+
+def make_encoder(vocab_size: int) -> nn.Module:
+    return Encoder(vocab_size)
+
+
+class Peeking(TinyLM):
+    """TinyLM whose one position ``at`` (negative: from the end) also sees the next token: a
+    leak between two neighbours only, which a cut between them alone finds."""
+
+    def __init__(self, vocab_size: int, at: int) -> None:
+        super().__init__(vocab_size)
+        self.at = at
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        peek = torch.zeros_like(x)
+        peek[:, self.at] = x[:, self.at + 1]
+        return self.head(x + peek)
+
+
+def make_peeking(vocab_size: int, at: int) -> nn.Module:
+    return Peeking(vocab_size, at)
+
+
 def make_anything(**facts) -> nn.Module:
     """Takes every fact offered; remembers them for the test to read."""
     model = nn.LazyLinear(facts.get("num_classes", 1))
