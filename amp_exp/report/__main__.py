@@ -39,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         "(accuracy points, or relative loss); default: each task's own",
     )
     parser.add_argument(
+        "--familywise",
+        action="store_true",
+        help="Holm across the report's comparisons, a family per claim at 2.5%% each "
+        "(report.familywise)",
+    )
+    parser.add_argument(
         "--wandb",
         action="store_true",
         help="also save the comparison as a W&B Report of the runs' project and print its URL "
@@ -61,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("matplotlib").setLevel(logging.ERROR)
     out_dir = args.out or Path(os.path.commonpath([d.resolve() for d in args.dirs]))
     try:
-        report = build_report(args.dirs, out_dir, args.tolerance)
+        report = build_report(args.dirs, out_dir, args.tolerance, args.familywise)
     except ReportError as error:
         print(f"amp_exp.report: error: {error}", file=sys.stderr)
         return 1

@@ -38,7 +38,7 @@ def _color(precision: str) -> str:
 
 def _label(row: dict[str, Any], with_model: bool) -> str:
     parts = [row["model"]] if with_model else []
-    parts.append(row["precision"])
+    parts.append(row["label"])
     if row["setting"]:
         parts.append(row["setting"])
     if row["status"] != "completed":
@@ -68,7 +68,7 @@ def _cells(rows: Rows) -> dict[tuple[str, str, str], Rows]:
     """The rows of each model, setting and precision: one cell, its seeds the replicates."""
     cells: dict[tuple[str, str, str], Rows] = {}
     for row in rows:
-        cells.setdefault((row["model"], row["setting"], row["precision"]), []).append(row)
+        cells.setdefault((row["model"], row["setting"], row["label"]), []).append(row)
     return cells
 
 
@@ -77,9 +77,9 @@ def _cell_label(row: dict[str, Any], seeds: int) -> str:
     return f"{label}, mean of {seeds} seeds" if seeds > 1 else label
 
 
-def _draw_cell(ax: Any, cell: Rows, metrics: Metrics, fp32_band: curves.Band) -> None:
+def _draw_cell(ax: Any, cell: Rows, metrics: Metrics) -> None:
     """One precision's loss: a line per seed, their mean over them; a run that did not complete
-    dashed; where the mean leaves the fp32 band for good, a marker."""
+    dashed. A picture only: the paired loss gap (loss_gap.png, the verdicts) is the evidence."""
     color = _color(cell[0]["precision"])
     done = [
         curves.train_curve(metrics.get(r["run"], [])) for r in cell if r["status"] == "completed"
@@ -109,18 +109,6 @@ def _draw_cell(ax: Any, cell: Rows, metrics: Metrics, fp32_band: curves.Band) ->
         marker="." if len(steps) < 30 else None,
         label=_cell_label(cell[0], len(done)),
     )
-    left = curves.left_band_at(mean, fp32_band) if fp32_band and len(done) > 1 else None
-    if left is not None and cell[0]["precision"] != "fp32":
-        step = left[0]
-        ax.scatter([step], [mean[step]], marker="v", s=60, color=color, zorder=4)
-        ax.annotate(
-            f"left the fp32 band at step {step}",
-            (step, mean[step]),
-            textcoords="offset points",
-            xytext=(4, 8),
-            color=color,
-            fontsize="small",
-        )
 
 
 def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
@@ -158,7 +146,7 @@ def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
                 )
             for (cell_model, cell_setting, _), cell in cells.items():
                 if (cell_model, cell_setting) == (model, setting):
-                    _draw_cell(ax, cell, metrics, fp32_band)
+                    _draw_cell(ax, cell, metrics)
         ax.set(title=model, xlabel="step", ylabel="training loss (mean per log interval)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
