@@ -106,7 +106,7 @@ def test_matches_exactly_when_tost_rejects_at_two_and_a_half_percent() -> None:
 def test_the_simulated_rule_is_the_reports_rule() -> None:
     rng = np.random.default_rng(1)
     deltas = rng.normal(
-        rng.uniform(-1, 1, size=(120, 1)), rng.uniform(0.05, 0.6, (300, 1)), (300, 3)
+        rng.uniform(-1, 1, size=(120, 1)), rng.uniform(0.05, 0.6, (120, 1)), (120, 3)
     )
     deltas[:20] = 0.1 * np.round(deltas[:20] / 0.1)  # some quantized, some identical
     deltas[:5] = 0.2
