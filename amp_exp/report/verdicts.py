@@ -49,11 +49,22 @@ def speed_phrase(comparison: dict[str, Any], emulated: bool) -> str:
     return f"{comparison['job_speedup']:.2f}x {BASELINE}'s speed (jobs timed one after another)"
 
 
+# How a seed's attempt ended (report/evidence.py's failure statuses), as the lines say it.
+ENDED_WORDS = {
+    "numerical": "failed numerically",
+    "diverged": "diverged",
+    "out_of_memory": "ran out of memory",
+    "killed": "was killed",
+    "stopped": "was stopped",
+    "failed": "failed",
+}
+
+
 def failed_phrase(failed: dict[str, Any]) -> str:
     """One failed seed: whose run, how it ended and at which step."""
     where = "" if failed["step"] is None else f" at step {failed['step']}"
-    ended = f"{failed['precision']} {failed['status']}{where}"
-    return f"seed {failed['seed']} {ended} ({failed['reason']})"
+    ended = ENDED_WORDS.get(failed["status"], failed["status"])
+    return f"seed {failed['seed']}: {failed['precision']} {ended}{where} ({failed['reason']})"
 
 
 def seeds_phrase(comparison: dict[str, Any]) -> str:
@@ -67,7 +78,8 @@ def seeds_phrase(comparison: dict[str, Any]) -> str:
         if comparison["verdict"] == "incomplete"
         else ""
     )
-    return f" ({listed}, of {comparison['n_attempted']} seeds attempted{advice})"
+    total = comparison["n_attempted"]
+    return f" ({listed}, of {total} seed{'' if total == 1 else 's'} attempted{advice})"
 
 
 def numbers_phrase(comparison: dict[str, Any]) -> str:
@@ -238,7 +250,13 @@ def cell_parts(cell: list[Row], comparison: dict[str, Any] | None, replicated: b
             for row in completed
             if row["baseline"] is None
         ]
-    return parts + [ended_phrase(row, replicated) for row in cell if row["status"] != "completed"]
+    # A seed the comparison names as failed is said there, once.
+    named_runs = {failed["run"] for failed in (comparison or {}).get("failed_seeds", [])}
+    return parts + [
+        ended_phrase(row, replicated)
+        for row in cell
+        if row["status"] != "completed" and row["run"] not in named_runs
+    ]
 
 
 def verdicts(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[str]:
