@@ -77,15 +77,27 @@ def write_run(
 
 
 def write_failed_run(
-    path: Path, model: str, precision: str, error: str | None, status: str = "failed"
+    path: Path,
+    model: str,
+    precision: str,
+    error: str | None,
+    status: str = "failed",
+    seed: int = 0,
+    losses: list[float] | None = None,
 ) -> None:
+    """A run that ended without completing; its metrics.jsonl logs ``losses`` at steps 1, 2, ..."""
     path.mkdir(parents=True)
+    if losses:
+        rows = [
+            {"kind": "train", "step": step, "loss": loss} for step, loss in enumerate(losses, 1)
+        ]
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = {
         "status": status,
         "error": error,
         "model": model,
         "precision": precision,
-        "config": {"model": {"name": model}, "precision": {"name": precision}, "seed": 0},
+        "config": {"model": {"name": model}, "precision": {"name": precision}, "seed": seed},
     }
     (path / "summary.json").write_text(json.dumps(summary))
 

@@ -190,9 +190,10 @@ def _estimate(estimate: dict[str, Any] | None, show: Callable[[float], str]) -> 
 
 
 def attempted(comparison: dict[str, Any]) -> str:
-    """ " of 3" beside n where seeds were attempted that gave no pair."""
-    total = comparison.get("n_attempted")
-    return "" if total is None or total == comparison.get("n") else f" of {total}"
+    """Beside n, " of 3 attempted" where a seed attempted gave no result."""
+    if not comparison.get("failed_seeds"):
+        return ""
+    return f" of {comparison['n_attempted']} attempted"
 
 
 def claim_p(comparison: dict[str, Any]) -> float | None:

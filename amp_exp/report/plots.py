@@ -161,7 +161,7 @@ def loss_scale_trace(rows: Rows, metrics: Metrics) -> Figure | None:
             [
                 m
                 for m in metrics.get(row["run"], [])
-                if m["kind"] == "train" and m["scale"] is not None
+                if m["kind"] == "train" and m.get("scale") is not None
             ],
         )
         for row in rows

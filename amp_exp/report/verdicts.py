@@ -96,8 +96,10 @@ def numbers_phrase(comparison: dict[str, Any]) -> str:
 
 def settle_phrase(comparison: dict[str, Any]) -> str:
     """Why an inconclusive verdict is open, and what would close it."""
-    if comparison["identical"]:
+    if comparison["identical"] and comparison["delta_mean"] == 0:
         return f"; identical to {BASELINE} on every seed: check that the precision engaged"
+    if comparison["identical"]:
+        return f"; every seed differed from {BASELINE} by exactly as much, which measures no noise"
     seeds, df = comparison["seeds_to_settle"], comparison["n"] - 1
     planned = (
         f"about {seeds} seeds would settle it with 80% probability"
