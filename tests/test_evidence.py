@@ -108,6 +108,8 @@ def test_a_precision_far_behind_is_worse_by_the_paired_loss_gap(
     (line,) = build_report([tmp_path], tmp_path)["verdicts"]
     assert line.startswith("tiny_cnn: bf16 is worse than fp32: Δ accuracy -70.47 points")
     assert "band" not in line
+    # The paired gap per step is drawn beside the curves, as a picture.
+    assert "loss_gap.png" in build_report([tmp_path], tmp_path)["plots"]
 
 
 @pytest.mark.parametrize(

@@ -225,7 +225,12 @@ def test_a_plot_that_fails_never_costs_the_table(tmp_path: Path, monkeypatch) ->
     monkeypatch.setitem(plots.PLOTS, "throughput.png", broken)
     report = build_report([tmp_path], tmp_path, tolerance=0.5)
     assert report["plot_errors"] == {"throughput.png": "ValueError: no room for bars"}
-    assert report["plots"] == ["loss_curves.png", "loss_scale.png", "peak_memory.png"]
+    assert report["plots"] == [
+        "loss_curves.png",
+        "loss_gap.png",
+        "loss_scale.png",
+        "peak_memory.png",
+    ]
     assert all((tmp_path / name).stat().st_size > 0 for name in report["plots"])
     assert not (tmp_path / "throughput.png").exists()
     report_md = (tmp_path / "report.md").read_text()

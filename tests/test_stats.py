@@ -266,3 +266,10 @@ def test_the_loss_gap_averages_the_last_tenth_of_steps_relative_and_absolute() -
     assert relative == pytest.approx((0.01 + 0.02) / 2)
     assert absolute == pytest.approx(0.03)
     assert curves.loss_gap({**curve, 100: float("nan")}, baseline) is None
+
+
+def test_the_gap_curve_is_relative_at_the_steps_both_logged() -> None:
+    baseline = {1: 2.0, 2: 0.0, 3: 4.0}
+    curve = {1: 2.2, 3: 3.0, 4: 1.0}
+    # Step 2: fp32's loss of 0 has no relative gap; step 4: fp32 did not log it.
+    assert curves.gap_curve(curve, baseline) == pytest.approx({1: 0.1, 3: -0.25})

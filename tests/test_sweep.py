@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 SMALL = [*FAST, "dataset.image_size=8", "dataset.batch_size=16"]
 PLOTS = (
     "loss_curves.png",
+    "loss_gap.png",
     "loss_scale.png",
     "throughput.png",
     "peak_memory.png",

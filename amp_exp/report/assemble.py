@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows
+from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows, tolerance_for
 from amp_exp.report.evidence import cell_key, gather, trial_speedup
 from amp_exp.report.markdown import write_report
 from amp_exp.report.runs import find_runs
@@ -67,6 +67,8 @@ def build_report(
     trials = read_trials(dirs)
     for row in rows:
         row["trial_speedup"] = trial_speedup(trials, cell_key(row))
+        # The tolerance that judges the run's quality metric, in its unit (null without one).
+        row["tolerance"] = tolerance_for(row, tolerance)
     cells, comparisons = gather(rows, metrics, tolerance, trials, familywise)
     report = {
         "tolerance": tolerance,

@@ -53,6 +53,15 @@ def loss_gap(curve: Curve, baseline: Curve) -> tuple[float, float] | None:
     return gaps if all(math.isfinite(gap) for gap in gaps) else None
 
 
+def gap_curve(curve: Curve, baseline: Curve) -> Curve:
+    """The relative gap (l - l_fp32) / l_fp32 at each step both logged, where fp32 is not 0."""
+    return {
+        step: (curve[step] - baseline[step]) / abs(baseline[step])
+        for step in sorted(baseline)
+        if step in curve and baseline[step] != 0
+    }
+
+
 def common_steps(curves: Sequence[Curve]) -> list[int]:
     steps = set(curves[0]) if curves else set()
     for curve in curves[1:]:

@@ -211,6 +211,77 @@ def loss_scale_trace(rows: Rows, metrics: Metrics) -> Figure | None:
     return figure
 
 
+# Below this relative gap DeepSeek-V3 calls fp8 training's loss error acceptable.
+DEEPSEEK_BAR = 0.0025
+
+
+def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
+    """The paired training-loss gap against fp32 at each logged step, one panel per model: each
+    precision's mean gap over its seeds, the band of its seeds' gaps (lowest to highest) and the
+    lines it is read against. A picture, not a test: the verdicts rest on the final 10%."""
+    pairs: dict[tuple[str, str, str], list[curves.Curve]] = {}
+    tolerance_of: dict[str, float] = {}
+    for row in rows:
+        if row["status"] != "completed" or row["baseline"] is None:
+            continue
+        gap = curves.gap_curve(
+            curves.train_curve(metrics.get(row["run"], [])),
+            curves.train_curve(metrics.get(row["baseline"], [])),
+        )
+        finite = {step: value for step, value in gap.items() if math.isfinite(value)}
+        if finite and row["label"] != "fp32":
+            pairs.setdefault((row["model"], row["setting"], row["label"]), []).append(finite)
+        declared = row["quality_metric"]
+        if declared is not None and declared["tolerance_unit"] == "relative":
+            tolerance_of[row["model"]] = row["tolerance"]
+    models = list(dict.fromkeys(model for model, _, _ in pairs))
+    if not models:
+        return None
+    figure, axes = _model_panels(models, (5.2, 3.8))
+    for ax, model in zip(axes, models, strict=True):
+        for (cell_model, setting, label), gaps in pairs.items():
+            if cell_model != model:
+                continue
+            steps = curves.common_steps(gaps)
+            mean = curves.mean_curve(gaps)
+            color = _color(label)
+            name = " ".join([label, setting]).strip()
+            ax.plot(
+                steps, [mean[s] for s in steps], color=color, label=f"{name} (mean of {len(gaps)})"
+            )
+            spread = curves.band(gaps)
+            if spread:
+                ax.fill_between(
+                    steps,
+                    [spread[s][0] for s in steps],
+                    [spread[s][1] for s in steps],
+                    color=color,
+                    alpha=0.2,
+                    linewidth=0,
+                    label=f"{name}: lowest to highest seed",
+                )
+        lines = [(DEEPSEEK_BAR, "DeepSeek-V3's ±0.25%", ":")]
+        if model in tolerance_of:
+            lines.append(
+                (tolerance_of[model], f"eval-loss tolerance ±{tolerance_of[model]:.2%}", "--")
+            )
+        for level, name, style in lines:
+            for sign in (1, -1):
+                ax.axhline(
+                    sign * level,
+                    color="#333333",
+                    linestyle=style,
+                    linewidth=0.9,
+                    label=name if sign == 1 else None,
+                )
+        ax.axhline(0, color=_color("fp32"), linewidth=0.8)
+        ax.yaxis.set_major_formatter(lambda value, _: f"{value:+.2%}")
+        ax.set(title=model, xlabel="step", ylabel="training-loss gap vs fp32, paired by seed")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return figure
+
+
 def _bars(rows: Rows, value_key: str, ratio_key: str, unit: float, ylabel: str) -> Figure | None:
     """A panel per model with a bar per completed run, labelled with its ratio to fp32."""
     shown = [row for row in rows if row["status"] == "completed" and row[value_key] is not None]
@@ -294,6 +365,7 @@ def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
 
 PLOTS: dict[str, Callable[[Rows, Metrics], Figure | None]] = {
     "loss_curves.png": loss_curves,
+    "loss_gap.png": loss_gap,
     "loss_scale.png": loss_scale_trace,
     "throughput.png": throughput_bars,
     "peak_memory.png": peak_memory_bars,
