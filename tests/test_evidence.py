@@ -317,20 +317,18 @@ def test_a_seed_fp32_failed_too_is_the_baselines_failure(tmp_path: Path) -> None
 def test_a_non_finite_loss_is_unstable_at_the_step_it_diverged(tmp_path: Path) -> None:
     write_three_seeds(tmp_path, "fp32", 0)
     write_seeds(tmp_path, "fp16", FP32_ACC[:2], 3)
-    nan = float("nan")
-    write_run(
-        tmp_path / "5",
-        "tiny_cnn",
-        "fp16",
-        1000.0,
-        0.1,
-        seed=2,
-        final_loss=nan,
-        losses=[2.0, nan, nan],
-    )
+    nan, inf = float("nan"), float("inf")
+    write_run(tmp_path / "5", "tiny_cnn", "fp16", 1000.0, 0.1, seed=2, final_loss=nan)
+    # Step 1's inf gradient norm (a skipped fp16 step) is no divergence; step 2's loss is.
+    rows = [
+        {"kind": "train", "step": 1, "loss": 2.0, "grad_norm": inf},
+        {"kind": "train", "step": 2, "loss": nan, "grad_norm": inf},
+        {"kind": "eval", "step": 3, "eval_loss": nan},
+    ]
+    (tmp_path / "5" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (comparison,) = build_report([tmp_path], tmp_path)["comparisons"]
     assert comparison["verdict"] == "unstable"
-    ((failed),) = comparison["failed_seeds"]
+    (failed,) = comparison["failed_seeds"]
     assert (failed["status"], failed["step"], failed["seed"]) == ("diverged", 2, 2)
 
 

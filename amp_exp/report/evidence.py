@@ -84,10 +84,11 @@ def finite(value: float | None) -> bool:
 
 
 def first_nonfinite_step(metrics: list[dict[str, Any]]) -> int | None:
-    """The first logged step whose loss or eval metric is not finite."""
+    """The first logged step whose loss or an eval metric is not finite (a skipped fp16 step's
+    gradient norm is inf with a finite loss: no divergence)."""
     for row in metrics:
-        values = [v for k, v in row.items() if k not in ("step", "kind") and isinstance(v, float)]
-        if "step" in row and not all(math.isfinite(v) for v in values):
+        values = [v for k, v in row.items() if k == "loss" or k.startswith("eval_")]
+        if "step" in row and not all(finite(v) for v in values if isinstance(v, float)):
             return int(row["step"])
     return None
 
