@@ -336,7 +336,8 @@ def adjust_familywise(comparisons: list[dict[str, Any]]) -> None:
     """Holm across the report's comparisons, a family per claim (``FAMILIES``), each at 2.5%:
     every comparison the rule judged is tested, and a claim whose hypothesis Holm does not
     reject becomes ``inconclusive``. The intervals stay unadjusted."""
-    judged = [c for c in comparisons if c["p_equivalence"] is not None]
+    # A comparison its seeds decided (unstable, incomplete, ...) makes no statistical claim.
+    judged = [c for c in comparisons if c["p_equivalence"] is not None and not c["seed_verdict"]]
     for claim, key in FAMILIES.items():
         rejected = stats.holm([c[key] for c in judged])
         for found, kept in zip(judged, rejected, strict=True):
