@@ -1,5 +1,6 @@
-"""Seeds as replicates in the report: cells, paired differences against fp32, verdicts with their
-numbers, loss-curve evidence and the speed trial's speedup, on hand-made run directories."""
+"""Seeds as replicates in the report: cells, every attempted seed counted, paired differences
+against fp32, verdicts with their numbers, the loss gap and the speed trial's speedup, on
+hand-made run directories."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from amp_exp.config.schema import ReportConfig
 from amp_exp.report.assemble import build_report
+from amp_exp.report.evidence import adjust_familywise
 from amp_exp.results.files import SPEED_JSON
 from amp_exp.tasks.lm import LanguageModelTask
-from test_report import rows_by_run, write_run
+from test_report import rows_by_run, write_failed_run, write_run
 
 FP32_ACC = [0.8125, 0.7969, 0.8047]
 COMPARISON_KEYS = {
@@ -24,8 +27,10 @@ COMPARISON_KEYS = {
     "metric",
     "delta_mean",
     "delta_ci95",
-    "p_value",
+    "p_equivalence",
     "verdict",
+    "n_attempted",
+    "failed_seeds",
     "loss_gap_rel",
     "speedup",
 }
@@ -53,11 +58,16 @@ def test_seeds_form_one_cell_paired_seed_by_seed_with_scipys_interval(tmp_path: 
     assert comparison["n"] == 3 and comparison["verdict"] == "matches"
     assert comparison["delta_mean"] == pytest.approx(-0.05)
     assert comparison["delta_ci95"] == pytest.approx([low, high])
-    assert comparison["p_value"] == pytest.approx(reference.pvalue)
+    assert (comparison["n_attempted"], comparison["failed_seeds"]) == (3, [])
+    # 0.7969 is no count over 1,024: the accuracies are counts over 10,000 (0.01 points apiece),
+    # a floor below the spread seen.
+    assert (comparison["eval_examples"], comparison["floor"]) == (10_000, pytest.approx(0.01))
     (line,) = report["verdicts"]
+    p_equivalence = comparison["p_equivalence"]
     assert line.startswith(
         f"tiny_cnn: bf16 matches fp32: Δ accuracy -0.05 points, 95% CI [{low:+.2f}, "
-        f"{high:+.2f}], n = 3, tolerance ±0.5 points; 1.00x fp32's speed"
+        f"{high:+.2f}], n = 3, tolerance ±0.5 points, p_equivalence {p_equivalence:.2g}; failure "
+        "rate below 63% (95% upper bound: 0 of 3 seeds failed); 1.00x fp32's speed"
     )
     fp32_cell = report["cells"][0]
     t_low, t_high = scipy_stats.t.interval(
@@ -70,7 +80,7 @@ def test_seeds_form_one_cell_paired_seed_by_seed_with_scipys_interval(tmp_path: 
     assert "| tiny_cnn | bf16 | 3 | eval_acc |" in markdown and "| matches |" in markdown
 
 
-def test_a_precision_far_behind_is_worse_and_its_curve_leaves_the_fp32_band(
+def test_a_precision_far_behind_is_worse_by_the_paired_loss_gap(
     tmp_path: Path,
 ) -> None:
     learning = [[2.3 - 0.1 * step + 0.01 * seed for step in range(10)] for seed in range(3)]
@@ -89,8 +99,7 @@ def test_a_precision_far_behind_is_worse_and_its_curve_leaves_the_fp32_band(
             tmp_path / str(3 + seed), "tiny_cnn", "bf16", 1000.0, 0.1, seed=seed, losses=stalled
         )
     (comparison,) = build_report([tmp_path], tmp_path)["comparisons"]
-    assert comparison["verdict"] == "worse"
-    assert comparison["left_band"] == {"step": 4, "side": "above"}
+    assert comparison["verdict"] == "worse" and "left_band" not in comparison
     # The last 10% of 10 steps: steps 9 and 10, where fp32 is at 1.5 and 1.4 (+0.01 per seed)
     # and the stalled run at 2.1.
     gaps = [np.mean([0.6 / (1.5 + 0.01 * s), 0.7 / (1.4 + 0.01 * s)]) for s in range(3)]
@@ -98,26 +107,39 @@ def test_a_precision_far_behind_is_worse_and_its_curve_leaves_the_fp32_band(
     assert comparison["loss_gap_abs"]["mean"] == pytest.approx(0.65)
     (line,) = build_report([tmp_path], tmp_path)["verdicts"]
     assert line.startswith("tiny_cnn: bf16 is worse than fp32: Δ accuracy -70.47 points")
-    assert "left the fp32 band (above) at step 4" in line
+    assert "band" not in line
+    # The paired gap per step is drawn beside the curves, as a picture.
+    assert "loss_gap.png" in build_report([tmp_path], tmp_path)["plots"]
 
 
-def test_inconclusive_says_roughly_how_many_seeds_would_settle_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("offsets", "planned"),
+    [
+        ((-0.001, -0.005, 0.002), "about {} seeds would settle it with 80% probability"),
+        ((-0.001, -0.02, 0.012), "more than 50 seeds would be needed to settle it"),
+    ],
+)
+def test_inconclusive_gives_a_planning_estimate_of_the_seeds_that_would_settle_it(
+    tmp_path: Path, offsets: tuple[float, ...], planned: str
+) -> None:
     write_seeds(tmp_path, "fp32", FP32_ACC, 0)
-    write_seeds(
-        tmp_path, "bf16", [a + d for a, d in zip(FP32_ACC, (-0.001, -0.009, 0.003), strict=True)], 3
-    )
+    write_seeds(tmp_path, "bf16", [a + d for a, d in zip(FP32_ACC, offsets, strict=True)], 3)
     report = build_report([tmp_path], tmp_path)
     (comparison,) = report["comparisons"]
     assert comparison["verdict"] == "inconclusive"
-    assert comparison["seeds_to_settle"] > 3
-    assert f"about {comparison['seeds_to_settle']} seeds would settle it" in report["verdicts"][0]
+    seeds = comparison["seeds_to_settle"]
+    assert (seeds is None) == ("more than" in planned) and (seeds is None or seeds > 3)
+    assert (
+        f"; {planned.format(seeds)} (a simulated planning estimate, from a spread measured with "
+        "2 degrees of freedom)"
+    ) in report["verdicts"][0]
 
 
 def test_a_language_model_is_judged_on_its_relative_eval_loss_lower_being_better(
     tmp_path: Path,
 ) -> None:
     for job, (precision, seed, loss) in enumerate(
-        [("fp32", 0, 2.00), ("fp32", 1, 2.10), ("bf16", 0, 2.10), ("bf16", 1, 2.205)]
+        [("fp32", 0, 2.00), ("fp32", 1, 2.10), ("bf16", 0, 2.10), ("bf16", 1, 2.2155)]
     ):
         summary = write_run(tmp_path / str(job), "gpt_tiny", precision, 1000.0, 0.0, seed=seed)
         summary.pop("eval_acc")
@@ -126,11 +148,61 @@ def test_a_language_model_is_judged_on_its_relative_eval_loss_lower_being_better
     report = build_report([tmp_path], tmp_path)
     (comparison,) = report["comparisons"]
     assert (comparison["metric"], comparison["unit"]) == ("eval_loss", "relative")
-    assert comparison["delta_mean"] == pytest.approx(0.05)  # 5% above fp32 on both seeds
-    assert comparison["verdict"] == "worse"
+    assert comparison["delta_mean"] == pytest.approx(0.0525)  # 5% and 5.5% above fp32
+    assert comparison["verdict"] == "worse" and comparison["floor"] is None
+    low, high = comparison["delta_ci95"]
     assert (
-        "Δ loss +5.00%, 95% CI [+5.00%, +5.00%], n = 2, tolerance ±1.00%" in (report["verdicts"][0])
+        f"Δ loss +5.25%, 95% CI [{low:+.2%}, {high:+.2%}], n = 2, tolerance ±1.00%"
+        in (report["verdicts"][0])
     )
+
+
+@pytest.mark.parametrize(
+    ("losses", "reason"),
+    [
+        # Bit-identical runs: the precision most likely never ran.
+        ((2.0, 2.1), "identical to fp32 on every seed: check that the precision engaged"),
+        ((2.1, 2.205), "every seed differed from fp32 by exactly as much, which measures no noise"),
+    ],
+)
+def test_identical_relative_loss_deltas_give_no_interval_of_no_width_a_verdict(
+    tmp_path: Path, losses: tuple[float, float], reason: str
+) -> None:
+    for job, (precision, seed, loss) in enumerate(
+        [("fp32", 0, 2.00), ("fp32", 1, 2.10), ("bf16", 0, losses[0]), ("bf16", 1, losses[1])]
+    ):
+        summary = write_run(tmp_path / str(job), "gpt_tiny", precision, 1000.0, 0.0, seed=seed)
+        summary.pop("eval_acc")
+        summary.update(task_metrics=LanguageModelTask.metrics.as_dict(), eval_loss=loss)
+        (tmp_path / str(job) / "summary.json").write_text(json.dumps(summary))
+    report = build_report([tmp_path], tmp_path)
+    (comparison,) = report["comparisons"]
+    assert (comparison["verdict"], comparison["identical"]) == ("inconclusive", True)
+    assert comparison["seeds_to_settle"] is None
+    assert reason in report["verdicts"][0]
+
+
+def test_identical_accuracy_deltas_are_floored_at_one_eval_example(tmp_path: Path) -> None:
+    """Accuracy on 1,024 images moves in steps of 0.098 points: identical deltas are common and
+    no noise estimate, so the interval is floored at one example, and at 2 seeds and a
+    0.5-point tolerance matches is out of reach whatever the runs do."""
+    fp32 = [801 / 1024, 790 / 1024, 803 / 1024]
+    write_seeds(tmp_path / "two", "fp32", fp32[:2], 0)
+    write_seeds(tmp_path / "two", "bf16", fp32[:2], 2)
+    (two,) = build_report([tmp_path / "two"], tmp_path / "two")["comparisons"]
+    assert two["eval_examples"] == 1024 and two["delta_ci95"][1] > two["delta_ci95"][0]
+    assert (two["verdict"], two["min_seeds_to_match"]) == ("inconclusive", 3)
+    (line,) = build_report([tmp_path / "two"], tmp_path / "two")["verdicts"]
+    assert (
+        "; with 1,024 eval examples (one is 0.10 points), 2 seeds can never give matches at "
+        "±0.5 points: use a larger eval set or at least 3 seeds;"
+    ) in line
+    write_seeds(tmp_path / "three", "fp32", fp32, 0)
+    write_seeds(tmp_path / "three", "bf16", fp32, 3)
+    (three,) = build_report([tmp_path / "three"], tmp_path / "three")["comparisons"]
+    half = scipy_stats.t.ppf(0.975, 2) * (100 / 1024) / np.sqrt(3)
+    assert three["verdict"] == "matches"
+    assert three["delta_ci95"] == pytest.approx([-half, half])
 
 
 def test_the_speed_trial_gives_the_speedup_beside_each_jobs_own_throughput(
@@ -176,3 +248,159 @@ def test_runs_that_never_evaluated_are_compared_on_speed_and_loss_alone(tmp_path
         "tiny_cnn: bf16 against fp32: no eval metric to compare;"
     )
     assert "| tiny_cnn | bf16 | 0 | - | - | - | - | - |" in (tmp_path / "report.md").read_text()
+
+
+def write_three_seeds(root: Path, precision: str, first_job: int, failing: dict | None = None):
+    """Seeds 0-2 of ``precision`` at fp32's accuracy plus a hair; ``failing`` replaces seed 2
+    with a run that failed, given write_failed_run's arguments."""
+    accuracies = [a + (0.0005 if precision != "fp32" else 0) for a in FP32_ACC]
+    if failing is None:
+        write_seeds(root, precision, accuracies, first_job)
+    else:
+        write_seeds(root, precision, accuracies[:2], first_job)
+        write_failed_run(root / str(first_job + 2), "tiny_cnn", precision, seed=2, **failing)
+
+
+FAULT = {
+    "error": "NumericalFault: fp16 loss scaling collapsed by step 40: loss scale 0.0001 fell "
+    "below precision.min_scale",
+    "losses": [2.0] * 40,
+}
+
+
+def test_a_seed_that_failed_numerically_makes_the_precision_unstable_never_matches(
+    tmp_path: Path,
+) -> None:
+    write_three_seeds(tmp_path, "fp32", 0)
+    write_three_seeds(tmp_path, "fp16", 3, failing=FAULT)
+    report = build_report([tmp_path], tmp_path)
+    (comparison,) = report["comparisons"]
+    # Of the two seeds that survived, fp16 matches; the seed it failed decides.
+    assert (comparison["verdict"], comparison["unadjusted_verdict"]) == ("unstable", "matches")
+    assert (comparison["n"], comparison["n_attempted"]) == (2, 3)
+    assert comparison["failed_seeds"] == [
+        {
+            "seed": 2,
+            "precision": "fp16",
+            "run": "5",
+            "status": "numerical",
+            "reason": FAULT["error"],
+            "step": 40,
+        }
+    ]
+    assert comparison["conditional_on_survival"] and comparison["failure_rate_bound"] is None
+    (line,) = report["verdicts"]
+    assert line.startswith(
+        "tiny_cnn: fp16 is unstable (seed 2: fp16 failed numerically at step 40 (NumericalFault: "
+    )
+    assert (
+        "of 3 seeds attempted): over the seeds that survived, conditional on their survival" in line
+    )
+    assert "matches" not in line
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| tiny_cnn | fp16 | 2 of 3 attempted | eval_acc |" in markdown
+    assert "| unstable |" in markdown
+
+
+def test_a_seed_fp32_failed_too_is_the_baselines_failure(tmp_path: Path) -> None:
+    write_three_seeds(tmp_path, "fp32", 0, failing=FAULT)
+    write_three_seeds(tmp_path, "fp16", 3, failing=FAULT)
+    (comparison,) = build_report([tmp_path], tmp_path)["comparisons"]
+    assert comparison["verdict"] == "baseline_unstable"
+    # Both failures are listed; the verdict is fp32's.
+    assert [(f["seed"], f["precision"]) for f in comparison["failed_seeds"]] == [
+        (2, "fp32"),
+        (2, "fp16"),
+    ]
+
+
+def test_a_non_finite_loss_is_unstable_at_the_step_it_diverged(tmp_path: Path) -> None:
+    write_three_seeds(tmp_path, "fp32", 0)
+    write_seeds(tmp_path, "fp16", FP32_ACC[:2], 3)
+    nan, inf = float("nan"), float("inf")
+    write_run(tmp_path / "5", "tiny_cnn", "fp16", 1000.0, 0.1, seed=2, final_loss=nan)
+    # Step 1's inf gradient norm (a skipped fp16 step) is no divergence; step 2's loss is.
+    rows = [
+        {"kind": "train", "step": 1, "loss": 2.0, "grad_norm": inf},
+        {"kind": "train", "step": 2, "loss": nan, "grad_norm": inf},
+        {"kind": "eval", "step": 3, "eval_loss": nan},
+    ]
+    (tmp_path / "5" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (comparison,) = build_report([tmp_path], tmp_path)["comparisons"]
+    assert comparison["verdict"] == "unstable"
+    (failed,) = comparison["failed_seeds"]
+    assert (failed["status"], failed["step"], failed["seed"]) == ("diverged", 2, 2)
+
+
+def test_a_killed_seed_is_incomplete_until_a_rerun_of_it_completes(tmp_path: Path) -> None:
+    write_three_seeds(tmp_path, "fp32", 0)
+    killed = {"error": None, "status": "killed"}
+    write_three_seeds(tmp_path, "bf16", 3, failing=killed)
+    report = build_report([tmp_path], tmp_path)
+    (comparison,) = report["comparisons"]
+    assert (comparison["verdict"], comparison["n"]) == ("incomplete", 2)
+    assert [f["status"] for f in comparison["failed_seeds"]] == ["killed"]
+    assert "rerun the seed: its completed rerun is paired" in report["verdicts"][0]
+    write_run(tmp_path / "9", "tiny_cnn", "bf16", 1000.0, FP32_ACC[2] + 0.0005, seed=2)
+    (rerun,) = build_report([tmp_path], tmp_path)["comparisons"]
+    assert (rerun["verdict"], rerun["n"], rerun["failed_seeds"]) == ("matches", 3, [])
+    assert rerun["deltas"]["2"] == pytest.approx(0.05)
+
+
+def test_holm_across_comparisons_turns_claims_that_fail_their_threshold_inconclusive() -> None:
+    def judged(verdict: str, p_equivalence: float, p_worse: float = 0.5) -> dict:
+        return {
+            "verdict": verdict,
+            "seed_verdict": None,
+            "p_equivalence": p_equivalence,
+            "p_not_worse": p_equivalence,
+            "p_worse": p_worse,
+            "p_better": 0.9,
+            "failure_rate_bound": 0.63,
+        }
+
+    family = [judged("matches", 0.001), judged("matches", 0.02), judged("matches", 0.02)]
+    family.append(judged("worse", 0.9, p_worse=0.02))
+    adjust_familywise(family)
+    # 0.001 <= 0.025 / 4; then 0.02 > 0.025 / 3 stops the matches family. The worse family has
+    # one claim of p 0.02 among four p-values, the next smallest 0.5: 0.02 > 0.025 / 4.
+    assert [c["verdict"] for c in family] == ["matches", *["inconclusive"] * 3]
+    assert family[1]["failure_rate_bound"] is None
+    assert ReportConfig().familywise is False
+
+
+def test_familywise_reports_label_their_intervals_unadjusted(tmp_path: Path) -> None:
+    write_three_seeds(tmp_path, "fp32", 0)
+    write_three_seeds(tmp_path, "bf16", 3)
+    report = build_report([tmp_path], tmp_path, familywise=True)
+    assert report["familywise"] is True and report["comparisons"][0]["verdict"] == "matches"
+    assert "The intervals shown are unadjusted." in (tmp_path / "report.md").read_text()
+    build_report([tmp_path], tmp_path)
+    assert "unadjusted" not in (tmp_path / "report.md").read_text()
+
+
+def test_options_that_train_nothing_never_split_a_cell(tmp_path: Path) -> None:
+    """fp32 timed in a speed trial and logged to W&B still pairs with bf16_true that was not."""
+    for job, precision, extra in [
+        ("0", "fp32", {"report": {"speed_trial": True}, "wandb": {"mode": "online"}}),
+        ("1", "bf16_true", {"report": {"speed_trial": False}, "wandb": {"mode": "disabled"}}),
+    ]:
+        summary = write_run(tmp_path / job, "tiny_cnn", precision, 1000.0, 0.8)
+        summary["config"] |= extra | {"checkpoint": {"every_steps": int(job)}}
+        summary["config"]["trainer"] = {"log_every": 10 + int(job), "max_steps": 3}
+        summary["config"]["precision"]["stochastic_rounding"] = False
+        (tmp_path / job / "summary.json").write_text(json.dumps(summary))
+    report = build_report([tmp_path], tmp_path)
+    assert rows_by_run(report)["1"]["baseline"] == "0"
+    (comparison,) = report["comparisons"]
+    assert comparison["setting"] == ""
+    # report.json names the precision as a user passes it back, the label apart.
+    assert (comparison["precision"], comparison["precision_options"], comparison["label"]) == (
+        "bf16_true",
+        {"stochastic_rounding": False},
+        "bf16_true (nearest)",
+    )
+    summary = json.loads((tmp_path / "1" / "summary.json").read_text())
+    summary["config"]["trainer"]["max_steps"] = 4  # what is trained: a setting of its own
+    (tmp_path / "1" / "summary.json").write_text(json.dumps(summary))
+    assert rows_by_run(build_report([tmp_path], tmp_path))["1"]["baseline"] is None

@@ -77,15 +77,27 @@ def write_run(
 
 
 def write_failed_run(
-    path: Path, model: str, precision: str, error: str | None, status: str = "failed"
+    path: Path,
+    model: str,
+    precision: str,
+    error: str | None,
+    status: str = "failed",
+    seed: int = 0,
+    losses: list[float] | None = None,
 ) -> None:
+    """A run that ended without completing; its metrics.jsonl logs ``losses`` at steps 1, 2, ..."""
     path.mkdir(parents=True)
+    if losses:
+        rows = [
+            {"kind": "train", "step": step, "loss": loss} for step, loss in enumerate(losses, 1)
+        ]
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = {
         "status": status,
         "error": error,
         "model": model,
         "precision": precision,
-        "config": {"model": {"name": model}, "precision": {"name": precision}, "seed": 0},
+        "config": {"model": {"name": model}, "precision": {"name": precision}, "seed": seed},
     }
     (path / "summary.json").write_text(json.dumps(summary))
 
@@ -145,7 +157,7 @@ def test_a_single_seed_shows_the_difference_and_its_tolerance_but_claims_nothing
         "+0.00%, +0.0000 absolute, over the last 10% of steps, skipped 4 steps",
     ]
     (bf16, fp16) = report["comparisons"]
-    assert (bf16["verdict"], bf16["n"], bf16["delta_ci95"], bf16["p_value"]) == (
+    assert (bf16["verdict"], bf16["n"], bf16["delta_ci95"], bf16["p_equivalence"]) == (
         "single_seed",
         1,
         None,
@@ -179,8 +191,13 @@ def test_runs_that_failed_or_stopped_are_shown_and_the_others_still_count(tmp_pa
     assert rows["2"]["speedup"] == 1.2
     bf16, fp16 = report["verdicts"]
     assert bf16.startswith("tiny_cnn: bf16 against fp32 on a single seed: Δ accuracy +0.00")
+    # The stopped attempt of seed 0 is missing data that its completed run settles.
     assert bf16.endswith("; bf16 stopped")
-    assert fp16 == "tiny_cnn: fp16 failed (RuntimeError: CUDA out of memory)"
+    # Out of memory where fp32 fit is a finding about fp16, not a seed left out.
+    assert fp16 == (
+        "tiny_cnn: fp16 is unstable (seed 0: fp16 ran out of memory (RuntimeError: CUDA out of "
+        "memory), of 1 seed attempted)"
+    )
     report_md = (tmp_path / "report.md").read_text()
     assert "4 runs (2 completed, 1 failed, 1 stopped)" in report_md
     assert "| 1 | tiny_cnn | fp16 | failed | - |" in report_md
@@ -208,7 +225,12 @@ def test_a_plot_that_fails_never_costs_the_table(tmp_path: Path, monkeypatch) ->
     monkeypatch.setitem(plots.PLOTS, "throughput.png", broken)
     report = build_report([tmp_path], tmp_path, tolerance=0.5)
     assert report["plot_errors"] == {"throughput.png": "ValueError: no room for bars"}
-    assert report["plots"] == ["loss_curves.png", "loss_scale.png", "peak_memory.png"]
+    assert report["plots"] == [
+        "loss_curves.png",
+        "loss_gap.png",
+        "loss_scale.png",
+        "peak_memory.png",
+    ]
     assert all((tmp_path / name).stat().st_size > 0 for name in report["plots"])
     assert not (tmp_path / "throughput.png").exists()
     report_md = (tmp_path / "report.md").read_text()
@@ -487,8 +509,9 @@ def test_a_killed_jobs_config_is_resolved_so_it_keeps_its_fp32_partner(
     row = rows_by_run(report)["1"]
     assert (row["status"], row["setting"]) == ("killed", "")
     assert report["verdicts"] == [
-        "tiny_cnn: bf16 killed (no summary.json: the process was killed (SIGKILL, out of memory) "
-        "or is still running)"
+        "tiny_cnn: bf16 against fp32 is incomplete (seed 0: bf16 was killed (no "
+        "summary.json: the process was killed (SIGKILL, out of memory) or is still running), of 1 "
+        "seed attempted; rerun the seed: its completed rerun is paired, never the failed attempt)"
     ]
 
 
@@ -524,7 +547,12 @@ def test_emulated_fp8_shows_as_not_timed_and_mode_variants_share_the_fp32_baseli
         (path / "summary.json").write_text(json.dumps(summary))
     report = build_report([tmp_path], tmp_path, tolerance=0.5)
     rows = rows_by_run(report)
-    assert rows["1"]["precision"] == "fp8 (rowwise, emulated)"
+    # The name a user passes back, its options, and the label the report shows.
+    assert rows["1"]["precision"] == "fp8"
+    assert rows["1"]["precision_options"] == {"fp8_emulate": True, "fp8_recipe": "rowwise"}
+    assert rows["1"]["label"] == "fp8 (rowwise, emulated)"
+    assert rows["2"]["precision_options"] == {"stochastic_rounding": True}
+    assert [c["precision"] for c in report["comparisons"]] == ["bf16_true", "fp8"]
     assert rows["1"]["baseline"] == rows["2"]["baseline"] == "0"
     assert rows["1"]["setting"] == ""
     bf16_true, fp8 = report["verdicts"]
@@ -549,14 +577,18 @@ def test_a_run_whose_precision_did_not_engage_is_marked_and_not_judged_as_that_p
     (tmp_path / "1" / "summary.json").write_text(json.dumps(summary))
     report = build_report([tmp_path], tmp_path, tolerance=0.5)
     row = rows_by_run(report)["1"]
-    assert row["precision"] == "bf16 (did not engage)" and row["engaged"] is False
+    assert (row["precision"], row["label"], row["engaged"]) == ("bf16", "bf16", False)
     (verdict,) = report["verdicts"]
     assert verdict == (
-        "tiny_cnn: bf16 (did not engage): 12% of matmul FLOPs ran in bfloat16, at least 50% "
-        "expected, so its figures are not bf16's"
+        "tiny_cnn: bf16: 12% of matmul FLOPs ran in bfloat16, at least 50% expected, so its "
+        "figures are not bf16's; bf16 did not engage (not_engaged), so no verdict on it"
     )
+    (comparison,) = report["comparisons"]
+    assert comparison["verdict"] == "not_engaged"
     markdown = (tmp_path / "report.md").read_text()
-    assert "| bf16 (did not engage) |" in markdown
+    assert "| 1 | tiny_cnn | bf16 (did not engage) |" in markdown
+    # The evidence table names the verdict too, never matches.
+    assert "| not_engaged |" in markdown and "| matches |" not in markdown
     assert (
         "- `1` (tiny_cnn bf16 (did not engage)): checks passed; matmul FLOPs: float32 88%, "
         "bfloat16 12%; DID NOT ENGAGE: 12% of matmul FLOPs ran in bfloat16, at least 50% "

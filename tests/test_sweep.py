@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 SMALL = [*FAST, "dataset.image_size=8", "dataset.batch_size=16"]
 PLOTS = (
     "loss_curves.png",
+    "loss_gap.png",
     "loss_scale.png",
     "throughput.png",
     "peak_memory.png",
@@ -100,10 +101,11 @@ def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
         ("mlp", "single_seed"),
     ]
     assert all("on a single seed" in line for line in report["verdicts"])
-    # The interleaved trial timed each model's precisions, beside each job's own samples/s.
-    for comparison in comparisons:
-        low, high = comparison["speedup"]["ci95"]
-        assert low <= comparison["speedup"]["median"] <= high
+    # The interleaved trial timed each model's precisions, beside each job's own samples/s: each
+    # comparison carries its own model's figure from speed.json, not another model's.
+    trials = json.loads((tmp_path / "speed.json").read_text())["trials"]
+    timed = {trial["model"]: trial["speedup"]["fp16"] for trial in trials}
+    assert [c["speedup"] for c in comparisons] == [timed["tiny_cnn"], timed["mlp"]]
     assert all(
         cells["trial speedup (95% CI)"] != "-"
         for cells in table.values()

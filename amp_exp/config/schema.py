@@ -294,6 +294,10 @@ class ReportConfig:
     # Time each model and setting of a sweep that varies precision in the interleaved trial
     # (speed.*), for the report's speedups.
     speed_trial: bool = True
+    # Holm's step-down procedure across the report's comparisons, a family per claim (matches,
+    # not_worse, worse, better) at 2.5% each: a claim that fails its adjusted threshold is
+    # inconclusive. Off: each comparison holds at its own level (docs/sweeps.md).
+    familywise: bool = False
 
 
 @dataclass

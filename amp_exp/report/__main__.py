@@ -45,6 +45,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(accuracy points, or relative loss); default: each task's own",
     )
     parser.add_argument(
+        "--familywise",
+        action="store_true",
+        help="Holm across the report's comparisons, a family per claim at 2.5%% each "
+        "(report.familywise)",
+    )
+    parser.add_argument(
         "--force",
         action="store_true",
         help="replace a report there that covers runs this one leaves out",
@@ -109,7 +115,7 @@ def run(argv: list[str] | None) -> int:
     out_dir = args.out or Path(os.path.commonpath([d.resolve() for d in args.dirs]))
     out_dir = where_to_write(args.dirs, out_dir.resolve(), args.force)
     try:
-        report = build_report(args.dirs, out_dir, args.tolerance)
+        report = build_report(args.dirs, out_dir, args.tolerance, args.familywise)
     except RuntimeFault as error:  # report.md cannot be written there: read-only, or full
         raise RuntimeFault(f"{error}; write it elsewhere with --out DIR") from None
     print("\n".join(report["verdicts"]))

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows
+from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows, tolerance_for
 from amp_exp.report.evidence import cell_key, gather, trial_speedup
 from amp_exp.report.markdown import write_report
 from amp_exp.report.runs import find_runs
@@ -53,10 +53,13 @@ def draw_plots(
     return drawn, errors
 
 
-def build_report(dirs: list[Path], out_dir: Path, tolerance: float | None = None) -> dict[str, Any]:
+def build_report(
+    dirs: list[Path], out_dir: Path, tolerance: float | None = None, familywise: bool = False
+) -> dict[str, Any]:
     """Write report.md, report.json and the plots for the runs under ``dirs``; return the report.
 
-    ``tolerance`` is in the unit of the task's quality metric; None takes each task's default."""
+    ``tolerance`` is in the unit of the task's quality metric; None takes each task's default.
+    ``familywise`` applies Holm across the report's comparisons (report.familywise)."""
     runs = find_runs(dirs)
     assign_settings(runs)
     rows = comparison_rows(runs, out_dir)
@@ -64,9 +67,12 @@ def build_report(dirs: list[Path], out_dir: Path, tolerance: float | None = None
     trials = read_trials(dirs)
     for row in rows:
         row["trial_speedup"] = trial_speedup(trials, cell_key(row))
-    cells, comparisons = gather(rows, metrics, tolerance, trials)
+        # The tolerance that judges the run's quality metric, in its unit (null without one).
+        row["tolerance"] = tolerance_for(row, tolerance)
+    cells, comparisons = gather(rows, metrics, tolerance, trials, familywise)
     report = {
         "tolerance": tolerance,
+        "familywise": familywise,
         "baseline_precision": BASELINE,
         "verdicts": verdicts(rows, comparisons),
         "comparisons": comparisons,

@@ -38,6 +38,7 @@ class SweepReport(Callback):
             wandb=config.report.wandb,
             wandb_timeout=config.report.wandb_timeout,
             speed_trial=config.report.speed_trial,
+            familywise=config.report.familywise,
         )
         launcher = str(config.hydra.launcher.get("_target_", ""))
         if self.settings.speed_trial and launcher.endswith("SlurmLauncher"):
@@ -73,7 +74,12 @@ class SweepReport(Callback):
                 # Without it the report shows the jobs' own timings, labelled as such.
                 log.warning("no speed trial: %s", error)
         try:
-            report = build_report([self.sweep_dir], self.sweep_dir, self.settings.tolerance)
+            report = build_report(
+                [self.sweep_dir],
+                self.sweep_dir,
+                self.settings.tolerance,
+                self.settings.familywise,
+            )
         except Exception as error:
             # The report is a by-product: it never turns a finished sweep into a failed one.
             log.warning("no sweep report: %s", error)

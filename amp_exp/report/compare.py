@@ -27,6 +27,10 @@ VARIANT_KEYS = {
 REPLICATE_KEY = "seed"
 # The keys a comparison is about; every other config key that differs is part of a run's setting.
 COMPARED_KEYS = {"model.name", "precision.name", REPLICATE_KEY, *VARIANT_KEYS}
+# Options that change nothing trained: how a run is reported, timed, logged and checkpointed. They
+# never split a cell or a pairing (fp32 timed in a speed trial still pairs with bf16 not timed).
+UNTRAINED_SECTIONS = ("report.", "speed.", "wandb.", "checkpoint.", "sensitivity.")
+UNTRAINED_KEYS = {"resume", "trainer.log_every", "trainer.timing_warmup_steps"}
 # How a run ran, from its summary: part of its setting too. A 1-rank fp32 run at global batch 16
 # is no baseline for a 2-rank bf16 run at 32, whose difference would come from the batch.
 RUN_FACTS = ("world_size", "strategy", "global_batch_size")
@@ -52,6 +56,11 @@ def varied_keys(runs: list[Run]) -> list[str]:
     return [key for key in keys if len({json.dumps(flat.get(key)) for flat in flats}) > 1]
 
 
+def trained(key: str) -> bool:
+    """Whether a flat config key can change what a run trains (``UNTRAINED_SECTIONS``)."""
+    return key not in UNTRAINED_KEYS and not key.startswith(UNTRAINED_SECTIONS)
+
+
 def varied_facts(runs: list[Run]) -> list[str]:
     """The ``RUN_FACTS`` whose known values differ between ``runs`` (a killed run knows none)."""
     return [
@@ -71,7 +80,7 @@ def assign_settings(runs: list[Run]) -> None:
     """
     for model in dict.fromkeys(run.model for run in runs):
         group = [run for run in runs if run.model == model and "config" in run.summary]
-        varied = [key for key in varied_keys(group) if key not in COMPARED_KEYS]
+        varied = [key for key in varied_keys(group) if trained(key) and key not in COMPARED_KEYS]
         facts = varied_facts(group)
         for run in group:
             flat = flatten_config(run.summary["config"])
@@ -135,11 +144,33 @@ def find_baseline(run: Run, runs: list[Run]) -> Run | None:
     )
 
 
+def precision_knobs(summary: dict[str, Any]) -> dict[str, Any]:
+    return (summary.get("config") or {}).get("precision") or {}
+
+
+def precision_options(summary: dict[str, Any]) -> dict[str, Any]:
+    """The ``precision.*`` values that make the run's variant of its mode, as a user passes them
+    back beside ``precision=`` (``{"stochastic_rounding": false}`` for bf16_true rounding to
+    nearest); empty for a mode without variants."""
+    mode, knobs = summary.get("precision"), precision_knobs(summary)
+    if mode not in ("bf16_true", "fp8"):
+        return {}
+    keys = [key.removeprefix("precision.") for key in sorted(VARIANT_KEYS)]
+    relevant = [key for key in keys if key.startswith("fp8_") == (mode == "fp8")]
+    return {key: knobs[key] for key in relevant if key in knobs}
+
+
 def precision_label(summary: dict[str, Any]) -> str:
     """The precision as the report shows it: the mode, the variant of bf16_true or fp8, and
     whether it did not engage (then the run's figures are not that precision's)."""
+    precision = variant_label(summary)
+    return f"{precision} ({NOT_ENGAGED})" if engaged(summary) is False else precision
+
+
+def variant_label(summary: dict[str, Any]) -> str:
+    """The mode and its variant: "bf16_true (nearest)", "fp8 (rowwise, emulated)"."""
     precision = str(summary.get("precision") or "?")
-    knobs = (summary.get("config") or {}).get("precision") or {}
+    knobs = precision_knobs(summary)
     if precision == "bf16_true" and knobs.get("stochastic_rounding") is False:
         precision = "bf16_true (nearest)"
     elif precision == "fp8":
@@ -151,7 +182,7 @@ def precision_label(summary: dict[str, Any]) -> str:
         if knobs.get("fp8_emulate"):
             details.append("emulated")
         precision = f"fp8 ({', '.join(details)})"
-    return f"{precision} ({NOT_ENGAGED})" if engaged(summary) is False else precision
+    return precision
 
 
 def _ratio(value: float | None, baseline: float | None) -> float | None:
@@ -247,8 +278,11 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "run": os.path.relpath(run.path, out_dir),
         "status": summary.get("status"),
         "model": run.model,
-        "precision": precision_label(summary),
-        "mode": run.precision,
+        # The config name a user passes back as precision=, its variant's options, and the label
+        # the report shows (the cell's: whether the run engaged is its own column).
+        "precision": run.precision,
+        "precision_options": precision_options(summary),
+        "label": variant_label(summary),
         "setting": run.setting,
         "seed": seed_of(run),
         "world_size": summary.get("world_size", 1),
@@ -288,7 +322,7 @@ def comparison_rows(runs: list[Run], out_dir: Path) -> list[dict[str, Any]]:
     precision variant and seed."""
     model_order = {model: i for i, model in enumerate(dict.fromkeys(r.model for r in runs))}
     setting_order = {setting: i for i, setting in enumerate(dict.fromkeys(r.setting for r in runs))}
-    labels = {id(r): precision_label(r.summary) for r in runs}
+    labels = {id(r): variant_label(r.summary) for r in runs}
     label_order = {label: i for i, label in enumerate(dict.fromkeys(labels.values()))}
     ordered = sorted(
         runs,
@@ -340,6 +374,6 @@ def stall_phrase(row: dict[str, Any]) -> str | None:
     if stale is None or stale < STALL_FRACTION:
         return None
     phrase = f"{stale:.0%} of weights did not move over the last interval"
-    if row["mode"] == "bf16_true" and row["stochastic_rounding"] is False:
+    if row["precision"] == "bf16_true" and row["stochastic_rounding"] is False:
         return f"{phrase}: updates round away in bf16; use precision.stochastic_rounding=true"
     return f"{phrase}: the learning rate may be too small for the weights' precision"

@@ -10,6 +10,7 @@ from typing import Any
 
 from amp_exp.report.compare import (
     BASELINE,
+    NOT_ENGAGED,
     describe_end,
     show_delta,
     show_interval,
@@ -44,7 +45,7 @@ def show_speedup(speedup: dict[str, Any] | None) -> str:
 COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("run", "run", str),
     ("model", "model", str),
-    ("precision", "precision", str),
+    ("precision", "label", str),
     ("setting", "setting", str),
     ("seed", "seed", _text),
     ("ranks", "world_size", _formatter("d")),
@@ -70,12 +71,24 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
 ]
 EVIDENCE_NOTE = (
     "Seeds are replicates: seed s of a precision is paired with seed s of fp32 (the same initial "
-    "weights and batches). Δ is the mean paired difference with its 95% t interval and the "
-    "paired t-test's p; a verdict `matches` when the interval lies inside ± the tolerance, "
-    "`worse` or `better` when it lies wholly beyond it, `inconclusive` otherwise, and "
-    "`single_seed` claims nothing. Loss gap: (loss - fp32's) / fp32's at matched steps over the "
-    "last 10% of training. Trial speedup: the median over rounds of an interleaved timing trial "
-    "(docs/sweeps.md)."
+    "weights and batches), and every seed attempted counts: a precision that failed a seed fp32 "
+    "completed (a numerical fault, out of memory, a non-finite loss or metric) is `unstable`, one "
+    "whose fp32 run failed is `baseline_unstable`, one with a seed killed and never rerun "
+    "`incomplete`, one that did not engage `not_engaged`, in that precedence. Otherwise Δ is the "
+    "mean paired difference with its 95% t interval, the spread floored at one eval example for "
+    "accuracy: `matches` when the interval lies inside ± the tolerance, which is two one-sided "
+    "tests (TOST) at 2.5% per side, stricter than bioequivalence's 90% interval (p: "
+    "`p_equivalence`); `worse` or `better` when it lies wholly beyond it (p: the one-sided test "
+    "of that claim); `not_worse` when only its worse side lies within it; `inconclusive` "
+    "otherwise, and always for an interval of no width; `single_seed` claims nothing. The t "
+    "interval assumes normal deltas. Loss gap: (loss - fp32's) / fp32's at matched steps over "
+    "the last 10% of training, paired seed by seed. Trial speedup: the median over rounds of an "
+    "interleaved timing trial (docs/sweeps.md)."
+)
+FAMILYWISE_NOTE = (
+    " With `report.familywise=true`, Holm's step-down procedure runs across this report's "
+    "comparisons, a family per claim (matches, not_worse, worse, better), each at 2.5%; a claim "
+    "that fails its adjusted threshold is `inconclusive`. The intervals shown are unadjusted."
 )
 MFU_NOTE = "MFU: achieved TFLOP/s over the GPU's dense peak (summary.json's mfu_peak_source). "
 MEMORY_NOTE = (
@@ -137,6 +150,11 @@ def metric_columns(rows: list[dict[str, Any]]) -> list[Column]:
     return columns
 
 
+def shown(row: dict[str, Any]) -> str:
+    """A run's precision as the tables show it: its label, and whether it did not engage."""
+    return f"{row['label']} ({NOT_ENGAGED})" if row["engaged"] is False else row["label"]
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     columns: list[Column] = []
     for header, key, show in COLUMNS:
@@ -144,7 +162,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
             continue
         if key == "seed" and len({row["seed"] for row in rows}) < 2:
             continue  # seeds are shown where they vary: a replicated sweep
-        columns.append((header, lambda row, key=key, show=show: show(row[key])))
+        if key == "label":
+            columns.append((header, shown))
+        else:
+            columns.append((header, lambda row, key=key, show=show: show(row[key])))
         if key == "final_loss":
             columns += metric_columns(rows)
     lines = [
@@ -168,11 +189,30 @@ def _estimate(estimate: dict[str, Any] | None, show: Callable[[float], str]) -> 
     return show(estimate["mean"]) + ("" if ci is None else f" [{show(ci[0])}, {show(ci[1])}]")
 
 
+def attempted(comparison: dict[str, Any]) -> str:
+    """Beside n, " of 3 attempted" where a seed attempted gave no result."""
+    if not comparison.get("failed_seeds"):
+        return ""
+    return f" of {comparison['n_attempted']} attempted"
+
+
+def claim_p(comparison: dict[str, Any]) -> float | None:
+    """The p-value of the claim a verdict makes: p_equivalence beside matches, never the test of
+    no difference (a large p there reads as "no difference", which it is not)."""
+    key = {
+        "matches": "p_equivalence",
+        "not_worse": "p_not_worse",
+        "worse": "p_worse",
+        "better": "p_better",
+    }.get(comparison.get("verdict") or "")
+    return None if key is None else comparison[key]
+
+
 def evidence_table(report: dict[str, Any]) -> list[str]:
     """A row per cell (model, setting, precision over its seeds): the quality metric's mean and
     95% CI, and against fp32 the paired difference, its p-value, the verdict, the loss gap and
     the speed trial's speedup."""
-    compared = {(c["model"], c["setting"], c["precision"]): c for c in report["comparisons"]}
+    compared = {(c["model"], c["setting"], c["label"]): c for c in report["comparisons"]}
     formats = {
         metric["name"]: metric["fmt"]
         for row in report["runs"]
@@ -181,11 +221,11 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     }
     with_setting = any(cell["setting"] for cell in report["cells"])
     header = ["model", *(["setting"] * with_setting), "precision", "n", "metric"]
-    header += ["mean [95% CI]", f"Δ vs {BASELINE} [95% CI]", "p", "verdict"]
+    header += ["mean [95% CI]", f"Δ vs {BASELINE} [95% CI]", "p of the claim", "verdict"]
     header += ["loss gap [95% CI]", "trial speedup [95% CI]"]
     body = []
     for cell in report["cells"]:
-        found = compared.get((cell["model"], cell["setting"], cell["precision"]), {})
+        found = compared.get((cell["model"], cell["setting"], cell["label"]), {})
         metric = cell["metric"]
         mean = _estimate(cell if metric else None, _formatter(formats.get(metric, ".4g")))
         delta = "-"
@@ -194,13 +234,13 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
             delta = show_delta(found["delta_mean"], unit)
             if found["delta_ci95"] is not None:
                 delta += " " + show_interval(found["delta_ci95"], unit)
-        p_value = found.get("p_value")
+        p_value = claim_p(found)
         body.append(
             [
                 cell["model"],
                 *([cell["setting"] or "-"] * with_setting),
-                cell["precision"],
-                str(cell["n"]),
+                cell["label"],
+                str(cell["n"]) + attempted(found),
                 metric or "-",
                 mean,
                 delta,
@@ -258,7 +298,7 @@ def health_line(row: dict[str, Any]) -> str:
         )
     parts += audit_parts(row["audit"])
     parts += health["hardware_advice"]
-    return f"- `{row['run']}` ({row['model']} {row['precision']}): " + "; ".join(parts)
+    return f"- `{row['run']}` ({row['model']} {shown(row)}): " + "; ".join(parts)
 
 
 def _sentence(text: str | None) -> str:
@@ -308,7 +348,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         *evidence_table(report),
         "",
-        EVIDENCE_NOTE,
+        EVIDENCE_NOTE + (FAMILYWISE_NOTE if report["familywise"] else ""),
         "",
         "## Runs",
         "",
@@ -326,7 +366,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if unfinished:
         lines += ["", "## Runs that did not complete", ""]
         lines += [
-            f"- `{row['run']}` ({row['model']} {row['precision']}) {describe_end(row)}"
+            f"- `{row['run']}` ({row['model']} {shown(row)}) {describe_end(row)}"
             for row in unfinished
         ]
     if report["plots"] or report["plot_errors"]:

@@ -38,7 +38,7 @@ def _color(precision: str) -> str:
 
 def _label(row: dict[str, Any], with_model: bool) -> str:
     parts = [row["model"]] if with_model else []
-    parts.append(row["precision"])
+    parts.append(row["label"])
     if row["setting"]:
         parts.append(row["setting"])
     if row["status"] != "completed":
@@ -68,7 +68,7 @@ def _cells(rows: Rows) -> dict[tuple[str, str, str], Rows]:
     """The rows of each model, setting and precision: one cell, its seeds the replicates."""
     cells: dict[tuple[str, str, str], Rows] = {}
     for row in rows:
-        cells.setdefault((row["model"], row["setting"], row["precision"]), []).append(row)
+        cells.setdefault((row["model"], row["setting"], row["label"]), []).append(row)
     return cells
 
 
@@ -77,9 +77,9 @@ def _cell_label(row: dict[str, Any], seeds: int) -> str:
     return f"{label}, mean of {seeds} seeds" if seeds > 1 else label
 
 
-def _draw_cell(ax: Any, cell: Rows, metrics: Metrics, fp32_band: curves.Band) -> None:
+def _draw_cell(ax: Any, cell: Rows, metrics: Metrics) -> None:
     """One precision's loss: a line per seed, their mean over them; a run that did not complete
-    dashed; where the mean leaves the fp32 band for good, a marker."""
+    dashed. A picture only: the paired loss gap (loss_gap.png, the verdicts) is the evidence."""
     color = _color(cell[0]["precision"])
     done = [
         curves.train_curve(metrics.get(r["run"], [])) for r in cell if r["status"] == "completed"
@@ -109,18 +109,6 @@ def _draw_cell(ax: Any, cell: Rows, metrics: Metrics, fp32_band: curves.Band) ->
         marker="." if len(steps) < 30 else None,
         label=_cell_label(cell[0], len(done)),
     )
-    left = curves.left_band_at(mean, fp32_band) if fp32_band and len(done) > 1 else None
-    if left is not None and cell[0]["precision"] != "fp32":
-        step = left[0]
-        ax.scatter([step], [mean[step]], marker="v", s=60, color=color, zorder=4)
-        ax.annotate(
-            f"left the fp32 band at step {step}",
-            (step, mean[step]),
-            textcoords="offset points",
-            xytext=(4, 8),
-            color=color,
-            fontsize="small",
-        )
 
 
 def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
@@ -158,7 +146,7 @@ def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
                 )
             for (cell_model, cell_setting, _), cell in cells.items():
                 if (cell_model, cell_setting) == (model, setting):
-                    _draw_cell(ax, cell, metrics, fp32_band)
+                    _draw_cell(ax, cell, metrics)
         ax.set(title=model, xlabel="step", ylabel="training loss (mean per log interval)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -173,7 +161,7 @@ def loss_scale_trace(rows: Rows, metrics: Metrics) -> Figure | None:
             [
                 m
                 for m in metrics.get(row["run"], [])
-                if m["kind"] == "train" and m["scale"] is not None
+                if m["kind"] == "train" and m.get("scale") is not None
             ],
         )
         for row in rows
@@ -220,6 +208,77 @@ def loss_scale_trace(rows: Rows, metrics: Metrics) -> Figure | None:
     ax.set(title="fp16 loss scale", xlabel="step", ylabel="loss scale (after the step)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+    return figure
+
+
+# Below this relative gap DeepSeek-V3 calls fp8 training's loss error acceptable.
+DEEPSEEK_BAR = 0.0025
+
+
+def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
+    """The paired training-loss gap against fp32 at each logged step, one panel per model: each
+    precision's mean gap over its seeds, the band of its seeds' gaps (lowest to highest) and the
+    lines it is read against. A picture, not a test: the verdicts rest on the final 10%."""
+    pairs: dict[tuple[str, str, str], list[curves.Curve]] = {}
+    tolerance_of: dict[str, float] = {}
+    for row in rows:
+        if row["status"] != "completed" or row["baseline"] is None:
+            continue
+        gap = curves.gap_curve(
+            curves.train_curve(metrics.get(row["run"], [])),
+            curves.train_curve(metrics.get(row["baseline"], [])),
+        )
+        finite = {step: value for step, value in gap.items() if math.isfinite(value)}
+        if finite and row["label"] != "fp32":
+            pairs.setdefault((row["model"], row["setting"], row["label"]), []).append(finite)
+        declared = row["quality_metric"]
+        if declared is not None and declared["tolerance_unit"] == "relative":
+            tolerance_of[row["model"]] = row["tolerance"]
+    models = list(dict.fromkeys(model for model, _, _ in pairs))
+    if not models:
+        return None
+    figure, axes = _model_panels(models, (5.2, 3.8))
+    for ax, model in zip(axes, models, strict=True):
+        for (cell_model, setting, label), gaps in pairs.items():
+            if cell_model != model:
+                continue
+            steps = curves.common_steps(gaps)
+            mean = curves.mean_curve(gaps)
+            color = _color(label)
+            name = " ".join([label, setting]).strip()
+            ax.plot(
+                steps, [mean[s] for s in steps], color=color, label=f"{name} (mean of {len(gaps)})"
+            )
+            spread = curves.band(gaps)
+            if spread:
+                ax.fill_between(
+                    steps,
+                    [spread[s][0] for s in steps],
+                    [spread[s][1] for s in steps],
+                    color=color,
+                    alpha=0.2,
+                    linewidth=0,
+                    label=f"{name}: lowest to highest seed",
+                )
+        lines = [(DEEPSEEK_BAR, "DeepSeek-V3's ±0.25%", ":")]
+        if model in tolerance_of:
+            lines.append(
+                (tolerance_of[model], f"eval-loss tolerance ±{tolerance_of[model]:.2%}", "--")
+            )
+        for level, name, style in lines:
+            for sign in (1, -1):
+                ax.axhline(
+                    sign * level,
+                    color="#333333",
+                    linestyle=style,
+                    linewidth=0.9,
+                    label=name if sign == 1 else None,
+                )
+        ax.axhline(0, color=_color("fp32"), linewidth=0.8)
+        ax.yaxis.set_major_formatter(lambda value, _: f"{value:+.2%}")
+        ax.set(title=model, xlabel="step", ylabel="training-loss gap vs fp32, paired by seed")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
     return figure
 
 
@@ -306,6 +365,7 @@ def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
 
 PLOTS: dict[str, Callable[[Rows, Metrics], Figure | None]] = {
     "loss_curves.png": loss_curves,
+    "loss_gap.png": loss_gap,
     "loss_scale.png": loss_scale_trace,
     "throughput.png": throughput_bars,
     "peak_memory.png": peak_memory_bars,

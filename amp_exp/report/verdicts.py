@@ -15,15 +15,21 @@ from amp_exp.report.compare import (
     show_tolerance,
     stall_phrase,
 )
+from amp_exp.report.stats import MAX_SEEDS
 from amp_exp.tasks.metrics import ToleranceUnit
 
 Row = dict[str, Any]
 
 VERDICT_WORDS = {
     "matches": f"matches {BASELINE}",
+    "not_worse": f"is not worse than {BASELINE}",
     "better": f"is better than {BASELINE}",
     "worse": f"is worse than {BASELINE}",
     "inconclusive": f"against {BASELINE} is inconclusive",
+    "not_engaged": "did not engage (not_engaged), so no verdict on it",
+    "baseline_unstable": f"against {BASELINE} is baseline_unstable: {BASELINE} itself failed",
+    "unstable": "is unstable",
+    "incomplete": f"against {BASELINE} is incomplete",
 }
 
 
@@ -43,46 +49,133 @@ def speed_phrase(comparison: dict[str, Any], emulated: bool) -> str:
     return f"{comparison['job_speedup']:.2f}x {BASELINE}'s speed (jobs timed one after another)"
 
 
-def quality_phrase(comparison: dict[str, Any]) -> str:
-    """The verdict on the quality metric, with the numbers behind it (report/stats.py's rules)."""
-    precision, verdict = comparison["precision"], comparison["verdict"]
-    if verdict is None:
-        return f"{precision} against {BASELINE}: no eval metric to compare"
+# How a seed's attempt ended (report/evidence.py's failure statuses), as the lines say it.
+ENDED_WORDS = {
+    "numerical": "failed numerically",
+    "diverged": "diverged",
+    "out_of_memory": "ran out of memory",
+    "killed": "was killed",
+    "stopped": "was stopped",
+    "failed": "failed",
+}
+
+
+def failed_phrase(failed: dict[str, Any]) -> str:
+    """One failed seed: whose run, how it ended and at which step."""
+    where = "" if failed["step"] is None else f" at step {failed['step']}"
+    ended = ENDED_WORDS.get(failed["status"], failed["status"])
+    return f"seed {failed['seed']}: {failed['precision']} {ended}{where} ({failed['reason']})"
+
+
+def seeds_phrase(comparison: dict[str, Any]) -> str:
+    """What every attempted seed did, when one of them gave no result."""
+    failed = comparison["failed_seeds"]
+    if not failed:
+        return ""
+    listed = "; ".join(failed_phrase(entry) for entry in failed)
+    advice = (
+        "; rerun the seed: its completed rerun is paired, never the failed attempt"
+        if comparison["verdict"] == "incomplete"
+        else ""
+    )
+    total = comparison["n_attempted"]
+    return f" ({listed}, of {total} seed{'' if total == 1 else 's'} attempted{advice})"
+
+
+def numbers_phrase(comparison: dict[str, Any]) -> str:
+    """The paired difference, its interval and tolerance, as the seeds that survived give it."""
     unit = ToleranceUnit(comparison["unit"])
     shown = f"Δ {comparison['metric_label']} {show_delta(comparison['delta_mean'], unit)}"
-    tolerance = f"tolerance {show_tolerance(comparison['tolerance'], unit)}"
-    if verdict == "single_seed":
-        return (
-            f"{precision} against {BASELINE} on a single seed: {shown}, {tolerance}; one seed "
-            "measures no noise, so no verdict (sweep seed=0,1,2 for one)"
-        )
-    phrase = (
-        f"{precision} {VERDICT_WORDS[verdict]}: {shown}, 95% CI "
-        f"{show_interval(comparison['delta_ci95'], unit)}, n = {comparison['n']}, {tolerance}"
+    if comparison["delta_ci95"] is not None:
+        shown += f", 95% CI {show_interval(comparison['delta_ci95'], unit)}"
+    shown += f", n = {comparison['n']}, tolerance {show_tolerance(comparison['tolerance'], unit)}"
+    if comparison["conditional_on_survival"]:
+        shown = f"over the seeds that survived, conditional on their survival: {shown}"
+    return shown
+
+
+def settle_phrase(comparison: dict[str, Any]) -> str:
+    """Why an inconclusive verdict is open, and what would close it."""
+    if comparison["identical"] and comparison["delta_mean"] == 0:
+        return f"; identical to {BASELINE} on every seed: check that the precision engaged"
+    if comparison["identical"]:
+        return f"; every seed differed from {BASELINE} by exactly as much, which measures no noise"
+    seeds, df = comparison["seeds_to_settle"], comparison["n"] - 1
+    planned = (
+        f"about {seeds} seeds would settle it with 80% probability"
+        if seeds
+        else f"more than {MAX_SEEDS} seeds would be needed to settle it"
     )
-    if verdict == "inconclusive":
-        seeds = comparison["seeds_to_settle"]
+    return (
+        f"; {planned} (a simulated planning estimate, from a spread measured with {df} degree"
+        f"{'' if df == 1 else 's'} of freedom)"
+    )
+
+
+def floor_phrase(comparison: dict[str, Any]) -> str:
+    """Where one eval example's floor makes ``matches`` impossible at this n."""
+    needed, examples = comparison["min_seeds_to_match"], comparison["eval_examples"]
+    if examples is None or (needed is not None and comparison["n"] >= needed):
+        return ""
+    unit = ToleranceUnit(comparison["unit"])
+    more = f"at least {needed} seeds" if needed else f"more than {MAX_SEEDS} seeds"
+    return (
+        f"; with {examples:,} eval examples (one is {100 / examples:.2f} points), "
+        f"{comparison['n']} seeds can never give matches at "
+        f"{show_tolerance(comparison['tolerance'], unit)}: use a larger eval set or {more}"
+    )
+
+
+def claim_phrase(comparison: dict[str, Any]) -> str:
+    """Beside a claim: its p-value, and beside matches the bound on the failure rate."""
+    verdict = comparison["verdict"]
+    key = {"matches": "p_equivalence", "not_worse": "p_not_worse"}.get(verdict, f"p_{verdict}")
+    phrase = f", {key} {comparison[key]:.2g}" if comparison.get(key) is not None else ""
+    if comparison["failure_rate_bound"] is not None:
         phrase += (
-            f"; about {seeds} seeds would settle it at the spread seen"
-            if seeds
-            else "; its mean lies too close to the tolerance for more seeds to settle it"
+            f"; failure rate below {comparison['failure_rate_bound']:.0%} (95% upper bound: "
+            f"0 of {comparison['n']} seeds failed)"
         )
     return phrase
 
 
+def quality_phrase(comparison: dict[str, Any]) -> str:
+    """The verdict on the quality metric, with the numbers behind it (report/stats.py's rules)."""
+    label, verdict = comparison["label"], comparison["verdict"]
+    if verdict is None:
+        return f"{label} against {BASELINE}: no eval metric to compare"
+    if verdict == "single_seed":
+        unit = ToleranceUnit(comparison["unit"])
+        return (
+            f"{label} against {BASELINE} on a single seed: Δ {comparison['metric_label']} "
+            f"{show_delta(comparison['delta_mean'], unit)}, tolerance "
+            f"{show_tolerance(comparison['tolerance'], unit)}; one seed measures no noise, so no "
+            "verdict (sweep seed=0,1,2 for one)"
+        )
+    phrase = f"{label} {VERDICT_WORDS[verdict]}{seeds_phrase(comparison)}"
+    if comparison["delta_mean"] is None:
+        return phrase
+    phrase += f": {numbers_phrase(comparison)}{claim_phrase(comparison)}"
+    adjusted = comparison["unadjusted_verdict"] not in (verdict, "single_seed", None)
+    if adjusted and comparison["seed_verdict"] is None:
+        phrase += (
+            f"; Holm across the report's comparisons leaves it {verdict} (unadjusted: "
+            f"{comparison['unadjusted_verdict']})"
+        )
+    if verdict == "inconclusive":
+        phrase += settle_phrase(comparison)
+    return phrase + floor_phrase(comparison)
+
+
 def loss_phrase(comparison: dict[str, Any]) -> str:
-    """The training-loss gap over the last 10% of steps, and where the curve left fp32's band."""
-    parts = []
+    """The paired training-loss gap over the last 10% of steps."""
     gap, absolute = comparison["loss_gap_rel"], comparison["loss_gap_abs"]
-    if gap is not None:
-        shown = f"loss gap {gap['mean']:+.2%}"
-        if gap["ci95"] is not None:
-            shown += f" (95% CI {show_interval(gap['ci95'], ToleranceUnit.relative)})"
-        parts.append(f"{shown}, {absolute['mean']:+.4f} absolute, over the last 10% of steps")
-    left = comparison["left_band"]
-    if left is not None:
-        parts.append(f"left the {BASELINE} band ({left['side']}) at step {left['step']}")
-    return "".join(f"; {part}" for part in parts)
+    if gap is None:
+        return ""
+    shown = f"loss gap {gap['mean']:+.2%}"
+    if gap["ci95"] is not None:
+        shown += f" (95% CI {show_interval(gap['ci95'], ToleranceUnit.relative)})"
+    return f"; {shown}, {absolute['mean']:+.4f} absolute, over the last 10% of steps"
 
 
 def notes(row: Row) -> list[str]:
@@ -108,11 +201,13 @@ def memory_phrase(row: Row) -> str:
 
 def named(row: Row, replicated: bool) -> str:
     """The run's precision, and its seed where the seeds vary."""
-    return f"{row['precision']} (seed {row['seed']})" if replicated else row["precision"]
+    return f"{row['label']} (seed {row['seed']})" if replicated else row["label"]
 
 
 def cell_phrase(comparison: dict[str, Any], paired: list[Row], replicated: bool) -> str:
-    """``paired``: the cell's completed runs that have an fp32 run of their seed."""
+    """``paired``: the cell's completed runs that have an fp32 run of their seed (maybe none)."""
+    if not paired:
+        return quality_phrase(comparison)
     found = ""
     for row in paired:
         if notes(row):
@@ -145,30 +240,36 @@ def cell_parts(cell: list[Row], comparison: dict[str, Any] | None, replicated: b
     # A run whose precision did not engage is no result of that precision (precision audit).
     parts = [
         f"{named(row, replicated)}: {'; '.join(row['audit']['shortfalls'])}, so its figures are "
-        f"not {row['mode']}'s"
+        f"not {row['precision']}'s"
         for row in cell
         if row["status"] == "completed" and row["engaged"] is False
     ]
-    if cell[0]["precision"] != BASELINE:
-        if paired and comparison is not None:
+    if cell[0]["label"] != BASELINE:
+        if comparison is not None:
             parts.append(cell_phrase(comparison, paired, replicated))
         parts += [
             f"{unpaired_phrase(row, replicated)} (no {BASELINE} run of its seed to pair with)"
             for row in completed
             if row["baseline"] is None
         ]
-    return parts + [ended_phrase(row, replicated) for row in cell if row["status"] != "completed"]
+    # A seed the comparison names as failed is said there, once.
+    named_runs = {failed["run"] for failed in (comparison or {}).get("failed_seeds", [])}
+    return parts + [
+        ended_phrase(row, replicated)
+        for row in cell
+        if row["status"] != "completed" and row["run"] not in named_runs
+    ]
 
 
 def verdicts(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[str]:
     """A line per precision of each model and setting (``rows`` are compare.comparison_rows')."""
-    compared = {(c["model"], c["setting"], c["precision"]): c for c in comparisons}
+    compared = {(c["model"], c["setting"], c["label"]): c for c in comparisons}
     lines = []
     for model, setting in dict.fromkeys((row["model"], row["setting"]) for row in rows):
         group = [row for row in rows if (row["model"], row["setting"]) == (model, setting)]
         subject = f"{model} ({setting})" if setting else model
         replicated = len({row["seed"] for row in group}) > 1
-        if not any(r["precision"] == BASELINE and r["status"] == "completed" for r in group):
+        if not any(r["label"] == BASELINE and r["status"] == "completed" for r in group):
             parts = [f"no completed {BASELINE} run to compare with"] + [
                 unpaired_phrase(row, replicated)
                 if row["status"] == "completed"
@@ -178,9 +279,9 @@ def verdicts(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{subject}: {'; '.join(parts)}")
             continue
         before = len(lines)
-        for precision in dict.fromkeys(row["precision"] for row in group):
-            cell = [row for row in group if row["precision"] == precision]
-            parts = cell_parts(cell, compared.get((model, setting, precision)), replicated)
+        for label in dict.fromkeys(row["label"] for row in group):
+            cell = [row for row in group if row["label"] == label]
+            parts = cell_parts(cell, compared.get((model, setting, label)), replicated)
             if parts:
                 lines.append(f"{subject}: {'; '.join(parts)}")
         if len(lines) == before:
