@@ -79,13 +79,35 @@ def test_a_causal_model_passes_the_check(workload, model):
     workload(*model)
 
 
-def test_bert_on_tokens_is_refused_and_told_of_its_causal_variant(workload):
+HF_XLM = [
+    "model=hf",
+    "model.name=xlm",
+    "+model.config.emb_dim=16",
+    "+model.config.n_layers=1",
+    "+model.config.n_heads=2",
+    "+model.config.max_position_embeddings=16",
+    "model.attn_implementation=eager",
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "cause"),
+    [
+        (
+            HF_BERT,
+            "the bert type is an encoder; its causal variant, BertLMHeadModel, masks later "
+            "tokens only with +model.config.is_decoder=true",
+        ),
+        # XLM's causal-LM class has no is_decoder to set.
+        (HF_XLM, "XLMWithLMHeadModel, the xlm type's causal-LM class, sees later tokens even so"),
+    ],
+    ids=["bert", "xlm"],
+)
+def test_an_hf_encoder_on_tokens_is_refused_and_told_of_its_causal_variant(workload, model, cause):
     pytest.importorskip("transformers")
-    message = refusal(workload, *HF_BERT)
-    assert message.startswith("model=hf model.name=bert fails")
-    assert "logits up to position" in message
-    assert "the bert type is an encoder; its causal variant, BertLMHeadModel" in message
-    assert message.endswith("+model.config.is_decoder=true")
+    message = refusal(workload, *model)
+    assert message.startswith(f"model=hf {model[1]} fails")
+    assert "logits up to position" in message and cause in message
 
 
 @pytest.mark.slow
@@ -123,6 +145,16 @@ def test_a_model_that_sees_later_tokens_is_refused_as_a_likely_encoder(workload,
     message = refusal(workload, *model)
     assert message.startswith(f"model._target_={model[1].split('=')[1]} fails")
     assert "likely an encoder such as BERT" in message
+
+
+def test_a_model_that_fails_in_eval_mode_is_refused_in_one_line(workload):
+    with pytest.raises(ConfigError) as refused:
+        workload(*custom("make_training_only"))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.endswith(
+        "fails in eval mode (the causal check of task=lm) on one batch: RuntimeError: only trains"
+    )
 
 
 def test_the_check_leaves_the_training_mode_and_every_generator_as_they_were(workload):

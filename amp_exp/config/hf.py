@@ -203,9 +203,11 @@ def _check_sizes(model: HFModelConfig) -> None:
     if model.path is None:
         return
     saved = model_config(model).get_text_config()
+    default = default_config(model.name).get_text_config()
     for key in sorted(SIZE_KEYS):
         value = getattr(saved, key, None)
-        if value is not None and not _is_size(value):
+        # The type's own default may be a marker (XLNet's max_position_embeddings=-1: no limit).
+        if value is not None and value != getattr(default, key, None) and not _is_size(value):
             raise ConfigError(
                 f"model.path={model.path}: its config sets {key}={value}, which must be an "
                 "integer of 1 or more (a size, layer or head count)"
@@ -252,16 +254,12 @@ def check_auto_class(model: HFModelConfig, task: TaskName, images: bool) -> None
 
 def causal_variant(model: HFModelConfig) -> str:
     """Why a model built by its type's causal-LM auto class saw later tokens, and whether the
-    type has a variant that does not (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES's class, which for
-    BERT-like encoders masks later tokens only as a decoder)."""
+    type has a variant that does not: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES's class (which
+    check_auto_class made sure it has) masks later tokens in a BERT-like encoder only as a
+    decoder."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model.name)
-    if causal is None:
-        return (
-            f"the {model.name} type has no causal variant in transformers (no "
-            "AutoModelForCausalLM); use a decoder type such as gpt2 or llama"
-        )
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model.name]
     if getattr(model_config(model).get_text_config(), "is_decoder", None) is False:
         return (
             f"the {model.name} type is an encoder; its causal variant, {causal}, masks later "

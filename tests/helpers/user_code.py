@@ -69,6 +69,19 @@ def make_peeking(vocab_size: int, at: int) -> nn.Module:
     return Peeking(vocab_size, at)
 
 
+class TrainingOnly(TinyLM):
+    """TinyLM that refuses to run in eval mode."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            raise RuntimeError("only trains")
+        return super().forward(tokens)
+
+
+def make_training_only(vocab_size: int) -> nn.Module:
+    return TrainingOnly(vocab_size)
+
+
 def make_anything(**facts) -> nn.Module:
     """Takes every fact offered; remembers them for the test to read."""
     model = nn.LazyLinear(facts.get("num_classes", 1))
