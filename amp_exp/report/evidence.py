@@ -160,7 +160,9 @@ def seed_account(
             pair = next((row for row in usable if row["baseline"] in by_run), None)
             if pair is not None:
                 paired.append(pair)
-            continue
+                continue
+            kinds.add(Verdict.incomplete)  # no usable fp32 run was found to pair with
+            listed = []
         else:
             kinds.add(Verdict.incomplete)
             listed = [(row, row["label"]) for row in [*theirs, *mine] if found[id(row)]]
