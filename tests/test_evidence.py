@@ -12,6 +12,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from amp_exp.config.schema import ReportConfig
+from amp_exp.report.__main__ import main
 from amp_exp.report.assemble import build_report
 from amp_exp.report.evidence import adjust_familywise
 from amp_exp.results.files import SPEED_JSON
@@ -377,6 +378,8 @@ def test_familywise_reports_label_their_intervals_unadjusted(tmp_path: Path) -> 
     assert "The intervals shown are unadjusted." in (tmp_path / "report.md").read_text()
     build_report([tmp_path], tmp_path)
     assert "unadjusted" not in (tmp_path / "report.md").read_text()
+    assert main([str(tmp_path), "--familywise"]) == 0
+    assert json.loads((tmp_path / "report.json").read_text())["familywise"] is True
 
 
 def test_options_that_train_nothing_never_split_a_cell(tmp_path: Path) -> None:

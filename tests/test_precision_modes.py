@@ -295,8 +295,9 @@ def test_bf16_true_halves_the_weight_and_optimizer_state_and_says_so_in_its_chec
 
 def test_report_names_the_stall_and_compares_every_mode_with_fp32(stall_runs, tmp_path) -> None:
     report = build_report([path for path, _ in stall_runs.values()], tmp_path, 0.5)
-    rows = {row["precision"]: row for row in report["runs"]}
+    rows = {row["label"]: row for row in report["runs"]}
     assert set(rows) == {"fp32", "bf16_true", "bf16_true (nearest)"}
+    assert rows["bf16_true (nearest)"]["precision"] == "bf16_true"
     assert rows["bf16_true"]["baseline"] is not None
     assert rows["bf16_true"]["state_ratio"] == 0.5
     stale = stall_runs["nearest"][1]["stale_weight_frac"]

@@ -160,7 +160,9 @@ def seed_account(
             pair = next((row for row in usable if row["baseline"] in by_run), None)
             if pair is not None:
                 paired.append(pair)
-            continue
+                continue
+            kinds.add(Verdict.incomplete)  # no usable fp32 run was found to pair with
+            listed = []
         else:
             kinds.add(Verdict.incomplete)
             listed = [(row, row["label"]) for row in [*theirs, *mine] if found[id(row)]]
@@ -323,25 +325,26 @@ def comparison(
     return found
 
 
-# Holm's families: a claim, and the p-value that makes it, by the rule's verdict.
-FAMILIES = {
-    Verdict.matches: "p_equivalence",
-    Verdict.not_worse: "p_not_worse",
-    Verdict.worse: "p_worse",
-    Verdict.better: "p_better",
+# The claims the rule makes, each with the key of the p-value that makes it: Holm's families,
+# and the p-value shown beside a verdict (never the test of no difference).
+CLAIM_P = {
+    Verdict.matches.value: "p_equivalence",
+    Verdict.not_worse.value: "p_not_worse",
+    Verdict.worse.value: "p_worse",
+    Verdict.better.value: "p_better",
 }
 
 
 def adjust_familywise(comparisons: list[dict[str, Any]]) -> None:
-    """Holm across the report's comparisons, a family per claim (``FAMILIES``), each at 2.5%:
+    """Holm across the report's comparisons, a family per claim (``CLAIM_P``), each at 2.5%:
     every comparison the rule judged is tested, and a claim whose hypothesis Holm does not
     reject becomes ``inconclusive``. The intervals stay unadjusted."""
     # A comparison its seeds decided (unstable, incomplete, ...) makes no statistical claim.
     judged = [c for c in comparisons if c["p_equivalence"] is not None and not c["seed_verdict"]]
-    for claim, key in FAMILIES.items():
+    for claim, key in CLAIM_P.items():
         rejected = stats.holm([c[key] for c in judged])
         for found, kept in zip(judged, rejected, strict=True):
-            if found["verdict"] == claim.value and not kept:
+            if found["verdict"] == claim and not kept:
                 found["verdict"] = Verdict.inconclusive.value
                 found["failure_rate_bound"] = None
 

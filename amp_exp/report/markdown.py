@@ -18,6 +18,7 @@ from amp_exp.report.compare import (
     strategy_note,
     tolerance_for,
 )
+from amp_exp.report.evidence import CLAIM_P
 from amp_exp.results.files import REPORT_JSON, REPORT_MD, json_safe, write_text
 from amp_exp.tasks.metrics import ToleranceUnit
 
@@ -199,12 +200,7 @@ def attempted(comparison: dict[str, Any]) -> str:
 def claim_p(comparison: dict[str, Any]) -> float | None:
     """The p-value of the claim a verdict makes: p_equivalence beside matches, never the test of
     no difference (a large p there reads as "no difference", which it is not)."""
-    key = {
-        "matches": "p_equivalence",
-        "not_worse": "p_not_worse",
-        "worse": "p_worse",
-        "better": "p_better",
-    }.get(comparison.get("verdict") or "")
+    key = CLAIM_P.get(comparison.get("verdict") or "")
     return None if key is None else comparison[key]
 
 

@@ -207,16 +207,6 @@ def verdict(difference: PairedDifference, tolerance: float, higher_is_better: bo
     return RULE_VERDICTS[int(code)]
 
 
-def claim_p_value(difference: PairedDifference, found: Verdict) -> float | None:
-    """The p-value of the one claim a verdict makes; None for a verdict that claims nothing."""
-    return {
-        Verdict.matches: difference.p_equivalence,
-        Verdict.not_worse: difference.p_not_worse,
-        Verdict.worse: difference.p_worse,
-        Verdict.better: difference.p_better,
-    }.get(found)
-
-
 def holm(p_values: Sequence[float], alpha: float = ONE_SIDED) -> list[bool]:
     """Holm's step-down procedure: which of the family's hypotheses are rejected, keeping the
     chance of any false rejection at most ``alpha``."""

@@ -15,6 +15,7 @@ from amp_exp.report.compare import (
     show_tolerance,
     stall_phrase,
 )
+from amp_exp.report.evidence import CLAIM_P
 from amp_exp.report.stats import MAX_SEEDS
 from amp_exp.tasks.metrics import ToleranceUnit
 
@@ -129,8 +130,8 @@ def floor_phrase(comparison: dict[str, Any]) -> str:
 def claim_phrase(comparison: dict[str, Any]) -> str:
     """Beside a claim: its p-value, and beside matches the bound on the failure rate."""
     verdict = comparison["verdict"]
-    key = {"matches": "p_equivalence", "not_worse": "p_not_worse"}.get(verdict, f"p_{verdict}")
-    phrase = f", {key} {comparison[key]:.2g}" if comparison.get(key) is not None else ""
+    key = CLAIM_P.get(verdict)
+    phrase = f", {key} {comparison[key]:.2g}" if key and comparison[key] is not None else ""
     if comparison["failure_rate_bound"] is not None:
         phrase += (
             f"; failure rate below {comparison['failure_rate_bound']:.0%} (95% upper bound: "
