@@ -127,9 +127,12 @@ def loss_evidence(
 
 
 def trial_speedup(trials: list[dict[str, Any]], key: CellKey) -> dict[str, Any] | None:
-    """The speed trial's speedup of a cell's precision against fp32, from speed.json."""
+    """The speed trial's speedup of a cell's precision against fp32, from speed.json; a
+    single-process stand-in for a torchrun job's speed is no evidence of it."""
     model, setting, precision = key
     for trial in trials:
+        if trial.get("stand_in"):
+            continue
         if (trial.get("model"), trial.get("setting", "")) == (model, setting):
             found = (trial.get("speedup") or {}).get(precision)
             if found is not None:

@@ -1,5 +1,5 @@
 """The statistics behind a verdict, from scipy.stats: t intervals, the paired t-test, two one-sided
-tests for equivalence, and a distribution-free interval for a median speedup.
+tests for equivalence (the speed trial's interval is amp_exp/speed/ratio.py's).
 
 Plain numbers in, plain numbers out: nothing here knows runs, tasks or files.
 
@@ -128,28 +128,3 @@ def seeds_to_settle(estimate: Estimate, tolerance: float) -> int | None:
         if half_width < margin:
             return n
     return None
-
-
-@dataclass(frozen=True)
-class Speedup:
-    """How many times faster than the baseline: the median over rounds and its 95% CI."""
-
-    median: float
-    ci95: tuple[float, float]
-    rounds: int
-
-    def as_dict(self) -> dict[str, object]:
-        return {"median": self.median, "ci95": list(self.ci95), "rounds": self.rounds}
-
-
-def speedup(baseline_seconds: Sequence[float], seconds: Sequence[float]) -> Speedup:
-    """Round k's speedup is the baseline's time per step over the candidate's, both of round k.
-
-    The interval is distribution-free (scipy's quantile test: order statistics of the rounds), so
-    a round that a neighbour's job slowed widens it without dragging the median.
-    """
-    ratios = np.asarray(baseline_seconds, dtype=float) / np.asarray(seconds, dtype=float)
-    low, high = stats.quantile_test(ratios, p=0.5).confidence_interval(CONFIDENCE)
-    if not (math.isfinite(low) and math.isfinite(high)):
-        raise ValueError(f"{ratios.size} rounds cannot bound a median with 95% confidence")
-    return Speedup(float(np.median(ratios)), (float(low), float(high)), int(ratios.size))
