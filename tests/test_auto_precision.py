@@ -250,9 +250,9 @@ def test_a_bf16_the_run_timed_faster_gets_no_probe_warning_that_it_is_slower(
     with caplog.at_level(logging.WARNING, logger="amp_exp"):
         requested = build(run_cfg(*TINY, "precision=bf16"))
     assert requested.hardware["advice"] == [
-        "bf16 measured about 1.19x slower than fp32 here, use precision=fp32"
+        "the probe's conv kernels ran bf16 about 1.19x slower than fp32 here: use precision=fp32"
     ]
-    assert "bf16 measured about 1.19x slower than fp32 here" in caplog.text
+    assert "ran bf16 about 1.19x slower than fp32 here" in caplog.text
 
 
 def test_a_requested_variant_is_named_in_the_reason(run_cfg) -> None:

@@ -11,10 +11,22 @@ import torch
 
 import amp_exp.runtime.probe
 from amp_exp.config.schema import Precision
+from amp_exp.config.validate import validate
+from amp_exp.run import build
 from amp_exp.runtime.cache import cache_dir, read_entries
-from amp_exp.runtime.probe import CACHE_FILE, KERNELS, Shapes, cache_key, measure, probe, remember
-from amp_exp.training.capability import capability_of
+from amp_exp.runtime.probe import (
+    CACHE_FILE,
+    KERNELS,
+    KernelTime,
+    Shapes,
+    cache_key,
+    measure,
+    probe,
+    remember,
+)
+from amp_exp.training.capability import Capability, capability_of, kernels_of
 from helpers.probes import timing_at
+from helpers.runs import FAST, FAST_LM, TINY
 
 CPU = torch.device("cpu")
 TINY_SHAPES = Shapes(matmul=16, conv=(1, 4, 4), attention=(1, 4, 8, 2))
@@ -147,3 +159,32 @@ def test_cached_timings_that_cannot_be_measurements_are_measured_again(
     # What the doctor and precision=auto then read is a measurement again, from the cache.
     assert capability_of(CPU).relative_speed(Precision.fp16) == pytest.approx(1.0)
     assert measured == [precisions]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kernels"),
+    [
+        ((*FAST, *TINY), ("conv",)),
+        ((*FAST, "model=mlp"), ("matmul",)),
+        (FAST_LM, ("matmul", "attention")),
+    ],
+)
+def test_a_model_is_judged_by_the_probes_kernels_of_its_own_kind(
+    compose_cfg, overrides, kernels
+) -> None:
+    """A GPT judged by the probe's convolution was told fp16 ran 6.62x slower than fp32; its own
+    trial measured 1.6x. Here the convolution is 10x slower in fp16 and the matmul and the
+    attention block no slower: only the CNN is warned."""
+    built = build(validate(compose_cfg(*overrides, fast=False)))
+    assert kernels_of(built.model) == kernels == tuple(built.hardware["advice_kernels"])
+    measured = {
+        Precision.fp32: timing_at(1.0),
+        Precision.fp16: {**timing_at(1.0), "conv": KernelTime(ms=10.0, tflops=0.1)},
+    }
+    capability = Capability("cpu", "test cpu", {}, measured, key="test cpu")
+    advice = capability.advice(Precision.fp16, kernels)
+    assert advice == (
+        ["the probe's conv kernels ran fp16 about 10x slower than fp32 here: use precision=fp32"]
+        if kernels == ("conv",)
+        else []
+    )

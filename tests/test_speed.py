@@ -20,6 +20,7 @@ import amp_exp.speed.trial as trial_module
 import amp_exp.training.timing as timing
 from amp_exp.config.schema import Precision, ReportConfig
 from amp_exp.errors import ConfigError
+from amp_exp.report.assemble import build_report
 from amp_exp.report.callback import SweepReport
 from amp_exp.report.evidence import trial_speedup
 from amp_exp.results.files import SPEED_JSON, SPEED_MD
@@ -246,3 +247,28 @@ def test_under_slurm_the_sweeps_own_process_times_nothing(tmp_path: Path) -> Non
     sweep_start(callback, tmp_path, "hydra_plugins._amp_exp_submitit.LocalLauncher")
     callback.build()
     assert trials == [tmp_path]
+
+
+def test_a_report_with_a_trial_gives_no_probe_advice_for_the_same_precision(
+    tmp_path: Path,
+) -> None:
+    """A verdict said 0.67x fp32's speed while each bf16 job's AMP-health line said "1.20x
+    slower": one speed fact per model and precision."""
+    advice = "the probe's conv kernels ran fp16 about 22x slower than fp32 here: use precision=fp32"
+    for model in ("tiny_cnn", "mlp"):
+        write_run(tmp_path / model / "0", model, "fp32", 1000.0, 0.8)
+        fp16 = tmp_path / model / "1"
+        write_run(fp16, model, "fp16", 900.0, 0.8)
+        summary = json.loads((fp16 / "summary.json").read_text())
+        summary["hardware"] = {"advice": [advice]}
+        (fp16 / "summary.json").write_text(json.dumps(summary))
+    found = {"ratio": 1.1, "ci95": [1.05, 1.15], "rounds": 10, "total_time_ratio": 1.1}
+    speed = {"trials": [{"model": "tiny_cnn", "setting": "", "speedup": {"fp16": found}}]}
+    (tmp_path / SPEED_JSON).write_text(json.dumps(speed))
+    report = build_report([tmp_path], tmp_path)
+    health = {row["model"]: row["health"]["hardware_advice"] for row in report["runs"]}
+    assert health == {"tiny_cnn": [], "mlp": [advice]}  # mlp had no trial: the probe's stands
+    (cnn,) = [line for line in report["verdicts"] if line.startswith("tiny_cnn")]
+    assert "1.10x fp32's speed (95% CI" in cnn
+    markdown = (tmp_path / "report.md").read_text()
+    assert markdown.count(advice) == 1 and "(mlp fp16): checks passed; " in markdown

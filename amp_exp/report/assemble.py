@@ -64,6 +64,10 @@ def build_report(dirs: list[Path], out_dir: Path, tolerance: float | None = None
     trials = read_trials(dirs)
     for row in rows:
         row["trial_speedup"] = trial_speedup(trials, cell_key(row))
+        if row["trial_speedup"] is not None:
+            # One speed fact per precision: the trial timed this model, so the probe's advice
+            # from generic kernels, which may say the opposite, is not repeated beside it.
+            row["health"]["hardware_advice"] = []
     cells, comparisons = gather(rows, metrics, tolerance, trials)
     report = {
         "tolerance": tolerance,
