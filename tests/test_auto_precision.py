@@ -34,15 +34,19 @@ def own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-def with_times(monkeypatch, seconds: dict[Precision, float]) -> list[list[Precision]]:
-    """Run the real trial (and its side effects), but report ``seconds`` as its result."""
+def with_times(
+    monkeypatch, seconds: dict[Precision, float], spread: float = 0.1
+) -> list[list[Precision]]:
+    """Run the real trial (and its side effects), but report ``seconds`` as its result, each
+    low precision's passes spread ``spread`` in their ratio to fp32's."""
     real = auto_precision.time_candidates
     trials = []
 
     def timed(model, task, batch, candidates):
         real(model, task, batch, candidates)
         trials.append(list(candidates))
-        return {p: seconds[p] for p in candidates}
+        spreads = {p.value: 0.0 if p is fp32 else spread for p in candidates}
+        return {p: seconds[p] for p in candidates}, spreads
 
     monkeypatch.setattr(auto_precision, "time_candidates", timed)
     return trials
@@ -107,8 +111,8 @@ def test_time_candidates_times_each_candidate_forward_and_backward() -> None:
     """Each candidate's time covers its forward and its backward, under its own autocast."""
     _, batch = small_workload()
     task = ClassificationTask(CPU, num_classes=4)
-    seconds = time_candidates(SleepyModel(), task, batch, [fp32, bf16])
-    assert set(seconds) == {fp32, bf16}
+    seconds, spread = time_candidates(SleepyModel(), task, batch, [fp32, bf16])
+    assert set(seconds) == {fp32, bf16} and spread["fp32"] == 0
     # Only lower bounds: a loaded machine may stretch any sleep. A time that left out the
     # backward, or ran bf16's pass without autocast, would fall short of these.
     assert seconds[fp32] >= sum(SLEEPS[fp32])
@@ -124,7 +128,8 @@ def test_auto_picks_the_fastest_and_quotes_the_measured_times(
     assert trials == [[fp32, bf16]]
     assert resolved.precision is bf16
     assert resolved.reason == (
-        "auto: bf16; this model's forward+backward (fastest of 3 passes): fp32 12.3 ms, "
+        "auto: bf16; this model's forward+backward (fastest of 3 passes, ratios to fp32 spread "
+        "10%): fp32 12.3 ms, "
         "bf16 10.1 ms; bf16 runs 1.22x fp32's speed; "
         "the probe measured fp16 about 50x slower than fp32"
     )
@@ -149,12 +154,45 @@ def test_the_choice_is_cached_so_a_second_run_times_nothing(
     again = choose(cfg, capability, small_workload()[0])
     assert len(trials) == 1
     assert first.precision is again.precision is bf16
-    assert "(fastest of 3 passes, cached from an earlier run): fp32 20 ms, bf16 10 ms" in (
-        again.reason
+    assert (
+        "(fastest of 3 passes, ratios to fp32 spread 10%, cached from an earlier run): fp32 20 ms, "
+        "bf16 10 ms" in again.reason
     )
     # Another model is another choice.
     choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0])
     assert len(trials) == 2
+
+
+def test_the_spread_is_that_of_the_passes_ratios_to_fp32(monkeypatch) -> None:
+    """Pass k's bf16 runs beside fp32's pass k: ratios 2, 1 and 2 spread 100%, although each
+    precision's own fastest pass (10 and 5 ms) says nothing of it."""
+    passes = {fp32: [[0.010], [0.010], [0.012]], bf16: [[0.005], [0.010], [0.006]]}
+    monkeypatch.setattr(auto_precision, "interleave", lambda *args: passes)
+    workload, batch = small_workload()
+    seconds, spread = time_candidates(workload.model, workload.task, batch, [fp32, bf16])
+    assert seconds == {fp32: 0.010, bf16: 0.005}
+    assert spread == {"fp32": 0.0, "bf16": pytest.approx(1.0)}
+
+
+def test_a_cached_choice_whose_passes_spread_wide_is_timed_again(
+    run_cfg, own_cache, monkeypatch, caplog
+) -> None:
+    """A cached 5.14x fp32's speed chose bf16 where a fresh measurement said 2.07x."""
+    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01}, spread=0.6)
+    cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
+    first = choose(cfg, capability, small_workload()[0])
+    assert "ratios to fp32 spread 60%" in first.reason
+    with caplog.at_level(logging.INFO, logger="amp_exp"):
+        again = choose(cfg, capability, small_workload()[0])
+    assert len(trials) == 2 and "cached from an earlier run" not in again.reason
+    assert "spread 60% between passes, more than 25%; timing again" in caplog.text
+    # Within 25%, the cached times stand.
+    with_times(monkeypatch, {fp32: 0.02, bf16: 0.01}, spread=0.2)
+    choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0])
+    assert (
+        "cached from an earlier run"
+        in choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0]).reason
+    )
 
 
 @pytest.mark.parametrize("bf16_ms", [-5.5, 0, 1e-9, float("nan"), "10"])
