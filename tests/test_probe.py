@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -55,22 +56,52 @@ def test_measure_leaves_the_global_random_streams_alone() -> None:
     assert torch.equal(torch.get_rng_state(), before)
 
 
-def test_probe_measures_what_the_cache_lacks_and_reuses_the_rest(own_cache, monkeypatch) -> None:
+def spread_out(timing: dict[str, KernelTime], spread: float) -> dict[str, KernelTime]:
+    return {name: dataclasses.replace(k, spread=spread) for name, k in timing.items()}
+
+
+def test_probe_measures_all_precisions_together_when_the_cache_lacks_one_or_spreads_wide(
+    own_cache, monkeypatch, caplog
+) -> None:
+    """A speed is a ratio to fp32's time in the same rounds: a precision the cache lacks is
+    measured with fp32 beside it, and so is a cache whose rounds disagreed by more than 25%."""
     measured = []
 
     def fake_measure(device, precisions):
         measured.append(list(precisions))
-        return {p: timing_at(0.5) for p in precisions}
+        return {
+            p: spread_out(timing_at(0.5), 0.3 if len(measured) == 1 else 0.1) for p in precisions
+        }
 
     monkeypatch.setattr(amp_exp.runtime.probe, "measure", fake_measure)
     remember(CPU, {"fp32": timing_at(1.0)})
     timings = probe(CPU, ["fp32", "bf16"])
-    assert measured == [["bf16"]]
-    assert timings["fp32"] == timing_at(1.0) and timings["bf16"] == timing_at(0.5)
-    probe(CPU, ["fp32", "bf16"])
-    assert measured == [["bf16"]]
+    assert measured == [["fp32", "bf16"]] and timings["bf16"]["conv"].spread == 0.3
+    with caplog.at_level(logging.INFO, logger="amp_exp"):
+        probe(CPU, ["fp32", "bf16"])
+    assert measured == [["fp32", "bf16"]] * 2
+    assert "spread 30% between rounds, more than 25%; measuring again" in caplog.text
+    assert probe(CPU, ["fp32", "bf16"])["bf16"]["conv"].spread == 0.1  # within 25%: reused
+    assert len(measured) == 2
     probe(CPU, ["fp32", "bf16"], refresh=True)
-    assert measured == [["bf16"], ["fp32", "bf16"]]
+    assert len(measured) == 3
+
+
+def test_the_spread_is_that_of_the_rounds_ratios_to_fp32(monkeypatch) -> None:
+    """Rounds of 1, 2 and 1 ms for fp32 and of 2, 2 and 2 ms for bf16: ratios 0.5, 1 and 0.5
+    spread 100%, though bf16's own rounds agree exactly."""
+    times = iter([9, 9, 1e-3, 2e-3, 2e-3, 2e-3, 1e-3, 2e-3])  # the first round is not kept
+
+    def one_pass(device, precision, forward, leaves):
+        return next(times)
+
+    monkeypatch.setattr(amp_exp.runtime.probe, "_forward_backward", one_pass)
+    monkeypatch.setattr(
+        amp_exp.runtime.probe, "_kernels", lambda shapes, device: {"matmul": (None, (), 1.0)}
+    )
+    timings = measure(CPU, ["fp32", "bf16"], budget_s=0, min_rounds=4, max_rounds=4)
+    assert timings["bf16"]["matmul"].spread == pytest.approx(1.0)
+    assert timings["fp32"]["matmul"].spread == 0 and timings["fp32"]["matmul"].ms == 1.0
 
 
 def test_cache_entries_are_per_device_torch_version_and_precision(own_cache) -> None:
