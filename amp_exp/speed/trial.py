@@ -101,12 +101,9 @@ def free(device: torch.device) -> None:
 
 def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfig) -> dict:
     """fp32 against one precision; the pair's record in speed.json (``"not_timed"`` alone for
-    a precision whose policy is not timed)."""
+    a precision whose policy is not timed). The caller frees the pair's runs."""
     built = build(cfg)
     if not built.engine.policy.timed:
-        device = built.device
-        del built
-        free(device)
         return {"not_timed": "emulated fp8 is not timed"}
     sides = {label: Side(built, training_step(built))}
     built = build(baseline)

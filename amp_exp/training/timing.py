@@ -2,18 +2,17 @@
 
 Timed one after another, two jobs on a shared machine measure whatever the neighbours were doing
 during each (the same bf16 job timed 2.95x and 1.18x fp32 on two seeds of one sweep). Here the
-candidates take turns instead: after untimed warm-up steps of each, every round runs ``steps``
-steps of each candidate in the same order (A B C A B C ...), so a load spike slows one round of
-each candidate rather than all of one, and candidate k of round r is compared with the baseline
-of the same round.
+candidates take turns instead, so a load spike slows one round of each candidate rather than all
+of one, and candidate k of round r is compared with the baseline of the same round.
+``interleave`` runs the candidates in the same order every round after a fixed warm-up
+(precision=auto's few passes); the speed trial (amp_exp/speed/trial.py) runs its own pairs in
+AB/BA order through ``time_steps``, after ``warm_up`` has run each until its step time settled.
 
 Every step is timed on its own, so a round can be summarized by its median step, which a
 neighbour's burst does not move (scripts/bench_parity.py reads median step times too). On CUDA
 the steps are timed by events on the stream, read after one synchronize at the end of the
 round: the time is that of the work, not of its launch, and no step waits for the host.
 
-``precision=auto`` (training/auto_precision.py) and the speed trial (amp_exp/speed/) both call
-``interleave``; only what a step is differs.
 """
 
 from __future__ import annotations
