@@ -64,7 +64,8 @@ def test_probe_measures_all_precisions_together_when_the_cache_lacks_one_or_spre
     own_cache, monkeypatch, caplog
 ) -> None:
     """A speed is a ratio to fp32's time in the same rounds: a precision the cache lacks is
-    measured with fp32 beside it, and so is a cache whose rounds disagreed by more than 25%."""
+    measured with fp32 beside it, and so is a cache whose figure lies 25% from its typical
+    round."""
     measured = []
 
     def fake_measure(device, precisions):
@@ -80,17 +81,17 @@ def test_probe_measures_all_precisions_together_when_the_cache_lacks_one_or_spre
     with caplog.at_level(logging.INFO, logger="amp_exp"):
         probe(CPU, ["fp32", "bf16"])
     assert measured == [["fp32", "bf16"]] * 2
-    assert "spread 30% between rounds, more than 25%; measuring again" in caplog.text
+    assert "lie 30% from their typical round, more than 25%; measuring again" in caplog.text
     assert probe(CPU, ["fp32", "bf16"])["bf16"]["conv"].spread == 0.1  # within 25%: reused
     assert len(measured) == 2
     probe(CPU, ["fp32", "bf16"], refresh=True)
     assert len(measured) == 3
 
 
-def test_the_spread_is_that_of_the_rounds_ratios_to_fp32(monkeypatch) -> None:
-    """Rounds of 1, 2 and 1 ms for fp32 and of 2, 2 and 2 ms for bf16: ratios 0.5, 1 and 0.5
-    spread 100%, though bf16's own rounds agree exactly."""
-    times = iter([9, 9, 1e-3, 2e-3, 2e-3, 2e-3, 1e-3, 2e-3])  # the first round is not kept
+def test_the_spread_is_how_far_the_figure_lies_from_its_typical_round(monkeypatch) -> None:
+    """Rounds of 1, 2 and 2 ms for fp32 and of 2, 2 and 2 ms for bf16: the fastest rounds say
+    0.5x, the typical round 1x, so the figure lies 100% off, though bf16's own rounds agree."""
+    times = iter([9, 9, 1e-3, 2e-3, 2e-3, 2e-3, 2e-3, 2e-3])  # the first round is not kept
 
     def one_pass(device, precision, forward, leaves):
         return next(times)

@@ -272,3 +272,29 @@ def test_a_report_with_a_trial_gives_no_probe_advice_for_the_same_precision(
     assert "1.10x fp32's speed (95% CI" in cnn
     markdown = (tmp_path / "report.md").read_text()
     assert markdown.count(advice) == 1 and "(mlp fp16): checks passed; " in markdown
+
+
+def test_speed_md_labels_a_stand_in_and_flags_a_trend() -> None:
+    found = speedup([1.0 + 0.1 * r for r in range(6)], [1.0] * 6, 1.2).as_dict()
+    pair = {
+        "ms_per_applied_step": {"fp32": 12.0, "bf16": 10.0},
+        "warmup_steps": {"fp32": 10, "bf16": 35},
+        "steady": {"fp32": True, "bf16": False},
+        "skipped_steps": {"fp32": 0, "bf16": 0},
+    }
+    trial = {
+        "model": "gpt_tiny",
+        "stand_in": "single-process stand-in for ddp on 2 ranks",
+        "device_name": "test cpu",
+        "samples_per_step": 8,
+        "max_warmup_steps": 100,
+        "rounds": 6,
+        "steps": 5,
+        "pairs": {"bf16": pair},
+        "speedup": {"bf16": found},
+        "not_timed": {},
+    }
+    markdown = trial_module.trial_markdown([trial])
+    assert "A single-process stand-in for ddp on 2 ranks: shown here, kept out of" in markdown
+    assert "| bf16 | 12 / 10 | 1.24x [" in markdown and "TREND over rounds" in markdown
+    assert "| 10 / 35 (not steady: bf16) |" in markdown

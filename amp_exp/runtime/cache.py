@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,17 +26,19 @@ from amp_exp.runtime.atomic import atomic_write
 # faster or slower than fp32 on one (fp16 on CPUs without its kernels: 20-140x slower).
 MIN_PLAUSIBLE_MS = 1e-3
 PLAUSIBLE_RATIO = 1e3
-# A cached speed whose rounds' ratios to fp32 lie further apart than this (the largest over the
-# smallest, less 1) is measured again rather than reused: the choices it feeds turn on 5%.
+# A cached speed whose figure lies further than this from its typical round (``ratio_spread``)
+# is measured again rather than reused.
 WIDE_SPREAD = 0.25
 
 
 def ratio_spread(baseline: Sequence[float], candidate: Sequence[float]) -> float:
-    """How far apart the rounds' speed ratios baseline / candidate lie: the largest over the
-    smallest, less 1 (0 when every round agrees). Each round timed both sides in turn, so a
-    load spike moves both and cancels; what is left is the noise of the ratio itself."""
-    ratios = [b / c for b, c in zip(baseline, candidate, strict=True)]
-    return max(ratios) / min(ratios) - 1
+    """How far the speed figure, the baseline's fastest round over the candidate's, lies from
+    the median of the rounds' own ratios (each round timed both sides in turn): 0.3 when either
+    is 1.3 times the other. One round that a neighbour slowed moves neither; fastest rounds that
+    caught the two sides at different moments of a loaded machine move the figure alone."""
+    figure = min(baseline) / min(candidate)
+    typical = statistics.median(b / c for b, c in zip(baseline, candidate, strict=True))
+    return max(figure / typical, typical / figure) - 1
 
 
 def implausible_times(ms: Mapping[str, Any], baseline: str = "fp32") -> str | None:

@@ -6,8 +6,8 @@ what models spend their time on (a matmul, a 3x3 convolution, and an attention b
 layer norm) run forward and backward, the forward under the autocast the precision gets in
 training. The precisions take turns, round after round, and each keeps its fastest round: a load
 spike from another process then slows one round of every precision rather than all rounds of
-one. Each kernel's time carries the spread of its rounds' ratios to fp32's
-(``runtime.cache.ratio_spread``). Results are cached per device, torch version and precision
+one. Each kernel's time carries its spread: how far its ratio to fp32's lies from the typical
+round's (``runtime.cache.ratio_spread``). Results are cached per device, torch version and precision
 (``runtime.cache``); a cache whose spread is wide is measured again, all precisions together.
 """
 
@@ -63,7 +63,7 @@ SHAPES = {
 class KernelTime:
     ms: float
     tflops: float
-    # How far apart the rounds' ratios to fp32's time lay (0 for fp32 itself).
+    # How far the ratio to fp32's time lies from the typical round's (0 for fp32 itself).
     spread: float = 0.0
 
 
@@ -276,7 +276,7 @@ def probe(
     wide = max((k.spread for timing in found.values() for k in timing.values()), default=0)
     if wide > WIDE_SPREAD:
         log.info(
-            "the cached probe timings spread %.0f%% between rounds, more than %.0f%%; "
+            "the cached probe speeds lie %.0f%% from their typical round, more than %.0f%%; "
             "measuring again",
             100 * wide,
             100 * WIDE_SPREAD,

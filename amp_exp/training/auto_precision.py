@@ -96,7 +96,7 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
             ms = {p.value: s * 1e3 for p, s in seconds.items()}
             write_entries(CACHE_FILE, {key: {"ms": ms, "spread": spread}})
     chosen, why = pick_fastest(seconds)
-    source = f"fastest of {PASSES} passes, ratios to fp32 spread {max(spread.values()):.0%}"
+    source = f"fastest of {PASSES} passes, spread {max(spread.values()):.0%}"
     if cached is not None:
         source += ", cached from an earlier run"
     listed = ", ".join(f"{p.value} {milliseconds(s)}" for p, s in seconds.items())
@@ -107,9 +107,9 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
 def cached_ms(
     key: str, candidates: Sequence[Precision]
 ) -> tuple[dict[str, float], dict[str, float]] | None:
-    """The candidates' times cached under ``key`` by an earlier run and the spread of their
-    ratios to fp32; None when there are none, when they cannot be measurements (then with a
-    warning), or when their spread is wider than ``WIDE_SPREAD``: they are timed again."""
+    """The candidates' times cached under ``key`` by an earlier run and their spreads; None when
+    there are none, when they cannot be measurements (then with a warning), or when a spread is
+    wider than ``WIDE_SPREAD``: they are timed again."""
     try:
         entry = read_entries(CACHE_FILE)[key]
         ms = {p.value: entry["ms"][p.value] for p in candidates}
@@ -126,8 +126,8 @@ def cached_ms(
         return None
     if max(spread.values()) > WIDE_SPREAD:
         log.info(
-            "precision=auto: the cached times of this model spread %.0f%% between passes, "
-            "more than %.0f%%; timing again",
+            "precision=auto: the cached speeds of this model lie %.0f%% from their typical "
+            "pass, more than %.0f%%; timing again",
             100 * max(spread.values()),
             100 * WIDE_SPREAD,
         )
@@ -176,7 +176,7 @@ def time_candidates(
     model: nn.Module, task: Task, batch: Batch, candidates: Sequence[Precision]
 ) -> tuple[dict[Precision, float], dict[str, float]]:
     """Each candidate's fastest forward+backward of ``model`` on ``batch``, in seconds, and the
-    spread of its passes' ratios to fp32's (``runtime.cache.ratio_spread``; fp32's is 0).
+    spread: how far its speed figure lies from its typical pass (``runtime.cache.ratio_spread``).
 
     Leaves no trace: no ``.grad`` written, and generators, buffers and modes restored.
     """
