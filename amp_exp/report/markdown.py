@@ -74,8 +74,8 @@ EVIDENCE_NOTE = (
     "paired t-test's p; a verdict `matches` when the interval lies inside ± the tolerance, "
     "`worse` or `better` when it lies wholly beyond it, `inconclusive` otherwise, and "
     "`single_seed` claims nothing. Loss gap: (loss - fp32's) / fp32's at matched steps over the "
-    "last 10% of training. Trial speedup: the median over rounds of an interleaved timing trial "
-    "(docs/sweeps.md)."
+    "last 10% of training. Trial speedup: the geometric mean over AB/BA rounds of a speed trial, "
+    "with a t interval on the log ratios (docs/sweeps.md)."
 )
 MFU_NOTE = "MFU: achieved TFLOP/s over the GPU's dense peak (summary.json's mfu_peak_source). "
 MEMORY_NOTE = (
