@@ -16,11 +16,13 @@ from amp_exp.config.schema import Precision
 from amp_exp.results.checkpoint import load_newest_valid
 from amp_exp.run import build, train
 from amp_exp.runtime.cache import cache_dir, read_entries
+from amp_exp.runtime.probe import KernelTime
 from amp_exp.tasks.base import DataBundle
 from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.workload import Workload
 from amp_exp.training.auto_precision import choose, resolve_precision, time_candidates
-from helpers.probes import capability_with, inject_probe
+from amp_exp.training.capability import Capability
+from helpers.probes import capability_with, inject_probe, timing_at
 from helpers.runs import TINY
 
 CPU = torch.device("cpu")
@@ -329,3 +331,19 @@ def test_a_resumed_auto_run_keeps_its_precision_whatever_the_timings_say_now(
         "auto: bf16, kept from the checkpoint at step 2 (as precision=auto chose it)"
     )
     assert [a["precision"] for a in resumed["attempts"]] == ["bf16", "bf16"]
+
+
+def test_auto_rules_out_by_the_probes_kernels_of_the_models_kind(
+    run_cfg, own_cache, monkeypatch
+) -> None:
+    """bf16's convolution 10x slower puts the three kernels' geometric mean at 0.46x fp32's
+    speed, past the 2x that rules a precision out; this model has only linears, whose matmul
+    runs as fast in bf16, so bf16 is timed on it."""
+    slow_conv = {**timing_at(1.0), "conv": KernelTime(ms=10.0, tflops=0.1)}
+    capability = Capability(
+        "cpu", "test cpu", {}, {fp32: timing_at(1.0), bf16: slow_conv}, key="test cpu"
+    )
+    assert capability.trial_candidates() == [fp32]  # all kernels: ruled out
+    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
+    assert choose(run_cfg(*TINY), capability, small_workload()[0]).precision is bf16
+    assert trials == [[fp32, bf16]]

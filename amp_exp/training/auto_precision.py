@@ -1,9 +1,9 @@
 """precision=auto: time the run's own model in each plausible precision and train in the fastest.
 
 Before training, a few forward+backward passes of the built model on one real batch run under
-each candidate's autocast: fp32, and each low precision the probe does not rule out
-(``Capability.trial_candidates``). The candidates take turns (training/timing.py, the timing
-code the speed trial uses too) and each keeps its fastest pass;
+each candidate's autocast: fp32, and each low precision that the probe's kernels of the model's
+kind do not rule out (``Capability.trial_candidates``, ``capability.kernels_of``). The
+candidates take turns (training/timing.py) and each keeps its fastest pass;
 ``capability.pick_fastest`` names the winner. The trial leaves no trace: gradients come from
 ``torch.autograd.grad``, so no ``.grad`` is written and no optimizer steps, and the model's buffers
 (BatchNorm statistics) and every random number generator are restored (``runtime.no_trace``).
@@ -38,7 +38,7 @@ from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
-from amp_exp.training.capability import Capability, ResolvedPrecision, pick_fastest
+from amp_exp.training.capability import Capability, ResolvedPrecision, kernels_of, pick_fastest
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.timing import interleave
 
@@ -79,8 +79,9 @@ def variant_name(precision: PrecisionConfig) -> str:
 
 def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> ResolvedPrecision:
     """Time the candidates (or reuse the cached times) and pick the fastest."""
-    candidates = capability.trial_candidates()
-    left_out = capability.left_out()
+    kernels = kernels_of(workload.model)
+    candidates = capability.trial_candidates(kernels)
+    left_out = capability.left_out(kernels)
     if candidates == [Precision.fp32]:
         return ResolvedPrecision(Precision.fp32, f"auto: fp32, nothing else to try ({left_out})")
     # The batch too: a DataLoader seeds its workers from torch's generator.

@@ -160,8 +160,10 @@ class Capability:
         """The probe's matmul rate: a measured peak to read model FLOP utilization against."""
         return self.measured[precision]["matmul"].tflops
 
-    def ruled_out(self, precision: Precision) -> bool:
-        return not self.supports(precision) or self.relative_speed(precision) * RULED_OUT <= 1
+    def ruled_out(self, precision: Precision, kernels: Sequence[str] = KERNELS) -> bool:
+        return (
+            not self.supports(precision) or self.relative_speed(precision, kernels) * RULED_OUT <= 1
+        )
 
     def verdict(self, precision: Precision) -> str:
         if precision is Precision.fp32:
@@ -183,19 +185,20 @@ class Capability:
         seconds = {p: 1 / self.relative_speed(p, kernels) for p in self.measured}
         return pick_fastest(seconds)
 
-    def trial_candidates(self) -> list[Precision]:
-        """What precision=auto times the run's model in: fp32 and each plausible low precision."""
-        return [Precision.fp32, *(p for p in LOW_PRECISIONS if not self.ruled_out(p))]
+    def trial_candidates(self, kernels: Sequence[str] = KERNELS) -> list[Precision]:
+        """What precision=auto times the run's model in: fp32 and each low precision that the
+        probe's ``kernels`` (those of the model's kind) do not rule out."""
+        return [Precision.fp32, *(p for p in LOW_PRECISIONS if not self.ruled_out(p, kernels))]
 
-    def left_out(self) -> str:
+    def left_out(self, kernels: Sequence[str] = KERNELS) -> str:
         """Why precision=auto does not time the low precisions it leaves out, in words."""
         unsupported = [
             f"{p.value} is not supported here" for p in LOW_PRECISIONS if not self.supports(p)
         ]
         slow = [
-            f"{p.value} about {times(1 / self.relative_speed(p))}"
+            f"{p.value} about {times(1 / self.relative_speed(p, kernels))}"
             for p in LOW_PRECISIONS
-            if self.supports(p) and self.ruled_out(p)
+            if self.supports(p) and self.ruled_out(p, kernels)
         ]
         if slow:
             unsupported.append(f"the probe measured {' and '.join(slow)} slower than fp32")
