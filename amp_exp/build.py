@@ -23,7 +23,12 @@ from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import Workload, build_workload
 from amp_exp.training.audit.step import PrecisionAudit
 from amp_exp.training.auto_precision import resolve_precision
-from amp_exp.training.capability import ResolvedPrecision, capability_of, check_request
+from amp_exp.training.capability import (
+    ResolvedPrecision,
+    capability_of,
+    check_request,
+    kernels_of,
+)
 from amp_exp.training.diagnostics import Diagnostics
 from amp_exp.training.engine import Engine
 from amp_exp.training.flops import peak_tflops
@@ -128,7 +133,9 @@ def build(
     if cfg.trainer.compile and not shards:
         # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
         trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
-    hardware = capability.summary(resolved.precision, resolved.timed_on_model)
+    hardware = capability.summary(
+        resolved.precision, resolved.timed_on_model, kernels_of(workload.model)
+    )
     for advice in hardware["advice"]:
         log.warning("%s", advice)
     engine = Engine(

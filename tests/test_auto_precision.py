@@ -16,11 +16,13 @@ from amp_exp.config.schema import Precision
 from amp_exp.results.checkpoint import load_newest_valid
 from amp_exp.run import build, train
 from amp_exp.runtime.cache import cache_dir, read_entries
+from amp_exp.runtime.probe import KernelTime
 from amp_exp.tasks.base import DataBundle
 from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.workload import Workload
 from amp_exp.training.auto_precision import choose, resolve_precision, time_candidates
-from helpers.probes import capability_with, inject_probe
+from amp_exp.training.capability import Capability
+from helpers.probes import capability_with, inject_probe, timing_at
 from helpers.runs import TINY
 
 CPU = torch.device("cpu")
@@ -34,15 +36,19 @@ def own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-def with_times(monkeypatch, seconds: dict[Precision, float]) -> list[list[Precision]]:
-    """Run the real trial (and its side effects), but report ``seconds`` as its result."""
+def with_times(
+    monkeypatch, seconds: dict[Precision, float], spread: float = 0.1
+) -> list[list[Precision]]:
+    """Run the real trial (and its side effects), but report ``seconds`` as its result, each
+    low precision's passes spread ``spread`` in their ratio to fp32's."""
     real = auto_precision.time_candidates
     trials = []
 
     def timed(model, task, batch, candidates):
         real(model, task, batch, candidates)
         trials.append(list(candidates))
-        return {p: seconds[p] for p in candidates}
+        spreads = {p.value: 0.0 if p is fp32 else spread for p in candidates}
+        return {p: seconds[p] for p in candidates}, spreads
 
     monkeypatch.setattr(auto_precision, "time_candidates", timed)
     return trials
@@ -107,8 +113,8 @@ def test_time_candidates_times_each_candidate_forward_and_backward() -> None:
     """Each candidate's time covers its forward and its backward, under its own autocast."""
     _, batch = small_workload()
     task = ClassificationTask(CPU, num_classes=4)
-    seconds = time_candidates(SleepyModel(), task, batch, [fp32, bf16])
-    assert set(seconds) == {fp32, bf16}
+    seconds, spread = time_candidates(SleepyModel(), task, batch, [fp32, bf16])
+    assert set(seconds) == {fp32, bf16} and spread["fp32"] == 0
     # Only lower bounds: a loaded machine may stretch any sleep. A time that left out the
     # backward, or ran bf16's pass without autocast, would fall short of these.
     assert seconds[fp32] >= sum(SLEEPS[fp32])
@@ -124,7 +130,8 @@ def test_auto_picks_the_fastest_and_quotes_the_measured_times(
     assert trials == [[fp32, bf16]]
     assert resolved.precision is bf16
     assert resolved.reason == (
-        "auto: bf16; this model's forward+backward (fastest of 3 passes): fp32 12.3 ms, "
+        "auto: bf16; this model's forward+backward (fastest of 3 passes, spread 10%): "
+        "fp32 12.3 ms, "
         "bf16 10.1 ms; bf16 runs 1.22x fp32's speed; "
         "the probe measured fp16 about 50x slower than fp32"
     )
@@ -149,12 +156,48 @@ def test_the_choice_is_cached_so_a_second_run_times_nothing(
     again = choose(cfg, capability, small_workload()[0])
     assert len(trials) == 1
     assert first.precision is again.precision is bf16
-    assert "(fastest of 3 passes, cached from an earlier run): fp32 20 ms, bf16 10 ms" in (
-        again.reason
+    assert (
+        "(fastest of 3 passes, spread 10%, cached from an earlier run): fp32 20 ms, bf16 10 ms"
+        in again.reason
     )
     # Another model is another choice.
     choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0])
     assert len(trials) == 2
+
+
+def test_the_spread_is_how_far_the_figure_lies_from_its_typical_pass(monkeypatch) -> None:
+    """The fastest passes (10 and 5 ms) say 2x fp32's speed; passes 2 and 3 ran bf16 beside
+    fp32 at 1x: the figure lies 100% from its typical pass."""
+    passes = {fp32: [[0.010], [0.010], [0.012]], bf16: [[0.005], [0.010], [0.012]]}
+    monkeypatch.setattr(auto_precision, "interleave", lambda *args: passes)
+    workload, batch = small_workload()
+    seconds, spread = time_candidates(workload.model, workload.task, batch, [fp32, bf16])
+    assert seconds == {fp32: 0.010, bf16: 0.005}
+    assert spread == {"fp32": 0.0, "bf16": pytest.approx(1.0)}
+    # One pass that a neighbour slowed (bf16's 30 ms) leaves the figure and the typical pass.
+    passes = {fp32: [[0.010], [0.010], [0.012]], bf16: [[0.005], [0.030], [0.006]]}
+    assert time_candidates(workload.model, workload.task, batch, [fp32, bf16])[1]["bf16"] == 0
+
+
+def test_a_cached_choice_whose_passes_spread_wide_is_timed_again(
+    run_cfg, own_cache, monkeypatch, caplog
+) -> None:
+    """A cached 5.14x fp32's speed chose bf16 where a fresh measurement said 2.07x."""
+    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01}, spread=0.6)
+    cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
+    first = choose(cfg, capability, small_workload()[0])
+    assert "spread 60%" in first.reason
+    with caplog.at_level(logging.INFO, logger="amp_exp"):
+        again = choose(cfg, capability, small_workload()[0])
+    assert len(trials) == 2 and "cached from an earlier run" not in again.reason
+    assert "lie 60% from their typical pass, more than 25%; timing again" in caplog.text
+    # Within 25%, the cached times stand.
+    with_times(monkeypatch, {fp32: 0.02, bf16: 0.01}, spread=0.2)
+    choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0])
+    assert (
+        "cached from an earlier run"
+        in choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0]).reason
+    )
 
 
 @pytest.mark.parametrize("bf16_ms", [-5.5, 0, 1e-9, float("nan"), "10"])
@@ -250,9 +293,9 @@ def test_a_bf16_the_run_timed_faster_gets_no_probe_warning_that_it_is_slower(
     with caplog.at_level(logging.WARNING, logger="amp_exp"):
         requested = build(run_cfg(*TINY, "precision=bf16"))
     assert requested.hardware["advice"] == [
-        "bf16 measured about 1.19x slower than fp32 here, use precision=fp32"
+        "the probe's conv kernels ran bf16 about 1.19x slower than fp32 here: use precision=fp32"
     ]
-    assert "bf16 measured about 1.19x slower than fp32 here" in caplog.text
+    assert "ran bf16 about 1.19x slower than fp32 here" in caplog.text
 
 
 def test_a_requested_variant_is_named_in_the_reason(run_cfg) -> None:
@@ -288,3 +331,19 @@ def test_a_resumed_auto_run_keeps_its_precision_whatever_the_timings_say_now(
         "auto: bf16, kept from the checkpoint at step 2 (as precision=auto chose it)"
     )
     assert [a["precision"] for a in resumed["attempts"]] == ["bf16", "bf16"]
+
+
+def test_auto_rules_out_by_the_probes_kernels_of_the_models_kind(
+    run_cfg, own_cache, monkeypatch
+) -> None:
+    """bf16's convolution 10x slower puts the three kernels' geometric mean at 0.46x fp32's
+    speed, past the 2x that rules a precision out; this model has only linears, whose matmul
+    runs as fast in bf16, so bf16 is timed on it."""
+    slow_conv = {**timing_at(1.0), "conv": KernelTime(ms=10.0, tflops=0.1)}
+    capability = Capability(
+        "cpu", "test cpu", {}, {fp32: timing_at(1.0), bf16: slow_conv}, key="test cpu"
+    )
+    assert capability.trial_candidates() == [fp32]  # all kernels: ruled out
+    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
+    assert choose(run_cfg(*TINY), capability, small_workload()[0]).precision is bf16
+    assert trials == [[fp32, bf16]]

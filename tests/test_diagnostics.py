@@ -26,8 +26,13 @@ CPU = torch.device("cpu")
 fp32, bf16, fp16 = Precision.fp32, Precision.bf16, Precision.fp16
 
 
-def warning(precision: str, factor: str, instead: str) -> list[str]:
-    return [f"{precision} measured about {factor} slower than fp32 here, use precision={instead}"]
+def warning(
+    precision: str, factor: str, instead: str, kernels: str = "matmul and conv and attention"
+) -> list[str]:
+    return [
+        f"the probe's {kernels} kernels ran {precision} about {factor} slower than fp32 here: "
+        f"use precision={instead}"
+    ]
 
 
 def test_cpu_with_fast_bf16_recommends_bf16_and_warns_for_slow_fp16() -> None:
@@ -82,7 +87,7 @@ def test_run_records_hardware_and_warns_once_with_the_measured_factor(
     assert hardware["recommended"] == "fp32"
     assert hardware["measured"]["fp16"]["relative_speed"] == pytest.approx(0.02)
     assert hardware["measured_peak_tflops"] == pytest.approx(0.02)
-    assert hardware["advice"] == warning("fp16", "50x", "fp32")
+    assert hardware["advice"] == warning("fp16", "50x", "fp32", kernels="conv")
     assert caplog.text.count(hardware["advice"][0]) == 1
 
 

@@ -211,14 +211,14 @@ def test_the_speed_trial_gives_the_speedup_beside_each_jobs_own_throughput(
 ) -> None:
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     write_run(tmp_path / "1", "tiny_cnn", "bf16", 700.0, 0.8)
-    trial = {"median": 1.2, "ci95": [1.1, 1.3], "rounds": 10}
+    trial = {"ratio": 1.2, "ci95": [1.1, 1.3], "rounds": 10, "total_time_ratio": 1.15}
     speed = {"trials": [{"model": "tiny_cnn", "setting": "", "speedup": {"bf16": trial}}]}
     (tmp_path / SPEED_JSON).write_text(json.dumps(speed))
     report = build_report([tmp_path], tmp_path)
     (comparison,) = report["comparisons"]
     assert comparison["speedup"] == trial and comparison["job_speedup"] == 0.7
     assert (
-        "1.20x fp32's speed (95% CI 1.10x to 1.30x, 10 interleaved rounds)"
+        "1.20x fp32's speed (95% CI 1.10x to 1.30x, 10 AB/BA rounds; total time 1.15x)"
         in (report["verdicts"][0])
     )
     markdown = (tmp_path / "report.md").read_text()

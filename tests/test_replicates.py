@@ -17,7 +17,7 @@ from helpers.runs import FAST, TINY, run_cli
 pytestmark = pytest.mark.slow
 
 # A short trial: enough rounds for a 95% interval of the median, two steps each.
-SHORT_TRIAL = ["speed.rounds=6", "speed.steps=2", "speed.warmup_steps=1"]
+SHORT_TRIAL = ["speed.rounds=6", "speed.steps=2", "speed.max_warmup_steps=10"]
 
 
 def test_three_seeds_of_bf16_are_judged_by_the_rule_on_the_jobs_own_accuracies(

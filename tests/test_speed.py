@@ -1,25 +1,32 @@
-"""The interleaved speed trial: its interval holds what a per-step clock measures over the same
-rounds, it times what training runs, and ``python -m amp_exp.speed`` writes its files."""
+"""The speed trial: pairs timed AB, BA, ... with no more than two runs alive, warmed up until
+steady, a t interval on log ratios that covers 95%, skipped steps counted, a stand-in for a
+torchrun job kept out of the verdicts, and ``python -m amp_exp.speed`` writes its files."""
 
 from __future__ import annotations
 
 import atexit
-import itertools
 import json
-import statistics
-import time
+import math
+import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 import amp_exp.speed.trial as trial_module
+import amp_exp.training.timing as timing
 from amp_exp.config.schema import Precision, ReportConfig
 from amp_exp.errors import ConfigError
+from amp_exp.report.assemble import build_report
 from amp_exp.report.callback import SweepReport
+from amp_exp.report.evidence import trial_speedup
 from amp_exp.results.files import SPEED_JSON, SPEED_MD
 from amp_exp.speed.__main__ import candidates
-from amp_exp.training.meters import synchronize
+from amp_exp.speed.ratio import speedup
+from amp_exp.speed.sweep import stand_in
 from amp_exp.training.timing import interleave
 from helpers.runs import TINY
 from helpers.warm_python import python_m
@@ -42,52 +49,127 @@ def test_interleave_runs_candidates_in_turns_after_their_warm_up() -> None:
     assert [[len(steps) for steps in rounds] for rounds in seconds.values()] == [[2] * 3] * 2
 
 
-def test_the_trials_interval_holds_the_ratio_a_per_step_clock_measures_over_its_rounds(
+def test_warm_up_ends_when_two_window_medians_agree_and_at_its_cap(monkeypatch) -> None:
+    """A fixed count measured the warm-up: 6 of 10 rounds of a gpt_tiny trial ran 2.5-80x slow."""
+    windows = iter([[9.0] * 5, [6.0] * 5, [3.0] * 5, [2.9, 9.0, 2.9, 2.9, 2.0], [1.0] * 5])
+    monkeypatch.setattr(timing, "time_steps", lambda step, clock, steps: next(windows))
+    cpu = torch.device("cpu")
+    assert timing.warm_up(lambda: None, cpu, max_steps=100) == (20, True)  # 2.9 within 5% of 3.0
+    windows = iter([[9.0] * 5, [6.0] * 5, [3.0] * 5])
+    assert timing.warm_up(lambda: None, cpu, max_steps=14) == (10, False)  # the cap, unsteady
+
+
+def test_rounds_alternate_ab_and_ba_so_each_side_leads_in_half() -> None:
+    orders = trial_module.round_orders("bf16", 6)
+    assert orders[:2] == [("fp32", "bf16"), ("bf16", "fp32")]
+    assert [order[0] for order in orders].count("fp32") == 3 and len(set(orders[2:])) == 2
+
+
+def test_a_skipped_step_costs_its_time_and_counts_as_no_progress() -> None:
+    side = trial_module.Side(built=None, step=None, seconds=[[1.0, 1.0, 1.0, 5.0]], skipped=[2])
+    assert side.per_applied_step() == [2.0]  # median 1 s x 4 steps / 2 applied, not 1.0
+    assert side.total_per_applied_step() == 4.0  # 8 s of wall clock over 2 applied steps
+    side.skipped = [4]
+    assert side.per_applied_step() == [math.inf]
+
+
+def test_the_interval_is_a_t_interval_on_log_ratios_with_95_percent_coverage() -> None:
+    """Simulated rounds whose log ratio is normal around log 1.5: an interval on the ratios
+    themselves is not reciprocal when the sides swap, and the old order-statistic interval of
+    the median covers 97.9% at 10 rounds, outside 95% +- 2 points (2.9 standard errors)."""
+    rng = np.random.default_rng(0)
+    covered, repetitions = 0, 1000
+    for _ in range(repetitions):
+        logs = rng.normal(math.log(1.5), 0.2, 10)
+        found = speedup(np.exp(logs), np.ones(10), total_time_ratio=1.5)
+        covered += found.ci95[0] <= 1.5 <= found.ci95[1]
+    assert abs(covered / repetitions - 0.95) < 0.02, covered / repetitions
+    fp32, bf16 = [10.0, 11.0, 30.0, 10.2, 10.8, 10.1], [5.0, 5.4, 5.1, 5.2, 5.3, 5.0]
+    forward, backward = speedup(fp32, bf16, 2.0), speedup(bf16, fp32, 0.5)
+    assert forward.ratio == pytest.approx(1 / backward.ratio)
+    assert forward.ci95 == pytest.approx((1 / backward.ci95[1], 1 / backward.ci95[0]))
+    with pytest.raises(ValueError, match="the clock measured no spread"):
+        speedup([2.0] * 6, [1.0] * 6, 2.0)
+
+
+def test_a_drift_over_rounds_is_flagged_and_alternating_noise_is_not() -> None:
+    drifting = speedup([1.0 + 0.1 * r for r in range(10)], [1.0] * 10, 1.4)
+    assert drifting.trend and drifting.trend_rho == pytest.approx(1.0)
+    alternating = speedup([1.1, 1.0] * 5, [1.0] * 10, 1.05)
+    assert not alternating.trend
+
+
+def test_each_pair_runs_in_its_recorded_order_and_no_more_than_two_runs_are_alive(
     run_cfg, monkeypatch
 ) -> None:
-    """scripts/bench_parity.py's clock: a synchronized stamp at every optimizer step, and the
-    ratio of the sides' median step times, read in each of the very rounds the trial times: the
-    same machine load is behind both, measured by another clock. (Pooled over all rounds,
-    medians would mix loaded and idle rounds: the trial pairs rounds to avoid exactly that.)"""
-    stamps: dict[str, list[float]] = {}
+    """Every training step of every engine stamps its side: the stamps after the warm-ups must
+    follow speed.json's order, and at each build at most one other engine may still be alive
+    (the trial held every precision's engine at once before)."""
+    stamps: list[str] = []
+    alive: list[weakref.ref] = []
+    alive_at_build: list[int] = []
 
-    def build_with_a_clock(cfg):
+    def build_and_watch(cfg):
+        alive_at_build.append(sum(ref() is not None for ref in alive))
         built = real_build(cfg)
         label = cfg.precision.name.value
-        stamps[label] = []
+        train_step = built.engine.train_step
 
-        def stamp(*_: object) -> None:
-            synchronize(built.device)
-            stamps[label].append(time.perf_counter())
+        def stamped(*args: object, **kwargs: object) -> object:
+            stamps.append(label)
+            return train_step(*args, **kwargs)
 
-        built.engine.optimizer.register_step_post_hook(stamp)
+        built.engine.train_step = stamped
+        alive.append(weakref.ref(built.engine))
         return built
 
     real_build = trial_module.build
-    monkeypatch.setattr(trial_module, "build", build_with_a_clock)
-    cfg = run_cfg(*TRIAL, "speed.rounds=8", "speed.steps=6", "speed.warmup_steps=2")
-    configs = {p: c for p, c in candidates(cfg).items() if p in ("fp32", "bf16")}
-    result = trial_module.run_trial(configs, cfg.speed)
-    steps, warmup = cfg.speed.steps, cfg.speed.warmup_steps
-
-    def median_steps(label: str) -> list[float]:
-        """Each round's median step time; a round's first step starts after the other side's."""
-        timed = stamps[label][warmup:]
-        rounds = [timed[r * steps : (r + 1) * steps] for r in range(cfg.speed.rounds)]
-        return [statistics.median(b - a for a, b in itertools.pairwise(run)) for run in rounds]
-
-    assert [len(stamps[p]) for p in ("fp32", "bf16")] == [warmup + steps * 8] * 2
-    measured = statistics.median(
-        f / b for f, b in zip(median_steps("fp32"), median_steps("bf16"), strict=True)
+    monkeypatch.setattr(trial_module, "build", build_and_watch)
+    cfg = run_cfg(
+        *TINY,
+        "dataset.batch_size=4",
+        "speed.precisions=[bf16,bf16_true]",
+        "speed.rounds=6",
+        "speed.steps=2",
+        "speed.max_warmup_steps=10",
     )
-    low, high = result["speedup"]["bf16"]["ci95"]
-    assert low <= measured <= high, (measured, result["speedup"]["bf16"])
-    assert result["ms_per_step"]["fp32"] and len(result["ms_per_step"]["bf16"]) == 8
+    result = trial_module.run_trial(candidates(cfg), cfg.speed)
+    assert alive_at_build == [0, 1, 0, 1] and not any(ref() for ref in alive)
+    offset = 0
+    for label in ("bf16", "bf16_true"):
+        pair = result["pairs"][label]
+        assert pair["order"] == [list(order) for order in trial_module.round_orders(label, 6)]
+        # fp32 warmed up, then the candidate, then the rounds.
+        warm = pair["warmup_steps"]
+        expected = ["fp32"] * warm["fp32"] + [label] * warm[label]
+        expected += [side for order in pair["order"] for side in order for _ in range(2)]
+        assert stamps[offset : offset + len(expected)] == expected
+        offset += len(expected)
+        assert len(pair["ms_per_step"][label]) == 6 and pair["skipped_steps"][label] == 0
+    assert offset == len(stamps)
+    assert set(result["speedup"]) == {"bf16", "bf16_true"}
 
 
-def test_the_trial_asks_for_enough_rounds_and_real_precisions(run_cfg) -> None:
-    with pytest.raises(ConfigError, match=r"speed.rounds=5 must be 6 or more"):
+def test_a_torchrun_sweeps_single_process_trial_is_labelled_and_kept_out_of_verdicts() -> None:
+    jobs = {"fp32": SimpleNamespace(summary={"world_size": 2, "strategy": "ddp"})}
+    assert stand_in(jobs) == "single-process stand-in for ddp on 2 ranks"
+    assert stand_in({"fp32": SimpleNamespace(summary={"world_size": 1})}) is None
+    found = {"ratio": 1.2, "ci95": [1.1, 1.3], "rounds": 10}
+    trial = {"model": "tiny_cnn", "setting": "", "speedup": {"bf16": found}}
+    assert trial_speedup([trial], ("tiny_cnn", "", "bf16")) == found
+    labelled = {**trial, "stand_in": stand_in(jobs)}
+    assert trial_speedup([labelled], ("tiny_cnn", "", "bf16")) is None
+
+
+def test_the_trial_asks_for_an_even_number_of_rounds_a_warm_up_cap_and_real_precisions(
+    run_cfg,
+) -> None:
+    with pytest.raises(ConfigError, match=r"speed.rounds=5 must be even and 6 or more"):
         run_cfg("speed.rounds=5")
+    with pytest.raises(ConfigError, match=r"speed.rounds=7 must be even"):
+        run_cfg("speed.rounds=7")
+    with pytest.raises(ConfigError, match=r"speed.max_warmup_steps=9 must be 10 or more"):
+        run_cfg("speed.max_warmup_steps=9")
     with pytest.raises(ConfigError, match=r"speed.precisions must list precisions to time"):
         run_cfg("speed.precisions=[auto]")
     configs = candidates(run_cfg("speed.precisions=[bf16,fp16]"))
@@ -105,17 +187,18 @@ def test_python_m_amp_exp_speed_writes_speed_json_and_speed_md(tmp_path: Path) -
         "speed.precisions=[fp32,bf16]",
         "speed.rounds=6",
         "speed.steps=2",
+        "speed.max_warmup_steps=10",
         f"hydra.run.dir={tmp_path}",
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (trial,) = json.loads((tmp_path / SPEED_JSON).read_text())["trials"]
     assert trial["model"] == "tiny_cnn" and trial["rounds"] == 6
-    assert list(trial["ms_per_step"]) == ["fp32", "bf16"]
-    bf16 = trial["speedup"]["bf16"]
-    assert bf16["ci95"][0] <= bf16["median"] <= bf16["ci95"][1]
+    pair = trial["pairs"]["bf16"]
+    assert pair["order"][:2] == [["fp32", "bf16"], ["bf16", "fp32"]]
+    assert set(pair["warmup_steps"]) == {"fp32", "bf16"} and set(trial["speedup"]) == {"bf16"}
     assert "| bf16 |" in (tmp_path / SPEED_MD).read_text()
-    assert "bf16: " in result.stdout and "fp32's speed (95% CI" in result.stdout
+    assert "bf16: " in result.stdout and "fp32's speed over 6 rounds" in result.stdout
     assert not (tmp_path / ".hydra").exists()  # a report must not take it for a killed run
 
 
@@ -164,3 +247,54 @@ def test_under_slurm_the_sweeps_own_process_times_nothing(tmp_path: Path) -> Non
     sweep_start(callback, tmp_path, "hydra_plugins._amp_exp_submitit.LocalLauncher")
     callback.build()
     assert trials == [tmp_path]
+
+
+def test_a_report_with_a_trial_gives_no_probe_advice_for_the_same_precision(
+    tmp_path: Path,
+) -> None:
+    """A verdict said 0.67x fp32's speed while each bf16 job's AMP-health line said "1.20x
+    slower": one speed fact per model and precision."""
+    advice = "the probe's conv kernels ran fp16 about 22x slower than fp32 here: use precision=fp32"
+    for model in ("tiny_cnn", "mlp"):
+        write_run(tmp_path / model / "0", model, "fp32", 1000.0, 0.8)
+        fp16 = tmp_path / model / "1"
+        write_run(fp16, model, "fp16", 900.0, 0.8)
+        summary = json.loads((fp16 / "summary.json").read_text())
+        summary["hardware"] = {"advice": [advice]}
+        (fp16 / "summary.json").write_text(json.dumps(summary))
+    found = {"ratio": 1.1, "ci95": [1.05, 1.15], "rounds": 10, "total_time_ratio": 1.1}
+    speed = {"trials": [{"model": "tiny_cnn", "setting": "", "speedup": {"fp16": found}}]}
+    (tmp_path / SPEED_JSON).write_text(json.dumps(speed))
+    report = build_report([tmp_path], tmp_path)
+    health = {row["model"]: row["health"]["hardware_advice"] for row in report["runs"]}
+    assert health == {"tiny_cnn": [], "mlp": [advice]}  # mlp had no trial: the probe's stands
+    (cnn,) = [line for line in report["verdicts"] if line.startswith("tiny_cnn")]
+    assert "1.10x fp32's speed (95% CI" in cnn
+    markdown = (tmp_path / "report.md").read_text()
+    assert markdown.count(advice) == 1 and "(mlp fp16): checks passed; " in markdown
+
+
+def test_speed_md_labels_a_stand_in_and_flags_a_trend() -> None:
+    found = speedup([1.0 + 0.1 * r for r in range(6)], [1.0] * 6, 1.2).as_dict()
+    pair = {
+        "ms_per_applied_step": {"fp32": 12.0, "bf16": 10.0},
+        "warmup_steps": {"fp32": 10, "bf16": 35},
+        "steady": {"fp32": True, "bf16": False},
+        "skipped_steps": {"fp32": 0, "bf16": 0},
+    }
+    trial = {
+        "model": "gpt_tiny",
+        "stand_in": "single-process stand-in for ddp on 2 ranks",
+        "device_name": "test cpu",
+        "samples_per_step": 8,
+        "max_warmup_steps": 100,
+        "rounds": 6,
+        "steps": 5,
+        "pairs": {"bf16": pair},
+        "speedup": {"bf16": found},
+        "not_timed": {},
+    }
+    markdown = trial_module.trial_markdown([trial])
+    assert "A single-process stand-in for ddp on 2 ranks: shown here, kept out of" in markdown
+    assert "| bf16 | 12 / 10 | 1.24x [" in markdown and "TREND over rounds" in markdown
+    assert "| 10 / 35 (not steady: bf16) |" in markdown

@@ -59,6 +59,7 @@ def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
         # The speed trial at the sweep's end, kept short: enough rounds for a 95% interval.
         "speed.rounds=6",
         "speed.steps=2",
+        "speed.max_warmup_steps=10",
         f"hydra.sweep.dir={tmp_path}",
     )
     jobs = summaries(tmp_path)  # each job its own directory and results
@@ -101,11 +102,13 @@ def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
         ("mlp", "single_seed"),
     ]
     assert all("on a single seed" in line for line in report["verdicts"])
-    # The interleaved trial timed each model's precisions, beside each job's own samples/s: each
-    # comparison carries its own model's figure from speed.json, not another model's.
-    trials = json.loads((tmp_path / "speed.json").read_text())["trials"]
-    timed = {trial["model"]: trial["speedup"]["fp16"] for trial in trials}
-    assert [c["speedup"] for c in comparisons] == [timed["tiny_cnn"], timed["mlp"]]
+    # The trial timed each model's fp16 against fp32 in AB/BA rounds, and the report gives
+    # that figure, beside each job's own samples/s.
+    trials = {t["model"]: t for t in json.loads((tmp_path / "speed.json").read_text())["trials"]}
+    for comparison in comparisons:
+        trial = trials[comparison["model"]]
+        assert comparison["speedup"] == trial["speedup"]["fp16"]
+        assert trial["pairs"]["fp16"]["order"][:2] == [["fp32", "fp16"], ["fp16", "fp32"]]
     assert all(
         cells["trial speedup (95% CI)"] != "-"
         for cells in table.values()

@@ -323,18 +323,25 @@ class SensitivityConfig:
     loss_tolerance: float = 0.05
 
 
+# The speed trial's warm-up ends when the median steps of two consecutive windows of this many
+# steps agree within 5% (training/timing.py).
+SPEED_WARMUP_WINDOW = 5
+
+
 @dataclass
 class SpeedConfig:
-    """The interleaved speed trial (amp_exp/speed/): the run built once per precision, each
-    trained ``steps`` steps in turn (A B C A B C ...), ``rounds`` times, after ``warmup_steps``."""
+    """The speed trial (amp_exp/speed/): each precision against fp32 in a pair of its own, the
+    two built, warmed up until steady, timed ``rounds`` times ``steps`` steps each in the
+    orders AB, BA, AB, ..., and freed before the next pair is built."""
 
     # python -m amp_exp.speed times these and fp32; a sweep's trial, the precisions it ran.
     precisions: list[Precision] = field(
         default_factory=lambda: [Precision.fp32, Precision.bf16, Precision.fp16]
     )
-    warmup_steps: int = 3
+    # The cap on each side's warm-up steps, when its step time has not settled before.
+    max_warmup_steps: int = 100
     steps: int = 5
-    # The speedup's 95% CI is the median's over rounds (order statistics): 6 rounds at least.
+    # Even, so that each side runs first in exactly half the rounds.
     rounds: int = 10
 
 

@@ -39,6 +39,7 @@ from amp_exp.config.pairing import check_pairing
 from amp_exp.config.precision_checks import validate_precision
 from amp_exp.config.schema import (
     SCHEMAS,
+    SPEED_WARMUP_WINDOW,
     WANDB_TAG_MAX_CHARS,
     AdamWConfig,
     OptimizerConfig,
@@ -53,8 +54,8 @@ from amp_exp.config.schema import (
 from amp_exp.config.sensitivity import validate_sensitivity
 from amp_exp.errors import ConfigError, first_line, require
 
-# The fewest rounds whose extreme order statistics hold the median with 95% confidence
-# (1 - 2 / 2**6 = 0.97; five rounds give only 0.94).
+# The fewest rounds for the speedup's t interval to be of any use (t(0.975, 5) = 2.57; at 4
+# rounds it is 3.18).
 MIN_SPEED_ROUNDS = 6
 # NumPy seeds its generator with an unsigned 32-bit integer.
 SEED_RANGE = range(2**32)
@@ -224,12 +225,16 @@ def _check_positive(section: object, prefix: str, *keys: str) -> None:
 
 
 def _validate_speed(speed: SpeedConfig) -> None:
-    require(speed.warmup_steps >= 0, "speed.warmup_steps must be 0 or more")
+    require(
+        speed.max_warmup_steps >= 2 * SPEED_WARMUP_WINDOW,
+        f"speed.max_warmup_steps={speed.max_warmup_steps} must be {2 * SPEED_WARMUP_WINDOW} or "
+        f"more: warm-up compares two windows of {SPEED_WARMUP_WINDOW} steps",
+    )
     require(speed.steps > 0, f"speed.steps={speed.steps} must be positive")
     require(
-        speed.rounds >= MIN_SPEED_ROUNDS,
-        f"speed.rounds={speed.rounds} must be {MIN_SPEED_ROUNDS} or more: with fewer, no two "
-        "rounds bound the median with 95% confidence",
+        speed.rounds >= MIN_SPEED_ROUNDS and speed.rounds % 2 == 0,
+        f"speed.rounds={speed.rounds} must be even and {MIN_SPEED_ROUNDS} or more: each side "
+        "runs first in half the rounds",
     )
     require(
         bool(speed.precisions) and Precision.auto not in speed.precisions,

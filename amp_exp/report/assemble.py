@@ -69,6 +69,10 @@ def build_report(
         row["trial_speedup"] = trial_speedup(trials, cell_key(row))
         # The tolerance that judges the run's quality metric, in its unit (null without one).
         row["tolerance"] = tolerance_for(row, tolerance)
+        if row["trial_speedup"] is not None:
+            # One speed fact per precision: the trial timed this model, so the probe's advice
+            # from generic kernels, which may say the opposite, is not repeated beside it.
+            row["health"]["hardware_advice"] = []
     cells, comparisons = gather(rows, metrics, tolerance, trials, familywise)
     report = {
         "tolerance": tolerance,

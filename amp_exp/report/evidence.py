@@ -277,9 +277,12 @@ def loss_evidence(paired: list[Row], metrics: dict[str, list]) -> dict[str, Any]
 
 
 def trial_speedup(trials: list[dict[str, Any]], key: CellKey) -> dict[str, Any] | None:
-    """The speed trial's speedup of a cell's precision against fp32, from speed.json."""
+    """The speed trial's speedup of a cell's precision against fp32, from speed.json; a
+    single-process stand-in for a torchrun job's speed is no evidence of it."""
     model, setting, label = key
     for trial in trials:
+        if trial.get("stand_in"):
+            continue
         if (trial.get("model"), trial.get("setting", "")) == (model, setting):
             found = (trial.get("speedup") or {}).get(label)
             if found is not None:

@@ -35,11 +35,11 @@ def _text(value: Any) -> str:
 
 
 def show_speedup(speedup: dict[str, Any] | None) -> str:
-    """A speed trial's median speedup and its 95% CI: 1.12x [1.05, 1.20]."""
+    """A speed trial's speedup and its 95% CI: 1.12x [1.05, 1.20]."""
     if speedup is None:
         return "-"
     low, high = speedup["ci95"]
-    return f"{speedup['median']:.2f}x [{low:.2f}, {high:.2f}]"
+    return f"{speedup['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
 
 
 # (header, row key, how to show a value)
@@ -83,8 +83,8 @@ EVIDENCE_NOTE = (
     "of that claim); `not_worse` when only its worse side lies within it; `inconclusive` "
     "otherwise, and always for an interval of no width; `single_seed` claims nothing. The t "
     "interval assumes normal deltas. Loss gap: (loss - fp32's) / fp32's at matched steps over "
-    "the last 10% of training, paired seed by seed. Trial speedup: the median over rounds of an "
-    "interleaved timing trial (docs/sweeps.md)."
+    "the last 10% of training, paired seed by seed. Trial speedup: the geometric mean over AB/BA "
+    "rounds of a speed trial, with a t interval on the log ratios (docs/sweeps.md)."
 )
 FAMILYWISE_NOTE = (
     " With `report.familywise=true`, Holm's step-down procedure runs across this report's "

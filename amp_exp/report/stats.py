@@ -1,6 +1,6 @@
 """The statistics behind a verdict, from scipy.stats: t intervals, two one-sided tests for
-equivalence, Holm's step-down procedure, a planning estimate of the seeds that would settle an
-open question, and a distribution-free interval for a median speedup.
+equivalence, Holm's step-down procedure and a planning estimate of the seeds that would settle
+an open question (the speed trial's interval is amp_exp/speed/ratio.py's).
 
 Plain numbers in, plain numbers out: nothing here knows runs, tasks or files.
 
@@ -276,28 +276,3 @@ def seeds_to_settle(
         return None
     candidates = range(max(2, estimate.n + 1), MAX_SEEDS)
     return next((n for n in candidates if settles(n)), MAX_SEEDS)
-
-
-@dataclass(frozen=True)
-class Speedup:
-    """How many times faster than the baseline: the median over rounds and its 95% CI."""
-
-    median: float
-    ci95: tuple[float, float]
-    rounds: int
-
-    def as_dict(self) -> dict[str, object]:
-        return {"median": self.median, "ci95": list(self.ci95), "rounds": self.rounds}
-
-
-def speedup(baseline_seconds: Sequence[float], seconds: Sequence[float]) -> Speedup:
-    """Round k's speedup is the baseline's time per step over the candidate's, both of round k.
-
-    The interval is distribution-free (scipy's quantile test: order statistics of the rounds), so
-    a round that a neighbour's job slowed widens it without dragging the median.
-    """
-    ratios = np.asarray(baseline_seconds, dtype=float) / np.asarray(seconds, dtype=float)
-    low, high = stats.quantile_test(ratios, p=0.5).confidence_interval(CONFIDENCE)
-    if not (math.isfinite(low) and math.isfinite(high)):
-        raise ValueError(f"{ratios.size} rounds cannot bound a median with 95% confidence")
-    return Speedup(float(np.median(ratios)), (float(low), float(high)), int(ratios.size))

@@ -42,8 +42,8 @@ def speed_phrase(comparison: dict[str, Any], emulated: bool) -> str:
     if trial is not None:
         low, high = trial["ci95"]
         return (
-            f"{trial['median']:.2f}x {BASELINE}'s speed (95% CI {low:.2f}x to {high:.2f}x, "
-            f"{trial['rounds']} interleaved rounds)"
+            f"{trial['ratio']:.2f}x {BASELINE}'s speed (95% CI {low:.2f}x to {high:.2f}x, "
+            f"{trial['rounds']} AB/BA rounds; total time {trial['total_time_ratio']:.2f}x)"
         )
     if comparison["job_speedup"] is None:
         return "throughput not measured"

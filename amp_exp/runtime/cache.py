@@ -4,7 +4,9 @@ It lives in ``$XDG_CACHE_HOME/amp_exp`` (``~/.cache/amp_exp`` without it). Every
 to an entry. Losing a file costs a measurement, never a result, so a file that does not parse is
 treated as empty, and concurrent writers (the ranks of a job, the jobs of a sweep) may each drop
 the other's new entry: both entries are measured again later. A cached time that cannot be a
-measurement (``implausible_times``) is stale too: its reader measures again.
+measurement (``implausible_times``) is stale too: its reader measures again, and so is a speed
+whose rounds disagreed (``ratio_spread`` above ``WIDE_SPREAD``): a default run once chose bf16 at
+a cached 5.14x fp32's speed that a fresh measurement put at 2.07x.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,19 @@ from amp_exp.runtime.atomic import atomic_write
 # faster or slower than fp32 on one (fp16 on CPUs without its kernels: 20-140x slower).
 MIN_PLAUSIBLE_MS = 1e-3
 PLAUSIBLE_RATIO = 1e3
+# A cached speed whose figure lies further than this from its typical round (``ratio_spread``)
+# is measured again rather than reused.
+WIDE_SPREAD = 0.25
+
+
+def ratio_spread(baseline: Sequence[float], candidate: Sequence[float]) -> float:
+    """How far the speed figure, the baseline's fastest round over the candidate's, lies from
+    the median of the rounds' own ratios (each round timed both sides in turn): 0.3 when either
+    is 1.3 times the other. One round that a neighbour slowed moves neither; fastest rounds that
+    caught the two sides at different moments of a loaded machine move the figure alone."""
+    figure = min(baseline) / min(candidate)
+    typical = statistics.median(b / c for b, c in zip(baseline, candidate, strict=True))
+    return max(figure / typical, typical / figure) - 1
 
 
 def implausible_times(ms: Mapping[str, Any], baseline: str = "fp32") -> str | None:

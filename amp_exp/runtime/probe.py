@@ -6,7 +6,10 @@ what models spend their time on (a matmul, a 3x3 convolution, and an attention b
 layer norm) run forward and backward, the forward under the autocast the precision gets in
 training. The precisions take turns, round after round, and each keeps its fastest round: a load
 spike from another process then slows one round of every precision rather than all rounds of
-one. Results are cached per device, torch version and precision (``runtime.cache``).
+one. Each kernel's time carries its spread: how far its ratio to fp32's lies from the typical
+round's (``runtime.cache.ratio_spread``). Results are cached per device, torch version and
+precision (``runtime.cache``); a cache whose spread is wide is measured again, once, all
+precisions together.
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
-from amp_exp.runtime.cache import cache_dir, implausible_times, read_entries, write_entries
+from amp_exp.runtime.cache import (
+    WIDE_SPREAD,
+    cache_dir,
+    implausible_times,
+    ratio_spread,
+    read_entries,
+    write_entries,
+)
 from amp_exp.runtime.hardware import cpu_flags, device_name
 
 log = logging.getLogger("amp_exp")
@@ -54,18 +64,22 @@ SHAPES = {
 class KernelTime:
     ms: float
     tflops: float
+    # How far the ratio to fp32's time lies from the typical round's (0 for fp32 itself).
+    spread: float = 0.0
 
 
 # One precision's measurement: each kernel's fastest forward+backward.
 Timing = dict[str, KernelTime]
+FIELDS = ("ms", "tflops", "spread")
 
 
 def timing_to_json(timing: Timing) -> dict:
-    return {name: {"ms": k.ms, "tflops": k.tflops} for name, k in timing.items()}
+    return {name: vars(k) for name, k in timing.items()}
 
 
 def timing_from_json(entry: dict) -> Timing:
-    return {name: KernelTime(entry[name]["ms"], entry[name]["tflops"]) for name in KERNELS}
+    """A cached timing; one of an older amp_exp, without a spread, raises KeyError."""
+    return {name: KernelTime(**{f: entry[name][f] for f in FIELDS}) for name in KERNELS}
 
 
 def device_key(device: torch.device) -> str:
@@ -181,7 +195,10 @@ def measure(
     """
     precisions = list(precisions)
     kernels = _kernels(shapes or SHAPES[device.type], device)
-    best = {p: dict.fromkeys(kernels, math.inf) for p in precisions}
+    # Each precision's fastest pass of each kernel in each round after the first.
+    fastest: dict[str, dict[str, list[float]]] = {
+        p: {name: [] for name in kernels} for p in precisions
+    }
     for name, (forward, leaves, _) in kernels.items():
         started = time.perf_counter()
         rounds = 0
@@ -190,29 +207,41 @@ def measure(
         ):
             for precision in precisions:
                 turn_ends = time.perf_counter() + budget_s / 4
+                turn = math.inf
                 while True:
-                    elapsed = _forward_backward(device, precision, forward, leaves)
-                    if rounds:
-                        best[precision][name] = min(best[precision][name], elapsed)
+                    turn = min(turn, _forward_backward(device, precision, forward, leaves))
                     if time.perf_counter() >= turn_ends:
                         break
+                if rounds:
+                    fastest[precision][name].append(turn)
             rounds += 1
+    # Without fp32 in the same rounds, a precision's spread is that of its own rounds.
+    baseline = fastest.get("fp32")
     return {
         p: {
-            name: KernelTime(seconds * 1e3, kernels[name][2] / seconds / 1e12)
-            for name, seconds in best[p].items()
+            name: KernelTime(
+                min(times) * 1e3,
+                kernels[name][2] / min(times) / 1e12,
+                ratio_spread(baseline[name] if baseline else [min(times)] * len(times), times),
+            )
+            for name, times in fastest[p].items()
         }
         for p in precisions
     }
 
 
-def remember(device: torch.device, timings: dict[str, Timing]) -> None:
-    """Cache ``timings`` for later runs on this device and torch version."""
+def remember(device: torch.device, timings: dict[str, Timing], again: bool = False) -> None:
+    """Cache ``timings`` for later runs on this device and torch version; ``again``: they
+    replace timings whose spread was wide (``probe``)."""
     measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     write_entries(
         CACHE_FILE,
         {
-            cache_key(device, p): {"kernels": timing_to_json(t), "measured_at": measured_at}
+            cache_key(device, p): {
+                "kernels": timing_to_json(t),
+                "measured_at": measured_at,
+                "measured_again": again,
+            }
             for p, t in timings.items()
         },
     )
@@ -234,14 +263,20 @@ def stale_timings(found: dict[str, Timing]) -> str | None:
 def probe(
     device: torch.device, precisions: Iterable[str], refresh: bool = False
 ) -> dict[str, Timing]:
-    """Each precision's timing, from the cache where it holds one, else measured and cached."""
+    """Each precision's timing, from the cache where it holds one, else measured and cached.
+
+    Cached timings whose spread is wider than ``WIDE_SPREAD`` are measured again, once: on a
+    machine this noisy a second measurement is no steadier, and each costs seconds (17 s on
+    the shared 2-core CPU here), so the second is kept, with its spread, for later runs."""
     precisions = list(precisions)
     cached = {} if refresh else read_entries(CACHE_FILE)
     found: dict[str, Timing] = {}
+    measured_again = False
     for precision in precisions:
         entry = cached.get(cache_key(device, precision))
         with contextlib.suppress(KeyError, TypeError):
             found[precision] = timing_from_json(entry["kernels"])
+            measured_again |= entry.get("measured_again") is True
     stale = stale_timings(found)
     if stale:
         log.warning(
@@ -250,14 +285,23 @@ def probe(
             stale,
         )
         found = {}
-    missing = [p for p in precisions if p not in found]
-    if missing:
+    wide = max((k.spread for timing in found.values() for k in timing.values()), default=0)
+    measure_again = wide > WIDE_SPREAD and not measured_again
+    if measure_again:
+        log.info(
+            "the cached probe speeds lie %.0f%% from their typical round, more than %.0f%%; "
+            "measuring again",
+            100 * wide,
+            100 * WIDE_SPREAD,
+        )
+        found = {}
+    if any(p not in found for p in precisions):
+        # All of them: a speed is a ratio to fp32's time, measured in the same rounds.
         log.info(
             "measuring %s forward+backward speed on %s (once; cached for later runs)",
-            ", ".join(missing),
+            ", ".join(precisions),
             device_name(device),
         )
-        fresh = measure(device, missing)
-        remember(device, fresh)
-        found.update(fresh)
+        found = measure(device, precisions)
+        remember(device, found, measure_again)
     return found

@@ -2,7 +2,7 @@
 
 Composed by Hydra exactly as a run (``model=... dataset=... trainer.device=...``, the same
 checks before anything is built), plus ``speed.*``: the precisions to time (fp32, the baseline,
-always among them), warm-up steps, steps per round and rounds (amp_exp/speed/trial.py). Writes
+always among them), the warm-up's cap, steps per round and rounds (amp_exp/speed/trial.py). Writes
 speed.json and speed.md into its run directory and prints each speedup with its 95% CI:
 
     python -m amp_exp.speed model=resnet18 'speed.precisions=[fp32,bf16,fp16]'
@@ -25,7 +25,7 @@ from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.results import contract
 from amp_exp.results.files import SPEED_JSON, SPEED_MD, write_json, write_text
-from amp_exp.speed.trial import run_trial, trial_markdown
+from amp_exp.speed.trial import run_trial, show_speedup, trial_markdown
 
 log = logging.getLogger("amp_exp")
 
@@ -58,15 +58,7 @@ def time_precisions(cfg: RunConfig, output_dir: Path) -> None:
     write_json(output_dir / SPEED_JSON, {"trials": [trial], "config": plain_run_config(cfg)})
     write_text(output_dir / SPEED_MD, trial_markdown([trial]))
     for label, found in trial["speedup"].items():
-        low, high = found["ci95"]
-        log.info(
-            "%s: %.2fx fp32's speed (95%% CI %.2fx to %.2fx over %d rounds)",
-            label,
-            found["median"],
-            low,
-            high,
-            found["rounds"],
-        )
+        log.info("%s: %s fp32's speed over %d rounds", label, show_speedup(found), found["rounds"])
     log.info("speed trial: %s", output_dir / SPEED_MD)
 
 

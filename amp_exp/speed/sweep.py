@@ -38,6 +38,16 @@ def trial_groups(runs: list[Run]) -> dict[tuple[str, str], dict[str, Run]]:
     return {key: jobs for key, jobs in groups.items() if BASELINE in jobs and len(jobs) > 1}
 
 
+def stand_in(jobs: dict[str, Run]) -> str | None:
+    """What a single-process trial stands in for when the jobs ran under torchrun: the sweep's
+    own process cannot time their world size and strategy, so the figure is labelled."""
+    summary = jobs[BASELINE].summary
+    world_size = summary.get("world_size", 1)
+    if world_size == 1:
+        return None
+    return f"single-process stand-in for {summary.get('strategy')} on {world_size} ranks"
+
+
 def time_sweep(sweep_dir: Path) -> Path | None:
     """Run the sweep's trials and write speed.json and speed.md; returns speed.json's path, or
     None when no model and setting ran fp32 and another precision. A trial that fails is recorded
@@ -52,7 +62,7 @@ def time_sweep(sweep_dir: Path) -> Path | None:
         log.info("speed trial: %s in %s, interleaved", ", ".join(jobs), where)
         try:
             configs = {label: trial_config(run) for label, run in jobs.items()}
-            trial = run_trial(configs, configs[BASELINE].speed)
+            trial = run_trial(configs, configs[BASELINE].speed, stand_in(jobs))
         except Exception as error:
             log.warning("speed trial of %s failed: %s", where, error)
             trial = {"error": f"{type(error).__name__}: {error}"}

@@ -1,19 +1,30 @@
-"""The interleaved speed trial: how much faster than fp32 each precision trains a model, with a 95%
-confidence interval.
+"""The speed trial: how much faster than fp32 each precision trains a model, with a 95% confidence
+interval.
 
-One process builds the run once per precision exactly as training builds it (``amp_exp.build``:
-the same model init, data, optimizer, precision policy and non-finite guard) and trains them in
-turn through training/timing.py: warm-up steps of each, then ``speed.rounds`` rounds of
-``speed.steps`` steps of each, in a fixed order. Round k's speedup is fp32's median step time
-over the precision's, both of round k, so drift in the machine's load cancels; the report takes
-their median and its distribution-free 95% interval (report/stats.py). The trial's engines are
-its own: no run's weights, files or random numbers are touched, and nothing is saved.
+Each precision is timed against fp32 in a pair of its own. The pair's two runs are built exactly
+as training builds them (``amp_exp.build``: the same model init, data, optimizer, precision
+policy and non-finite guard), each warmed up until its step time settles (training/timing.py's
+``warm_up``), then trained ``speed.steps`` steps each in ``speed.rounds`` rounds whose order
+alternates, AB then BA: each side runs first in exactly half the rounds, so a position effect
+(a cache the first side warms for the second) cancels, and so does a linear drift of the
+machine's speed. Then both are freed before the next pair is built: no more than two runs are
+held at once, so a model that fits twice fits the trial.
+
+Round k's ratio is fp32's time per applied step over the precision's, both of round k: the
+round's median step (a neighbour's burst during one step does not move it) times the steps over
+the steps applied, so a skipped fp16 step, which is cheaper, costs its time without counting
+as progress. The speedup is their geometric mean with a t interval on the log scale
+(speed/ratio.py); beside it, the ratio of the total times per applied step, which is what the
+wall clock sees. The trial's engines are its own: no run's weights, files or random numbers are
+touched, and nothing is saved.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,9 +32,9 @@ import torch
 from amp_exp.build import Built, build, global_batch_size
 from amp_exp.config.schema import RunConfig, SpeedConfig
 from amp_exp.report.compare import BASELINE
-from amp_exp.report.stats import speedup
-from amp_exp.runtime.hardware import device_name
-from amp_exp.training.timing import interleave
+from amp_exp.runtime.hardware import device_name, resolve_device
+from amp_exp.speed.ratio import speedup
+from amp_exp.training.timing import StepClock, time_steps, warm_up
 
 
 def training_step(built: Built) -> Callable[[], object]:
@@ -36,46 +47,146 @@ def training_step(built: Built) -> Callable[[], object]:
     return lambda: engine.train_step(batches, interval_loss, want_grad_norm=False)
 
 
-def run_trial(configs: Mapping[str, RunConfig], speed: SpeedConfig) -> dict[str, Any]:
-    """Time the runs ``configs`` describes (by precision label, fp32's under ``BASELINE``)
-    against each other; returns the trial as speed.json records it."""
+@dataclass
+class Side:
+    """One run of a pair: one step of it, and what its warm-up and rounds measured."""
+
+    built: Built
+    step: Callable[[], object]
+    warmup_steps: int = 0
+    steady: bool = False
+    # Each round's step times, and how many of its steps the device skipped.
+    seconds: list[list[float]] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+
+    def warm(self, max_steps: int) -> None:
+        self.warmup_steps, self.steady = warm_up(self.step, self.built.device, max_steps)
+        self.built.engine.read_skips()
+
+    def time_round(self, clock: StepClock, steps: int) -> None:
+        engine = self.built.engine
+        before = engine.progress.skipped_steps
+        self.seconds.append(time_steps(self.step, clock, steps))
+        # After the clock stopped: the one host read of the skips is not timed.
+        engine.read_skips()
+        self.skipped.append(engine.progress.skipped_steps - before)
+
+    def per_applied_step(self) -> list[float]:
+        """Each round's median step times its steps over its applied steps, in seconds."""
+        return [
+            statistics.median(steps) * len(steps) / (len(steps) - skipped)
+            if skipped < len(steps)
+            else float("inf")
+            for steps, skipped in zip(self.seconds, self.skipped, strict=True)
+        ]
+
+    def total_per_applied_step(self) -> float:
+        applied = sum(len(steps) for steps in self.seconds) - sum(self.skipped)
+        return sum(map(sum, self.seconds)) / applied if applied else float("inf")
+
+
+def round_orders(candidate: str, rounds: int) -> list[tuple[str, str]]:
+    """AB, BA, AB, ...: each side first in exactly half of an even number of rounds."""
+    pair = (BASELINE, candidate)
+    return [pair if r % 2 == 0 else pair[::-1] for r in range(rounds)]
+
+
+def free(device: torch.device) -> None:
+    """Give back the memory of the runs just dropped before the next pair is built: an engine
+    and its callbacks refer to each other, so only the collector frees them."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfig) -> dict:
+    """fp32 against one precision; the pair's record in speed.json (``"not_timed"`` alone for
+    a precision whose policy is not timed). The caller frees the pair's runs."""
+    built = build(cfg)
+    if not built.engine.policy.timed:
+        return {"not_timed": "emulated fp8 is not timed"}
+    sides = {label: Side(built, training_step(built))}
+    built = build(baseline)
+    sides = {BASELINE: Side(built, training_step(built)), **sides}
+    for side in sides.values():
+        side.warm(speed.max_warmup_steps)
+    clock = StepClock(built.device)
+    orders = round_orders(label, speed.rounds)
+    for order in orders:
+        for key in order:
+            sides[key].time_round(clock, speed.steps)
+    return {
+        "order": [list(order) for order in orders],
+        "warmup_steps": {key: side.warmup_steps for key, side in sides.items()},
+        "steady": {key: side.steady for key, side in sides.items()},
+        # Each round's median step time, and each side's skipped steps and wall time per
+        # applied step over all its rounds.
+        "ms_per_step": {
+            key: [1e3 * statistics.median(steps) for steps in side.seconds]
+            for key, side in sides.items()
+        },
+        "skipped_steps": {key: sum(side.skipped) for key, side in sides.items()},
+        "ms_per_applied_step": {
+            key: 1e3 * side.total_per_applied_step() for key, side in sides.items()
+        },
+        "speedup": speedup(
+            sides[BASELINE].per_applied_step(),
+            sides[label].per_applied_step(),
+            sides[BASELINE].total_per_applied_step() / sides[label].total_per_applied_step(),
+        ).as_dict(),
+    }
+
+
+def run_trial(
+    configs: Mapping[str, RunConfig], speed: SpeedConfig, stand_in: str | None = None
+) -> dict[str, Any]:
+    """Time the runs ``configs`` describes (by precision label, fp32's under ``BASELINE``),
+    each against fp32 in a pair of its own; returns the trial as speed.json records it.
+    ``stand_in`` says what the single process stands in for (a torchrun job's world size and
+    strategy): such a trial is shown, labelled, and kept out of the report's verdicts."""
     if BASELINE not in configs:
         raise ValueError(f"a speed trial needs {BASELINE} to compare with")
-    ordered = {BASELINE: configs[BASELINE], **configs}
-    built = {label: build(cfg) for label, cfg in ordered.items()}
-    timed = {label: b for label, b in built.items() if b.engine.policy.timed}
-    fp32 = built[BASELINE]
-    steps = interleave(
-        {label: training_step(b) for label, b in timed.items()},
-        fp32.device,
-        speed.steps,
-        speed.rounds,
-        speed.warmup_steps,
-    )
-    # A round's median step: a neighbour's burst during one step does not move it.
-    seconds = {label: [statistics.median(r) for r in rounds] for label, rounds in steps.items()}
-    samples_per_step = global_batch_size(configs[BASELINE], 1)
+    baseline = configs[BASELINE]
+    device = resolve_device(baseline.trainer.device)
+    pairs, speedups, not_timed = {}, {}, {}
+    for label, cfg in configs.items():
+        if label == BASELINE:
+            continue
+        found = time_pair(baseline, label, cfg, speed)
+        free(device)
+        if "not_timed" in found:
+            not_timed[label] = found["not_timed"]
+            continue
+        speedups[label] = found.pop("speedup")
+        pairs[label] = found
+    samples_per_step = global_batch_size(baseline, 1)
     return {
-        "model": configs[BASELINE].model.name,
+        "model": baseline.model.name,
         "setting": "",
-        "device": fp32.device.type,
-        "device_name": device_name(fp32.device),
+        "device": device.type,
+        "device_name": device_name(device),
+        "stand_in": stand_in,
         "samples_per_step": samples_per_step,
-        "warmup_steps": speed.warmup_steps,
+        "max_warmup_steps": speed.max_warmup_steps,
         "steps": speed.steps,
         "rounds": speed.rounds,
-        # Each round's median step time.
-        "ms_per_step": {label: [1e3 * s for s in values] for label, values in seconds.items()},
-        "samples_per_s": {
-            label: samples_per_step / statistics.median(values) for label, values in seconds.items()
-        },
-        "speedup": {
-            label: speedup(seconds[BASELINE], values).as_dict()
-            for label, values in seconds.items()
-            if label != BASELINE
-        },
-        "not_timed": {label: "emulated fp8 is not timed" for label in built if label not in timed},
+        "pairs": pairs,
+        "speedup": speedups,
+        "not_timed": not_timed,
     }
+
+
+def show_speedup(found: dict[str, Any]) -> str:
+    """1.52x [1.40x, 1.65x], total time 1.48x"""
+    low, high = found["ci95"]
+    trend = found["trend"]
+    flag = (
+        f"; TREND over rounds (Spearman rho {trend['spearman_rho']:+.2f}, p {trend['p_value']:.2g})"
+    )
+    return (
+        f"{found['ratio']:.2f}x [{low:.2f}x, {high:.2f}x], "
+        f"total time {found['total_time_ratio']:.2f}x" + (flag if trend["flag"] else "")
+    )
 
 
 def trial_markdown(trials: list[dict[str, Any]]) -> str:
@@ -83,37 +194,44 @@ def trial_markdown(trials: list[dict[str, Any]]) -> str:
     lines = ["# amp_exp speed trial", ""]
     for trial in trials:
         subject = trial["model"] + (f" ({trial['setting']})" if trial.get("setting") else "")
+        lines += [f"## {subject}", ""]
         if "error" in trial:
-            lines += [f"## {subject}", "", f"The trial failed: {trial['error']}", ""]
+            lines += [f"The trial failed: {trial['error']}", ""]
             continue
+        if trial["stand_in"]:
+            lines += [f"A {trial['stand_in']}: shown here, kept out of the report's verdicts.", ""]
         lines += [
-            f"## {subject}",
+            f"{trial['device_name']}, {trial['samples_per_step']} samples per step: each precision "
+            f"against {BASELINE} in a pair of its own, each side warmed up until steady (at most "
+            f"{trial['max_warmup_steps']} steps), then {trial['rounds']} rounds of "
+            f"{trial['steps']} steps each, in the orders AB, BA, AB, ...",
             "",
-            f"{trial['device_name']}, {trial['samples_per_step']} samples per step: "
-            f"{trial['warmup_steps']} warm-up steps of each precision, then {trial['rounds']} "
-            f"rounds of {trial['steps']} timed steps of each, in turns.",
-            "",
-            "| precision | median ms/step | samples/s | speedup vs fp32 | 95% CI |",
+            f"| precision | ms per applied step ({BASELINE} / it) | speedup vs {BASELINE} "
+            "[95% CI], total time | warm-up steps | skipped steps |",
             "|---|---|---|---|---|",
         ]
-        for label, values in trial["ms_per_step"].items():
-            found = trial["speedup"].get(label)
-            shown = (
-                ("1.00x", "-")
-                if found is None
-                else (
-                    f"{found['median']:.2f}x",
-                    f"[{found['ci95'][0]:.2f}x, {found['ci95'][1]:.2f}x]",
-                )
+        for label, pair in trial["pairs"].items():
+            ms, warm, skipped = (
+                pair["ms_per_applied_step"],
+                pair["warmup_steps"],
+                pair["skipped_steps"],
             )
+            unsteady = [key for key, steady in pair["steady"].items() if not steady]
             lines.append(
-                f"| {label} | {statistics.median(values):.3g} | "
-                f"{trial['samples_per_s'][label]:,.1f} | {shown[0]} | {shown[1]} |"
+                f"| {label} | {ms[BASELINE]:.3g} / {ms[label]:.3g} | "
+                f"{show_speedup(trial['speedup'][label])} | "
+                f"{warm[BASELINE]} / {warm[label]}"
+                + (f" (not steady: {', '.join(unsteady)})" if unsteady else "")
+                + f" | {skipped[BASELINE]} / {skipped[label]} |"
             )
         lines += [f"- {label}: {why}" for label, why in trial["not_timed"].items()]
         lines.append("")
     lines.append(
-        "Speedup: fp32's median step time over the precision's in the same round; the median "
-        "over rounds, and its distribution-free 95% confidence interval (order statistics)."
+        f"Speedup: each round's {BASELINE} median step over the precision's, each times its steps "
+        "over its applied steps; the geometric mean over rounds, with a t interval on the log "
+        "ratios. Total time: the wall-clock time per applied step, "
+        f"{BASELINE}'s over the precision's. A TREND is Spearman's rank correlation of the log "
+        "ratio with the round at p < 0.05: the rounds drifted, which the interval assumes they "
+        "did not."
     )
     return "\n".join(lines) + "\n"

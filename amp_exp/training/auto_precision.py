@@ -1,9 +1,9 @@
 """precision=auto: time the run's own model in each plausible precision and train in the fastest.
 
 Before training, a few forward+backward passes of the built model on one real batch run under
-each candidate's autocast: fp32, and each low precision the probe does not rule out
-(``Capability.trial_candidates``). The candidates take turns (training/timing.py, the timing
-code the speed trial uses too) and each keeps its fastest pass;
+each candidate's autocast: fp32, and each low precision that the probe's kernels of the model's
+kind do not rule out (``Capability.trial_candidates``, ``capability.kernels_of``). The
+candidates take turns (training/timing.py) and each keeps its fastest pass;
 ``capability.pick_fastest`` names the winner. The trial leaves no trace: gradients come from
 ``torch.autograd.grad``, so no ``.grad`` is written and no optimizer steps, and the model's buffers
 (BatchNorm statistics) and every random number generator are restored (``runtime.no_trace``).
@@ -26,12 +26,19 @@ from torch import nn
 
 from amp_exp.config.precisions import AUTO_CANDIDATES
 from amp_exp.config.schema import Precision, PrecisionConfig, RunConfig
-from amp_exp.runtime.cache import cache_dir, implausible_times, read_entries, write_entries
+from amp_exp.runtime.cache import (
+    WIDE_SPREAD,
+    cache_dir,
+    implausible_times,
+    ratio_spread,
+    read_entries,
+    write_entries,
+)
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
-from amp_exp.training.capability import Capability, ResolvedPrecision, pick_fastest
+from amp_exp.training.capability import Capability, ResolvedPrecision, kernels_of, pick_fastest
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.timing import interleave
 
@@ -72,35 +79,43 @@ def variant_name(precision: PrecisionConfig) -> str:
 
 def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> ResolvedPrecision:
     """Time the candidates (or reuse the cached times) and pick the fastest."""
-    candidates = capability.trial_candidates()
-    left_out = capability.left_out()
+    kernels = kernels_of(workload.model)
+    candidates = capability.trial_candidates(kernels)
+    left_out = capability.left_out(kernels)
     if candidates == [Precision.fp32]:
         return ResolvedPrecision(Precision.fp32, f"auto: fp32, nothing else to try ({left_out})")
     # The batch too: a DataLoader seeds its workers from torch's generator.
     with leaves_no_trace(workload.model):
         batch = workload.task.to_device(next(iter(workload.data.train)))
         key = choice_key(cfg, capability, workload.channels_last, candidates, batch)
-        source = f"fastest of {PASSES} passes"
         cached = cached_ms(key, candidates)
         if cached is not None:
-            seconds = {p: cached[p.value] / 1e3 for p in candidates}
-            source += ", cached from an earlier run"
+            ms, spread = cached
+            seconds = {p: ms[p.value] / 1e3 for p in candidates}
         else:
-            seconds = time_candidates(workload.model, workload.task, batch, candidates)
-            write_entries(CACHE_FILE, {key: {"ms": {p.value: s * 1e3 for p, s in seconds.items()}}})
+            seconds, spread = time_candidates(workload.model, workload.task, batch, candidates)
+            ms = {p.value: s * 1e3 for p, s in seconds.items()}
+            write_entries(CACHE_FILE, {key: {"ms": ms, "spread": spread}})
     chosen, why = pick_fastest(seconds)
+    source = f"fastest of {PASSES} passes, spread {max(spread.values()):.0%}"
+    if cached is not None:
+        source += ", cached from an earlier run"
     listed = ", ".join(f"{p.value} {milliseconds(s)}" for p, s in seconds.items())
     reason = f"auto: {chosen.value}; this model's forward+backward ({source}): {listed}; {why}"
     return ResolvedPrecision(chosen, reason + (f"; {left_out}" if left_out else ""), True)
 
 
-def cached_ms(key: str, candidates: Sequence[Precision]) -> dict[str, float] | None:
-    """The candidates' times cached under ``key`` by an earlier run; None when there are none,
-    or when they cannot be measurements (then with a warning: they are timed again)."""
+def cached_ms(
+    key: str, candidates: Sequence[Precision]
+) -> tuple[dict[str, float], dict[str, float]] | None:
+    """The candidates' times cached under ``key`` by an earlier run and their spreads; None when
+    there are none, when they cannot be measurements (then with a warning), or when a spread is
+    wider than ``WIDE_SPREAD``: they are timed again."""
     try:
-        entry = read_entries(CACHE_FILE)[key]["ms"]
-        ms = {p.value: entry[p.value] for p in candidates}
-    except (KeyError, TypeError):
+        entry = read_entries(CACHE_FILE)[key]
+        ms = {p.value: entry["ms"][p.value] for p in candidates}
+        spread = {p.value: float(entry["spread"][p.value]) for p in candidates}
+    except (KeyError, TypeError, ValueError):
         return None
     why = implausible_times(ms)
     if why:
@@ -110,7 +125,15 @@ def cached_ms(key: str, candidates: Sequence[Precision]) -> dict[str, float] | N
             why,
         )
         return None
-    return ms
+    if max(spread.values()) > WIDE_SPREAD:
+        log.info(
+            "precision=auto: the cached speeds of this model lie %.0f%% from their typical "
+            "pass, more than %.0f%%; timing again",
+            100 * max(spread.values()),
+            100 * WIDE_SPREAD,
+        )
+        return None
+    return ms, spread
 
 
 def milliseconds(seconds: float) -> str:
@@ -152,8 +175,9 @@ def batch_shapes(batch: Batch) -> Any:
 
 def time_candidates(
     model: nn.Module, task: Task, batch: Batch, candidates: Sequence[Precision]
-) -> dict[Precision, float]:
-    """Each candidate's fastest forward+backward of ``model`` on ``batch``, in seconds.
+) -> tuple[dict[Precision, float], dict[str, float]]:
+    """Each candidate's fastest forward+backward of ``model`` on ``batch``, in seconds, and the
+    spread: how far its speed figure lies from its typical pass (``runtime.cache.ratio_spread``).
 
     Leaves no trace: no ``.grad`` written, and generators, buffers and modes restored.
     """
@@ -175,4 +199,6 @@ def time_candidates(
         seconds = interleave(
             {p: pass_of(policy) for p, policy in policies.items()}, device, 1, PASSES
         )
-    return {p: min(min(steps) for steps in rounds) for p, rounds in seconds.items()}
+    passes = {p: [steps[0] for steps in rounds] for p, rounds in seconds.items()}
+    spread = {p.value: ratio_spread(passes[Precision.fp32], times) for p, times in passes.items()}
+    return {p: min(times) for p, times in passes.items()}, spread

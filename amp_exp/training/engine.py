@@ -204,7 +204,7 @@ class Engine:
         progress.step = step
         progress.interval_steps += 1
         if self.scheduler is not None:
-            # As if the step was applied: _read_skips takes back the steps that were not.
+            # As if the step was applied: read_skips takes back the steps that were not.
             with warnings.catch_warnings():
                 # Of a skipped first step PyTorch warns that the schedule loses its first value;
                 # taken back, it does not.
@@ -213,7 +213,7 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         return gradients.norm
 
-    def _read_skips(self) -> None:
+    def read_skips(self) -> None:
         """Take in the steps the device skipped since the last read; one host read.
 
         The schedule stepped on each of them, so it is moved back by as many: until this read
@@ -341,7 +341,7 @@ class Engine:
                 throughput.start(progress.samples, step)
                 warmup_s = time.perf_counter() - started
             if is_log_step:
-                self._read_skips()
+                self.read_skips()
                 row = self.log_row(interval_loss, grad_norm, throughput.lap(progress.samples, step))
                 scale = row["scale"]
                 emit(row)
@@ -355,7 +355,7 @@ class Engine:
             if stopped_early:
                 break
         if stopped_early and not is_log_step:
-            self._read_skips()
+            self.read_skips()
         # Resumed at its last step, saved before that step was the last (a run stopped at step
         # 20, resumed with max_steps=20): it ends, as every run does, with an evaluation.
         resumed_at_end = first_step > plan.total_steps and progress.eval_step != progress.step

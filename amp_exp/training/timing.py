@@ -2,31 +2,34 @@
 
 Timed one after another, two jobs on a shared machine measure whatever the neighbours were doing
 during each (the same bf16 job timed 2.95x and 1.18x fp32 on two seeds of one sweep). Here the
-candidates take turns instead: after untimed warm-up steps of each, every round runs ``steps``
-steps of each candidate in the same order (A B C A B C ...), so a load spike slows one round of
-each candidate rather than all of one, and candidate k of round r is compared with the baseline
-of the same round.
+candidates take turns instead, so a load spike slows one round of each candidate rather than all
+of one, and candidate k of round r is compared with the baseline of the same round.
+``interleave`` runs the candidates in the same order every round after a fixed warm-up
+(precision=auto's few passes); the speed trial (amp_exp/speed/trial.py) runs its own pairs in
+AB/BA order through ``time_steps``, after ``warm_up`` has run each until its step time settled.
 
 Every step is timed on its own, so a round can be summarized by its median step, which a
 neighbour's burst does not move (scripts/bench_parity.py reads median step times too). On CUDA
 the steps are timed by events on the stream, read after one synchronize at the end of the
 round: the time is that of the work, not of its launch, and no step waits for the host.
 
-``precision=auto`` (training/auto_precision.py) and the speed trial (amp_exp/speed/) both call
-``interleave``; only what a step is differs.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import TypeVar
 
 import torch
 
+from amp_exp.config.schema import SPEED_WARMUP_WINDOW
 from amp_exp.training.meters import synchronize
 
 Key = TypeVar("Key", bound=Hashable)
+# Warm-up is over when the median steps of two consecutive windows agree within this, relative.
+STEADY = 0.05
 
 
 class StepClock:
@@ -62,6 +65,39 @@ class StepClock:
         return [end - begin for begin, end in pairs]
 
 
+def time_steps(step: Callable[[], object], clock: StepClock, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` runs of ``step``, timed one by one."""
+    clock.start()
+    for _ in range(steps):
+        step()
+        clock.lap()
+    return clock.seconds()
+
+
+def warm_up(
+    step: Callable[[], object],
+    device: torch.device,
+    max_steps: int,
+    window: int = SPEED_WARMUP_WINDOW,
+    steady: float = STEADY,
+) -> tuple[int, bool]:
+    """Run ``step`` until the median steps of two consecutive ``window``-step windows agree
+    within ``steady`` (relative), at most ``max_steps`` steps; returns (steps run, steady).
+
+    A fixed count is either too short or wasted: on a 2-core CPU the first 6 of 10 rounds of a
+    gpt_tiny trial ran 2.5-80x slower than the last 4 after a 3-step warm-up.
+    """
+    clock = StepClock(device)
+    previous, ran = None, 0
+    while ran + window <= max_steps:
+        median = statistics.median(time_steps(step, clock, window))
+        ran += window
+        if previous is not None and abs(median - previous) <= steady * previous:
+            return ran, True
+        previous = median
+    return ran, False
+
+
 def interleave(
     steppers: Mapping[Key, Callable[[], object]],
     device: torch.device,
@@ -81,9 +117,5 @@ def interleave(
     seconds: dict[Key, list[list[float]]] = {key: [] for key in steppers}
     for _ in range(rounds):
         for key, step in steppers.items():
-            clock.start()
-            for _ in range(steps):
-                step()
-                clock.lap()
-            seconds[key].append(clock.seconds())
+            seconds[key].append(time_steps(step, clock, steps))
     return seconds
