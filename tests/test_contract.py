@@ -22,7 +22,12 @@ from test_report import write_run
 
 TESTS_DIR = Path(__file__).resolve().parent
 CLASSIFIER = ["model=custom", "dataset.image_size=8"]
-SPEED = ["speed.precisions=[fp32,bf16]", "speed.rounds=6", "speed.steps=1", "speed.warmup_steps=1"]
+SPEED = [
+    "speed.precisions=[fp32,bf16]",
+    "speed.rounds=6",
+    "speed.steps=1",
+    "speed.max_warmup_steps=10",
+]
 SENSITIVITY = ["sensitivity.precisions=[bf16]", "sensitivity.batches=1"]
 # Each measuring command, as a user runs it on a small classifier.
 COMMANDS = {
