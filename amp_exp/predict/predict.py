@@ -3,6 +3,8 @@ then the roofline (predict/roofline.py) per pair, with speedups over bf16 and fp
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from amp_exp.config.devices import PREDICTABLE
@@ -11,6 +13,7 @@ from amp_exp.predict.roofline import ASSUMPTIONS, predict_one
 from amp_exp.predict.trace import StepTrace, trace_step
 
 BASELINES = (Precision.fp32, Precision.bf16)
+PUBLISHED = Path(__file__).with_name("published.json")
 
 
 def precisions_of(cfg: RunConfig) -> list[Precision]:
@@ -60,3 +63,12 @@ def predict_trace(cfg: RunConfig, trace: StepTrace) -> dict[str, Any]:
 
 def predict(cfg: RunConfig) -> dict[str, Any]:
     return predict_trace(cfg, trace_step(cfg))
+
+
+def anchors() -> list[dict[str, Any]]:
+    """The published speedups of published.json, each with its band (published +- margin)."""
+    found = json.loads(PUBLISHED.read_text())["anchors"]
+    for anchor in found:
+        margin = anchor["margin"]
+        anchor["band"] = [anchor["published"] * (1 - margin), anchor["published"] * (1 + margin)]
+    return found
