@@ -85,6 +85,25 @@ def test_saved_activations_grow_with_the_batch_and_leave_the_weights_out() -> No
     assert large.saved_fp32_elements == 2 * small.saved_fp32_elements - 1
 
 
+def test_activation_checkpointing_recomputes_the_blocks_and_keeps_their_inputs(tiny_trace) -> None:
+    """As the run wraps them (tasks/blocks.py): a block's linears run their forward again in
+    the backward, the head's does not; far fewer elements are saved. Caught: the setting ignored, or the block
+    inputs a checkpoint keeps left out (then nothing of the blocks would be saved)."""
+    _, plain = tiny_trace
+    cfg = config(*TINY_LM, "optimizer=adamw", "trainer.activation_checkpointing=true")
+    checkpointed = trace_step(cfg)
+    tokens = plain.batch_size * plain.units_per_sample
+    head = plain.linear_weights["lm_head"]
+    blocks = sum(plain.linear_weights.values()) - head
+    linear = sum(op.flops for op in checkpointed.ops if op.linear is not None)
+    # torch's checkpoint stops recomputing once every saved tensor is back, so a block's last
+    # linear does not rerun: between 6 and 8 FLOPs per weight and token.
+    assert (6 * blocks + 6 * head) * tokens < linear < (8 * blocks + 6 * head) * tokens
+    d_model = cfg.model.d_model
+    block_inputs = cfg.model.n_layer * tokens * d_model
+    assert block_inputs <= checkpointed.saved_elements < plain.saved_elements / 2
+
+
 def test_gpt_tiny_gains_under_10_percent_from_fp8_on_h100(tiny_trace) -> None:
     """The published ordering's small end: a 64-wide model's step is kernel launches and
     memory-bound ops, which fp8 does not speed up and its quantization adds to. Caught: fp8's

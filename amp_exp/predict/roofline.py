@@ -60,6 +60,9 @@ ASSUMPTIONS = (
     "fusion by torch.compile), ops and communication do not overlap",
     "activations saved for the backward in the compute dtype (fp32 in the loss and norms); fp8 "
     "saves them in bf16 as torchao's Float8Linear does",
+    "trainer.activation_checkpointing=true: each block recomputes its forward in the backward "
+    "(traced as it runs) and keeps only its input; the activations of the one block being "
+    "recomputed are not counted",
     f"a run fits when weights, gradients, optimizer state and saved activations fill at most "
     f"{USABLE_MEMORY:.0%} of HBM",
     "world_size > 1: FSDP2 shards weights, gradients and optimizer state; each step all-gathers "

@@ -30,13 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
 from amp_exp.config.schema import RunConfig
+from amp_exp.tasks.blocks import checkpoint_blocks, model_blocks
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_data, build_model, make_task
 from amp_exp.training.precision_modes import keeps_fp32
@@ -78,33 +78,23 @@ FLASH = {
 }
 
 
-class FusedAttention(TorchFunctionMode):
+SDPA = F.scaled_dot_product_attention
+
+
+def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
     """``F.scaled_dot_product_attention`` as a GPU runs it, one fused flash kernel each way. On
     the meta device it would decompose into the math path (bmm, softmax, bmm), whose T x T
     scores a GPU never writes to memory. Grouped-query keys and values are repeated to the
     query's heads first, as the math path does."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        query, key, value = args[:3]
-        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-        if mask is not None:
-            return func(*args, **kwargs)
-        if key.shape[-3] != query.shape[-3]:
-            repeat = query.shape[-3] // key.shape[-3]
-            key = key.repeat_interleave(repeat, dim=-3)
-            value = value.repeat_interleave(repeat, dim=-3)
-        return aten._scaled_dot_product_flash_attention(
-            query,
-            key,
-            value,
-            kwargs.get("dropout_p", 0.0),
-            kwargs.get("is_causal", False),
-            False,
-            scale=kwargs.get("scale"),
-        )[0]
+    if attn_mask is not None:
+        return SDPA(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
+    if kwargs.pop("enable_gqa", False) or key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    return aten._scaled_dot_product_flash_attention(
+        query, key, value, dropout_p, is_causal, False, scale=kwargs.get("scale")
+    )[0]
 
 
 @dataclass(frozen=True)
@@ -238,6 +228,15 @@ def trace_step(cfg: RunConfig) -> StepTrace:
     """The forward and backward of one batch of ``cfg``'s run, op by op."""
     model, task, batch = meta_model(cfg)
     model.train()
+    block_inputs = []
+    if cfg.trainer.activation_checkpointing:
+        # As the run does (build.py): each block recomputes its forward in the backward, which
+        # the trace then records, and keeps only its input.
+        checkpoint_blocks(model, cfg.model.name)
+        for block in model_blocks(model):
+            block.register_forward_pre_hook(
+                lambda _, args: block_inputs.extend(t.numel() for t in _floats(args))
+            )
     # ModuleTracker's names: the root's class name, then the path below it.
     root = type(model).__name__
     names = {module: (f"{root}.{n}" if n else root) for n, module in model.named_modules()}
@@ -259,7 +258,12 @@ def trace_step(cfg: RunConfig) -> StepTrace:
 
     params = {id(p) for p in model.parameters()}
     inputs = task.to_device(batch)
-    with unpacked_sequences(), tracker, recorder, FusedAttention():
+    with (
+        unpacked_sequences(),
+        tracker,
+        recorder,
+        mock.patch.object(F, "scaled_dot_product_attention", fused_attention),
+    ):
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             loss = task.loss(model, inputs)
         loss.backward()
@@ -271,7 +275,7 @@ def trace_step(cfg: RunConfig) -> StepTrace:
     return StepTrace(
         ops=recorder.ops,
         parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
-        saved_elements=sum(n for n, fp32 in activations if not fp32),
+        saved_elements=sum(n for n, fp32 in activations if not fp32) + sum(block_inputs),
         saved_fp32_elements=sum(n for n, fp32 in activations if fp32),
         linear_weights={
             n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear)
