@@ -76,7 +76,6 @@ class Cost:
     name: str
     seconds: float
     bound: str  # "compute", "memory" or "launch" (or "network" for communication)
-    kernels: int = 1
 
 
 def op_cost(name: str, flops: float, nbytes: float, tflops: float, device: Device) -> Cost:
@@ -92,7 +91,7 @@ def op_cost(name: str, flops: float, nbytes: float, tflops: float, device: Devic
 
 def memory_op(name: str, nbytes: float, device: Device, kernels: int = 1) -> Cost:
     seconds = nbytes / (device.hbm_tb_per_s * 1e12 * MEMORY_EFFICIENCY)
-    return Cost(name, seconds + kernels * KERNEL_OVERHEAD_S, "memory", kernels)
+    return Cost(name, seconds + kernels * KERNEL_OVERHEAD_S, "memory")
 
 
 @dataclass

@@ -115,7 +115,7 @@ class Op:
 @dataclass
 class StepTrace:
     ops: list[Op]
-    # Parameters by dtype-free count: every trainable element, and those inside fp32 modules.
+    # Trainable elements, each once (a tied weight is one parameter).
     parameters: int
     # Floating-point elements autograd saves for the backward at the trace's batch: in the
     # precision's activation dtype, and in fp32 (the loss, norm layers).
