@@ -87,8 +87,9 @@ def test_saved_activations_grow_with_the_batch_and_leave_the_weights_out() -> No
 
 def test_activation_checkpointing_recomputes_the_blocks_and_keeps_their_inputs(tiny_trace) -> None:
     """As the run wraps them (tasks/blocks.py): a block's linears run their forward again in
-    the backward, the head's does not; far fewer elements are saved. Caught: the setting ignored, or the block
-    inputs a checkpoint keeps left out (then nothing of the blocks would be saved)."""
+    the backward, the head's does not; far fewer elements are saved. Caught: the setting
+    ignored, or the block inputs a checkpoint keeps left out (then nothing of the blocks would
+    be saved)."""
     _, plain = tiny_trace
     cfg = config(*TINY_LM, "optimizer=adamw", "trainer.activation_checkpointing=true")
     checkpointed = trace_step(cfg)

@@ -277,9 +277,8 @@ def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: Pre
     return {
         "step_time_s": step,
         "samples_per_s": samples,
-        f"{trace.unit}_per_s": samples * trace.units_per_sample
-        if trace.unit != "samples"
-        else samples,
+        # tokens_per_s for a language model (samples_per_s again for images, 1 unit a sample).
+        f"{trace.unit}_per_s": samples * trace.units_per_sample,
         "bound_share": {bound: seconds / step for bound, seconds in sorted(by_bound.items())},
         "casts_s": sum(
             c.seconds for c in costs if c.name in {"autocast casts", "fp8 quantization"}
