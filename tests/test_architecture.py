@@ -15,6 +15,7 @@ LAYERS = [
     (
         "amp_exp.errors",
         "amp_exp.config.schema",
+        "amp_exp.config.devices",
         "amp_exp.config.datasets",
         "amp_exp.config.models",
         "amp_exp.config.precisions",
@@ -25,12 +26,14 @@ LAYERS = [
     ("amp_exp.training",),
     ("amp_exp.results",),
     ("amp_exp.report",),
-    # Entry points and the composition root; the speed trial builds runs as training does.
+    # Entry points and the composition root; the speed trial builds runs as training does, and
+    # the prediction builds their models on the meta device.
     (
         "amp_exp.build",
         "amp_exp.run",
         "amp_exp.doctor",
         "amp_exp.speed",
+        "amp_exp.predict",
         "amp_exp.__main__",
     ),
     # It verifies its repairs with real runs (amp_exp.run), so it sits above the composition root.

@@ -158,6 +158,7 @@ def test_a_full_disk_exits_4_in_one_line(command, tmp_path) -> None:
     [
         ("amp_exp.speed", ["precision=fp9"], "precision=fp9 is not an option"),
         ("amp_exp.sensitivity", ["precision=fp9"], "precision=fp9 is not an option"),
+        ("amp_exp.predict", ["predict.devices=[tpu]"], "tpu is not in the device table"),
         ("amp_exp.report", [".", "--tolerance", "nan"], "--tolerance must be a finite number"),
         ("amp_exp.report", [".", "--tolerance", "inf"], "--tolerance must be a finite number"),
         ("amp_exp.report", [".", "--bogus"], "unrecognized arguments: --bogus"),

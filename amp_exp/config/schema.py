@@ -346,6 +346,22 @@ class SpeedConfig:
 
 
 @dataclass
+class PredictConfig:
+    """python -m amp_exp.predict's settings (rules: config/predict.py); runs ignore them."""
+
+    # Keys of config/devices.py's table: h100, h200, b200, a100.
+    devices: list[str] = field(default_factory=lambda: ["h100"])
+    # The precisions predicted; bf16 and fp32 are added, the speedups' baselines.
+    precisions: list[Precision] = field(
+        default_factory=lambda: [Precision.fp32, Precision.bf16, Precision.fp8]
+    )
+    # GPUs the batch is data-parallel over; above 1, FSDP2 shards weights, gradients and state.
+    world_size: int = 1
+    # GB/s one GPU sends and receives over the interconnect (NVLink 4 on H100 SXM: 450 each way).
+    interconnect_gb_per_s: float = 450.0
+
+
+@dataclass
 class RunConfig:
     model: Any = MISSING
     dataset: Any = MISSING
@@ -365,6 +381,7 @@ class RunConfig:
     report: ReportConfig = MISSING
     sensitivity: SensitivityConfig = field(default_factory=SensitivityConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
     # Jobs of a sweep that differ only in seed are replicates (docs/sweeps.md).
     seed: int = 0
 

@@ -7,7 +7,7 @@ from importlib.util import find_spec
 from hydra.core.config_store import ConfigStore
 
 from amp_exp.config.launch import register_resolvers
-from amp_exp.config.schema import SCHEMAS, RunConfig, SensitivityConfig
+from amp_exp.config.schema import SCHEMAS, PredictConfig, RunConfig, SensitivityConfig
 
 SCHEMA_GROUP = "schema"
 # Optional: hydra/launcher=slurm and submitit_* (amp_exp.config.launchers).
@@ -24,6 +24,7 @@ def register_configs() -> None:
         for name, schema in schemas.items():
             store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=schema)
     store.store(group=f"{SCHEMA_GROUP}/sensitivity", name="sensitivity", node=SensitivityConfig)
+    store.store(group=f"{SCHEMA_GROUP}/predict", name="predict", node=PredictConfig)
     # hydra/launcher=submitit_*: jobs that resume when requeued, if the optional plugin is there.
     if find_spec(SUBMITIT_PLUGIN) is not None:
         from amp_exp.config.launchers import register_launchers

@@ -37,6 +37,7 @@ from amp_exp.config.models import (
 )
 from amp_exp.config.pairing import check_pairing
 from amp_exp.config.precision_checks import validate_precision
+from amp_exp.config.predict import validate_predict
 from amp_exp.config.schema import (
     SCHEMAS,
     SPEED_WARMUP_WINDOW,
@@ -144,6 +145,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     _validate_speed(run.speed)
     validate_precision(run.precision, run.trainer)
     validate_sensitivity(run.sensitivity, run.precision, run.trainer)
+    validate_predict(run.predict)
     require(
         not (run.trainer.channels_last and run.trainer.strategy is Strategy.fsdp2),
         "trainer.channels_last=true cannot run with trainer.strategy=fsdp2, which shards only "
@@ -180,7 +182,7 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
         f"{unknown[0] if unknown else ''} is not a known key or config group; "
         f"valid top-level keys: {', '.join(sorted(known))}",
     )
-    for section in [*SCHEMAS, "checkpoint", "diagnostics", "sensitivity", "speed"]:
+    for section in [*SCHEMAS, "checkpoint", "diagnostics", "sensitivity", "speed", "predict"]:
         node = cfg[section]
         known = {f.name for f in fields(OmegaConf.get_type(node))}
         unknown = sorted(set(node.keys()) - known)

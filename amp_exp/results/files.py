@@ -31,6 +31,8 @@ REPORT_JSON = "report.json"
 SPEED_JSON = "speed.json"
 SPEED_MD = "speed.md"
 SENSITIVITY_JSON = "sensitivity.json"
+PREDICT_JSON = "predict.json"
+PREDICT_MD = "predict.md"
 
 
 def json_safe(value: Any) -> Any:

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from amp_exp.results.files import SENSITIVITY_JSON, SPEED_JSON
+from amp_exp.results.files import PREDICT_JSON, SENSITIVITY_JSON, SPEED_JSON
 from amp_exp.results.summary import completed_summary
 
 # The file each measuring command writes last, once its result is whole: while it is absent the
 # command did not finish there. A training run's mark is a completed summary.json.
-RESULT_FILES = {"amp_exp.speed": SPEED_JSON, "amp_exp.sensitivity": SENSITIVITY_JSON}
+RESULT_FILES = {
+    "amp_exp.speed": SPEED_JSON,
+    "amp_exp.sensitivity": SENSITIVITY_JSON,
+    "amp_exp.predict": PREDICT_JSON,
+}
 
 
 def finished_results(directory: Path) -> dict[str, str]:

@@ -1,0 +1,74 @@
+"""The prediction of a run's step on each device and precision of ``predict.*``: one trace,
+then the roofline (predict/roofline.py) per pair, with speedups over bf16 and fp32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from amp_exp.config.devices import PREDICTABLE
+from amp_exp.config.schema import Precision, RunConfig
+from amp_exp.predict.roofline import ASSUMPTIONS, predict_one
+from amp_exp.predict.trace import StepTrace, trace_step
+
+BASELINES = (Precision.fp32, Precision.bf16)
+PUBLISHED = Path(__file__).with_name("published.json")
+
+
+def precisions_of(cfg: RunConfig) -> list[Precision]:
+    """``predict.precisions`` with both baselines, fp32 and bf16, first."""
+    return list(dict.fromkeys([*BASELINES, *cfg.predict.precisions]))
+
+
+def speedup(baseline: dict, found: dict) -> float | None:
+    if "step_time_s" not in baseline or "step_time_s" not in found:
+        return None
+    return baseline["step_time_s"] / found["step_time_s"]
+
+
+def predict_trace(cfg: RunConfig, trace: StepTrace) -> dict[str, Any]:
+    """predict.json's content for a traced step."""
+    devices = {}
+    for key in cfg.predict.devices:
+        device = PREDICTABLE[key]
+        rows = {p.value: predict_one(cfg, trace, device, p) for p in precisions_of(cfg)}
+        for found in rows.values():
+            if "step_time_s" in found:
+                found["speedup_vs_bf16"] = speedup(rows["bf16"], found)
+                found["speedup_vs_fp32"] = speedup(rows["fp32"], found)
+        devices[key] = {
+            "label": device.label,
+            "tflops": device.tflops,
+            "hbm_tb_per_s": device.hbm_tb_per_s,
+            "memory_gb": device.memory_gb,
+            "sources": [device.source, device.memory_source],
+            "precisions": rows,
+        }
+    return {
+        "model": {
+            "parameters": trace.parameters,
+            "batch_size": trace.batch_size,
+            "unit": trace.unit,
+            "units_per_sample": trace.units_per_sample,
+            "traced_ops": len(trace.ops),
+            "flops_per_step": sum(op.flops for op in trace.ops),
+        },
+        "world_size": cfg.predict.world_size,
+        "interconnect_gb_per_s": cfg.predict.interconnect_gb_per_s,
+        "assumptions": list(ASSUMPTIONS),
+        "devices": devices,
+    }
+
+
+def predict(cfg: RunConfig) -> dict[str, Any]:
+    return predict_trace(cfg, trace_step(cfg))
+
+
+def anchors() -> list[dict[str, Any]]:
+    """The published speedups of published.json, each with its band (published +- margin)."""
+    found = json.loads(PUBLISHED.read_text())["anchors"]
+    for anchor in found:
+        margin = anchor["margin"]
+        anchor["band"] = [anchor["published"] * (1 - margin), anchor["published"] * (1 + margin)]
+    return found

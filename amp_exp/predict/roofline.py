@@ -1,0 +1,291 @@
+"""A traced step's cost on a named device in each precision: a roofline, op by op.
+
+Each op takes max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency)) plus one
+kernel launch; the step is the sum (no overlap of ops, nor of communication with compute). The
+precision's row of the precision table (config/precisions.py) says what changes:
+
+- matmuls run at the dense peak of ``peak_math`` (training/flops.py: fp32 as TF32 when allowed);
+  under fp8 the converted linears' three matmuls (forward, input and weight gradient) run at the
+  fp8 peak with 1-byte operands, and every other matmul at the compute dtype's;
+- memory-bound ops move the compute dtype's bytes per element, except the loss and the layers
+  every precision keeps in fp32 (norms), which move fp32's;
+- the casts a precision adds are their own line: autocast's weight casts (each step, each way),
+  the fp32 boundary at the loss and the norms, and fp8's quantization of each operand of each
+  matmul (an amax pass, then a scaled cast per use);
+- the optimizer reads and writes every parameter, gradient and state element once per step
+  (and GradScaler's unscale every gradient once more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from amp_exp.config.devices import Device
+from amp_exp.config.precisions import DType, PrecisionSpec, spec_of
+from amp_exp.config.schema import AdamWConfig, Precision, RunConfig
+from amp_exp.predict.trace import Op, StepTrace
+from amp_exp.training.flops import peak_math
+from amp_exp.training.precision_modes import plan_fp8
+
+# One efficiency per op class, the fraction of the datasheet figure a kernel reaches: large
+# cuBLAS GEMMs reach about 70% of dense peak on H100 in bf16 and fp8 alike (torchao's float8
+# roofline and NVIDIA's published GEMM sweeps), flash attention about half its peak (FlashAttention
+# -2 on H100: 50-60% forward), elementwise and reduction kernels about 80% of HBM bandwidth.
+MATMUL_EFFICIENCY = 0.7
+ATTENTION_EFFICIENCY = 0.5
+MEMORY_EFFICIENCY = 0.8
+# A kernel launch and its tail, in eager PyTorch: the floor under every op, which a tiny model's
+# step is made of.
+KERNEL_OVERHEAD_S = 5e-6
+# The share of HBM a run may fill: the CUDA context, cuBLAS workspaces, the caching allocator's
+# fragmentation and the largest op's transient buffers take the rest.
+USABLE_MEMORY = 0.9
+BYTES = {
+    DType.float32: 4,
+    DType.bfloat16: 2,
+    DType.float16: 2,
+    DType.float8_e4m3fn: 1,
+    DType.float8_e5m2: 1,
+}
+ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
+
+ASSUMPTIONS = (
+    f"matmuls at {MATMUL_EFFICIENCY:.0%} of the dense datasheet peak, fused attention at "
+    f"{ATTENTION_EFFICIENCY:.0%}, memory-bound ops at {MEMORY_EFFICIENCY:.0%} of HBM bandwidth, "
+    f"{KERNEL_OVERHEAD_S * 1e6:g} us launch overhead per kernel",
+    "eager execution: every aten op reads its inputs from and writes its outputs to HBM (no "
+    "fusion by torch.compile), ops and communication do not overlap",
+    "activations saved for the backward in the compute dtype (fp32 in the loss and norms); fp8 "
+    "saves them in bf16 as torchao's Float8Linear does",
+    "trainer.activation_checkpointing=true: each block recomputes its forward in the backward "
+    "(traced as it runs) and keeps only its input; the activations of the one block being "
+    "recomputed are not counted",
+    f"a run fits when weights, gradients, optimizer state and saved activations fill at most "
+    f"{USABLE_MEMORY:.0%} of HBM",
+    "world_size > 1: FSDP2 shards weights, gradients and optimizer state; each step all-gathers "
+    "the parameters twice (forward, backward) and reduce-scatters the gradients at "
+    "predict.interconnect_gb_per_s, with (world_size - 1) / world_size of the bytes on the wire",
+)
+
+
+@dataclass(frozen=True)
+class Cost:
+    name: str
+    seconds: float
+    bound: str  # "compute", "memory" or "launch" (or "network" for communication)
+
+
+def op_cost(name: str, flops: float, nbytes: float, tflops: float, device: Device) -> Cost:
+    efficiency = ATTENTION_EFFICIENCY if name in ATTENTION else MATMUL_EFFICIENCY
+    compute = flops / (tflops * 1e12 * efficiency) if flops else 0.0
+    memory = nbytes / (device.hbm_tb_per_s * 1e12 * MEMORY_EFFICIENCY)
+    busy = max(compute, memory)
+    bound = "compute" if compute >= memory else "memory"
+    if busy < KERNEL_OVERHEAD_S:
+        bound = "launch"
+    return Cost(name, busy + KERNEL_OVERHEAD_S, bound)
+
+
+def memory_op(name: str, nbytes: float, device: Device, kernels: int = 1) -> Cost:
+    seconds = nbytes / (device.hbm_tb_per_s * 1e12 * MEMORY_EFFICIENCY)
+    return Cost(name, seconds + kernels * KERNEL_OVERHEAD_S, "memory")
+
+
+@dataclass
+class Setting:
+    """What a precision changes, resolved for one run."""
+
+    spec: PrecisionSpec
+    matmul_math: str  # the peak most matmuls run at
+    fp8_linears: frozenset[str]
+    act_bytes: int
+
+
+def setting(cfg: RunConfig, trace: StepTrace, precision: Precision) -> Setting:
+    spec = spec_of(precision)
+    math_name = peak_math(precision, cfg.trainer.tf32)
+    fp8_linears: frozenset[str] = frozenset()
+    if precision is Precision.fp8:
+        skip_small = cfg.precision.fp8_recipe.value if cfg.precision.fp8_skip_small else None
+        plan = plan_fp8(trace.model, cfg.precision.fp8_skip, skip_small, cfg.precision.keep_fp32)
+        fp8_linears = frozenset(plan.converted)
+        math_name = spec.compute_dtype.short
+    return Setting(spec, math_name, fp8_linears, BYTES[spec.compute_dtype])
+
+
+def missing_math(device: Device, precision: Precision, tf32: bool) -> str | None:
+    """Why ``device`` cannot run ``precision``'s matmuls, or None."""
+    needed = peak_math(precision, tf32)
+    if needed == "tf32" and "tf32" not in device.tflops:
+        needed = "fp32"
+    if needed in device.tflops:
+        return None
+    return f"{device.label} has no {needed} Tensor Cores"
+
+
+def label(op: Op) -> str:
+    """An op by what it is, its phase and its GEMM shape: alike ops share a label."""
+    shape = f" {op.mnk[0]}x{op.mnk[1]}x{op.mnk[2]}" if op.mnk else ""
+    return f"{op.name} {op.phase}{shape}"
+
+
+def traced_costs(trace: StepTrace, run: Setting, device: Device) -> list[Cost]:
+    costs = []
+    for op in trace.ops:
+        elements = op.read + op.written
+        if op.linear in run.fp8_linears:
+            tflops, nbytes = device.tflops["fp8"], elements  # 1-byte operands
+        else:
+            tflops = device.tflops[run.matmul_math]
+            nbytes = elements * (4 if op.fp32 else run.act_bytes)
+        cost = op_cost(op.name, op.flops, nbytes, tflops, device)
+        costs.append(dataclasses.replace(cost, name=label(op)))
+    return costs
+
+
+def cast_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None:
+    """Autocast's casts: each linear weight to the compute dtype in the forward and its gradient
+    back to fp32 in the backward; activations across every fp32 boundary (norm outputs, the
+    logits into the loss), each way."""
+    spec = run.spec
+    if spec.autocast_dtype is None:
+        return None
+    low = run.act_bytes
+    weights = sum(n for name, n in trace.linear_weights.items() if name not in run.fp8_linears)
+    norms = [op.written for op in trace.ops if op.fp32 and not op.loss and op.phase == "forward"]
+    logits = next((op.read for op in trace.ops if op.loss), 0)
+    elements = 2 * (weights + sum(norms) + logits)
+    kernels = 2 * (len(trace.linear_weights) - len(run.fp8_linears) + len(norms) + 1)
+    return memory_op("autocast casts", elements * (4 + low), device, kernels)
+
+
+def quantize_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None:
+    """fp8's dynamic scaling of each converted linear, torchao's tensorwise recipe: its input X
+    (M x K), weight W (N x K, from the fp32 master) and output gradient dY (M x N) each take an
+    amax pass, then a scaled cast to fp8 for each of the two matmuls it feeds."""
+    if not run.fp8_linears:
+        return None
+    nbytes = 0.0
+    kernels = 0
+    seen = set()
+    for op in trace.ops:
+        if op.linear not in run.fp8_linears or op.phase != "forward" or op.linear in seen:
+            continue
+        seen.add(op.linear)
+        m, n, k = op.mnk
+        for numel, source in ((m * k, run.act_bytes), (n * k, 4), (m * n, run.act_bytes)):
+            nbytes += numel * (3 * source + 2)
+            kernels += 3
+    return memory_op("fp8 quantization", nbytes, device, kernels)
+
+
+def optimizer_slots(cfg: RunConfig) -> int:
+    """State tensors per parameter: AdamW's two moments, SGD's momentum buffer if any."""
+    if isinstance(cfg.optimizer, AdamWConfig):
+        return 2
+    return 1 if cfg.optimizer.momentum else 0
+
+
+def optimizer_cost(
+    cfg: RunConfig, trace: StepTrace, run: Setting, device: Device, shards: int
+) -> Cost:
+    weight = BYTES[run.spec.weight_dtype]
+    state = BYTES[run.spec.optimizer_state_dtype]
+    slots = optimizer_slots(cfg)
+    # Read parameter, gradient and state; write parameter and state. GradScaler first unscales
+    # the gradients in place (a read and a write each).
+    per_element = (
+        2 * weight + weight + 2 * slots * state + (2 * weight if run.spec.grad_scaler else 0)
+    )
+    return memory_op("optimizer step", trace.parameters / shards * per_element, device)
+
+
+def comm_cost(cfg: RunConfig, trace: StepTrace, run: Setting) -> Cost | None:
+    world = cfg.predict.world_size
+    if world == 1:
+        return None
+    spec = run.spec
+    cast = cfg.precision.fsdp_cast_params and spec.fsdp_param_dtype is not None
+    gathered = BYTES[spec.fsdp_param_dtype if cast else spec.weight_dtype]
+    reduced = BYTES[spec.reduce_dtype]
+    wire = (world - 1) / world * trace.parameters * (2 * gathered + reduced)
+    return Cost(
+        "FSDP2 all-gather + reduce-scatter",
+        wire / (cfg.predict.interconnect_gb_per_s * 1e9),
+        "network",
+    )
+
+
+def memory_bytes(cfg: RunConfig, trace: StepTrace, run: Setting, shards: int) -> dict[str, int]:
+    weight = BYTES[run.spec.weight_dtype]
+    state = BYTES[run.spec.optimizer_state_dtype]
+    activations = trace.saved_elements * run.act_bytes + trace.saved_fp32_elements * 4
+    return {
+        "weights": math.ceil(trace.parameters / shards) * weight,
+        "grads": math.ceil(trace.parameters / shards) * weight,
+        "optimizer": math.ceil(trace.parameters / shards) * optimizer_slots(cfg) * state,
+        "activations": activations,
+    }
+
+
+def max_batch(memory: dict[str, int], batch: int, device: Device) -> int:
+    """The largest batch whose saved activations fit beside the static state (activations grow
+    linearly with the batch)."""
+    room = USABLE_MEMORY * device.memory_gb * 1e9 - memory["weights"] - memory["grads"]
+    room -= memory["optimizer"]
+    per_sample = memory["activations"] / batch
+    return max(0, math.floor(room / per_sample)) if per_sample else 0
+
+
+def top_ops(costs: list[Cost], count: int = 5) -> list[dict]:
+    """The costliest ops, alike ones (same op, phase and GEMM shape) summed."""
+    grouped: dict[str, list] = {}
+    for cost in costs:
+        seconds, times, _ = grouped.get(cost.name, (0.0, 0, cost.bound))
+        grouped[cost.name] = [seconds + cost.seconds, times + 1, cost.bound]
+    ranked = sorted(grouped.items(), key=lambda item: -item[1][0])[:count]
+    return [
+        {"op": name, "seconds": seconds, "count": times, "bound": bound}
+        for name, (seconds, times, bound) in ranked
+    ]
+
+
+def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: Precision) -> dict:
+    """One device and precision: the step's time, what bounds it, its memory and largest batch."""
+    why = missing_math(device, precision, cfg.trainer.tf32)
+    if why is not None:
+        return {"unavailable": why}
+    run = setting(cfg, trace, precision)
+    shards = cfg.predict.world_size
+    costs = traced_costs(trace, run, device)
+    extra = [
+        cast_cost(trace, run, device),
+        quantize_cost(trace, run, device),
+        optimizer_cost(cfg, trace, run, device, shards),
+        comm_cost(cfg, trace, run),
+    ]
+    costs += [c for c in extra if c is not None]
+    step = sum(c.seconds for c in costs)
+    by_bound = defaultdict(float)
+    for cost in costs:
+        by_bound[cost.bound] += cost.seconds
+    memory = memory_bytes(cfg, trace, run, shards)
+    samples = trace.batch_size / step
+    return {
+        "step_time_s": step,
+        "samples_per_s": samples,
+        # tokens_per_s for a language model (samples_per_s again for images, 1 unit a sample).
+        f"{trace.unit}_per_s": samples * trace.units_per_sample,
+        "bound_share": {bound: seconds / step for bound, seconds in sorted(by_bound.items())},
+        "casts_s": sum(
+            c.seconds for c in costs if c.name in {"autocast casts", "fp8 quantization"}
+        ),
+        "top_ops": top_ops(costs),
+        "memory_bytes": memory,
+        "fits": sum(memory.values()) <= USABLE_MEMORY * device.memory_gb * 1e9,
+        "max_batch": max_batch(memory, trace.batch_size, device),
+        "fp8_linears": len(run.fp8_linears),
+    }
