@@ -1,7 +1,7 @@
 """amp_exp's submitit launchers: the plugin's, with a requeue that resumes.
 
 Hydra instantiates a launcher only from a class defined in the ``hydra_plugins`` package, so the
-classes live here, with their behaviour; ``amp_exp.config.launchers`` registers them. This module
+classes live here, with their behaviour; ``amp_exp.config.store`` registers them. This module
 imports nothing from amp_exp. The leading underscore keeps Hydra's plugin discovery from importing
 it (which would fail without the optional hydra-submitit-launcher).
 """

@@ -23,7 +23,7 @@ from helpers.runs import FAST, TINY, read_jsonl, run_cli
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
-from amp_exp.config.launchers import LocalConf
+from amp_exp.config.store import launcher_confs
 from amp_exp.runtime.signals import StopRequest
 from hydra_plugins._amp_exp_submitit import with_resume
 
@@ -91,8 +91,8 @@ def test_our_launchers_replace_the_plugins_entries() -> None:
         assert Plugins.instance().class_name_to_class[target].__module__ == LAUNCHERS
     local = launcher_cfg("submitit_local")
     assert (local.signal_delay_s, local.max_num_timeout) == (
-        LocalConf.signal_delay_s,
-        LocalConf.max_num_timeout,
+        launcher_confs()["submitit_local"].signal_delay_s,
+        launcher_confs()["submitit_local"].max_num_timeout,
     )
     preset = launcher_cfg("slurm")
     assert preset.max_num_timeout > 0 and preset.gpus_per_node == 1

@@ -1,9 +1,8 @@
 """Typed config schemas: one dataclass per config group, enums for every closed choice.
 
-A leaf: it imports nothing heavier than OmegaConf's ``MISSING``, and from amp_exp only the
-model and dataset schemas (config/models.py, config/datasets.py, leaves too).
-Each YAML file under ``conf/`` lists its schema first in its defaults list (``config.store``
-registers them), so Hydra type-checks the YAML and every override against these dataclasses.
+A leaf: it imports nothing heavier than OmegaConf's ``MISSING``, and from amp_exp only the model
+and dataset schemas (leaves too). Each YAML file under ``conf/`` lists its schema first in its
+defaults list (``config.store``), so Hydra type-checks it and every override against these.
 """
 
 from __future__ import annotations
@@ -291,48 +290,38 @@ class ReportConfig:
     wandb: bool = False
     # Seconds the W&B Report may take to reach the server and save, before it is given up.
     wandb_timeout: float = 10.0
-    # Time each model and setting of a sweep that varies precision in the interleaved trial
-    # (speed.*), for the report's speedups.
+    # Time each model and setting of a sweep that varies precision in the speed trial (speed.*).
     speed_trial: bool = True
-    # Holm's step-down procedure across the report's comparisons, a family per claim (matches,
-    # not_worse, worse, better) at 2.5% each: a claim that fails its adjusted threshold is
-    # inconclusive. Off: each comparison holds at its own level (docs/sweeps.md).
+    # Holm across the report's comparisons, a family per claim (matches, not_worse, worse,
+    # better) at 2.5% each; off, each comparison holds at its own level (docs/sweeps.md).
     familywise: bool = False
 
 
 @dataclass
 class SensitivityConfig:
-    """python -m amp_exp.sensitivity's settings (rules: config/sensitivity.py); runs ignore them."""
+    """python -m amp_exp.sensitivity's settings (rules: config/commands.py); runs ignore them."""
 
     # The precisions to rank modules for (fp16, bf16, fp8); null = precision= when it is one
     # of those, else fp16 and bf16. Repair targets the first.
     precisions: list[Precision] | None = None
-    # Training batches the errors are measured on, each against its own fp32 reference.
+    # Training batches measured, each against its own fp32 reference; modules listed per precision.
     batches: int = 2
-    # The most sensitive modules the console and sensitivity.md list, per precision.
     show: int = 10
     # Search for modules to keep in fp32 until a short run in the first precision trains.
     repair: bool = False
-    # Verification runs in the target precision, at most (the fp32 reference not counted).
+    # Verification runs in the target precision at most (fp32's not counted), and their steps.
     max_trials: int = 6
-    # Optimizer steps of every verification run and of its fp32 reference.
     verify_steps: int = 40
-    # A verification run passes with at most this many skipped steps, no loss-scale collapse,
-    # and a final loss within loss_tolerance (relative) of fp32's at the same step.
+    # A verification run passes with at most this many skipped steps, no scale collapse, and a
+    # final loss within loss_tolerance (relative) of fp32's at the same step.
     max_skipped_steps: int = 2
     loss_tolerance: float = 0.05
 
 
-# The speed trial's warm-up ends when the median steps of two consecutive windows of this many
-# steps agree within 5% (training/timing.py).
-SPEED_WARMUP_WINDOW = 5
-
-
 @dataclass
 class SpeedConfig:
-    """The speed trial (amp_exp/speed/): each precision against fp32 in a pair of its own, the
-    two built, warmed up until steady, timed ``rounds`` times ``steps`` steps each in the
-    orders AB, BA, AB, ..., and freed before the next pair is built."""
+    """The speed trial (amp_exp/speed/; rules: config/commands.py): each precision against fp32
+    in a pair of its own, warmed up until steady, timed ``rounds`` x ``steps`` steps, AB, BA, ..."""
 
     # python -m amp_exp.speed times these and fp32; a sweep's trial, the precisions it ran.
     precisions: list[Precision] = field(
@@ -347,7 +336,7 @@ class SpeedConfig:
 
 @dataclass
 class PredictConfig:
-    """python -m amp_exp.predict's settings (rules: config/predict.py); runs ignore them."""
+    """python -m amp_exp.predict's settings (rules: config/commands.py); runs ignore them."""
 
     # Keys of config/devices.py's table: h100, h200, b200, a100.
     devices: list[str] = field(default_factory=lambda: ["h100"])

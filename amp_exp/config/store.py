@@ -1,16 +1,31 @@
-"""Hydra registration: the schemas in the ConfigStore, amp_exp's resolvers and launchers."""
+"""Hydra registration: the schemas in the ConfigStore, amp_exp's resolvers and launchers.
+
+``hydra/launcher=submitit_slurm|submitit_local`` are Hydra's submitit launchers, registered with
+amp_exp's classes, whose requeued jobs resume. When SLURM (or submitit's local controller) warns a
+job with SIGUSR2 before its time limit or on preemption, the run saves a checkpoint and hands the
+signal to submitit (``runtime.signals``), which calls the launcher's ``checkpoint`` hook and
+requeues what it returns. amp_exp's hook adds ``resume=auto``, so the requeued job continues from
+its own checkpoint in its own output directory (the master config, resolver cache included,
+travels with the job, so the timestamp in ``hydra.sweep.dir`` resolves to the same directory).
+The launcher classes live in ``hydra_plugins._amp_exp_submitit``, where Hydra requires them; this
+module only registers them, and only when the optional plugin is installed. Nothing here imports
+submitit until a sweep launches.
+"""
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from importlib.util import find_spec
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.plugins import Plugins
 
 from amp_exp.config.launch import register_resolvers
 from amp_exp.config.schema import SCHEMAS, PredictConfig, RunConfig, SensitivityConfig
 
 SCHEMA_GROUP = "schema"
-# Optional: hydra/launcher=slurm and submitit_* (amp_exp.config.launchers).
+# Optional: hydra/launcher=slurm and submitit_*.
 SUBMITIT_PLUGIN = "hydra_plugins.hydra_submitit_launcher"
 
 
@@ -27,6 +42,46 @@ def register_configs() -> None:
     store.store(group=f"{SCHEMA_GROUP}/predict", name="predict", node=PredictConfig)
     # hydra/launcher=submitit_*: jobs that resume when requeued, if the optional plugin is there.
     if find_spec(SUBMITIT_PLUGIN) is not None:
-        from amp_exp.config.launchers import register_launchers
-
         register_launchers()
+
+
+LAUNCHERS_MODULE = "hydra_plugins._amp_exp_submitit"
+
+
+@functools.cache
+def launcher_confs() -> dict[str, type]:
+    """``hydra/launcher=``'s node for each launcher, our launcher class as its target (built on
+    first use: the optional plugin's queue configs are their bases)."""
+    from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+
+    @dataclass
+    class SlurmConf(SlurmQueueConf):
+        _target_: str = f"{LAUNCHERS_MODULE}.SlurmLauncher"
+
+    @dataclass
+    class LocalConf(LocalQueueConf):
+        _target_: str = f"{LAUNCHERS_MODULE}.LocalLauncher"
+        # submitit's LocalExecutor takes these two, with these defaults; the plugin's
+        # LocalQueueConf leaves them out. SIGUSR2 comes this many seconds before timeout_min...
+        signal_delay_s: int = 30
+        # ...and a job is requeued at most this many times after timing out.
+        max_num_timeout: int = 3
+
+    return {"submitit_slurm": SlurmConf, "submitit_local": LocalConf}
+
+
+def register_launchers() -> None:
+    """Store ``hydra/launcher=submitit_slurm|submitit_local`` with our launchers as targets.
+
+    Hydra's plugin discovery executes every ``hydra_plugins`` module, even one imported before
+    (hydra 1.3 on Python 3.10+), and the plugin's ``config`` module stores its own entries under
+    these names: so discover the plugins first (once per process), then replace those entries.
+    """
+    from hydra_plugins._amp_exp_submitit import LocalLauncher, SlurmLauncher
+
+    plugins = Plugins.instance()
+    store = ConfigStore.instance()
+    confs = launcher_confs()
+    for name, launcher in (("submitit_slurm", SlurmLauncher), ("submitit_local", LocalLauncher)):
+        plugins.register(launcher)
+        store.store(group="hydra/launcher", name=name, node=confs[name], provider="amp_exp")

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from amp_exp.config.commands import validate_predict, validate_sensitivity, validate_speed
 from amp_exp.config.datasets import (
     TOKEN_DATASETS,
     CustomDatasetConfig,
@@ -37,27 +38,19 @@ from amp_exp.config.models import (
 )
 from amp_exp.config.pairing import check_pairing
 from amp_exp.config.precision_checks import validate_precision
-from amp_exp.config.predict import validate_predict
 from amp_exp.config.schema import (
     SCHEMAS,
-    SPEED_WARMUP_WINDOW,
     WANDB_TAG_MAX_CHARS,
     AdamWConfig,
     OptimizerConfig,
-    Precision,
     RunConfig,
     SchedulerConfig,
-    SpeedConfig,
     Strategy,
     TrainerConfig,
     WandbConfig,
 )
-from amp_exp.config.sensitivity import validate_sensitivity
 from amp_exp.errors import ConfigError, first_line, require
 
-# The fewest rounds for the speedup's t interval to be of any use (t(0.975, 5) = 2.57; at 4
-# rounds it is 3.18).
-MIN_SPEED_ROUNDS = 6
 # NumPy seeds its generator with an unsigned 32-bit integer.
 SEED_RANGE = range(2**32)
 # What W&B refuses in a project name at init, which would cost the run its dashboard entry.
@@ -142,7 +135,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         run.report.tolerance is None or run.report.tolerance >= 0,
         "report.tolerance must be 0 or more, or null (the task's default)",
     )
-    _validate_speed(run.speed)
+    validate_speed(run.speed)
     validate_precision(run.precision, run.trainer)
     validate_sensitivity(run.sensitivity, run.precision, run.trainer)
     validate_predict(run.predict)
@@ -224,25 +217,6 @@ def _check_positive(section: object, prefix: str, *keys: str) -> None:
     for key in keys:
         value = getattr(section, key)
         require(value > 0, f"{prefix}.{key}={value} must be positive")
-
-
-def _validate_speed(speed: SpeedConfig) -> None:
-    require(
-        speed.max_warmup_steps >= 2 * SPEED_WARMUP_WINDOW,
-        f"speed.max_warmup_steps={speed.max_warmup_steps} must be {2 * SPEED_WARMUP_WINDOW} or "
-        f"more: warm-up compares two windows of {SPEED_WARMUP_WINDOW} steps",
-    )
-    require(speed.steps > 0, f"speed.steps={speed.steps} must be positive")
-    require(
-        speed.rounds >= MIN_SPEED_ROUNDS and speed.rounds % 2 == 0,
-        f"speed.rounds={speed.rounds} must be even and {MIN_SPEED_ROUNDS} or more: each side "
-        "runs first in half the rounds",
-    )
-    require(
-        bool(speed.precisions) and Precision.auto not in speed.precisions,
-        "speed.precisions must list precisions to time, e.g. speed.precisions=[fp32,bf16]; "
-        f"valid choices: {', '.join(p.value for p in Precision if p is not Precision.auto)}",
-    )
 
 
 def _validate_dataset(dataset: DatasetConfig) -> None:

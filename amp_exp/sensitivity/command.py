@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from amp_exp.config.commands import target_precisions
 from amp_exp.config.schema import Precision, RunConfig
-from amp_exp.config.sensitivity import target_precisions
 from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.sensitivity.measure import measure_precision, ranking
 from amp_exp.sensitivity.reference import capture_reference

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from amp_exp.config.schema import SPEED_WARMUP_WINDOW
+from amp_exp.config.commands import SPEED_WARMUP_WINDOW
 from amp_exp.training.meters import synchronize
 
 Key = TypeVar("Key", bound=Hashable)
