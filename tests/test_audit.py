@@ -323,3 +323,27 @@ def test_emulated_fp8_engages_with_checkpointing(compose_cfg, tmp_path) -> None:
     assert audit["engaged"] is True, audit["shortfalls"]
     assert "float8_e4m3fn" in audit["modules"]["blocks.0.mlp.fc"]
     assert not any("_checkpoint_wrapped_module" in name for name in audit["modules"])
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_count_each_module_as_one_rank_does_times_two(compose_cfg, tmp_path):
+    """Before, the FSDP2 hooks moved backward matmuls between modules: mlp.fc and mlp.proj,
+    the same shape, got 134M and 67M FLOPs."""
+    from helpers.torchrun import run_worker
+
+    run = [*FAST_LM, "precision=bf16", "trainer.strategy=fsdp2", "trainer.eval_every=null"]
+    one = train(validate_lm(compose_cfg, *run), tmp_path / "one")["precision_audit"]
+    ranks = run_worker(tmp_path / "two", *run)
+    two = ranks[0]["summary"]["precision_audit"]
+    assert two["ranks"] == 2
+    assert two["modules"] == {
+        name: {dtype: 2 * flops for dtype, flops in dtypes.items()}
+        for name, dtypes in one["modules"].items()
+    }
+    assert set(one["modules"]) == GPT_MATMUL_MODULES
+
+
+def validate_lm(compose_cfg, *overrides: str):
+    from amp_exp.config.validate import validate
+
+    return validate(compose_cfg(*overrides, fast=False))
