@@ -11,8 +11,9 @@ output gradient, so each error is the module's own:
 - **SQNR** in dB, 10·log10(Σref² / Σ(ref - x)²), of the output and of the gradients of the
   module's parameters and of its inputs that need one, summed over calls. A non-finite output
   or gradient makes it -inf; an exact one, +inf.
-- **The rounding floor**: the same SQNR of the rounded run. fp8 rounds each tensor scaled to
-  its largest value, as its casts do; fp16's gradients are rounded at the GradScaler's scale.
+- **The rounding floor**: the same SQNR of the rounded run, its output and gradients rounded
+  too. fp8 rounds each tensor scaled to its largest value, as its casts do; fp16's gradients are
+  rounded at the GradScaler's scale.
 - **Sensitive** is a module whose error is well above the floor, more than ``SLACK_DB`` (10 dB:
   an error over 3 times the rounding's, in amplitude) below it in output or gradient, or whose
   output or gradient is not finite, or in which an op overflowed (sensitivity/ranges.py names
@@ -255,6 +256,9 @@ def measure_module(
             if backward:
                 floor_wrt = _differentiable(reference, floor_inputs)
                 floor_grads = _gradients(floor, floor_wrt, rounded(scaled, dtype) / grad_scale)
+                floor_grads = rounded(floor_grads * grad_scale, dtype) / grad_scale
+        # The format rounds what a module hands on as well as what it takes.
+        floor = rounded(floor, dtype)
         watch = OpRangeWatch(target, name)
         seeded(seed + call.batch)
         with watch, policy.autocast():

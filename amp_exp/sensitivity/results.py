@@ -130,7 +130,8 @@ def format_margin(value: float | None) -> str:
 
 
 def format_share(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"
+    """A share in percent; "-" where there was nothing to share (no gradient came back)."""
+    return "-" if value is None or math.isnan(value) else f"{100 * value:.2f}%"
 
 
 def describe_ranking(
