@@ -38,7 +38,7 @@ class OpFault:
     def text(self) -> str:
         where = self.module if self.phase == FORWARD else f"{self.module} ({self.phase})"
         fmt = DType(self.dtype).short
-        return f"{where}: {self.op} output {self.value:.2g} exceeds {fmt}'s {self.limit:g}"
+        return f"{where}: {self.op} output {self.value:.1e} exceeds {fmt}'s {self.limit:g}"
 
 
 def _low_precision(tensor: object) -> bool:
