@@ -262,7 +262,9 @@ def repair(
     sliver = keep is not None and is_sliver(keep, kept_share, candidates)
     if sliver:
         conclusion = sliver_conclusion(precision, keep, kept_share)
-    log.info("repair: %s%s", conclusion, f": {override_line(keep)}" if keep else "")
+    # A sliver's override is in repair.json; the line recommends the precision instead.
+    shown = f": {override_line(keep)}" if keep and not sliver else ""
+    log.info("repair: %s%s", conclusion, shown)
     return {
         "precision": precision.value,
         # A set that keeps (nearly) everything in fp32 proves fp32 trains, not the precision.
