@@ -234,6 +234,23 @@ def test_the_rounding_floor_is_the_formats_own(dtype, low, high) -> None:
 # --- pieces ------------------------------------------------------------------------------------
 
 
+def test_a_module_that_works_in_place_is_measured_on_its_recorded_inputs() -> None:
+    """ReLU(inplace=True) on an input that needs a gradient: a leaf written in place fails,
+    and a record written in place would feed the next run other inputs."""
+    from amp_exp.config.schema import PrecisionConfig
+    from amp_exp.sensitivity.measure import measure_module
+    from amp_exp.sensitivity.reference import ModuleCall
+    from amp_exp.training.precision import PrecisionPolicy
+
+    x = torch.tensor([-1.0, 2.0, -3.0, 4.0], requires_grad=True)
+    call = ModuleCall((x,), {}, batch=0, grad_output=torch.ones(4))
+    policy = PrecisionPolicy(Precision.bf16, PrecisionConfig(), torch.device("cpu"))
+    relu = torch.nn.ReLU(inplace=True)
+    error = measure_module("act", relu, relu, [call], policy, 1.0, seed=0)
+    assert torch.equal(x, torch.tensor([-1.0, 2.0, -3.0, 4.0]))
+    assert error.output.db == math.inf and error.grad.db == math.inf
+
+
 def test_sqnr_is_infinite_when_exact_minus_infinite_when_not_finite_and_else_in_db() -> None:
     signal = torch.ones(100)
     exact, broken, noisy = Sqnr(), Sqnr(), Sqnr()

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from amp_exp.sensitivity.ranges import OpFault, OpRangeWatch
 from amp_exp.sensitivity.reference import ModuleCall, Reference, seeded, true_fp32
@@ -208,12 +209,19 @@ def rounded_parameters(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
                 parameter.copy_(original)
 
 
+def fresh(value: Any) -> Any:
+    """Copies of the recorded inputs for one run: a module that works in place (ReLU(inplace=
+    True)) may neither change the record nor write into a leaf that needs a gradient; the
+    gradients still reach the recorded leaves through the copy."""
+    return tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, value)
+
+
 def _differentiable(module: nn.Module, call_args: Any) -> list[torch.Tensor]:
     """What a module's backward hands gradients to: its parameters, and its inputs that need
     one."""
     inputs = [
         leaf
-        for leaf in torch.utils._pytree.tree_leaves(call_args)
+        for leaf in tree_leaves(call_args)
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad
     ]
     return [p for p in module.parameters() if p.requires_grad] + inputs
@@ -247,12 +255,12 @@ def measure_module(
         # The reference's backward comes before the rounding, which writes to its parameters.
         seeded(seed + call.batch)
         with true_fp32():
-            expected = reference(*call.args, **call.kwargs)
+            expected = reference(*fresh(call.args), **fresh(call.kwargs))
             expected_grads = _gradients(expected, wrt, call.grad_output) if backward else None
         floor_inputs = rounded(inputs, dtype)
         seeded(seed + call.batch)
         with true_fp32(), rounded_parameters(reference, dtype):
-            floor = reference(*floor_inputs[0], **floor_inputs[1])
+            floor = reference(*fresh(floor_inputs[0]), **fresh(floor_inputs[1]))
             if backward:
                 floor_wrt = _differentiable(reference, floor_inputs)
                 floor_grads = _gradients(floor, floor_wrt, rounded(scaled, dtype) / grad_scale)
@@ -262,7 +270,7 @@ def measure_module(
         watch = OpRangeWatch(target, name)
         seeded(seed + call.batch)
         with watch, policy.autocast():
-            got = target(*call.args, **call.kwargs)
+            got = target(*fresh(call.args), **fresh(call.kwargs))
         error.output.add(expected, got.float())
         error.output_floor.add(expected, floor)
         error.activations.add(expected)
