@@ -234,6 +234,18 @@ def test_the_rounding_floor_is_the_formats_own(dtype, low, high) -> None:
 # --- pieces ------------------------------------------------------------------------------------
 
 
+def test_a_cast_into_fp16_that_overflows_is_named_as_the_op_it_is() -> None:
+    """A value kept in fp32 that autocast casts for the next matmul: the fp32 rerun of the cast
+    must not cast to fp16 again, or it would look like an inf made on purpose."""
+    from amp_exp.sensitivity.ranges import OpRangeWatch
+
+    model = torch.nn.Linear(2, 2)
+    with OpRangeWatch(model, "head") as watch, torch.autocast("cpu", dtype=torch.float16):
+        model(torch.tensor([[1e5, 1.0]]))
+    assert watch.fault is not None
+    assert watch.fault.text() == "head: _to_copy output 1.0e+05 exceeds fp16's 65504"
+
+
 def test_a_module_that_works_in_place_is_measured_on_its_recorded_inputs() -> None:
     """ReLU(inplace=True) on an input that needs a gradient: a leaf written in place fails,
     and a record written in place would feed the next run other inputs."""

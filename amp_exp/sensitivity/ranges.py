@@ -61,8 +61,12 @@ def _finite(value: object) -> bool:
 
 
 def _in_fp32(value: object) -> object:
+    """An op's argument for its fp32 rerun: floating tensors in fp32, and a low-precision dtype
+    it was asked to cast to (autocast's casts are ``_to_copy`` ops) fp32."""
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.float()
+    if isinstance(value, torch.dtype) and value.is_floating_point and value.itemsize < 4:
+        return torch.float32
     return value
 
 
