@@ -193,6 +193,16 @@ def test_a_parameter_free_attention_core_that_overflows_fp16_ranks_first_named_b
     assert report["reference"]["tf32"] is False
 
 
+def test_repair_keeps_the_attention_core_not_the_linears_around_it(compose_cfg, tmp_path) -> None:
+    report = attention_report(compose_cfg, tmp_path, *REPAIR[1:])
+    repair = report["repair"]
+    assert repair["keep_fp32"] == ["attn.core"]
+    assert repair["verified"] is True and repair["recommended_precision"] is None
+    # The core's matmuls are a sixth of the model's: most of it stays in fp16.
+    assert repair["low_precision_flop_share"] > 0.8
+    assert repair["trials"][0]["status"] == "numerical_fault"
+
+
 def test_attention_written_as_a_plain_function_blames_the_module_that_calls_it(
     compose_cfg, tmp_path
 ) -> None:
