@@ -267,3 +267,83 @@ def test_flops_by_module_splits_any_step_by_module_and_dtype() -> None:
         "island.linear": {"float32": 2 * 2 * 16 * 16 * 3},
         "head": {"bfloat16": 2 * 2 * 16 * 4 * 3},
     }
+
+
+# --- names and counts with checkpointing, keep_fp32 and fp8 ------------------------------------
+
+KEEP_MLP = "precision.keep_fp32=[blocks.0.mlp]"
+CHECKPOINTED = "trainer.activation_checkpointing=true"
+# Where gpt_tiny's matmuls run: its linears, and each attention's scaled-dot-product.
+GPT_MATMUL_MODULES = {
+    f"blocks.{i}.{name}"
+    for i in (0, 1)
+    for name in ("attn", "attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+} | {"lm_head"}
+
+
+def gpt_audit(compose_cfg, tmp_path, *overrides: str) -> dict:
+    from amp_exp.config.validate import validate
+
+    run_dir = tmp_path / "-".join(o.split("=")[0] for o in overrides)
+    cfg = validate(compose_cfg(*FAST_LM, *overrides, "model.dropout=0.1", fast=False))
+    return train(cfg, run_dir)["precision_audit"]
+
+
+def test_each_matmul_belongs_to_the_module_that_ran_it_and_no_dropout_owns_one(
+    compose_cfg, tmp_path
+) -> None:
+    audit = gpt_audit(compose_cfg, tmp_path, "precision=bf16", KEEP_MLP)
+    modules = audit["modules"]
+    # Fails when a backward matmul lands on whichever module's hook fired last (a Dropout).
+    assert set(modules) == GPT_MATMUL_MODULES
+    # The two blocks are the same shape: the same FLOPs, module for module.
+    for name in ("attn", "attn.qkv", "attn.proj", "mlp.fc"):
+        assert sum(modules[f"blocks.0.{name}"].values()) == sum(
+            modules[f"blocks.1.{name}"].values()
+        )
+    assert modules["blocks.0.mlp.fc"] == {"float32": sum(modules["blocks.1.mlp.fc"].values())}
+    assert audit["recompute"]["matmul_flops"] == 0
+
+
+def test_checkpointing_leaves_names_shares_and_backward_as_without_it(compose_cfg, tmp_path):
+    plain = gpt_audit(compose_cfg, tmp_path, "precision=bf16", KEEP_MLP)
+    checkpointed = gpt_audit(compose_cfg, tmp_path, "precision=bf16", KEEP_MLP, CHECKPOINTED)
+    # The wrapper's _checkpoint_wrapped_module is not in the names keep_fp32 is matched on.
+    assert checkpointed["modules"] == plain["modules"]
+    assert checkpointed["keep_fp32_flop_share"] == plain["keep_fp32_flop_share"] > 0.2
+    assert checkpointed["flops_by_dtype"] == plain["flops_by_dtype"]
+    # The recomputed forward is counted as recompute, not as backward.
+    assert checkpointed["backward"] == plain["backward"]
+    assert 0 < checkpointed["recompute"]["matmul_flops"] <= plain["forward"]["matmul_flops"]
+
+
+def test_emulated_fp8_engages_with_checkpointing(compose_cfg, tmp_path) -> None:
+    fp8 = ["precision=fp8", "precision.fp8_emulate=true"]
+    audit = gpt_audit(compose_cfg, tmp_path, *fp8, CHECKPOINTED)
+    assert audit["engaged"] is True, audit["shortfalls"]
+    assert "float8_e4m3fn" in audit["modules"]["blocks.0.mlp.fc"]
+    assert not any("_checkpoint_wrapped_module" in name for name in audit["modules"])
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_count_each_module_as_one_rank_does_times_two(compose_cfg, tmp_path):
+    """Before, the FSDP2 hooks moved backward matmuls between modules: mlp.fc and mlp.proj,
+    the same shape, got 134M and 67M FLOPs."""
+    from helpers.torchrun import run_worker
+
+    run = [*FAST_LM, "precision=bf16", "trainer.strategy=fsdp2", "trainer.eval_every=null"]
+    one = train(validate_lm(compose_cfg, *run), tmp_path / "one")["precision_audit"]
+    ranks = run_worker(tmp_path / "two", *run)
+    two = ranks[0]["summary"]["precision_audit"]
+    assert two["ranks"] == 2
+    assert two["modules"] == {
+        name: {dtype: 2 * flops for dtype, flops in dtypes.items()}
+        for name, dtypes in one["modules"].items()
+    }
+    assert set(one["modules"]) == GPT_MATMUL_MODULES
+
+
+def validate_lm(compose_cfg, *overrides: str):
+    from amp_exp.config.validate import validate
+
+    return validate(compose_cfg(*overrides, fast=False))

@@ -1,6 +1,8 @@
 """The sensitivity command: per-module error against fp32, the ranking, the repair search, and
 the failure message that points to it. The planted model (helpers.user_code.PlantedOverflow) has
-one layer whose activations exceed 65504 in fp16 and one whose weights bf16 rounds away."""
+one layer whose activations exceed 65504 in fp16 and one whose weights bf16 rounds away (which
+is rounding, so not sensitive); the attention LM (OverflowingAttentionLM) overflows fp16 inside
+its parameter-free attention core."""
 
 from __future__ import annotations
 
@@ -12,14 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from amp_exp.config.schema import Precision
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.sensitivity.command import run_sensitivity
-from amp_exp.sensitivity.measure import RangeShare, Sqnr
-from amp_exp.sensitivity.repair import search
+from amp_exp.sensitivity.measure import RangeShare, Sqnr, rounded
+from amp_exp.sensitivity.reference import true_fp32
+from amp_exp.sensitivity.repair import is_sliver, search, sliver_conclusion
 from amp_exp.training.skips import suspect_modules
-from helpers.runs import FAST, FAST_LM, composed
+from helpers.runs import FAST, FAST_LM, FAST_TRAINER, TINY_TOKENS, composed
 from helpers.warm_python import python_m
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -53,8 +57,9 @@ def test_the_planted_overflow_layer_ranks_first_in_fp16_and_not_in_bf16(repaired
     out, _ = repaired
     report = json.loads((out / "sensitivity.json").read_text())
     assert report["rankings"]["fp16"][0] == "big"
-    assert report["rankings"]["bf16"][0] != "big"
     big = report["modules"][0]
+    assert big["fp16"]["sensitive"] is True and big["bf16"]["sensitive"] is False
+    assert big["fp16"]["out_of_range_op"].startswith("big: addmm output ")
     assert big["name"] == "big"
     # Its fp16 output is not finite: above 65504, where bf16 (fp32's range) holds it.
     assert big["fp16"]["output_finite"] is False
@@ -85,10 +90,12 @@ def test_repair_keeps_the_planted_layer_and_proves_it_where_the_unrepaired_run_c
 ) -> None:
     out, _ = repaired
     repair = json.loads((out / "repair.json").read_text())
-    assert repair["verified"] is True
     assert "big" in repair["keep_fp32"]
     assert repair["override"] == f"'precision.keep_fp32=[{','.join(repair['keep_fp32'])}]'"
-    assert 0 < repair["low_precision_flop_share"] < 1
+    # big holds 83% of the FLOPs: fp32 trains here, not fp16, and the words say so.
+    assert 0 < repair["low_precision_flop_share"] < 0.5
+    assert repair["verified"] is False and repair["recommended_precision"] == "bf16"
+    assert repair["conclusion"].startswith("fp16 does not train here beyond a sliver of the model")
     unrepaired, *_, passing = repair["trials"]
     assert unrepaired["keep_fp32"] == [] and unrepaired["status"] == "numerical_fault"
     assert "loss scaling collapsed" in unrepaired["why"]
@@ -106,7 +113,8 @@ def test_modules_kept_in_fp32_show_no_error(run_cfg, tmp_path) -> None:
     report = run_sensitivity(run_cfg(*PLANTED, "precision.keep_fp32=[big]"), tmp_path)
     big = next(m for m in report["modules"] if m["name"] == "big")["fp16"]
     assert big["output_sqnr_db"] == math.inf and big["grad_sqnr_db"] == math.inf
-    assert report["rankings"]["fp16"][-1] == "big"
+    assert big["margin_db"] == math.inf and big["sensitive"] is False
+    assert report["rankings"]["fp16"][0] != "big"
     assert report["loss"]["fp16"]["finite"] is True
 
 
@@ -115,10 +123,14 @@ def test_gpt_modules_are_ranked_with_their_flop_shares(compose_cfg, tmp_path) ->
     report = run_sensitivity(validate(compose_cfg(*overrides, fast=False)), tmp_path)
     names = {m["name"] for m in report["modules"]}
     assert {"wte", "blocks.0.attn.qkv", "blocks.1.mlp.proj", "ln_f", "lm_head"} <= names
-    shares = [m["flop_share"] for m in report["modules"]]
-    assert sum(shares) <= 1 + 1e-9 and max(shares) > 0
+    # Modules without parameters are measured too: the blocks, attention, its dropouts.
+    assert {"blocks.0", "blocks.0.attn", "blocks.0.mlp.gelu", "blocks.0.mlp.dropout"} <= names
+    top_level = [m["flop_share"] for m in report["modules"] if "." not in m["name"]]
+    assert sum(top_level) <= 1 + 1e-9 and max(top_level) > 0
     # Autocast leaves embeddings alone: their output is exact.
     assert report["modules"][-1]["bf16"]["output_sqnr_db"] == math.inf
+    # bf16's own rounding is all a healthy model shows: nothing is sensitive.
+    assert not any(m["bf16"]["sensitive"] for m in report["modules"])
 
 
 def test_emulated_fp8_ranks_its_float8_linears_below_those_it_keeps_in_bf16(
@@ -136,7 +148,129 @@ def test_emulated_fp8_ranks_its_float8_linears_below_those_it_keeps_in_bf16(
     assert report["rankings"]["fp8"][0] in float8
 
 
+# The done-when model: a causal LM whose parameter-free attention core overflows fp16 inside.
+ATTENTION_LM = [
+    *FAST_TRAINER,
+    *TINY_TOKENS,
+    "dataset.seq_len=16",
+    "model=custom",
+    "model._target_=helpers.user_code.make_overflowing_attention",
+    "precision=fp16",
+    "sensitivity.precisions=[fp16,bf16]",
+    "trainer.tf32=true",
+]
+
+
+def attention_report(compose_cfg, tmp_path, *overrides: str) -> dict:
+    cfg = validate(compose_cfg(*ATTENTION_LM, *overrides, fast=False))
+    return run_sensitivity(cfg, tmp_path)
+
+
+def test_a_parameter_free_attention_core_that_overflows_fp16_ranks_first_named_by_its_op(
+    compose_cfg, tmp_path
+) -> None:
+    report = attention_report(compose_cfg, tmp_path)
+    by_name = {m["name"]: m for m in report["modules"]}
+    # Before, only modules with parameters were measured and the core was never ranked.
+    assert report["rankings"]["fp16"][0] == "attn.core"
+    core = by_name["attn.core"]
+    assert core["type"] == "ScaledAttentionCore" and core["parameters"] == 0
+    message = core["fp16"]["out_of_range_op"]
+    assert message.startswith("attn.core: bmm output ") and message.endswith(
+        " exceeds fp16's 65504"
+    )
+    assert float(message.split()[3]) > 1e6
+    assert report["loss"]["fp16"]["out_of_range_op"] == message
+    # The Linears around it only round.
+    for name in ("attn.qkv", "attn.proj", "head"):
+        assert by_name[name]["fp16"]["sensitive"] is False, name
+    # The attention module holding the core is sensitive through it, and ranks after the blameless.
+    assert by_name["attn"]["fp16"]["sensitive"] is True
+    assert report["rankings"]["fp16"][-1] == "attn"
+    # bf16 has fp32's range: the core only rounds there.
+    assert core["bf16"]["sensitive"] is False and core["bf16"]["out_of_range_op"] is None
+    # The reference is true fp32 although the run asks for TF32.
+    assert report["reference"]["tf32"] is False
+
+
+def test_repair_keeps_the_attention_core_not_the_linears_around_it(compose_cfg, tmp_path) -> None:
+    report = attention_report(compose_cfg, tmp_path, *REPAIR[1:])
+    repair = report["repair"]
+    assert repair["keep_fp32"] == ["attn.core"]
+    assert repair["verified"] is True and repair["recommended_precision"] is None
+    # The core's matmuls are a sixth of the model's: most of it stays in fp16.
+    assert repair["low_precision_flop_share"] > 0.8
+    assert repair["trials"][0]["status"] == "numerical_fault"
+
+
+def test_attention_written_as_a_plain_function_blames_the_module_that_calls_it(
+    compose_cfg, tmp_path
+) -> None:
+    report = attention_report(compose_cfg, tmp_path, "+model.kwargs.inline=true")
+    first = report["rankings"]["fp16"][0]
+    assert first == "attn"
+    entry = next(m for m in report["modules"] if m["name"] == first)["fp16"]
+    assert entry["out_of_range_op"].startswith("attn: bmm output ")
+    proj = next(m for m in report["modules"] if m["name"] == "attn.proj")["fp16"]
+    assert proj["sensitive"] is False
+
+
+def test_the_reference_runs_with_tf32_off_and_restores_the_setting() -> None:
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        with true_fp32():
+            assert not torch.backends.cuda.matmul.allow_tf32
+            assert not torch.backends.cudnn.allow_tf32
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+@pytest.mark.parametrize(
+    ("dtype", "low", "high"),
+    [(torch.float16, 60, 80), (torch.bfloat16, 40, 60), (torch.float8_e4m3fn, 20, 35)],
+    ids=["fp16", "bf16", "fp8"],
+)
+def test_the_rounding_floor_is_the_formats_own(dtype, low, high) -> None:
+    """Rounding Gaussian values: about 6 dB a mantissa bit (10, 7, 3 bits)."""
+    values = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 1e3
+    floor = Sqnr()
+    floor.add(values, rounded(values, dtype))
+    assert low < floor.db < high
+    assert rounded(torch.tensor([1e6]), torch.float16).item() == 65504
+
+
 # --- pieces ------------------------------------------------------------------------------------
+
+
+def test_a_cast_into_fp16_that_overflows_is_named_as_the_op_it_is() -> None:
+    """A value kept in fp32 that autocast casts for the next matmul: the fp32 rerun of the cast
+    must not cast to fp16 again, or it would look like an inf made on purpose."""
+    from amp_exp.sensitivity.ranges import OpRangeWatch
+
+    model = torch.nn.Linear(2, 2)
+    with OpRangeWatch(model, "head") as watch, torch.autocast("cpu", dtype=torch.float16):
+        model(torch.tensor([[1e5, 1.0]]))
+    assert watch.fault is not None
+    assert watch.fault.text() == "head: _to_copy output 1.0e+05 exceeds fp16's 65504"
+
+
+def test_a_module_that_works_in_place_is_measured_on_its_recorded_inputs() -> None:
+    """ReLU(inplace=True) on an input that needs a gradient: a leaf written in place fails,
+    and a record written in place would feed the next run other inputs."""
+    from amp_exp.config.schema import PrecisionConfig
+    from amp_exp.sensitivity.measure import measure_module
+    from amp_exp.sensitivity.reference import ModuleCall
+    from amp_exp.training.precision import PrecisionPolicy
+
+    x = torch.tensor([-1.0, 2.0, -3.0, 4.0], requires_grad=True)
+    call = ModuleCall((x,), {}, batch=0, grad_output=torch.ones(4))
+    policy = PrecisionPolicy(Precision.bf16, PrecisionConfig(), torch.device("cpu"))
+    relu = torch.nn.ReLU(inplace=True)
+    error = measure_module("act", relu, relu, [call], policy, 1.0, seed=0)
+    assert torch.equal(x, torch.tensor([-1.0, 2.0, -3.0, 4.0]))
+    assert error.output.db == math.inf and error.grad.db == math.inf
 
 
 def test_sqnr_is_infinite_when_exact_minus_infinite_when_not_finite_and_else_in_db() -> None:
@@ -196,6 +330,39 @@ def test_a_run_that_passes_as_it_is_needs_no_module_kept() -> None:
     assert keep == [] and conclusion.startswith("the run passes as it is")
 
 
+def test_a_given_keep_fp32_set_that_passes_is_not_called_needing_no_module() -> None:
+    keep, conclusion = search(StubSearch(needed=set()), ["attn", "head", "embed"], ["mlp"])
+    assert keep == ["attn", "head", "embed"]
+    # Before, keep_fp32=[*] read "no module needs to be kept in fp32".
+    assert "no module needs" not in conclusion
+    assert conclusion.startswith("the run passes with the 3 module(s) precision.keep_fp32 keeps")
+
+
+@pytest.mark.parametrize(
+    ("keep", "share", "sliver"),
+    [
+        (["attn.core"], 0.17, False),
+        (["attn", "head"], 0.51, True),
+        # Every ranked module, whatever the FLOPs say (a model of parameter-free ops has none).
+        (["attn", "head", "embed"], None, True),
+        (["attn"], None, False),
+    ],
+)
+def test_a_set_that_keeps_most_flops_or_every_module_is_a_sliver(keep, share, sliver) -> None:
+    assert is_sliver(keep, share, ["attn.core", "attn", "head", "embed"]) is sliver
+
+
+def test_a_sliver_is_not_called_verified_and_the_next_precision_up_is_named() -> None:
+    words = sliver_conclusion(Precision.fp16, ["attn", "head"], 1.0)
+    assert words == (
+        "fp16 does not train here beyond a sliver of the model: the run passes only with 2 "
+        "module(s) in fp32, 100% of the FLOPs; use precision=bf16 instead"
+    )
+    assert "verified" not in words
+    assert "precision=bf16" in sliver_conclusion(Precision.fp8, ["a"], 0.9)
+    assert "precision=fp32" in sliver_conclusion(Precision.bf16, ["a"], 0.9)
+
+
 def test_the_backward_overflow_names_the_last_modules_with_non_finite_gradients() -> None:
     names = ["embed.weight", "blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight"]
     assert suspect_modules(names) == ["blocks.1.fc", "blocks.0.fc", "embed"]
@@ -236,7 +403,8 @@ def test_the_command_composes_like_a_run_and_writes_its_own_run_directory(tmp_pa
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = (tmp_path / "outputs" / "sensitivity").glob("*/*")
     assert (run_dir / "sensitivity.json").is_file() and (run_dir / "sensitivity.log").is_file()
-    assert "fp16: 1 of 3 modules below the reference points" in result.stdout
+    assert "fp16: 1 of 6 modules sensitive" in result.stdout
+    assert "first out of range: big: addmm output" in result.stdout
 
 
 @pytest.mark.slow

@@ -62,12 +62,12 @@ def run_sensitivity(cfg: RunConfig, output_dir: Path) -> dict[str, Any]:
     for precision in precisions:
         policy = PrecisionPolicy(precision, cfg.precision, device, keep_fp32=keep_fp32)
         target_model = policy.prepare_model(copy.deepcopy(model))
-        errors, losses = measure_precision(
+        errors, losses, fault = measure_precision(
             model, target_model, task, batches, reference, policy, cfg.seed
         )
-        measured[precision] = (errors, losses)
+        measured[precision] = (errors, losses, fault)
         log.info("%s", describe_ranking(precision, errors, ranking(errors), settings.show))
-    report = sensitivity_report(cfg, model, reference, measured, keep_fp32)
+    report = sensitivity_report(cfg, model, reference, measured, keep_fp32, device)
     write_sensitivity(output_dir, report, settings.show)
     log.info("sensitivity: %s", output_dir / "sensitivity.md")
     if settings.repair:

@@ -1,43 +1,57 @@
 """Each module's error in a target precision, against the fp32 reference, on the same inputs.
 
-For each recorded call (sensitivity/reference.py) a module runs twice on the call's fp32 inputs:
-as it is, in fp32, and as the precision's policy prepares it (``PrecisionPolicy.prepare_model``:
-fp8's float8 linears, ``precision.keep_fp32``) under the policy's autocast. Both are
-differentiated with the reference's output gradient, so each error is the module's own:
+For each recorded call (sensitivity/reference.py) a module runs three times on the call's fp32
+inputs: as it is, in true fp32 (TF32 off); as the precision's policy prepares it
+(``PrecisionPolicy.prepare_model``: fp8's float8 linears, ``precision.keep_fp32``) under the
+policy's autocast; and in fp32 again with its floating inputs and parameters rounded to the
+precision's format (the precision table's first matmul dtype: fp16, bf16, float8 e4m3), which
+is the error the format's rounding alone makes. Each is differentiated with the reference's
+output gradient, so each error is the module's own:
 
-- **SQNR** in dB, 10·log10(Σref² / Σ(ref - target)²), of the output and of the gradients of the
-  module's own parameters, summed over calls: torchao's float8 tests require 18 dB on outputs and
-  17 dB on gradients, the reference points here. A non-finite target output or gradient makes it
-  -inf; an exact one, +inf.
-- **Range**: the share of the reference's output elements and output-gradient elements outside
-  the precision's narrowest format (the precision table's first matmul dtype: fp16, bf16, float8
-  e4m3): above its largest finite value, or non-zero below its smallest subnormal (2^-24 for
+- **SQNR** in dB, 10·log10(Σref² / Σ(ref - x)²), of the output and of the gradients of the
+  module's parameters and of its inputs that need one, summed over calls. A non-finite output
+  or gradient makes it -inf; an exact one, +inf.
+- **The rounding floor**: the same SQNR of the rounded run, its output and gradients rounded
+  too. fp8 rounds each tensor scaled to its largest value, as its casts do; fp16's gradients are
+  rounded at the GradScaler's scale.
+- **Sensitive** is a module whose error is well above the floor, more than ``SLACK_DB`` (10 dB:
+  an error over 3 times the rounding's, in amplitude) below it in output or gradient, or whose
+  output or gradient is not finite, or in which an op overflowed (sensitivity/ranges.py names
+  the first). Its **margin** is min(output - (floor - 10), gradient - (floor - 10)) dB, -inf
+  when not finite or overflowed.
+- **Range**: the share of the reference's output and output-gradient elements outside the
+  format: above its largest finite value, or non-zero below its smallest subnormal (2^-24 for
   fp16). fp16's gradients are taken as the GradScaler hands them over, times
   ``precision.init_scale``, and the target's backward gets that scaled gradient in its own dtype,
   as in training. fp8 scales each cast per tensor, so its range share says what an unscaled cast
   would lose.
 
-A module's **margin** is how far it stays above the reference points, min(output - 18,
-gradient - 17) dB; modules are ranked by it, lowest first (ties: the larger out-of-range share
-first). The end-to-end loss of the whole prepared model is compared with fp32's as well.
+Modules are ranked by margin, lowest first, except that a sensitive module with a sensitive
+module inside it ranks after every module without one: its error is its child's, and the child
+is the one to keep in fp32. Ties go to the larger out-of-range share, then the deeper module.
+The end-to-end loss of the whole prepared model is compared with fp32's as well.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
-from amp_exp.sensitivity.reference import ModuleCall, Reference, seeded
+from amp_exp.sensitivity.ranges import OpFault, OpRangeWatch
+from amp_exp.sensitivity.reference import ModuleCall, Reference, seeded, true_fp32
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.training.precision import PrecisionPolicy
 
-# torchao's float8 test thresholds (test/float8): outputs, then gradients.
-OUTPUT_SQNR_DB = 18.0
-GRAD_SQNR_DB = 17.0
+# How far below the rounding floor a module's SQNR may fall before it is sensitive: 10 dB is an
+# error about 3 times the rounding's in amplitude, more than a few ops' rounding compounds to.
+SLACK_DB = 10.0
 
 
 @dataclass
@@ -97,6 +111,12 @@ class RangeShare:
         }
 
 
+def _margin(sqnr: Sqnr, floor: Sqnr) -> float:
+    if sqnr.db == math.inf:
+        return math.inf
+    return sqnr.db - (floor.db - SLACK_DB)
+
+
 @dataclass
 class ModuleError:
     """One module's measurements in one precision."""
@@ -105,7 +125,10 @@ class ModuleError:
     gradients: RangeShare
     output: Sqnr = field(default_factory=Sqnr)
     grad: Sqnr = field(default_factory=Sqnr)
+    output_floor: Sqnr = field(default_factory=Sqnr)
+    grad_floor: Sqnr = field(default_factory=Sqnr)
     has_grad: bool = False
+    fault: OpFault | None = None
 
     @classmethod
     def of(cls, dtype: torch.dtype) -> ModuleError:
@@ -113,10 +136,16 @@ class ModuleError:
 
     @property
     def margin_db(self) -> float:
-        margins = [self.output.db - OUTPUT_SQNR_DB]
+        if self.fault is not None:
+            return -math.inf
+        margins = [_margin(self.output, self.output_floor)]
         if self.has_grad:
-            margins.append(self.grad.db - GRAD_SQNR_DB)
+            margins.append(_margin(self.grad, self.grad_floor))
         return min(margins)
+
+    @property
+    def sensitive(self) -> bool:
+        return self.margin_db < 0
 
     @property
     def out_of_range(self) -> float:
@@ -129,10 +158,13 @@ class ModuleError:
         return {
             "output_sqnr_db": self.output.db,
             "output_finite": self.output.finite,
+            "output_floor_db": self.output_floor.db,
             "grad_sqnr_db": self.grad.db if self.has_grad else None,
             "grad_finite": self.grad.finite if self.has_grad else None,
+            "grad_floor_db": self.grad_floor.db if self.has_grad else None,
             "margin_db": self.margin_db,
-            "meets_reference_points": self.margin_db >= 0,
+            "sensitive": self.sensitive,
+            "out_of_range_op": None if self.fault is None else self.fault.text(),
             **self.activations.shares("activation"),
             **self.gradients.shares("gradient"),
         }
@@ -143,16 +175,67 @@ def format_dtype(policy: PrecisionPolicy) -> torch.dtype:
     return policy.spec.engaged.matmul_dtypes[0].torch
 
 
-def _gradients(output: torch.Tensor, parameters: list, grad_output: torch.Tensor) -> torch.Tensor:
-    """The parameters' gradients, flattened into one tensor (zeros for one the call left unused,
-    so that the reference's and the target's line up)."""
-    found = torch.autograd.grad(
-        output, parameters, grad_output, allow_unused=True, materialize_grads=True
-    )
+def rounded(value: Any, dtype: torch.dtype) -> Any:
+    """``value``'s floating tensors rounded to ``dtype`` and back to fp32, clamped to its range
+    (overflow is judged apart); float8 scaled per tensor to its largest value, as fp8 casts."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(rounded(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: rounded(item, dtype) for key, item in value.items()}
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return value
+    largest = torch.finfo(dtype).max
+    tensor = value.detach().float()
+    scale = 1.0
+    if dtype.itemsize == 1:
+        amax = float(tensor.abs().max()) if tensor.numel() else 0.0
+        scale = largest / amax if amax > 0 else 1.0
+    result = (tensor * scale).clamp(-largest, largest).to(dtype).float() / scale
+    return result.requires_grad_(value.requires_grad)
+
+
+@contextlib.contextmanager
+def rounded_parameters(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """``module``'s floating parameters rounded to ``dtype`` while entered, restored after."""
+    saved = [(p, p.detach().clone()) for p in module.parameters() if p.is_floating_point()]
+    with torch.no_grad():
+        for parameter, _ in saved:
+            parameter.copy_(rounded(parameter, dtype))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for parameter, original in saved:
+                parameter.copy_(original)
+
+
+def fresh(value: Any) -> Any:
+    """Copies of the recorded inputs for one run: a module that works in place (ReLU(inplace=
+    True)) may neither change the record nor write into a leaf that needs a gradient; the
+    gradients still reach the recorded leaves through the copy."""
+    return tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, value)
+
+
+def _differentiable(module: nn.Module, call_args: Any) -> list[torch.Tensor]:
+    """What a module's backward hands gradients to: its parameters, and its inputs that need
+    one."""
+    inputs = [
+        leaf
+        for leaf in tree_leaves(call_args)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]
+    return [p for p in module.parameters() if p.requires_grad] + inputs
+
+
+def _gradients(output: torch.Tensor, wrt: list, grad_output: torch.Tensor) -> torch.Tensor:
+    """The gradients, flattened into one tensor (zeros for one the call left unused, so that
+    the reference's and the target's line up)."""
+    found = torch.autograd.grad(output, wrt, grad_output, allow_unused=True, materialize_grads=True)
     return torch.cat([g.flatten() for g in found])
 
 
 def measure_module(
+    name: str,
     reference: nn.Module,
     target: nn.Module,
     calls: list[ModuleCall],
@@ -161,39 +244,60 @@ def measure_module(
     seed: int,
 ) -> ModuleError:
     """The error ``target`` (the module prepared for ``policy``) makes on ``calls``."""
-    error = ModuleError.of(format_dtype(policy))
-    ref_params = [p for p in reference.parameters() if p.requires_grad]
-    target_params = [p for p in target.parameters() if p.requires_grad]
+    dtype = format_dtype(policy)
+    error = ModuleError.of(dtype)
     for call in calls:
+        inputs = (call.args, call.kwargs)
+        wrt = _differentiable(reference, inputs)
+        # Only a call whose output got a gradient, into something that takes one, has a backward.
+        backward = call.grad_output is not None and bool(wrt)
+        scaled = call.grad_output * grad_scale if backward else None
+        # The reference's backward comes before the rounding, which writes to its parameters.
         seeded(seed + call.batch)
-        expected = reference(*call.args, **call.kwargs)
+        with true_fp32():
+            expected = reference(*fresh(call.args), **fresh(call.kwargs))
+            expected_grads = _gradients(expected, wrt, call.grad_output) if backward else None
+        floor_inputs = rounded(inputs, dtype)
         seeded(seed + call.batch)
-        with policy.autocast():
-            got = target(*call.args, **call.kwargs)
+        with true_fp32(), rounded_parameters(reference, dtype):
+            floor = reference(*fresh(floor_inputs[0]), **fresh(floor_inputs[1]))
+            if backward:
+                floor_wrt = _differentiable(reference, floor_inputs)
+                floor_grads = _gradients(floor, floor_wrt, rounded(scaled, dtype) / grad_scale)
+                floor_grads = rounded(floor_grads * grad_scale, dtype) / grad_scale
+        # The format rounds what a module hands on as well as what it takes.
+        floor = rounded(floor, dtype)
+        watch = OpRangeWatch(target, name)
+        seeded(seed + call.batch)
+        with watch, policy.autocast():
+            got = target(*fresh(call.args), **fresh(call.kwargs))
         error.output.add(expected, got.float())
+        error.output_floor.add(expected, floor)
         error.activations.add(expected)
-        if call.grad_output is None or not ref_params:
-            continue
-        error.has_grad = True
-        scaled = call.grad_output * grad_scale
-        error.gradients.add(scaled)
-        expected_grads = _gradients(expected, ref_params, call.grad_output)
-        got_grads = _gradients(got, target_params, scaled.to(got.dtype))
-        error.grad.add(expected_grads, got_grads / grad_scale)
+        if backward:
+            error.has_grad = True
+            error.gradients.add(scaled)
+            with watch:
+                got_grads = _gradients(got, _differentiable(target, inputs), scaled.to(got.dtype))
+            error.grad.add(expected_grads, got_grads / grad_scale)
+            error.grad_floor.add(expected_grads, floor_grads)
+        error.fault = error.fault or watch.fault
     return error
 
 
 def end_to_end_losses(
     model: nn.Module, task: Task, batches: list[Batch], policy: PrecisionPolicy, seed: int
-) -> list[float]:
-    """The whole prepared model's loss on each batch, as training computes it."""
+) -> tuple[list[float], OpFault | None]:
+    """The whole prepared model's loss on each batch, as training computes it, and the first
+    op that overflowed in it."""
     model.train()
     losses = []
+    watch = OpRangeWatch(model, "")
     for index, batch in enumerate(batches):
         seeded(seed + index)
-        with torch.no_grad(), policy.autocast():
+        with torch.no_grad(), watch, policy.autocast():
             losses.append(float(task.loss(model, batch)))
-    return losses
+    return losses, watch.fault
 
 
 def measure_precision(
@@ -204,14 +308,16 @@ def measure_precision(
     reference: Reference,
     policy: PrecisionPolicy,
     seed: int,
-) -> tuple[dict[str, ModuleError], list[float]]:
-    """Every measured module's error in ``policy``'s precision, and the end-to-end losses.
+) -> tuple[dict[str, ModuleError], list[float], OpFault | None]:
+    """Every measured module's error in ``policy``'s precision, the end-to-end losses, and the
+    first op that overflowed in them.
 
     ``target_model`` is a copy of ``model`` that ``policy.prepare_model`` prepared.
     """
     grad_scale = policy.cfg.init_scale if policy.spec.grad_scaler else 1.0
     errors = {
         name: measure_module(
+            name,
             model.get_submodule(name),
             target_model.get_submodule(name),
             calls,
@@ -222,9 +328,24 @@ def measure_precision(
         for name, calls in reference.calls.items()
         if calls and all(call.output_is_tensor for call in calls)
     }
-    return errors, end_to_end_losses(target_model, task, batches, policy, seed)
+    return errors, *end_to_end_losses(target_model, task, batches, policy, seed)
+
+
+def _explained(name: str, errors: dict[str, ModuleError]) -> bool:
+    """Whether a sensitive module holds a sensitive module: its error is its child's."""
+    return errors[name].sensitive and any(
+        other.startswith(name + ".") and error.sensitive for other, error in errors.items()
+    )
 
 
 def ranking(errors: dict[str, ModuleError]) -> list[str]:
-    """Module names, most sensitive first: the lowest margin, then the most out of range."""
-    return sorted(errors, key=lambda name: (errors[name].margin_db, -errors[name].out_of_range))
+    """Module names, the ones to blame first: see the module's docstring."""
+    return sorted(
+        errors,
+        key=lambda name: (
+            _explained(name, errors),
+            errors[name].margin_db,
+            -errors[name].out_of_range,
+            -name.count("."),
+        ),
+    )

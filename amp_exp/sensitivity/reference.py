@@ -6,16 +6,23 @@ respect to that output. Each module is then run again on exactly those inputs in
 precision (sensitivity/measure.py), so its error is its own and does not compound from the
 modules before it.
 
-Measured are the modules that own parameters (``parameters(recurse=False)``): the linears,
-convolutions, embeddings and norms whose weights a precision computes with. Parameter-free ops
-(activations, attention's softmax, residual additions) count inside the blocks that call them
-but are not ranked on their own. FLOPs come from ``torch.utils.flop_counter``, forward and
-backward of the first batch, for every module (containers include their children).
+Measured is every module but the model itself: those that own parameters (linears,
+convolutions, embeddings, norms) and those that only compute (an attention core, a softmax, an
+activation, a norm without weights, a block, a user's module whose forward is plain functions).
+An input that needed a gradient in the reference is recorded as needing one, so that a module's
+error in backward covers the gradients it hands back to its inputs, not only its parameters'.
+FLOPs come from ``torch.utils.flop_counter``, forward and backward of the first batch, for every
+module (containers include their children).
+
+The reference is true fp32: TF32 is off while it runs (``true_fp32``), whatever
+``trainer.tf32`` says for the run, since TF32's 10-bit mantissa would hide most of fp16's error
+and all of bf16's below it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,19 +68,27 @@ class Reference:
         return sum(self.flops.get(name, 0) for name in names) / self.total_flops
 
 
+@contextlib.contextmanager
+def true_fp32() -> Iterator[None]:
+    """fp32 matmuls and convolutions in IEEE fp32, not TF32, restored afterwards."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
 def measured_modules(model: nn.Module) -> list[str]:
-    """The modules that own parameters, in definition order; never the root."""
-    return [
-        name
-        for name, module in model.named_modules()
-        if name and next(module.parameters(recurse=False), None) is not None
-    ]
+    """Every module, in definition order; never the root (the end-to-end loss is its)."""
+    return [name for name, _ in model.named_modules() if name]
 
 
 def detached(value: Any) -> Any:
-    """A copy of ``value`` whose tensors are cut from the graph (and safe from in-place ops)."""
+    """A copy of ``value`` whose tensors are cut from the graph (and safe from in-place ops);
+    a tensor that needed a gradient is a leaf that needs one."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().clone().requires_grad_(value.requires_grad)
     if isinstance(value, (tuple, list)):
         return type(value)(detached(item) for item in value)
     if isinstance(value, dict):
@@ -145,7 +160,7 @@ def capture_reference(
         counter = FlopCounterMode(display=False) if index == 0 else None
         try:
             seeded(seed + index)
-            with counter or torch.enable_grad():
+            with true_fp32(), counter or contextlib.nullcontext():
                 loss = task.loss(model, batch)
                 loss.backward()
         finally:

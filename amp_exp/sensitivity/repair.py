@@ -28,10 +28,14 @@ from amp_exp.errors import NumericalFault
 from amp_exp.results.files import METRICS_FILE
 from amp_exp.run import train
 from amp_exp.sensitivity.reference import Reference
-from amp_exp.training.keep_fp32 import outermost
+from amp_exp.training.keep_fp32 import is_within, outermost
 
 log = logging.getLogger("amp_exp")
 VERIFY_DIR = "verify"
+# Above this share of the FLOPs in fp32, a precision has not been made to train, fp32 has.
+MOST_FLOPS = 0.5
+# The next precision up: fp32's range with more bits than fp8, or than fp16; fp32 for the rest.
+NEXT_UP = {Precision.fp8: Precision.bf16, Precision.fp16: Precision.bf16}
 
 
 @dataclass
@@ -181,6 +185,11 @@ def search(run: Search, given: list[str], candidates: list[str]) -> tuple[list[s
     if not run.reference.passed:
         return None, f"the fp32 reference run did not train ({run.reference.why}): nothing to match"
     outcome = run.passes(given)
+    if outcome and given:
+        return given, (
+            f"the run passes with the {len(given)} module(s) precision.keep_fp32 keeps in fp32; "
+            "whether fewer would do was not searched (the given set is never pruned)"
+        )
     if outcome:
         return given, "the run passes as it is: no module needs to be kept in fp32"
     found, size = None, 1
@@ -209,6 +218,26 @@ def search(run: Search, given: list[str], candidates: list[str]) -> tuple[list[s
     return found, f"verified: {run.precision.value} trains with these modules in fp32"
 
 
+def next_up(precision: Precision) -> Precision:
+    return NEXT_UP.get(precision, Precision.fp32)
+
+
+def is_sliver(keep: list[str], kept_share: float | None, candidates: list[str]) -> bool:
+    """Whether the kept set leaves the precision only a sliver of the model: more than
+    ``MOST_FLOPS`` of its FLOPs, or every ranked module."""
+    every = bool(candidates) and all(is_within(name, keep) for name in candidates)
+    return every or (kept_share is not None and kept_share > MOST_FLOPS)
+
+
+def sliver_conclusion(precision: Precision, keep: list[str], kept_share: float | None) -> str:
+    share = "every ranked module" if kept_share is None else f"{kept_share:.0%} of the FLOPs"
+    return (
+        f"{precision.value} does not train here beyond a sliver of the model: the run passes only "
+        f"with {len(keep)} module(s) in fp32, {share}; use precision={next_up(precision).value} "
+        "instead"
+    )
+
+
 def repair(
     cfg: RunConfig,
     precision: Precision,
@@ -230,10 +259,17 @@ def repair(
     run = Search(cfg, precision, verify_dir, fp32)
     keep, conclusion = search(run, given, [name for name in candidates if name not in given])
     kept_share = reference.flop_share(keep or [])
-    log.info("repair: %s%s", conclusion, f": {override_line(keep)}" if keep else "")
+    sliver = keep is not None and is_sliver(keep, kept_share, candidates)
+    if sliver:
+        conclusion = sliver_conclusion(precision, keep, kept_share)
+    # A sliver's override is in repair.json; the line recommends the precision instead.
+    shown = f": {override_line(keep)}" if keep and not sliver else ""
+    log.info("repair: %s%s", conclusion, shown)
     return {
         "precision": precision.value,
-        "verified": keep is not None,
+        # A set that keeps (nearly) everything in fp32 proves fp32 trains, not the precision.
+        "verified": keep is not None and not sliver,
+        "recommended_precision": next_up(precision).value if sliver else None,
         "keep_fp32": keep,
         "override": override_line(keep) if keep else None,
         "low_precision_flop_share": None if kept_share is None else 1 - kept_share,

@@ -9,12 +9,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import Precision, RunConfig
 from amp_exp.results.files import SENSITIVITY_JSON, write_json, write_text
-from amp_exp.sensitivity.measure import GRAD_SQNR_DB, OUTPUT_SQNR_DB, ModuleError, ranking
+from amp_exp.sensitivity.measure import SLACK_DB, ModuleError, ranking
+from amp_exp.sensitivity.ranges import OpFault
 from amp_exp.sensitivity.reference import Reference
 
 log = logging.getLogger("amp_exp")
@@ -22,24 +24,44 @@ log = logging.getLogger("amp_exp")
 SENSITIVITY_MD = "sensitivity.md"
 SENSITIVITY_PNG = "sensitivity.png"
 REPAIR_JSON = "repair.json"
-# Where the chart puts a bar whose SQNR is infinite (exact) or that has no finite value.
+# How far the chart's bars reach either way (an exact module's margin is infinite).
 CHART_MAX_DB = 80.0
+SENSITIVE_WHEN = (
+    f"output or gradient SQNR more than {SLACK_DB:g} dB below the rounding floor (the SQNR of "
+    "fp32 with the module's inputs and weights rounded to the format), or a non-finite output "
+    "or gradient, or an op whose output overflowed the format"
+)
 
-Measured = dict[Precision, tuple[dict[str, ModuleError], list[float]]]
+Measured = dict[Precision, tuple[dict[str, ModuleError], list[float], OpFault | None]]
 
 
 def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def loss_error(losses: list[float], reference: list[float]) -> dict[str, Any]:
-    """The mean end-to-end loss in a precision against fp32's, on the same batches."""
+def loss_error(
+    losses: list[float], reference: list[float], fault: OpFault | None
+) -> dict[str, Any]:
+    """The mean end-to-end loss in a precision against fp32's, on the same batches, and the
+    first op that overflowed in the whole model."""
     loss, expected = mean(losses), mean(reference)
     finite = math.isfinite(loss)
     return {
         "loss": loss,
         "finite": finite,
         "rel_error": abs(loss - expected) / abs(expected) if finite and expected else None,
+        "out_of_range_op": None if fault is None else fault.text(),
+    }
+
+
+def reference_facts(device: torch.device) -> dict[str, Any]:
+    """What the fp32 reference computed in (sensitivity.json's ``reference``)."""
+    return {
+        "dtype": "float32",
+        "tf32": False,
+        "device": device.type,
+        "note": "TF32 off for the reference and the rounding floors, whatever trainer.tf32 "
+        "says; the target precisions run as the run would",
     }
 
 
@@ -49,9 +71,10 @@ def sensitivity_report(
     reference: Reference,
     measured: Measured,
     keep_fp32: list[str],
+    device: torch.device,
 ) -> dict[str, Any]:
     """sensitivity.json's content: ``modules`` most sensitive first (in the first precision)."""
-    rankings = {p.value: ranking(errors) for p, (errors, _) in measured.items()}
+    rankings = {p.value: ranking(errors) for p, (errors, *_) in measured.items()}
     order = next(iter(rankings.values()))
     modules = []
     for name in order:
@@ -62,7 +85,7 @@ def sensitivity_report(
             "parameters": sum(p.numel() for p in module.parameters(recurse=False)),
             "flop_share": reference.flop_share([name]),
         }
-        for precision, (errors, _) in measured.items():
+        for precision, (errors, *_) in measured.items():
             rank = rankings[precision.value].index(name) + 1
             entry[precision.value] = {"rank": rank, **errors[name].as_dict()}
         modules.append(entry)
@@ -71,12 +94,17 @@ def sensitivity_report(
         "precisions": list(rankings),
         "batches": len(reference.losses),
         "keep_fp32": keep_fp32,
-        "reference_points_db": {"output": OUTPUT_SQNR_DB, "grad": GRAD_SQNR_DB},
+        "reference": reference_facts(device),
+        "sensitive_when": SENSITIVE_WHEN,
+        "slack_db": SLACK_DB,
         # What fp16's gradients are scaled by, as the GradScaler starts (precision.init_scale).
         "fp16_grad_scale": cfg.precision.init_scale,
         "loss": {
             "fp32": mean(reference.losses),
-            **{p.value: loss_error(ls, reference.losses) for p, (_, ls) in measured.items()},
+            **{
+                p.value: loss_error(losses, reference.losses, fault)
+                for p, (_, losses, fault) in measured.items()
+            },
         },
         "total_flops": reference.total_flops,
         "rankings": rankings,
@@ -102,48 +130,51 @@ def format_margin(value: float | None) -> str:
 
 
 def format_share(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"
+    """A share in percent; "-" where there was nothing to share (no gradient came back)."""
+    return "-" if value is None or math.isnan(value) else f"{100 * value:.2f}%"
 
 
 def describe_ranking(
     precision: Precision, errors: dict[str, ModuleError], order: list[str], show: int
 ) -> str:
     """The console's line for one precision: its most sensitive modules and their margins."""
-    below = [name for name in order if errors[name].margin_db < 0]
+    sensitive = [name for name in order if errors[name].sensitive]
     listed = ", ".join(
         f"{name} ({format_db(errors[name].output.db, errors[name].output.finite)})"
         for name in order[:show]
     )
+    faults = [errors[name].fault for name in order if errors[name].fault is not None]
+    overflow = f"; first out of range: {faults[0].text()}" if faults else ""
     return (
-        f"{precision.value}: {len(below)} of {len(order)} modules below the reference points; "
-        f"most sensitive first (output SQNR, dB): {listed}"
+        f"{precision.value}: {len(sensitive)} of {len(order)} modules sensitive; most sensitive "
+        f"first (output SQNR, dB): {listed}{overflow}"
     )
 
 
 def markdown(report: dict[str, Any], show: int) -> str:
-    points = report["reference_points_db"]
     lines = [
         f"# Sensitivity of model={report['model']}: {', '.join(report['precisions'])} against fp32",
         "",
-        f"{report['batches']} training batch(es); each module is fed its fp32 inputs, so its "
-        f"error is its own. Reference points (torchao's float8 tests): output SQNR "
-        f">= {points['output']:g} dB, gradient SQNR >= {points['grad']:g} dB.",
+        f"{report['batches']} training batch(es) against a true fp32 reference (TF32 off); each "
+        f"module is fed its fp32 inputs, so its error is its own. Sensitive: "
+        f"{report['sensitive_when']}. The margin is the distance above that bar.",
         "",
-        "| precision | end-to-end loss | fp32 loss | relative error |",
-        "|---|---|---|---|",
+        "| precision | end-to-end loss | fp32 loss | relative error | first op out of range |",
+        "|---|---|---|---|---|",
     ]
     fp32_loss = report["loss"]["fp32"]
     for precision in report["precisions"]:
         loss = report["loss"][precision]
         error = "non-finite" if not loss["finite"] else format_share(loss["rel_error"])
-        lines.append(f"| {precision} | {loss['loss']:.4f} | {fp32_loss:.4f} | {error} |")
+        op = loss["out_of_range_op"] or "-"
+        lines.append(f"| {precision} | {loss['loss']:.4f} | {fp32_loss:.4f} | {error} | {op} |")
     for precision in report["precisions"]:
         lines += [
             "",
             f"## {precision}: most sensitive first",
             "",
-            "| rank | module | type | FLOPs | output SQNR dB | grad SQNR dB | margin dB | "
-            "act. over | act. under | grad over | grad under |",
+            "| rank | module | type | FLOPs | output SQNR dB (floor) | grad SQNR dB (floor) | "
+            "margin dB | act. over | grad over | grad under | op out of range |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         by_name = {module["name"]: module for module in report["modules"]}
@@ -153,18 +184,20 @@ def markdown(report: dict[str, Any], show: int) -> str:
             lines.append(
                 f"| {m['rank']} | {name} | {module['type']} | {format_share(module['flop_share'])}"
                 f" | {format_db(m['output_sqnr_db'], m['output_finite'])}"
+                f" ({format_db(m['output_floor_db'], True)})"
                 f" | {format_db(m['grad_sqnr_db'], m['grad_finite'])}"
+                f" ({format_db(m['grad_floor_db'], True)})"
                 f" | {format_margin(m['margin_db'])}"
                 f" | {format_share(m['activation_overflow_frac'])}"
-                f" | {format_share(m['activation_underflow_frac'])}"
                 f" | {format_share(m['gradient_overflow_frac'])}"
-                f" | {format_share(m['gradient_underflow_frac'])} |"
+                f" | {format_share(m['gradient_underflow_frac'])}"
+                f" | {m['out_of_range_op'] or '-'} |"
             )
     return "\n".join(lines) + "\n"
 
 
 def chart(report: dict[str, Any], show: int):
-    """Output SQNR per module and precision, the most sensitive (first precision) on top."""
+    """The margin per module and precision, the most sensitive (first precision) on top."""
     from matplotlib.figure import Figure
 
     from amp_exp.report.plots import OTHER_COLOR, PRECISION_COLORS
@@ -178,19 +211,20 @@ def chart(report: dict[str, Any], show: int):
     for i, precision in enumerate(precisions):
         for row, name in enumerate(names):
             m = by_name[name][precision]
-            value = m["output_sqnr_db"]
-            broken = not m["output_finite"]
-            shown = 0.0 if broken else min(value, CHART_MAX_DB)
+            value = m["margin_db"]
+            broken = value == -math.inf
+            shown = 0.0 if broken else max(min(value, CHART_MAX_DB), -CHART_MAX_DB)
             y = row + i * height
             color = PRECISION_COLORS.get(precision, OTHER_COLOR)
             ax.barh(y, shown, height, color=color, label=precision if row == 0 else None)
             if broken or value == math.inf:
-                ax.text(shown, y, " non-finite" if broken else " exact", va="center", fontsize=8)
-    ax.axvline(report["reference_points_db"]["output"], color="black", linestyle="--", lw=1)
+                label = " overflow or non-finite" if broken else " exact"
+                ax.text(shown, y, label, va="center", fontsize=8)
+    ax.axvline(0, color="black", linestyle="--", lw=1)
     ax.set_yticks([row + height * (len(precisions) - 1) / 2 for row in range(len(names))])
     ax.set_yticklabels(names)
     ax.invert_yaxis()
-    ax.set_xlabel("output SQNR against fp32 (dB); dashed: torchao's 18 dB")
+    ax.set_xlabel(f"margin above the sensitivity bar (dB): the rounding floor less {SLACK_DB:g} dB")
     ax.legend(loc="best")
     return figure
 

@@ -141,6 +141,64 @@ def make_planted_overflow(input_shape: tuple[int, ...], num_classes: int) -> nn.
     return PlantedOverflow(input_shape, num_classes)
 
 
+def scaled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float = 1e3):
+    """Causal attention that scales q and k far up before their product and the scores back down
+    after it: the same numbers as plain attention in fp32 and bf16 (fp32's range), but the
+    product of q and k reaches about 1e7 and overflows fp16's 65504."""
+    scores = (q * scale) @ (k * scale).transpose(-2, -1)
+    scores = scores / (scale**2 * math.sqrt(q.shape[-1]))
+    length = q.shape[-2]
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~causal, -math.inf).softmax(-1) @ v
+
+
+class ScaledAttentionCore(nn.Module):
+    """``scaled_attention`` as a module without parameters."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return scaled_attention(q, k, v)
+
+
+class OverflowingAttention(nn.Module):
+    """Self-attention whose core is ``ScaledAttentionCore`` (``core``), or with ``inline`` the
+    plain function in this module's own forward."""
+
+    def __init__(self, width: int, inline: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.core = None if inline else ScaledAttentionCore()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        return self.proj(scaled_attention(q, k, v) if self.core is None else self.core(q, k, v))
+
+
+class OverflowingAttentionLM(nn.Module):
+    """A one-block causal LM whose attention core is the only place fp16 overflows: the Linears
+    around it see ordinary values."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int, inline: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.position = nn.Embedding(seq_len, width)
+        self.attn = OverflowingAttention(width, inline)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        x = x + self.attn(x)
+        return self.head(self.norm(x))
+
+
+def make_overflowing_attention(
+    vocab_size: int, seq_len: int, width: int = 32, inline: bool = False
+) -> nn.Module:
+    return OverflowingAttentionLM(vocab_size, seq_len, width, inline)
+
+
 # --- models that cannot train, and data with bad labels ----------------------------------------
 
 

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import local, policies_in_force
 from amp_exp.training.audit.matmuls import dtype_name
+from amp_exp.training.audit.modules import unwrapped_name
 
 
 def bytes_by_dtype(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
@@ -41,10 +42,11 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def parameter_elements(model: nn.Module) -> dict[str, dict[str, int]]:
-    """Module -> dtype -> elements of the parameters it owns (this rank's shards)."""
+    """Module -> dtype -> elements of the parameters it owns (this rank's shards), by the names
+    the FLOPs are recorded under (no wrapper's part)."""
     found: dict[str, Counter[str]] = {}
     for name, parameter in model.named_parameters():
-        owner = name.rpartition(".")[0]
+        owner = unwrapped_name(name.rpartition(".")[0])
         found.setdefault(owner, Counter())[dtype_name(parameter.dtype)] += local(parameter).numel()
     return {module: dict(dtypes) for module, dtypes in found.items()}
 

@@ -5,8 +5,8 @@ FSDP2 casts and a model's own casts have chosen its inputs, so what it records i
 not what was asked for. A matmul-class op is one that ``torch.utils.flop_counter`` has a FLOP
 formula for (mm, addmm, bmm, baddbmm, ``_scaled_mm``, convolutions and their backward,
 scaled-dot-product, flash and memory-efficient attention); its FLOPs are that formula's. The
-module is the innermost one ``torch.utils.module_tracker.ModuleTracker`` says is running,
-forward or backward.
+module is the one whose forward ran it, and the phase forward, backward or recompute
+(activation checkpointing's second forward), as ``audit.modules.ModuleOps`` tells them.
 
 torchao's float8 linears hand the mode ``aten.mm`` on ``Float8TrainingTensor`` operands (a
 wrapper subclass, whose dtype is the original one): an operand's dtype is that of the largest
@@ -26,7 +26,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.flop_counter import flop_registry
-from torch.utils.module_tracker import ModuleTracker
+
+from amp_exp.training.audit.modules import BACKWARD, FORWARD, RECOMPUTE, ModuleOps
 
 aten = torch.ops.aten
 
@@ -45,9 +46,7 @@ FORMULAS: dict[Any, Any] = {
 # Which arguments are the multiplied operands, where they are not the first two: addmm's first
 # is the added term; convolution_backward's first is the incoming gradient (of the same dtype).
 OPERANDS = {aten.addmm: (1, 2), aten.baddbmm: (1, 2), aten.convolution_backward: (1, 2)}
-FORWARD, BACKWARD = "forward", "backward"
-# What the tracker calls the code outside every module.
-OUTSIDE = "Global"
+PHASES = (FORWARD, BACKWARD, RECOMPUTE)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -75,7 +74,8 @@ def operand_dtype(packet: Any, args: tuple) -> torch.dtype:
 @dataclass
 class MatmulFlops:
     """FLOPs by (module, phase, dtype). Modules are named as in the model's
-    ``named_modules()``; "" is the model itself, "Global" code outside it (the loss)."""
+    ``named_modules()`` less the wrappers; "" is the model itself, "Global" code outside it
+    (the loss); the phase is forward, backward or recompute."""
 
     flops: Counter[tuple[str, str, str]] = field(default_factory=Counter)
 
@@ -96,6 +96,9 @@ class MatmulFlops:
         for (module, _, dtype), flops in self.flops.items():
             found.setdefault(module, Counter())[dtype] += flops
         return {module: dict(dtypes) for module, dtypes in found.items()}
+
+    def without_phase(self, phase: str) -> MatmulFlops:
+        return MatmulFlops(Counter({k: f for k, f in self.flops.items() if k[1] != phase}))
 
     def merged(self, others: Iterable[MatmulFlops]) -> MatmulFlops:
         total = Counter(self.flops)
@@ -119,7 +122,9 @@ class _Recording(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         recorder = self.recorder
-        recorder.backward_started = recorder.backward_started or recorder.tracker.is_bw
+        recorder.backward_started = (
+            recorder.backward_started or torch._C._current_autograd_node() is not None
+        )
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         formula = FORMULAS.get(packet)
@@ -132,39 +137,30 @@ class MatmulRecorder:
     """Records every matmul-class op run while it is entered: its FLOPs, dtype and module.
 
     ``model`` is what trains (maybe wrapped by DDP); ``inner`` is the module inside the
-    wrappers, whose ``named_modules()`` names the records.
+    wrappers, whose ``named_modules()`` names the records (without checkpoint or compile
+    wrappers' parts).
     """
 
     def __init__(self, model: nn.Module, inner: nn.Module) -> None:
-        self.tracker = ModuleTracker()
+        self.modules = ModuleOps(inner)
         self.flops = MatmulFlops()
-        # The tracker names modules "<root class>.<path>"; the records use the inner model's
-        # own paths, so strip the root and the wrappers' path to the inner model.
-        wrapper_path = next(name for name, module in model.named_modules() if module is inner)
-        self._prefix = type(model).__name__ + (f".{wrapper_path}" if wrapper_path else "")
         self._mode = _Recording(self)
         # Whether any op of a backward has run yet (the saved-tensor count stops there).
         self.backward_started = False
 
-    def module_name(self) -> str:
-        innermost = max(self.tracker.parents, key=lambda name: name.count("."))
-        if innermost == OUTSIDE or innermost == self._prefix:
-            return "" if innermost == self._prefix else OUTSIDE
-        return innermost.removeprefix(self._prefix + ".")
-
     def record(self, packet: Any, flops: int, args: tuple) -> None:
-        backward = self.tracker.is_bw
+        module, phase = self.modules.current()
         dtype = dtype_name(operand_dtype(packet, args))
-        self.flops.flops[(self.module_name(), BACKWARD if backward else FORWARD, dtype)] += flops
+        self.flops.flops[(module, phase, dtype)] += flops
 
     def __enter__(self) -> MatmulRecorder:
-        self.tracker.__enter__()
+        self.modules.__enter__()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._mode.__exit__(*exc)
-        self.tracker.__exit__(*exc)
+        self.modules.__exit__(*exc)
 
 
 def flops_by_module(

@@ -27,7 +27,7 @@ import torch
 
 from amp_exp.runtime.distributed import unwrap
 from amp_exp.training.audit import dtypes
-from amp_exp.training.audit.matmuls import BACKWARD, FORWARD, MatmulFlops, MatmulRecorder
+from amp_exp.training.audit.matmuls import PHASES, RECOMPUTE, MatmulFlops, MatmulRecorder
 from amp_exp.training.audit.saved import SavedActivations
 from amp_exp.training.audit.verdict import (
     higher_precision_modules,
@@ -126,7 +126,11 @@ class PrecisionAudit:
     def _recorded(self, step: int, figures: dict[str, Any]) -> dict[str, Any]:
         engine = self.engine
         policy = engine.policy
-        flops = MatmulFlops.from_rows(figures["flops"])
+        recorded = MatmulFlops.from_rows(figures["flops"])
+        # Shares and verdicts are those of the step's own forward and backward: activation
+        # checkpointing's recompute repeats forward matmuls in the same dtypes, and counting it
+        # would make the shares of one configuration differ with checkpointing on and off.
+        flops = recorded.without_phase(RECOMPUTE)
         fp8 = policy.fp8.converted if policy.fp8 is not None else None
         kept = policy.kept_fp32
         verdict = judge(policy.spec, flops, figures["weight_elements"], fp8, kept)
@@ -143,14 +147,15 @@ class PrecisionAudit:
             "engaged": verdict.engaged,
             "shortfalls": verdict.shortfalls,
             "responsible": verdict.responsible,
+            # Forward and backward; the recompute's are under "recompute".
             "matmul_flops": flops.total,
             "flops_by_dtype": share_by_dtype(by_dtype),
             **{
                 phase: {
-                    "matmul_flops": sum(flops.by_dtype(phase).values()),
-                    "flops_by_dtype": share_by_dtype(flops.by_dtype(phase)),
+                    "matmul_flops": sum(recorded.by_dtype(phase).values()),
+                    "flops_by_dtype": share_by_dtype(recorded.by_dtype(phase)),
                 }
-                for phase in (FORWARD, BACKWARD)
+                for phase in PHASES
             },
             "higher_precision_modules": higher_precision_modules(policy.spec, flops),
             # The share of matmul FLOPs inside the modules precision.keep_fp32 kept (None when

@@ -17,7 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from amp_exp.config.precisions import DType, PrecisionSpec
-from amp_exp.training.audit.matmuls import OUTSIDE, MatmulFlops
+from amp_exp.training.audit.matmuls import MatmulFlops
+from amp_exp.training.audit.modules import OUTSIDE
 from amp_exp.training.keep_fp32 import is_within
 
 FLOAT8 = frozenset(d.value for d in DType if d.value.startswith("float8"))
