@@ -25,11 +25,11 @@ from amp_exp.config.validate import validate
 from amp_exp.errors import (
     EXPECTED_ERRORS,
     WRITES_NOTHING,
-    ConfigError,
     NumericalFault,
     RuntimeFault,
 )
 from amp_exp.results.claim import FollowRank0, claim
+from amp_exp.results.contract import enter
 from amp_exp.results.sweep import sweep_job
 from amp_exp.runtime.quiet import quiet_unactionable
 
@@ -103,23 +103,26 @@ def main() -> None:
     # kept out of the garbage collector's later full passes, each of which would walk it all
     # again (0.15 s of CPU apiece on this project's machine; a few come before the first step).
     gc.freeze()
+    # A run stops on a signal after its step, through its own handler (runtime/signals.py).
+    sys.exit(enter("amp_exp", launch_run, signals=False))
+
+
+def launch_run() -> int | None:
     with contextlib.ExitStack() as held:
         try:
             launch = check_overrides(sys.argv[1:])
             done = None if launch is None else held.enter_context(claim(launch))
         except FollowRank0 as refused:
-            sys.exit(refused.exit_status)  # rank 0 said why, in one line
-        except (ConfigError, RuntimeFault) as error:
-            print(f"amp_exp: error: {error}", file=sys.stderr)
-            sys.exit(error.exit_status)
+            return refused.exit_status  # rank 0 said why, in one line
         if done is not None:
             print(f"amp_exp: {done}")
-            return
+            return None
         if launch is None or launch.composed is None:  # --cfg, --help, or a sweep: Hydra composes
             hydra_main()
         else:  # one run, from the config the pre-flight composed; errors reported as Hydra does
             composed = launch.composed
             run_and_report(lambda: composed.run(hydra_main))
+    return None
 
 
 if __name__ == "__main__":

@@ -244,3 +244,14 @@ def test_a_checkpoint_that_fills_a_real_disk_exits_4_in_one_line(tmp_path) -> No
             "nothing was written"
         )
         assert not list((run_dir / "checkpoints").glob(".*"))  # no partial file left
+
+
+def test_ctrl_c_where_the_command_keeps_its_own_signals_is_one_line_and_130(capsys) -> None:
+    """``python -m amp_exp`` leaves signals to training; a Ctrl-C in its pre-flight reaches
+    Python's own handler. Caught: a KeyboardInterrupt traceback."""
+
+    def body() -> None:
+        raise KeyboardInterrupt
+
+    assert enter("amp_exp", body, signals=False) == 130
+    assert capsys.readouterr().err == "amp_exp: stopped by SIGINT\n"

@@ -79,16 +79,20 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def enter(command: str, body: Callable[[], int | None]) -> int:
+def enter(command: str, body: Callable[[], int | None], signals: bool = True) -> int:
     """Run ``body`` (a command's work; returns its exit status, None for 0) under the contract;
-    returns the status the command exits with."""
+    returns the status the command exits with. ``signals=False`` leaves the signals to the
+    command (training finishes its step first; a Ctrl-C before that still stops in one line)."""
     quiet_unactionable()
     try:
-        with stop_on_signals():
+        with stop_on_signals() if signals else contextlib.nullcontext():
             status = body() or 0
     except Stopped as stopped:
         print(f"{command}: stopped by {stopped.received.name}", file=sys.stderr)
         status = 128 + stopped.received
+    except KeyboardInterrupt:  # Python's own SIGINT handler, where no other was installed
+        print(f"{command}: stopped by SIGINT", file=sys.stderr)
+        status = 128 + signal.SIGINT
     except EXPECTED_ERRORS as error:
         print(f"{command}: error: {error}", file=sys.stderr)
         status = error.exit_status
