@@ -35,19 +35,36 @@ def test_the_table_imports_no_torch_and_names_dtypes_as_torch_does() -> None:
     assert DType.of(torch.bfloat16) is DType.bfloat16 and DType.bfloat16.short == "bf16"
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_the_policy_fsdp_probe_and_peak_read_the_row(mode: Precision) -> None:
-    spec = SPECS[mode]
+# What each mode does, written down from its definition (README's precision table), not read from
+# the table: a wrong row, or a reader that ignores it, fails below.
+#   mode: (the dtype a Linear computes in, the weights' dtype, loss scaling, FSDP2 reduce dtype)
+DOCUMENTED = {
+    Precision.fp32: (torch.float32, torch.float32, False, "fp32"),
+    Precision.bf16: (torch.bfloat16, torch.float32, False, "fp32"),
+    Precision.fp16: (torch.float16, torch.float32, True, "fp32"),
+    Precision.bf16_true: (torch.bfloat16, torch.bfloat16, False, "fp32"),
+}
+
+
+@pytest.mark.parametrize("mode", list(DOCUMENTED))
+def test_each_mode_computes_stores_and_scales_as_documented(mode: Precision) -> None:
+    computes, stores, scales, reduces = DOCUMENTED[mode]
     policy = PrecisionPolicy(mode, PrecisionConfig(name=mode), CPU)
-    assert policy.uses_autocast == (spec.autocast_dtype is not None)
-    assert (policy.scaler is not None) == spec.grad_scaler
-    assert policy.weight_dtype == spec.weight_dtype.torch
-    assert policy.dtype == spec.compute_dtype.torch
-    # FSDP2 gathers the stored weights by default, its cast dtype under fsdp_cast_params.
-    sharding = ShardingDtypes.for_precision(mode, None)
-    assert (sharding.param, sharding.reduce) == (spec.weight_dtype.short, spec.reduce_dtype.short)
-    cast = ShardingDtypes.for_precision(mode, None, cast_params=True)
-    assert cast.param == (spec.fsdp_param_dtype or spec.weight_dtype).short
+    model = policy.prepare_model(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    seen = []
+    linear.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    with policy.autocast():
+        model(torch.randn(4, 16))
+    assert seen == [computes]
+    assert linear.weight.dtype == stores
+    assert (policy.scale() is not None) == scales
+    assert ShardingDtypes.for_precision(mode, None).reduce == reduces
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_probe_and_the_datasheet_peak_read_the_row(mode: Precision) -> None:
+    spec = SPECS[mode]
     assert probed_as(mode) is spec.probed_as
     assert peak_math(mode, tf32=False) == spec.peak_math
 
@@ -60,12 +77,28 @@ def test_pure_bf16_reaches_the_same_datasheet_peak_as_bf16() -> None:
 
 
 def test_a_changed_row_changes_every_reader(monkeypatch, run_cfg) -> None:
-    """Adding or changing a mode is one row: nothing else holds a copy of its facts."""
+    """Changing a mode is one row: the policy, FSDP2's dtypes, the probe, the datasheet peak and
+    the strategy check each follow every field changed (caught: a reader with its own copy)."""
     changed = dataclasses.replace(
-        SPECS[Precision.bf16], grad_scaler=True, strategies=frozenset({Strategy.ddp})
+        SPECS[Precision.bf16],
+        compute_dtype=DType.float16,
+        autocast_dtype=DType.float16,
+        grad_scaler=True,
+        reduce_dtype=DType.bfloat16,
+        fsdp_param_dtype=DType.float16,
+        probed_as=Precision.fp16,
+        peak_math="fp16",
+        strategies=frozenset({Strategy.ddp}),
     )
     monkeypatch.setitem(SPECS, Precision.bf16, changed)
-    assert PrecisionPolicy(Precision.bf16, PrecisionConfig(), CPU).scaler is not None
+    policy = PrecisionPolicy(Precision.bf16, PrecisionConfig(), CPU)
+    assert policy.scaler is not None and policy.dtype == torch.float16
+    with policy.autocast():
+        assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float16
+    cast = ShardingDtypes.for_precision(Precision.bf16, None, cast_params=True)
+    assert (cast.param, cast.reduce) == ("fp16", "bf16")
+    assert probed_as(Precision.bf16) is Precision.fp16
+    assert peak_math(Precision.bf16, tf32=False) == "fp16"
     with pytest.raises(
         ConfigError, match=r"precision=bf16 does not run with trainer\.strategy=fsdp2"
     ):
