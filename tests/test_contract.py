@@ -33,8 +33,16 @@ SENSITIVITY = ["sensitivity.precisions=[bf16]", "sensitivity.batches=1"]
 COMMANDS = {
     "amp_exp.speed": [*FAST, *SPEED],
     "amp_exp.sensitivity": [*FAST, *SENSITIVITY],
+    "amp_exp.predict": FAST,
 }
-RESULT_OF = {"amp_exp.speed": SPEED_JSON, "amp_exp.sensitivity": "sensitivity.json"}
+RESULT_OF = {
+    "amp_exp.speed": SPEED_JSON,
+    "amp_exp.sensitivity": "sensitivity.json",
+    "amp_exp.predict": "predict.json",
+}
+# The forward in which user code acts: midway through a measurement, after the one-batch check
+# a build runs first; predict traces a single step, so its first.
+FORWARD_OF = {"amp_exp.speed": 3, "amp_exp.sensitivity": 3, "amp_exp.predict": 1}
 
 
 def with_user_code() -> dict[str, str]:
@@ -110,7 +118,7 @@ def test_sigterm_midway_exits_143_and_leaves_no_result(command, tmp_path) -> Non
     result = python_m(
         command,
         *COMMANDS[command],
-        *user_model("make_signalling", "+model.kwargs.signal_at=3"),
+        *user_model("make_signalling", f"+model.kwargs.signal_at={FORWARD_OF[command]}"),
         f"hydra.run.dir={tmp_path}",
         env=with_user_code(),
     )
@@ -126,7 +134,7 @@ def test_user_code_calling_sys_exit_0_exits_4(command, tmp_path) -> None:
     result = python_m(
         command,
         *COMMANDS[command],
-        *user_model("make_exiting", "+model.kwargs.exit_at=3"),
+        *user_model("make_exiting", f"+model.kwargs.exit_at={FORWARD_OF[command]}"),
         f"hydra.run.dir={tmp_path}",
         env=with_user_code(),
     )
