@@ -50,8 +50,18 @@ def with_user_code() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def user_model(name: str, *kwargs: str) -> list[str]:
-    return [*CLASSIFIER, f"model._target_=helpers.user_code.{name}", *kwargs]
+def run_with_user_model(command: str, maker: str, when: str, run_dir: Path):
+    """``command`` on the user model ``maker``, which acts in the forward ``FORWARD_OF`` names
+    (its keyword ``when``)."""
+    return python_m(
+        command,
+        *COMMANDS[command],
+        *CLASSIFIER,
+        f"model._target_=helpers.user_code.{maker}",
+        f"+model.kwargs.{when}={FORWARD_OF[command]}",
+        f"hydra.run.dir={run_dir}",
+        env=with_user_code(),
+    )
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -115,13 +125,7 @@ def test_a_training_run_refuses_a_directory_holding_a_speed_trial(tmp_path) -> N
 @pytest.mark.slow
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_sigterm_midway_exits_143_and_leaves_no_result(command, tmp_path) -> None:
-    result = python_m(
-        command,
-        *COMMANDS[command],
-        *user_model("make_signalling", f"+model.kwargs.signal_at={FORWARD_OF[command]}"),
-        f"hydra.run.dir={tmp_path}",
-        env=with_user_code(),
-    )
+    result = run_with_user_model(command, "make_signalling", "signal_at", tmp_path)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
     assert the_one_error(result) == f"{command}: stopped by SIGTERM"
     assert not (tmp_path / RESULT_OF[command]).exists()
@@ -131,13 +135,7 @@ def test_sigterm_midway_exits_143_and_leaves_no_result(command, tmp_path) -> Non
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_user_code_calling_sys_exit_0_exits_4(command, tmp_path) -> None:
     """Caught: exit 0 with no result and no error (the red team's case)."""
-    result = python_m(
-        command,
-        *COMMANDS[command],
-        *user_model("make_exiting", f"+model.kwargs.exit_at={FORWARD_OF[command]}"),
-        f"hydra.run.dir={tmp_path}",
-        env=with_user_code(),
-    )
+    result = run_with_user_model(command, "make_exiting", "exit_at", tmp_path)
     assert result.returncode == 4, result.stderr[-2000:]
     assert "raised SystemExit(0)" in the_one_error(result)
     assert not (tmp_path / RESULT_OF[command]).exists()

@@ -136,16 +136,26 @@ def test_inconclusive_gives_a_planning_estimate_of_the_seeds_that_would_settle_i
     ) in report["verdicts"][0]
 
 
+def write_lm_runs(root: Path, bf16_losses: tuple[float, float]) -> None:
+    """Two seeds of gpt_tiny in fp32 (eval loss 2.00, 2.10) and bf16 (``bf16_losses``)."""
+    for job, (precision, seed, loss) in enumerate(
+        [
+            ("fp32", 0, 2.00),
+            ("fp32", 1, 2.10),
+            ("bf16", 0, bf16_losses[0]),
+            ("bf16", 1, bf16_losses[1]),
+        ]
+    ):
+        summary = write_run(root / str(job), "gpt_tiny", precision, 1000.0, 0.0, seed=seed)
+        summary.pop("eval_acc")
+        summary.update(task_metrics=LanguageModelTask.metrics.as_dict(), eval_loss=loss)
+        (root / str(job) / "summary.json").write_text(json.dumps(summary))
+
+
 def test_a_language_model_is_judged_on_its_relative_eval_loss_lower_being_better(
     tmp_path: Path,
 ) -> None:
-    for job, (precision, seed, loss) in enumerate(
-        [("fp32", 0, 2.00), ("fp32", 1, 2.10), ("bf16", 0, 2.10), ("bf16", 1, 2.2155)]
-    ):
-        summary = write_run(tmp_path / str(job), "gpt_tiny", precision, 1000.0, 0.0, seed=seed)
-        summary.pop("eval_acc")
-        summary.update(task_metrics=LanguageModelTask.metrics.as_dict(), eval_loss=loss)
-        (tmp_path / str(job) / "summary.json").write_text(json.dumps(summary))
+    write_lm_runs(tmp_path, (2.10, 2.2155))
     report = build_report([tmp_path], tmp_path)
     (comparison,) = report["comparisons"]
     assert (comparison["metric"], comparison["unit"]) == ("eval_loss", "relative")
@@ -169,13 +179,7 @@ def test_a_language_model_is_judged_on_its_relative_eval_loss_lower_being_better
 def test_identical_relative_loss_deltas_give_no_interval_of_no_width_a_verdict(
     tmp_path: Path, losses: tuple[float, float], reason: str
 ) -> None:
-    for job, (precision, seed, loss) in enumerate(
-        [("fp32", 0, 2.00), ("fp32", 1, 2.10), ("bf16", 0, losses[0]), ("bf16", 1, losses[1])]
-    ):
-        summary = write_run(tmp_path / str(job), "gpt_tiny", precision, 1000.0, 0.0, seed=seed)
-        summary.pop("eval_acc")
-        summary.update(task_metrics=LanguageModelTask.metrics.as_dict(), eval_loss=loss)
-        (tmp_path / str(job) / "summary.json").write_text(json.dumps(summary))
+    write_lm_runs(tmp_path, losses)
     report = build_report([tmp_path], tmp_path)
     (comparison,) = report["comparisons"]
     assert (comparison["verdict"], comparison["identical"]) == ("inconclusive", True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +226,34 @@ def unmake_directory(directory: Path, top: Path | None) -> None:
             return
 
 
+def hold_directory(
+    directory: Path, check: Callable[[], str | None], held: contextlib.ExitStack
+) -> str | None:
+    """Take ``directory``'s lock into ``held`` once ``check`` (which raises to refuse, or says
+    why there is nothing to do) allows the command there; returns what ``check`` said.
+
+    ``check`` runs first without the lock, whose file holds its holder, so a refused command
+    leaves even that file as it was, and again under the lock, where no other process can change
+    the directory; a refusal then undoes what was made, so a refused command has written nothing.
+    """
+    if directory.is_dir():
+        holder = holder_of(directory)
+        if holder is not None:
+            raise RunDirectoryBusy(busy_message(directory, holder))
+        done = check()
+        if done is not None:
+            return done
+    made = make_directory(directory)
+    try:
+        held.enter_context(RunDirectoryLock(directory))
+        check_free_space(directory)
+        return check()
+    except BaseException:
+        held.close()
+        unmake_directory(directory, made)
+        raise
+
+
 @contextlib.contextmanager
 def claim(launch: Launch) -> Iterator[str | None]:
     """Hold the command's run (or sweep) directory for as long as the command runs, once its
@@ -246,24 +274,7 @@ def claim(launch: Launch) -> Iterator[str | None]:
     with contextlib.ExitStack() as held:
 
         def decide() -> str:
-            if directory.is_dir():
-                # First without the lock, whose file holds its holder: a refused command leaves
-                # even that file as it was.
-                holder = holder_of(directory)
-                if holder is not None:
-                    raise RunDirectoryBusy(busy_message(directory, holder))
-                done = check()
-                if done is not None:
-                    return DONE + done
-            made = make_directory(directory)
-            try:
-                held.enter_context(RunDirectoryLock(directory))
-                check_free_space(directory)
-                done = check()  # again: no other process can change the directory now
-            except BaseException:
-                held.close()
-                unmake_directory(directory, made)
-                raise
+            done = hold_directory(directory, check, held)
             return GO if done is None else DONE + done
 
         verdict = rank0_decides(decide)

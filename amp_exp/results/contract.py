@@ -32,9 +32,8 @@ from typing import NoReturn
 
 from amp_exp.config.preflight import check_overrides
 from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RunRefused, RuntimeFault
-from amp_exp.results.claim import check_free_space, make_directory, unmake_directory
+from amp_exp.results.claim import hold_directory
 from amp_exp.results.finished import finished_results
-from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock, busy_message, holder_of
 from amp_exp.runtime.quiet import quiet_unactionable
 from amp_exp.runtime.signals import PREEMPTION_SIGNALS
 
@@ -142,24 +141,12 @@ def claim_directory(command: str, directory: Path, force: bool = False) -> Itera
     directory = directory.expanduser().resolve()
 
     def check() -> None:
-        holder = holder_of(directory) if directory.is_dir() else None
-        if holder is not None:
-            raise RunDirectoryBusy(busy_message(directory, holder))
         why = refusal(command, directory, force)
         if why is not None:
             raise RunRefused(why)
 
-    check()  # first without the lock, whose file a refused command must not leave behind
-    made = make_directory(directory)
     with contextlib.ExitStack() as held:
-        try:
-            held.enter_context(RunDirectoryLock(directory))
-            check_free_space(directory)
-            check()  # again: no other process can change the directory now
-        except BaseException:
-            held.close()
-            unmake_directory(directory, made)
-            raise
+        hold_directory(directory, check, held)
         yield
 
 
