@@ -101,6 +101,8 @@ FIELDS = (
     "fp8_skipped",
     # Why an fp8 run has no MFU against a bf16 peak (null for the other precisions).
     "fp8_mfu_peak_source",
+    # What a precision plugin records of its run beyond these fields (PrecisionPlugin.summary).
+    "precision_details",
     # The modules precision.keep_fp32 matched (the outermost ones), run in fp32 in every mode.
     "keep_fp32_modules",
     "replicas_identical",
