@@ -309,13 +309,18 @@ class SensitivityConfig:
     show: int = 10
     # Search for modules to keep in fp32 until a short run in the first precision trains.
     repair: bool = False
-    # Verification runs in the target precision at most (fp32's not counted), and their steps.
+    # Sets of modules tried in the target precision at most (fp32's seeds not counted).
     max_trials: int = 6
+    # Each set tried, and fp32, trains this many seeds (seed, seed + 1, ...) of verify_steps;
+    # a set passes when the sweep report's paired verdict on them is "matches" (docs/sweeps.md).
+    verify_seeds: int = 3
     verify_steps: int = 40
-    # A verification run passes with at most this many skipped steps, no scale collapse, and a
-    # final loss within loss_tolerance (relative) of fp32's at the same step.
-    max_skipped_steps: int = 2
-    loss_tolerance: float = 0.05
+    # fp16's precision.growth_interval in verification: short enough that the loss scale grows
+    # within verify_steps (at least twice this), so that late overflows are exercised.
+    verify_growth_interval: int = 10
+    # The verdict's tolerance in the unit of the task's quality metric (report.tolerance's);
+    # null = the task's default (1% relative eval loss for language models).
+    tolerance: float | None = None
 
 
 @dataclass

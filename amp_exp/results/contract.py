@@ -116,8 +116,9 @@ def take_force_flag(argv: list[str]) -> tuple[list[str], bool]:
     return [a for a in argv if a != FORCE_FLAG], FORCE_FLAG in argv
 
 
-def refusal(command: str, directory: Path, force: bool) -> str | None:
-    """Why ``command`` may not write its results into ``directory``, or None."""
+def refusal(command: str, directory: Path, force: bool, resumes: bool = False) -> str | None:
+    """Why ``command`` may not write its results into ``directory``, or None. ``resumes``: the
+    command continues its own results (``resume=auto`` for a command that can)."""
     finished = finished_results(directory)
     others = [held for owner, held in finished.items() if owner != command]
     if others:
@@ -125,7 +126,7 @@ def refusal(command: str, directory: Path, force: bool) -> str | None:
             f"{directory} holds {'; '.join(others)}; python -m {command} would mix its files "
             "with them: give it its own directory (hydra.run.dir=...)"
         )
-    if command in finished and not force:
+    if command in finished and not (force or resumes):
         return (
             f"{directory} holds {finished[command]}; they stay as they are: give this one its "
             f"own directory (hydra.run.dir=...), or pass {FORCE_FLAG} to replace them"
@@ -134,14 +135,16 @@ def refusal(command: str, directory: Path, force: bool) -> str | None:
 
 
 @contextlib.contextmanager
-def claim_directory(command: str, directory: Path, force: bool = False) -> Iterator[None]:
+def claim_directory(
+    command: str, directory: Path, force: bool = False, resumes: bool = False
+) -> Iterator[None]:
     """Hold ``directory`` for ``command`` while the block runs, once ``refusal`` allows it; a
     refused or busy directory raises (exit 2), a full one exit 4, with nothing in it created or
     changed."""
     directory = directory.expanduser().resolve()
 
     def check() -> None:
-        why = refusal(command, directory, force)
+        why = refusal(command, directory, force, resumes)
         if why is not None:
             raise RunRefused(why)
 
@@ -156,11 +159,14 @@ def start(
     entry_overrides: Sequence[str],
     multirun_refusal: str,
     single_process: str | None = None,
+    resumable: bool = False,
 ) -> NoReturn:
     """``python -m <command> [--force] [overrides]`` for a command that Hydra composes as a run:
     its command line checked before Hydra starts (``multirun_refusal`` is what ``-m`` is told,
     ``single_process``, when given, what a torchrun launch is told), its run directory claimed,
-    then ``hydra_main``. ``entry_overrides`` go ahead of the user's, who may override them."""
+    then ``hydra_main``. ``entry_overrides`` go ahead of the user's, who may override them. A
+    ``resumable`` command given ``resume=auto`` may go on in a directory holding its own results
+    (it decides what is left to do there)."""
 
     def body() -> None:
         argv, force = take_force_flag(sys.argv[1:])
@@ -173,7 +179,8 @@ def start(
         if launch is None or not launch.output_dir.resolved:  # --help, --cfg: nothing is written
             hydra_main()
             return
-        with claim_directory(command, Path(launch.output_dir.value), force):
+        resumes = resumable and launch.jobs[0].resume == "auto"
+        with claim_directory(command, Path(launch.output_dir.value), force, resumes):
             hydra_main()
 
     sys.exit(enter(command, body))
