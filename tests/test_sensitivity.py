@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -527,3 +531,60 @@ def test_an_fp16_numerical_fault_points_to_the_sensitivity_command(tmp_path) -> 
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert "python -m amp_exp.sensitivity" in summary["error"]
+
+
+def decisions(repair: dict) -> list:
+    """What a repair concluded and on which evidence, without where its files lie."""
+    return [
+        repair["keep_fp32"],
+        repair["verified"],
+        repair["verdict"],
+        [
+            (trial["keep_fp32"], trial["verdict"], [seed["seed"] for seed in trial["seeds"]])
+            for trial in repair["trials"]
+        ],
+    ]
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_repair_trial_exits_143_and_resume_auto_gives_the_same_answer(
+    attention_repaired, tmp_path
+) -> None:
+    """Caught before: SIGTERM counted as a failed trial, the search went on, and no search could
+    be continued."""
+    _, uninterrupted = attention_repaired
+    run_dir = tmp_path / "repair"
+    args = [*ATTENTION_LM, *REPAIR[1:], f"hydra.run.dir={run_dir}"]
+    started = subprocess.Popen(
+        [sys.executable, "-m", "amp_exp.sensitivity", *args],
+        cwd=tmp_path,
+        env=with_helpers(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    kept = run_dir / "verify" / "trial_02"
+    deadline = time.monotonic() + 300
+    # The first seed of the set that passes has begun: two more are to come.
+    while not (kept / "seed_0").exists() and started.poll() is None:
+        assert time.monotonic() < deadline, "the repair never reached its second trial"
+        time.sleep(0.02)
+    started.send_signal(signal.SIGTERM)
+    _, stderr = started.communicate(timeout=300)
+    assert started.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "amp_exp.sensitivity: stopped by SIGTERM"
+    # The interrupted trial is not recorded, as a failure or otherwise; the finished one is.
+    assert not (kept / "trial.json").exists() and not (run_dir / "repair.json").exists()
+    assert json.loads((run_dir / "verify" / "trial_01" / "trial.json").read_text())["verdict"] == (
+        "unstable"
+    )
+    resumed = python_m(
+        "amp_exp.sensitivity", *args, "resume=auto", cwd=tmp_path, env=with_helpers()
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "repair trial 1 (recorded before): failed: fp16 is unstable" in resumed.stdout
+    repair = json.loads((run_dir / "repair.json").read_text())
+    assert decisions(repair) == decisions(uninterrupted["repair"])
+    qualities = [seed["quality"] for seed in repair["trials"][1]["seeds"]]
+    expected = [seed["quality"] for seed in uninterrupted["repair"]["trials"][1]["seeds"]]
+    assert qualities == pytest.approx(expected, rel=1e-5)

@@ -301,25 +301,19 @@ class ReportConfig:
 class SensitivityConfig:
     """python -m amp_exp.sensitivity's settings (rules: config/commands.py); runs ignore them."""
 
-    # The precisions to rank modules for (fp16, bf16, fp8); null = precision= when it is one
-    # of those, else fp16 and bf16. Repair targets the first.
+    # The precisions ranked (fp16, bf16, fp8); null = precision= if one of those, else fp16, bf16.
     precisions: list[Precision] | None = None
     # Training batches measured, each against its own fp32 reference; modules listed per precision.
     batches: int = 2
     show: int = 10
-    # Search for modules to keep in fp32 until a short run in the first precision trains.
+    # Search for modules to keep in fp32 until the first precision trains: at most max_trials
+    # sets, each proven by the report's verdict on verify_seeds seeds against fp32's (fp16's
+    # growth interval cut so its scale grows); tolerance as report.tolerance, null = the task's.
     repair: bool = False
-    # Sets of modules tried in the target precision at most (fp32's seeds not counted).
     max_trials: int = 6
-    # Each set tried, and fp32, trains this many seeds (seed, seed + 1, ...) of verify_steps;
-    # a set passes when the sweep report's paired verdict on them is "matches" (docs/sweeps.md).
     verify_seeds: int = 3
     verify_steps: int = 40
-    # fp16's precision.growth_interval in verification: short enough that the loss scale grows
-    # within verify_steps (at least twice this), so that late overflows are exercised.
     verify_growth_interval: int = 10
-    # The verdict's tolerance in the unit of the task's quality metric (report.tolerance's);
-    # null = the task's default (1% relative eval loss for language models).
     tolerance: float | None = None
 
 
