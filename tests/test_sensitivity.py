@@ -279,6 +279,21 @@ def test_resume_auto_on_a_finished_repair_has_nothing_to_do_and_refuses_another_
         run_sensitivity(other, out)
 
 
+def test_a_search_that_ran_out_of_trials_goes_on_from_them_with_a_larger_max_trials(
+    compose_cfg, tmp_path
+) -> None:
+    """Caught: "raise it to search further" refused on resume, or every trial run again."""
+    first = attention_report(compose_cfg, tmp_path, *REPAIR[1:], "sensitivity.max_trials=1")
+    assert first["repair"]["keep_fp32"] is None and "raise it" in first["repair"]["conclusion"]
+    recorded = tmp_path / "verify" / "trial_01" / "trial.json"
+    written = recorded.stat().st_mtime_ns
+    report = attention_report(compose_cfg, tmp_path, *REPAIR[1:], "resume=auto")
+    repair = report["repair"]
+    assert repair["keep_fp32"] == ["attn.core"] and repair["verified"] is True
+    assert [trial["verdict"] for trial in repair["trials"]] == ["unstable", "matches"]
+    assert recorded.stat().st_mtime_ns == written  # replayed, not run again
+
+
 def test_attention_written_as_a_plain_function_blames_the_module_that_calls_it(
     compose_cfg, tmp_path
 ) -> None:

@@ -24,7 +24,7 @@ from amp_exp.results.files import SENSITIVITY_JSON
 from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.sensitivity.measure import measure_precision, ranking
 from amp_exp.sensitivity.reference import capture_reference
-from amp_exp.sensitivity.repair import changed_keys, repair
+from amp_exp.sensitivity.repair import RESUMABLE, changed_keys, repair
 from amp_exp.sensitivity.results import (
     REPAIR_JSON,
     describe_ranking,
@@ -42,10 +42,6 @@ from amp_exp.training.rng import seed_everything
 log = logging.getLogger("amp_exp")
 
 
-# What a resume may change of a finished sensitivity: whether to repair it, and how much to show.
-RESUMABLE_CHANGES = ("config.sensitivity.repair", "config.sensitivity.show")
-
-
 def finished_before(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     """With ``resume=auto``, the results ``output_dir`` holds when nothing is left to do there;
     None when there is (a fresh start, or a repair to run or to continue)."""
@@ -59,7 +55,7 @@ def finished_before(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         return None
     report = json.loads(saved.read_text())
     changed = changed_keys(
-        {"config": report.get("config")}, {"config": plain_run_config(cfg)}, RESUMABLE_CHANGES
+        {"config": report.get("config")}, {"config": plain_run_config(cfg)}, RESUMABLE
     )
     if changed:
         raise RunRefused(
@@ -68,8 +64,11 @@ def finished_before(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "own directory (hydra.run.dir=...)"
         )
     repaired = output_dir / REPAIR_JSON
-    if cfg.sensitivity.repair and not repaired.is_file():
-        return None
+    searched = report["config"]["sensitivity"]["max_trials"]
+    if cfg.sensitivity.repair and (
+        not repaired.is_file() or cfg.sensitivity.max_trials != searched
+    ):
+        return None  # a repair to run, to continue, or to take further than it went
     if repaired.is_file():
         report["repair"] = json.loads(repaired.read_text())
     log.info(

@@ -44,8 +44,14 @@ from amp_exp.training.keep_fp32 import is_within, outermost
 log = logging.getLogger("amp_exp")
 VERIFY_DIR = "verify"
 REFERENCE_DIR = "fp32"
-# What a search was started with; a resume must ask for the same.
+# What a search was started with; a resume must ask for the same, but for RESUMABLE.
 SEARCH_FILE = "search.json"
+# What a resume may change: whether to repair, how much to show, and how far to search.
+RESUMABLE = (
+    "config.sensitivity.repair",
+    "config.sensitivity.show",
+    "config.sensitivity.max_trials",
+)
 # Above this share of the FLOPs in fp32, a precision has not been made to train, fp32 has.
 MOST_FLOPS = 0.5
 # The next precision up: fp32's range with more bits than fp8, or than fp16; fp32 for the rest.
@@ -91,7 +97,7 @@ class Search:
                 verdict = "passed" if found.passed else "failed"
                 log.info("repair trial %d (recorded before): %s: %s", number, verdict, found.why)
             return found.passed
-        if self.trials_left == 0:
+        if self.trials_left <= 0:
             return None
         number = len(self.trials) + 1
         log.info(
@@ -138,7 +144,10 @@ def search(run: Search, given: list[str], candidates: list[str]) -> tuple[list[s
             )
         size *= 2
     if found is None:
-        return None, "no passing set within sensitivity.max_trials; raise it to search further"
+        return None, (
+            "no passing set within sensitivity.max_trials; raise it to search further "
+            "(with resume=auto, from these trials on)"
+        )
     # Least sensitive first: the likeliest to be unneeded.
     for name in [n for n in reversed(candidates) if n in found and n not in given]:
         fewer = [kept for kept in found if kept != name]
@@ -176,7 +185,7 @@ def start_search(cfg: RunConfig, verify_dir: Path, plan: dict[str, Any]) -> None
     path = verify_dir / SEARCH_FILE
     if cfg.resume == "auto" and path.is_file():
         recorded = json.loads(path.read_text())
-        changed = changed_keys(recorded, plan)
+        changed = changed_keys(recorded, plan, RESUMABLE)
         if changed:
             raise RunRefused(
                 f"resume=auto: {verify_dir} holds a repair search of another configuration "
@@ -254,7 +263,7 @@ def repair(
         conclusion = (
             f"no set was verified: the {precision.value} runs of the last set tried train, but "
             f"the verdict on them is {final.verdict}, not matches (see why)"
-        ) + ("; raise sensitivity.max_trials to search further" if run.trials_left == 0 else "")
+        ) + ("; raise sensitivity.max_trials to search further" if run.trials_left <= 0 else "")
     # A sliver's override is in repair.json; the line recommends the precision instead.
     shown = f": {override_line(keep)}" if keep and not sliver else ""
     log.info("repair: %s%s", conclusion, shown)
