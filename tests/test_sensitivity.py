@@ -593,6 +593,13 @@ def test_sigterm_during_a_repair_trial_exits_143_and_resume_auto_gives_the_same_
     assert json.loads((run_dir / "verify" / "trial_01" / "trial.json").read_text())["verdict"] == (
         "unstable"
     )
+    # Run again as it was, it is refused in one line that says how to continue, writing nothing.
+    before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
+    again = python_m("amp_exp.sensitivity", *args, cwd=tmp_path, env=with_helpers())
+    assert again.returncode == 2
+    refusal = again.stderr.strip().splitlines()[-1]
+    assert "continue them with resume=auto, or pass --force" in refusal
+    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before
     resumed = python_m(
         "amp_exp.sensitivity", *args, "resume=auto", cwd=tmp_path, env=with_helpers()
     )

@@ -116,9 +116,11 @@ def take_force_flag(argv: list[str]) -> tuple[list[str], bool]:
     return [a for a in argv if a != FORCE_FLAG], FORCE_FLAG in argv
 
 
-def refusal(command: str, directory: Path, force: bool, resumes: bool = False) -> str | None:
-    """Why ``command`` may not write its results into ``directory``, or None. ``resumes``: the
-    command continues its own results (``resume=auto`` for a command that can)."""
+def refusal(
+    command: str, directory: Path, force: bool, resumable: bool = False, resumes: bool = False
+) -> str | None:
+    """Why ``command`` may not write its results into ``directory``, or None. ``resumable``: the
+    command can continue its own results, and ``resumes``: it was asked to (``resume=auto``)."""
     finished = finished_results(directory)
     others = [held for owner, held in finished.items() if owner != command]
     if others:
@@ -129,14 +131,20 @@ def refusal(command: str, directory: Path, force: bool, resumes: bool = False) -
     if command in finished and not (force or resumes):
         return (
             f"{directory} holds {finished[command]}; they stay as they are: give this one its "
-            f"own directory (hydra.run.dir=...), or pass {FORCE_FLAG} to replace them"
+            f"own directory (hydra.run.dir=...), "
+            f"{'continue them with resume=auto, ' if resumable else ''}or pass {FORCE_FLAG} to "
+            "replace them"
         )
     return None
 
 
 @contextlib.contextmanager
 def claim_directory(
-    command: str, directory: Path, force: bool = False, resumes: bool = False
+    command: str,
+    directory: Path,
+    force: bool = False,
+    resumable: bool = False,
+    resumes: bool = False,
 ) -> Iterator[None]:
     """Hold ``directory`` for ``command`` while the block runs, once ``refusal`` allows it; a
     refused or busy directory raises (exit 2), a full one exit 4, with nothing in it created or
@@ -144,7 +152,7 @@ def claim_directory(
     directory = directory.expanduser().resolve()
 
     def check() -> None:
-        why = refusal(command, directory, force, resumes)
+        why = refusal(command, directory, force, resumable, resumes)
         if why is not None:
             raise RunRefused(why)
 
@@ -180,7 +188,8 @@ def start(
             hydra_main()
             return
         resumes = resumable and launch.jobs[0].resume == "auto"
-        with claim_directory(command, Path(launch.output_dir.value), force, resumes):
+        output_dir = Path(launch.output_dir.value)
+        with claim_directory(command, output_dir, force, resumable, resumes):
             hydra_main()
 
     sys.exit(enter(command, body))
