@@ -5,6 +5,8 @@
     python scripts/gpu_bench.py --out outputs/gpu_bench --only modes  # bf16_true and fp8 alone
     python scripts/gpu_bench.py --smoke --out /tmp/smoke            # CPU, tiny models
 
+Without ``--smoke`` it needs a CUDA GPU, and says so in one line (exit 2) where there is none.
+
 Every cell is a real ``python -m amp_exp`` run (its own process, so compilation and cudnn
 autotuning start cold and peak memory is its own); the tables are read from each run's
 summary.json. Images: ResNet-50, 224x224, batch 256, in fp32 (as TF32, the baseline NVIDIA
@@ -14,6 +16,8 @@ synthetic tokens, batch 16 x 1024 tokens, AdamW, in fp32 (true IEEE, trainer.tf3
 bf16 and fp16, compile off and on: tokens/s, MFU against the GPU's dense peak, peak memory and
 speedup over fp32. Precision modes beyond autocast: bf16_true and fp8 in every recipe, compiled,
 on a wide MLP (precision_modes.json). ``--smoke`` runs the same code with tiny models on the CPU.
+Beside each workload's table, every cell against ``python -m amp_exp.predict``'s prediction of
+the same run on the same GPU, when the GPU is one it predicts (measured_vs_predicted.py).
 
 Published anchors: NVIDIA DeepLearningExamples ResNet-50 on 1x A100 runs 938 img/s in TF32 and
 2,470 img/s with AMP (2.63x), batch 256, channels_last. nanoGPT's GPT-2 124M reaches about 30%
@@ -29,6 +33,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from measured_vs_predicted import (
+    attach_predictions,
+    comparison_table,
+    paired_rows,
+    precision_of,
+)
+
+from amp_exp.config.devices import PREDICTABLE, find_device
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -103,6 +116,7 @@ def amp_exp(overrides: list[str], run_dir: Path) -> subprocess.CompletedProcess:
 def run_cell(overrides: list[str], cell: dict, run_dir: Path) -> dict:
     started = time.perf_counter()
     result = amp_exp(overrides, run_dir)
+    cell = {**cell, "overrides": overrides}
     if result.returncode != 0:
         return {**cell, "error": result.stderr.strip().splitlines()[-1][:200]}
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -216,6 +230,7 @@ def run_images(plan: dict, out: Path) -> tuple[list[dict], list[str]]:
         "",
         table(cells),
         "",
+        *against_prediction(cells, device, ("precision", ("channels_last", "compile")), out),
     ]
     parity = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_parity.py"), *plan["parity"]],
@@ -243,8 +258,61 @@ def run_lm(plan: dict, out: Path) -> tuple[list[dict], list[str]]:
         "",
         "MFU peaks: " + ("; ".join(peaks) if peaks else "none known for this device") + ".",
         "",
+        *against_prediction(cells, device, ("math", ("compile",)), out),
     ]
     return cells, markdown
+
+
+def predictor(key: str, out: Path):
+    """``python -m amp_exp.predict`` on a cell's overrides for device ``key``: predict.json's
+    rows by precision, or ``{"error": ...}``."""
+    calls = iter(range(10**6))
+
+    def predict(overrides: list[str]) -> dict:
+        run_dir = out / "predict" / str(next(calls))
+        result = run_module(
+            "amp_exp.predict",
+            *overrides,
+            f"predict.devices=[{key}]",
+            f"predict.precisions=[{precision_of(overrides)}]",
+            f"hydra.run.dir={run_dir}",
+        )
+        if result.returncode != 0:
+            return {"error": result.stderr.strip().splitlines()[-1][:200]}
+        found = json.loads((run_dir / "predict.json").read_text())
+        return found["devices"][key]["precisions"]
+
+    return predict
+
+
+def against_prediction(cells: list[dict], device: str, layout: tuple, out: Path) -> list[str]:
+    """The measured-against-predicted table of a workload's cells (each gets ``predicted``)."""
+    name, flags = layout
+    found = find_device(device)
+    if found is None or found.key not in PREDICTABLE:
+        return [
+            f"No prediction beside it: {device} is not one of the devices amp_exp.predict "
+            f"predicts ({', '.join(sorted(PREDICTABLE))}).",
+            "",
+        ]
+    attach_predictions(cells, predictor(found.key, out))
+    rate = "tokens_per_s" if name == "math" else "samples_per_s"
+    rows = paired_rows(cells, name, flags, rate)
+    return [comparison_table(rows, rate.removesuffix("_per_s"), found.label), ""]
+
+
+def find_gpu() -> str:
+    """The CUDA GPU's name; exits 2 in one line where there is none (nothing to measure)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "gpu_bench: no CUDA GPU here (torch.cuda.is_available() is false): it measures the "
+            "GPU it finds; run it on one, or pass --smoke to run its code with tiny models here",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    return torch.cuda.get_device_name()
 
 
 # --- precision modes beyond autocast: bf16_true and fp8 --------------------------------------
@@ -358,6 +426,8 @@ def main(argv: list[str] | None = None) -> None:
         "--only", choices=("images", "lm", "modes"), help="run one part: a workload, or the modes"
     )
     args = parser.parse_args(argv)
+    if not args.smoke:
+        print(f"gpu_bench: measuring on {find_gpu()}", flush=True)
     plan = SMOKE if args.smoke else FULL
     args.out.mkdir(parents=True, exist_ok=True)
     results, markdown = {}, []

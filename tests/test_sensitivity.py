@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,8 @@ import torch
 
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
-from amp_exp.errors import ConfigError
+from amp_exp.errors import ConfigError, RunRefused
+from amp_exp.report.verdicts import VERDICT_WORDS
 from amp_exp.sensitivity.command import run_sensitivity
 from amp_exp.sensitivity.measure import RangeShare, Sqnr, rounded
 from amp_exp.sensitivity.reference import true_fp32
@@ -33,14 +38,18 @@ PLANTED = [
     "dataset.batch_size=16",
     "precision=fp16",
 ]
-# Short verification runs; an fp16 run that skips 4 steps in a row has collapsed.
+# Short verification runs (3 seeds each, the default) in which fp16's loss scale grows; an fp16
+# run that skips 4 steps in a row has collapsed.
 REPAIR = [
     "sensitivity.precisions=[fp16,bf16]",
     "sensitivity.repair=true",
     "sensitivity.verify_steps=8",
+    "sensitivity.verify_growth_interval=4",
     "trainer.log_every=4",
     "precision.max_consecutive_skips=4",
 ]
+# 64 eval examples: one is 1.6 points, so 3 seeds can match only at a tolerance of 4 points.
+PLANTED_TOLERANCE = "sensitivity.tolerance=5"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +57,7 @@ def repaired(tmp_path_factory) -> tuple[Path, dict]:
     """The command on the planted model, ranked in fp16 and bf16 and repaired for fp16."""
     register_configs()
     out = tmp_path_factory.mktemp("sensitivity")
-    report = run_sensitivity(validate(composed((*FAST, *PLANTED, *REPAIR))), out)
+    report = run_sensitivity(validate(composed((*FAST, *PLANTED, *REPAIR, PLANTED_TOLERANCE))), out)
     return out, report
 
 
@@ -96,16 +105,19 @@ def test_repair_keeps_the_planted_layer_and_proves_it_where_the_unrepaired_run_c
     assert repair["verified"] is False and repair["recommended_precision"] == "bf16"
     assert repair["conclusion"].startswith("fp16 does not train here beyond a sliver of the model")
     unrepaired, *_, passing = repair["trials"]
-    assert unrepaired["keep_fp32"] == [] and unrepaired["status"] == "numerical_fault"
+    assert unrepaired["keep_fp32"] == [] and unrepaired["verdict"] == "unstable"
+    assert unrepaired["seeds"][0]["status"] == "numerical_fault"
     assert "loss scaling collapsed" in unrepaired["why"]
+    # The report's verdict on accuracy, in points, on every seed: the set matches fp32.
     assert passing["passed"] and passing["keep_fp32"] == repair["keep_fp32"]
-    assert (passing["status"], passing["skipped_steps"]) == ("completed", 0)
-    summary = json.loads((Path(passing["run_dir"]) / "summary.json").read_text())
+    assert passing["verdict"] == repair["verdict"] == "matches"
+    assert passing["tolerance"] == {"metric": "eval_acc", "unit": "points", "value": 5.0}
+    assert [seed["status"] for seed in passing["seeds"]] == ["completed"] * 3
+    summary = json.loads((Path(passing["seeds"][0]["run_dir"]) / "summary.json").read_text())
     assert summary["keep_fp32_modules"] == repair["keep_fp32"]
-    assert summary["precision"] == "fp16" and summary["skipped_steps"] == 0
+    assert summary["precision"] == "fp16" and summary["config"]["precision"]["growth_interval"] == 4
     fp32 = repair["reference"]
-    assert fp32["precision"] == "fp32" and fp32["status"] == "completed"
-    assert abs(passing["final_loss"] - fp32["final_loss"]) <= 0.05 * fp32["final_loss"]
+    assert fp32["precision"] == "fp32" and fp32["passed"] and len(fp32["seeds"]) == 3
 
 
 def test_modules_kept_in_fp32_show_no_error(run_cfg, tmp_path) -> None:
@@ -192,14 +204,93 @@ def test_a_parameter_free_attention_core_that_overflows_fp16_ranks_first_named_b
     assert report["reference"]["tf32"] is False
 
 
-def test_repair_keeps_the_attention_core_not_the_linears_around_it(compose_cfg, tmp_path) -> None:
-    report = attention_report(compose_cfg, tmp_path, *REPAIR[1:])
-    repair = report["repair"]
+@pytest.fixture(scope="module")
+def attention_repaired(tmp_path_factory) -> tuple[Path, dict]:
+    """The done-when repair, uninterrupted: the answer a resumed search must give."""
+    register_configs()
+    out = tmp_path_factory.mktemp("attention_repair")
+    report = run_sensitivity(validate(composed((*ATTENTION_LM, *REPAIR[1:]))), out)
+    return out, report
+
+
+def test_repair_keeps_the_attention_core_verified_by_the_reports_verdict_on_3_seeds(
+    attention_repaired,
+) -> None:
+    out, report = attention_repaired
+    repair = json.loads((out / "repair.json").read_text())
+    assert repair == json.loads(json.dumps(report["repair"]))
     assert repair["keep_fp32"] == ["attn.core"]
     assert repair["verified"] is True and repair["recommended_precision"] is None
     # The core's matmuls are a sixth of the model's: most of it stays in fp16.
     assert repair["low_precision_flop_share"] > 0.8
-    assert repair["trials"][0]["status"] == "numerical_fault"
+    # Verified by the report's paired verdict on eval loss, within its 1% tolerance, 3 seeds.
+    assert repair["verdict"] == "matches"
+    assert repair["why"].startswith("fp16 matches fp32: ") and "n = 3" in repair["why"]
+    criteria = repair["criteria"]
+    assert (criteria["seeds"], criteria["steps"], criteria["growth_interval"]) == ([0, 1, 2], 8, 4)
+    assert criteria["tolerance"] == {"metric": "eval_loss", "unit": "relative", "value": 0.01}
+    unrepaired, kept = repair["trials"]
+    # The overflowing set is unstable on its first seed; the rest cannot change that verdict.
+    assert unrepaired["verdict"] == "unstable" and len(unrepaired["seeds"]) == 1
+    assert unrepaired["seeds"][0]["status"] == "numerical_fault"
+    assert [seed["seed"] for seed in kept["seeds"]] == [0, 1, 2]
+    # The shortened growth interval made fp16's loss scale grow on every seed.
+    assert all(seed["scale_grew"] for seed in kept["seeds"])
+    assert all(seed["scale_grew"] is None for seed in repair["reference"]["seeds"])
+    # fp32's seeds were trained once, for both trials; each trial is recorded where it ran.
+    assert sorted(p.name for p in (out / "verify").iterdir()) == [
+        "fp32", "search.json", "trial_01", "trial_02",
+    ]  # fmt: skip
+    assert json.loads((out / "verify" / "trial_02" / "trial.json").read_text()) == kept
+
+
+def test_a_set_whose_runs_train_but_do_not_match_is_not_verified_and_says_why(
+    compose_cfg, tmp_path
+) -> None:
+    """Caught: a verdict by a loss gap within 5% of one fp32 run would call this verified."""
+    report = attention_report(
+        compose_cfg, tmp_path, *REPAIR[1:], "sensitivity.tolerance=1e-9", "sensitivity.max_trials=2"
+    )
+    repair = report["repair"]
+    assert repair["verified"] is False and repair["keep_fp32"] is None
+    kept = repair["trials"][1]
+    assert kept["keep_fp32"] == ["attn.core"] and not kept["passed"]
+    assert [seed["status"] for seed in kept["seeds"]] == ["completed"] * 3
+    assert repair["verdict"] == kept["verdict"] != "matches"
+    assert repair["why"].startswith(f"fp16 {VERDICT_WORDS[kept['verdict']]}")
+    assert repair["conclusion"] == (
+        f"no set was verified: the fp16 runs of the last set tried train, but the verdict on them "
+        f"is {kept['verdict']}, not matches (see why); raise sensitivity.max_trials to search "
+        "further"
+    )
+
+
+def test_resume_auto_on_a_finished_repair_has_nothing_to_do_and_refuses_another_config(
+    attention_repaired,
+) -> None:
+    out, report = attention_repaired
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    again = run_sensitivity(validate(composed((*ATTENTION_LM, *REPAIR[1:], "resume=auto"))), out)
+    assert again["repair"] == json.loads(json.dumps(report["repair"]))
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+    other = validate(composed((*ATTENTION_LM, *REPAIR[1:], "resume=auto", "seed=7")))
+    with pytest.raises(RunRefused, match=r"another configuration \(config.seed changed\)"):
+        run_sensitivity(other, out)
+
+
+def test_a_search_that_ran_out_of_trials_goes_on_from_them_with_a_larger_max_trials(
+    compose_cfg, tmp_path
+) -> None:
+    """Caught: "raise it to search further" refused on resume, or every trial run again."""
+    first = attention_report(compose_cfg, tmp_path, *REPAIR[1:], "sensitivity.max_trials=1")
+    assert first["repair"]["keep_fp32"] is None and "raise it" in first["repair"]["conclusion"]
+    recorded = tmp_path / "verify" / "trial_01" / "trial.json"
+    written = recorded.stat().st_mtime_ns
+    report = attention_report(compose_cfg, tmp_path, *REPAIR[1:], "resume=auto")
+    repair = report["repair"]
+    assert repair["keep_fp32"] == ["attn.core"] and repair["verified"] is True
+    assert [trial["verdict"] for trial in repair["trials"]] == ["unstable", "matches"]
+    assert recorded.stat().st_mtime_ns == written  # replayed, not run again
 
 
 def test_attention_written_as_a_plain_function_blames_the_module_that_calls_it(
@@ -372,6 +463,11 @@ def test_the_backward_overflow_names_the_last_modules_with_non_finite_gradients(
     [
         (["sensitivity.precisions=[bf16_true]"], "bf16_true is not ranked against fp32; valid"),
         (["sensitivity.batches=0"], "sensitivity.batches=0 must be positive"),
+        (["sensitivity.verify_seeds=1"], "one seed measures no noise, so no verdict can verify"),
+        (
+            ["sensitivity.verify_steps=10", "sensitivity.verify_growth_interval=6"],
+            "must be at least twice sensitivity.verify_growth_interval=6, so that fp16's loss",
+        ),
         (["sensitivity.precisions=[fp8]", "trainer.device=cpu"], "precision.emulate=true"),
     ],
 )
@@ -449,3 +545,67 @@ def test_an_fp16_numerical_fault_points_to_the_sensitivity_command(tmp_path) -> 
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert "python -m amp_exp.sensitivity" in summary["error"]
+
+
+def decisions(repair: dict) -> list:
+    """What a repair concluded and on which evidence, without where its files lie."""
+    return [
+        repair["keep_fp32"],
+        repair["verified"],
+        repair["verdict"],
+        [
+            (trial["keep_fp32"], trial["verdict"], [seed["seed"] for seed in trial["seeds"]])
+            for trial in repair["trials"]
+        ],
+    ]
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_repair_trial_exits_143_and_resume_auto_gives_the_same_answer(
+    attention_repaired, tmp_path
+) -> None:
+    """Caught before: SIGTERM counted as a failed trial, the search went on, and no search could
+    be continued."""
+    _, uninterrupted = attention_repaired
+    run_dir = tmp_path / "repair"
+    args = [*ATTENTION_LM, *REPAIR[1:], f"hydra.run.dir={run_dir}"]
+    started = subprocess.Popen(
+        [sys.executable, "-m", "amp_exp.sensitivity", *args],
+        cwd=tmp_path,
+        env=with_helpers(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    kept = run_dir / "verify" / "trial_02"
+    deadline = time.monotonic() + 300
+    # The first seed of the set that passes has begun: two more are to come.
+    while not (kept / "seed_0").exists() and started.poll() is None:
+        assert time.monotonic() < deadline, "the repair never reached its second trial"
+        time.sleep(0.02)
+    started.send_signal(signal.SIGTERM)
+    _, stderr = started.communicate(timeout=300)
+    assert started.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "amp_exp.sensitivity: stopped by SIGTERM"
+    # The interrupted trial is not recorded, as a failure or otherwise; the finished one is.
+    assert not (kept / "trial.json").exists() and not (run_dir / "repair.json").exists()
+    assert json.loads((run_dir / "verify" / "trial_01" / "trial.json").read_text())["verdict"] == (
+        "unstable"
+    )
+    # Run again as it was, it is refused in one line that says how to continue, writing nothing.
+    before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
+    again = python_m("amp_exp.sensitivity", *args, cwd=tmp_path, env=with_helpers())
+    assert again.returncode == 2
+    refusal = again.stderr.strip().splitlines()[-1]
+    assert "continue them with resume=auto, or pass --force" in refusal
+    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before
+    resumed = python_m(
+        "amp_exp.sensitivity", *args, "resume=auto", cwd=tmp_path, env=with_helpers()
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "repair trial 1 (recorded before): failed: fp16 is unstable" in resumed.stdout
+    repair = json.loads((run_dir / "repair.json").read_text())
+    assert decisions(repair) == decisions(uninterrupted["repair"])
+    qualities = [seed["quality"] for seed in repair["trials"][1]["seeds"]]
+    expected = [seed["quality"] for seed in uninterrupted["repair"]["trials"][1]["seeds"]]
+    assert qualities == pytest.approx(expected, rel=1e-5)

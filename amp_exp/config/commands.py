@@ -27,6 +27,8 @@ SPEED_WARMUP_WINDOW = 5
 # The fewest rounds for the speedup's t interval to be of any use (t(0.975, 5) = 2.57; at 4
 # rounds it is 3.18).
 MIN_SPEED_ROUNDS = 6
+# The fewest seeds whose paired differences give the verdict rule an interval.
+MIN_VERIFY_SEEDS = 2
 
 
 def rankable() -> list[str]:
@@ -53,11 +55,25 @@ def validate_sensitivity(
     sensitivity: SensitivityConfig, precision: PrecisionConfig, trainer: TrainerConfig
 ) -> None:
     """Raise ``ConfigError`` on the first sensitivity value that cannot run."""
-    for name in ("batches", "show", "max_trials", "verify_steps"):
+    for name in ("batches", "show", "max_trials", "verify_steps", "verify_growth_interval"):
         value = getattr(sensitivity, name)
         require(value > 0, f"sensitivity.{name}={value} must be positive")
-    require(sensitivity.max_skipped_steps >= 0, "sensitivity.max_skipped_steps must be 0 or more")
-    require(sensitivity.loss_tolerance > 0, "sensitivity.loss_tolerance must be positive")
+    # One seed measures no noise: the verdict rule gives single_seed, never matches.
+    require(
+        sensitivity.verify_seeds >= MIN_VERIFY_SEEDS,
+        f"sensitivity.verify_seeds={sensitivity.verify_seeds} must be {MIN_VERIFY_SEEDS} or more: "
+        "one seed measures no noise, so no verdict can verify a repair",
+    )
+    require(
+        sensitivity.verify_steps >= 2 * sensitivity.verify_growth_interval,
+        f"sensitivity.verify_steps={sensitivity.verify_steps} must be at least twice "
+        f"sensitivity.verify_growth_interval={sensitivity.verify_growth_interval}, so that fp16's "
+        "loss scale grows within a verification run",
+    )
+    require(
+        sensitivity.tolerance is None or sensitivity.tolerance > 0,
+        f"sensitivity.tolerance={sensitivity.tolerance} must be positive (or null: the task's)",
+    )
     if precision._target_ is not None:
         register(precision._target_)
     for chosen in target_precisions(sensitivity, precision.name):

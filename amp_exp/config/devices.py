@@ -9,6 +9,7 @@ the precision table: it imports no torch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -121,3 +122,15 @@ DEVICES: tuple[Device, ...] = (
 )
 
 PREDICTABLE = {device.key: device for device in DEVICES if device.key is not None}
+
+
+def find_device(device_name: str) -> Device | None:
+    """The table's entry for ``torch.cuda.get_device_name()``'s name, or None."""
+    return next(
+        (
+            device
+            for device in DEVICES
+            if all(re.search(rf"\b{re.escape(w)}\b", device_name, re.I) for w in device.words)
+        ),
+        None,
+    )

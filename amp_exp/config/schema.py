@@ -299,21 +299,20 @@ class ReportConfig:
 class SensitivityConfig:
     """python -m amp_exp.sensitivity's settings (rules: config/commands.py); runs ignore them."""
 
-    # The precisions to rank modules for (fp16, bf16, fp8); null = precision= when it is one
-    # of those, else fp16 and bf16. Repair targets the first.
+    # The precisions ranked (fp16, bf16, fp8); null = precision= if one of those, else fp16, bf16.
     precisions: list[str] | None = None
     # Training batches measured, each against its own fp32 reference; modules listed per precision.
     batches: int = 2
     show: int = 10
-    # Search for modules to keep in fp32 until a short run in the first precision trains.
+    # Search for modules to keep in fp32 until the first precision trains: at most max_trials
+    # sets, each proven by the report's verdict on verify_seeds seeds against fp32's (fp16's
+    # growth interval cut so its scale grows); tolerance as report.tolerance, null = the task's.
     repair: bool = False
-    # Verification runs in the target precision at most (fp32's not counted), and their steps.
     max_trials: int = 6
+    verify_seeds: int = 3
     verify_steps: int = 40
-    # A verification run passes with at most this many skipped steps, no scale collapse, and a
-    # final loss within loss_tolerance (relative) of fp32's at the same step.
-    max_skipped_steps: int = 2
-    loss_tolerance: float = 0.05
+    verify_growth_interval: int = 10
+    tolerance: float | None = None
 
 
 @dataclass

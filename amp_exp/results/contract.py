@@ -116,8 +116,11 @@ def take_force_flag(argv: list[str]) -> tuple[list[str], bool]:
     return [a for a in argv if a != FORCE_FLAG], FORCE_FLAG in argv
 
 
-def refusal(command: str, directory: Path, force: bool) -> str | None:
-    """Why ``command`` may not write its results into ``directory``, or None."""
+def refusal(
+    command: str, directory: Path, force: bool, resumable: bool = False, resumes: bool = False
+) -> str | None:
+    """Why ``command`` may not write its results into ``directory``, or None. ``resumable``: the
+    command can continue its own results, and ``resumes``: it was asked to (``resume=auto``)."""
     finished = finished_results(directory)
     others = [held for owner, held in finished.items() if owner != command]
     if others:
@@ -125,23 +128,31 @@ def refusal(command: str, directory: Path, force: bool) -> str | None:
             f"{directory} holds {'; '.join(others)}; python -m {command} would mix its files "
             "with them: give it its own directory (hydra.run.dir=...)"
         )
-    if command in finished and not force:
+    if command in finished and not (force or resumes):
         return (
             f"{directory} holds {finished[command]}; they stay as they are: give this one its "
-            f"own directory (hydra.run.dir=...), or pass {FORCE_FLAG} to replace them"
+            f"own directory (hydra.run.dir=...), "
+            f"{'continue them with resume=auto, ' if resumable else ''}or pass {FORCE_FLAG} to "
+            "replace them"
         )
     return None
 
 
 @contextlib.contextmanager
-def claim_directory(command: str, directory: Path, force: bool = False) -> Iterator[None]:
+def claim_directory(
+    command: str,
+    directory: Path,
+    force: bool = False,
+    resumable: bool = False,
+    resumes: bool = False,
+) -> Iterator[None]:
     """Hold ``directory`` for ``command`` while the block runs, once ``refusal`` allows it; a
     refused or busy directory raises (exit 2), a full one exit 4, with nothing in it created or
     changed."""
     directory = directory.expanduser().resolve()
 
     def check() -> None:
-        why = refusal(command, directory, force)
+        why = refusal(command, directory, force, resumable, resumes)
         if why is not None:
             raise RunRefused(why)
 
@@ -156,11 +167,14 @@ def start(
     entry_overrides: Sequence[str],
     multirun_refusal: str,
     single_process: str | None = None,
+    resumable: bool = False,
 ) -> NoReturn:
     """``python -m <command> [--force] [overrides]`` for a command that Hydra composes as a run:
     its command line checked before Hydra starts (``multirun_refusal`` is what ``-m`` is told,
     ``single_process``, when given, what a torchrun launch is told), its run directory claimed,
-    then ``hydra_main``. ``entry_overrides`` go ahead of the user's, who may override them."""
+    then ``hydra_main``. ``entry_overrides`` go ahead of the user's, who may override them. A
+    ``resumable`` command given ``resume=auto`` may go on in a directory holding its own results
+    (it decides what is left to do there)."""
 
     def body() -> None:
         argv, force = take_force_flag(sys.argv[1:])
@@ -173,7 +187,9 @@ def start(
         if launch is None or not launch.output_dir.resolved:  # --help, --cfg: nothing is written
             hydra_main()
             return
-        with claim_directory(command, Path(launch.output_dir.value), force):
+        resumes = resumable and launch.jobs[0].resume == "auto"
+        output_dir = Path(launch.output_dir.value)
+        with claim_directory(command, output_dir, force, resumable, resumes):
             hydra_main()
 
     sys.exit(enter(command, body))

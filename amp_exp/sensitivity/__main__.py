@@ -3,7 +3,8 @@
 The same overrides as a run (``python -m amp_exp``), composed by Hydra from the same conf/ and
 checked by the same pre-flight, plus ``sensitivity.*`` (config/commands.py). Its Hydra run
 directory lies under outputs/sensitivity/ unless ``hydra.run.dir`` says otherwise; exit statuses
-are a run's (2 config, 3 numerical, 4 runtime).
+are a run's (2 config, 3 numerical, 4 runtime, 128 + N after signal N). ``resume=auto`` in the
+same directory continues an interrupted repair.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def main() -> None:
         multirun_refusal="the sensitivity command measures one configuration; drop -m and run it "
         "once per configuration",
         single_process="the sensitivity command runs in one process; start it without torchrun",
+        # An interrupted repair goes on from its recorded trials (sensitivity/repair.py).
+        resumable=True,
     )
 
 

@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from amp_exp.config.commands import target_precisions
+from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
+from amp_exp.errors import ConfigError, RunRefused
+from amp_exp.results.files import SENSITIVITY_JSON
 from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.sensitivity.measure import measure_precision, ranking
 from amp_exp.sensitivity.reference import capture_reference
-from amp_exp.sensitivity.repair import repair
+from amp_exp.sensitivity.repair import RESUMABLE, changed_keys, repair
 from amp_exp.sensitivity.results import (
+    REPAIR_JSON,
     describe_ranking,
     sensitivity_report,
     write_repair,
@@ -37,10 +42,51 @@ from amp_exp.training.rng import seed_everything
 log = logging.getLogger("amp_exp")
 
 
+def finished_before(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
+    """With ``resume=auto``, the results ``output_dir`` holds when nothing is left to do there;
+    None when there is (a fresh start, or a repair to run or to continue)."""
+    if cfg.resume not in (None, "auto"):
+        raise ConfigError(
+            f"resume={cfg.resume}: the sensitivity command continues only its own directory; "
+            "run it there with resume=auto"
+        )
+    saved = output_dir / SENSITIVITY_JSON
+    if cfg.resume is None or not saved.is_file():
+        return None
+    report = json.loads(saved.read_text())
+    changed = changed_keys(
+        {"config": report.get("config")}, {"config": plain_run_config(cfg)}, RESUMABLE
+    )
+    if changed:
+        raise RunRefused(
+            f"resume=auto: {output_dir} holds the sensitivity of another configuration "
+            f"({', '.join(changed)} changed); resume it with its values, or give this one its "
+            "own directory (hydra.run.dir=...)"
+        )
+    repaired = output_dir / REPAIR_JSON
+    searched = report["config"]["sensitivity"]["max_trials"]
+    if cfg.sensitivity.repair and (
+        not repaired.is_file() or cfg.sensitivity.max_trials != searched
+    ):
+        return None  # a repair to run, to continue, or to take further than it went
+    if repaired.is_file():
+        report["repair"] = json.loads(repaired.read_text())
+    log.info(
+        "resume=auto: %s holds this sensitivity%s, finished; nothing to do, its results stay as "
+        "they are",
+        output_dir,
+        " and its repair" if repaired.is_file() else "",
+    )
+    return report
+
+
 def run_sensitivity(cfg: RunConfig, output_dir: Path) -> dict[str, Any]:
     """Measure and rank, write sensitivity.json/.md and the chart into ``output_dir``; with
     ``sensitivity.repair`` also search for the modules to keep in fp32 (repair.json)."""
     settings = cfg.sensitivity
+    finished = finished_before(cfg, output_dir)
+    if finished is not None:
+        return finished
     precisions = target_precisions(settings, cfg.precision.name)
     device = resolve_device(cfg.trainer.device)
     for precision in precisions:

@@ -1,132 +1,60 @@
 """The repair search: which modules to keep in fp32 so that a precision trains, proven by runs.
 
-Each candidate set is verified by a short training run in the target precision (``run.train``,
-the same engine as any run, in its own directory under ``verify/``), against one fp32 run of the
-same steps. A run passes when it completes without a loss-scale collapse (NumericalFault), skips
-at most ``sensitivity.max_skipped_steps`` steps, and ends with a loss within
-``sensitivity.loss_tolerance`` (relative) of fp32's over the same last log interval.
+Each candidate set is a trial: ``sensitivity.verify_seeds`` seeds in the target precision,
+judged against the same seeds of fp32 (trained once, shared by every trial) by the sweep
+report's paired verdict (sensitivity/verify.py). A set passes only on ``matches``.
 
 The search: the modules as given first (``precision.keep_fp32``, possibly none); then the
-ranking's most sensitive 1, 2, 4, ... modules added until a run passes; then each added module,
-least sensitive first, taken out again if the run still passes without it. At most
-``sensitivity.max_trials`` runs in the target precision; a set already tried is not run again.
-If every ranked module kept in fp32 still fails, the search stops and says so.
+ranking's most sensitive 1, 2, 4, ... modules added until a set passes; then each added module,
+least sensitive first, taken out again only if the set without it passes too (the same
+evidence). At most ``sensitivity.max_trials`` trials; a set already tried is not run again. If
+every ranked module kept in fp32 still fails, the search stops and says so.
+
+It stops and resumes like a run. A signal stops it after the current step of the current seed
+(its handler is the run's: runtime/signals.py; the command exits 128 + N), and the interrupted
+trial is not recorded, so never counted. ``resume=auto`` in the same directory replays the
+recorded trials (``trial.json``, written atomically as each finishes), reads the seeds that
+completed, and runs on from the interrupted trial: the search is deterministic given the
+trials' outcomes, so it ends where an uninterrupted one would.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-import math
-from dataclasses import dataclass
+import shutil
 from pathlib import Path
 from typing import Any
 
+from amp_exp.config.plain import flatten_config, plain_run_config
 from amp_exp.config.precisions import REFERENCE, spec_of
-from amp_exp.config.schema import RunConfig, WandbMode
-from amp_exp.errors import NumericalFault
-from amp_exp.results.files import METRICS_FILE
-from amp_exp.run import train
+from amp_exp.config.schema import RunConfig
+from amp_exp.errors import RunRefused
+from amp_exp.report.stats import Verdict
+from amp_exp.results.files import write_json
 from amp_exp.sensitivity.reference import Reference
+from amp_exp.sensitivity.verify import (
+    Trial,
+    judge,
+    judge_reference,
+    train_seeds,
+    verify_seeds,
+)
 from amp_exp.training.keep_fp32 import is_within, outermost
 
 log = logging.getLogger("amp_exp")
 VERIFY_DIR = "verify"
+REFERENCE_DIR = "fp32"
+# What a search was started with; a resume must ask for the same, but for RESUMABLE.
+SEARCH_FILE = "search.json"
+# What a resume may change: whether to repair, how much to show, and how far to search.
+RESUMABLE = (
+    "config.sensitivity.repair",
+    "config.sensitivity.show",
+    "config.sensitivity.max_trials",
+)
 # Above this share of the FLOPs in fp32, a precision has not been made to train, fp32 has.
 MOST_FLOPS = 0.5
-
-
-@dataclass
-class Trial:
-    """One verification run and its verdict."""
-
-    precision: str
-    keep_fp32: list[str]
-    run_dir: str
-    status: str
-    final_loss: float | None = None
-    skipped_steps: int | None = None
-    loss_scale: float | None = None
-    passed: bool = False
-    why: str = ""
-
-
-def verification_config(cfg: RunConfig, precision: str, keep: list[str]) -> RunConfig:
-    """``cfg`` as a short, quiet run: no W&B, no checkpoints, no evaluation, no resume."""
-    run = copy.deepcopy(cfg)
-    run.precision.name = precision
-    run.precision.keep_fp32 = list(keep)
-    steps = cfg.sensitivity.verify_steps
-    run.trainer.max_steps, run.trainer.epochs = steps, None
-    run.trainer.log_every = min(run.trainer.log_every, steps)
-    run.trainer.eval_every = None
-    run.checkpoint.every_steps = None
-    run.diagnostics.underflow_every = 0
-    run.wandb.mode = WandbMode.disabled
-    run.resume = None
-    return run
-
-
-def last_train_row(run_dir: Path) -> dict[str, Any]:
-    """The newest train row of a run that stopped before writing its summary."""
-    path = run_dir / METRICS_FILE
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return next((row for row in reversed(rows) if row.get("kind") == "train"), {})
-
-
-def verify(cfg: RunConfig, precision: str, keep: list[str], run_dir: Path) -> Trial:
-    """One short run of ``cfg`` in ``precision`` with ``keep`` in fp32 (not yet judged)."""
-    try:
-        summary = train(verification_config(cfg, precision, keep), run_dir)
-    except NumericalFault as fault:
-        row = last_train_row(run_dir)
-        return Trial(
-            precision,
-            keep,
-            str(run_dir),
-            "numerical_fault",
-            skipped_steps=row.get("skipped_steps"),
-            loss_scale=row.get("scale"),
-            why=f"stopped: {fault}",
-        )
-    return Trial(
-        precision,
-        keep,
-        str(run_dir),
-        summary["status"],
-        summary["final_loss"],
-        summary["skipped_steps"],
-        summary["loss_scale"],
-    )
-
-
-def judge(trial: Trial, reference: Trial, cfg: RunConfig) -> Trial:
-    """Set ``trial.passed`` and say why, against the fp32 reference run."""
-    settings = cfg.sensitivity
-    if trial.status != "completed":
-        trial.why = trial.why or f"the run ended {trial.status}"
-        return trial
-    if trial.skipped_steps is not None and trial.skipped_steps > settings.max_skipped_steps:
-        trial.why = (
-            f"{trial.skipped_steps} skipped steps, more than sensitivity.max_skipped_steps="
-            f"{settings.max_skipped_steps}"
-        )
-        return trial
-    if trial.loss_scale is not None and trial.loss_scale < cfg.precision.min_scale:
-        trial.why = f"loss scale {trial.loss_scale:g} fell below precision.min_scale"
-        return trial
-    loss, expected = trial.final_loss, reference.final_loss
-    if loss is None or expected is None or not math.isfinite(loss):
-        trial.why = f"final loss {loss} is not a finite number"
-        return trial
-    gap = abs(loss - expected) / abs(expected)
-    trial.passed = gap <= settings.loss_tolerance
-    trial.why = (
-        f"final loss {loss:.4f} vs fp32 {expected:.4f} ({100 * gap:.1f}%, tolerance "
-        f"{100 * settings.loss_tolerance:g}%), {trial.skipped_steps} skipped steps"
-    )
-    return trial
 
 
 def override_line(keep: list[str]) -> str:
@@ -134,47 +62,57 @@ def override_line(keep: list[str]) -> str:
     return f"'precision.keep_fp32=[{','.join(keep)}]'"
 
 
+def trial_dir(verify_dir: Path, number: int) -> Path:
+    return verify_dir / f"trial_{number:02d}"
+
+
 class Search:
-    """The trials of one repair, memoized by the set kept, bounded by ``max_trials``."""
+    """The trials of one repair, memoized by the set kept, bounded by ``max_trials``; those a
+    resumed search finds recorded are replayed, not run again."""
 
     def __init__(self, cfg: RunConfig, precision: str, verify_dir: Path, reference: Trial) -> None:
         self.cfg, self.precision, self.verify_dir = cfg, precision, verify_dir
         self.reference = reference
         self.trials: list[Trial] = []
-        self.tried: dict[frozenset[str], Trial] = {}
+        while (found := Trial.load(trial_dir(verify_dir, len(self.trials) + 1))) is not None:
+            self.trials.append(found)
+        self.recorded, self.replayed = len(self.trials), set[int]()
+        self.tried: dict[frozenset[str], Trial] = {frozenset(t.keep_fp32): t for t in self.trials}
 
     @property
     def trials_left(self) -> int:
         return self.cfg.sensitivity.max_trials - len(self.trials)
 
     def passes(self, keep: list[str]) -> bool | None:
-        """Whether a run with ``keep`` in fp32 passes; None once no trial is left."""
+        """Whether the set ``keep`` in fp32 passes; None once no trial is left."""
         key = frozenset(keep)
         if key in self.tried:
-            return self.tried[key].passed
-        if self.trials_left == 0:
+            found = self.tried[key]
+            number = self.trials.index(found) + 1
+            if number <= self.recorded and number not in self.replayed:
+                self.replayed.add(number)
+                verdict = "passed" if found.passed else "failed"
+                log.info("repair trial %d (recorded before): %s: %s", number, verdict, found.why)
+            return found.passed
+        if self.trials_left <= 0:
             return None
         number = len(self.trials) + 1
         log.info(
-            "repair trial %d/%d: %s with %s",
+            "repair trial %d/%d: %s with %s, %d seeds",
             number,
             self.cfg.sensitivity.max_trials,
             self.precision,
             override_line(keep) if keep else "nothing kept in fp32",
+            self.cfg.sensitivity.verify_seeds,
         )
-        run_dir = self.verify_dir / f"trial_{number:02d}"
-        trial = judge(verify(self.cfg, self.precision, keep, run_dir), self.reference, self.cfg)
+        trial = train_seeds(self.cfg, self.precision, keep, trial_dir(self.verify_dir, number))
+        judge(trial, self.reference, self.cfg.sensitivity.tolerance)
+        trial.save()
         verdict = "passed" if trial.passed else "failed"
         log.info("repair trial %d: %s: %s", number, verdict, trial.why)
         self.trials.append(trial)
         self.tried[key] = trial
         return trial.passed
-
-
-def judge_reference(trial: Trial) -> Trial:
-    trial.passed = trial.status == "completed" and trial.final_loss is not None
-    trial.why = "the fp32 reference" if trial.passed else f"fp32 itself failed: {trial.why}"
-    return trial
 
 
 def search(run: Search, given: list[str], candidates: list[str]) -> tuple[list[str] | None, str]:
@@ -203,7 +141,10 @@ def search(run: Search, given: list[str], candidates: list[str]) -> tuple[list[s
             )
         size *= 2
     if found is None:
-        return None, "no passing set within sensitivity.max_trials; raise it to search further"
+        return None, (
+            "no passing set within sensitivity.max_trials; raise it to search further "
+            "(with resume=auto, from these trials on)"
+        )
     # Least sensitive first: the likeliest to be unneeded.
     for name in [n for n in reversed(candidates) if n in found and n not in given]:
         fewer = [kept for kept in found if kept != name]
@@ -237,6 +178,49 @@ def sliver_conclusion(precision: str, keep: list[str], kept_share: float | None)
     )
 
 
+def start_search(cfg: RunConfig, verify_dir: Path, plan: dict[str, Any]) -> None:
+    """Record what the search is asked (``plan``), or, resumed, check that it is what the
+    recorded search was asked: its trials answer only that."""
+    path = verify_dir / SEARCH_FILE
+    if cfg.resume == "auto" and path.is_file():
+        recorded = json.loads(path.read_text())
+        changed = changed_keys(recorded, plan, RESUMABLE)
+        if changed:
+            raise RunRefused(
+                f"resume=auto: {verify_dir} holds a repair search of another configuration "
+                f"({', '.join(changed)} changed); resume it with its values, or give this one "
+                "its own directory (hydra.run.dir=...)"
+            )
+        log.info("repair: resuming the search recorded in %s", verify_dir)
+        return
+    # Not resumed: --force said to replace what an earlier command left here.
+    shutil.rmtree(verify_dir, ignore_errors=True)
+    write_json(path, plan)
+
+
+def changed_keys(
+    recorded: dict[str, Any], plan: dict[str, Any], ignored: tuple[str, ...] = ()
+) -> list[str]:
+    """The flat keys whose values differ, but for ``resume`` (how to start, not what is asked)
+    and ``ignored``."""
+    old, new = flatten_config(recorded), flatten_config(plan)
+    skipped = {"config.resume", *ignored}
+    keys = [key for key in dict.fromkeys([*old, *new]) if key not in skipped]
+    return [key for key in keys if old.get(key) != new.get(key)]
+
+
+def fp32_reference(cfg: RunConfig, verify_dir: Path) -> Trial:
+    """fp32's seeds, trained once and shared by every trial (recorded like a trial)."""
+    recorded = Trial.load(verify_dir / REFERENCE_DIR)
+    if recorded is not None:
+        log.info("repair: the fp32 reference (recorded before): %s", recorded.why)
+        return recorded
+    log.info("repair: the fp32 reference, %d seeds", cfg.sensitivity.verify_seeds)
+    reference = judge_reference(train_seeds(cfg, REFERENCE, [], verify_dir / REFERENCE_DIR))
+    reference.save()
+    return reference
+
+
 def repair(
     cfg: RunConfig,
     precision: str,
@@ -246,37 +230,63 @@ def repair(
     output_dir: Path,
 ) -> dict[str, Any]:
     """repair.json's content. ``candidates``: the ranked modules, most sensitive first."""
+    settings = cfg.sensitivity
     log.info(
-        "repair: searching which modules keep %s training, at most %d runs of %d steps",
+        "repair: searching which modules keep %s training, at most %d trials of %d seeds x %d "
+        "steps (growth interval %d), each judged against fp32's seeds by the report's verdict",
         precision,
-        cfg.sensitivity.max_trials,
-        cfg.sensitivity.verify_steps,
+        settings.max_trials,
+        settings.verify_seeds,
+        settings.verify_steps,
+        settings.verify_growth_interval,
     )
     verify_dir = output_dir / VERIFY_DIR
-    log.info("repair: the fp32 reference run")
-    fp32 = judge_reference(verify(cfg, REFERENCE, [], verify_dir / "fp32"))
-    run = Search(cfg, precision, verify_dir, fp32)
+    plan = {
+        "config": plain_run_config(cfg),
+        "precision": precision,
+        "given": given,
+        "candidates": candidates,
+    }
+    start_search(cfg, verify_dir, plan)
+    run = Search(cfg, precision, verify_dir, fp32_reference(cfg, verify_dir))
     keep, conclusion = search(run, given, [name for name in candidates if name not in given])
     kept_share = reference.flop_share(keep or [])
     sliver = keep is not None and is_sliver(keep, kept_share, candidates)
     if sliver:
         conclusion = sliver_conclusion(precision, keep, kept_share)
+    # The evidence: the chosen set's trial, or, when none passed, the last one tried.
+    final = run.tried.get(frozenset(keep)) if keep is not None else None
+    final = final or (run.trials[-1] if run.trials else None)
+    if keep is None and final is not None and final.verdict != Verdict.unstable.value:
+        # The runs train: "nothing helps" would blame the model for what the evidence did not show.
+        conclusion = (
+            f"no set was verified: the {precision} runs of the last set tried train, but "
+            f"the verdict on them is {final.verdict}, not matches (see why)"
+        ) + ("; raise sensitivity.max_trials to search further" if run.trials_left <= 0 else "")
     # A sliver's override is in repair.json; the line recommends the precision instead.
     shown = f": {override_line(keep)}" if keep and not sliver else ""
     log.info("repair: %s%s", conclusion, shown)
+    if final is not None:
+        log.info("repair: the verdict: %s", final.why)
     return {
         "precision": precision,
-        # A set that keeps (nearly) everything in fp32 proves fp32 trains, not the precision.
+        # Only the report's matches on every seed verifies, and a set that keeps (nearly)
+        # everything in fp32 proves fp32 trains, not the precision.
         "verified": keep is not None and not sliver,
+        "verdict": None if final is None else final.verdict,
+        "why": run.reference.why if final is None else final.why,
         "recommended_precision": next_up(precision) if sliver else None,
         "keep_fp32": keep,
         "override": override_line(keep) if keep else None,
         "low_precision_flop_share": None if kept_share is None else 1 - kept_share,
         "conclusion": conclusion,
         "criteria": {
-            "verify_steps": cfg.sensitivity.verify_steps,
-            "max_skipped_steps": cfg.sensitivity.max_skipped_steps,
-            "loss_tolerance": cfg.sensitivity.loss_tolerance,
+            "rule": "the sweep report's paired verdict against fp32 is matches (docs/sweeps.md)",
+            "seeds": verify_seeds(cfg),
+            "steps": settings.verify_steps,
+            "growth_interval": settings.verify_growth_interval,
+            # As the verdict resolved it: sensitivity.tolerance, or the task's default.
+            "tolerance": None if final is None else final.tolerance,
             "min_scale": cfg.precision.min_scale,
         },
         "reference": vars(run.reference),

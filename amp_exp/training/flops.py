@@ -11,9 +11,7 @@ roofline prediction (amp_exp/predict/) reads too.
 
 from __future__ import annotations
 
-import re
-
-from amp_exp.config.devices import DEVICES
+from amp_exp.config.devices import find_device
 from amp_exp.config.precisions import spec_of
 
 
@@ -27,12 +25,12 @@ def peak_math(precision: str, tf32: bool) -> str:
 def peak_tflops(device_name: str, precision: str, tf32: bool) -> tuple[float | None, str | None]:
     """(dense peak TFLOP/s, which peak and where it comes from), or (None, None) if unknown."""
     math = peak_math(precision, tf32)
-    for device in DEVICES:
-        label, peaks, source = device.label, device.tflops, device.source
-        if all(re.search(rf"\b{re.escape(word)}\b", device_name, re.I) for word in device.words):
-            if math == "tf32" and "tf32" not in peaks:
-                math = "fp32"  # before Ampere, allow_tf32 changes nothing
-            if math not in peaks:
-                return None, None
-            return float(peaks[math]), f"{label} {math} dense {peaks[math]:g} TFLOP/s: {source}"
-    return None, None
+    device = find_device(device_name)
+    if device is None:
+        return None, None
+    label, peaks, source = device.label, device.tflops, device.source
+    if math == "tf32" and "tf32" not in peaks:
+        math = "fp32"  # before Ampere, allow_tf32 changes nothing
+    if math not in peaks:
+        return None, None
+    return float(peaks[math]), f"{label} {math} dense {peaks[math]:g} TFLOP/s: {source}"
