@@ -35,11 +35,7 @@ def wall_s(run_dir: Path, overrides: list[str]) -> float:
 def audit_share(overrides: list[str]) -> dict[str, float]:
     """The audited step's seconds beyond an ordinary step, over the run's: by the wall clock,
     and by the process's CPU time, which a busy neighbour disturbs far less."""
-    from hydra import compose, initialize_config_dir
-
-    from amp_exp.config.preflight import CONF_DIR
-    from amp_exp.config.store import register_configs
-    from amp_exp.config.validate import validate
+    from amp_exp.config.preflight import run_config
     from amp_exp.run import train
     from amp_exp.training.engine import Engine
 
@@ -53,9 +49,7 @@ def audit_share(overrides: list[str]) -> dict[str, float]:
         finally:
             steps.append((time.perf_counter() - wall, time.process_time() - cpu))
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = validate(compose("config", overrides=[*FIXED, *overrides]))
+    cfg = run_config([*FIXED, *overrides])
     cpu_started = time.process_time()
     Engine.train_step = timed
     try:

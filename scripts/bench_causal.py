@@ -33,11 +33,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
-    from hydra import compose, initialize_config_dir
-
-    from amp_exp.config.preflight import CONF_DIR
-    from amp_exp.config.store import register_configs
-    from amp_exp.config.validate import validate
+    from amp_exp.config.preflight import run_config
     from amp_exp.run import train
     from amp_exp.tasks import workload
 
@@ -49,9 +45,7 @@ def main() -> None:
         calls.append(call_args)
         seconds.append(timed(lambda: check(*call_args)))
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = validate(compose("config", overrides=[*FIXED, *args.overrides]))
+    cfg = run_config([*FIXED, *args.overrides])
     workload.check_causal = recorded
     try:
         with tempfile.TemporaryDirectory() as tmp:

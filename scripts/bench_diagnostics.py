@@ -43,12 +43,8 @@ def hook_share(overrides: list[str]) -> dict[str, float]:
     """Seconds inside the diagnostics hooks over seconds of training, in this process."""
     import time
 
-    from hydra import compose, initialize_config_dir
-
     import amp_exp.training.diagnostics
-    from amp_exp.config.preflight import CONF_DIR
-    from amp_exp.config.store import register_configs
-    from amp_exp.config.validate import validate
+    from amp_exp.config.preflight import run_config
     from amp_exp.run import train
 
     spent = 0.0
@@ -64,10 +60,8 @@ def hook_share(overrides: list[str]) -> dict[str, float]:
                 spent += time.perf_counter() - started
 
         setattr(amp_exp.training.diagnostics.Diagnostics, name, timed)
-    register_configs()
     fixed = ["wandb.mode=disabled", "checkpoint.every_steps=null", "trainer.eval_every=null"]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = validate(compose("config", overrides=[*fixed, *overrides]))
+    cfg = run_config([*fixed, *overrides])
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         train(cfg, Path(tmp))

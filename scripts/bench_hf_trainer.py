@@ -58,15 +58,9 @@ def overrides(args: argparse.Namespace, precision: str) -> list[str]:
 
 
 def composed(args: argparse.Namespace, precision: str):
-    from hydra import compose, initialize_config_dir
+    from amp_exp.config.preflight import run_config
 
-    from amp_exp.config.preflight import CONF_DIR
-    from amp_exp.config.store import register_configs
-    from amp_exp.config.validate import validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return validate(compose("config", overrides=overrides(args, precision)))
+    return run_config(overrides(args, precision))
 
 
 def run_amp_exp(cfg, stamps: list[tuple[float, float]], synchronize) -> int:

@@ -48,17 +48,12 @@ def run_side(side: str, args: argparse.Namespace, state_path: Path) -> dict:
     """Train one side in this process; return per-step times (s) and peak memory."""
     import torch
     import torch.nn.functional as F
-    from hydra import compose, initialize_config_dir
 
-    from amp_exp.config.preflight import CONF_DIR
-    from amp_exp.config.store import register_configs
-    from amp_exp.config.validate import validate
+    from amp_exp.config.preflight import run_config
     from amp_exp.run import build
     from amp_exp.training.meters import peak_memory_bytes, reset_peak_memory, synchronize
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = validate(compose("config", overrides=overrides(args)))
+    cfg = run_config(overrides(args))
     built = build(cfg)
     engine, device = built.engine, built.device
     optimizer = engine.optimizer

@@ -248,3 +248,50 @@ def test_predictions_stay_inside_the_published_bands(anchor) -> None:
     predicted = found[f"speedup_vs_{anchor['baseline']}"]
     low, high = anchor["band"]
     assert low <= predicted <= high, (anchor["name"], predicted, anchor["band"])
+
+
+@pytest.mark.slow
+def test_a_sweep_report_shows_the_prediction_beside_the_measured_trial(tmp_path) -> None:
+    """``report.predict=[h100,a100]``: the sweep's report adds a column per GPU, each figure
+    labelled as predicted and equal to what python -m amp_exp.predict gives for the same run.
+    Caught: a prediction shown without its label, or one that is not the command's (a trace of
+    another config, a speedup against the wrong baseline, GPUs swapped)."""
+    sweep_dir = tmp_path / "sweep"
+    result = python_m(
+        "amp_exp",
+        "-m",
+        *TINY_LM,
+        *FAST_TRAINER,
+        "optimizer=adamw",
+        "precision=fp32,bf16",
+        "report.speed_trial=false",
+        "report.predict=[h100,a100]",
+        f"hydra.sweep.dir={sweep_dir}",
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((sweep_dir / "report.json").read_text())
+    (found,) = report["comparisons"]
+    # The same run's config through the command's own code path: one fact, one figure.
+    run_config = json.loads((sweep_dir / "1" / "summary.json").read_text())["config"]
+    from amp_exp.config.plain import run_config_from_plain
+
+    cfg = run_config_from_plain(run_config)
+    cfg.predict.devices = ["h100", "a100"]
+    expected = predict_trace(cfg, trace_step(cfg))
+    for key in ("h100", "a100"):
+        gpu = PREDICTABLE[key].label
+        predicted = found["predicted"][gpu]["speedup_vs_fp32"]
+        assert predicted == pytest.approx(row(expected, "bf16", key)["speedup_vs_fp32"], rel=1e-9)
+    # The GPUs differ (catches one GPU's figure shown under both).
+    assert len({p["speedup_vs_fp32"] for p in found["predicted"].values()}) == 2
+    markdown = (sweep_dir / "report.md").read_text()
+    h100 = PREDICTABLE["h100"].label
+    assert f"predicted on {h100}" in markdown
+    assert f"{found['predicted'][h100]['speedup_vs_fp32']:.2f}x (predicted)" in markdown
+    assert "a prediction, not a measurement" in markdown
+
+
+def test_report_predict_names_the_valid_devices() -> None:
+    with pytest.raises(ConfigError, match=r"report\.predict: h900 is not in the device table"):
+        config(*TINY_LM, "report.predict=[h900]")

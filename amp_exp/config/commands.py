@@ -108,15 +108,19 @@ def validate_speed(speed: SpeedConfig) -> None:
         plugin_of(precision)
 
 
+def validate_devices(key: str, devices: list[str]) -> None:
+    """Every device of ``key`` (predict.devices, report.predict) is in the device table."""
+    for device in devices:
+        require(
+            device in PREDICTABLE,
+            f"{key}: {device} is not in the device table; valid choices: {', '.join(PREDICTABLE)}",
+        )
+
+
 def validate_predict(predict: PredictConfig) -> None:
     """Raise ``ConfigError`` on the first predict value that cannot run."""
     require(bool(predict.devices), "predict.devices must name a device, e.g. [h100]")
-    for device in predict.devices:
-        require(
-            device in PREDICTABLE,
-            f"predict.devices: {device} is not in the device table; valid choices: "
-            f"{', '.join(PREDICTABLE)}",
-        )
+    validate_devices("predict.devices", predict.devices)
     # Every resolved precision has facts to predict from; auto is decided on hardware at hand.
     for precision in predict.precisions:
         require(

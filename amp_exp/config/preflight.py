@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hydra import compose, version
+from hydra import compose, initialize_config_dir, version
 from hydra._internal.callbacks import Callbacks
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import (
@@ -44,7 +44,7 @@ from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
 
 from amp_exp.config.checks import check_job, check_output_dir
 from amp_exp.config.schema import RunConfig
-from amp_exp.config.store import SUBMITIT_PLUGIN
+from amp_exp.config.store import SUBMITIT_PLUGIN, register_configs
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError, first_line
 
@@ -157,6 +157,14 @@ def compose_checked(
                 f"valid choices: {', '.join(options)}"
             )
     return compose(config_name, overrides=overrides, return_hydra_config=return_hydra_config)
+
+
+def run_config(overrides: list[str]) -> RunConfig:
+    """The validated config of a run with ``overrides``, composed from conf/ as the command line
+    composes it: for the scripts that build a run in their own process (scripts/bench_*.py)."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return validate(compose_checked(CONFIG_NAME, overrides))
 
 
 def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:

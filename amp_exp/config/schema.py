@@ -293,6 +293,9 @@ class ReportConfig:
     # Holm across the report's comparisons, a family per claim (matches, not_worse, worse,
     # better) at 2.5% each; off, each comparison holds at its own level (docs/sweeps.md).
     familywise: bool = False
+    # GPUs of config/devices.py (h100, ...) whose roofline speedups (amp_exp.predict) the
+    # report shows beside the measured ones, labelled as predicted.
+    predict: list[str] = field(default_factory=list)
 
 
 @dataclass

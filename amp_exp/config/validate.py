@@ -17,7 +17,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from amp_exp.config.commands import validate_predict, validate_sensitivity, validate_speed
+from amp_exp.config.commands import (
+    validate_devices,
+    validate_predict,
+    validate_sensitivity,
+    validate_speed,
+)
 from amp_exp.config.datasets import (
     TOKEN_DATASETS,
     CustomDatasetConfig,
@@ -135,6 +140,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         run.report.tolerance is None or run.report.tolerance >= 0,
         "report.tolerance must be 0 or more, or null (the task's default)",
     )
+    validate_devices("report.predict", run.report.predict)
     validate_speed(run.speed)
     validate_precision(run.precision, run.trainer)
     validate_sensitivity(run.sensitivity, run.precision, run.trainer)

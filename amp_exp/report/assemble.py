@@ -12,24 +12,27 @@ from typing import Any
 from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows, tolerance_for
 from amp_exp.report.evidence import cell_key, gather, trial_speedup
 from amp_exp.report.markdown import write_report
+from amp_exp.report.predicted import predicted_speedups
 from amp_exp.report.runs import find_runs
 from amp_exp.report.verdicts import verdicts
-from amp_exp.results.files import SPEED_JSON
+from amp_exp.results.files import PREDICTED_JSON, SPEED_JSON
 
 log = logging.getLogger("amp_exp")
 
 
-def read_trials(dirs: list[Path]) -> list[dict[str, Any]]:
-    """The speed trials of every speed.json under ``dirs`` (amp_exp/speed/ writes them); one that
-    cannot be read is skipped with a warning, and the report falls back to the jobs' timings."""
-    trials = []
+def read_entries(dirs: list[Path], name: str, key: str) -> list[dict[str, Any]]:
+    """The ``key`` lists of every ``name`` file under ``dirs``: the speed trials of speed.json
+    (amp_exp/speed/ writes them), the predictions of predicted.json (amp_exp/predict/). One that
+    cannot be read is skipped with a warning: the report falls back to the jobs' own timings, or
+    shows no prediction."""
+    entries = []
     for directory in dirs:
-        for path in sorted(directory.rglob(SPEED_JSON)):
+        for path in sorted(directory.rglob(name)):
             try:
-                trials += json.loads(path.read_text(encoding="utf-8"))["trials"]
+                entries += json.loads(path.read_text(encoding="utf-8"))[key]
             except (OSError, ValueError, KeyError, TypeError) as error:
                 log.warning("report: skipping %s: %s", path, error)
-    return trials
+    return entries
 
 
 def draw_plots(
@@ -64,7 +67,7 @@ def build_report(
     assign_settings(runs)
     rows = comparison_rows(runs, out_dir)
     metrics = {os.path.relpath(run.path, out_dir): run.metrics for run in runs}
-    trials = read_trials(dirs)
+    trials = read_entries(dirs, SPEED_JSON, "trials")
     for row in rows:
         row["trial_speedup"] = trial_speedup(trials, cell_key(row))
         # The tolerance that judges the run's quality metric, in its unit (null without one).
@@ -74,6 +77,11 @@ def build_report(
             # from generic kernels, which may say the opposite, is not repeated beside it.
             row["health"]["hardware_advice"] = []
     cells, comparisons = gather(rows, metrics, tolerance, trials, familywise)
+    predictions = read_entries(dirs, PREDICTED_JSON, "predictions")
+    for found in comparisons:
+        found["predicted"] = predicted_speedups(
+            predictions, (found["model"], found["setting"], found["label"])
+        )
     report = {
         "tolerance": tolerance,
         "familywise": familywise,

@@ -23,12 +23,19 @@ class SweepReport(Callback):
     after the interleaved speed trial (``report.speed_trial``), and with ``report.wandb=true``
     the sweep's W&B Report."""
 
-    def __init__(self, speed_trial: Callable[[Path], Any] | None = None) -> None:
-        """``speed_trial(sweep_dir)`` writes the sweep's speed.json: conf/config.yaml hands in
-        amp_exp.speed.sweep.time_sweep, which builds models, a layer above the report's."""
+    def __init__(
+        self,
+        speed_trial: Callable[[Path], Any] | None = None,
+        predict_sweep: Callable[[Path, list[str]], Any] | None = None,
+    ) -> None:
+        """``speed_trial(sweep_dir)`` writes the sweep's speed.json, ``predict_sweep(sweep_dir,
+        devices)`` its predicted.json (report.predict): conf/config.yaml hands in
+        amp_exp.speed.sweep.time_sweep and amp_exp.predict.sweep.predict_sweep, which build
+        models, a layer above the report's."""
         self.sweep_dir = Path()
         self.settings = ReportConfig()
         self.speed_trial = speed_trial
+        self.predict_sweep = predict_sweep
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Resolving the sweep directory now pins its ${now:...} to the one the jobs use.
@@ -39,6 +46,7 @@ class SweepReport(Callback):
             wandb_timeout=config.report.wandb_timeout,
             speed_trial=config.report.speed_trial,
             familywise=config.report.familywise,
+            predict=list(config.report.predict),
         )
         launcher = str(config.hydra.launcher.get("_target_", ""))
         if self.settings.speed_trial and launcher.endswith("SlurmLauncher"):
@@ -73,6 +81,12 @@ class SweepReport(Callback):
             except Exception as error:
                 # Without it the report shows the jobs' own timings, labelled as such.
                 log.warning("no speed trial: %s", error)
+        if self.settings.predict and self.predict_sweep is not None:
+            try:
+                self.predict_sweep(self.sweep_dir, self.settings.predict)
+            except Exception as error:
+                # A prediction is an extra column: without it the report is the measured one.
+                log.warning("no prediction: %s", error)
         try:
             report = build_report(
                 [self.sweep_dir],

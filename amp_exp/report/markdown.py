@@ -19,6 +19,7 @@ from amp_exp.report.compare import (
     tolerance_for,
 )
 from amp_exp.report.evidence import CLAIM_P
+from amp_exp.report.predicted import PREDICTED_NOTE, prediction_columns, show_prediction
 from amp_exp.results.files import REPORT_JSON, REPORT_MD, json_safe, write_text
 from amp_exp.tasks.metrics import ToleranceUnit
 
@@ -219,6 +220,8 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     header = ["model", *(["setting"] * with_setting), "precision", "n", "metric"]
     header += ["mean [95% CI]", f"Δ vs {BASELINE} [95% CI]", "p of the claim", "verdict"]
     header += ["loss gap [95% CI]", "trial speedup [95% CI]"]
+    gpus = prediction_columns(report["comparisons"])
+    header += [f"predicted on {gpu}" for gpu in gpus]
     body = []
     for cell in report["cells"]:
         found = compared.get((cell["model"], cell["setting"], cell["label"]), {})
@@ -244,6 +247,7 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
                 found.get("verdict") or "-",
                 _estimate(found.get("loss_gap_rel"), _formatter("+.2%")),
                 show_speedup(found.get("speedup")),
+                *(show_prediction((found.get("predicted") or {}).get(gpu)) for gpu in gpus),
             ]
         )
     return _table(header, body)
@@ -344,7 +348,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         *evidence_table(report),
         "",
-        EVIDENCE_NOTE + (FAMILYWISE_NOTE if report["familywise"] else ""),
+        EVIDENCE_NOTE
+        + (FAMILYWISE_NOTE if report["familywise"] else "")
+        + (PREDICTED_NOTE if prediction_columns(report["comparisons"]) else ""),
         "",
         "## Runs",
         "",

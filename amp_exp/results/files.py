@@ -33,6 +33,8 @@ SPEED_MD = "speed.md"
 SENSITIVITY_JSON = "sensitivity.json"
 PREDICT_JSON = "predict.json"
 PREDICT_MD = "predict.md"
+# A sweep's roofline predictions (report.predict), beside its report: no command's finished mark.
+PREDICTED_JSON = "predicted.json"
 
 
 def json_safe(value: Any) -> Any:
