@@ -177,7 +177,8 @@ def test_verdict_names_a_diverged_run(tmp_path: Path) -> None:
     write_run(tmp_path / "1", "mlp", "fp16", 50.0, 0.10, skipped_steps=28, final_loss=float("nan"))
     (verdict,) = build_report([tmp_path], tmp_path, tolerance=0.5)["verdicts"]
     assert verdict.endswith("skipped 28 steps, the loss diverged (nan)")
-    assert "| 1 | mlp | fp16 | completed | 50.0 | 0.50x |" in (tmp_path / "report.md").read_text()
+    row = "| 1 | mlp | fp16 | completed | 50.0 samples/s | 0.50x (jobs) |"
+    assert row in (tmp_path / "report.md").read_text()
 
 
 def test_runs_that_failed_or_stopped_are_shown_and_the_others_still_count(tmp_path: Path) -> None:
@@ -234,7 +235,7 @@ def test_a_plot_that_fails_never_costs_the_table(tmp_path: Path, monkeypatch) ->
     assert all((tmp_path / name).stat().st_size > 0 for name in report["plots"])
     assert not (tmp_path / "throughput.png").exists()
     report_md = (tmp_path / "report.md").read_text()
-    assert "| 1 | tiny_cnn | fp16 | completed | 900.0 | 0.90x |" in report_md
+    assert "| 1 | tiny_cnn | fp16 | learned | 900.0 samples/s | 0.90x (jobs) |" in report_md
     assert "throughput.png could not be drawn: ValueError: no room for bars" in report_md
 
 
@@ -245,7 +246,8 @@ def test_without_matplotlib_the_report_keeps_its_table(tmp_path: Path, monkeypat
     monkeypatch.setitem(sys.modules, "amp_exp.report.plots", None)
     report = build_report([tmp_path], tmp_path, tolerance=0.5)
     assert report["plots"] == [] and "amp_exp[report]" in report["plot_errors"]["plots"]
-    assert "| 0 | tiny_cnn | fp32 | completed | 1,000.0 |" in (tmp_path / "report.md").read_text()
+    row = "| 0 | tiny_cnn | fp32 | learned | 1,000.0 samples/s |"
+    assert row in (tmp_path / "report.md").read_text()
     assert json.loads((tmp_path / "report.json").read_text())["runs"] == report["runs"]
 
 
@@ -398,18 +400,16 @@ def test_amp_health_section_names_failed_checks_overflow_and_advice(tmp_path: Pa
     assert health["failed_checks"] == {"master_weights_fp32": ["head.bias"]}
 
 
-def test_a_ranks_column_appears_only_when_a_run_was_data_parallel(tmp_path: Path) -> None:
+def test_the_precision_cell_names_ranks_only_when_a_run_was_data_parallel(tmp_path: Path) -> None:
     write_run(tmp_path / "single" / "0", "tiny_cnn", "fp32", 1000.0, 0.80)
     build_report([tmp_path / "single"], tmp_path / "single", tolerance=0.5)
-    assert "| ranks |" not in (tmp_path / "single" / "report.md").read_text()
+    assert "| 0 | tiny_cnn | fp32 | learned |" in (tmp_path / "single" / "report.md").read_text()
 
     write_run(tmp_path / "ddp" / "0", "tiny_cnn", "fp32", 1000.0, 0.80, world_size=2)
     write_run(tmp_path / "ddp" / "1", "tiny_cnn", "bf16", 1500.0, 0.80, world_size=2)
     report = build_report([tmp_path / "ddp"], tmp_path / "ddp", tolerance=0.5)
     assert [row["world_size"] for row in report["runs"]] == [2, 2]
-    table = (tmp_path / "ddp" / "report.md").read_text().splitlines()
-    header = next(line for line in table if line.startswith("| run |"))
-    assert "| ranks |" in header
+    assert "| 1 | tiny_cnn | bf16 [2 ranks] |" in (tmp_path / "ddp" / "report.md").read_text()
 
 
 def test_fsdp2_runs_show_their_strategy_and_the_dtypes_that_are_not_fp32(tmp_path: Path) -> None:
@@ -418,14 +418,13 @@ def test_fsdp2_runs_show_their_strategy_and_the_dtypes_that_are_not_fp32(tmp_pat
         summary.update(strategy="fsdp2", param_dtype="bf16", reduce_dtype=reduce_dtype)
         (tmp_path / job / "summary.json").write_text(json.dumps(summary))
     build_report([tmp_path], tmp_path, tolerance=0.5)
-    table = (tmp_path / "report.md").read_text().splitlines()
-    header = next(line for line in table if line.startswith("| run |"))
-    assert "| ranks | strategy | param dtype | reduce dtype |" in header
-    assert any("| 2 | fsdp2 | bf16 | bf16 |" in line for line in table)
+    table = (tmp_path / "report.md").read_text()
+    assert "| bf16 [2 ranks, fsdp2, params bf16] |" in table
+    assert "| bf16 [2 ranks, fsdp2, params bf16, reduce bf16] |" in table
 
     write_run(tmp_path / "ddp" / "0", "tiny_cnn", "fp32", 1000.0, 0.80, world_size=2)
     build_report([tmp_path / "ddp"], tmp_path / "ddp", tolerance=0.5)
-    assert "strategy" not in (tmp_path / "ddp" / "report.md").read_text()
+    assert "fsdp2" not in (tmp_path / "ddp" / "report.md").read_text()
 
 
 def test_a_job_killed_before_its_summary_is_listed_as_killed(tmp_path: Path) -> None:
@@ -610,9 +609,7 @@ def test_memory_columns_compare_saved_activations_and_state_and_keep_cpu_rss_a_f
     )
     markdown = (tmp_path / "report.md").read_text()
     header = next(line for line in markdown.splitlines() if line.startswith("| run"))
-    assert "| saved activations | activations vs fp32 | weights + opt. state | state vs fp32 |" in (
-        header
-    )
+    assert "| memory vs fp32 |" in header
     assert "peak memory" not in header and "CUDA peak" not in header
-    assert "| 200.00 MiB | 0.50x | 10.00 MiB | 1.00x |" in markdown
+    assert "| 0.50x act., 1.00x state |" in markdown
     assert "CPU peak resident memory of the process (not of the precision): `0` 800 MiB" in markdown
