@@ -393,11 +393,32 @@ def test_amp_health_section_names_failed_checks_overflow_and_advice(tmp_path: Pa
         "- `0` (tiny_cnn fp32): checks passed; matmul FLOPs: float32 100%",
         "- `1` (tiny_cnn fp16): checks FAILED: master_weights_fp32 (head.bias); first overflow "
         "at step 3 (loss finite; head.weight); 25.00% of gradients lost to fp16 underflow; "
-        "suggested init_scale 262144; matmul FLOPs: float16 100%; fp16 on this CPU: no fast "
-        "fp16 kernels",
+        "suggested init_scale 262144; matmul FLOPs: float16 100%",
+        "- this machine: fp16 on this CPU: no fast fp16 kernels",
     ]
     health = rows_by_run(json.loads((tmp_path / "report.json").read_text()))["1"]["health"]
     assert health["failed_checks"] == {"master_weights_fp32": ["head.bias"]}
+
+
+def test_fp16_figures_of_another_precision_say_what_fp16_would_do_and_advice_is_said_once(
+    tmp_path: Path,
+) -> None:
+    """Issue 37: fp32 runs said "0.16% of gradients lost to fp16 underflow", as if fp32 lost
+    something, and the probe's advice came once per run."""
+    for job, precision in enumerate(("fp32", "bf16")):
+        summary = write_run(tmp_path / str(job), "tiny_cnn", precision, 1000.0, 0.9)
+        summary.update(
+            underflow={"underflow_frac_scaled": 0.0016},
+            suggested_init_scale=1048576.0,
+            hardware={"advice": ["bf16 is slow here"]},
+        )
+        (tmp_path / str(job) / "summary.json").write_text(json.dumps(summary))
+    build_report([tmp_path], tmp_path, tolerance=0.5)
+    markdown = (tmp_path / "report.md").read_text()
+    section = markdown.split("## AMP health\n\n")[1].split("\n\n")[0]
+    assert "- `0` (tiny_cnn fp32): checks passed; if this run were fp16, 0.16% of its " in section
+    assert "lost to fp16 underflow" not in section and "init_scale" not in section
+    assert markdown.count("bf16 is slow here") == 1
 
 
 def test_the_precision_cell_names_ranks_only_when_a_run_was_data_parallel(tmp_path: Path) -> None:

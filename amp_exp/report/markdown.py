@@ -297,9 +297,15 @@ def health_line(row: dict[str, Any]) -> str:
         where = ", ".join(overflow["parameters"]) or "no parameter found"
         loss = "finite" if overflow["loss_finite"] else "non-finite"
         parts.append(f"first overflow at step {overflow['step']} (loss {loss}; {where})")
-    if health["underflow_frac_scaled"] is not None:
-        parts.append(f"{health['underflow_frac_scaled']:.2%} of gradients lost to fp16 underflow")
-    if health["suggested_init_scale"] is not None:
+    # fp16's figures, measured in every run: in another precision they say what fp16 would do,
+    # and a loss scale is fp16's alone.
+    fp16 = row["precision"] == "fp16"
+    lost = health["underflow_frac_scaled"]
+    if lost is not None and fp16:
+        parts.append(f"{lost:.2%} of gradients lost to fp16 underflow")
+    elif lost is not None:
+        parts.append(f"if this run were fp16, {lost:.2%} of its gradients would flush to zero")
+    if health["suggested_init_scale"] is not None and fp16:
         parts.append(f"suggested init_scale {health['suggested_init_scale']:g}")
     if health["stale_weight_frac"] is not None:
         stale = health["stale_weight_frac"]
@@ -311,7 +317,6 @@ def health_line(row: dict[str, Any]) -> str:
             + (f" (kept in bf16: {kept})" if kept else "")
         )
     parts += audit_parts(row["audit"])
-    parts += health["hardware_advice"]
     return f"- `{row['run']}` ({row['model']} {shown(row)}): " + "; ".join(parts)
 
 
@@ -384,6 +389,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     completed = [row for row in rows if row["status"] == "completed"]
     if completed:
         lines += ["", "## AMP health", "", *(health_line(row) for row in completed)]
+        # The probe's advice is a fact of the machine, the same in every run: said once.
+        advice = dict.fromkeys(a for row in completed for a in row["health"]["hardware_advice"])
+        lines += [f"- this machine: {line}" for line in advice]
     if unfinished:
         lines += ["", "## Runs that did not complete", ""]
         lines += [

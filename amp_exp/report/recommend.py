@@ -6,7 +6,8 @@ The rule (README "How to decide"):
   seed, where it is faster than fp32;
 - fp32 on this device when no lower precision is faster, or the faster ones are worse or
   unstable;
-- not decided yet, with what would decide it, while the verdict of a faster one is open.
+- not decided yet, with what would decide it, while the verdict of a faster one is open, or
+  while fp32 itself did not learn on a seed (report/learned.py).
 
 When two qualify, they are compared on speed, then loss scaling, skipped steps and memory, and
 the reason says why one wins. The verdict rules are not restated here; this reads their names.
@@ -132,6 +133,10 @@ def recommend_group(found: list[dict[str, Any]]) -> tuple[str | None, str]:
     """(the precision, why) for one model and setting's comparisons, each with its costs."""
     if not found:
         return BASELINE, f"only {BASELINE} ran; sweep precision=fp32,bf16,fp16 to compare"
+    # Where fp32 itself did not learn, a verdict measures optimization luck: no answer yet.
+    luck = [c for c in found if c.get("baseline_not_learned")]
+    if luck:
+        return None, "; ".join(to_decide(c) for c in luck)
     faster = [c for c in found if speed(c)[1]]
     qualified = [c for c in faster if c["verdict"] in QUALIFYING and not c["failed_seeds"]]
     if qualified:
