@@ -634,3 +634,30 @@ def test_memory_columns_compare_saved_activations_and_state_and_keep_cpu_rss_a_f
     assert "peak memory" not in header and "CUDA peak" not in header
     assert "| 0.50x act., 1.00x state |" in markdown
     assert "CPU peak resident memory of the process (not of the precision): `0` 800 MiB" in markdown
+
+
+def test_peak_memory_png_stacks_saved_activations_and_state_by_precision_not_process_rss(
+    tmp_path: Path,
+) -> None:
+    """Issue 37: the plot showed the process's resident set, which the report calls "not of the
+    precision"; the precision's 0.50x of saved activations was nowhere to be seen."""
+    for job, precision, seed, activations in (
+        ("0", "fp32", 0, 400 * MiB),
+        ("1", "fp32", 1, 400 * MiB),
+        ("2", "bf16", 0, 200 * MiB),
+        ("3", "bf16", 1, 200 * MiB),
+    ):
+        summary = write_run(tmp_path / job, "tiny_cnn", precision, 1000.0, 0.8, activations)
+        summary["state_bytes"] = 10 * MiB
+        summary["config"]["seed"] = seed
+        (tmp_path / job / "summary.json").write_text(json.dumps(summary))
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
+    assert "peak_memory.png" in report["plots"]
+    (ax,) = [ax for ax in plots.memory_bars(report["runs"], {}).axes if ax.get_visible()]
+    # A bar per precision, not per seed: activations below, weights + state stacked on top.
+    heights = [(patch.get_x(), patch.get_y(), patch.get_height()) for patch in ax.patches]
+    assert sorted(heights) == sorted(
+        [(-0.4, 0, 400), (0.6, 0, 200), (-0.4, 400, 10), (0.6, 200, 10)]
+    )
+    labels = [text.get_text() for text in ax.texts]
+    assert "0.50x" in labels and "1.00x" in labels
