@@ -100,6 +100,8 @@ def throughput(row: dict[str, Any]) -> str:
 def speedup(row: dict[str, Any]) -> str:
     """The one speed against fp32's: the interleaved trial's, else the jobs' own, labelled
     (report.json keeps both: ``trial_speedup`` and ``speedup``)."""
+    if row["label"] == BASELINE:
+        return "-"  # the baseline of every speedup
     if row["trial_speedup"] is not None:
         return show_speedup(row["trial_speedup"])
     return _formatter(".2f", suffix="x (jobs)")(row["speedup"])
