@@ -91,6 +91,26 @@ def test_run_records_hardware_and_warns_once_with_the_measured_factor(
     assert caplog.text.count(hardware["advice"][0]) == 1
 
 
+def test_the_probes_advice_prints_once_per_sweep_and_once_per_single_run(
+    run_cfg, tmp_path, caplog
+) -> None:
+    """Issue 37: "bf16 measured about 1.20x slower than fp32 here" printed once per job: six
+    times in a clean sweep. Hydra's local launcher runs a sweep's jobs in one process."""
+    from amp_exp.results.sweep import SweepJob
+    from amp_exp.runtime.quiet import quiet_unactionable
+
+    quiet_unactionable()
+    sweep = SweepJob(str(tmp_path / "sweep"), ())
+    for seed in (0, 1):
+        cfg = run_cfg("precision=fp16", *TINY, f"seed={seed}")
+        advice = train(cfg, tmp_path / "sweep" / str(seed), sweep=sweep)["hardware"]["advice"]
+    assert advice and caplog.text.count(advice[0]) == 1
+    caplog.clear()
+    for seed in (0, 1):  # single runs, each its own: each says it
+        train(run_cfg("precision=fp16", *TINY, f"seed={seed}"), tmp_path / "single" / str(seed))
+    assert caplog.text.count(advice[0]) == 2
+
+
 def test_underflow_fraction_follows_the_loss_scale() -> None:
     grads = [("layer", torch.full((1000,), 1e-5))]
     tiny_totals, _, _ = gradient_ranges(grads, scale=2.0**-10)
