@@ -136,8 +136,6 @@ def build(
     hardware = capability.summary(
         resolved.precision, resolved.timed_on_model, kernels_of(workload.model)
     )
-    for advice in hardware["advice"]:
-        log.warning("%s", advice)
     engine = Engine(
         trained,
         workload.task,

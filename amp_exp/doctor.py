@@ -67,10 +67,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def diagnose(argv: list[str] | None) -> None:
-    parser = OneLineParser(prog="python -m amp_exp.doctor", description=__doc__)
+    parser = OneLineParser(prog="python -m amp_exp.doctor")
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
     parser.add_argument("--refresh", action="store_true", help="measure again, ignore the cache")
-    parser.add_argument("--device", choices=[c.value for c in DeviceChoice], default="auto")
+    parser.add_argument(
+        "--device",
+        choices=[c.value for c in DeviceChoice],
+        default="auto",
+        help="the device to measure (default: auto, a GPU where there is one)",
+    )
     args = parser.parse_args(argv)
     device = resolve_device(DeviceChoice(args.device))
     # Measure what a default run trains with (TF32 on CUDA).

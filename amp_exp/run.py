@@ -18,7 +18,7 @@ import torch
 
 from amp_exp.build import Built, attach_audit, attach_diagnostics, build, global_batch_size
 from amp_exp.config.plain import plain_run_config
-from amp_exp.config.schema import RunConfig
+from amp_exp.config.schema import Precision, RunConfig
 from amp_exp.results.checkpoint import (
     Checkpointer,
     ShardedCheckpointer,
@@ -44,6 +44,7 @@ from amp_exp.results.wandb_logger import open_wandb_logger
 from amp_exp.runtime.distributed import Distributed, process_group
 from amp_exp.runtime.fsdp import is_sharded
 from amp_exp.runtime.hardware import device_name
+from amp_exp.runtime.quiet import once_per
 from amp_exp.runtime.signals import StopRequest
 from amp_exp.training.loop import TrainResult
 from amp_exp.training.meters import state_bytes
@@ -154,7 +155,11 @@ def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob
         parallelism=built.parallelism,
     )
     loggers: list[Logger] = [
-        ConsoleLogger(built.engine.total_steps, built.engine.task.metrics),
+        ConsoleLogger(
+            built.engine.total_steps,
+            built.engine.task.metrics,
+            fp16=built.resolved.precision is Precision.fp16,
+        ),
         # A fresh start replaces the rows of an earlier attempt in this directory.
         JsonlLogger(output_dir / METRICS_FILE, append=built.resumed_from is not None),
         *([wandb_logger] if wandb_logger else []),
@@ -182,6 +187,9 @@ def train_in_group(
         found = find_checkpoint(cfg, output_dir, distributed)
         with user_code_cannot_exit():
             built = build(cfg, distributed, kept_precision(cfg.precision.name, found))
+        # The probe's advice is a fact of the machine, the same in every job: once per sweep.
+        for advice in built.hardware["advice"]:
+            log.warning("%s", advice, extra=once_per(None if sweep is None else sweep.dir))
         resumed = resume(cfg, built.engine, output_dir, found, writes=built.is_main)
         if resumed.complete:
             return completed_summary(output_dir)  # type: ignore[return-value]

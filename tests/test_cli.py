@@ -95,3 +95,67 @@ def test_console_script_is_installed() -> None:
     assert "valid choices: auto, bf16, bf16_true, bf16_true_nearest, fp16, fp32, fp8" in (
         result.stderr
     )
+
+
+HELP_COMMANDS = [
+    "amp_exp",
+    "amp_exp.report",
+    "amp_exp.speed",
+    "amp_exp.sensitivity",
+    "amp_exp.doctor",
+    "amp_exp.predict",
+]
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS)
+def test_every_command_has_help_of_one_shape_without_markup_schema_groups_or_module_names(
+    command: str,
+) -> None:
+    """Issue 37: --help began "train is powered by Hydra", listed schema/* groups and dumped
+    154 lines of config; .doctor's showed backticks and module names."""
+    from helpers.warm_python import python_m
+
+    result = python_m(command, "--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) <= 80
+    assert lines[0].startswith(f"python -m {command}: ")
+    assert f"Usage: python -m {command} " in result.stdout
+    assert "Other commands:" in result.stdout and "Docs: README.md" in result.stdout
+    assert all(
+        f"python -m {other} " in result.stdout for other in HELP_COMMANDS if other != command
+    )
+    for internal in ("schema/", "`", "powered by Hydra", "runtime.", "training.", "_target_"):
+        assert internal not in result.stdout
+
+
+def test_the_training_help_lists_every_option_of_every_group_a_user_picks_from() -> None:
+    from amp_exp.config.help import CONF_DIR, GROUPS
+    from helpers.warm_python import python_m
+
+    text = " ".join(python_m("amp_exp", "--help").stdout.split())
+    # A group with a choice to make (more than its default) is listed: a new one cannot hide.
+    chosen = {d.name for d in CONF_DIR.iterdir() if d.is_dir() and len(list(d.glob("*.yaml"))) > 1}
+    assert chosen == set(GROUPS)
+    for group in GROUPS:
+        names = sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+        assert ", ".join(names) in text
+    assert "--cfg job" in text
+
+
+def test_a_language_model_alone_trains_on_tokens_and_says_so_in_one_line(tmp_path: Path) -> None:
+    """Issue 37: model=gpt_tiny alone failed, the dataset defaulting to images."""
+    tokens = ["dataset.train_size=64", "dataset.eval_size=16", "model.d_model=16"]
+    result = run_cli("model=gpt_tiny", *FAST[:5], *tokens, f"hydra.run.dir={tmp_path}")
+    note = "amp_exp: dataset=synthetic_tokens: the default for model=gpt_tiny, a language model"
+    assert result.stderr.count(note) == 1
+    assert json.loads((tmp_path / "summary.json").read_text())["dataset"] == "synthetic_tokens"
+    # Named, the dataset is the user's, and nothing is said.
+    named = run_cli(
+        "model=gpt_tiny",
+        "dataset=synthetic_tokens",
+        *FAST[:5],
+        *tokens,
+        f"hydra.run.dir={tmp_path / 'named'}",
+    )
+    assert "the default for model=" not in named.stderr

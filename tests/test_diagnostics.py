@@ -90,6 +90,26 @@ def test_run_records_hardware_and_warns_once_with_the_measured_factor(
     assert caplog.text.count(hardware["advice"][0]) == 1
 
 
+def test_the_probes_advice_prints_once_per_sweep_and_once_per_single_run(
+    run_cfg, tmp_path, caplog
+) -> None:
+    """Issue 37: "bf16 measured about 1.20x slower than fp32 here" printed once per job: six
+    times in a clean sweep. Hydra's local launcher runs a sweep's jobs in one process."""
+    from amp_exp.results.sweep import SweepJob
+    from amp_exp.runtime.quiet import quiet_unactionable
+
+    quiet_unactionable()
+    sweep = SweepJob(str(tmp_path / "sweep"), ())
+    for seed in (0, 1):
+        cfg = run_cfg("precision=fp16", *TINY, f"seed={seed}")
+        advice = train(cfg, tmp_path / "sweep" / str(seed), sweep=sweep)["hardware"]["advice"]
+    assert advice and caplog.text.count(advice[0]) == 1
+    caplog.clear()
+    for seed in (0, 1):  # single runs, each its own: each says it
+        train(run_cfg("precision=fp16", *TINY, f"seed={seed}"), tmp_path / "single" / str(seed))
+    assert caplog.text.count(advice[0]) == 2
+
+
 def test_underflow_fraction_follows_the_loss_scale() -> None:
     grads = [("layer", torch.full((1000,), 1e-5))]
     tiny_totals, _, _ = gradient_ranges(grads, scale=2.0**-10)
@@ -150,7 +170,60 @@ def test_overflow_in_one_layer_is_reported_as_the_first_overflow(run_cfg) -> Non
         "loss_finite": True,
         "parameters": ["head.weight"],
         "nonfinite_parameter_count": 1,
+        # fp16's default 65536, halved once by the skipped step.
+        "backed_off_to": 32768.0,
     }
+
+
+def test_the_suggested_init_scale_is_never_above_a_scale_the_run_overflowed_at(run_cfg) -> None:
+    """Issue 37: a run overflowed at 65536 and backed off, yet its report suggested 2^20: the
+    diagnostics steps' largest gradient knows nothing of the step that overflowed."""
+    from amp_exp.build import attach_diagnostics
+
+    cfg = run_cfg("precision=fp16", "diagnostics.underflow_every=2", *TINY)
+    built = build(cfg)
+    diagnostics = attach_diagnostics(cfg, built, lambda row: None)
+    calls = 0
+
+    def poison_first_step(grad: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return grad * float("inf") if calls == 1 else grad
+
+    built.model.head.weight.register_hook(poison_first_step)
+    result = built.engine.fit(lambda row: None)
+    backed_off_to = result.progress.first_overflow["backed_off_to"]
+    # The tiny model's gradients alone would allow far more: the cap is what brings it down.
+    assert diagnostics.suggested_init_scale > backed_off_to
+    assert diagnostics.summary()["suggested_init_scale"] == backed_off_to
+
+
+@pytest.mark.parametrize(
+    ("fp16", "expected"),
+    [
+        (True, "fp16 gradient range @ step 4: 1.000% would flush to zero unscaled, 0.500% at the "),
+        (False, "gradient range @ step 4, if this run were fp16: 1.000% would flush to zero "),
+    ],
+)
+def test_fp16_figures_in_another_precisions_log_say_what_fp16_would_do(
+    caplog, fp16: bool, expected: str
+) -> None:
+    from amp_exp.results.loggers import ConsoleLogger
+    from amp_exp.tasks.lm import LanguageModelTask
+
+    row = {
+        "kind": "diagnostics",
+        "step": 4,
+        "grad_underflow_frac": 0.01,
+        "grad_underflow_frac_scaled": 0.005,
+        "grad_overflow_frac_scaled": 0.0,
+        "stale_weight_frac": 0.0,
+        "stale_window_steps": 4,
+    }
+    with caplog.at_level("INFO", logger="amp_exp"):
+        ConsoleLogger(10, LanguageModelTask.metrics, fp16=fp16).log(row)
+    assert expected in caplog.text
+    assert ("at the current scale" in caplog.text) is fp16
 
 
 def test_checks_pass_on_a_healthy_fp16_run(run_cfg, tmp_path) -> None:

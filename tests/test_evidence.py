@@ -20,6 +20,7 @@ from amp_exp.tasks.lm import LanguageModelTask
 from test_report import rows_by_run, write_failed_run, write_run
 
 FP32_ACC = [0.8125, 0.7969, 0.8047]
+LM_LOSSES = [4.8, 3.0, 2.2]
 COMPARISON_KEYS = {
     "model",
     "precision",
@@ -146,7 +147,10 @@ def write_lm_runs(root: Path, bf16_losses: tuple[float, float]) -> None:
             ("bf16", 1, bf16_losses[1]),
         ]
     ):
-        summary = write_run(root / str(job), "gpt_tiny", precision, 1000.0, 0.0, seed=seed)
+        # Runs that learned: from about ln(128) at their first log to an eval loss near 2.
+        summary = write_run(
+            root / str(job), "gpt_tiny", precision, 1000.0, 0.0, seed=seed, losses=LM_LOSSES
+        )
         summary.pop("eval_acc")
         summary.update(task_metrics=LanguageModelTask.metrics.as_dict(), eval_loss=loss)
         (root / str(job) / "summary.json").write_text(json.dumps(summary))
@@ -411,3 +415,132 @@ def test_options_that_train_nothing_never_split_a_cell(tmp_path: Path) -> None:
     summary["config"]["trainer"]["max_steps"] = 4  # what is trained: a setting of its own
     (tmp_path / "1" / "summary.json").write_text(json.dumps(summary))
     assert rows_by_run(build_report([tmp_path], tmp_path))["1"]["baseline"] is None
+
+
+def write_lm_cell(
+    root: Path, precision: str, eval_losses: list[float], first_job: int, **updates
+) -> None:
+    """gpt_tiny runs of ``precision``, seed s with eval loss ``eval_losses[s]``, first logging a
+    loss of 4.8 (about ln 128), on tokens whose loss_floor is 1.05; ``updates`` go into each
+    summary.json."""
+    for seed, loss in enumerate(eval_losses):
+        path = root / str(first_job + seed)
+        summary = write_run(path, "gpt_tiny", precision, 1000.0, 0.0, seed=seed, losses=LM_LOSSES)
+        summary.pop("eval_acc")
+        summary.update(
+            task_metrics=LanguageModelTask.metrics.as_dict(),
+            eval_loss=loss,
+            loss_floor=1.05,
+            **updates,
+        )
+        (path / "summary.json").write_text(json.dumps(summary))
+
+
+def write_trial(root: Path, **speedups: tuple[float, float, float]) -> None:
+    """A speed trial of gpt_tiny: each precision's (ratio, low, high) against fp32."""
+    found = {
+        label: {"ratio": r, "ci95": [low, high], "rounds": 10, "total_time_ratio": r}
+        for label, (r, low, high) in speedups.items()
+    }
+    trial = {"model": "gpt_tiny", "setting": "", "speedup": found}
+    (root / SPEED_JSON).write_text(json.dumps({"trials": [trial]}))
+
+
+def test_an_fp32_run_that_never_left_its_plateau_is_named_and_the_fix_is_the_training_not_seeds(
+    tmp_path: Path,
+) -> None:
+    """Issue 37: SGD at lr 0.1 left fp32's seed 2 at 3.60 against a floor of 1.05, bf16 got
+    -49% there, and the report asked for 16 more seeds."""
+    write_lm_cell(tmp_path, "fp32", [1.10, 1.12, 3.60], 0)
+    write_lm_cell(tmp_path, "bf16", [1.1002, 1.1190, 1.82], 3)
+    report = build_report([tmp_path], tmp_path)
+    fp32 = [row for row in report["runs"] if row["label"] == "fp32"]
+    assert [row["learned"] for row in fp32] == [True, True, False]
+    assert "3.43x its loss_floor 1.05" in fp32[2]["learned_reason"]
+    (comparison,) = report["comparisons"]
+    assert comparison["baseline_not_learned"] == [2]
+    (line,) = report["verdicts"]
+    assert "fp32 did not learn on seed 2, so its difference measures optimization luck" in line
+    assert "lower optimizer.lr, use optimizer=adamw, or raise trainer.max_steps" in line
+    assert "seeds would settle it" not in line
+    assert json.loads((tmp_path / "report.json").read_text())["runs"][2]["learned"] is False
+    assert "| 2 | gpt_tiny | fp32 | 2 | DID NOT LEARN |" in (tmp_path / "report.md").read_text()
+
+
+def test_a_sweep_at_a_learning_rate_where_nothing_learns_names_every_run(tmp_path: Path) -> None:
+    # Eval losses at 90% of the first logged loss: they fell, but not well below it.
+    write_lm_cell(tmp_path, "fp32", [4.30, 4.35], 0)
+    write_lm_cell(tmp_path, "bf16", [4.31, 4.34], 2)
+    write_failed_run(tmp_path / "4", "gpt_tiny", "fp16", "RuntimeError: boom")
+    report = build_report([tmp_path], tmp_path)
+    learned = {row["run"]: row["learned"] for row in report["runs"]}
+    assert learned == {"0": False, "1": False, "2": False, "3": False, "4": None}
+    assert "fell by less than 20%" in report["runs"][0]["learned_reason"]
+    (recommendation,) = report["recommendations"]
+    assert recommendation["precision"] is None
+    assert recommendation["reason"].startswith("bf16: fp32 did not learn on some seeds; lower")
+
+
+def test_losses_are_summarised_on_a_log_scale_so_no_interval_is_negative(tmp_path: Path) -> None:
+    write_lm_cell(tmp_path, "fp32", [1.0, 4.0], 0)
+    (cell,) = build_report([tmp_path], tmp_path)["cells"]
+    assert cell["scale"] == "log"
+    assert cell["mean"] == pytest.approx(2.0)  # the geometric mean; arithmetic would be 2.5
+    # The arithmetic t interval of 1 and 4 on one degree of freedom is [-16.6, 21.6].
+    low, high = cell["ci95"]
+    assert 0 < low < 1.0 and high > 4.0
+
+
+def test_both_lower_precisions_qualify_and_loss_scaling_breaks_a_tie_of_speed(
+    tmp_path: Path,
+) -> None:
+    write_lm_cell(tmp_path, "fp32", [1.10, 1.12, 1.11], 0)
+    write_lm_cell(tmp_path, "bf16", [1.1001, 1.1199, 1.1102], 3)
+    write_lm_cell(tmp_path, "fp16", [1.1002, 1.1198, 1.1101], 6, skipped_steps=3)
+    # fp16 measured faster, but within the interval of bf16's speed.
+    write_trial(tmp_path, bf16=(1.30, 1.20, 1.40), fp16=(1.35, 1.25, 1.45))
+    report = build_report([tmp_path], tmp_path)
+    assert {c["label"]: c["verdict"] for c in report["comparisons"]} == {
+        "bf16": "matches",
+        "fp16": "matches",
+    }
+    (recommendation,) = report["recommendations"]
+    assert recommendation["precision"] == "bf16"
+    assert "fp16 qualifies too; bf16 is as fast" in recommendation["reason"]
+    assert "fp16 needs loss scaling, fp16 skipped 9 steps" in recommendation["reason"]
+    evidence = {item["precision"]: item for item in recommendation["evidence"]}
+    assert evidence["fp16"]["loss_scaling"] and not evidence["bf16"]["loss_scaling"]
+    lines = (tmp_path / "report.md").read_text().splitlines()
+    assert lines[2] == "## Recommendation"
+    assert lines[4].startswith("- **gpt_tiny: use bf16.** bf16 matches fp32 at 1.30x")
+    assert "python -m amp_exp.predict" in lines[6]
+
+    # Told apart, the faster one wins whatever it costs.
+    write_trial(tmp_path, bf16=(1.30, 1.20, 1.40), fp16=(2.00, 1.90, 2.10))
+    (recommendation,) = build_report([tmp_path], tmp_path)["recommendations"]
+    assert recommendation["precision"] == "fp16"
+    assert "bf16 qualifies too; fp16 is faster (2.00x" in recommendation["reason"]
+
+
+def test_fp32_is_recommended_when_no_lower_precision_is_faster(tmp_path: Path) -> None:
+    write_lm_cell(tmp_path, "fp32", [1.10, 1.12, 1.11], 0)
+    write_lm_cell(tmp_path, "bf16", [1.1001, 1.1199, 1.1102], 3)
+    write_trial(tmp_path, bf16=(0.70, 0.65, 0.75))
+    (recommendation,) = build_report([tmp_path], tmp_path)["recommendations"]
+    assert recommendation["precision"] == "fp32"
+    assert recommendation["reason"] == "no lower precision is faster (bf16 0.70x fp32's speed)"
+    assert "- **gpt_tiny: fp32 on this device.**" in (tmp_path / "report.md").read_text()
+
+
+def test_a_faster_precision_with_an_open_verdict_leaves_it_not_decided(tmp_path: Path) -> None:
+    write_lm_cell(tmp_path, "fp32", [1.10, 1.12, 1.11], 0)
+    write_lm_cell(tmp_path, "bf16", [1.105, 1.128, 1.112], 3)  # +0.45%, +0.71%, +0.18%
+    write_trial(tmp_path, bf16=(1.30, 1.20, 1.40))
+    report = build_report([tmp_path], tmp_path)
+    assert report["comparisons"][0]["verdict"] == "inconclusive"
+    (recommendation,) = report["recommendations"]
+    assert recommendation["precision"] is None
+    assert recommendation["reason"].startswith("bf16: inconclusive, about ")
+    assert "- **gpt_tiny: not decided yet.** bf16: inconclusive" in (
+        (tmp_path / "report.md").read_text()
+    )

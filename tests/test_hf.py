@@ -284,3 +284,41 @@ def test_fsdp2_shards_each_decoder_layer_after_checkpointing_it(hf_cfg):
         assert all(isinstance(layer, FSDPModule) for layer in layers)
         assert all(isinstance(layer, CheckpointWrapper) for layer in layers)
         assert model_blocks(model) is layers
+
+
+@pytest.mark.parametrize(("positions", "expected"), [(32, 32), (32768, hf.DEFAULT_SEQ_LEN)])
+def test_without_dataset_seq_len_a_sequence_is_the_models_positions_up_to_a_cap(
+    hf_cfg, positions: int, expected: int
+) -> None:
+    """Issue 37: qwen2's 32,768 positions became the sequence length, and one batch asked for
+    16 GiB."""
+    from amp_exp.tasks.workload import token_seq_len
+
+    cfg = hf_cfg(
+        "model=hf_llama_tiny",
+        *TINY_TOKENS,
+        f"model.config.max_position_embeddings={positions}",
+    )
+    assert cfg.dataset.seq_len is None
+    assert token_seq_len(cfg) == expected
+
+
+def test_a_batch_that_does_not_fit_in_memory_names_seq_len_and_batch_size(
+    hf_cfg, monkeypatch
+) -> None:
+    from amp_exp.tasks import workload
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: not enough memory: you "
+            "tried to allocate 17179869184 bytes."
+        )
+
+    cfg = hf_cfg(*LLAMA, "dataset.batch_size=4")
+    monkeypatch.setattr(workload.LanguageModelTask, "output_problem", out_of_memory)
+    with pytest.raises(ConfigError) as refused:
+        build(cfg)
+    assert str(refused.value).endswith(
+        "tried to allocate 17179869184 bytes.; a smaller dataset.seq_len (now 16) or "
+        "dataset.batch_size (now 4) fits in less memory"
+    )

@@ -177,7 +177,8 @@ def test_verdict_names_a_diverged_run(tmp_path: Path) -> None:
     write_run(tmp_path / "1", "mlp", "fp16", 50.0, 0.10, skipped_steps=28, final_loss=float("nan"))
     (verdict,) = build_report([tmp_path], tmp_path, tolerance=0.5)["verdicts"]
     assert verdict.endswith("skipped 28 steps, the loss diverged (nan)")
-    assert "| 1 | mlp | fp16 | completed | 50.0 | 0.50x |" in (tmp_path / "report.md").read_text()
+    row = "| 1 | mlp | fp16 | completed | 50.0 samples/s | 0.50x (jobs) |"
+    assert row in (tmp_path / "report.md").read_text()
 
 
 def test_runs_that_failed_or_stopped_are_shown_and_the_others_still_count(tmp_path: Path) -> None:
@@ -234,7 +235,7 @@ def test_a_plot_that_fails_never_costs_the_table(tmp_path: Path, monkeypatch) ->
     assert all((tmp_path / name).stat().st_size > 0 for name in report["plots"])
     assert not (tmp_path / "throughput.png").exists()
     report_md = (tmp_path / "report.md").read_text()
-    assert "| 1 | tiny_cnn | fp16 | completed | 900.0 | 0.90x |" in report_md
+    assert "| 1 | tiny_cnn | fp16 | learned | 900.0 samples/s | 0.90x (jobs) |" in report_md
     assert "throughput.png could not be drawn: ValueError: no room for bars" in report_md
 
 
@@ -245,7 +246,8 @@ def test_without_matplotlib_the_report_keeps_its_table(tmp_path: Path, monkeypat
     monkeypatch.setitem(sys.modules, "amp_exp.report.plots", None)
     report = build_report([tmp_path], tmp_path, tolerance=0.5)
     assert report["plots"] == [] and "amp_exp[report]" in report["plot_errors"]["plots"]
-    assert "| 0 | tiny_cnn | fp32 | completed | 1,000.0 |" in (tmp_path / "report.md").read_text()
+    row = "| 0 | tiny_cnn | fp32 | learned | 1,000.0 samples/s |"
+    assert row in (tmp_path / "report.md").read_text()
     assert json.loads((tmp_path / "report.json").read_text())["runs"] == report["runs"]
 
 
@@ -391,25 +393,44 @@ def test_amp_health_section_names_failed_checks_overflow_and_advice(tmp_path: Pa
         "- `0` (tiny_cnn fp32): checks passed; matmul FLOPs: float32 100%",
         "- `1` (tiny_cnn fp16): checks FAILED: master_weights_fp32 (head.bias); first overflow "
         "at step 3 (loss finite; head.weight); 25.00% of gradients lost to fp16 underflow; "
-        "suggested init_scale 262144; matmul FLOPs: float16 100%; fp16 on this CPU: no fast "
-        "fp16 kernels",
+        "suggested init_scale 262144; matmul FLOPs: float16 100%",
+        "- this machine: fp16 on this CPU: no fast fp16 kernels",
     ]
     health = rows_by_run(json.loads((tmp_path / "report.json").read_text()))["1"]["health"]
     assert health["failed_checks"] == {"master_weights_fp32": ["head.bias"]}
 
 
-def test_a_ranks_column_appears_only_when_a_run_was_data_parallel(tmp_path: Path) -> None:
+def test_fp16_figures_of_another_precision_say_what_fp16_would_do_and_advice_is_said_once(
+    tmp_path: Path,
+) -> None:
+    """Issue 37: fp32 runs said "0.16% of gradients lost to fp16 underflow", as if fp32 lost
+    something, and the probe's advice came once per run."""
+    for job, precision in enumerate(("fp32", "bf16")):
+        summary = write_run(tmp_path / str(job), "tiny_cnn", precision, 1000.0, 0.9)
+        summary.update(
+            underflow={"underflow_frac_scaled": 0.0016},
+            suggested_init_scale=1048576.0,
+            hardware={"advice": ["bf16 is slow here"]},
+        )
+        (tmp_path / str(job) / "summary.json").write_text(json.dumps(summary))
+    build_report([tmp_path], tmp_path, tolerance=0.5)
+    markdown = (tmp_path / "report.md").read_text()
+    section = markdown.split("## AMP health\n\n")[1].split("\n\n")[0]
+    assert "- `0` (tiny_cnn fp32): checks passed; if this run were fp16, 0.16% of its " in section
+    assert "lost to fp16 underflow" not in section and "init_scale" not in section
+    assert markdown.count("bf16 is slow here") == 1
+
+
+def test_the_precision_cell_names_ranks_only_when_a_run_was_data_parallel(tmp_path: Path) -> None:
     write_run(tmp_path / "single" / "0", "tiny_cnn", "fp32", 1000.0, 0.80)
     build_report([tmp_path / "single"], tmp_path / "single", tolerance=0.5)
-    assert "| ranks |" not in (tmp_path / "single" / "report.md").read_text()
+    assert "| 0 | tiny_cnn | fp32 | learned |" in (tmp_path / "single" / "report.md").read_text()
 
     write_run(tmp_path / "ddp" / "0", "tiny_cnn", "fp32", 1000.0, 0.80, world_size=2)
     write_run(tmp_path / "ddp" / "1", "tiny_cnn", "bf16", 1500.0, 0.80, world_size=2)
     report = build_report([tmp_path / "ddp"], tmp_path / "ddp", tolerance=0.5)
     assert [row["world_size"] for row in report["runs"]] == [2, 2]
-    table = (tmp_path / "ddp" / "report.md").read_text().splitlines()
-    header = next(line for line in table if line.startswith("| run |"))
-    assert "| ranks |" in header
+    assert "| 1 | tiny_cnn | bf16 [2 ranks] |" in (tmp_path / "ddp" / "report.md").read_text()
 
 
 def test_fsdp2_runs_show_their_strategy_and_the_dtypes_that_are_not_fp32(tmp_path: Path) -> None:
@@ -418,14 +439,13 @@ def test_fsdp2_runs_show_their_strategy_and_the_dtypes_that_are_not_fp32(tmp_pat
         summary.update(strategy="fsdp2", param_dtype="bf16", reduce_dtype=reduce_dtype)
         (tmp_path / job / "summary.json").write_text(json.dumps(summary))
     build_report([tmp_path], tmp_path, tolerance=0.5)
-    table = (tmp_path / "report.md").read_text().splitlines()
-    header = next(line for line in table if line.startswith("| run |"))
-    assert "| ranks | strategy | param dtype | reduce dtype |" in header
-    assert any("| 2 | fsdp2 | bf16 | bf16 |" in line for line in table)
+    table = (tmp_path / "report.md").read_text()
+    assert "| bf16 [2 ranks, fsdp2, params bf16] |" in table
+    assert "| bf16 [2 ranks, fsdp2, params bf16, reduce bf16] |" in table
 
     write_run(tmp_path / "ddp" / "0", "tiny_cnn", "fp32", 1000.0, 0.80, world_size=2)
     build_report([tmp_path / "ddp"], tmp_path / "ddp", tolerance=0.5)
-    assert "strategy" not in (tmp_path / "ddp" / "report.md").read_text()
+    assert "fsdp2" not in (tmp_path / "ddp" / "report.md").read_text()
 
 
 def test_a_job_killed_before_its_summary_is_listed_as_killed(tmp_path: Path) -> None:
@@ -610,9 +630,34 @@ def test_memory_columns_compare_saved_activations_and_state_and_keep_cpu_rss_a_f
     )
     markdown = (tmp_path / "report.md").read_text()
     header = next(line for line in markdown.splitlines() if line.startswith("| run"))
-    assert "| saved activations | activations vs fp32 | weights + opt. state | state vs fp32 |" in (
-        header
-    )
+    assert "| memory vs fp32 |" in header
     assert "peak memory" not in header and "CUDA peak" not in header
-    assert "| 200.00 MiB | 0.50x | 10.00 MiB | 1.00x |" in markdown
+    assert "| 0.50x act., 1.00x state |" in markdown
     assert "CPU peak resident memory of the process (not of the precision): `0` 800 MiB" in markdown
+
+
+def test_peak_memory_png_stacks_saved_activations_and_state_by_precision_not_process_rss(
+    tmp_path: Path,
+) -> None:
+    """Issue 37: the plot showed the process's resident set, which the report calls "not of the
+    precision"; the precision's 0.50x of saved activations was nowhere to be seen."""
+    for job, precision, seed, activations in (
+        ("0", "fp32", 0, 400 * MiB),
+        ("1", "fp32", 1, 400 * MiB),
+        ("2", "bf16", 0, 200 * MiB),
+        ("3", "bf16", 1, 200 * MiB),
+    ):
+        summary = write_run(tmp_path / job, "tiny_cnn", precision, 1000.0, 0.8, activations)
+        summary["state_bytes"] = 10 * MiB
+        summary["config"]["seed"] = seed
+        (tmp_path / job / "summary.json").write_text(json.dumps(summary))
+    report = build_report([tmp_path], tmp_path, tolerance=0.5)
+    assert "peak_memory.png" in report["plots"]
+    (ax,) = [ax for ax in plots.memory_bars(report["runs"], {}).axes if ax.get_visible()]
+    # A bar per precision, not per seed: activations below, weights + state stacked on top.
+    heights = [(patch.get_x(), patch.get_y(), patch.get_height()) for patch in ax.patches]
+    assert sorted(heights) == sorted(
+        [(-0.4, 0, 400), (0.6, 0, 200), (-0.4, 400, 10), (0.6, 200, 10)]
+    )
+    labels = [text.get_text() for text in ax.texts]
+    assert "0.50x" in labels and "1.00x" in labels

@@ -73,7 +73,8 @@ class SyntheticTokensConfig:
     batch_size: int = 32
     # null = the training batch size.
     eval_batch_size: int | None = None
-    # Tokens a model sees per sequence; null = the model's seq_len (gpt).
+    # Tokens a model sees per sequence; null = the model's seq_len (gpt), or for model=hf its
+    # max_position_embeddings up to 1,024 (config/hf.py DEFAULT_SEQ_LEN).
     seq_len: int | None = None
     vocab_size: int = 128
     branching: int = 4

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import sys
 from argparse import Namespace
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -270,6 +271,24 @@ def output_directory(cfg: DictConfig, mode: str) -> OutputDir:
         return OutputDir(key, raw.partition("${")[0] or ".", False)
 
 
+# What a language model's config picks when no dataset is given (conf/model/gpt_tiny.yaml).
+TOKENS_DATASET = "synthetic_tokens"
+
+
+def default_dataset_note(cfg: DictConfig, overrides: list[str]) -> str | None:
+    """One line for a run whose dataset the model's config picked, not the user or a preset:
+    ``model=gpt_tiny`` alone trains on synthetic tokens, and says so, once per command."""
+    choices = cfg.hydra.runtime.choices
+    if choices.get("dataset") != TOKENS_DATASET or choices.get("experiment"):
+        return None
+    if any(o.lstrip("+~").split("=")[0].split("@")[0] == "dataset" for o in overrides):
+        return None
+    return (
+        f"dataset={TOKENS_DATASET}: the default for model={choices.get('model')}, a language "
+        "model (dataset= picks another)"
+    )
+
+
 def check_overrides(argv: list[str]) -> Launch | None:
     """Raise ConfigError, with a one-line message, if any override cannot run; else what will
     run (None for Hydra's own --help, --info, --cfg, which run nothing)."""
@@ -283,6 +302,9 @@ def check_overrides(argv: list[str]) -> Launch | None:
                 config_name, args.overrides, args.multirun
             )
             composer = GlobalHydra.instance().hydra
+            note = default_dataset_note(base, args.overrides)
+            if note is not None:
+                print(f"amp_exp: {note}", file=sys.stderr)
             jobs = sweep_jobs([*preset_params, *args.overrides], multirun)
             # Composing is the slow part of start-up: a single run is the config composed above.
             configs = (

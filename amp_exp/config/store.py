@@ -20,7 +20,9 @@ from importlib.util import find_spec
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.plugins import Plugins
+from omegaconf import OmegaConf
 
+from amp_exp.config.help import help_text
 from amp_exp.config.launch import register_resolvers
 from amp_exp.config.schema import SCHEMAS, PredictConfig, RunConfig, SensitivityConfig
 
@@ -33,6 +35,7 @@ def register_configs() -> None:
     """Store the schemas under ``schema/<group>/`` so they never show up as group options, and
     register the resolvers conf/config.yaml uses."""
     register_resolvers()
+    OmegaConf.register_new_resolver("amp_exp.help", help_text, replace=True)
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
     for group, schemas in SCHEMAS.items():

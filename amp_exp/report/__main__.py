@@ -27,10 +27,7 @@ COMMAND = "amp_exp.report"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = OneLineParser(
-        prog="python -m amp_exp.report",
-        description="Compare runs: writes report.md, report.json and PNG plots.",
-    )
+    parser = OneLineParser(prog="python -m amp_exp.report")
     parser.add_argument(
         "dirs", nargs="+", type=Path, metavar="DIR", help="a sweep or run directory"
     )

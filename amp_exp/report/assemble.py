@@ -11,8 +11,10 @@ from typing import Any
 
 from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows, tolerance_for
 from amp_exp.report.evidence import cell_key, gather, trial_speedup
+from amp_exp.report.learned import mark_comparisons, mark_learned
 from amp_exp.report.markdown import write_report
 from amp_exp.report.predicted import predicted_speedups
+from amp_exp.report.recommend import recommendations
 from amp_exp.report.runs import find_runs
 from amp_exp.report.verdicts import verdicts
 from amp_exp.results.files import PREDICTED_JSON, SPEED_JSON
@@ -76,13 +78,16 @@ def build_report(
             # One speed fact per precision: the trial timed this model, so the probe's advice
             # from generic kernels, which may say the opposite, is not repeated beside it.
             row["health"]["hardware_advice"] = []
+    mark_learned(rows, metrics)
     cells, comparisons = gather(rows, metrics, tolerance, trials, familywise)
     predictions = read_entries(dirs, PREDICTED_JSON, "predictions")
     for found in comparisons:
         found["predicted"] = predicted_speedups(
             predictions, (found["model"], found["setting"], found["label"])
         )
+    mark_comparisons(comparisons, rows)
     report = {
+        "recommendations": recommendations(rows, comparisons),
         "tolerance": tolerance,
         "familywise": familywise,
         "baseline_precision": BASELINE,

@@ -302,6 +302,8 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
             ((summary.get("config") or {}).get("precision") or {}).get("stochastic_rounding")
         ),
         "final_loss": summary.get("final_loss"),
+        # The best loss the data allows, where it knows one (report/learned.py reads it).
+        "loss_floor": summary.get("loss_floor"),
         **quality_fields(summary, base),
         "skipped_steps": summary.get("skipped_steps"),
         "loss_scale": summary.get("loss_scale"),

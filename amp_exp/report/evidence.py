@@ -178,7 +178,13 @@ def cell_summary(key: CellKey, rows: list[Row]) -> dict[str, Any]:
     """n, and the mean of the quality metric with its 95% CI, over the cell's completed seeds."""
     measured = [r for r in rows if r["status"] == "completed" and r["quality"] is not None]
     declared = next((r["quality_metric"] for r in measured), None)
-    estimate = stats.mean_interval([r["quality"] for r in measured]) if measured else None
+    values = [r["quality"] for r in measured]
+    log_scale = on_log_scale(declared, values)
+    estimate = None
+    if log_scale:
+        estimate = geometric_interval(values)
+    elif measured:
+        estimate = stats.mean_interval(values)
     model, setting, label = key
     return {
         "model": model,
@@ -189,8 +195,26 @@ def cell_summary(key: CellKey, rows: list[Row]) -> dict[str, Any]:
         "n": len(measured),
         "seeds": [r["seed"] for r in measured],
         "metric": None if declared is None else declared["quality"],
+        # A loss or perplexity is summarised as a geometric mean: its interval stays positive.
+        "scale": "log" if log_scale else "linear",
         **(estimate_dict(estimate) or {"mean": None, "ci95": None}),
     }
+
+
+def on_log_scale(declared: dict[str, Any] | None, values: list[float]) -> bool:
+    """Whether a metric judged in relative terms (a loss, a perplexity: a ratio scale) is
+    summarised on the log scale; accuracy, in points, stays linear."""
+    if declared is None or not values:
+        return False
+    relative = ToleranceUnit(declared["tolerance_unit"]) is ToleranceUnit.relative
+    return relative and all(math.isfinite(v) and v > 0 for v in values)
+
+
+def geometric_interval(values: list[float]) -> stats.Estimate:
+    """The geometric mean and its 95% interval: the t interval of the logs, taken back."""
+    found = stats.mean_interval([math.log(v) for v in values])
+    ci95 = None if found.ci95 is None else (math.exp(found.ci95[0]), math.exp(found.ci95[1]))
+    return stats.Estimate(found.n, math.exp(found.mean), ci95, found.sd, found.scale)
 
 
 def metric_label(declared: dict[str, Any]) -> str:

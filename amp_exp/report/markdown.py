@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -19,8 +21,10 @@ from amp_exp.report.compare import (
     tolerance_for,
 )
 from amp_exp.report.evidence import CLAIM_P
+from amp_exp.report.learned import DROP, FLOOR_FACTOR
 from amp_exp.report.predicted import PREDICTED_NOTE, prediction_columns, show_prediction
-from amp_exp.results.files import REPORT_JSON, REPORT_MD, json_safe, write_text
+from amp_exp.report.recommend import recommendation_lines
+from amp_exp.results.files import REPORT_JSON, REPORT_MD, RUNS_CSV, json_safe, write_text
 from amp_exp.tasks.metrics import ToleranceUnit
 
 
@@ -43,34 +47,6 @@ def show_speedup(speedup: dict[str, Any] | None) -> str:
     return f"{speedup['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
 
 
-# (header, row key, how to show a value)
-COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
-    ("run", "run", str),
-    ("model", "model", str),
-    ("precision", "label", str),
-    ("setting", "setting", str),
-    ("seed", "seed", _text),
-    ("ranks", "world_size", _formatter("d")),
-    ("strategy", "strategy", _text),
-    ("param dtype", "param_dtype", _text),
-    ("reduce dtype", "reduce_dtype", _text),
-    ("status", "status", str),
-    ("samples/s", "samples_per_s", _formatter(",.1f")),
-    ("tokens/s", "tokens_per_s", _formatter(",.0f")),
-    ("MFU", "mfu", _formatter(".1%")),
-    (f"speedup vs {BASELINE}", "speedup", _formatter(".2f", suffix="x")),
-    ("trial speedup (95% CI)", "trial_speedup", show_speedup),
-    ("saved activations", "saved_activation_bytes", _formatter(",.2f", 1 / 2**20, " MiB")),
-    (f"activations vs {BASELINE}", "activation_ratio", _formatter(".2f", suffix="x")),
-    ("weights + opt. state", "state_bytes", _formatter(",.2f", 1 / 2**20, " MiB")),
-    (f"state vs {BASELINE}", "state_ratio", _formatter(".2f", suffix="x")),
-    ("CUDA peak", "cuda_peak_bytes", _formatter(",.1f", 1 / 2**20, " MiB")),
-    (f"CUDA peak vs {BASELINE}", "cuda_peak_ratio", _formatter(".2f", suffix="x")),
-    ("final loss", "final_loss", _formatter(".4f")),
-    # The task's eval metrics and its quality metric against fp32's go here (metric_columns).
-    ("skipped steps", "skipped_steps", _formatter("d")),
-    ("final loss scale", "loss_scale", _formatter("g")),
-]
 EVIDENCE_NOTE = (
     "Seeds are replicates: seed s of a precision is paired with seed s of fp32 (the same initial "
     "weights and batches), and every seed attempted counts: a precision that failed a seed fp32 "
@@ -94,62 +70,99 @@ FAMILYWISE_NOTE = (
 )
 MFU_NOTE = "MFU: achieved TFLOP/s over the GPU's dense peak (summary.json's mfu_peak_source). "
 MEMORY_NOTE = (
-    "Saved activations: the bytes autograd kept for backward in the audited step, counted once "
-    "per storage (exact on every device). Weights + opt. state: the bytes of the parameters and "
-    "the optimizer's state tensors at the end of training. CUDA peak: the most memory tensors "
-    "held on the GPU."
+    "Memory vs fp32: act. is the bytes autograd kept for backward in the audited step, counted "
+    "once per storage (exact on every device); state is the bytes of the parameters and the "
+    "optimizer's state tensors at the end of training (report.json and runs.csv hold the bytes, "
+    "and on CUDA the peak). "
+)
+LEARNED_NOTE = (
+    "Result: a completed run learned when its eval loss fell to at most {drop:.0%} of the first "
+    "training loss it logged and, where the data knows its best reachable loss (loss_floor), to "
+    "within {floor:g}x of it; a comparison with an fp32 run that did not learn measures "
+    "optimization luck on that seed. "
 )
 
 
-# Columns shown only when some row needs them: a setting that varies, data-parallel ranks, FSDP2
-# and the dtypes of its policy when they are not fp32, and a language model's tokens/s, MFU (known
-# on listed GPUs only) and perplexity. Failed runs carry no world size.
-OPTIONAL_COLUMNS: dict[str, Callable[[Any], bool]] = {
-    "setting": bool,
-    "trial_speedup": lambda speedup: speedup is not None,
-    "world_size": lambda ranks: (ranks or 1) > 1,
-    "strategy": lambda strategy: strategy == "fsdp2",
-    "param_dtype": lambda dtype: dtype not in (None, "fp32"),
-    "reduce_dtype": lambda dtype: dtype not in (None, "fp32"),
-    **{
-        key: lambda value: value is not None
-        for key in ("tokens_per_s", "mfu", "cuda_peak_bytes", "cuda_peak_ratio")
-    },
-}
 Column = tuple[str, Callable[[dict[str, Any]], str]]
 
 
-def metric_columns(rows: list[dict[str, Any]]) -> list[Column]:
-    """A column per eval metric the runs' tasks declare, then each quality metric against
-    fp32's, in its tolerance unit."""
-    metrics: dict[str, dict[str, Any]] = {}
-    qualities: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        declared = row["quality_metric"]
-        if declared is not None:
-            metrics.update({metric["name"]: metric for metric in declared["metrics"]})
-            qualities.setdefault(declared["quality"], declared)
+def subject(row: dict[str, Any]) -> str:
+    """The model, and its setting where the runs of a model differ in more than precision."""
+    return f"{row['model']} ({row['setting']})" if row["setting"] else row["model"]
 
-    def value_of(name: str, fmt: str) -> Callable[[dict[str, Any]], str]:
-        return lambda row: _formatter(fmt)(row["eval"].get(name))
 
-    def delta_of(name: str, unit: ToleranceUnit) -> Callable[[dict[str, Any]], str]:
-        def show(row: dict[str, Any]) -> str:
-            declared, delta = row["quality_metric"], row["quality_delta"]
-            if declared is None or declared["quality"] != name or delta is None:
-                return "-"
-            return show_delta(delta, unit)
+def throughput(row: dict[str, Any]) -> str:
+    """Tokens/s for a language model, samples/s otherwise."""
+    if row["tokens_per_s"] is not None:
+        return f"{row['tokens_per_s']:,.0f} tokens/s"
+    return _formatter(",.1f", suffix=" samples/s")(row["samples_per_s"])
 
-        return show
 
-    columns: list[Column] = [
-        (name, value_of(name, metric["fmt"])) for name, metric in metrics.items()
+def speedup(row: dict[str, Any]) -> str:
+    """The one speed against fp32's: the interleaved trial's, else the jobs' own, labelled
+    (report.json keeps both: ``trial_speedup`` and ``speedup``)."""
+    if row["label"] == BASELINE:
+        return "-"  # the baseline of every speedup
+    if row["trial_speedup"] is not None:
+        return show_speedup(row["trial_speedup"])
+    return _formatter(".2f", suffix="x (jobs)")(row["speedup"])
+
+
+def memory(row: dict[str, Any]) -> str:
+    """What the precision changes in memory against fp32: saved activations, weights + state."""
+    ratios = [(row["activation_ratio"], "act."), (row["state_ratio"], "state")]
+    shown = [f"{ratio:.2f}x {what}" for ratio, what in ratios if ratio is not None]
+    return ", ".join(shown) or "-"
+
+
+def quality(row: dict[str, Any]) -> str:
+    """The task's quality metric, as its declaration formats it."""
+    declared = row["quality_metric"]
+    if declared is None or row["quality"] is None:
+        return "-"
+    fmt = next(m["fmt"] for m in declared["metrics"] if m["name"] == declared["quality"])
+    return format(row["quality"], fmt)
+
+
+def precision_cell(row: dict[str, Any]) -> str:
+    """The precision, and how it ran where that is not one process in fp32 dtypes: its ranks,
+    FSDP2, and the dtypes of FSDP2's policy."""
+    parts = [f"{row['world_size']} ranks"] if (row["world_size"] or 1) > 1 else []
+    parts += ["fsdp2"] if row["strategy"] == "fsdp2" else []
+    for what, key in (("params", "param_dtype"), ("reduce", "reduce_dtype")):
+        if row[key] not in (None, "fp32"):
+            parts.append(f"{what} {row[key]}")
+    return shown(row) + (f" [{', '.join(parts)}]" if parts else "")
+
+
+LEARNED_WORDS = {True: "learned", False: "DID NOT LEARN", None: "completed"}
+
+
+def result(row: dict[str, Any]) -> str:
+    """How the run ended and, if it completed, whether it learned (report/learned.py)."""
+    return LEARNED_WORDS[row["learned"]] if row["status"] == "completed" else row["status"]
+
+
+def quality_header(rows: list[dict[str, Any]]) -> str:
+    names = dict.fromkeys(r["quality_metric"]["quality"] for r in rows if r["quality_metric"])
+    return " / ".join(names) or "quality"
+
+
+def run_columns(rows: list[dict[str, Any]]) -> list[Column]:
+    """report.md's Runs table, at most 10 columns (every field is in report.json and runs.csv);
+    a new column is one more entry here."""
+    seeds = [("seed", lambda row: _text(row["seed"]))] if len({r["seed"] for r in rows}) > 1 else []
+    return [
+        ("run", lambda row: row["run"]),
+        ("model", subject),
+        ("precision", precision_cell),
+        *seeds,
+        ("result", result),
+        ("throughput", throughput),
+        (f"speedup vs {BASELINE}", speedup),
+        (f"memory vs {BASELINE}", memory),
+        (quality_header(rows), quality),
     ]
-    columns += [
-        (f"{name} vs {BASELINE}", delta_of(name, ToleranceUnit(declared["tolerance_unit"])))
-        for name, declared in qualities.items()
-    ]
-    return columns
 
 
 def shown(row: dict[str, Any]) -> str:
@@ -158,25 +171,32 @@ def shown(row: dict[str, Any]) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
-    columns: list[Column] = []
-    for header, key, show in COLUMNS:
-        if key in OPTIONAL_COLUMNS and not any(OPTIONAL_COLUMNS[key](row[key]) for row in rows):
-            continue
-        if key == "seed" and len({row["seed"] for row in rows}) < 2:
-            continue  # seeds are shown where they vary: a replicated sweep
-        if key == "label":
-            columns.append((header, shown))
-        else:
-            columns.append((header, lambda row, key=key, show=show: show(row[key])))
-        if key == "final_loss":
-            columns += metric_columns(rows)
-    lines = [
-        "| " + " | ".join(header for header, _ in columns) + " |",
-        "|" + "|".join("---" for _ in columns) + "|",
-    ]
+    columns = run_columns(rows)
+    return _table(
+        [header for header, _ in columns], [[show(row) for _, show in columns] for row in rows]
+    )
+
+
+def runs_csv(rows: list[dict[str, Any]]) -> str:
+    """Every scalar field of every run (the report.json rows), one run a line: what the Runs
+    table leaves out, for a spreadsheet."""
+    scalars = (
+        key
+        for row in rows
+        for key, value in row.items()
+        if key != "trial_speedup" and not isinstance(value, dict | list)
+    )
+    fields = [*dict.fromkeys(scalars), "trial_speedup"]
+    fields += [f"eval.{name}" for name in dict.fromkeys(n for row in rows for n in row["eval"])]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(fields)
     for row in rows:
-        lines.append("| " + " | ".join(show(row) for _, show in columns) + " |")
-    return lines
+        values = {**row, **{f"eval.{name}": value for name, value in row["eval"].items()}}
+        trial = row["trial_speedup"]
+        values["trial_speedup"] = None if trial is None else trial["ratio"]
+        writer.writerow(["" if values.get(key) is None else values[key] for key in fields])
+    return out.getvalue()
 
 
 def _table(header: list[str], body: list[list[str]]) -> list[str]:
@@ -283,9 +303,15 @@ def health_line(row: dict[str, Any]) -> str:
         where = ", ".join(overflow["parameters"]) or "no parameter found"
         loss = "finite" if overflow["loss_finite"] else "non-finite"
         parts.append(f"first overflow at step {overflow['step']} (loss {loss}; {where})")
-    if health["underflow_frac_scaled"] is not None:
-        parts.append(f"{health['underflow_frac_scaled']:.2%} of gradients lost to fp16 underflow")
-    if health["suggested_init_scale"] is not None:
+    # fp16's figures, measured in every run: in another precision they say what fp16 would do,
+    # and a loss scale is fp16's alone.
+    fp16 = row["precision"] == "fp16"
+    lost = health["underflow_frac_scaled"]
+    if lost is not None and fp16:
+        parts.append(f"{lost:.2%} of gradients lost to fp16 underflow")
+    elif lost is not None:
+        parts.append(f"if this run were fp16, {lost:.2%} of its gradients would flush to zero")
+    if health["suggested_init_scale"] is not None and fp16:
         parts.append(f"suggested init_scale {health['suggested_init_scale']:g}")
     if health["stale_weight_frac"] is not None:
         stale = health["stale_weight_frac"]
@@ -297,7 +323,6 @@ def health_line(row: dict[str, Any]) -> str:
             + (f" (kept in bf16: {kept})" if kept else "")
         )
     parts += audit_parts(row["audit"])
-    parts += health["hardware_advice"]
     return f"- `{row['run']}` ({row['model']} {shown(row)}): " + "; ".join(parts)
 
 
@@ -335,6 +360,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# amp_exp sweep report",
         "",
+        "## Recommendation",
+        "",
+        *recommendation_lines(report["recommendations"]),
+        "",
         f"{len(rows)} runs ({', '.join(f'{n} {status}' for status, n in sorted(statuses.items()))})"
         + (f", on {', '.join(devices)}" if devices else "")
         + f". Each run is compared with the completed {BASELINE} run of the same model, "
@@ -356,15 +385,21 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         *markdown_table(rows),
         "",
-        "Samples/s (and tokens/s) count timed training steps only (no warm-up, no evaluation); "
-        "emulated fp8 runs are not timed. "
+        "Throughput counts timed training steps only (no warm-up, no evaluation); emulated fp8 "
+        "runs are not timed. Speedup: the speed trial's, else the jobs' own, timed one after "
+        "another (marked jobs). "
         + (MFU_NOTE if any(row["mfu"] is not None for row in rows) else "")
         + MEMORY_NOTE
+        + LEARNED_NOTE.format(drop=DROP, floor=FLOOR_FACTOR)
+        + f"Every field of every run: report.json and {RUNS_CSV}."
         + rss_footnote(rows),
     ]
     completed = [row for row in rows if row["status"] == "completed"]
     if completed:
         lines += ["", "## AMP health", "", *(health_line(row) for row in completed)]
+        # The probe's advice is a fact of the machine, the same in every run: said once.
+        advice = dict.fromkeys(a for row in completed for a in row["health"]["hardware_advice"])
+        lines += [f"- this machine: {line}" for line in advice]
     if unfinished:
         lines += ["", "## Runs that did not complete", ""]
         lines += [
@@ -383,4 +418,5 @@ def render_markdown(report: dict[str, Any]) -> str:
 def write_report(out_dir: Path, report: dict[str, Any]) -> None:
     text = json.dumps(json_safe(report), indent=2, allow_nan=False)
     write_text(out_dir / REPORT_JSON, text + "\n")
+    write_text(out_dir / RUNS_CSV, runs_csv(report["runs"]))
     write_text(out_dir / REPORT_MD, render_markdown(report))

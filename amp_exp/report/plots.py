@@ -315,8 +315,62 @@ def throughput_bars(rows: Rows, metrics: Metrics) -> Figure | None:
     return _bars(rows, "samples_per_s", "speedup", 1, "training samples/s")
 
 
-def peak_memory_bars(rows: Rows, metrics: Metrics) -> Figure | None:
-    return _bars(rows, "peak_mem_bytes", "peak_mem_ratio", 2**20, "peak memory (MiB)")
+def memory_bars(rows: Rows, metrics: Metrics) -> Figure | None:
+    """What a precision changes in memory, a bar per precision of each model: the saved
+    activations with the weights and optimizer state stacked on them, each labelled with its
+    ratio to fp32's. Memory does not change with the seed: a cell's first run stands for it.
+    (The process's peak resident set measures Python and torch, not the precision.)"""
+    measured = {
+        key: next(row for row in cell if row["saved_activation_bytes"] is not None)
+        for key, cell in _cells(rows).items()
+        if any(row["saved_activation_bytes"] is not None for row in cell)
+    }
+    models = list(dict.fromkeys(model for model, _, _ in measured))
+    if not models:
+        return None
+    figure, axes = _model_panels(models, (4.2, 4.0))
+    for ax, model in zip(axes, models, strict=True):
+        bars = [row for (cell_model, _, _), row in measured.items() if cell_model == model]
+        places = range(len(bars))
+        colors = [_color(row["precision"]) for row in bars]
+        saved = [row["saved_activation_bytes"] / 2**20 for row in bars]
+        state = [(row["state_bytes"] or 0) / 2**20 for row in bars]
+        low = ax.bar(places, saved, color=colors, label="saved activations")
+        high = ax.bar(
+            places,
+            state,
+            bottom=saved,
+            color=colors,
+            alpha=0.45,
+            hatch="//",
+            label="weights + state",
+        )
+        ax.bar_label(
+            low,
+            labels=[_ratio_label(r["activation_ratio"]) for r in bars],
+            label_type="center",
+            fontsize="small",
+        )
+        ax.bar_label(
+            high,
+            labels=[_ratio_label(r["state_ratio"]) for r in bars],
+            label_type="center",
+            fontsize="small",
+        )
+        ax.set_xticks(
+            places,
+            [_label(row, with_model=False).replace(" ", "\n") for row in bars],
+            fontsize="small",
+        )
+        ax.set(title=model, ylabel="MiB (ratio to fp32)")
+        ax.margins(y=0.15)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    return figure
+
+
+def _ratio_label(ratio: float | None) -> str:
+    return "" if ratio is None else f"{ratio:.2f}x"
 
 
 def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
@@ -363,7 +417,7 @@ PLOTS: dict[str, Callable[[Rows, Metrics], Figure | None]] = {
     "loss_gap.png": loss_gap,
     "loss_scale.png": loss_scale_trace,
     "throughput.png": throughput_bars,
-    "peak_memory.png": peak_memory_bars,
+    "peak_memory.png": memory_bars,
     "speed_trial.png": speed_trial_bars,
 }
 

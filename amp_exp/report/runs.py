@@ -113,7 +113,15 @@ FIELD_KINDS: dict[str, Any] = {
     **dict.fromkeys(("device_name", "peak_mem_kind", "stop_signal"), str),
     **dict.fromkeys(("world_size", "skipped_steps", "steps"), int),
     **dict.fromkeys(
-        ("samples_per_s", "tokens_per_s", "mfu", "peak_mem_bytes", "state_bytes", "final_loss"),
+        (
+            "samples_per_s",
+            "tokens_per_s",
+            "mfu",
+            "peak_mem_bytes",
+            "state_bytes",
+            "final_loss",
+            "loss_floor",
+        ),
         NUMBER,
     ),
     **dict.fromkeys(

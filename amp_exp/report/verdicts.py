@@ -16,6 +16,7 @@ from amp_exp.report.compare import (
     stall_phrase,
 )
 from amp_exp.report.evidence import CLAIM_P
+from amp_exp.report.learned import FIX
 from amp_exp.report.stats import MAX_SEEDS
 from amp_exp.tasks.metrics import ToleranceUnit
 
@@ -163,9 +164,23 @@ def quality_phrase(comparison: dict[str, Any]) -> str:
             f"; Holm across the report's comparisons leaves it {verdict} (unadjusted: "
             f"{comparison['unadjusted_verdict']})"
         )
+    if comparison.get("baseline_not_learned"):
+        return phrase + not_learned_phrase(comparison)
     if verdict == "inconclusive":
         phrase += settle_phrase(comparison)
     return phrase + floor_phrase(comparison)
+
+
+def not_learned_phrase(comparison: dict[str, Any]) -> str:
+    """Where fp32 itself did not learn on some seeds (report/learned.py): what those seeds'
+    differences measure, and the fix of the training that would make them measure the precision."""
+    seeds = comparison["baseline_not_learned"]
+    listed = ", ".join(str(seed) for seed in seeds)
+    return (
+        f"; {BASELINE} did not learn on seed{'' if len(seeds) == 1 else 's'} {listed}, so "
+        f"{'its' if len(seeds) == 1 else 'their'} difference measures optimization luck, not "
+        f"the precision: {FIX}"
+    )
 
 
 def loss_phrase(comparison: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
+from amp_exp.config.help import flags_help
 from amp_exp.config.preflight import check_overrides
 from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RunRefused, RuntimeFault
 from amp_exp.results.claim import hold_directory
@@ -52,7 +53,15 @@ class Stopped(BaseException):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, with a bad flag as one line and exit 2 (argparse prints its usage first)."""
+    """argparse, with a bad flag as one line and exit 2 (argparse prints its usage first), and
+    --help in the shape every command's has (config/help.py): what the command does and how to
+    call it from help.COMMANDS, then its flags."""
+
+    def format_help(self) -> str:
+        formatter = self._get_formatter()
+        for group in self._action_groups:
+            formatter.add_arguments(group._group_actions)
+        return flags_help(self.prog.removeprefix("python -m "), formatter.format_help()) + "\n"
 
     def error(self, message: str) -> NoReturn:
         # "amp_exp.report: error: ...", as every other one-line error of a command begins.

@@ -27,6 +27,7 @@ WANDB_RUN_ID_FILE = "wandb_run_id"
 JOB_CONFIG = Path(".hydra") / "config.yaml"
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
+RUNS_CSV = "runs.csv"
 # The interleaved speed trial (amp_exp/speed/): in its run directory, or a sweep's beside report.*
 SPEED_JSON = "speed.json"
 SPEED_MD = "speed.md"

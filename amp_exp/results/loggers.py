@@ -120,13 +120,27 @@ def describe_rate(row: dict[str, Any]) -> str:
 class ConsoleLogger:
     """A progress line per log interval, through ``logging`` so Hydra also files it in train.log."""
 
-    def __init__(self, total_steps: int, metrics: TaskMetrics) -> None:
+    def __init__(self, total_steps: int, metrics: TaskMetrics, fp16: bool = True) -> None:
+        """``fp16``: whether the run computes in fp16; another precision's diagnostics rows
+        say what fp16 would do, labelled as such."""
         self.total_steps = total_steps
         self.metrics = metrics
+        self.fp16 = fp16
 
     def log(self, row: dict[str, Any]) -> None:
         if row["kind"] == EVAL:
             log.info("eval @ step %d: %s", row["step"], describe_eval(row, self.metrics))
+            return
+        if row["kind"] == DIAGNOSTICS and not self.fp16:
+            log.info(
+                "gradient range @ step %d, if this run were fp16: %s would flush to zero "
+                "unscaled, %s would overflow; %s of weights unchanged over %s steps",
+                row["step"],
+                _fmt(row["grad_underflow_frac"], ".3%"),
+                _fmt(row["grad_overflow_frac_scaled"], ".3%"),
+                _fmt(row.get("stale_weight_frac"), ".1%"),
+                row.get("stale_window_steps", "-"),
+            )
             return
         if row["kind"] == DIAGNOSTICS:
             log.info(

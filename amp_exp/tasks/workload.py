@@ -57,13 +57,17 @@ def build_data(cfg: RunConfig, placement: Placement) -> DataBundle:
         return build_image_data(dataset, placement)
     if isinstance(dataset, CustomDatasetConfig):
         return build_custom_data(dataset, cfg.task, placement)
-    # Token data: validate made sure one of the two says how long a sequence is.
-    model = cfg.model
-    seq_len = dataset.seq_len or (
-        hf.max_positions(model) if isinstance(model, HFModelConfig) else model.seq_len
-    )
     build = build_synthetic_tokens if isinstance(dataset, SyntheticTokensConfig) else build_text
-    return build(dataset, seq_len, placement)
+    return build(dataset, token_seq_len(cfg), placement)
+
+
+def token_seq_len(cfg: RunConfig) -> int:
+    """How many tokens a sequence holds: dataset.seq_len, else the model's own (validate made
+    sure one of the two says): a gpt's seq_len, an hf model's positions up to a cap."""
+    model = cfg.model
+    if cfg.dataset.seq_len:
+        return cfg.dataset.seq_len
+    return hf.default_seq_len(model) if isinstance(model, HFModelConfig) else model.seq_len
 
 
 def build_gpt(cfg: GPTConfig, facts: dict[str, Any]) -> GPT:
@@ -93,10 +97,30 @@ def check_output_fits(task: Task, model: nn.Module, batch: Batch, cfg: RunConfig
             problem = task.output_problem(model, task.to_device(batch))
     except Exception as error:
         problem = f"fails on one batch: {type(error).__name__}: {first_line(str(error))}"
+        problem += memory_hint(cfg, error)
     if problem:
         raise ConfigError(
             f"model={cfg.model.name} cannot train on dataset={dataset_name(cfg.dataset)}: {problem}"
         )
+
+
+# How a forward pass that ran out of memory says so, on CUDA and on the CPU.
+MEMORY_MESSAGES = ("out of memory", "tried to allocate", "can't allocate memory")
+
+
+def memory_hint(cfg: RunConfig, error: Exception) -> str:
+    """For a batch that did not fit in memory: the two knobs that shrink it, and their values."""
+    if not isinstance(error, MemoryError) and not any(
+        words in str(error).lower() for words in MEMORY_MESSAGES
+    ):
+        return ""
+    dataset = cfg.dataset
+    if isinstance(dataset, ImageDatasetConfig | CustomDatasetConfig):
+        return f"; a smaller dataset.batch_size (now {dataset.batch_size}) fits in less memory"
+    return (
+        f"; a smaller dataset.seq_len (now {token_seq_len(cfg)}) or dataset.batch_size (now "
+        f"{dataset.batch_size}) fits in less memory"
+    )
 
 
 def model_label(cfg: RunConfig) -> str:

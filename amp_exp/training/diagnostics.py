@@ -250,10 +250,16 @@ class Diagnostics(StepCallback):
         self.emit(row)
 
     def summary(self) -> dict:
-        """The figures summary.json gets: check results, underflow and the suggested scale."""
+        """The figures summary.json gets: check results, underflow and the suggested scale,
+        never above a scale fp16 backed off to after an overflow in this run (the largest
+        gradient of the diagnostics steps says nothing of the step that overflowed)."""
+        suggested = self.suggested_init_scale
+        backed_off_to = (self.progress().first_overflow or {}).get("backed_off_to")
+        if suggested is not None and backed_off_to is not None:
+            suggested = min(suggested, backed_off_to)
         return {
             "checks": self.checks,
             "underflow": self.underflow,
-            "suggested_init_scale": self.suggested_init_scale,
+            "suggested_init_scale": suggested,
             "stale_weight_frac": self.stale_weight_frac,
         }

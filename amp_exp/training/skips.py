@@ -70,6 +70,11 @@ class SkipMonitor:
                 "finite" if skipped.loss_finite else "non-finite",
                 ", ".join(skipped.nonfinite[:10]) or "none found",
             )
+        if scale is not None:
+            # The lowest scale fp16 backed off to after an overflow: a scale the run overflowed
+            # at lies above it, so no init_scale suggested for this run may (diagnostics).
+            lowest = progress.first_overflow.get("backed_off_to", scale)
+            progress.first_overflow["backed_off_to"] = min(lowest, scale)
         layer = self.first_nonfinite[0] if self.first_nonfinite else "unknown"
         too_many = skipped.longest_run >= self.max_consecutive_skips
         if scale is None:

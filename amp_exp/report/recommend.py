@@ -1,0 +1,203 @@
+"""The recommendation: for each model and setting, the precision to use on this device, from the
+verdicts (report/evidence.py) and the speeds, and why.
+
+The rule (README "How to decide"):
+- the fastest precision whose verdict is ``matches`` or ``not_worse`` and that never failed a
+  seed, where it is faster than fp32;
+- fp32 on this device when no lower precision is faster, or the faster ones are worse or
+  unstable;
+- not decided yet, with what would decide it, while the verdict of a faster one is open, or
+  while fp32 itself did not learn on a seed (report/learned.py).
+
+When two qualify, they are compared on speed, then loss scaling, skipped steps and memory, and
+the reason says why one wins. The verdict rules are not restated here; this reads their names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from amp_exp.report.compare import BASELINE
+from amp_exp.report.learned import FIX
+
+Row = dict[str, Any]
+QUALIFYING = ("matches", "not_worse")
+# Verdicts more data could still change: a faster precision with one of them leaves it open.
+OPEN = ("inconclusive", "single_seed", "incomplete", None)
+# Without a speed trial, jobs timed one after another must differ by more than their noise.
+JOB_MARGIN = 0.05
+GPU_LINE = (
+    "On a GPU the speeds change (bf16 and fp16 run on tensor cores, often 2-3x fp32, fp16 with "
+    "loss scaling): `python -m amp_exp.predict` with these runs' overrides estimates each "
+    "precision's step time on a chosen GPU."
+)
+
+
+def speed(comparison: dict[str, Any]) -> tuple[float | None, bool]:
+    """(its speed against fp32's, whether it is measurably faster): the speed trial's ratio,
+    faster when its 95% interval lies above 1; else the jobs' own, by more than ``JOB_MARGIN``."""
+    trial = comparison.get("speedup")
+    if trial is not None:
+        return trial["ratio"], trial["ci95"][0] > 1
+    ratio = comparison.get("job_speedup")
+    return ratio, ratio is not None and ratio > 1 + JOB_MARGIN
+
+
+def shown_speed(comparison: dict[str, Any]) -> str:
+    ratio, _ = speed(comparison)
+    return "speed not measured" if ratio is None else f"{ratio:.2f}x {BASELINE}'s speed"
+
+
+def costs(comparison: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
+    """What a precision costs beside its speed, over its runs: loss scaling, skipped steps and
+    the saved activations against fp32's."""
+    mine = [row for row in rows if cell_of(row) == cell_of(comparison)]
+    ratios = [row["activation_ratio"] for row in mine if row["activation_ratio"] is not None]
+    return {
+        "loss_scaling": any(row["loss_scale"] is not None for row in mine),
+        "skipped_steps": sum(row["skipped_steps"] or 0 for row in mine),
+        "activation_ratio": min(ratios) if ratios else None,
+    }
+
+
+def cell_of(item: dict[str, Any]) -> tuple[str, str, str]:
+    return item["model"], item["setting"], item["label"]
+
+
+def overlap(first: dict[str, Any], second: dict[str, Any]) -> bool:
+    """Whether two precisions' speeds are not told apart: their trial intervals overlap."""
+    a, b = first.get("speedup"), second.get("speedup")
+    if a is None or b is None:
+        return False
+    return a["ci95"][0] <= b["ci95"][1] and b["ci95"][0] <= a["ci95"][1]
+
+
+def cost_key(found: dict[str, Any]) -> tuple[bool, int, float]:
+    """Fewer costs first: no loss scaling, fewer skipped steps, fewer saved activations."""
+    return found["loss_scaling"], found["skipped_steps"], found["activation_ratio"] or 1.0
+
+
+def why_wins(winner: dict[str, Any], other: dict[str, Any], tied: bool) -> str:
+    """Why ``winner`` is chosen over ``other``, both qualifying."""
+    w, o = winner["costs"], other["costs"]
+    if not tied:
+        reason = f"faster ({shown_speed(winner)} against {shown_speed(other)})"
+    else:
+        reason = f"as fast ({shown_speed(winner)} against {shown_speed(other)}, intervals overlap)"
+    differences = []
+    if o["loss_scaling"] and not w["loss_scaling"]:
+        differences.append(f"{other['label']} needs loss scaling")
+    if o["skipped_steps"] > w["skipped_steps"]:
+        differences.append(f"{other['label']} skipped {o['skipped_steps']} steps")
+    if (w["activation_ratio"] or 1.0) < (o["activation_ratio"] or 1.0):
+        differences.append(
+            f"{winner['label']} saves {w['activation_ratio']:.2f}x fp32's activations against "
+            f"{o['activation_ratio']:.2f}x"
+            if o["activation_ratio"] is not None
+            else f"{winner['label']} saves fewer activations"
+        )
+    return f"{other['label']} qualifies too; {winner['label']} is {reason}" + (
+        f", and {', '.join(differences)}" if differences else ""
+    )
+
+
+def to_decide(comparison: dict[str, Any]) -> str:
+    """What would decide an open verdict."""
+    label, verdict = comparison["label"], comparison["verdict"]
+    if comparison.get("baseline_not_learned"):
+        return f"{label}: {BASELINE} did not learn on some seeds; {FIX}"
+    if verdict == "single_seed":
+        return f"{label}: one seed measures no noise; sweep seed=0,1,2"
+    if verdict == "incomplete":
+        return f"{label}: a seed was killed; rerun it"
+    if verdict is None:
+        return f"{label}: no eval metric to compare"
+    needed = comparison.get("seeds_to_settle")
+    more = f"about {needed} seeds would settle it" if needed else "many more seeds are needed"
+    return f"{label}: inconclusive, {more}"
+
+
+def evidence(comparison: dict[str, Any]) -> dict[str, Any]:
+    ratio, faster = speed(comparison)
+    return {
+        "precision": comparison["label"],
+        "verdict": comparison["verdict"],
+        "speedup": ratio,
+        "faster": faster,
+        "failed_seeds": len(comparison["failed_seeds"]),
+        **comparison["costs"],
+    }
+
+
+def recommend_group(found: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """(the precision, why) for one model and setting's comparisons, each with its costs."""
+    if not found:
+        return BASELINE, f"only {BASELINE} ran; sweep precision=fp32,bf16,fp16 to compare"
+    # Where fp32 itself did not learn, a verdict measures optimization luck: no answer yet.
+    luck = [c for c in found if c.get("baseline_not_learned")]
+    if luck:
+        return None, "; ".join(to_decide(c) for c in luck)
+    faster = [c for c in found if speed(c)[1]]
+    qualified = [c for c in faster if c["verdict"] in QUALIFYING and not c["failed_seeds"]]
+    if qualified:
+        ranked = sorted(qualified, key=lambda c: -(speed(c)[0] or 0.0))
+        winner = ranked[0]
+        if len(ranked) > 1 and overlap(ranked[0], ranked[1]):
+            winner = min(ranked[:2], key=lambda c: cost_key(c["costs"]))
+        reason = f"{winner['label']} {winner['verdict'].replace('_', ' ')} {BASELINE} at "
+        reason += shown_speed(winner)
+        others = [c for c in ranked if c is not winner]
+        if others:
+            reason += f"; {why_wins(winner, others[0], overlap(winner, others[0]))}"
+        return winner["label"], reason
+    # A precision whose speed is unknown may still be the faster one: its verdict stays open.
+    unknown = [c for c in found if speed(c)[0] is None]
+    undecided = [c for c in [*faster, *unknown] if c["verdict"] in OPEN]
+    if undecided:
+        return None, "; ".join(to_decide(c) for c in undecided)
+    if not faster:
+        speeds = ", ".join(f"{c['label']} {shown_speed(c)}" for c in found)
+        return BASELINE, f"no lower precision is faster ({speeds})"
+    judged = ", ".join(
+        f"{c['label']} is {c['verdict']}" + (" (a seed failed)" if c["failed_seeds"] else "")
+        for c in faster
+    )
+    return BASELINE, f"the faster precisions do not qualify ({judged})"
+
+
+def recommendations(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One per model and setting: ``precision`` (None while not decided), ``reason`` and the
+    ``evidence`` of each precision compared."""
+    found = []
+    for model, setting in dict.fromkeys((row["model"], row["setting"]) for row in rows):
+        group = [
+            {**c, "costs": costs(c, rows)}
+            for c in comparisons
+            if (c["model"], c["setting"]) == (model, setting)
+        ]
+        precision, reason = recommend_group(group)
+        found.append(
+            {
+                "model": model,
+                "setting": setting,
+                "precision": precision,
+                "reason": reason,
+                "evidence": [evidence(c) for c in group],
+            }
+        )
+    return found
+
+
+def recommendation_lines(found: list[dict[str, Any]]) -> list[str]:
+    """The report's opening: a line per model and setting, then what a GPU would change."""
+    lines = []
+    for item in found:
+        subject = f"{item['model']} ({item['setting']})" if item["setting"] else item["model"]
+        if item["precision"] is None:
+            use = "not decided yet"
+        elif item["precision"] == BASELINE:
+            use = f"{BASELINE} on this device"
+        else:
+            use = f"use {item['precision']}"
+        lines.append(f"- **{subject}: {use}.** {item['reason']}.")
+    return [*lines, "", GPU_LINE] if lines else []
