@@ -78,7 +78,7 @@ def test_seeds_form_one_cell_paired_seed_by_seed_with_scipys_interval(tmp_path: 
     assert (fp32_cell["precision"], fp32_cell["n"], fp32_cell["seeds"]) == ("fp32", 3, [0, 1, 2])
     assert fp32_cell["ci95"] == pytest.approx([t_low, t_high])
     markdown = (tmp_path / "report.md").read_text()
-    assert "| run | model | precision | seed | status |" in markdown
+    assert "| run | model | precision | seed | result |" in markdown
     assert "| tiny_cnn | bf16 | 3 | eval_acc |" in markdown and "| matches |" in markdown
 
 
@@ -230,7 +230,9 @@ def test_the_speed_trial_gives_the_speedup_beside_each_jobs_own_throughput(
         in (report["verdicts"][0])
     )
     markdown = (tmp_path / "report.md").read_text()
-    assert "| 1 | tiny_cnn | bf16 | completed | 700.0 | 0.70x | 1.20x [1.10, 1.30] |" in markdown
+    # One speedup column: the trial's; the jobs' own 0.70x stays in report.json.
+    assert "| 1 | tiny_cnn | bf16 | learned | 700.0 samples/s | 1.20x [1.10, 1.30] |" in markdown
+    assert report["runs"][1]["speedup"] == pytest.approx(0.70) and "0.70x" not in markdown
 
 
 def test_a_rerun_of_one_seed_is_no_replicate_and_a_missing_pair_is_named(tmp_path: Path) -> None:

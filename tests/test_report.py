@@ -660,4 +660,4 @@ def test_peak_memory_png_stacks_saved_activations_and_state_by_precision_not_pro
         [(-0.4, 0, 400), (0.6, 0, 200), (-0.4, 400, 10), (0.6, 200, 10)]
     )
     labels = [text.get_text() for text in ax.texts]
-    assert "0.50x" in labels and "1.00x" in labels
+    assert "200.00\n0.50x" in labels and "10.00\n1.00x" in labels

@@ -163,7 +163,8 @@ def test_the_page_carries_the_verdicts_and_the_table_of_report_md(
     assert all(line in report_md for line in verdicts.splitlines())
     assert evidence.splitlines()[0].startswith("| model | setting | precision | n | metric |")
     assert evidence in report_md
-    assert table.splitlines()[0].startswith("| run | model | precision | setting |")
+    assert table.splitlines()[0].startswith("| run | model | precision | result |")
+    assert "| tiny_cnn (optimizer.lr=0.1) | bf16 |" in table
     assert table in report_md
     assert model["displayName"] == f"amp_exp sweep {tmp_path.name} sweep"
 

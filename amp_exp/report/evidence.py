@@ -181,10 +181,8 @@ def cell_summary(key: CellKey, rows: list[Row]) -> dict[str, Any]:
     values = [r["quality"] for r in measured]
     log_scale = on_log_scale(declared, values)
     estimate = None
-    if log_scale:
-        estimate = geometric_interval(values)
-    elif measured:
-        estimate = stats.mean_interval(values)
+    if measured:
+        estimate = (stats.geometric_interval if log_scale else stats.mean_interval)(values)
     model, setting, label = key
     return {
         "model": model,
@@ -208,13 +206,6 @@ def on_log_scale(declared: dict[str, Any] | None, values: list[float]) -> bool:
         return False
     relative = ToleranceUnit(declared["tolerance_unit"]) is ToleranceUnit.relative
     return relative and all(math.isfinite(v) and v > 0 for v in values)
-
-
-def geometric_interval(values: list[float]) -> stats.Estimate:
-    """The geometric mean and its 95% interval: the t interval of the logs, taken back."""
-    found = stats.mean_interval([math.log(v) for v in values])
-    ci95 = None if found.ci95 is None else (math.exp(found.ci95[0]), math.exp(found.ci95[1]))
-    return stats.Estimate(found.n, math.exp(found.mean), ci95, found.sd, found.scale)
 
 
 def metric_label(declared: dict[str, Any]) -> str:

@@ -277,29 +277,36 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
     return figure
 
 
-def _bars(rows: Rows, value_key: str, ratio_key: str, unit: float, ylabel: str) -> Figure | None:
-    """A panel per model with a bar per completed run, labelled with its ratio to fp32."""
-    shown = [row for row in rows if row["status"] == "completed" and row[value_key] is not None]
+def _bars(
+    rows: Rows, segments: list[tuple[str, str, str]], unit: float, ylabel: str, fmt: str
+) -> Figure | None:
+    """A panel per model with a bar per completed row: its ``segments`` ((value key, ratio key,
+    legend), from the bottom up) stacked, each labelled with its value and its ratio to fp32."""
+    shown = [row for row in rows if row["status"] == "completed" and row[segments[0][0]]]
     models = list(dict.fromkeys(row["model"] for row in shown))
     if not models:
         return None
     figure, axes = _model_panels(models, (4.2, 4.0))
     for ax, model in zip(axes, models, strict=True):
         bars = [row for row in shown if row["model"] == model]
-        drawn = ax.bar(
-            range(len(bars)),
-            [row[value_key] / unit for row in bars],
-            color=[_color(row["precision"]) for row in bars],
-        )
-        ax.bar_label(
-            drawn,
-            labels=[
-                f"{row[value_key] / unit:,.0f}"
-                + ("" if row[ratio_key] is None else f"\n{row[ratio_key]:.2f}x of fp32")
-                for row in bars
-            ],
-            fontsize="small",
-        )
+        bottom = [0.0] * len(bars)
+        for layer, (key, ratio_key, legend) in enumerate(segments):
+            values = [(row[key] or 0) / unit for row in bars]
+            drawn = ax.bar(
+                range(len(bars)),
+                values,
+                bottom=bottom,
+                color=[_color(row["precision"]) for row in bars],
+                alpha=0.45 if layer else 1.0,
+                hatch="//" if layer else None,
+                label=legend,
+            )
+            labels = [
+                format(value, fmt) + ("" if row[ratio_key] is None else f"\n{row[ratio_key]:.2f}x")
+                for value, row in zip(values, bars, strict=True)
+            ]
+            ax.bar_label(drawn, labels=labels, label_type="center", fontsize="small")
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         ax.set_xticks(
             range(len(bars)),
             [_label(row, with_model=False).replace(" ", "\n") for row in bars],
@@ -308,69 +315,30 @@ def _bars(rows: Rows, value_key: str, ratio_key: str, unit: float, ylabel: str) 
         ax.set(title=model, ylabel=ylabel)
         ax.margins(y=0.25)
         ax.grid(axis="y", alpha=0.3)
+        if len(segments) > 1:
+            ax.legend(fontsize="small")
     return figure
 
 
 def throughput_bars(rows: Rows, metrics: Metrics) -> Figure | None:
-    return _bars(rows, "samples_per_s", "speedup", 1, "training samples/s")
+    segments = [("samples_per_s", "speedup", "samples/s")]
+    return _bars(rows, segments, 1, "training samples/s (x fp32)", ",.0f")
 
 
 def memory_bars(rows: Rows, metrics: Metrics) -> Figure | None:
-    """What a precision changes in memory, a bar per precision of each model: the saved
-    activations with the weights and optimizer state stacked on them, each labelled with its
-    ratio to fp32's. Memory does not change with the seed: a cell's first run stands for it.
-    (The process's peak resident set measures Python and torch, not the precision.)"""
-    measured = {
-        key: next(row for row in cell if row["saved_activation_bytes"] is not None)
-        for key, cell in _cells(rows).items()
-        if any(row["saved_activation_bytes"] is not None for row in cell)
-    }
-    models = list(dict.fromkeys(model for model, _, _ in measured))
-    if not models:
-        return None
-    figure, axes = _model_panels(models, (4.2, 4.0))
-    for ax, model in zip(axes, models, strict=True):
-        bars = [row for (cell_model, _, _), row in measured.items() if cell_model == model]
-        places = range(len(bars))
-        colors = [_color(row["precision"]) for row in bars]
-        saved = [row["saved_activation_bytes"] / 2**20 for row in bars]
-        state = [(row["state_bytes"] or 0) / 2**20 for row in bars]
-        low = ax.bar(places, saved, color=colors, label="saved activations")
-        high = ax.bar(
-            places,
-            state,
-            bottom=saved,
-            color=colors,
-            alpha=0.45,
-            hatch="//",
-            label="weights + state",
-        )
-        ax.bar_label(
-            low,
-            labels=[_ratio_label(r["activation_ratio"]) for r in bars],
-            label_type="center",
-            fontsize="small",
-        )
-        ax.bar_label(
-            high,
-            labels=[_ratio_label(r["state_ratio"]) for r in bars],
-            label_type="center",
-            fontsize="small",
-        )
-        ax.set_xticks(
-            places,
-            [_label(row, with_model=False).replace(" ", "\n") for row in bars],
-            fontsize="small",
-        )
-        ax.set(title=model, ylabel="MiB (ratio to fp32)")
-        ax.margins(y=0.15)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize="small")
-    return figure
-
-
-def _ratio_label(ratio: float | None) -> str:
-    return "" if ratio is None else f"{ratio:.2f}x"
+    """What a precision changes in memory, a bar per precision: the saved activations with the
+    weights and optimizer state on top, each against fp32's. Memory does not change with the
+    seed, so a cell's first run stands for it. (The process's resident set measures Python and
+    torch, not the precision: it is no bar.)"""
+    firsts = [
+        next((row for row in cell if row["status"] == "completed"), cell[0])
+        for cell in _cells(rows).values()
+    ]
+    segments = [
+        ("saved_activation_bytes", "activation_ratio", "saved activations"),
+        ("state_bytes", "state_ratio", "weights + optimizer state"),
+    ]
+    return _bars(firsts, segments, 2**20, "MiB (x fp32)", ",.2f")
 
 
 def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
