@@ -16,7 +16,7 @@ from amp_exp.training.microscaling.formats import (
     rotate_rows,
     round_e2m1_stochastically,
 )
-from amp_exp.training.microscaling.linear import MicroscalingLinear, Recipe
+from amp_exp.training.microscaling.linear import MicroscalingLinear, Recipe, replacement
 
 F = BlockFormat
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -141,7 +141,7 @@ def outputs(layer: nn.Module) -> tuple[torch.Tensor, ...]:
 def pair(recipe: Recipe) -> tuple[nn.Module, nn.Module]:
     """An emulated layer and an fp32 one with the same weights."""
     reference = nn.Linear(256, 128)
-    layer = MicroscalingLinear.replacing(nn.Linear(256, 128), recipe)
+    layer = replacement(nn.Linear(256, 128), MicroscalingLinear, recipe=recipe)
     layer.load_state_dict(reference.state_dict())
     return layer, reference
 
@@ -182,7 +182,7 @@ def test_the_audit_counts_each_matmul_in_its_format() -> None:
 
 def test_the_layer_runs_in_the_autocast_dtype_and_keeps_its_parameters() -> None:
     linear = nn.Linear(64, 32)
-    layer = MicroscalingLinear.replacing(linear, FULL_NVFP4)
+    layer = replacement(linear, MicroscalingLinear, recipe=FULL_NVFP4)
     assert layer.weight is linear.weight and layer.bias is linear.bias
     with torch.autocast("cpu", torch.bfloat16):
         assert layer(normal(8, 64)).dtype == torch.bfloat16

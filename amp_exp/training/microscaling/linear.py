@@ -22,6 +22,7 @@ FLOPs as, say, ``mxfp8_e4m3`` rather than as the fp32 of the emulation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -119,16 +120,9 @@ def _grad_weight(recipe: Recipe, grads: torch.Tensor, rows: torch.Tensor) -> tor
 class MicroscalingLinear(nn.Linear):
     """An ``nn.Linear`` whose matmuls run in a block-scaled format (emulated)."""
 
-    recipe: Recipe
-
-    @classmethod
-    def replacing(cls, linear: nn.Linear, recipe: Recipe) -> MicroscalingLinear:
-        """A layer holding ``linear``'s own parameters (the optimizer's and FSDP2's)."""
-        with torch.device("meta"):
-            layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        layer.weight, layer.bias = linear.weight, linear.bias
-        layer.recipe = recipe
-        return layer
+    def __init__(self, *args, recipe: Recipe, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.recipe = recipe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # As a GPU kernel would take it under autocast: in the autocast dtype.
@@ -141,10 +135,23 @@ class MicroscalingLinear(nn.Linear):
         return f"{super().extra_repr()}, elements={self.recipe.elements.value}"
 
 
-def convert(model: nn.Module, names: list[str], recipe: Recipe) -> nn.Module:
-    """Swap the named ``nn.Linear`` layers for ``MicroscalingLinear`` (in place)."""
+def replacement(linear: nn.Linear, layer_class: type[nn.Linear], **options: Any) -> nn.Linear:
+    """A ``layer_class(in, out, bias, **options)`` holding ``linear``'s own parameters (those the
+    optimizer and FSDP2 know), built on the meta device so nothing is initialised twice."""
+    with torch.device("meta"):
+        layer = layer_class(
+            linear.in_features, linear.out_features, bias=linear.bias is not None, **options
+        )
+    layer.weight, layer.bias = linear.weight, linear.bias
+    return layer
+
+
+def swap_linears(
+    model: nn.Module, names: list[str], layer_class: type[nn.Linear], **options: Any
+) -> nn.Module:
+    """The named ``nn.Linear`` layers replaced by ``layer_class`` ones (in place)."""
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, MicroscalingLinear.replacing(getattr(parent, child), recipe))
+        setattr(parent, child, replacement(getattr(parent, child), layer_class, **options))
     return model
