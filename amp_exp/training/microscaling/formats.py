@@ -21,7 +21,6 @@ which a checkpoint saves (training/rng.py), so a resumed run draws what an unint
 from __future__ import annotations
 
 import functools
-from enum import Enum
 
 import scipy.linalg
 import torch
@@ -31,6 +30,8 @@ from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_u
 from torchao.prototype.mx_formats.mx_tensor import MXTensor
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
+from amp_exp.config.precisions import DType
+
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
@@ -39,23 +40,12 @@ E2M1_MAX = 6.0
 NVFP4_MIN_AMAX = 1e-30
 
 
-class BlockFormat(str, Enum):
-    """The element format of a quantized operand, by the audit's name for it."""
-
-    mxfp8_e4m3 = "mxfp8_e4m3"
-    mxfp8_e5m2 = "mxfp8_e5m2"
-    mxfp4 = "mxfp4"
-    nvfp4 = "nvfp4"
-
-    @property
-    def block(self) -> int:
-        return NVFP4_BLOCK if self is BlockFormat.nvfp4 else MX_BLOCK
-
-
+# The element dtype torchao casts each MX format's elements to (DType names the formats as the
+# audit counts them).
 MX_ELEMENTS = {
-    BlockFormat.mxfp8_e4m3: torch.float8_e4m3fn,
-    BlockFormat.mxfp8_e5m2: torch.float8_e5m2,
-    BlockFormat.mxfp4: torch.float4_e2m1fn_x2,
+    DType.mxfp8_e4m3: torch.float8_e4m3fn,
+    DType.mxfp8_e5m2: torch.float8_e5m2,
+    DType.mxfp4: torch.float4_e2m1fn_x2,
 }
 
 
@@ -69,7 +59,7 @@ def _blocked_rows(x: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
 
 def quantized(
     x: torch.Tensor,
-    fmt: BlockFormat,
+    fmt: DType,
     scale_mode: ScaleCalculationMode = ScaleCalculationMode.RCEIL,
     *,
     tiles: bool = False,
@@ -80,7 +70,7 @@ def quantized(
     ``tiles`` (NVFP4, a matrix): one scale per 16x16 tile, so the matrix and its transpose
     quantize alike. ``stochastic`` (NVFP4): elements rounded up or down at random, unbiased.
     """
-    if fmt is not BlockFormat.nvfp4:
+    if fmt is not DType.nvfp4:
         if tiles or stochastic:
             raise ValueError("16x16 tiles and stochastic rounding are NVFP4's")
         rows, width = _blocked_rows(x, MX_BLOCK)

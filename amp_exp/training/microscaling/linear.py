@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torchao.prototype.mx_formats.config import ScaleCalculationMode
 
+from amp_exp.config.precisions import DType
 from amp_exp.training.audit.matmuls import computed_as
 from amp_exp.training.microscaling.formats import (
-    BlockFormat,
     hadamard_rotation,
     quantized,
     rotate_rows,
@@ -42,9 +42,9 @@ class Recipe:
     """How a microscaling linear quantizes its operands."""
 
     # The format of activations and weights.
-    elements: BlockFormat
+    elements: DType
     # The format of gradients (mxfp8: E4M3 as torchao's recipe, or E5M2 for their range).
-    gradients: BlockFormat
+    gradients: DType
     scale_mode: ScaleCalculationMode = ScaleCalculationMode.RCEIL
     wgrad_high_precision: bool = False
     # NVFP4 only.
@@ -54,7 +54,7 @@ class Recipe:
 
     def __post_init__(self) -> None:
         nvfp4_only = self.hadamard_wgrad or self.weight_tiles or self.stochastic_gradients
-        if nvfp4_only and self.elements is not BlockFormat.nvfp4:
+        if nvfp4_only and self.elements is not DType.nvfp4:
             raise ValueError(
                 "the Hadamard transform, 16x16 tiles and stochastic rounding are NVFP4's"
             )
