@@ -92,7 +92,7 @@ def build(
     """``kept``: the precision a resumed run keeps (results.resume_rules.kept_precision), in place
     of deciding precision=auto again."""
     device = distributed.device if distributed else resolve_device(cfg.trainer.device)
-    check_request(cfg.precision.name, device, cfg.precision.fp8_emulate)
+    check_request(cfg.precision.name, device, cfg.precision)
     configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
     # Measured under the backend switches just set; cached after the first run on this device.
     capability = capability_of(device)

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from amp_exp.config.precisions import SPECS
+from amp_exp.config.precisions import spec_of
 from amp_exp.config.schema import Precision
 from amp_exp.errors import ConfigError
 from amp_exp.run import build, train
@@ -184,9 +184,11 @@ def test_converted_linears_without_a_float8_matmul_are_named() -> None:
     flops.flops[("fc1", FORWARD, "float8_e4m3fn")] = 100
     flops.flops[("fc2", FORWARD, "bfloat16")] = 100
     flops.flops[("fc2", BACKWARD, "bfloat16")] = 200
-    verdict = judge(SPECS[Precision.fp8], flops, {}, fp8_converted=["fc1", "fc2"])
+    verdict = judge(spec_of("fp8"), flops, {}, converted=["fc1", "fc2"])
     assert verdict.engaged is False
-    assert verdict.shortfalls == ["1 of the 2 linears converted to float8 ran no float8 matmul"]
+    assert verdict.shortfalls == [
+        "1 of the 2 converted linears ran no float8_e4m3fn or float8_e5m2 matmul"
+    ]
     assert verdict.responsible == {"fc2": {"bfloat16": 0.75}}
 
 

@@ -11,8 +11,9 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from amp_exp.config.precisions import auto_candidates
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
-from amp_exp.config.schema import GPTConfig, Precision, PrecisionConfig
+from amp_exp.config.schema import GPTConfig, PrecisionConfig
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
@@ -20,9 +21,9 @@ from amp_exp.results.resume_rules import config_changes
 from amp_exp.run import train
 from amp_exp.tasks.gpt import GPT
 from amp_exp.tasks.vision_models import TinyCNN
-from amp_exp.training.auto_precision import CHOICES
-from amp_exp.training.capability import check_request, require_fp8_hardware
+from amp_exp.training.capability import check_request
 from amp_exp.training.precision_modes import plan_fp8, to_bf16_true
+from amp_exp.training.precisions.fp8 import require_fp8_hardware
 from amp_exp.training.stochastic_rounding import (
     StochasticRoundingStep,
     round_to_bf16_stochastically,
@@ -189,10 +190,10 @@ def test_fp8_without_fp8_hardware_is_refused_unless_emulated() -> None:
     with pytest.raises(ConfigError, match=r"compute capability 8\.9\+.*fp8_emulate=true"):
         require_fp8_hardware(cpu, emulate=False)
     require_fp8_hardware(cpu, emulate=True)
-    check_request(Precision.bf16_true, cpu)
-    check_request(Precision.fp8, cpu, fp8_emulate=True)
+    check_request("bf16_true", cpu, PrecisionConfig())
+    check_request("fp8", cpu, PrecisionConfig(fp8_emulate=True))
     # auto times and picks among the autocast family only.
-    assert set(CHOICES) == {Precision.fp32, Precision.bf16, Precision.fp16}
+    assert auto_candidates() == ("fp32", "bf16", "fp16")
 
 
 def test_fp8_without_torchao_names_the_extra_to_install(run_cfg, compose_cfg, monkeypatch) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from importlib.util import find_spec
 
-from amp_exp.config.precisions import SPECS
+from amp_exp.config.precisions import AUTO, spec_of, specs
 from amp_exp.config.schema import (
     DeviceChoice,
     Fp8Recipe,
@@ -62,14 +62,14 @@ def _validate_fp8(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
     )
 
 
-def _validate_strategy(precision: Precision, strategy: Strategy) -> None:
+def _validate_strategy(precision: str, strategy: Strategy) -> None:
     """The strategies a precision runs under, from the precision table."""
-    if precision is Precision.auto:
+    if precision == AUTO:
         return
-    runs_under = SPECS[precision].strategies
+    runs_under = spec_of(precision).strategies
     require(
         strategy in runs_under,
-        f"precision={precision.value} does not run with trainer.strategy={strategy.value} yet; "
+        f"precision={precision} does not run with trainer.strategy={strategy.value} yet; "
         f"valid choices: {', '.join(sorted(s.value for s in runs_under))}",
     )
 
@@ -82,10 +82,10 @@ def _validate_cast_params(precision: PrecisionConfig, trainer: TrainerConfig) ->
         "precision.fsdp_cast_params=true needs trainer.strategy=fsdp2; DDP and one process "
         "compute under autocast from fp32 weights",
     )
-    casting = sorted(p.value for p, spec in SPECS.items() if spec.fsdp_param_dtype is not None)
+    casting = [spec.name for spec in specs() if spec.fsdp_param_dtype is not None]
     require(
-        precision.name is Precision.auto or SPECS[precision.name].fsdp_param_dtype is not None,
-        f"precision.fsdp_cast_params=true: precision={precision.name.value} has no dtype to cast "
+        precision.name == AUTO or spec_of(precision.name).fsdp_param_dtype is not None,
+        f"precision.fsdp_cast_params=true: precision={precision.name} has no dtype to cast "
         f"the parameters to; valid choices: {', '.join(casting)}",
     )
 

@@ -1,22 +1,32 @@
-"""The precision table: every fact about a precision mode, in one frozen row per mode.
+"""The precision registry: every precision's facts, found from its plugin, by name.
 
-Everything that depends on which precision runs reads its row here: the policy (autocast, the
-GradScaler, the weights' dtype), FSDP2's mixed-precision policy, the probe and ``precision=auto``,
-the datasheet peak behind MFU, the validation of strategies, and what a run must show to count
-as engaged. Adding a mode is one row here plus its policy code (training/precision_modes.py).
+A precision is one plugin (a module of amp_exp/training/precisions/, a class subclassing
+``PrecisionPlugin``): its ``spec`` is the frozen row of facts defined here, read by everything
+that depends on which precision runs (the policy, FSDP2's mixed-precision policy, the probe and
+``precision=auto``, the datasheet peak behind MFU, the validation of strategies, what a run must
+show to count as engaged, the report's order, labels and colours); its methods are the
+behaviour, which only training calls. The registry finds the built-in plugins in that folder,
+those of installed packages (entry point group ``amp_exp.precisions``), and a user's own named by
+``precision._target_`` (``register``). It is the only place that knows which precisions exist.
 
-It sits beside the schema as a leaf, not in training/, because the config's validation and the
-runtime's FSDP2 wrapper, which sit below training/, read it too. Like the schema it imports no
-torch (a bad value is refused before torch loads): dtypes are named as torch names them.
+It sits beside the schema as a leaf because the config's validation and the runtime's FSDP2
+wrapper, which sit below training/, read the facts. It loads plugin modules by name, as it does a
+user's, and a plugin module's top level imports only this module and the plugin base, never
+torch (tests/test_precision_registry.py), so a bad value is still refused before torch loads.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import pkgutil
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
-from amp_exp.config.schema import Precision, Strategy
+from amp_exp.config.schema import Strategy
+from amp_exp.errors import ConfigError
 
 
 class DType(str, Enum):
@@ -78,8 +88,9 @@ class Engagement:
     # The smallest share of matmul FLOPs that must run in one of ``matmul_dtypes``.
     min_matmul_share: float
     matmul_dtypes: tuple[DType, ...]
-    # Every converted linear must run float8 matmuls (fp8).
-    fp8_matmuls: bool = False
+    # Every linear the plugin converted (``converted_linears()``) must run matmuls in one of
+    # these (fp8's float8 dtypes); () checks none.
+    converted_dtypes: tuple[DType, ...] = ()
     # Most weight elements must be stored in this dtype (bf16_true; its norm layers keep fp32
     # by design, a tiny share), or None.
     weights: DType | None = None
@@ -87,9 +98,10 @@ class Engagement:
 
 @dataclass(frozen=True)
 class PrecisionSpec:
-    """One precision mode's facts."""
+    """One precision's facts."""
 
-    name: Precision
+    # Its name in the config (precision=NAME) and in every record of a run.
+    name: str
     # The dtype of the matmuls outside fp8's converted linears, under autocast or (bf16_true) not.
     compute_dtype: DType
     # The dtype autocast runs in; None where the mode uses no autocast.
@@ -101,8 +113,9 @@ class PrecisionSpec:
     grad_scaler: bool
     # Which datasheet peak its matmuls can reach (training.flops): fp32 reads TF32 when allowed.
     peak_math: str
-    # The probed kernels it runs: pure bf16 computes as bf16 autocast does; fp8 is not probed.
-    probed_as: Precision | None
+    # The probed kernels it runs (the name of a precision the probe times: fp32 or one with an
+    # autocast dtype); pure bf16 computes as bf16 autocast does; None: not probed.
+    probed_as: str | None
     # The dtype gradients are summed over the ranks in, under DDP and FSDP2 alike.
     reduce_dtype: DType
     # FSDP2 under precision.fsdp_cast_params: the dtype its policy gathers parameters in, to run
@@ -112,109 +125,130 @@ class PrecisionSpec:
     # The torchrun strategies it runs under.
     strategies: frozenset[Strategy]
     engaged: Engagement
-    # A candidate of precision=auto's trial, in the order a tie is broken.
+    # Where it comes in the report and, among auto's candidates, in the order a tie is broken.
+    order: int
+    # The report's and the plots' colour (matplotlib colour string).
+    colour: str
+    # A candidate of precision=auto's trial.
     auto_candidate: bool = False
+    # A precision sensitivity ranks layers under, and the one its repair moves a layer up to
+    # when keeping it in fp32 is not needed (None: fp32).
+    rankable: bool = False
+    repair_to: str | None = None
+    # Its matmuls need a GPU with native bf16 (compute capability 8.0+).
+    needs_native_bf16: bool = False
+    # Fast on CUDA only under torch.compile (trainer.compile=auto compiles it there).
+    compile_on_cuda: bool = False
+    # A shorter name for tables, or None for ``name``.
+    label: str | None = None
 
     @property
     def is_low_precision(self) -> bool:
-        return self.name is not Precision.fp32
+        return self.name != REFERENCE
+
+    @property
+    def display(self) -> str:
+        return self.label or self.name
 
 
-SPECS: dict[Precision, PrecisionSpec] = {
-    spec.name: spec
-    for spec in (
-        PrecisionSpec(
-            name=Precision.fp32,
-            compute_dtype=DType.float32,
-            autocast_dtype=None,
-            weight_dtype=DType.float32,
-            optimizer_state_dtype=DType.float32,
-            grad_scaler=False,
-            peak_math="fp32",
-            probed_as=Precision.fp32,
-            reduce_dtype=DType.float32,
-            fsdp_param_dtype=None,
-            strategies=BOTH_STRATEGIES,
-            engaged=Engagement(1.0, (DType.float32,)),
-            auto_candidate=True,
-        ),
-        PrecisionSpec(
-            name=Precision.bf16,
-            compute_dtype=DType.bfloat16,
-            autocast_dtype=DType.bfloat16,
-            weight_dtype=DType.float32,
-            optimizer_state_dtype=DType.float32,
-            grad_scaler=False,
-            peak_math="bf16",
-            probed_as=Precision.bf16,
-            # A sum of many low-precision gradients loses their small parts.
-            reduce_dtype=DType.float32,
-            fsdp_param_dtype=DType.bfloat16,
-            strategies=BOTH_STRATEGIES,
-            engaged=Engagement(0.5, (DType.bfloat16,)),
-            auto_candidate=True,
-        ),
-        PrecisionSpec(
-            name=Precision.fp16,
-            compute_dtype=DType.float16,
-            autocast_dtype=DType.float16,
-            weight_dtype=DType.float32,
-            optimizer_state_dtype=DType.float32,
-            grad_scaler=True,
-            peak_math="fp16",
-            probed_as=Precision.fp16,
-            reduce_dtype=DType.float32,
-            fsdp_param_dtype=DType.float16,
-            strategies=BOTH_STRATEGIES,
-            engaged=Engagement(0.5, (DType.float16,)),
-            auto_candidate=True,
-        ),
-        PrecisionSpec(
-            name=Precision.bf16_true,
-            compute_dtype=DType.bfloat16,
-            autocast_dtype=None,
-            weight_dtype=DType.bfloat16,
-            optimizer_state_dtype=DType.bfloat16,
-            grad_scaler=False,
-            peak_math="bf16",
-            probed_as=Precision.bf16,
-            # Its gradients are bf16; DDP sums them in fp32 and rounds once (runtime/distributed).
-            reduce_dtype=DType.float32,
-            fsdp_param_dtype=None,
-            strategies=frozenset({Strategy.ddp}),
-            engaged=Engagement(0.5, (DType.bfloat16,), weights=DType.bfloat16),
-        ),
-        PrecisionSpec(
-            name=Precision.fp8,
-            compute_dtype=DType.bfloat16,
-            autocast_dtype=DType.bfloat16,
-            weight_dtype=DType.float32,
-            optimizer_state_dtype=DType.float32,
-            grad_scaler=False,
-            # fp8 matmuls peak at twice the bf16 rate, and its other ops run at bf16's.
-            peak_math="fp8",
-            probed_as=None,
-            reduce_dtype=DType.float32,
-            fsdp_param_dtype=None,
-            strategies=frozenset({Strategy.ddp}),
-            # As bf16 outside the converted linears: with autocast lost, the rest would run in
-            # fp32 (emulated gpt_tiny, measured: 74% float8, 26% bf16, so 100% in these).
-            engaged=Engagement(
-                0.5,
-                (DType.float8_e4m3fn, DType.float8_e5m2, DType.bfloat16),
-                fp8_matmuls=True,
-            ),
-        ),
-    )
-}
+# The precision everything is measured against: the baseline of verdicts, the reference of
+# sensitivity and repairs, and the fallback of precision=auto.
+REFERENCE = "fp32"
+# Not a precision: the selector that times the candidates and picks one (training/auto_precision).
+AUTO = "auto"
+BUILTIN_PACKAGE = "amp_exp.training.precisions"
+ENTRY_POINT_GROUP = "amp_exp.precisions"
+# Modules of the built-in folder that are not plugins.
+NOT_PLUGINS = frozenset({"base"})
 
-AUTO_CANDIDATES = tuple(p for p, spec in SPECS.items() if spec.auto_candidate)
-# The low precisions the probe times and precision=auto may choose, in tie-break order.
-PROBED_LOW = tuple(p for p in AUTO_CANDIDATES if p is not Precision.fp32)
+# name -> plugin class (``spec`` its facts); filled on first use.
+_plugins: dict[str, Any] = {}
+_found: set[str] = set()
 
 
-def spec_of(precision: Precision) -> PrecisionSpec:
-    """The row of a resolved precision; precision=auto has none until it is decided."""
-    if precision is Precision.auto:
+def _add(plugin: Any, source: str) -> PrecisionSpec:
+    spec = getattr(plugin, "spec", None)
+    if not isinstance(spec, PrecisionSpec):
+        raise ConfigError(f"{source} is not a precision plugin: it has no PrecisionSpec `spec`")
+    if spec.name == AUTO:
+        raise ConfigError(f"{source}: `auto` is the selector, not a precision name")
+    known = _plugins.get(spec.name)
+    if known is not None and known is not plugin:
+        raise ConfigError(
+            f"{source} defines precision {spec.name!r}, which {known.__module__} already defines"
+        )
+    _plugins[spec.name] = plugin
+    return spec
+
+
+def _builtins() -> None:
+    if "builtins" in _found:
+        return
+    _found.add("builtins")
+    folder = Path(__file__).resolve().parent.parent / "training" / "precisions"
+    for module in pkgutil.iter_modules([str(folder)]):
+        if module.name not in NOT_PLUGINS:
+            loaded = importlib.import_module(f"{BUILTIN_PACKAGE}.{module.name}")
+            _add(loaded.PLUGIN, f"{BUILTIN_PACKAGE}.{module.name}")
+
+
+def _entry_points() -> None:
+    if "entry_points" in _found:
+        return
+    _found.add("entry_points")
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        _add(entry.load(), f"entry point {entry.name} ({entry.value})")
+
+
+def register(target: str) -> PrecisionSpec:
+    """Add the plugin class at dotted path ``target`` (``precision._target_``); its facts."""
+    module_name, _, attr = target.rpartition(".")
+    try:
+        plugin = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(f"precision._target_={target} cannot be imported: {error}") from None
+    return _add(plugin, f"precision._target_={target}")
+
+
+def _all() -> dict[str, Any]:
+    _builtins()
+    _entry_points()
+    return _plugins
+
+
+def names() -> tuple[str, ...]:
+    """Every known precision, in the report's order."""
+    return tuple(spec.name for spec in specs())
+
+
+def specs() -> list[PrecisionSpec]:
+    return sorted((p.spec for p in _all().values()), key=lambda s: (s.order, s.name))
+
+
+def plugin_of(name: str) -> Any:
+    """The plugin class of a resolved precision; ConfigError naming the valid ones."""
+    if name == AUTO:
         raise ValueError("resolve precision=auto first (training.auto_precision)")
-    return SPECS[precision]
+    _builtins()
+    if name not in _plugins:
+        _entry_points()
+    if name not in _plugins:
+        raise ConfigError(
+            f"precision={name} is not a precision; valid choices: {', '.join((AUTO, *names()))}"
+        )
+    return _plugins[name]
+
+
+def spec_of(name: str) -> PrecisionSpec:
+    """The facts of a resolved precision; precision=auto has none until it is decided."""
+    return plugin_of(str(getattr(name, "value", name))).spec
+
+
+def auto_candidates() -> tuple[str, ...]:
+    """precision=auto's candidates, in the order a tie is broken."""
+    return tuple(s.name for s in specs() if s.auto_candidate)
+
+
+def probed_low() -> tuple[str, ...]:
+    """The low precisions the probe times and precision=auto may choose, in tie-break order."""
+    return tuple(p for p in auto_candidates() if p != REFERENCE)

@@ -44,7 +44,7 @@ def run_sensitivity(cfg: RunConfig, output_dir: Path) -> dict[str, Any]:
     precisions = target_precisions(settings, cfg.precision.name)
     device = resolve_device(cfg.trainer.device)
     for precision in precisions:
-        check_request(precision, device, cfg.precision.fp8_emulate)
+        check_request(precision, device, cfg.precision)
     configure_backends(device, cfg.trainer.deterministic, cfg.trainer.tf32)
     seed_everything(cfg.seed)
     workload = build_workload(cfg, Placement(cfg.seed, device))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import AUTO_CANDIDATES
+from amp_exp.config.precisions import auto_candidates
 from amp_exp.config.schema import Precision, PrecisionConfig, RunConfig
 from amp_exp.runtime.cache import (
     WIDE_SPREAD,
@@ -47,8 +47,6 @@ log = logging.getLogger("amp_exp")
 CACHE_FILE = "auto_precision.json"
 # Timed passes per candidate, after one untimed warm-up pass each.
 PASSES = 3
-# Indices that every rank reads the same way.
-CHOICES = AUTO_CANDIDATES
 
 
 def resolve_precision(
@@ -65,8 +63,10 @@ def resolve_precision(
         return choose(cfg, capability, workload)
     resolved = choose(cfg, capability, workload) if distributed.is_main else None
     # The largest of rank 0's choice and the others' -1 is rank 0's choice.
-    index = int(distributed.max(-1 if resolved is None else CHOICES.index(resolved.precision)))
-    return resolved or ResolvedPrecision(CHOICES[index], "auto: as rank 0 chose", True)
+    index = int(
+        distributed.max(-1 if resolved is None else auto_candidates().index(resolved.precision))
+    )
+    return resolved or ResolvedPrecision(auto_candidates()[index], "auto: as rank 0 chose", True)
 
 
 def variant_name(precision: PrecisionConfig) -> str:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import PROBED_LOW, spec_of
-from amp_exp.config.schema import Precision
+from amp_exp.config.precisions import AUTO, REFERENCE, plugin_of, probed_low, spec_of
+from amp_exp.config.schema import PrecisionConfig
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.hardware import cpu_flags, device_name
 from amp_exp.runtime.probe import KERNELS, Timing, cache_key, probe
@@ -28,14 +28,12 @@ from amp_exp.runtime.probe import KERNELS, Timing, cache_key, probe
 MARGIN = 1.05
 # Measured this many times slower than fp32, a precision is left out of precision=auto's trial.
 RULED_OUT = 2.0
-# In the order a tie is broken: bf16 needs no loss scaling, fp16 does.
-LOW_PRECISIONS = PROBED_LOW
 CPU_FLAGS_OF_INTEREST = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "amx_fp16")
 
 
 @dataclass(frozen=True)
 class ResolvedPrecision:
-    precision: Precision
+    precision: str
     reason: str
     # precision=auto timed the run's own model in this precision: that timing, not the probe's
     # generic kernels, speaks for its speed, so the probe's warning about it is not given.
@@ -58,31 +56,23 @@ def cuda_facts(device: torch.device) -> dict[str, Any]:
     }
 
 
-def check_request(requested: Precision, device: torch.device, fp8_emulate: bool = False) -> None:
-    """Refuse a precision the device cannot run at all (as opposed to slowly)."""
+def check_request(requested: str, device: torch.device, cfg: PrecisionConfig) -> None:
+    """Refuse a precision the device cannot run at all (as opposed to slowly); auto's
+    candidates are those the device runs."""
+    if requested == AUTO:
+        return
+    spec = spec_of(requested)
     if (
-        requested in (Precision.bf16, Precision.bf16_true)
+        spec.needs_native_bf16
         and device.type == "cuda"
         and not torch.cuda.is_bf16_supported(including_emulation=False)
     ):
         raise ConfigError(
-            f"precision={requested.value} needs a GPU with native bf16 (compute capability "
+            f"precision={spec.name} needs a GPU with native bf16 (compute capability "
             f"8.0+), but {torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or "
             "precision=fp32"
         )
-    if requested is Precision.fp8:
-        require_fp8_hardware(device, fp8_emulate)
-
-
-def require_fp8_hardware(device: torch.device, emulate: bool) -> None:
-    """fp8 matmuls need compute capability 8.9+ (Ada, Hopper and newer) unless emulated."""
-    if emulate or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
-        return
-    where = "the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    raise ConfigError(
-        f"precision=fp8 needs a CUDA GPU with compute capability 8.9+, not {where}; "
-        "add precision.fp8_emulate=true to emulate it (slow, not timed)"
-    )
+    plugin_of(spec.name).check_device(device, cfg)
 
 
 def kernels_of(model: nn.Module) -> tuple[str, ...]:
@@ -105,32 +95,35 @@ def kernels_of(model: nn.Module) -> tuple[str, ...]:
     return ("matmul", "attention") if attention else ("matmul",)
 
 
-def probed_as(precision: Precision) -> Precision | None:
+def probed_as(precision: str) -> str | None:
     """The probed precision whose kernels ``precision`` runs (the precision table's)."""
     return spec_of(precision).probed_as
 
 
-def pick_fastest(seconds: Mapping[Precision, float]) -> tuple[Precision, str]:
+def pick_fastest(seconds: Mapping[str, float]) -> tuple[str, str]:
     """The precision to train in, given each candidate's time (fp32's included), and why.
 
     fp32 stays unless a low precision is at least ``MARGIN`` faster; fp16 replaces bf16 only by
     the same margin, so on a near tie bf16 wins and no loss scaler is needed.
     """
-    chosen = Precision.fp32
-    for low in LOW_PRECISIONS:
+    chosen = REFERENCE
+    for low in probed_low():
         if low in seconds and seconds[low] * MARGIN <= seconds[chosen]:
             chosen = low
-    fp32 = seconds[Precision.fp32]
-    speeds = ", ".join(
-        f"{p.value} {times(fp32 / seconds[p])}" for p in seconds if p in LOW_PRECISIONS
-    )
-    if chosen is Precision.fp32:
+    fp32 = seconds[REFERENCE]
+    speeds = ", ".join(f"{p} {times(fp32 / seconds[p])}" for p in seconds if p in probed_low())
+    if chosen == REFERENCE:
         return chosen, (
             f"no low precision is {MARGIN - 1:.0%} faster than fp32 ({speeds} fp32's speed)"
         )
-    why = f"{chosen.value} runs {times(fp32 / seconds[chosen])} fp32's speed"
-    if chosen is Precision.bf16 and seconds.get(Precision.fp16, math.inf) < seconds[chosen]:
-        why += f", and fp16 is not {MARGIN - 1:.0%} faster than bf16 (bf16 needs no loss scaling)"
+    why = f"{chosen} runs {times(fp32 / seconds[chosen])} fp32's speed"
+    # Faster precisions later in the tie-break order that did not win by the margin.
+    low = probed_low()
+    close = [p for p in seconds if p in low and p != chosen and seconds[p] < seconds[chosen]]
+    if close:
+        why += f", and {' and '.join(close)} is not {MARGIN - 1:.0%} faster than {chosen}"
+        if not spec_of(chosen).grad_scaler and any(spec_of(p).grad_scaler for p in close):
+            why += f" ({chosen} needs no loss scaling)"
     return chosen, why
 
 
@@ -142,37 +135,32 @@ class Capability:
     name: str
     facts: dict[str, Any]
     # Each supported precision's measured kernel times; fp32 is always among them.
-    measured: dict[Precision, Timing]
+    measured: dict[str, Timing]
     # What the measurements hold for: the device model, torch version and TF32 switch.
     key: str
 
-    def supports(self, precision: Precision) -> bool:
+    def supports(self, precision: str) -> bool:
         return precision in self.measured
 
-    def relative_speed(self, precision: Precision, kernels: Sequence[str] = KERNELS) -> float:
+    def relative_speed(self, precision: str, kernels: Sequence[str] = KERNELS) -> float:
         """Speed relative to fp32: the geometric mean over ``kernels`` (all the probe's)."""
-        ratios = [
-            self.measured[Precision.fp32][k].ms / self.measured[precision][k].ms for k in kernels
-        ]
+        ratios = [self.measured[REFERENCE][k].ms / self.measured[precision][k].ms for k in kernels]
         return math.exp(sum(map(math.log, ratios)) / len(ratios))
 
-    def tflops(self, precision: Precision) -> float:
+    def tflops(self, precision: str) -> float:
         """The probe's matmul rate: a measured peak to read model FLOP utilization against."""
         return self.measured[precision]["matmul"].tflops
 
-    def ruled_out(self, precision: Precision, kernels: Sequence[str] = KERNELS) -> bool:
+    def ruled_out(self, precision: str, kernels: Sequence[str] = KERNELS) -> bool:
         return (
             not self.supports(precision) or self.relative_speed(precision, kernels) * RULED_OUT <= 1
         )
 
-    def verdict(self, precision: Precision) -> str:
-        if precision is Precision.fp32:
+    def verdict(self, precision: str) -> str:
+        if precision == REFERENCE:
             return "the baseline"
         if not self.supports(precision):
-            return (
-                f"not supported: {self.name} has no native {precision.value} "
-                "(compute capability 8.0+)"
-            )
+            return f"not supported: {self.name} has no native {precision} (compute capability 8.0+)"
         speed = self.relative_speed(precision)
         if speed >= MARGIN:
             return f"fast: {times(speed)} fp32's speed"
@@ -181,42 +169,40 @@ class Capability:
         left_out = "; left out of precision=auto" if self.ruled_out(precision) else ""
         return f"slow: about {times(1 / speed)} slower than fp32{left_out}"
 
-    def recommendation(self, kernels: Sequence[str] = KERNELS) -> tuple[Precision, str]:
+    def recommendation(self, kernels: Sequence[str] = KERNELS) -> tuple[str, str]:
         seconds = {p: 1 / self.relative_speed(p, kernels) for p in self.measured}
         return pick_fastest(seconds)
 
-    def trial_candidates(self, kernels: Sequence[str] = KERNELS) -> list[Precision]:
+    def trial_candidates(self, kernels: Sequence[str] = KERNELS) -> list[str]:
         """What precision=auto times the run's model in: fp32 and each low precision that the
         probe's ``kernels`` (those of the model's kind) do not rule out."""
-        return [Precision.fp32, *(p for p in LOW_PRECISIONS if not self.ruled_out(p, kernels))]
+        return [REFERENCE, *(p for p in probed_low() if not self.ruled_out(p, kernels))]
 
     def left_out(self, kernels: Sequence[str] = KERNELS) -> str:
         """Why precision=auto does not time the low precisions it leaves out, in words."""
-        unsupported = [
-            f"{p.value} is not supported here" for p in LOW_PRECISIONS if not self.supports(p)
-        ]
+        unsupported = [f"{p} is not supported here" for p in probed_low() if not self.supports(p)]
         slow = [
-            f"{p.value} about {times(1 / self.relative_speed(p, kernels))}"
-            for p in LOW_PRECISIONS
+            f"{p} about {times(1 / self.relative_speed(p, kernels))}"
+            for p in probed_low()
             if self.supports(p) and self.ruled_out(p, kernels)
         ]
         if slow:
             unsupported.append(f"the probe measured {' and '.join(slow)} slower than fp32")
         return "; ".join(unsupported)
 
-    def advice(self, precision: Precision, kernels: Sequence[str] = KERNELS) -> list[str]:
+    def advice(self, precision: str, kernels: Sequence[str] = KERNELS) -> list[str]:
         """Warnings for a run in ``precision``: the probe's ``kernels`` (those of the run's
         model's kind, ``kernels_of``) ran slower than fp32 here. Labelled as the probe's: a
         speed trial of the model itself speaks for its speed, and the report then drops this."""
         probed = probed_as(precision)
-        if probed in (None, Precision.fp32) or not self.supports(probed):
+        if probed in (None, REFERENCE) or not self.supports(probed):
             return []
         speed = self.relative_speed(probed, kernels)
         if speed * MARGIN > 1:
             return []
-        better = self.recommendation(kernels)[0].value
+        better = self.recommendation(kernels)[0]
         return [
-            f"the probe's {' and '.join(kernels)} kernels ran {precision.value} about "
+            f"the probe's {' and '.join(kernels)} kernels ran {precision} about "
             f"{times(1 / speed)} slower than fp32 here: use precision={better}"
         ]
 
@@ -228,20 +214,20 @@ class Capability:
             "name": self.name,
             "facts": self.facts,
             "measured": {
-                p.value: {
+                p: {
                     "relative_speed": self.relative_speed(p),
                     "tflops": self.tflops(p),
                     "kernels": {k: vars(t) for k, t in timing.items()},
                 }
                 for p, timing in self.measured.items()
             },
-            "verdicts": {p.value: self.verdict(p) for p in (Precision.fp32, *LOW_PRECISIONS)},
-            "recommended": recommended.value,
+            "verdicts": {p: self.verdict(p) for p in (REFERENCE, *probed_low())},
+            "recommended": recommended,
             "reason": reason,
         }
 
     def summary(
-        self, precision: Precision, timed_on_model: bool = False, kernels: Sequence[str] = KERNELS
+        self, precision: str, timed_on_model: bool = False, kernels: Sequence[str] = KERNELS
     ) -> dict[str, Any]:
         """summary.json's ``hardware``: the doctor's findings, the advice for this run by the
         probe's ``kernels`` of its model's kind (none where the run's own model was timed in its
@@ -256,10 +242,9 @@ class Capability:
         }
 
 
-def supported_precisions(device: torch.device) -> list[Precision]:
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        return [Precision.fp32, Precision.fp16]
-    return [Precision.fp32, *LOW_PRECISIONS]
+def supported_precisions(device: torch.device) -> list[str]:
+    no_bf16 = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
+    return [REFERENCE, *(p for p in probed_low() if not (no_bf16 and spec_of(p).needs_native_bf16))]
 
 
 def device_facts(device: torch.device) -> dict[str, Any]:
@@ -275,11 +260,11 @@ def device_facts(device: torch.device) -> dict[str, Any]:
 def capability_of(device: torch.device, refresh: bool = False) -> Capability:
     """The device's capability; measured once per device and torch version, then cached."""
     precisions = supported_precisions(device)
-    measured = probe(device, [p.value for p in precisions], refresh=refresh)
+    measured = probe(device, [p for p in precisions], refresh=refresh)
     return Capability(
         device.type,
         device_name(device),
         device_facts(device),
-        {p: measured[p.value] for p in precisions},
-        cache_key(device, Precision.fp32.value),
+        {p: measured[p] for p in precisions},
+        cache_key(device, REFERENCE),
     )

@@ -86,7 +86,7 @@ class Engine:
         self.progress = Progress()
         self.meter = meter or Meter()
         # Timed training of this run, attempt by attempt.
-        self.throughput = Throughput(self.device, policy.precision.value, policy.timed)
+        self.throughput = Throughput(self.device, policy.precision, policy.timed)
         # What examines each step besides the update, in training/callbacks.ORDER.
         self.callbacks = StepCallbacks()
         names = {id(p): name for name, p in unwrap(model).named_parameters()}
@@ -230,7 +230,7 @@ class Engine:
             self.scheduler.last_epoch -= skipped.count + 1
             self.scheduler.step()
         self.skips.on_skipped_steps(
-            progress, self.policy.precision.value, self.policy.scale(), skipped
+            progress, self.policy.precision, self.policy.scale(), skipped
         )
 
     def log_row(

@@ -5,8 +5,9 @@ exponent range, so its gradients do not underflow); everything else is the same 
 autocast forward and loss -> scaled backward -> unscale_ -> clip -> step -> update. A step with
 non-finite gradients is skipped on the device where the optimizer allows it (fused kernels take
 ``found_inf``), so no step reads the device; the engine learns of skips at log steps.
-bf16_true has no autocast: the model itself is bf16 (``prepare_model``). fp8 runs torchao's
-float8 linears under bf16 autocast.
+What differs between precisions is their plugin's (training/precisions/: the model's
+conversion, the forward context, backward, the optimizer step, their own state); the policy
+drives it around the sequence they share.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-from amp_exp.config.precisions import spec_of
-from amp_exp.config.schema import Precision, PrecisionConfig
-from amp_exp.errors import ConfigError
+from amp_exp.config.precisions import plugin_of
+from amp_exp.config.schema import PrecisionConfig
 from amp_exp.runtime.fsdp import local, whole
-from amp_exp.training.keep_fp32 import run_without_autocast
-from amp_exp.training.precision_modes import Fp8Conversion, convert_to_fp8, to_bf16_true
+from amp_exp.training.precisions.base import PrecisionPlugin
 from amp_exp.training.stochastic_rounding import StochasticRoundingStep
 
 log = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ class PrecisionPolicy:
 
     def __init__(
         self,
-        precision: Precision,
+        precision: str,
         cfg: PrecisionConfig,
         device: torch.device,
         guard_nonfinite: bool = False,
@@ -82,8 +81,11 @@ class PrecisionPolicy:
         upcast what the policy means to run in the low dtype. One caster, the policy, as in
         torchtitan; the GradScaler stays.
         """
-        self.spec = spec_of(precision)
-        self.precision = precision
+        self.plugin: PrecisionPlugin = plugin_of(str(getattr(precision, "value", precision)))(
+            cfg, device, keep_fp32, params_cast
+        )
+        self.spec = self.plugin.spec
+        self.precision = self.spec.name
         self.cfg = cfg
         self.device = device
         self.clip_grad_norm = cfg.clip_grad_norm
@@ -101,7 +103,6 @@ class PrecisionPolicy:
         self.params_cast = params_cast
         # What a precision audit attributes fp32 FLOPs to: these modules and all inside them.
         self.kept_fp32 = list(keep_fp32)
-        self.fp8: Fp8Conversion | None = None
         # Set when the optimizer's own kernels cannot round bf16 updates stochastically.
         self.rounding: StochasticRoundingStep | None = None
         # The flag of a parameter without a gradient this step.
@@ -109,7 +110,7 @@ class PrecisionPolicy:
 
     @property
     def uses_autocast(self) -> bool:
-        return self.spec.autocast_dtype is not None and not self.params_cast
+        return self.plugin.uses_autocast
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -118,78 +119,30 @@ class PrecisionPolicy:
 
     @property
     def stochastic_rounding(self) -> bool:
-        return self.precision is Precision.bf16_true and self.cfg.stochastic_rounding
+        return self.plugin.stochastic_rounding
 
     @property
     def timed(self) -> bool:
-        """Emulated fp8 measures numerics, not speed: its throughput is never reported."""
-        return not (self.precision is Precision.fp8 and self.cfg.fp8_emulate)
+        """An emulated format measures numerics, not speed: its throughput is never reported."""
+        return self.plugin.timed
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """The model as this precision trains it; call before the optimizer and any wrapper."""
-        if self.precision is Precision.bf16_true:
-            return to_bf16_true(model, self.kept_fp32)
-        if self.uses_autocast:
-            run_without_autocast(model, self.kept_fp32, self.device.type)
-        if self.precision is Precision.fp8:
-            model, self.fp8 = convert_to_fp8(model, self.cfg, self.kept_fp32)
-            if not self.fp8.converted:
-                raise ConfigError(self._fp8_converted_nothing())
-            if self.fp8.emulated:
-                log.warning("fp8 is emulated (precision.fp8_emulate=true): slow, so not timed")
-            log.info(
-                "fp8 (%s%s): %d linear layers converted, %d kept in bf16 (%s)",
-                self.cfg.fp8_recipe.value,
-                ", emulated" if self.fp8.emulated else "",
-                len(self.fp8.converted),
-                len(self.fp8.skipped),
-                ", ".join(f"{name}: {why}" for name, why in self.fp8.skipped.items()) or "none",
-            )
-        return model
-
-    def _fp8_converted_nothing(self) -> str:
-        skipped = self.fp8.skipped if self.fp8 else {}
-        why = ", ".join(f"{name}: {reason}" for name, reason in skipped.items())
-        first_last = any(reason in ("first layer", "last layer") for reason in skipped.values())
-        return (
-            f"precision=fp8 converted no linear layer ({why or 'the model has none'}), so no "
-            "matmul would run in float8; use precision=bf16"
-            + (" or precision.fp8_skip_first_last=false" if first_last else "")
-        )
+        return self.plugin.convert_module(model)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if not self.uses_autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.spec.autocast_dtype.torch)
+        return self.plugin.forward_context()
 
     def inference(self) -> contextlib.AbstractContextManager:
-        """The no-grad mode of evaluation. torchao's Float8Linear fails under inference_mode
-        (pytorch/ao#643), so fp8 evaluates under no_grad."""
-        return torch.no_grad() if self.precision is Precision.fp8 else torch.inference_mode()
+        """The no-grad mode of evaluation."""
+        return self.plugin.inference_context()
 
     def summary(self) -> dict:
-        """What summary.json records: the modules kept in fp32, and an fp8 run's conversion."""
-        kept = {"keep_fp32_modules": self.kept_fp32}
-        if self.fp8 is None:
-            return kept
-        return {
-            **kept,
-            "fp8_emulated": self.fp8.emulated,
-            "fp8_converted": self.fp8.converted,
-            "fp8_skipped": self.fp8.skipped,
-            "fp8_mfu_peak_source": (
-                "null: emulated fp8 is not timed"
-                if self.fp8.emulated
-                else "null: fp8 matmuls peak at twice the bf16 rate, so MFU against a bf16 "
-                "peak would overstate utilization"
-            ),
-        }
+        """What summary.json records: the modules kept in fp32, and the plugin's own fields."""
+        return {"keep_fp32_modules": self.kept_fp32, **self.plugin.summary()}
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is None:
-            loss.backward()
-        else:
-            self.scaler.scale(loss).backward()
+        self.plugin.backward(loss if self.scaler is None else self.scaler.scale(loss))
 
     def unscale_and_clip(
         self,
@@ -251,7 +204,7 @@ class PrecisionPolicy:
 
     def _step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.rounding is None:
-            optimizer.step()
+            self.plugin.optimizer_step(optimizer)
         else:
             self.rounding.step(optimizer)
 
@@ -261,15 +214,17 @@ class PrecisionPolicy:
 
     def state_dict(self) -> dict:
         return {
-            "precision": self.precision.value,
+            "precision": self.precision,
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "plugin": self.plugin.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Take the scaler's state; a checkpoint of another precision keeps what still applies."""
-        if state["precision"] == self.precision.value:
+        if state["precision"] == self.precision:
             if self.scaler is not None:
                 self.scaler.load_state_dict(state["scaler"])
+            self.plugin.load_state_dict(state.get("plugin", {}))
             return
         if self.scaler is not None:
             kept = "a fresh GradScaler starts at precision.init_scale"
@@ -277,6 +232,4 @@ class PrecisionPolicy:
             kept = "its GradScaler state is dropped"
         else:
             kept = "model, optimizer and schedule carry over unchanged"
-        log.warning(
-            "resuming a %s checkpoint in %s: %s", state["precision"], self.precision.value, kept
-        )
+        log.warning("resuming a %s checkpoint in %s: %s", state["precision"], self.precision, kept)

@@ -131,16 +131,16 @@ class PrecisionAudit:
         # checkpointing's recompute repeats forward matmuls in the same dtypes, and counting it
         # would make the shares of one configuration differ with checkpointing on and off.
         flops = recorded.without_phase(RECOMPUTE)
-        fp8 = policy.fp8.converted if policy.fp8 is not None else None
+        converted = policy.plugin.converted_linears()
         kept = policy.kept_fp32
-        verdict = judge(policy.spec, flops, figures["weight_elements"], fp8, kept)
+        verdict = judge(policy.spec, flops, figures["weight_elements"], converted, kept)
         kept_share = kept_fp32_share(flops, kept) if kept else None
         is_main = engine.distributed is None or engine.distributed.is_main
         by_dtype = flops.by_dtype()
         if is_main:
             log.info("%s", described(step, share_by_dtype(by_dtype), figures, kept_share))
         if verdict.engaged is False and is_main:
-            log.warning("%s", warning_text(policy.precision.value, verdict))
+            log.warning("%s", warning_text(policy.precision, verdict))
         return {
             "step": step,
             "ranks": figures["ranks"],

@@ -21,7 +21,6 @@ from amp_exp.training.audit.matmuls import MatmulFlops
 from amp_exp.training.audit.modules import OUTSIDE
 from amp_exp.training.keep_fp32 import is_within
 
-FLOAT8 = frozenset(d.value for d in DType if d.value.startswith("float8"))
 # The modules a warning names, the largest first.
 NAMED = 5
 
@@ -87,13 +86,16 @@ def _matmul_share(spec: PrecisionSpec, flops: MatmulFlops, verdict: Verdict) -> 
             verdict.responsible.setdefault(module, {}).update(other)
 
 
-def _fp8_in_converted(flops: MatmulFlops, converted: list[str], verdict: Verdict) -> None:
+def _ran_in_converted(
+    flops: MatmulFlops, converted: list[str], dtypes: tuple[DType, ...], verdict: Verdict
+) -> None:
     by_module = flops.by_module()
-    idle = [name for name in converted if not any(by_module.get(name, {}).get(d) for d in FLOAT8)]
+    wanted = [d.value for d in dtypes]
+    idle = [name for name in converted if not any(by_module.get(name, {}).get(d) for d in wanted)]
     if not idle:
         return
     verdict.shortfalls.append(
-        f"{len(idle)} of the {len(converted)} linears converted to float8 ran no float8 matmul"
+        f"{len(idle)} of the {len(converted)} converted linears ran no {_names(dtypes)} matmul"
     )
     total = flops.total
     for name in idle:
@@ -119,7 +121,7 @@ def judge(
     spec: PrecisionSpec,
     flops: MatmulFlops,
     weight_elements: dict[str, dict[str, int]],
-    fp8_converted: list[str] | None = None,
+    converted: list[str] | None = None,
     kept: list[str] | tuple[str, ...] = (),
 ) -> Verdict:
     """Whether the audited step shows what ``spec.engaged`` asks of its precision, outside the
@@ -132,8 +134,8 @@ def judge(
     verdict = Verdict(engaged=True)
     engagement = spec.engaged
     _matmul_share(spec, flops, verdict)
-    if engagement.fp8_matmuls and fp8_converted is not None:
-        _fp8_in_converted(flops, fp8_converted, verdict)
+    if engagement.converted_dtypes and converted is not None:
+        _ran_in_converted(flops, converted, engagement.converted_dtypes, verdict)
     if engagement.weights is not None:
         _weights_stored(engagement.weights, weight_elements, verdict)
     verdict.engaged = not verdict.shortfalls

@@ -1,0 +1,147 @@
+"""PrecisionPlugin: the base class of every precision, its facts and its behaviour.
+
+A precision is one subclass in one module (this folder's built-ins, an installed package's entry
+point in group ``amp_exp.precisions``, or a user's class named by ``precision._target_``): its
+``spec`` is the precision's row of facts (config.precisions.PrecisionSpec), its methods the
+training behaviour, in the manner of Lightning Fabric's precision plugins: convert the model,
+the forward context, backward, the optimizer step, the state a checkpoint keeps, inference and
+what summary.json records. ``training.precision.PrecisionPolicy`` drives them around what every
+precision shares (the GradScaler, unscale, clip, skipped steps).
+
+A plugin module's top level imports no torch: the registry loads it to read the facts while the
+config is validated, before torch loads. Methods import torch where they run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from amp_exp.config.precisions import PrecisionSpec
+from amp_exp.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from amp_exp.config.schema import PrecisionConfig
+
+
+def options_of(plugin: type[PrecisionPlugin], given: Any) -> Any:
+    """``precision.options`` as the plugin's ``Options`` dataclass; ConfigError on a key it does
+    not declare or a value of the wrong type (checked at config time, before torch loads)."""
+    given = dict(given or {})
+    if plugin.Options is None:
+        if given:
+            raise ConfigError(
+                f"precision={plugin.spec.name} takes no precision.options, got {sorted(given)}"
+            )
+        return None
+    fields = {f.name: f for f in dataclasses.fields(plugin.Options)}
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"precision.options.{unknown[0]} is not an option of precision={plugin.spec.name}; "
+            f"valid options: {', '.join(fields) or 'none'}"
+        )
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(plugin.Options), given)
+    except ValidationError as error:
+        raise ConfigError(
+            f"precision.options of precision={plugin.spec.name}: {str(error).splitlines()[0]}"
+        ) from None
+    return OmegaConf.to_object(merged)
+
+
+class PrecisionPlugin:
+    """One precision: ``spec`` its facts, the methods its behaviour (defaults: autocast in
+    ``spec.autocast_dtype``, a plain backward and optimizer step, nothing of its own to save)."""
+
+    spec: ClassVar[PrecisionSpec]
+    # A dataclass of this precision's own options (``precision.options.NAME``), or None.
+    Options: ClassVar[type | None] = None
+
+    def __init__(
+        self,
+        cfg: PrecisionConfig,
+        device: torch.device,
+        kept_fp32: Sequence[str] = (),
+        params_cast: bool = False,
+    ) -> None:
+        """``kept_fp32``: the modules that compute in fp32 whatever the precision.
+        ``params_cast``: FSDP2's policy gathers the parameters in the compute dtype, so the
+        forward runs in it without autocast (training.precision.PrecisionPolicy)."""
+        self.cfg = cfg
+        self.device = device
+        self.kept_fp32 = list(kept_fp32)
+        self.params_cast = params_cast
+        self.options = options_of(type(self), getattr(cfg, "options", None))
+
+    @property
+    def uses_autocast(self) -> bool:
+        return self.spec.autocast_dtype is not None and not self.params_cast
+
+    @property
+    def timed(self) -> bool:
+        """Whether its throughput measures the precision (an emulated format's does not)."""
+        return True
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """Whether the optimizer must round its updates to bf16 stochastically."""
+        return False
+
+    @classmethod
+    def check_device(cls, device: torch.device, cfg: PrecisionConfig) -> None:
+        """Refuse, in one ConfigError, a device that cannot run this precision at all (a GPU
+        without native bf16 is refused for ``spec.needs_native_bf16`` already)."""
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """The model as this precision trains it; called before the optimizer and any wrapper."""
+        if self.uses_autocast:
+            from amp_exp.training.keep_fp32 import run_without_autocast
+
+            run_without_autocast(model, self.kept_fp32, self.device.type)
+        return model
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Where the forward and the loss run."""
+        if not self.uses_autocast:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.autocast(device_type=self.device.type, dtype=self.spec.autocast_dtype.torch)
+
+    def inference_context(self) -> contextlib.AbstractContextManager:
+        """The no-grad mode of evaluation."""
+        import torch
+
+        return torch.inference_mode()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward of the (already loss-scaled) loss."""
+        loss.backward()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def converted_linears(self) -> list[str] | None:
+        """The linears whose matmuls the audit expects in ``spec.engaged.converted_dtypes``, or
+        None where the precision converts none."""
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        """What summary.json records of this precision's run, beyond the common fields."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this precision's own state (random streams, scales)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back ``state_dict()``'s state on resume."""

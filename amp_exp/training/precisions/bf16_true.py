@@ -1,0 +1,47 @@
+"""bf16_true: weights, gradients and optimizer state in bf16, no autocast and no fp32 master
+copy; updates round to bf16 stochastically (precision.stochastic_rounding) so small ones still
+move the weights on average."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
+from amp_exp.config.schema import Strategy
+from amp_exp.training.precisions.base import PrecisionPlugin
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class Bf16True(PrecisionPlugin):
+    spec = PrecisionSpec(
+        name="bf16_true",
+        compute_dtype=DType.bfloat16,
+        autocast_dtype=None,
+        weight_dtype=DType.bfloat16,
+        optimizer_state_dtype=DType.bfloat16,
+        grad_scaler=False,
+        peak_math="bf16",
+        probed_as="bf16",
+        # Its gradients are bf16; DDP sums them in fp32 and rounds once (runtime/distributed).
+        reduce_dtype=DType.float32,
+        fsdp_param_dtype=None,
+        strategies=frozenset({Strategy.ddp}),
+        engaged=Engagement(0.5, (DType.bfloat16,), weights=DType.bfloat16),
+        order=3,
+        colour="#8172b3",
+        needs_native_bf16=True,
+    )
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        return self.cfg.stochastic_rounding
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        from amp_exp.training.precision_modes import to_bf16_true
+
+        return to_bf16_true(model, self.kept_fp32)
+
+
+PLUGIN = Bf16True
