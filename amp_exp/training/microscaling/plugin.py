@@ -15,14 +15,14 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from amp_exp.config.precisions import BOTH_STRATEGIES, DType, Engagement, PrecisionSpec
-from amp_exp.errors import ConfigError
+from amp_exp.errors import ConfigError, require
 from amp_exp.training.precisions.base import PrecisionPlugin
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from amp_exp.config.schema import PrecisionConfig
+    from amp_exp.config.schema import PrecisionConfig, TrainerConfig
     from amp_exp.training.microscaling.convert import MicroscalingConversion
     from amp_exp.training.microscaling.linear import Recipe
 
@@ -93,13 +93,35 @@ class MicroscalingPlugin(PrecisionPlugin):
     conversion: MicroscalingConversion | None = None
 
     @classmethod
-    def lacks(cls, device: torch.device) -> str | None:
-        """What ``device`` lacks to run this format for real, or None."""
-        if has_kernels(device, cls.elements):
+    def lacks(cls, device: torch.device | None) -> str | None:
+        """What ``device`` (None: any device) lacks to run this format for real, or None."""
+        if device is not None and has_kernels(device, cls.elements):
             return None
         if cls.elements is not DType.mxfp8_e4m3:
             return "torchao has no MXFP4 or NVFP4 training kernels on any device"
         return "MXFP8 kernels need a CUDA GPU with compute capability 10.0+ (Blackwell) and Triton"
+
+    @classmethod
+    def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
+        """Before torch loads: torchao, and precision.emulate=true where the config alone shows
+        there can be no kernels (the CPU; MXFP4 and NVFP4 on any device)."""
+        from importlib.util import find_spec
+
+        from amp_exp.config.schema import DeviceChoice
+
+        name = cls.spec.name
+        require(
+            find_spec("torchao") is not None,
+            f"precision={name} needs torchao, which is not installed: pip install 'amp_exp[fp8]'",
+        )
+        if cls.elements is DType.mxfp8_e4m3 and trainer.device is not DeviceChoice.cpu:
+            return
+        where = "" if cls.elements is not DType.mxfp8_e4m3 else " (trainer.device=cpu)"
+        require(
+            cfg.emulate,
+            f"precision={name} cannot run for real here{where}: {cls.lacks(None)}; add "
+            "precision.emulate=true to emulate it (slow, not timed)",
+        )
 
     @classmethod
     def check_device(cls, device: torch.device, cfg: PrecisionConfig) -> None:
