@@ -18,8 +18,8 @@ from omegaconf import DictConfig
 
 from amp_exp.config.launch import worker_rank
 from amp_exp.config.plain import plain_run_config, to_plain_dict
+from amp_exp.config.precisions import REFERENCE
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
-from amp_exp.config.schema import Precision
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.errors import (
@@ -66,7 +66,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     except Exception as caught:
         error = caught
         # fp32 has nothing to keep in fp32: its faults are the model's or the optimizer's.
-        if isinstance(error, NumericalFault) and validated.precision.name is not Precision.fp32:
+        if isinstance(error, NumericalFault) and validated.precision.name != REFERENCE:
             error = with_sensitivity_hint(error, list(hydra_cfg.overrides.task))
         # Every run leaves a summary.json, so a sweep report shows this one as failed. Once
         # validated, the config has what validation inferred (the task).

@@ -14,7 +14,7 @@ import torch
 
 from amp_exp.config.launch import ALONE
 from amp_exp.config.precisions import DType
-from amp_exp.config.schema import NonFiniteAction, Precision, RunConfig
+from amp_exp.config.schema import NonFiniteAction, RunConfig
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
@@ -169,7 +169,7 @@ def build(
 def meter(
     cfg: RunConfig,
     workload: Workload,
-    precision: Precision,
+    precision: str,
     device: torch.device,
     world_size: int,
     hardware: dict,

@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from amp_exp.config.schema import DeviceChoice, Precision, TrainerConfig
+from amp_exp.config.precisions import REFERENCE, probed_low
+from amp_exp.config.schema import DeviceChoice, TrainerConfig
 from amp_exp.results.contract import OneLineParser, enter
 from amp_exp.runtime.cache import cache_dir, forget
 from amp_exp.runtime.hardware import configure_backends, resolve_device
@@ -28,7 +29,7 @@ def table(capability: Capability) -> list[str]:
     for precision, timing in capability.measured.items():
         cells = [f"{timing[k].ms:.3g} ms, {timing[k].tflops:.3g} TFLOP/s" for k in KERNELS]
         speed = capability.relative_speed(precision)
-        rows.append([precision.value, *cells, f"{speed:.3g}x"])
+        rows.append([precision, *cells, f"{speed:.3g}x"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(map(str.rjust, row, widths)) for row in rows]
 
@@ -54,10 +55,10 @@ def report(capability: Capability) -> list[str]:
     lines.append(f"measured: forward+backward, fastest round (cache: {cache_dir() / CACHE_FILE})")
     lines += ["  " + row for row in table(capability)]
     lines.append(f"facts: {facts(capability)}")
-    for precision in (Precision.fp32, Precision.bf16, Precision.fp16):
-        lines.append(f"{precision.value}: {capability.verdict(precision)}")
+    for precision in (REFERENCE, *probed_low()):
+        lines.append(f"{precision}: {capability.verdict(precision)}")
     recommended, reason = capability.recommendation()
-    lines.append(f"recommendation: precision={recommended.value}: {reason}")
+    lines.append(f"recommendation: precision={recommended}: {reason}")
     return lines
 
 

@@ -65,7 +65,7 @@ def run_summary(
         Status.stopped if result.stopped_early else Status.completed,
         plain_run_config(cfg),
         stop_signal=None if stop_signal is None else stop_signal.name,
-        precision=built.resolved.precision.value,
+        precision=built.resolved.precision,
         precision_reason=built.resolved.reason,
         device=device.type,
         device_name=device_name(device),
@@ -146,7 +146,7 @@ def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob
     wandb_logger = open_wandb_logger(
         cfg,
         output_dir,
-        built.resolved.precision.value,
+        built.resolved.precision,
         built.device.type,
         built.engine.total_steps,
         sweep,
@@ -195,7 +195,7 @@ def train_built(
     distributed = built.distributed
     log.info(
         "precision %s (%s) on %s%s",
-        built.resolved.precision.value,
+        built.resolved.precision,
         built.resolved.reason,
         device_name(built.device),
         ""

@@ -278,7 +278,7 @@ MODES_SMOKE = {
     "cells": {
         "fp32": ["precision=fp32"],
         "bf16_true": ["precision=bf16_true"],
-        "fp8 tensorwise (emulated)": ["precision=fp8", "precision.fp8_emulate=true"],
+        "fp8 tensorwise (emulated)": ["precision=fp8", "precision.emulate=true"],
     },
 }
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from amp_exp.config.precisions import spec_of
-from amp_exp.config.schema import Precision
 from amp_exp.errors import ConfigError
 from amp_exp.run import build, train
 from amp_exp.training.audit import matmuls
@@ -154,7 +153,7 @@ def test_autocast_for_the_wrong_device_type_did_not_engage(
 def test_emulated_fp8_runs_float8_matmuls_in_the_converted_linears_only(run_cfg, tmp_path) -> None:
     cfg = run_cfg(
         "precision=fp8",
-        "precision.fp8_emulate=true",
+        "precision.emulate=true",
         "model=mlp",
         "model.hidden_dim=64",
         "model.depth=3",
@@ -173,7 +172,7 @@ def test_emulated_fp8_runs_float8_matmuls_in_the_converted_linears_only(run_cfg,
 
 def test_fp8_that_converts_no_linear_layer_stops_before_training(run_cfg) -> None:
     with pytest.raises(ConfigError) as raised:
-        build(run_cfg("precision=fp8", "precision.fp8_emulate=true", *TINY))
+        build(run_cfg("precision=fp8", "precision.emulate=true", *TINY))
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith("precision=fp8 converted no linear layer (head: ")
@@ -320,7 +319,7 @@ def test_checkpointing_leaves_names_shares_and_backward_as_without_it(compose_cf
 
 
 def test_emulated_fp8_engages_with_checkpointing(compose_cfg, tmp_path) -> None:
-    fp8 = ["precision=fp8", "precision.fp8_emulate=true"]
+    fp8 = ["precision=fp8", "precision.emulate=true"]
     audit = gpt_audit(compose_cfg, tmp_path, *fp8, CHECKPOINTED)
     assert audit["engaged"] is True, audit["shortfalls"]
     assert "float8_e4m3fn" in audit["modules"]["blocks.0.mlp.fc"]

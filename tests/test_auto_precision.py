@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import amp_exp.training.auto_precision as auto_precision
-from amp_exp.config.schema import Precision
 from amp_exp.results.checkpoint import load_newest_valid
 from amp_exp.run import build, train
 from amp_exp.runtime.cache import cache_dir, read_entries
@@ -26,7 +25,7 @@ from helpers.probes import capability_with, inject_probe, timing_at
 from helpers.runs import TINY
 
 CPU = torch.device("cpu")
-fp32, bf16, fp16 = Precision.fp32, Precision.bf16, Precision.fp16
+fp32, bf16, fp16 = "fp32", "bf16", "fp16"
 # bf16 as fast as fp32 by the probe: worth a trial. fp16 50x slower: left out.
 PLAUSIBLE_BF16 = {"fp32": 1.0, "bf16": 1.0, "fp16": 0.02}
 
@@ -36,9 +35,7 @@ def own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-def with_times(
-    monkeypatch, seconds: dict[Precision, float], spread: float = 0.1
-) -> list[list[Precision]]:
+def with_times(monkeypatch, seconds: dict[str, float], spread: float = 0.1) -> list[list[str]]:
     """Run the real trial (and its side effects), but report ``seconds`` as its result, each
     low precision's passes spread ``spread`` in their ratio to fp32's."""
     real = auto_precision.time_candidates

@@ -97,7 +97,7 @@ MODES = [
         "precision=bf16_true",
         "precision=bf16_true optimizer=adamw",
         "precision=bf16_true_nearest",
-        "precision=fp8 precision.fp8_emulate=true optimizer=adamw",
+        "precision=fp8 precision.emulate=true optimizer=adamw",
     ],
 )
 def test_bf16_true_and_emulated_fp8_resume_exactly(

@@ -12,7 +12,6 @@ import torch
 
 import amp_exp.doctor
 import amp_exp.runtime.probe
-from amp_exp.config.schema import Precision
 from amp_exp.run import build, train
 from amp_exp.runtime.cache import read_entries, write_entries
 from amp_exp.tasks.vision_models import l2_normalize_function
@@ -23,7 +22,7 @@ from helpers.runs import TINY, read_jsonl
 from helpers.warm_python import python_m
 
 CPU = torch.device("cpu")
-fp32, bf16, fp16 = Precision.fp32, Precision.bf16, Precision.fp16
+fp32, bf16, fp16 = "fp32", "bf16", "fp16"
 
 
 def warning(

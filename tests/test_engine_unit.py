@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_exp.config.launch import WorkerRank
-from amp_exp.config.schema import Precision, PrecisionConfig
+from amp_exp.config.schema import PrecisionConfig
 from amp_exp.runtime.distributed import load_plain_state, plain_state
 from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 from amp_exp.training.callbacks import ORDER, StepCallback
@@ -78,7 +78,7 @@ def make_engine(steps: int) -> Engine:
     torch.manual_seed(0)
     model = nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    policy = PrecisionPolicy(Precision.fp32, PrecisionConfig(), CPU)
+    policy = PrecisionPolicy("fp32", PrecisionConfig(), CPU)
     plan = LoopPlan(total_steps=steps, log_every=5, timing_warmup_steps=1)
     return Engine(model, Regression(), Batches(), Batches(), optimizer, policy, plan)
 
@@ -131,7 +131,7 @@ def test_step_callbacks_run_in_the_stated_order_after_the_rounded_update() -> No
     torch.manual_seed(0)
     model = to_bf16_true(nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    policy = PrecisionPolicy(Precision.bf16_true, PrecisionConfig(name=Precision.bf16_true), CPU)
+    policy = PrecisionPolicy("bf16_true", PrecisionConfig(name="bf16_true"), CPU)
     policy.rounding = StochasticRoundingStep()
     plan = LoopPlan(total_steps=2, log_every=2, timing_warmup_steps=1, eval_every=None)
     engine = Engine(model, Regression(), Batches(), None, optimizer, policy, plan)
@@ -193,7 +193,7 @@ def test_a_skipped_step_is_skipped_on_the_device_and_taken_back_from_the_schedul
     model = nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
-    policy = PrecisionPolicy(Precision.fp32, PrecisionConfig(), CPU, guard_nonfinite=True)
+    policy = PrecisionPolicy("fp32", PrecisionConfig(), CPU, guard_nonfinite=True)
     plan = LoopPlan(total_steps=5, log_every=5, timing_warmup_steps=1, eval_every=None)
     engine = Engine(
         model, Regression(), Batches(), None, optimizer, policy, plan, scheduler=schedule

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from amp_exp.config.launch import WorkerRank
 from amp_exp.config.preflight import check_overrides
-from amp_exp.config.schema import CompileMode, DeviceChoice, Precision, ReduceDtype, Strategy
+from amp_exp.config.schema import CompileMode, DeviceChoice, ReduceDtype, Strategy
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.results.resume_rules import data_position
@@ -52,10 +52,10 @@ class Blocks(nn.Module):
 
 def test_the_policy_follows_the_precision_and_reduce_dtype_overrides_it():
     # By default FSDP2 gathers the fp32 weights and autocast computes, as under DDP.
-    autocast = ShardingDtypes.for_precision(Precision.bf16, None)
+    autocast = ShardingDtypes.for_precision("bf16", None)
     assert (autocast.param, autocast.reduce, autocast.casts_params) == ("fp32", "fp32", False)
     assert autocast.policy().param_dtype is None
-    bf16 = ShardingDtypes.for_precision(Precision.bf16, None, cast_params=True)
+    bf16 = ShardingDtypes.for_precision("bf16", None, cast_params=True)
     assert (bf16.param, bf16.reduce) == ("bf16", "fp32")
     policy = bf16.policy()
     assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (
@@ -65,9 +65,9 @@ def test_the_policy_follows_the_precision_and_reduce_dtype_overrides_it():
     )
     # The root hands its output over in fp32, so the loss runs in fp32 as under autocast.
     assert bf16.policy(output_fp32=True).output_dtype == torch.float32
-    fp16 = ShardingDtypes.for_precision(Precision.fp16, ReduceDtype.fp16, cast_params=True).policy()
+    fp16 = ShardingDtypes.for_precision("fp16", ReduceDtype.fp16, cast_params=True).policy()
     assert (fp16.param_dtype, fp16.reduce_dtype) == (torch.float16, torch.float16)
-    fp32 = ShardingDtypes.for_precision(Precision.fp32, None)
+    fp32 = ShardingDtypes.for_precision("fp32", None)
     assert not fp32.casts_params
     assert fp32.policy(output_fp32=True).param_dtype is None
     assert fp32.policy(output_fp32=True).output_dtype is None
@@ -89,7 +89,7 @@ def test_the_policy_follows_the_precision_and_reduce_dtype_overrides_it():
         (
             [
                 "precision=fp8",
-                "precision.fp8_emulate=true",
+                "precision.emulate=true",
                 "precision.fp8_recipe=rowwise_with_gw_hp",
                 "precision.fp8_skip_small=true",
             ],
@@ -128,7 +128,7 @@ def test_ddp_runs_in_one_process_say_so(run_cfg, tmp_path):
 
 def test_each_block_is_sharded_then_the_root_and_batchnorm_keeps_fp32_weights():
     with process_group(DeviceChoice.cpu, Strategy.fsdp2):
-        dtypes = ShardingDtypes.for_precision(Precision.bf16, None, cast_params=True)
+        dtypes = ShardingDtypes.for_precision("bf16", None, cast_params=True)
         model = Blocks()
         blocks = shard_model(model, dtypes, torch.device("cpu"), model_blocks(model))
         assert all(isinstance(block, FSDPModule) for block in blocks.blocks)

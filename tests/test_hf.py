@@ -243,7 +243,7 @@ def test_emulated_fp8_converts_the_llamas_linear_layers_by_their_transformers_na
     hf_cfg, tmp_path
 ):
     pytest.importorskip("torchao")
-    summary = train(hf_cfg(*LLAMA, "precision=fp8", "precision.fp8_emulate=true"), tmp_path)
+    summary = train(hf_cfg(*LLAMA, "precision=fp8", "precision.emulate=true"), tmp_path)
     assert summary["status"] == "completed"
     assert "hf.model.layers.1.mlp.down_proj" in summary["fp8_converted"]
     assert "hf.model.layers.0.self_attn.q_proj" in summary["fp8_converted"]

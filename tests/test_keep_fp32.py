@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from amp_exp.build import build
-from amp_exp.config.schema import DeviceChoice, Precision, Strategy
+from amp_exp.config.schema import DeviceChoice, Strategy
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
@@ -21,11 +21,11 @@ from helpers.torchrun import run_worker
 
 KEPT = ["blocks.0.mlp.fc", "blocks.0.mlp.proj"]
 LOW = {
-    Precision.fp16: torch.float16,
-    Precision.bf16: torch.bfloat16,
-    Precision.bf16_true: torch.bfloat16,
-    Precision.fp8: torch.bfloat16,
-    Precision.fp32: torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bf16_true": torch.bfloat16,
+    "fp8": torch.bfloat16,
+    "fp32": torch.float32,
 }
 
 
@@ -67,7 +67,7 @@ def test_an_empty_pattern_is_refused_by_validation(compose_cfg) -> None:
 
 @pytest.mark.parametrize("precision", list(LOW), ids=lambda p: p.value)
 def test_kept_modules_compute_in_fp32_in_every_mode(compose_cfg, precision) -> None:
-    overrides = [*FAST_LM, f"precision={precision.value}", "precision.fp8_emulate=true"]
+    overrides = [*FAST_LM, f"precision={precision.value}", "precision.emulate=true"]
     overrides.append("precision.keep_fp32=[blocks.0.mlp]")
     built = build(validate(compose_cfg(*overrides, fast=False)))
     engine = built.engine
@@ -83,14 +83,14 @@ def test_kept_modules_compute_in_fp32_in_every_mode(compose_cfg, precision) -> N
             assert output == LOW[precision], name
     grads = {name: p.grad.dtype for name, p in built.model.named_parameters()}
     assert grads["blocks.0.mlp.fc.weight"] == torch.float32
-    if precision is Precision.fp8:
+    if precision == "fp8":
         assert engine.policy.fp8.skipped["blocks.0.mlp.fc"] == "precision.keep_fp32"
         assert seen["blocks.1.mlp.fc"][2] == "Float8Linear"
 
 
 def test_fsdp2_shards_kept_modules_under_an_fp32_policy() -> None:
     with process_group(DeviceChoice.cpu, Strategy.fsdp2):
-        dtypes = ShardingDtypes.for_precision(Precision.bf16, None, cast_params=True)
+        dtypes = ShardingDtypes.for_precision("bf16", None, cast_params=True)
         gpt = tiny_gpt()
         model = shard_model(gpt, dtypes, torch.device("cpu"), gpt.blocks, ["blocks.0.mlp"])
         with linear_dtypes(model) as seen:

@@ -13,7 +13,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from amp_exp.config.models import GPTConfig
 from amp_exp.config.preflight import check_overrides
-from amp_exp.config.schema import Precision
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
@@ -121,7 +120,7 @@ def test_flops_formula_is_within_10_percent_of_torchs_flop_counter(bias: bool) -
     ],
 )
 def test_peak_comes_from_the_table_for_the_device_and_math(name, precision, tf32, peak) -> None:
-    found, source = peak_tflops(name, Precision(precision), tf32)
+    found, source = peak_tflops(name, precision, tf32)
     assert found == peak
     assert (source is None) == (peak is None)
     if source:

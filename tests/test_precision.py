@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from amp_exp.config.schema import AdamWConfig, Precision, PrecisionConfig, SGDConfig
+from amp_exp.config.schema import AdamWConfig, PrecisionConfig, SGDConfig
 from amp_exp.errors import ConfigError
 from amp_exp.training.capability import check_request, pick_fastest
 from amp_exp.training.optim import build_optimizer
@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 fp32, bf16, fp16 = "fp32", "bf16", "fp16"
 
 
-def tiny_setup(precision: Precision, fused: bool = False, **knobs):
+def tiny_setup(precision: str, fused: bool = False, **knobs):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
@@ -41,8 +41,8 @@ def forward_backward(model, policy, loss_factor: float = 1.0) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("precision", [Precision.fp32, Precision.bf16])
-def test_fp32_and_bf16_never_build_a_scaler(precision: Precision) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fp32_and_bf16_never_build_a_scaler(precision: str) -> None:
     _, _, policy = tiny_setup(precision)
     assert policy.scaler is None
     assert policy.scale() is None
@@ -50,7 +50,7 @@ def test_fp32_and_bf16_never_build_a_scaler(precision: Precision) -> None:
 
 def test_fp16_scaler_takes_every_knob() -> None:
     _, _, policy = tiny_setup(
-        Precision.fp16, init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7
+        "fp16", init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7
     )
     scaler = policy.scaler
     assert isinstance(scaler, torch.amp.GradScaler)
@@ -63,9 +63,9 @@ def test_fp16_scaler_takes_every_knob() -> None:
 @pytest.mark.parametrize(
     ("precision", "dtype"),
     [
-        (Precision.fp32, torch.float32),
-        (Precision.bf16, torch.bfloat16),
-        (Precision.fp16, torch.float16),
+        ("fp32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("fp16", torch.float16),
     ],
 )
 def test_autocast_runs_the_forward_in_the_chosen_dtype(precision, dtype) -> None:
@@ -74,7 +74,7 @@ def test_autocast_runs_the_forward_in_the_chosen_dtype(precision, dtype) -> None
 
 
 def test_fp16_step_keeps_fp32_master_weights_and_unscaled_fp32_grads() -> None:
-    model, optimizer, policy = tiny_setup(Precision.fp16, clip_grad_norm=1.0)
+    model, optimizer, policy = tiny_setup("fp16", clip_grad_norm=1.0)
     seen_at_step = []
     # The pre-step hook runs inside optimizer.step(), i.e. after unscale_ and clipping.
     optimizer.register_step_pre_hook(
@@ -95,7 +95,7 @@ def test_fp16_step_keeps_fp32_master_weights_and_unscaled_fp32_grads() -> None:
 def test_fp16_overflow_is_skipped_and_backs_off_the_scale(fused: bool) -> None:
     """Both GradScaler paths: a non-fused optimizer is not called; a fused one (SGD's fused
     kernel runs on the CPU) takes found_inf into its kernel and leaves the weights alone."""
-    model, optimizer, policy = tiny_setup(Precision.fp16, fused=fused, init_scale=256.0)
+    model, optimizer, policy = tiny_setup("fp16", fused=fused, init_scale=256.0)
     before = [p.detach().clone() for p in model.parameters()]
     forward_backward(model, policy, loss_factor=float("inf"))
     gradients = step(policy, optimizer, model)

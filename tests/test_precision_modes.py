@@ -187,11 +187,11 @@ def test_fp8_keeps_linears_in_bf16_by_name_and_shape_and_says_why() -> None:
 
 def test_fp8_without_fp8_hardware_is_refused_unless_emulated() -> None:
     cpu = torch.device("cpu")
-    with pytest.raises(ConfigError, match=r"compute capability 8\.9\+.*fp8_emulate=true"):
+    with pytest.raises(ConfigError, match=r"compute capability 8\.9\+.*emulate=true"):
         require_fp8_hardware(cpu, emulate=False)
     require_fp8_hardware(cpu, emulate=True)
     check_request("bf16_true", cpu, PrecisionConfig())
-    check_request("fp8", cpu, PrecisionConfig(fp8_emulate=True))
+    check_request("fp8", cpu, PrecisionConfig(emulate=True))
     # auto times and picks among the autocast family only.
     assert auto_candidates() == ("fp32", "bf16", "fp16")
 
@@ -199,7 +199,7 @@ def test_fp8_without_fp8_hardware_is_refused_unless_emulated() -> None:
 def test_fp8_without_torchao_names_the_extra_to_install(run_cfg, compose_cfg, monkeypatch) -> None:
     monkeypatch.setattr("amp_exp.config.precision_checks.find_spec", lambda name: None)
     with pytest.raises(ConfigError) as error:
-        validate(compose_cfg("precision=fp8", "precision.fp8_emulate=true"))
+        validate(compose_cfg("precision=fp8", "precision.emulate=true"))
     assert str(error.value) == (
         "precision=fp8 needs torchao, which is not installed: pip install 'amp_exp[fp8]'"
     )
@@ -324,7 +324,7 @@ def test_emulated_fp8_trains_with_a_falling_loss_and_is_never_timed(
         "dataset.image_size=8",
         "optimizer=adamw",
         "precision=fp8",
-        "precision.fp8_emulate=true",
+        "precision.emulate=true",
         "trainer.max_steps=30",
         "trainer.log_every=10",
         "trainer.eval_every=20",

@@ -1,4 +1,5 @@
-"""The precision table is the one place a precision's facts live: every reader follows its row."""
+"""A precision's facts live in its plugin's row (config.precisions.PrecisionSpec), found through
+the registry: every reader follows the row."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from amp_exp.config import precisions
-from amp_exp.config.precisions import SPECS, DType, spec_of
-from amp_exp.config.schema import Precision, PrecisionConfig, Strategy
+from amp_exp.config.precisions import DType, names, plugin_of, spec_of
+from amp_exp.config.schema import PrecisionConfig, Strategy
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.training.capability import probed_as
@@ -17,14 +18,14 @@ from amp_exp.training.flops import peak_math
 from amp_exp.training.precision import PrecisionPolicy
 
 CPU = torch.device("cpu")
-MODES = [p for p in Precision if p is not Precision.auto]
+MODES = list(names())
 
 
 def test_every_mode_has_one_row_and_auto_has_none() -> None:
-    assert set(SPECS) == set(MODES)
-    assert all(SPECS[mode].name is mode for mode in MODES)
+    assert set(MODES) == {"fp32", "bf16", "fp16", "bf16_true", "fp8"}
+    assert all(spec_of(mode).name == mode for mode in MODES)
     with pytest.raises(ValueError, match="resolve precision=auto first"):
-        spec_of(Precision.auto)
+        spec_of("auto")
 
 
 def test_the_table_imports_no_torch_and_names_dtypes_as_torch_does() -> None:
@@ -39,15 +40,15 @@ def test_the_table_imports_no_torch_and_names_dtypes_as_torch_does() -> None:
 # the table: a wrong row, or a reader that ignores it, fails below.
 #   mode: (the dtype a Linear computes in, the weights' dtype, loss scaling, FSDP2 reduce dtype)
 DOCUMENTED = {
-    Precision.fp32: (torch.float32, torch.float32, False, "fp32"),
-    Precision.bf16: (torch.bfloat16, torch.float32, False, "fp32"),
-    Precision.fp16: (torch.float16, torch.float32, True, "fp32"),
-    Precision.bf16_true: (torch.bfloat16, torch.bfloat16, False, "fp32"),
+    "fp32": (torch.float32, torch.float32, False, "fp32"),
+    "bf16": (torch.bfloat16, torch.float32, False, "fp32"),
+    "fp16": (torch.float16, torch.float32, True, "fp32"),
+    "bf16_true": (torch.bfloat16, torch.bfloat16, False, "fp32"),
 }
 
 
 @pytest.mark.parametrize("mode", list(DOCUMENTED))
-def test_each_mode_computes_stores_and_scales_as_documented(mode: Precision) -> None:
+def test_each_mode_computes_stores_and_scales_as_documented(mode: str) -> None:
     computes, stores, scales, reduces = DOCUMENTED[mode]
     policy = PrecisionPolicy(mode, PrecisionConfig(name=mode), CPU)
     model = policy.prepare_model(torch.nn.Sequential(torch.nn.Linear(16, 16)))
@@ -63,52 +64,52 @@ def test_each_mode_computes_stores_and_scales_as_documented(mode: Precision) -> 
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_probe_and_the_datasheet_peak_read_the_row(mode: Precision) -> None:
-    spec = SPECS[mode]
-    assert probed_as(mode) is spec.probed_as
+def test_the_probe_and_the_datasheet_peak_read_the_row(mode: str) -> None:
+    spec = spec_of(mode)
+    assert probed_as(mode) == spec.probed_as
     assert peak_math(mode, tf32=False) == spec.peak_math
 
 
 def test_pure_bf16_reaches_the_same_datasheet_peak_as_bf16() -> None:
     # They once disagreed: the measured peak counted bf16_true as bf16, the datasheet had no
     # "bf16_true" entry, so a bf16_true run had mfu null and mfu_measured set.
-    assert peak_math(Precision.bf16_true, tf32=True) == peak_math(Precision.bf16, tf32=True)
-    assert probed_as(Precision.bf16_true) is probed_as(Precision.bf16)
+    assert peak_math("bf16_true", tf32=True) == peak_math("bf16", tf32=True)
+    assert probed_as("bf16_true") == probed_as("bf16")
 
 
 def test_a_changed_row_changes_every_reader(monkeypatch, run_cfg) -> None:
     """Changing a mode is one row: the policy, FSDP2's dtypes, the probe, the datasheet peak and
     the strategy check each follow every field changed (caught: a reader with its own copy)."""
     changed = dataclasses.replace(
-        SPECS[Precision.bf16],
+        spec_of("bf16"),
         compute_dtype=DType.float16,
         autocast_dtype=DType.float16,
         grad_scaler=True,
         reduce_dtype=DType.bfloat16,
         fsdp_param_dtype=DType.float16,
-        probed_as=Precision.fp16,
+        probed_as="fp16",
         peak_math="fp16",
         strategies=frozenset({Strategy.ddp}),
     )
-    monkeypatch.setitem(SPECS, Precision.bf16, changed)
-    policy = PrecisionPolicy(Precision.bf16, PrecisionConfig(), CPU)
+    monkeypatch.setattr(plugin_of("bf16"), "spec", changed)
+    policy = PrecisionPolicy("bf16", PrecisionConfig(), CPU)
     assert policy.scaler is not None and policy.dtype == torch.float16
     with policy.autocast():
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float16
-    cast = ShardingDtypes.for_precision(Precision.bf16, None, cast_params=True)
+    cast = ShardingDtypes.for_precision("bf16", None, cast_params=True)
     assert (cast.param, cast.reduce) == ("fp16", "bf16")
-    assert probed_as(Precision.bf16) is Precision.fp16
-    assert peak_math(Precision.bf16, tf32=False) == "fp16"
+    assert probed_as("bf16") == "fp16"
+    assert peak_math("bf16", tf32=False) == "fp16"
     with pytest.raises(
         ConfigError, match=r"precision=bf16 does not run with trainer\.strategy=fsdp2"
     ):
         run_cfg("precision=bf16", "trainer.strategy=fsdp2")
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if Strategy.fsdp2 not in SPECS[m].strategies])
+@pytest.mark.parametrize("mode", [m for m in MODES if Strategy.fsdp2 not in spec_of(m).strategies])
 def test_a_strategy_the_row_does_not_list_is_refused_with_the_valid_ones(mode, run_cfg) -> None:
-    overrides = [f"precision={mode.value}", "trainer.strategy=fsdp2"]
-    if mode is Precision.fp8:
-        overrides.append("precision.fp8_emulate=true")
+    overrides = [f"precision={mode}", "trainer.strategy=fsdp2"]
+    if mode == "fp8":
+        overrides.append("precision.emulate=true")
     with pytest.raises(ConfigError, match=r"valid choices: ddp$"):
         run_cfg(*overrides)

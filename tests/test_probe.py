@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import amp_exp.runtime.probe
-from amp_exp.config.schema import Precision
 from amp_exp.config.validate import validate
 from amp_exp.run import build
 from amp_exp.runtime.cache import cache_dir, read_entries
@@ -131,13 +130,13 @@ def test_a_gpu_without_native_bf16_is_probed_in_fp32_and_fp16_only(own_cache, mo
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     remember(gpu, {"fp32": timing_at(1.0), "fp16": timing_at(4.0)})
     capability = capability_of(gpu)  # from the cache: nothing runs on the (absent) GPU
-    assert list(capability.measured) == [Precision.fp32, Precision.fp16]
+    assert list(capability.measured) == ["fp32", "fp16"]
     assert capability.facts == {
         "compute_capability": "7.5",
         "tensor_cores": True,
         "native_bf16": False,
     }
-    assert capability.recommendation()[0] is Precision.fp16
+    assert capability.recommendation()[0] == "fp16"
 
 
 def test_fp32_on_a_gpu_is_cached_apart_with_and_without_tf32(monkeypatch) -> None:
@@ -190,7 +189,7 @@ def test_cached_timings_that_cannot_be_measurements_are_measured_again(
     )
     assert timings["fp16"] == timing_at(0.5)
     # What the doctor and precision=auto then read is a measurement again, from the cache.
-    assert capability_of(CPU).relative_speed(Precision.fp16) == pytest.approx(1.0)
+    assert capability_of(CPU).relative_speed("fp16") == pytest.approx(1.0)
     assert measured == [precisions]
 
 
@@ -211,11 +210,11 @@ def test_a_model_is_judged_by_the_probes_kernels_of_its_own_kind(
     built = build(validate(compose_cfg(*overrides, fast=False)))
     assert kernels_of(built.model) == kernels == tuple(built.hardware["advice_kernels"])
     measured = {
-        Precision.fp32: timing_at(1.0),
-        Precision.fp16: {**timing_at(1.0), "conv": KernelTime(ms=10.0, tflops=0.1)},
+        "fp32": timing_at(1.0),
+        "fp16": {**timing_at(1.0), "conv": KernelTime(ms=10.0, tflops=0.1)},
     }
     capability = Capability("cpu", "test cpu", {}, measured, key="test cpu")
-    advice = capability.advice(Precision.fp16, kernels)
+    advice = capability.advice("fp16", kernels)
     assert advice == (
         ["the probe's conv kernels ran fp16 about 10x slower than fp32 here: use precision=fp32"]
         if kernels == ("conv",)

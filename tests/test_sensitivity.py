@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from amp_exp.config.precisions import DType
-from amp_exp.config.schema import Precision
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
@@ -137,7 +136,7 @@ def test_gpt_modules_are_ranked_with_their_flop_shares(compose_cfg, tmp_path) ->
 def test_emulated_fp8_ranks_its_float8_linears_below_those_it_keeps_in_bf16(
     compose_cfg, tmp_path
 ) -> None:
-    overrides = [*FAST_LM, "sensitivity.precisions=[fp8]", "precision.fp8_emulate=true"]
+    overrides = [*FAST_LM, "sensitivity.precisions=[fp8]", "precision.emulate=true"]
     report = run_sensitivity(
         validate(compose_cfg(*overrides, "sensitivity.batches=1", fast=False)), tmp_path
     )
@@ -276,7 +275,7 @@ def test_a_module_that_works_in_place_is_measured_on_its_recorded_inputs() -> No
 
     x = torch.tensor([-1.0, 2.0, -3.0, 4.0], requires_grad=True)
     call = ModuleCall((x,), {}, batch=0, grad_output=torch.ones(4))
-    policy = PrecisionPolicy(Precision.bf16, PrecisionConfig(), torch.device("cpu"))
+    policy = PrecisionPolicy("bf16", PrecisionConfig(), torch.device("cpu"))
     relu = torch.nn.ReLU(inplace=True)
     error = measure_module("act", relu, relu, [call], policy, 1.0, seed=0)
     assert torch.equal(x, torch.tensor([-1.0, 2.0, -3.0, 4.0]))
@@ -309,7 +308,7 @@ class StubSearch:
     def __init__(self, needed: set[str], max_trials: int = 10) -> None:
         self.needed, self.max_trials = needed, max_trials
         self.reference = type("Reference", (), {"passed": True})()
-        self.precision = type("Precision", (), {"value": "fp16"})()
+        self.precision = "fp16"
         self.runs: list[list[str]] = []
         self.tried: dict[frozenset, bool] = {}
 
@@ -365,14 +364,14 @@ def test_a_set_that_keeps_most_flops_or_every_module_is_a_sliver(keep, share, sl
 
 
 def test_a_sliver_is_not_called_verified_and_the_next_precision_up_is_named() -> None:
-    words = sliver_conclusion(Precision.fp16, ["attn", "head"], 1.0)
+    words = sliver_conclusion("fp16", ["attn", "head"], 1.0)
     assert words == (
         "fp16 does not train here beyond a sliver of the model: the run passes only with 2 "
         "module(s) in fp32, 100% of the FLOPs; use precision=bf16 instead"
     )
     assert "verified" not in words
-    assert "precision=bf16" in sliver_conclusion(Precision.fp8, ["a"], 0.9)
-    assert "precision=fp32" in sliver_conclusion(Precision.bf16, ["a"], 0.9)
+    assert "precision=bf16" in sliver_conclusion("fp8", ["a"], 0.9)
+    assert "precision=fp32" in sliver_conclusion("bf16", ["a"], 0.9)
 
 
 def test_the_backward_overflow_names_the_last_modules_with_non_finite_gradients() -> None:
@@ -385,7 +384,7 @@ def test_the_backward_overflow_names_the_last_modules_with_non_finite_gradients(
     [
         (["sensitivity.precisions=[bf16_true]"], "bf16_true is not ranked against fp32; valid"),
         (["sensitivity.batches=0"], "sensitivity.batches=0 must be positive"),
-        (["sensitivity.precisions=[fp8]", "trainer.device=cpu"], "precision.fp8_emulate=true"),
+        (["sensitivity.precisions=[fp8]", "trainer.device=cpu"], "precision.emulate=true"),
     ],
 )
 def test_bad_sensitivity_values_are_refused_before_anything_runs(run_cfg, overrides, message):

@@ -231,7 +231,7 @@ def test_config_is_plain_with_precision_flat(run_cfg) -> None:
         "precision.min_scale",
         "precision.stochastic_rounding",
         "precision.fp8_recipe",
-        "precision.fp8_emulate",
+        "precision.emulate",
         "precision.fp8_skip",
         "precision.fp8_skip_small",
         "precision.reduce_dtype",

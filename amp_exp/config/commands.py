@@ -11,8 +11,8 @@ import dataclasses
 
 from amp_exp.config.devices import PREDICTABLE
 from amp_exp.config.precision_checks import validate_precision
+from amp_exp.config.precisions import AUTO, names, plugin_of, register, specs
 from amp_exp.config.schema import (
-    Precision,
     PrecisionConfig,
     PredictConfig,
     SensitivityConfig,
@@ -27,17 +27,26 @@ SPEED_WARMUP_WINDOW = 5
 # The fewest rounds for the speedup's t interval to be of any use (t(0.975, 5) = 2.57; at 4
 # rounds it is 3.18).
 MIN_SPEED_ROUNDS = 6
-# The precisions whose per-module error against fp32 the command measures.
-RANKABLE = (Precision.fp16, Precision.bf16, Precision.fp8)
-# When neither sensitivity.precisions nor a rankable precision= says which.
-DEFAULT_PRECISIONS = (Precision.fp16, Precision.bf16)
 
 
-def target_precisions(sensitivity: SensitivityConfig, precision: Precision) -> list[Precision]:
+def rankable() -> list[str]:
+    """The precisions whose per-module error against fp32 the command measures (their facts)."""
+    return [spec.name for spec in specs() if spec.rankable]
+
+
+def default_precisions() -> list[str]:
+    """When neither sensitivity.precisions nor a rankable precision= says which: the rankable
+    ones precision=auto may choose, those with a GradScaler (the narrowest range, where most
+    layers fail) first, so repair targets them."""
+    chosen = [spec for spec in specs() if spec.rankable and spec.auto_candidate]
+    return [spec.name for spec in sorted(chosen, key=lambda spec: not spec.grad_scaler)]
+
+
+def target_precisions(sensitivity: SensitivityConfig, precision: str) -> list[str]:
     """The precisions to rank, in order: the first is the one repair targets."""
     if sensitivity.precisions:
         return list(dict.fromkeys(sensitivity.precisions))
-    return [precision] if precision in RANKABLE else list(DEFAULT_PRECISIONS)
+    return [precision] if precision in rankable() else default_precisions()
 
 
 def validate_sensitivity(
@@ -49,11 +58,13 @@ def validate_sensitivity(
         require(value > 0, f"sensitivity.{name}={value} must be positive")
     require(sensitivity.max_skipped_steps >= 0, "sensitivity.max_skipped_steps must be 0 or more")
     require(sensitivity.loss_tolerance > 0, "sensitivity.loss_tolerance must be positive")
+    if precision._target_ is not None:
+        register(precision._target_)
     for chosen in target_precisions(sensitivity, precision.name):
         require(
-            chosen in RANKABLE,
-            f"sensitivity.precisions: {chosen.value} is not ranked against fp32; valid choices: "
-            f"{', '.join(p.value for p in RANKABLE)}",
+            chosen in rankable(),
+            f"sensitivity.precisions: {chosen} is not ranked against fp32; valid choices: "
+            f"{', '.join(rankable())}",
         )
         # fp8 needs what a run in fp8 needs: torchao, and a GPU or emulation.
         validate_precision(dataclasses.replace(precision, name=chosen), trainer)
@@ -73,14 +84,12 @@ def validate_speed(speed: SpeedConfig) -> None:
         "runs first in half the rounds",
     )
     require(
-        bool(speed.precisions) and Precision.auto not in speed.precisions,
+        bool(speed.precisions) and AUTO not in speed.precisions,
         "speed.precisions must list precisions to time, e.g. speed.precisions=[fp32,bf16]; "
-        f"valid choices: {', '.join(p.value for p in Precision if p is not Precision.auto)}",
+        f"valid choices: {', '.join(names())}",
     )
-
-
-# Every resolved precision has a row in the precision table; auto is decided on hardware at hand.
-PREDICTABLE_PRECISIONS = tuple(p for p in Precision if p is not Precision.auto)
+    for precision in speed.precisions:
+        plugin_of(precision)
 
 
 def validate_predict(predict: PredictConfig) -> None:
@@ -92,12 +101,14 @@ def validate_predict(predict: PredictConfig) -> None:
             f"predict.devices: {device} is not in the device table; valid choices: "
             f"{', '.join(PREDICTABLE)}",
         )
+    # Every resolved precision has facts to predict from; auto is decided on hardware at hand.
     for precision in predict.precisions:
         require(
-            precision in PREDICTABLE_PRECISIONS,
-            f"predict.precisions: {precision.value} is chosen on the hardware at hand, not "
-            f"predicted; valid choices: {', '.join(p.value for p in PREDICTABLE_PRECISIONS)}",
+            precision != AUTO,
+            f"predict.precisions: {precision} is chosen on the hardware at hand, not "
+            f"predicted; valid choices: {', '.join(names())}",
         )
+        plugin_of(precision)
     require(predict.world_size >= 1, f"predict.world_size={predict.world_size} must be 1 or more")
     require(
         predict.interconnect_gb_per_s > 0,

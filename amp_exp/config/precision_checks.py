@@ -1,16 +1,11 @@
-"""The precision section's rules: the GradScaler's knobs, fp8's needs, FSDP2's reduce dtype and
-parameter cast, and the strategies each precision runs under (from the precision table). Imports
-no torch."""
+"""The precision section's rules: the name and the plugin's options (from the registry), the
+GradScaler's knobs, fp8's needs, FSDP2's reduce dtype and parameter cast, and the strategies each
+precision runs under (from its facts). Imports no torch."""
 
 from __future__ import annotations
 
-from importlib.util import find_spec
-
-from amp_exp.config.precisions import AUTO, spec_of, specs
+from amp_exp.config.precisions import AUTO, options_of, plugin_of, register, spec_of, specs
 from amp_exp.config.schema import (
-    DeviceChoice,
-    Fp8Recipe,
-    Precision,
     PrecisionConfig,
     ReduceDtype,
     Strategy,
@@ -21,13 +16,26 @@ from amp_exp.errors import require
 
 def validate_precision(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
     """Raise ``ConfigError`` on the first precision value that cannot run with ``trainer``."""
+    _validate_plugin(precision, trainer)
     _validate_scaler(precision)
     blank = [pattern for pattern in precision.keep_fp32 if not pattern.strip()]
     require(not blank, "precision.keep_fp32 holds an empty pattern; give module names or globs")
-    _validate_fp8(precision, trainer)
     _validate_reduce_dtype(precision, trainer)
     _validate_cast_params(precision, trainer)
     _validate_strategy(precision.name, trainer.strategy)
+
+
+def _validate_plugin(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
+    """A user's plugin registers first; then the name must be a known precision (one line with
+    the valid choices) and the options the plugin's own."""
+    if precision._target_ is not None:
+        register(precision._target_)
+    if precision.name == AUTO:
+        require(not precision.options, "precision=auto takes no precision.options")
+        return
+    plugin = plugin_of(precision.name)
+    options_of(plugin, precision.options)
+    plugin.check_config(precision, trainer)
 
 
 def _validate_scaler(precision: PrecisionConfig) -> None:
@@ -38,27 +46,6 @@ def _validate_scaler(precision: PrecisionConfig) -> None:
     require(
         0 < precision.backoff_factor < 1,
         "precision.backoff_factor must lie strictly between 0 and 1",
-    )
-
-
-def _validate_fp8(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
-    """What fp8 needs that the config alone shows; the GPU's capability is checked at build."""
-    if precision.name is not Precision.fp8:
-        return
-    require(
-        find_spec("torchao") is not None,
-        "precision=fp8 needs torchao, which is not installed: pip install 'amp_exp[fp8]'",
-    )
-    require(
-        trainer.device is not DeviceChoice.cpu or precision.fp8_emulate,
-        "precision=fp8 needs a CUDA GPU with compute capability 8.9+ (trainer.device=cpu); "
-        "add precision.fp8_emulate=true to emulate it (slow, not timed)",
-    )
-    # torchao measured no size thresholds for this recipe (its _auto_filter_for_recipe).
-    require(
-        not precision.fp8_skip_small or precision.fp8_recipe is not Fp8Recipe.rowwise_with_gw_hp,
-        "precision.fp8_skip_small=true has no size thresholds for "
-        "precision.fp8_recipe=rowwise_with_gw_hp; valid recipes: tensorwise, rowwise",
     )
 
 
@@ -100,8 +87,10 @@ def _validate_reduce_dtype(precision: PrecisionConfig, trainer: TrainerConfig) -
         "gradients in their own dtype (fp32)",
     )
     # Only a GradScaler notices a gradient that overflowed fp16 in the reduction, and backs off.
+    scaled = [spec.name for spec in specs() if spec.grad_scaler]
     require(
-        reduce is not ReduceDtype.fp16 or precision.name is Precision.fp16,
-        "precision.reduce_dtype=fp16 needs precision=fp16, whose GradScaler catches gradients "
-        "that overflow fp16; valid choices here: fp32, bf16",
+        reduce is not ReduceDtype.fp16
+        or (precision.name != AUTO and spec_of(precision.name).grad_scaler),
+        f"precision.reduce_dtype=fp16 needs precision={' or '.join(scaled)}, whose GradScaler "
+        "catches gradients that overflow fp16; valid choices here: fp32, bf16",
     )

@@ -17,6 +17,7 @@ torch (tests/test_precision_registry.py), so a bad value is still refused before
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import pkgutil
@@ -135,6 +136,10 @@ class PrecisionSpec:
     # when keeping it in fp32 is not needed (None: fp32).
     rankable: bool = False
     repair_to: str | None = None
+    # A checkpoint moves between the precisions of this family (results/resume_rules): fp32
+    # master weights and state, and a model they do not convert (bf16_true's bf16 weights and
+    # fp8's Float8Linear layers are families of their own).
+    autocast_family: bool = False
     # Its matmuls need a GPU with native bf16 (compute capability 8.0+).
     needs_native_bf16: bool = False
     # Fast on CUDA only under torch.compile (trainer.compile=auto compiles it there).
@@ -252,3 +257,32 @@ def auto_candidates() -> tuple[str, ...]:
 def probed_low() -> tuple[str, ...]:
     """The low precisions the probe times and precision=auto may choose, in tie-break order."""
     return tuple(p for p in auto_candidates() if p != REFERENCE)
+
+
+def options_of(plugin: Any, given: Any) -> Any:
+    """``precision.options`` as the plugin's ``Options`` dataclass; ConfigError on a key it does
+    not declare or a value of the wrong type (checked at config time, before torch loads)."""
+    given = dict(given or {})
+    if plugin.Options is None:
+        if given:
+            raise ConfigError(
+                f"precision={plugin.spec.name} takes no precision.options, got {sorted(given)}"
+            )
+        return None
+    fields = {f.name: f for f in dataclasses.fields(plugin.Options)}
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"precision.options.{unknown[0]} is not an option of precision={plugin.spec.name}; "
+            f"valid options: {', '.join(fields) or 'none'}"
+        )
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(plugin.Options), given)
+    except ValidationError as error:
+        raise ConfigError(
+            f"precision.options of precision={plugin.spec.name}: {str(error).splitlines()[0]}"
+        ) from None
+    return OmegaConf.to_object(merged)

@@ -30,17 +30,6 @@ from amp_exp.config.models import (
 )
 
 
-class Precision(str, Enum):
-    auto = "auto"
-    fp32 = "fp32"
-    fp16 = "fp16"
-    bf16 = "bf16"
-    # Weights, gradients and optimizer state in bf16: no autocast, no fp32 master copy.
-    bf16_true = "bf16_true"
-    # torchao float8 matmuls in the linear layers, everything else under bf16 autocast.
-    fp8 = "fp8"
-
-
 class Fp8Recipe(str, Enum):
     """torchao's Float8LinearConfig recipes, fastest to most accurate."""
 
@@ -144,9 +133,17 @@ class SchedulerConfig:
 
 @dataclass
 class PrecisionConfig:
-    # auto: time the model in fp32 and each low precision the device's measured speeds do not
-    # rule out; a low precision must be 5% faster than fp32 (training/auto_precision.py).
-    name: Precision = Precision.auto
+    # A precision of the registry (config/precisions.py: the plugins of
+    # amp_exp/training/precisions/, of installed packages, and ``_target_``'s), or auto: time the
+    # model in fp32 and each candidate the device's measured speeds do not rule out; a low
+    # precision must be 5% faster than fp32 (training/auto_precision.py).
+    name: str = "auto"
+    # A user's own plugin: the dotted path of its PrecisionPlugin class, registered before
+    # ``name`` is looked up (docs/precision.md, "Adding a precision").
+    _target_: str | None = None
+    # The plugin's own options, checked against its ``Options`` dataclass before torch loads;
+    # conf/precision/NAME.yaml lists them with their defaults.
+    options: dict[str, Any] = field(default_factory=dict)
     # GradScaler knobs; they only take effect when fp16 runs.
     init_scale: float = 65536.0
     growth_factor: float = 2.0
@@ -163,8 +160,9 @@ class PrecisionConfig:
     stochastic_rounding: bool = True
     # fp8: torchao's recipe (Float8LinearConfig.from_recipe_name).
     fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
-    # fp8: emulate the fp8 matmuls, on any device (numerics and tests; slow, so never timed).
-    fp8_emulate: bool = False
+    # Emulate the format's matmuls (fp8's, and any plugin's that reads it), on any device
+    # (numerics and tests; slow, so never timed).
+    emulate: bool = False
     # fp8: linears kept in bf16 by fully qualified name (fnmatch): the output layers of the
     # built-in, torchvision, timm and Hugging Face models (torchtitan keeps "output"); [] converts
     # them all.
@@ -303,7 +301,7 @@ class SensitivityConfig:
 
     # The precisions to rank modules for (fp16, bf16, fp8); null = precision= when it is one
     # of those, else fp16 and bf16. Repair targets the first.
-    precisions: list[Precision] | None = None
+    precisions: list[str] | None = None
     # Training batches measured, each against its own fp32 reference; modules listed per precision.
     batches: int = 2
     show: int = 10
@@ -324,9 +322,7 @@ class SpeedConfig:
     in a pair of its own, warmed up until steady, timed ``rounds`` x ``steps`` steps, AB, BA, ..."""
 
     # python -m amp_exp.speed times these and fp32; a sweep's trial, the precisions it ran.
-    precisions: list[Precision] = field(
-        default_factory=lambda: [Precision.fp32, Precision.bf16, Precision.fp16]
-    )
+    precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp16"])
     # The cap on each side's warm-up steps, when its step time has not settled before.
     max_warmup_steps: int = 100
     steps: int = 5
@@ -341,9 +337,7 @@ class PredictConfig:
     # Keys of config/devices.py's table: h100, h200, b200, a100.
     devices: list[str] = field(default_factory=lambda: ["h100"])
     # The precisions predicted; bf16 and fp32 are added, the speedups' baselines.
-    precisions: list[Precision] = field(
-        default_factory=lambda: [Precision.fp32, Precision.bf16, Precision.fp8]
-    )
+    precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp8"])
     # GPUs the batch is data-parallel over; above 1, FSDP2 shards weights, gradients and state.
     world_size: int = 1
     # GB/s one GPU sends and receives over the interconnect (NVLink 4 on H100 SXM: 450 each way).

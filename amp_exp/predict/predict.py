@@ -8,15 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.config.devices import PREDICTABLE
-from amp_exp.config.schema import Precision, RunConfig
+from amp_exp.config.precisions import REFERENCE
+from amp_exp.config.schema import RunConfig
 from amp_exp.predict.roofline import ASSUMPTIONS, predict_one
 from amp_exp.predict.trace import StepTrace, trace_step
 
-BASELINES = (Precision.fp32, Precision.bf16)
+# The speedups' baselines: fp32, and bf16, the usual mixed precision.
+BASELINES = (REFERENCE, "bf16")
 PUBLISHED = Path(__file__).with_name("published.json")
 
 
-def precisions_of(cfg: RunConfig) -> list[Precision]:
+def precisions_of(cfg: RunConfig) -> list[str]:
     """``predict.precisions`` with both baselines, fp32 and bf16, first."""
     return list(dict.fromkeys([*BASELINES, *cfg.predict.precisions]))
 
@@ -32,7 +34,7 @@ def predict_trace(cfg: RunConfig, trace: StepTrace) -> dict[str, Any]:
     devices = {}
     for key in cfg.predict.devices:
         device = PREDICTABLE[key]
-        rows = {p.value: predict_one(cfg, trace, device, p) for p in precisions_of(cfg)}
+        rows = {p: predict_one(cfg, trace, device, p) for p in precisions_of(cfg)}
         for found in rows.values():
             if "step_time_s" in found:
                 found["speedup_vs_bf16"] = speedup(rows["bf16"], found)

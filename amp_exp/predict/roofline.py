@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from amp_exp.config.devices import Device
 from amp_exp.config.precisions import DType, PrecisionSpec, spec_of
-from amp_exp.config.schema import AdamWConfig, Precision, RunConfig
+from amp_exp.config.schema import AdamWConfig, RunConfig
 from amp_exp.predict.trace import Op, StepTrace
 from amp_exp.training.flops import peak_math
 from amp_exp.training.precision_modes import plan_fp8
@@ -104,11 +104,12 @@ class Setting:
     act_bytes: int
 
 
-def setting(cfg: RunConfig, trace: StepTrace, precision: Precision) -> Setting:
+def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
     spec = spec_of(precision)
     math_name = peak_math(precision, cfg.trainer.tf32)
     fp8_linears: frozenset[str] = frozenset()
-    if precision is Precision.fp8:
+    # A precision that converts linears (fp8) runs those the fp8 filters admit at its peak.
+    if spec.engaged.converted_dtypes:
         skip_small = cfg.precision.fp8_recipe.value if cfg.precision.fp8_skip_small else None
         plan = plan_fp8(trace.model, cfg.precision.fp8_skip, skip_small, cfg.precision.keep_fp32)
         fp8_linears = frozenset(plan.converted)
@@ -116,7 +117,7 @@ def setting(cfg: RunConfig, trace: StepTrace, precision: Precision) -> Setting:
     return Setting(spec, math_name, fp8_linears, BYTES[spec.compute_dtype])
 
 
-def missing_math(device: Device, precision: Precision, tf32: bool) -> str | None:
+def missing_math(device: Device, precision: str, tf32: bool) -> str | None:
     """Why ``device`` cannot run ``precision``'s matmuls, or None."""
     needed = peak_math(precision, tf32)
     if needed == "tf32" and "tf32" not in device.tflops:
@@ -137,7 +138,7 @@ def traced_costs(trace: StepTrace, run: Setting, device: Device) -> list[Cost]:
     for op in trace.ops:
         elements = op.read + op.written
         if op.linear in run.fp8_linears:
-            tflops, nbytes = device.tflops["fp8"], elements  # 1-byte operands
+            tflops, nbytes = device.tflops[run.spec.peak_math], elements  # 1-byte operands
         else:
             tflops = device.tflops[run.matmul_math]
             nbytes = elements * (4 if op.fp32 else run.act_bytes)
@@ -253,7 +254,7 @@ def top_ops(costs: list[Cost], count: int = 5) -> list[dict]:
     ]
 
 
-def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: Precision) -> dict:
+def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str) -> dict:
     """One device and precision: the step's time, what bounds it, its memory and largest batch."""
     why = missing_math(device, precision, cfg.trainer.tf32)
     if why is not None:

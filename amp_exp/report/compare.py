@@ -19,7 +19,7 @@ PRECISION_ORDER = {"fp32": 0, "bf16": 1, "fp16": 2, "bf16_true": 3, "fp8": 4}
 VARIANT_KEYS = {
     "precision.stochastic_rounding",
     "precision.fp8_recipe",
-    "precision.fp8_emulate",
+    "precision.emulate",
     "precision.fp8_skip",
     "precision.fp8_skip_small",
 }
@@ -179,7 +179,7 @@ def variant_label(summary: dict[str, Any]) -> str:
             details.append("all linears")
         if knobs.get("fp8_skip_small"):
             details.append("large linears")
-        if knobs.get("fp8_emulate"):
+        if knobs.get("emulate"):
             details.append("emulated")
         precision = f"fp8 ({', '.join(details)})"
     return precision

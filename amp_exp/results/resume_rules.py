@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from amp_exp.config.plain import flatten_config
-from amp_exp.config.schema import Precision
+from amp_exp.config.precisions import AUTO, spec_of
 from amp_exp.training.capability import ResolvedPrecision
 
 # Sections and keys whose change makes another experiment.
@@ -41,11 +41,6 @@ MOVABLE = frozenset(
 )
 # How this attempt was asked to start says nothing about the experiment.
 IGNORED = frozenset({"resume"})
-# fp32, fp16 and bf16 autocast all keep fp32 master weights and the same optimizer state, so a
-# checkpoint moves between them (the GradScaler state is dropped or started fresh, with a
-# warning). bf16_true keeps weights and state in bf16, and fp8 trains other layers (torchao's
-# Float8Linear): each is a family of its own.
-AUTOCAST_FAMILY = frozenset({"auto", "fp32", "fp16", "bf16"})
 
 
 def _is_fixed(key: str) -> bool:
@@ -55,7 +50,12 @@ def _is_fixed(key: str) -> bool:
 
 
 def _family(precision: Any) -> str:
-    return "autocast" if precision in AUTOCAST_FAMILY else str(precision)
+    """The precisions a checkpoint moves between (their facts' ``autocast_family``: fp32 master
+    weights and state, the model unconverted; the GradScaler state is dropped or started fresh,
+    with a warning); any other is a family of its own."""
+    if precision == AUTO or spec_of(str(precision)).autocast_family:
+        return "autocast"
+    return str(precision)
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -93,7 +93,7 @@ def data_position(
 
 
 def kept_precision(
-    requested: Precision, found: tuple[Any, dict[str, Any]] | None
+    requested: str, found: tuple[Any, dict[str, Any]] | None
 ) -> ResolvedPrecision | None:
     """What a resumed ``precision=auto`` trains in: the checkpoint's precision.
 
@@ -101,14 +101,14 @@ def kept_precision(
     report would take it for an fp32 baseline. None for a fresh start or an explicit precision (a
     change within the autocast family is allowed, and the summary keeps the attempts apart).
     """
-    if found is None or requested is not Precision.auto:
+    if found is None or requested != AUTO:
         return None
     payload = found[1]
     saved = payload["precision"]
-    chosen_by_auto = payload["config"]["precision"]["name"] == Precision.auto.value
+    chosen_by_auto = payload["config"]["precision"]["name"] == AUTO
     how = "as precision=auto chose it" if chosen_by_auto else "as requested then"
     return ResolvedPrecision(
-        Precision(saved),
+        saved,
         f"auto: {saved}, kept from the checkpoint at step {payload['step']} ({how})",
         timed_on_model=chosen_by_auto,
     )

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from amp_exp.config.precisions import SHORT_NAMES, spec_of
-from amp_exp.config.schema import Precision, ReduceDtype
+from amp_exp.config.schema import ReduceDtype
 from amp_exp.errors import ConfigError
 
 DTYPES = {name: dtype.torch for dtype, name in SHORT_NAMES.items()}
@@ -44,7 +44,7 @@ class ShardingDtypes:
 
     @classmethod
     def for_precision(
-        cls, precision: Precision, reduce: ReduceDtype | None, cast_params: bool = False
+        cls, precision: str, reduce: ReduceDtype | None, cast_params: bool = False
     ) -> ShardingDtypes:
         """The precision table's dtypes (config.precisions): the stored weights, or under
         ``cast_params`` its FSDP2 cast; ``reduce`` overrides the reduction's."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.config.commands import target_precisions
-from amp_exp.config.schema import Precision, RunConfig
+from amp_exp.config.schema import RunConfig
 from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.sensitivity.measure import measure_precision, ranking
 from amp_exp.sensitivity.reference import capture_reference
@@ -55,7 +55,7 @@ def run_sensitivity(cfg: RunConfig, output_dir: Path) -> dict[str, Any]:
         "sensitivity of model=%s on %d batch(es): fp32 reference, then %s",
         cfg.model.name,
         len(batches),
-        ", ".join(p.value for p in precisions),
+        ", ".join(precisions),
     )
     reference = capture_reference(model, task, batches, cfg.seed)
     measured = {}
@@ -71,7 +71,7 @@ def run_sensitivity(cfg: RunConfig, output_dir: Path) -> dict[str, Any]:
     write_sensitivity(output_dir, report, settings.show)
     log.info("sensitivity: %s", output_dir / "sensitivity.md")
     if settings.repair:
-        target: Precision = precisions[0]
+        target: str = precisions[0]
         errors = measured[target][0]
         # A module the precision leaves exact (an embedding under autocast) has nothing to gain.
         candidates = [name for name in ranking(errors) if errors[name].margin_db < math.inf]

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from amp_exp.config.schema import Precision, RunConfig, WandbMode
+from amp_exp.config.precisions import REFERENCE, spec_of
+from amp_exp.config.schema import RunConfig, WandbMode
 from amp_exp.errors import NumericalFault
 from amp_exp.results.files import METRICS_FILE
 from amp_exp.run import train
@@ -34,8 +35,6 @@ log = logging.getLogger("amp_exp")
 VERIFY_DIR = "verify"
 # Above this share of the FLOPs in fp32, a precision has not been made to train, fp32 has.
 MOST_FLOPS = 0.5
-# The next precision up: fp32's range with more bits than fp8, or than fp16; fp32 for the rest.
-NEXT_UP = {Precision.fp8: Precision.bf16, Precision.fp16: Precision.bf16}
 
 
 @dataclass
@@ -53,7 +52,7 @@ class Trial:
     why: str = ""
 
 
-def verification_config(cfg: RunConfig, precision: Precision, keep: list[str]) -> RunConfig:
+def verification_config(cfg: RunConfig, precision: str, keep: list[str]) -> RunConfig:
     """``cfg`` as a short, quiet run: no W&B, no checkpoints, no evaluation, no resume."""
     run = copy.deepcopy(cfg)
     run.precision.name = precision
@@ -76,14 +75,14 @@ def last_train_row(run_dir: Path) -> dict[str, Any]:
     return next((row for row in reversed(rows) if row.get("kind") == "train"), {})
 
 
-def verify(cfg: RunConfig, precision: Precision, keep: list[str], run_dir: Path) -> Trial:
+def verify(cfg: RunConfig, precision: str, keep: list[str], run_dir: Path) -> Trial:
     """One short run of ``cfg`` in ``precision`` with ``keep`` in fp32 (not yet judged)."""
     try:
         summary = train(verification_config(cfg, precision, keep), run_dir)
     except NumericalFault as fault:
         row = last_train_row(run_dir)
         return Trial(
-            precision.value,
+            precision,
             keep,
             str(run_dir),
             "numerical_fault",
@@ -92,7 +91,7 @@ def verify(cfg: RunConfig, precision: Precision, keep: list[str], run_dir: Path)
             why=f"stopped: {fault}",
         )
     return Trial(
-        precision.value,
+        precision,
         keep,
         str(run_dir),
         summary["status"],
@@ -138,9 +137,7 @@ def override_line(keep: list[str]) -> str:
 class Search:
     """The trials of one repair, memoized by the set kept, bounded by ``max_trials``."""
 
-    def __init__(
-        self, cfg: RunConfig, precision: Precision, verify_dir: Path, reference: Trial
-    ) -> None:
+    def __init__(self, cfg: RunConfig, precision: str, verify_dir: Path, reference: Trial) -> None:
         self.cfg, self.precision, self.verify_dir = cfg, precision, verify_dir
         self.reference = reference
         self.trials: list[Trial] = []
@@ -162,7 +159,7 @@ class Search:
             "repair trial %d/%d: %s with %s",
             number,
             self.cfg.sensitivity.max_trials,
-            self.precision.value,
+            self.precision,
             override_line(keep) if keep else "nothing kept in fp32",
         )
         run_dir = self.verify_dir / f"trial_{number:02d}"
@@ -201,7 +198,7 @@ def search(run: Search, given: list[str], candidates: list[str]) -> tuple[list[s
         elif size >= len(candidates):
             return None, (
                 f"nothing helps: with all {len(candidates)} ranked modules kept in fp32 the "
-                f"{run.precision.value} run still fails; the cause lies outside the measured "
+                f"{run.precision} run still fails; the cause lies outside the measured "
                 "modules (the loss, parameter-free ops, the optimizer or the learning rate)"
             )
         size *= 2
@@ -215,11 +212,13 @@ def search(run: Search, given: list[str], candidates: list[str]) -> tuple[list[s
             break
         if outcome:
             found = fewer
-    return found, f"verified: {run.precision.value} trains with these modules in fp32"
+    return found, f"verified: {run.precision} trains with these modules in fp32"
 
 
-def next_up(precision: Precision) -> Precision:
-    return NEXT_UP.get(precision, Precision.fp32)
+def next_up(precision: str) -> str:
+    """The next precision up (its facts' ``repair_to``: bf16, fp32's range with more bits than
+    fp8 or fp16), else fp32."""
+    return spec_of(precision).repair_to or REFERENCE
 
 
 def is_sliver(keep: list[str], kept_share: float | None, candidates: list[str]) -> bool:
@@ -229,18 +228,18 @@ def is_sliver(keep: list[str], kept_share: float | None, candidates: list[str]) 
     return every or (kept_share is not None and kept_share > MOST_FLOPS)
 
 
-def sliver_conclusion(precision: Precision, keep: list[str], kept_share: float | None) -> str:
+def sliver_conclusion(precision: str, keep: list[str], kept_share: float | None) -> str:
     share = "every ranked module" if kept_share is None else f"{kept_share:.0%} of the FLOPs"
     return (
-        f"{precision.value} does not train here beyond a sliver of the model: the run passes only "
-        f"with {len(keep)} module(s) in fp32, {share}; use precision={next_up(precision).value} "
+        f"{precision} does not train here beyond a sliver of the model: the run passes only "
+        f"with {len(keep)} module(s) in fp32, {share}; use precision={next_up(precision)} "
         "instead"
     )
 
 
 def repair(
     cfg: RunConfig,
-    precision: Precision,
+    precision: str,
     candidates: list[str],
     reference: Reference,
     given: list[str],
@@ -249,13 +248,13 @@ def repair(
     """repair.json's content. ``candidates``: the ranked modules, most sensitive first."""
     log.info(
         "repair: searching which modules keep %s training, at most %d runs of %d steps",
-        precision.value,
+        precision,
         cfg.sensitivity.max_trials,
         cfg.sensitivity.verify_steps,
     )
     verify_dir = output_dir / VERIFY_DIR
     log.info("repair: the fp32 reference run")
-    fp32 = judge_reference(verify(cfg, Precision.fp32, [], verify_dir / "fp32"))
+    fp32 = judge_reference(verify(cfg, REFERENCE, [], verify_dir / "fp32"))
     run = Search(cfg, precision, verify_dir, fp32)
     keep, conclusion = search(run, given, [name for name in candidates if name not in given])
     kept_share = reference.flop_share(keep or [])
@@ -266,10 +265,10 @@ def repair(
     shown = f": {override_line(keep)}" if keep and not sliver else ""
     log.info("repair: %s%s", conclusion, shown)
     return {
-        "precision": precision.value,
+        "precision": precision,
         # A set that keeps (nearly) everything in fp32 proves fp32 trains, not the precision.
         "verified": keep is not None and not sliver,
-        "recommended_precision": next_up(precision).value if sliver else None,
+        "recommended_precision": next_up(precision) if sliver else None,
         "keep_fp32": keep,
         "override": override_line(keep) if keep else None,
         "low_precision_flop_share": None if kept_share is None else 1 - kept_share,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from amp_exp.config.plain import plain_run_config
-from amp_exp.config.schema import Precision, RunConfig
+from amp_exp.config.schema import RunConfig
 from amp_exp.results.files import SENSITIVITY_JSON, write_json, write_text
 from amp_exp.sensitivity.measure import SLACK_DB, ModuleError, ranking
 from amp_exp.sensitivity.ranges import OpFault
@@ -32,7 +32,7 @@ SENSITIVE_WHEN = (
     "or gradient, or an op whose output overflowed the format"
 )
 
-Measured = dict[Precision, tuple[dict[str, ModuleError], list[float], OpFault | None]]
+Measured = dict[str, tuple[dict[str, ModuleError], list[float], OpFault | None]]
 
 
 def mean(values: list[float]) -> float:
@@ -74,7 +74,7 @@ def sensitivity_report(
     device: torch.device,
 ) -> dict[str, Any]:
     """sensitivity.json's content: ``modules`` most sensitive first (in the first precision)."""
-    rankings = {p.value: ranking(errors) for p, (errors, *_) in measured.items()}
+    rankings = {p: ranking(errors) for p, (errors, *_) in measured.items()}
     order = next(iter(rankings.values()))
     modules = []
     for name in order:
@@ -86,8 +86,8 @@ def sensitivity_report(
             "flop_share": reference.flop_share([name]),
         }
         for precision, (errors, *_) in measured.items():
-            rank = rankings[precision.value].index(name) + 1
-            entry[precision.value] = {"rank": rank, **errors[name].as_dict()}
+            rank = rankings[precision].index(name) + 1
+            entry[precision] = {"rank": rank, **errors[name].as_dict()}
         modules.append(entry)
     return {
         "model": cfg.model.name,
@@ -102,7 +102,7 @@ def sensitivity_report(
         "loss": {
             "fp32": mean(reference.losses),
             **{
-                p.value: loss_error(losses, reference.losses, fault)
+                p: loss_error(losses, reference.losses, fault)
                 for p, (_, losses, fault) in measured.items()
             },
         },
@@ -135,7 +135,7 @@ def format_share(value: float | None) -> str:
 
 
 def describe_ranking(
-    precision: Precision, errors: dict[str, ModuleError], order: list[str], show: int
+    precision: str, errors: dict[str, ModuleError], order: list[str], show: int
 ) -> str:
     """The console's line for one precision: its most sensitive modules and their margins."""
     sensitive = [name for name in order if errors[name].sensitive]
@@ -146,7 +146,7 @@ def describe_ranking(
     faults = [errors[name].fault for name in order if errors[name].fault is not None]
     overflow = f"; first out of range: {faults[0].text()}" if faults else ""
     return (
-        f"{precision.value}: {len(sensitive)} of {len(order)} modules sensitive; most sensitive "
+        f"{precision}: {len(sensitive)} of {len(order)} modules sensitive; most sensitive "
         f"first (output SQNR, dB): {listed}{overflow}"
     )
 

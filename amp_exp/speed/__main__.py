@@ -19,8 +19,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from amp_exp.config.plain import plain_run_config
+from amp_exp.config.precisions import REFERENCE
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
-from amp_exp.config.schema import Precision, RunConfig
+from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.results import contract
@@ -38,11 +39,11 @@ register_configs()
 
 def candidates(cfg: RunConfig) -> dict[str, RunConfig]:
     """The run in each precision of ``speed.precisions``, fp32 first."""
-    precisions = dict.fromkeys([Precision.fp32, *cfg.speed.precisions])
+    precisions = dict.fromkeys([REFERENCE, *cfg.speed.precisions])
     configs = {}
     for precision in precisions:
-        configs[precision.value] = copy.deepcopy(cfg)
-        configs[precision.value].precision.name = precision
+        configs[precision] = copy.deepcopy(cfg)
+        configs[precision].precision.name = precision
     return configs
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.config.plain import run_config_from_plain
-from amp_exp.config.schema import Precision, RunConfig
+from amp_exp.config.schema import RunConfig
 from amp_exp.report.compare import BASELINE, assign_settings, precision_label
 from amp_exp.report.runs import Run, find_runs
 from amp_exp.results.files import SPEED_JSON, SPEED_MD, write_json, write_text
@@ -23,7 +23,7 @@ log = logging.getLogger("amp_exp")
 def trial_config(run: Run) -> RunConfig:
     """The job's config, in the precision it ran (a job of precision=auto names its choice)."""
     cfg = run_config_from_plain(run.summary["config"])
-    cfg.precision.name = Precision(run.precision)
+    cfg.precision.name = run.precision
     return cfg
 
 

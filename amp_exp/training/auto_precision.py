@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import auto_candidates
-from amp_exp.config.schema import Precision, PrecisionConfig, RunConfig
+from amp_exp.config.precisions import AUTO, REFERENCE, auto_candidates, plugin_of
+from amp_exp.config.schema import PrecisionConfig, RunConfig
 from amp_exp.runtime.cache import (
     WIDE_SPREAD,
     cache_dir,
@@ -57,7 +57,7 @@ def resolve_precision(
 ) -> ResolvedPrecision:
     """The precision the run trains in, and why; precision=auto is decided here."""
     requested = cfg.precision.name
-    if requested is not Precision.auto:
+    if requested != AUTO:
         return ResolvedPrecision(requested, f"requested: precision={variant_name(cfg.precision)}")
     if distributed is None:
         return choose(cfg, capability, workload)
@@ -70,11 +70,8 @@ def resolve_precision(
 
 
 def variant_name(precision: PrecisionConfig) -> str:
-    """The precision as conf/precision/ names it: bf16_true with updates rounded to nearest is
-    the bf16_true_nearest preset, however it was asked for."""
-    if precision.name is Precision.bf16_true and not precision.stochastic_rounding:
-        return "bf16_true_nearest (bf16_true, precision.stochastic_rounding=false)"
-    return precision.name.value
+    """The precision as conf/precision/ names it, however it was asked for (its plugin's)."""
+    return plugin_of(precision.name).variant_name(precision)
 
 
 def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> ResolvedPrecision:
@@ -82,8 +79,8 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
     kernels = kernels_of(workload.model)
     candidates = capability.trial_candidates(kernels)
     left_out = capability.left_out(kernels)
-    if candidates == [Precision.fp32]:
-        return ResolvedPrecision(Precision.fp32, f"auto: fp32, nothing else to try ({left_out})")
+    if candidates == [REFERENCE]:
+        return ResolvedPrecision(REFERENCE, f"auto: fp32, nothing else to try ({left_out})")
     # The batch too: a DataLoader seeds its workers from torch's generator.
     with leaves_no_trace(workload.model):
         batch = workload.task.to_device(next(iter(workload.data.train)))
@@ -91,30 +88,30 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
         cached = cached_ms(key, candidates)
         if cached is not None:
             ms, spread = cached
-            seconds = {p: ms[p.value] / 1e3 for p in candidates}
+            seconds = {p: ms[p] / 1e3 for p in candidates}
         else:
             seconds, spread = time_candidates(workload.model, workload.task, batch, candidates)
-            ms = {p.value: s * 1e3 for p, s in seconds.items()}
+            ms = {p: s * 1e3 for p, s in seconds.items()}
             write_entries(CACHE_FILE, {key: {"ms": ms, "spread": spread}})
     chosen, why = pick_fastest(seconds)
     source = f"fastest of {PASSES} passes, spread {max(spread.values()):.0%}"
     if cached is not None:
         source += ", cached from an earlier run"
-    listed = ", ".join(f"{p.value} {milliseconds(s)}" for p, s in seconds.items())
-    reason = f"auto: {chosen.value}; this model's forward+backward ({source}): {listed}; {why}"
+    listed = ", ".join(f"{p} {milliseconds(s)}" for p, s in seconds.items())
+    reason = f"auto: {chosen}; this model's forward+backward ({source}): {listed}; {why}"
     return ResolvedPrecision(chosen, reason + (f"; {left_out}" if left_out else ""), True)
 
 
 def cached_ms(
-    key: str, candidates: Sequence[Precision]
+    key: str, candidates: Sequence[str]
 ) -> tuple[dict[str, float], dict[str, float]] | None:
     """The candidates' times cached under ``key`` by an earlier run and their spreads; None when
     there are none, when they cannot be measurements (then with a warning), or when a spread is
     wider than ``WIDE_SPREAD``: they are timed again."""
     try:
         entry = read_entries(CACHE_FILE)[key]
-        ms = {p.value: entry["ms"][p.value] for p in candidates}
-        spread = {p.value: float(entry["spread"][p.value]) for p in candidates}
+        ms = {p: entry["ms"][p] for p in candidates}
+        spread = {p: float(entry["spread"][p]) for p in candidates}
     except (KeyError, TypeError, ValueError):
         return None
     why = implausible_times(ms)
@@ -145,7 +142,7 @@ def choice_key(
     cfg: RunConfig,
     capability: Capability,
     channels_last: bool,
-    candidates: Sequence[Precision],
+    candidates: Sequence[str],
     batch: Batch,
 ) -> str:
     """What a timing depends on: the model, the batch, the device and torch, the candidates."""
@@ -155,7 +152,7 @@ def choice_key(
             "batch": batch_shapes(batch),
             "channels_last": channels_last,
             "device": capability.key,
-            "candidates": [p.value for p in candidates],
+            "candidates": [p for p in candidates],
         },
         sort_keys=True,
         default=str,
@@ -174,8 +171,8 @@ def batch_shapes(batch: Batch) -> Any:
 
 
 def time_candidates(
-    model: nn.Module, task: Task, batch: Batch, candidates: Sequence[Precision]
-) -> tuple[dict[Precision, float], dict[str, float]]:
+    model: nn.Module, task: Task, batch: Batch, candidates: Sequence[str]
+) -> tuple[dict[str, float], dict[str, float]]:
     """Each candidate's fastest forward+backward of ``model`` on ``batch``, in seconds, and the
     spread: how far its speed figure lies from its typical pass (``runtime.cache.ratio_spread``).
 
@@ -200,5 +197,5 @@ def time_candidates(
             {p: pass_of(policy) for p, policy in policies.items()}, device, 1, PASSES
         )
     passes = {p: [steps[0] for steps in rounds] for p, rounds in seconds.items()}
-    spread = {p.value: ratio_spread(passes[Precision.fp32], times) for p, times in passes.items()}
+    spread = {p: ratio_spread(passes[REFERENCE], times) for p, times in passes.items()}
     return {p: min(times) for p, times in passes.items()}, spread

@@ -229,9 +229,7 @@ class Engine:
             # amp_exp's schedules (LambdaLR, OneCycleLR) are closed-form in the step count.
             self.scheduler.last_epoch -= skipped.count + 1
             self.scheduler.step()
-        self.skips.on_skipped_steps(
-            progress, self.policy.precision, self.policy.scale(), skipped
-        )
+        self.skips.on_skipped_steps(progress, self.policy.precision, self.policy.scale(), skipped)
 
     def log_row(
         self,

@@ -15,19 +15,16 @@ import re
 
 from amp_exp.config.devices import DEVICES
 from amp_exp.config.precisions import spec_of
-from amp_exp.config.schema import Precision
 
 
-def peak_math(precision: Precision, tf32: bool) -> str:
+def peak_math(precision: str, tf32: bool) -> str:
     """Which peak a run's matmuls can reach (the precision table's): fp32 runs as TF32 when TF32
     is allowed."""
     math = spec_of(precision).peak_math
     return "tf32" if math == "fp32" and tf32 else math
 
 
-def peak_tflops(
-    device_name: str, precision: Precision, tf32: bool
-) -> tuple[float | None, str | None]:
+def peak_tflops(device_name: str, precision: str, tf32: bool) -> tuple[float | None, str | None]:
     """(dense peak TFLOP/s, which peak and where it comes from), or (None, None) if unknown."""
     math = peak_math(precision, tf32)
     for device in DEVICES:

@@ -139,9 +139,9 @@ def convert_to_fp8(
     recipe = cfg.fp8_recipe.value
     skip_small_for = recipe if cfg.fp8_skip_small else None
     plan = plan_fp8(model, list(cfg.fp8_skip), skip_small_for, keep_fp32)
-    plan.emulated = cfg.fp8_emulate
+    plan.emulated = cfg.emulate
     config = Float8LinearConfig.from_recipe_name(recipe)
-    config = dataclasses.replace(config, emulate=cfg.fp8_emulate)
+    config = dataclasses.replace(config, emulate=cfg.emulate)
     chosen = set(plan.converted)
     model = convert_to_float8_training(
         model, module_filter_fn=lambda _, name: name in chosen, config=config

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from amp_exp.config.schema import Precision
 from amp_exp.runtime.probe import KERNELS, KernelTime, remember
 from amp_exp.training.capability import Capability
 
@@ -21,5 +20,5 @@ def inject_probe(speeds: dict[str, float]) -> None:
 
 def capability_with(speeds: dict[str, float], device: str = "cpu", **facts) -> Capability:
     """A device's capability as if the probe measured ``speeds`` (relative to fp32's)."""
-    measured = {Precision(p): timing_at(speed) for p, speed in speeds.items()}
+    measured = {p: timing_at(speed) for p, speed in speeds.items()}
     return Capability(device, f"test {device}", facts, measured, key=f"test {device}")

@@ -15,47 +15,16 @@ config is validated, before torch loads. Methods import torch where they run.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from amp_exp.config.precisions import PrecisionSpec
-from amp_exp.errors import ConfigError
+from amp_exp.config.precisions import PrecisionSpec, options_of
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from amp_exp.config.schema import PrecisionConfig
-
-
-def options_of(plugin: type[PrecisionPlugin], given: Any) -> Any:
-    """``precision.options`` as the plugin's ``Options`` dataclass; ConfigError on a key it does
-    not declare or a value of the wrong type (checked at config time, before torch loads)."""
-    given = dict(given or {})
-    if plugin.Options is None:
-        if given:
-            raise ConfigError(
-                f"precision={plugin.spec.name} takes no precision.options, got {sorted(given)}"
-            )
-        return None
-    fields = {f.name: f for f in dataclasses.fields(plugin.Options)}
-    unknown = sorted(set(given) - set(fields))
-    if unknown:
-        raise ConfigError(
-            f"precision.options.{unknown[0]} is not an option of precision={plugin.spec.name}; "
-            f"valid options: {', '.join(fields) or 'none'}"
-        )
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ValidationError
-
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(plugin.Options), given)
-    except ValidationError as error:
-        raise ConfigError(
-            f"precision.options of precision={plugin.spec.name}: {str(error).splitlines()[0]}"
-        ) from None
-    return OmegaConf.to_object(merged)
+    from amp_exp.config.schema import PrecisionConfig, TrainerConfig
 
 
 class PrecisionPlugin:
@@ -95,6 +64,16 @@ class PrecisionPlugin:
     def stochastic_rounding(self) -> bool:
         """Whether the optimizer must round its updates to bf16 stochastically."""
         return False
+
+    @classmethod
+    def variant_name(cls, cfg: PrecisionConfig) -> str:
+        """The run's precision as conf/precision/ names it (a preset of its options)."""
+        return cls.spec.name
+
+    @classmethod
+    def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
+        """Refuse, in one ConfigError, what the config alone shows this precision cannot run;
+        called while the config is validated, so it must not import torch."""
 
     @classmethod
     def check_device(cls, device: torch.device, cfg: PrecisionConfig) -> None:

@@ -24,6 +24,7 @@ class Bf16(PrecisionPlugin):
         order=1,
         colour="#55a868",
         auto_candidate=True,
+        autocast_family=True,
         rankable=True,
         needs_native_bf16=True,
     )

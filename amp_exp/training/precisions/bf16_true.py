@@ -13,6 +13,8 @@ from amp_exp.training.precisions.base import PrecisionPlugin
 if TYPE_CHECKING:
     from torch import nn
 
+    from amp_exp.config.schema import PrecisionConfig
+
 
 class Bf16True(PrecisionPlugin):
     spec = PrecisionSpec(
@@ -33,6 +35,13 @@ class Bf16True(PrecisionPlugin):
         colour="#8172b3",
         needs_native_bf16=True,
     )
+
+    @classmethod
+    def variant_name(cls, cfg: PrecisionConfig) -> str:
+        """Updates rounded to nearest are the bf16_true_nearest preset, however asked for."""
+        if not cfg.stochastic_rounding:
+            return "bf16_true_nearest (bf16_true, precision.stochastic_rounding=false)"
+        return cls.spec.name
 
     @property
     def stochastic_rounding(self) -> bool:

@@ -24,6 +24,7 @@ class Fp16(PrecisionPlugin):
         order=2,
         colour="#dd8452",
         auto_candidate=True,
+        autocast_family=True,
         rankable=True,
         repair_to="bf16",
     )

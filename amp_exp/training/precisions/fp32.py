@@ -23,6 +23,7 @@ class Fp32(PrecisionPlugin):
         order=0,
         colour="#4c72b0",
         auto_candidate=True,
+        autocast_family=True,
     )
 
 

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
 from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
-from amp_exp.config.schema import Strategy
-from amp_exp.errors import ConfigError
+from amp_exp.config.schema import DeviceChoice, Fp8Recipe, Strategy
+from amp_exp.errors import ConfigError, require
 from amp_exp.training.precisions.base import PrecisionPlugin
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from amp_exp.config.schema import PrecisionConfig
+    from amp_exp.config.schema import PrecisionConfig, TrainerConfig
     from amp_exp.training.precision_modes import Fp8Conversion
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def require_fp8_hardware(device: torch.device, emulate: bool) -> None:
     where = "the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     raise ConfigError(
         f"precision=fp8 needs a CUDA GPU with compute capability 8.9+, not {where}; "
-        "add precision.fp8_emulate=true to emulate it (slow, not timed)"
+        "add precision.emulate=true to emulate it (slow, not timed)"
     )
 
 
@@ -69,11 +70,30 @@ class Fp8(PrecisionPlugin):
     @property
     def timed(self) -> bool:
         """Emulated fp8 measures numerics, not speed: its throughput is never reported."""
-        return not self.cfg.fp8_emulate
+        return not self.cfg.emulate
+
+    @classmethod
+    def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
+        """What fp8 needs that the config alone shows; the GPU's capability is checked at build."""
+        require(
+            find_spec("torchao") is not None,
+            "precision=fp8 needs torchao, which is not installed: pip install 'amp_exp[fp8]'",
+        )
+        require(
+            trainer.device is not DeviceChoice.cpu or cfg.emulate,
+            "precision=fp8 needs a CUDA GPU with compute capability 8.9+ (trainer.device=cpu); "
+            "add precision.emulate=true to emulate it (slow, not timed)",
+        )
+        # torchao measured no size thresholds for this recipe (its _auto_filter_for_recipe).
+        require(
+            not cfg.fp8_skip_small or cfg.fp8_recipe is not Fp8Recipe.rowwise_with_gw_hp,
+            "precision.fp8_skip_small=true has no size thresholds for "
+            "precision.fp8_recipe=rowwise_with_gw_hp; valid recipes: tensorwise, rowwise",
+        )
 
     @classmethod
     def check_device(cls, device: torch.device, cfg: PrecisionConfig) -> None:
-        require_fp8_hardware(device, cfg.fp8_emulate)
+        require_fp8_hardware(device, cfg.emulate)
 
     def convert_module(self, model: nn.Module) -> nn.Module:
         from amp_exp.training.precision_modes import convert_to_fp8
@@ -83,7 +103,7 @@ class Fp8(PrecisionPlugin):
         if not self.conversion.converted:
             raise ConfigError(self._converted_nothing())
         if self.conversion.emulated:
-            log.warning("fp8 is emulated (precision.fp8_emulate=true): slow, so not timed")
+            log.warning("fp8 is emulated (precision.emulate=true): slow, so not timed")
         log.info(
             "fp8 (%s%s): %d linear layers converted, %d kept in bf16 (%s)",
             self.cfg.fp8_recipe.value,
