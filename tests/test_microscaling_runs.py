@@ -69,7 +69,9 @@ def test_mxfp4_and_nvfp4_need_emulate_even_on_a_gpu(run_cfg) -> None:
 
 def test_an_option_of_another_format_is_refused(run_cfg) -> None:
     with pytest.raises(ConfigError, match="hadamard_wgrad is not an option of precision=mxfp8"):
-        run_cfg("precision=mxfp8", "precision.emulate=true", "+precision.options.hadamard_wgrad=true")
+        run_cfg(
+            "precision=mxfp8", "precision.emulate=true", "+precision.options.hadamard_wgrad=true"
+        )
 
 
 def test_nvfp4_keeps_the_last_blocks_linears_in_bf16(compose_cfg, tmp_path) -> None:

@@ -120,6 +120,7 @@ FIELD_KINDS: dict[str, Any] = {
         NUMBER,
     ),
     "fp8_emulated": bool,
+    "emulated": bool,
     "config": {"precision": Nullable(dict), "wandb": Nullable(dict)},
     "checks": {str: {"passed": Nullable(bool), "offenders": Nullable([str])}},
     "underflow": {"underflow_frac_scaled": Nullable(NUMBER)},
@@ -127,6 +128,8 @@ FIELD_KINDS: dict[str, Any] = {
     "hardware": {"advice": Nullable([str])},
     "fp8_converted": [str],
     "fp8_skipped": {str: str},
+    "converted_linears": [str],
+    "skipped_linears": {str: str},
 }
 
 

@@ -189,7 +189,4 @@ class MicroscalingPlugin(PrecisionPlugin):
             "emulated": self.emulated,
             "converted_linears": self.conversion.converted,
             "skipped_linears": self.conversion.skipped,
-            "recipe": {
-                key: getattr(value, "value", value) for key, value in vars(self.options).items()
-            },
         }
