@@ -11,7 +11,7 @@ import torch
 
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
-from amp_exp.run import build, train
+from amp_exp.run import train
 from helpers.runs import run_cli
 from test_checkpoint import MODES, assert_resume_is_exact
 
