@@ -44,7 +44,7 @@ def with_times(monkeypatch, seconds: dict[str, float], spread: float = 0.1) -> l
     def timed(model, task, batch, candidates):
         real(model, task, batch, candidates)
         trials.append(list(candidates))
-        spreads = {p.value: 0.0 if p is fp32 else spread for p in candidates}
+        spreads = {p: 0.0 if p == fp32 else spread for p in candidates}
         return {p: seconds[p] for p in candidates}, spreads
 
     monkeypatch.setattr(auto_precision, "time_candidates", timed)
@@ -125,7 +125,7 @@ def test_auto_picks_the_fastest_and_quotes_the_measured_times(
     workload, _ = small_workload()
     resolved = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), workload)
     assert trials == [[fp32, bf16]]
-    assert resolved.precision is bf16
+    assert resolved.precision == bf16
     assert resolved.reason == (
         "auto: bf16; this model's forward+backward (fastest of 3 passes, spread 10%): "
         "fp32 12.3 ms, "
@@ -140,7 +140,7 @@ def test_a_low_precision_less_than_5_percent_faster_leaves_fp32(
     with_times(monkeypatch, {fp32: 0.0100, bf16: 0.0097})
     workload, _ = small_workload()
     resolved = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), workload)
-    assert resolved.precision is fp32
+    assert resolved.precision == fp32
     assert "no low precision is 5% faster than fp32 (bf16 1.03x fp32's speed)" in resolved.reason
 
 
@@ -152,7 +152,7 @@ def test_the_choice_is_cached_so_a_second_run_times_nothing(
     first = choose(cfg, capability, small_workload()[0])
     again = choose(cfg, capability, small_workload()[0])
     assert len(trials) == 1
-    assert first.precision is again.precision is bf16
+    assert first.precision == again.precision == bf16
     assert (
         "(fastest of 3 passes, spread 10%, cached from an earlier run): fp32 20 ms, bf16 10 ms"
         in again.reason
@@ -210,7 +210,7 @@ def test_cached_times_that_cannot_be_measurements_are_timed_again(
     (cache_dir() / auto_precision.CACHE_FILE).write_text(json.dumps(entries))
     with caplog.at_level(logging.WARNING):
         again = choose(cfg, capability, small_workload()[0])
-    assert len(trials) == 2 and again.precision is fp32
+    assert len(trials) == 2 and again.precision == fp32
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "holds times for this model that are no measurement (bf16 took " in warning
     assert "cached from an earlier run" not in again.reason
@@ -223,7 +223,7 @@ def test_where_the_probe_rules_every_low_precision_out_fp32_needs_no_trial(
     resolved = choose(
         run_cfg(*TINY), capability_with({"fp32": 1, "bf16": 0.1, "fp16": 0.02}), small_workload()[0]
     )
-    assert trials == [] and resolved.precision is fp32
+    assert trials == [] and resolved.precision == fp32
     assert resolved.reason == (
         "auto: fp32, nothing else to try (the probe measured bf16 about 10x and fp16 about 50x "
         "slower than fp32)"
@@ -249,9 +249,9 @@ def test_under_torchrun_rank_0_decides_and_the_others_take_its_choice(
     other = resolve_precision(
         cfg, capability, small_workload()[0], OneOfTwoRanks(False, bf16_index)
     )
-    assert trials == [] and other.precision is bf16
+    assert trials == [] and other.precision == bf16
     main = resolve_precision(cfg, capability, small_workload()[0], OneOfTwoRanks(True, -1))
-    assert trials == [[fp32, bf16]] and main.precision is bf16
+    assert trials == [[fp32, bf16]] and main.precision == bf16
 
 
 def test_auto_trains_bit_identically_to_the_precision_it_chose_requested(
@@ -283,7 +283,7 @@ def test_a_bf16_the_run_timed_faster_gets_no_probe_warning_that_it_is_slower(
     with_times(monkeypatch, {fp32: 0.0257, bf16: 0.01})
     with caplog.at_level(logging.WARNING, logger="amp_exp"):
         auto = build(run_cfg(*TINY))
-    assert auto.resolved.precision is bf16 and "2.57x fp32's speed" in auto.resolved.reason
+    assert auto.resolved.precision == bf16 and "2.57x fp32's speed" in auto.resolved.reason
     assert auto.hardware["advice"] == []
     assert "slower than fp32" not in caplog.text
     # Asked for by name, bf16 was never timed on this model: the probe's warning stands.
@@ -342,5 +342,5 @@ def test_auto_rules_out_by_the_probes_kernels_of_the_models_kind(
     )
     assert capability.trial_candidates() == [fp32]  # all kernels: ruled out
     trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
-    assert choose(run_cfg(*TINY), capability, small_workload()[0]).precision is bf16
+    assert choose(run_cfg(*TINY), capability, small_workload()[0]).precision == bf16
     assert trials == [[fp32, bf16]]

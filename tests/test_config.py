@@ -126,7 +126,8 @@ def test_defaults_are_the_documented_ones(compose_cfg) -> None:
         # The registry's precisions, not the presets of conf/precision/.
         (
             ["precision.name=fp4"],
-            "precision=fp4 is not a precision; valid choices: auto, fp32, bf16, fp16, bf16_true, fp8",
+            "precision=fp4 is not a precision; valid choices: auto, fp32, bf16, fp16, bf16_true, "
+            "fp8",
         ),
         (["model=torchvision", "model.name=nope"], "valid choices: alexnet"),
         (["dataset=image_folder", "dataset.root=/no/such/dir"], "dataset=image_folder needs"),

@@ -47,7 +47,7 @@ def test_cpu_with_fast_bf16_recommends_bf16_and_warns_for_slow_fp16() -> None:
 
 def test_cpu_with_slow_bf16_and_fp16_recommends_fp32_and_warns_for_both() -> None:
     epyc = capability_with({"fp32": 1, "bf16": 1 / 20, "fp16": 1 / 25})
-    assert epyc.recommendation()[0] is fp32
+    assert epyc.recommendation()[0] == fp32
     assert epyc.advice(bf16) == warning("bf16", "20x", "fp32")
     assert epyc.advice(fp16) == warning("fp16", "25x", "fp32")
     assert epyc.trial_candidates() == [fp32]
@@ -55,7 +55,7 @@ def test_cpu_with_slow_bf16_and_fp16_recommends_fp32_and_warns_for_both() -> Non
 
 def test_a_precision_as_fast_as_fp32_gets_no_warning_and_no_recommendation() -> None:
     even = capability_with({"fp32": 1, "bf16": 1.02, "fp16": 0.99})
-    assert even.recommendation()[0] is fp32
+    assert even.recommendation()[0] == fp32
     assert even.verdict(bf16) == "no faster than fp32 (within 5%): it saves memory, not time"
     assert even.advice(bf16) == even.advice(fp16) == []
     # Measured 1.5x slower: a warning, but still timed by precision=auto.
@@ -66,13 +66,13 @@ def test_a_precision_as_fast_as_fp32_gets_no_warning_and_no_recommendation() -> 
 
 def test_gpu_verdicts_come_from_the_measurements() -> None:
     hopper = capability_with({"fp32": 1, "bf16": 3.0, "fp16": 3.1}, device="cuda")
-    assert hopper.recommendation()[0] is bf16  # fp16 is not 5% faster: no loss scaler needed
+    assert hopper.recommendation()[0] == bf16  # fp16 is not 5% faster: no loss scaler needed
     assert hopper.summary(bf16)["measured_peak_tflops"] == 3.0
     turing = capability_with({"fp32": 1, "fp16": 4.0}, device="cuda")
-    assert turing.recommendation()[0] is fp16
+    assert turing.recommendation()[0] == fp16
     assert turing.verdict(bf16).startswith("not supported: test cuda has no native bf16")
     pascal = capability_with({"fp32": 1, "fp16": 0.97}, device="cuda")
-    assert pascal.recommendation()[0] is fp32
+    assert pascal.recommendation()[0] == fp32
     assert pascal.advice(fp16) == []
 
 

@@ -65,9 +65,9 @@ def test_an_empty_pattern_is_refused_by_validation(compose_cfg) -> None:
         validate(compose_cfg(*FAST_LM, "precision.keep_fp32=['']", fast=False))
 
 
-@pytest.mark.parametrize("precision", list(LOW), ids=lambda p: p.value)
+@pytest.mark.parametrize("precision", list(LOW), ids=str)
 def test_kept_modules_compute_in_fp32_in_every_mode(compose_cfg, precision) -> None:
-    overrides = [*FAST_LM, f"precision={precision.value}", "precision.emulate=true"]
+    overrides = [*FAST_LM, f"precision={precision}", "precision.emulate=true"]
     overrides.append("precision.keep_fp32=[blocks.0.mlp]")
     built = build(validate(compose_cfg(*overrides, fast=False)))
     engine = built.engine

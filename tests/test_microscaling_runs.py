@@ -38,10 +38,11 @@ def test_each_format_trains_emulated_and_the_audit_counts_its_matmuls(precision,
     summary = json.loads((tmp_path / "summary.json").read_text())
     audit = summary["precision_audit"]
     assert audit["engaged"] is True, audit["shortfalls"]
-    assert summary["emulated"] is True and summary["samples_per_s"] is None
-    converted = summary["converted_linears"]
+    details = summary["precision_details"]
+    assert details["emulated"] is True and summary["samples_per_s"] is None
+    converted = details["converted_linears"]
     # Every block's four linears; the tied lm_head stays in bf16 (fp8's filter).
-    assert len(converted) == 8 and "lm_head" in summary["skipped_linears"]
+    assert len(converted) == 8 and "lm_head" in details["skipped_linears"]
     for name in converted:
         assert FORMATS[precision] <= set(audit["modules"][name]), name
     assert set(audit["modules"]["lm_head"]) == {"bfloat16"}
@@ -74,12 +75,25 @@ def test_an_option_of_another_format_is_refused(run_cfg) -> None:
         )
 
 
+def test_the_report_labels_a_variant_by_the_options_it_changed() -> None:
+    from amp_exp.report.compare import variant_label
+
+    def label(precision: str, **knobs) -> str:
+        return variant_label({"precision": precision, "config": {"precision": knobs}})
+
+    assert label("nvfp4", emulate=True) == "nvfp4 (emulated)"
+    off = {"hadamard_wgrad": False, "weight_tiles": True}
+    assert label("nvfp4", emulate=True, options=off) == "nvfp4 (hadamard_wgrad=false, emulated)"
+    assert label("mxfp8", options={"scale_mode": "floor"}) == "mxfp8 (scale_mode=floor)"
+
+
 def test_nvfp4_keeps_the_last_blocks_linears_in_bf16(compose_cfg, tmp_path) -> None:
     overrides = [*GPT, "precision=nvfp4", "precision.emulate=true"]
     cfg = validate(compose_cfg(*overrides, "precision.options.bf16_last_blocks=1", fast=False))
     summary = train(cfg, tmp_path)
-    assert all(name.startswith("blocks.0.") for name in summary["converted_linears"])
-    assert summary["skipped_linears"]["blocks.1.mlp.fc"] == "in one of the last 1 blocks"
+    details = summary["precision_details"]
+    assert all(name.startswith("blocks.0.") for name in details["converted_linears"])
+    assert details["skipped_linears"]["blocks.1.mlp.fc"] == "in one of the last 1 blocks"
     modules = summary["precision_audit"]["modules"]
     assert set(modules["blocks.1.mlp.fc"]) == {"bfloat16"}
     assert "nvfp4" in modules["blocks.0.mlp.fc"]

@@ -112,7 +112,7 @@ def test_each_pair_runs_in_its_recorded_order_and_no_more_than_two_runs_are_aliv
     def build_and_watch(cfg):
         alive_at_build.append(sum(ref() is not None for ref in alive))
         built = real_build(cfg)
-        label = cfg.precision.name.value
+        label = cfg.precision.name
         train_step = built.engine.train_step
 
         def stamped(*args: object, **kwargs: object) -> object:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import math
 import pkgutil
 from dataclasses import dataclass
 from enum import Enum
@@ -221,6 +222,11 @@ def _all() -> dict[str, Any]:
     return _plugins
 
 
+def plugins() -> list[Any]:
+    """Every known plugin class, in the report's order."""
+    return [plugin_of(name) for name in names()]
+
+
 def names() -> tuple[str, ...]:
     """Every known precision, in the report's order."""
     return tuple(spec.name for spec in specs())
@@ -242,6 +248,21 @@ def plugin_of(name: str) -> Any:
             f"precision={name} is not a precision; valid choices: {', '.join((AUTO, *names()))}"
         )
     return _plugins[name]
+
+
+def known_plugin(name: str) -> Any:
+    """The plugin of ``name``, or None where no plugin here defines it (a report over runs of a
+    precision whose plugin is not installed)."""
+    try:
+        return plugin_of(name)
+    except (ConfigError, ValueError):
+        return None
+
+
+def precision_order(name: str) -> float:
+    """Where ``name`` comes in the report: its facts' order, unknown ones last."""
+    plugin = known_plugin(name)
+    return math.inf if plugin is None else plugin.spec.order
 
 
 def spec_of(name: str) -> PrecisionSpec:
@@ -282,7 +303,8 @@ def options_of(plugin: Any, given: Any) -> Any:
     try:
         merged = OmegaConf.merge(OmegaConf.structured(plugin.Options), given)
     except ValidationError as error:
+        where = f"precision.options.{error.full_key}" if error.full_key else "precision.options"
         raise ConfigError(
-            f"precision.options of precision={plugin.spec.name}: {str(error).splitlines()[0]}"
+            f"{where} of precision={plugin.spec.name}: {str(error).splitlines()[0]}"
         ) from None
     return OmegaConf.to_object(merged)

@@ -9,24 +9,30 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.config.plain import flatten_config
+from amp_exp.config.precisions import REFERENCE, known_plugin, plugins, precision_order
 from amp_exp.report.runs import Run
 from amp_exp.tasks.metrics import TaskMetrics, ToleranceUnit
 
-BASELINE = "fp32"
-# Within a model the baseline comes first, then the precisions compared with it.
-PRECISION_ORDER = {"fp32": 0, "bf16": 1, "fp16": 2, "bf16_true": 3, "fp8": 4}
-# Knobs that make a variant of a precision mode; the run's precision label names them.
-VARIANT_KEYS = {
-    "precision.stochastic_rounding",
-    "precision.fp8_recipe",
-    "precision.emulate",
-    "precision.fp8_skip",
-    "precision.fp8_skip_small",
-}
+BASELINE = REFERENCE
 # Jobs that differ only in seed are replicates of one cell: seed s is paired with fp32's seed s.
 REPLICATE_KEY = "seed"
-# The keys a comparison is about; every other config key that differs is part of a run's setting.
-COMPARED_KEYS = {"model.name", "precision.name", REPLICATE_KEY, *VARIANT_KEYS}
+
+
+def is_compared(key: str) -> bool:
+    """The keys a comparison is about (the model, the precision and the knobs that make a variant
+    of it, its plugin's ``variant_keys`` and options); every other config key that differs is part
+    of a run's setting."""
+    return (
+        key in {"model.name", "precision.name", "precision._target_", REPLICATE_KEY}
+        or key.startswith("precision.options.")
+        or key.removeprefix("precision.") in variant_keys()
+    )
+
+
+def variant_keys() -> set[str]:
+    return {key for plugin in plugins() for key in plugin.variant_keys}
+
+
 # Options that change nothing trained: how a run is reported, timed, logged and checkpointed. They
 # never split a cell or a pairing (fp32 timed in a speed trial still pairs with bf16 not timed).
 UNTRAINED_SECTIONS = ("report.", "speed.", "wandb.", "checkpoint.", "sensitivity.")
@@ -80,7 +86,7 @@ def assign_settings(runs: list[Run]) -> None:
     """
     for model in dict.fromkeys(run.model for run in runs):
         group = [run for run in runs if run.model == model and "config" in run.summary]
-        varied = [key for key in varied_keys(group) if trained(key) and key not in COMPARED_KEYS]
+        varied = [key for key in varied_keys(group) if trained(key) and not is_compared(key)]
         facts = varied_facts(group)
         for run in group:
             flat = flatten_config(run.summary["config"])
@@ -152,12 +158,11 @@ def precision_options(summary: dict[str, Any]) -> dict[str, Any]:
     """The ``precision.*`` values that make the run's variant of its mode, as a user passes them
     back beside ``precision=`` (``{"stochastic_rounding": false}`` for bf16_true rounding to
     nearest); empty for a mode without variants."""
-    mode, knobs = summary.get("precision"), precision_knobs(summary)
-    if mode not in ("bf16_true", "fp8"):
+    plugin, knobs = known_plugin(str(summary.get("precision"))), precision_knobs(summary)
+    if plugin is None:
         return {}
-    keys = [key.removeprefix("precision.") for key in sorted(VARIANT_KEYS)]
-    relevant = [key for key in keys if key.startswith("fp8_") == (mode == "fp8")]
-    return {key: knobs[key] for key in relevant if key in knobs}
+    chosen = {key: knobs[key] for key in sorted(plugin.variant_keys) if key in knobs}
+    return {**chosen, **({"options": knobs["options"]} if knobs.get("options") else {})}
 
 
 def precision_label(summary: dict[str, Any]) -> str:
@@ -168,21 +173,11 @@ def precision_label(summary: dict[str, Any]) -> str:
 
 
 def variant_label(summary: dict[str, Any]) -> str:
-    """The mode and its variant: "bf16_true (nearest)", "fp8 (rowwise, emulated)"."""
+    """The mode and its variant, as its plugin words it: "bf16_true (nearest)", "fp8 (rowwise,
+    emulated)"; a precision no plugin here knows keeps its name."""
     precision = str(summary.get("precision") or "?")
-    knobs = precision_knobs(summary)
-    if precision == "bf16_true" and knobs.get("stochastic_rounding") is False:
-        precision = "bf16_true (nearest)"
-    elif precision == "fp8":
-        details = [str(knobs.get("fp8_recipe", "tensorwise"))]
-        if knobs.get("fp8_skip") == []:
-            details.append("all linears")
-        if knobs.get("fp8_skip_small"):
-            details.append("large linears")
-        if knobs.get("emulate"):
-            details.append("emulated")
-        precision = f"fp8 ({', '.join(details)})"
-    return precision
+    plugin = known_plugin(precision)
+    return precision if plugin is None else plugin.variant_label(precision_knobs(summary))
 
 
 def _ratio(value: float | None, baseline: float | None) -> float | None:
@@ -301,7 +296,9 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "state_ratio": _ratio(summary.get("state_bytes"), base.get("state_bytes")),
         "engaged": engaged(summary),
         "audit": audit_health(summary),
-        "emulated": bool(summary.get("emulated") or summary.get("fp8_emulated")),
+        "emulated": bool(
+            summary.get("fp8_emulated") or (summary.get("precision_details") or {}).get("emulated")
+        ),
         "stale_weight_frac": summary.get("stale_weight_frac"),
         "stochastic_rounding": (
             ((summary.get("config") or {}).get("precision") or {}).get("stochastic_rounding")
@@ -329,7 +326,8 @@ def comparison_rows(runs: list[Run], out_dir: Path) -> list[dict[str, Any]]:
         key=lambda r: (
             model_order[r.model],
             setting_order[r.setting],
-            PRECISION_ORDER.get(r.precision, len(PRECISION_ORDER)),
+            # Within a model the baseline comes first, then the precisions in their facts' order.
+            precision_order(r.precision),
             label_order[labels[id(r)]],
             seed_of(r) if isinstance(seed_of(r), int) else -1,
         ),

@@ -15,25 +15,20 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from amp_exp.config.precisions import known_plugin
 from amp_exp.report import curves
 
 Rows = list[dict[str, Any]]
 Metrics = dict[str, list[dict[str, Any]]]
 
-PRECISION_COLORS = {
-    "fp32": "#4c72b0",
-    "bf16": "#55a868",
-    "fp16": "#dd8452",
-    "bf16_true": "#8172b3",
-    "fp8": "#c44e52",
-}
 OTHER_COLOR = "#8c8c8c"
 PANEL_COLUMNS = 3
 
 
 def _color(precision: str) -> str:
-    # A variant ("fp8 (rowwise)", "bf16_true (nearest)") takes its mode's colour.
-    return PRECISION_COLORS.get(precision.split(" ")[0], OTHER_COLOR)
+    # A variant ("fp8 (rowwise)", "bf16_true (nearest)") takes its mode's colour (its facts').
+    plugin = known_plugin(precision.split(" ")[0])
+    return OTHER_COLOR if plugin is None else plugin.spec.colour
 
 
 def _label(row: dict[str, Any], with_model: bool) -> str:

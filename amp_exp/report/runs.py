@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from amp_exp.config.precisions import register
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.results.files import JOB_CONFIG, METRICS_FILE, SUMMARY_FILE
 from amp_exp.results.loggers import read_rows
@@ -120,7 +121,6 @@ FIELD_KINDS: dict[str, Any] = {
         NUMBER,
     ),
     "fp8_emulated": bool,
-    "emulated": bool,
     "config": {"precision": Nullable(dict), "wandb": Nullable(dict)},
     "checks": {str: {"passed": Nullable(bool), "offenders": Nullable([str])}},
     "underflow": {"underflow_frac_scaled": Nullable(NUMBER)},
@@ -128,8 +128,6 @@ FIELD_KINDS: dict[str, Any] = {
     "hardware": {"advice": Nullable([str])},
     "fp8_converted": [str],
     "fp8_skipped": {str: str},
-    "converted_linears": [str],
-    "skipped_linears": {str: str},
 }
 
 
@@ -200,7 +198,20 @@ def load_run(path: Path) -> Run:
         summary = make_summary(
             Status.failed, job_config(path), error=f"unreadable {SUMMARY_FILE}: {reason}"
         )
+    register_own_plugin(path, summary)
     return Run(path, summary, read_metrics(path / METRICS_FILE))
+
+
+def register_own_plugin(path: Path, summary: dict[str, Any]) -> None:
+    """A run in a user's own precision (``precision._target_``) brings its plugin, so the report
+    orders, labels and colours it by its facts; one that cannot be imported here is reported
+    under its name alone."""
+    target = ((summary.get("config") or {}).get("precision") or {}).get("_target_")
+    if target:
+        try:
+            register(target)
+        except ConfigError as error:
+            log.warning("%s: %s; reported by its name alone", path, error)
 
 
 def find_runs(dirs: list[Path]) -> list[Run]:

@@ -101,11 +101,8 @@ FIELDS = (
     "fp8_skipped",
     # Why an fp8 run has no MFU against a bf16 peak (null for the other precisions).
     "fp8_mfu_peak_source",
-    # A block-scaled format's run (mxfp8, mxfp4, nvfp4): emulated or on torchao's kernels, and
-    # the linears it converted or kept in bf16 (each with why).
-    "emulated",
-    "converted_linears",
-    "skipped_linears",
+    # What a precision plugin records of its run beyond these fields (PrecisionPlugin.summary).
+    "precision_details",
     # The modules precision.keep_fp32 matched (the outermost ones), run in fp32 in every mode.
     "keep_fp32_modules",
     "replicas_identical",

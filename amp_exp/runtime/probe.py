@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
+from amp_exp.config.precisions import spec_of
 from amp_exp.runtime.cache import (
     WIDE_SPREAD,
     cache_dir,
@@ -39,7 +40,6 @@ from amp_exp.runtime.hardware import cpu_flags, device_name
 log = logging.getLogger("amp_exp")
 
 CACHE_FILE = "probe.json"
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 KERNELS = ("matmul", "conv", "attention")
 
 
@@ -157,9 +157,11 @@ def _kernels(
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    if precision == "fp32":
+    """The autocast its facts give it (none for fp32): the probe times a precision's kernels."""
+    dtype = spec_of(precision).autocast_dtype
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[precision])
+    return torch.autocast(device_type=device.type, dtype=dtype.torch)
 
 
 def _forward_backward(

@@ -10,6 +10,8 @@ always emulated. Like every plugin module, this one imports no torch at its top.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+QUOTE = '"'
 # torchao's MXFP8 kernels: cuBLAS's block-scaled matmuls need compute capability 10.0.
 KERNEL_CAPABILITY = (10, 0)
 
@@ -90,6 +93,7 @@ class MicroscalingPlugin(PrecisionPlugin):
 
     # The format of activations and weights (and, unless the options say otherwise, gradients).
     elements: ClassVar[DType]
+    variant_keys = ("emulate",)
     conversion: MicroscalingConversion | None = None
 
     @classmethod
@@ -100,6 +104,20 @@ class MicroscalingPlugin(PrecisionPlugin):
         if cls.elements is not DType.mxfp8_e4m3:
             return "torchao has no MXFP4 or NVFP4 training kernels on any device"
         return "MXFP8 kernels need a CUDA GPU with compute capability 10.0+ (Blackwell) and Triton"
+
+    @classmethod
+    def variant_label(cls, knobs: dict[str, Any]) -> str:
+        """ "nvfp4 (hadamard_wgrad=false, emulated)": the options set away from their defaults."""
+        given = knobs.get("options") or {}
+        defaults = {f.name: f.default for f in dataclasses.fields(cls.Options)}
+        details = [
+            f"{key}={json.dumps(value).strip(QUOTE)}"
+            for key, value in sorted(given.items())
+            if key in defaults and value != defaults[key]
+        ]
+        if knobs.get("emulate"):
+            details.append("emulated")
+        return f"{cls.spec.name} ({', '.join(details)})" if details else cls.spec.name
 
     @classmethod
     def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
@@ -186,7 +204,9 @@ class MicroscalingPlugin(PrecisionPlugin):
         if self.conversion is None:
             return {}
         return {
-            "emulated": self.emulated,
-            "converted_linears": self.conversion.converted,
-            "skipped_linears": self.conversion.skipped,
+            "precision_details": {
+                "emulated": self.emulated,
+                "converted_linears": self.conversion.converted,
+                "skipped_linears": self.conversion.skipped,
+            }
         }

@@ -34,6 +34,8 @@ class PrecisionPlugin:
     spec: ClassVar[PrecisionSpec]
     # A dataclass of this precision's own options (``precision.options.NAME``), or None.
     Options: ClassVar[type | None] = None
+    # The ``precision.*`` keys that make a variant of it (its report label and cell name them).
+    variant_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -68,6 +70,12 @@ class PrecisionPlugin:
     @classmethod
     def variant_name(cls, cfg: PrecisionConfig) -> str:
         """The run's precision as conf/precision/ names it (a preset of its options)."""
+        return cls.spec.name
+
+    @classmethod
+    def variant_label(cls, knobs: dict[str, Any]) -> str:
+        """The report's label of a run from its ``precision.*`` values (its config's, as saved):
+        the name and, in parentheses, what makes it a variant."""
         return cls.spec.name
 
     @classmethod
@@ -115,7 +123,8 @@ class PrecisionPlugin:
         return None
 
     def summary(self) -> dict[str, Any]:
-        """What summary.json records of this precision's run, beyond the common fields."""
+        """summary.json fields this precision fills (results.summary.FIELDS): fp8's own, or
+        ``precision_details``, a dict of whatever a plugin records of its run."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ move the weights on average."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
 from amp_exp.config.schema import Strategy
@@ -36,12 +36,18 @@ class Bf16True(PrecisionPlugin):
         needs_native_bf16=True,
     )
 
+    variant_keys = ("stochastic_rounding",)
+
     @classmethod
     def variant_name(cls, cfg: PrecisionConfig) -> str:
         """Updates rounded to nearest are the bf16_true_nearest preset, however asked for."""
         if not cfg.stochastic_rounding:
             return "bf16_true_nearest (bf16_true, precision.stochastic_rounding=false)"
         return cls.spec.name
+
+    @classmethod
+    def variant_label(cls, knobs: dict[str, Any]) -> str:
+        return "bf16_true (nearest)" if knobs.get("stochastic_rounding") is False else "bf16_true"
 
     @property
     def stochastic_rounding(self) -> bool:

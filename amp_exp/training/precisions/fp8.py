@@ -65,12 +65,24 @@ class Fp8(PrecisionPlugin):
         compile_on_cuda=True,
     )
 
+    variant_keys = ("emulate", "fp8_recipe", "fp8_skip", "fp8_skip_small")
     conversion: Fp8Conversion | None = None
 
     @property
     def timed(self) -> bool:
         """Emulated fp8 measures numerics, not speed: its throughput is never reported."""
         return not self.cfg.emulate
+
+    @classmethod
+    def variant_label(cls, knobs: dict[str, Any]) -> str:
+        details = [str(knobs.get("fp8_recipe", "tensorwise"))]
+        if knobs.get("fp8_skip") == []:
+            details.append("all linears")
+        if knobs.get("fp8_skip_small"):
+            details.append("large linears")
+        if knobs.get("emulate"):
+            details.append("emulated")
+        return f"fp8 ({', '.join(details)})"
 
     @classmethod
     def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
