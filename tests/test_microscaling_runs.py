@@ -12,7 +12,7 @@ import torch
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
-from helpers.runs import run_cli
+from helpers.runs import FAST_LM, run_cli
 from test_checkpoint import MODES, assert_resume_is_exact
 
 # The formats a converted linear's matmuls are counted in: forward, and the gradients'.
@@ -73,6 +73,19 @@ def test_an_option_of_another_format_is_refused(run_cfg) -> None:
         run_cfg(
             "precision=mxfp8", "precision.emulate=true", "+precision.options.hadamard_wgrad=true"
         )
+
+
+def test_sensitivity_judges_each_module_against_the_formats_own_rounding(compose_cfg, tmp_path):
+    from amp_exp.sensitivity.command import run_sensitivity
+
+    overrides = [*FAST_LM, "precision=nvfp4", "precision.emulate=true", "sensitivity.batches=1"]
+    cfg = validate(compose_cfg(*overrides, "sensitivity.precisions=[nvfp4]", fast=False))
+    report = run_sensitivity(cfg, tmp_path)
+    assert report["rankings"]["nvfp4"]
+    # NVFP4's blocks lose about 20 dB; bf16's rounding, about 50 (a floor in bf16 would pass
+    # every module that NVFP4 breaks).
+    floors = [module["nvfp4"]["output_floor_db"] for module in report["modules"]]
+    assert all(5 < floor < 25 for floor in floors), floors
 
 
 def test_the_report_labels_a_variant_by_the_options_it_changed() -> None:
