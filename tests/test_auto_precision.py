@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import amp_exp.training.auto_precision as auto_precision
+from amp_exp.config.precisions import auto_candidates
 from amp_exp.results.checkpoint import load_newest_valid
 from amp_exp.run import build, train
 from amp_exp.runtime.cache import cache_dir, read_entries
@@ -245,7 +246,7 @@ def test_under_torchrun_rank_0_decides_and_the_others_take_its_choice(
 ) -> None:
     trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
     cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
-    bf16_index = auto_precision.CHOICES.index(bf16)
+    bf16_index = auto_candidates().index(bf16)
     other = resolve_precision(
         cfg, capability, small_workload()[0], OneOfTwoRanks(False, bf16_index)
     )

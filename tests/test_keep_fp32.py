@@ -84,7 +84,7 @@ def test_kept_modules_compute_in_fp32_in_every_mode(compose_cfg, precision) -> N
     grads = {name: p.grad.dtype for name, p in built.model.named_parameters()}
     assert grads["blocks.0.mlp.fc.weight"] == torch.float32
     if precision == "fp8":
-        assert engine.policy.fp8.skipped["blocks.0.mlp.fc"] == "precision.keep_fp32"
+        assert engine.policy.plugin.conversion.skipped["blocks.0.mlp.fc"] == "precision.keep_fp32"
         assert seen["blocks.1.mlp.fc"][2] == "Float8Linear"
 
 

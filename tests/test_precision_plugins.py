@@ -88,7 +88,10 @@ PLUGIN = [f"precision._target_={TARGET}", f"precision.name={NAME}"]
 
 @pytest.fixture
 def plugin_package(tmp_path, monkeypatch) -> Path:
-    """The package on sys.path, and a registry that forgets it after the test."""
+    """The package on sys.path, a registry that forgets it after the test, and a probe cache of
+    the test's own that knows it (the session's stays as other tests injected it)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    inject_probe({"fp32": 1.0, "bf16": 0.9, "fp16": 0.02, NAME: 0.9})
     package = tmp_path / "package"
     package.mkdir()
     (package / "halfway_precision.py").write_text(textwrap.dedent(SOURCE))
@@ -135,10 +138,7 @@ def test_sensitivity_ranks_its_modules(plugin_package, compose_cfg, tmp_path) ->
     assert "lm_head" in report["rankings"][NAME]
 
 
-def test_precision_auto_times_it_and_can_choose_it(
-    plugin_package, run_cfg, monkeypatch, tmp_path
-) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+def test_precision_auto_times_it_and_can_choose_it(plugin_package, run_cfg, monkeypatch) -> None:
     inject_probe({"fp32": 1.0, "bf16": 0.02, "fp16": 0.02, NAME: 1.5})
     trials = with_times(monkeypatch, {"fp32": 0.03, NAME: 0.01})
     built = build(run_cfg(*MODES, f"precision._target_={TARGET}"))
@@ -187,3 +187,16 @@ def test_its_options_are_typed_and_checked_before_torch_loads(plugin_package) ->
         timeout=120,
     )
     assert (cli.returncode, cli.stderr.strip()) == (2, f"amp_exp: error: {refusal}")
+
+
+def test_an_installed_package_s_entry_point_registers_it_by_name(plugin_package, monkeypatch):
+    info = plugin_package / "halfway_precision-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: halfway-precision\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        f"[amp_exp.precisions]\n{NAME} = {TARGET.replace('.', ':')}\n"
+    )
+    monkeypatch.setattr(precisions, "_plugins", {})
+    monkeypatch.setattr(precisions, "_found", set())
+    assert precisions.names()[-1] == NAME
+    assert precisions.spec_of(NAME).colour == "#123456"

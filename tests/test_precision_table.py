@@ -3,7 +3,9 @@ the registry: every reader follows the row."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,3 +121,74 @@ def test_a_strategy_the_row_does_not_list_is_refused_with_the_valid_ones(mode, r
         overrides.append("precision.emulate=true")
     with pytest.raises(ConfigError, match=r"valid choices: ddp$"):
         run_cfg(*overrides)
+
+
+# The copies the registry replaced, by name; none may come back outside the plugins.
+COPY_NAMES = {
+    "PRECISION_ORDER",
+    "PRECISION_COLORS",
+    "AUTOCAST_FAMILY",
+    "AUTOCAST_DTYPES",
+    "RANKABLE",
+    "DEFAULT_PRECISIONS",
+    "NEXT_UP",
+    "LOW_PRECISIONS",
+    "PROBED_LOW",
+    "AUTO_CANDIDATES",
+    "SPECS",
+}
+# Literal collections of precision names that are no copy of a fact, each with why.
+ALLOWED_LISTS = {
+    # A command's default selection, checked against the registry when validated (the schema is
+    # a leaf below the registry and cannot ask it).
+    ("config/schema.py", "SpeedConfig"),
+    ("config/schema.py", "PredictConfig"),
+}
+PACKAGE = Path(__file__).resolve().parent.parent / "amp_exp"
+# Datasheet peaks by math ("bf16", "tf32", "fp8" TFLOP/s), named like precisions but none.
+NOT_PRECISIONS = {"config/devices.py"}
+
+
+def copies_in(source: str, known: set[str]) -> list[tuple[str, int]]:
+    """(what, line) of each module-level name of ``COPY_NAMES`` and each literal list, tuple, set
+    or dict holding two or more precision names, with the class it sits in ('' at top level)."""
+    found = []
+    tree = ast.parse(source)
+    owners = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for inner in ast.walk(node):
+                owners[id(inner)] = node.name
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [(t.id, node.lineno) for t in targets if getattr(t, "id", None) in COPY_NAMES]
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict)):
+            items = node.keys if isinstance(node, ast.Dict) else node.elts
+            named = [i.value for i in items if isinstance(i, ast.Constant) and i.value in known]
+            if len(named) >= 2:
+                found.append((owners.get(id(node), ""), node.lineno))
+    return found
+
+
+def test_the_registry_is_the_only_place_that_lists_precisions() -> None:
+    known = set(MODES)
+    copies = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if where.startswith("training/precisions/") or where in NOT_PRECISIONS:
+            continue
+        copies += [
+            f"{where}:{line} {what}"
+            for what, line in copies_in(path.read_text(), known)
+            if (where, what) not in ALLOWED_LISTS
+        ]
+    assert not copies, copies
+
+
+def test_the_copy_search_finds_the_copies_it_replaced() -> None:
+    known = set(MODES)
+    assert copies_in('PRECISION_ORDER = {"zz": 0}\n', known) == [("PRECISION_ORDER", 1)]
+    assert copies_in('if p in ("bf16", "bf16_true"):\n    pass\n', known) == [("", 1)]
+    assert copies_in('class S:\n    x = ["fp32", "fp8"]\n', known) == [("S", 2)]
+    assert copies_in('if p == "fp8":\n    pass\n', known) == []

@@ -160,7 +160,7 @@ def loss_scale_trace(rows: Rows, metrics: Metrics) -> Figure | None:
             ],
         )
         for row in rows
-        if row["precision"] == "fp16"
+        if (plugin := known_plugin(row["precision"])) is not None and plugin.spec.grad_scaler
     ]
     traced = [(row, points) for row, points in traced if points]
     if not traced:
