@@ -1,6 +1,7 @@
 """``python -m amp_exp.doctor``: what each precision measures on this machine, and what to use.
 
-Prints the probe's table (runtime.probe), the device's facts, a verdict per precision and the
+Prints the probe's table (runtime.probe), the device's facts, a verdict per precision, what the
+device lacks for the precisions the probe does not time (fp8, mxfp8, mxfp4, nvfp4) and the
 recommendation, all from ``training.capability``: the same answers a run's precision=auto and its
 warnings get. ``--json`` prints them as JSON; ``--refresh`` measures again instead of reading the
 cache, and forgets precision=auto's cached choices.
@@ -20,7 +21,12 @@ from amp_exp.runtime.cache import cache_dir, forget
 from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.runtime.probe import CACHE_FILE, KERNELS
 from amp_exp.training.auto_precision import CACHE_FILE as AUTO_CACHE_FILE
-from amp_exp.training.capability import CPU_FLAGS_OF_INTEREST, Capability, capability_of
+from amp_exp.training.capability import (
+    CPU_FLAGS_OF_INTEREST,
+    Capability,
+    capability_of,
+    unprobed_verdicts,
+)
 
 
 def table(capability: Capability) -> list[str]:
@@ -50,13 +56,15 @@ def facts(capability: Capability) -> str:
     )
 
 
-def report(capability: Capability) -> list[str]:
+def report(capability: Capability, device: torch.device) -> list[str]:
     lines = [f"device: {capability.device} ({capability.name}), torch {torch.__version__}"]
     lines.append(f"measured: forward+backward, fastest round (cache: {cache_dir() / CACHE_FILE})")
     lines += ["  " + row for row in table(capability)]
     lines.append(f"facts: {facts(capability)}")
     for precision in (REFERENCE, *probed_low()):
         lines.append(f"{precision}: {capability.verdict(precision)}")
+    for precision, verdict in unprobed_verdicts(device).items():
+        lines.append(f"{precision}: {verdict}")
     recommended, reason = capability.recommendation()
     lines.append(f"recommendation: precision={recommended}: {reason}")
     return lines
@@ -84,9 +92,10 @@ def diagnose(argv: list[str] | None) -> None:
         forget(AUTO_CACHE_FILE)
     capability = capability_of(device, refresh=args.refresh)
     if args.json:
-        print(json.dumps(capability.as_dict(), indent=2))
+        found = {**capability.as_dict(), "not_probed": unprobed_verdicts(device)}
+        print(json.dumps(found, indent=2))
     else:
-        print("\n".join(report(capability)))
+        print("\n".join(report(capability, device)))
 
 
 if __name__ == "__main__":

@@ -298,6 +298,12 @@ def test_doctor_prints_the_measured_table_facts_verdicts_and_recommendation() ->
     assert lines[4].split()[0] == "bf16" and lines[4].endswith(" 0.05x")
     assert lines[6].startswith("facts: CPU instructions for bf16/fp16: ")
     assert "fp16: slow: about 50x slower than fp32; left out of precision=auto" in lines
+    # The precisions the probe does not time: what the CPU lacks for each, from its own check.
+    lacking = {line.split(":")[0]: line for line in lines[-5:-1]}
+    assert list(lacking) == ["fp8", "mxfp8", "mxfp4", "nvfp4"]
+    assert "compute capability 10.0+ (Blackwell)" in lacking["mxfp8"]
+    assert "no MXFP4 or NVFP4 training kernels" in lacking["nvfp4"]
+    assert all("add precision.emulate=true" in line for line in lacking.values())
     assert lines[-1].startswith("recommendation: precision=fp32: no low precision is 5% faster")
 
 
@@ -308,6 +314,7 @@ def test_doctor_json_holds_the_measurements_and_the_recommendation() -> None:
     assert found["measured"]["fp32"]["tflops"] == pytest.approx(1.0)
     assert found["recommended"] == "fp32"
     assert found["reason"].startswith("no low precision is 5% faster than fp32")
+    assert set(found["not_probed"]) == {"fp8", "mxfp8", "mxfp4", "nvfp4"}
 
 
 def test_doctor_refresh_measures_again_and_forgets_autos_choices(

@@ -24,7 +24,7 @@ MODES = list(names())
 
 
 def test_every_mode_has_one_row_and_auto_has_none() -> None:
-    assert set(MODES) == {"fp32", "bf16", "fp16", "bf16_true", "fp8"}
+    assert set(MODES) == {"fp32", "bf16", "fp16", "bf16_true", "fp8", "mxfp8", "mxfp4", "nvfp4"}
     assert all(spec_of(mode).name == mode for mode in MODES)
     with pytest.raises(ValueError, match="resolve precision=auto first"):
         spec_of("auto")
@@ -32,9 +32,15 @@ def test_every_mode_has_one_row_and_auto_has_none() -> None:
 
 def test_the_table_imports_no_torch_and_names_dtypes_as_torch_does() -> None:
     assert "torch" not in vars(precisions)
-    assert {dtype.value for dtype in DType} == {
-        str(dtype).removeprefix("torch.") for dtype in (d.torch for d in DType)
+    torch_named = [dtype for dtype in DType if not dtype.block_scaled]
+    assert {dtype.value for dtype in torch_named} == {
+        str(dtype).removeprefix("torch.") for dtype in (d.torch for d in torch_named)
     }
+    # The block-scaled formats the audit counts have no torch dtype: asking is an error.
+    block_scaled = {dtype.value: dtype.itemsize for dtype in DType if dtype.block_scaled}
+    assert block_scaled == {"mxfp8_e4m3": 1, "mxfp8_e5m2": 1, "mxfp4": 0.5, "nvfp4": 0.5}
+    with pytest.raises(ValueError, match="block-scaled format"):
+        DType.nvfp4.torch  # noqa: B018
     assert DType.of(torch.bfloat16) is DType.bfloat16 and DType.bfloat16.short == "bf16"
 
 

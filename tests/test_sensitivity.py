@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from amp_exp.config.precisions import DType
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError, RunRefused
@@ -318,17 +319,26 @@ def test_the_reference_runs_with_tf32_off_and_restores_the_setting() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "low", "high"),
-    [(torch.float16, 60, 80), (torch.bfloat16, 40, 60), (torch.float8_e4m3fn, 20, 35)],
-    ids=["fp16", "bf16", "fp8"],
+    ("fmt", "low", "high"),
+    [
+        (DType.float16, 60, 80),
+        (DType.bfloat16, 40, 60),
+        (DType.float8_e4m3fn, 20, 35),
+        # Block-scaled: their own blocks' rounding (issue 33's figures, torchao's casts), which
+        # a rounding to the element dtype alone, or in other blocks, would miss.
+        (DType.mxfp8_e4m3, 30.5, 32.5),
+        (DType.nvfp4, 19.9, 21.0),
+        (DType.mxfp4, 17.5, 19.5),
+    ],
+    ids=lambda value: getattr(value, "value", None),
 )
-def test_the_rounding_floor_is_the_formats_own(dtype, low, high) -> None:
+def test_the_rounding_floor_is_the_formats_own(fmt, low, high) -> None:
     """Rounding Gaussian values: about 6 dB a mantissa bit (10, 7, 3 bits)."""
     values = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 1e3
     floor = Sqnr()
-    floor.add(values, rounded(values, dtype))
+    floor.add(values, rounded(values, fmt))
     assert low < floor.db < high
-    assert rounded(torch.tensor([1e6]), torch.float16).item() == 65504
+    assert rounded(torch.tensor([1e6]), DType.float16).item() == 65504
 
 
 # --- pieces ------------------------------------------------------------------------------------
@@ -374,11 +384,13 @@ def test_sqnr_is_infinite_when_exact_minus_infinite_when_not_finite_and_else_in_
 
 
 def test_range_share_counts_fp16s_overflow_and_what_it_flushes_to_zero() -> None:
-    share = RangeShare.of(torch.float16)
+    share = RangeShare.of(DType.float16)
     assert share.smallest == 2.0**-24 and share.largest == 65504
     share.add(torch.tensor([0.0, 1e5, -7e4, 1e-8, 1.0]))
     assert share.shares("x") == {"x_overflow_frac": 0.4, "x_underflow_frac": 0.2}
-    assert RangeShare.of(torch.float8_e4m3fn).largest == 448
+    assert RangeShare.of(DType.float8_e4m3fn).largest == 448
+    # Every block has its own scale: what a block-scaled format holds is fp32's range.
+    assert RangeShare.of(DType.nvfp4).largest == torch.finfo(torch.float32).max
 
 
 class StubSearch:

@@ -39,13 +39,32 @@ class DType(str, Enum):
     float16 = "float16"
     float8_e4m3fn = "float8_e4m3fn"
     float8_e5m2 = "float8_e5m2"
+    # Block-scaled formats (training/microscaling), named as the audit counts their matmuls:
+    # small elements with a scale per block, which no torch dtype holds.
+    mxfp8_e4m3 = "mxfp8_e4m3"
+    mxfp8_e5m2 = "mxfp8_e5m2"
+    mxfp4 = "mxfp4"
+    nvfp4 = "nvfp4"
 
     @property
     def torch(self) -> Any:
-        """The ``torch.dtype`` (imports torch)."""
+        """The ``torch.dtype`` (imports torch); a block-scaled format has none."""
         import torch
 
+        if self.block_scaled:
+            raise ValueError(f"{self.value} is a block-scaled format, not a torch dtype")
         return getattr(torch, self.value)
+
+    @property
+    def block_scaled(self) -> bool:
+        return self in BLOCK_SCALED_BITS
+
+    @property
+    def itemsize(self) -> float:
+        """Bytes per element (a block-scaled format's elements, without their scales)."""
+        if self.block_scaled:
+            return BLOCK_SCALED_BITS[self] / 8
+        return self.torch.itemsize
 
     @property
     def short(self) -> str:
@@ -58,6 +77,7 @@ class DType(str, Enum):
         return cls(str(dtype).removeprefix("torch."))
 
 
+BLOCK_SCALED_BITS = {DType.mxfp8_e4m3: 8, DType.mxfp8_e5m2: 8, DType.mxfp4: 4, DType.nvfp4: 4}
 SHORT_NAMES = {DType.float32: "fp32", DType.bfloat16: "bf16", DType.float16: "fp16"}
 
 BOTH_STRATEGIES = frozenset({Strategy.ddp, Strategy.fsdp2})

@@ -296,7 +296,9 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "state_ratio": _ratio(summary.get("state_bytes"), base.get("state_bytes")),
         "engaged": engaged(summary),
         "audit": audit_health(summary),
-        "emulated": bool(summary.get("fp8_emulated")),
+        "emulated": bool(
+            summary.get("fp8_emulated") or (summary.get("precision_details") or {}).get("emulated")
+        ),
         "stale_weight_frac": summary.get("stale_weight_frac"),
         "stochastic_rounding": (
             ((summary.get("config") or {}).get("precision") or {}).get("stochastic_rounding")

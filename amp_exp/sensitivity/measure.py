@@ -4,7 +4,8 @@ For each recorded call (sensitivity/reference.py) a module runs three times on t
 inputs: as it is, in true fp32 (TF32 off); as the precision's policy prepares it
 (``PrecisionPolicy.prepare_model``: fp8's float8 linears, ``precision.keep_fp32``) under the
 policy's autocast; and in fp32 again with its floating inputs and parameters rounded to the
-precision's format (the precision table's first matmul dtype: fp16, bf16, float8 e4m3), which
+precision's format (the precision table's first matmul dtype: fp16, bf16, float8 e4m3, or a
+block-scaled format such as mxfp8_e4m3 or nvfp4, rounded in its blocks by torchao's casts), which
 is the error the format's rounding alone makes. Each is differentiated with the reference's
 output gradient, so each error is the module's own:
 
@@ -24,7 +25,7 @@ output gradient, so each error is the module's own:
   fp16). fp16's gradients are taken as the GradScaler hands them over, times
   ``precision.init_scale``, and the target's backward gets that scaled gradient in its own dtype,
   as in training. fp8 scales each cast per tensor, so its range share says what an unscaled cast
-  would lose.
+  would lose; a block-scaled format scales each block, over fp32's range, which it is judged by.
 
 Modules are ranked by margin, lowest first, except that a sensitive module with a sensitive
 module inside it ranks after every module without one: its error is its child's, and the child
@@ -44,6 +45,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from amp_exp.config.precisions import DType
 from amp_exp.sensitivity.ranges import OpFault, OpRangeWatch
 from amp_exp.sensitivity.reference import ModuleCall, Reference, seeded, true_fp32
 from amp_exp.tasks.base import Batch, Task
@@ -93,8 +95,8 @@ class RangeShare:
     under: int = 0
 
     @classmethod
-    def of(cls, dtype: torch.dtype) -> RangeShare:
-        info = torch.finfo(dtype)
+    def of(cls, fmt: DType) -> RangeShare:
+        info = torch.finfo(torch.float32 if fmt.block_scaled else fmt.torch)
         return cls(largest=info.max, smallest=info.smallest_normal * info.eps)
 
     def add(self, values: torch.Tensor) -> None:
@@ -131,8 +133,8 @@ class ModuleError:
     fault: OpFault | None = None
 
     @classmethod
-    def of(cls, dtype: torch.dtype) -> ModuleError:
-        return cls(RangeShare.of(dtype), RangeShare.of(dtype))
+    def of(cls, fmt: DType) -> ModuleError:
+        return cls(RangeShare.of(fmt), RangeShare.of(fmt))
 
     @property
     def margin_db(self) -> float:
@@ -170,22 +172,29 @@ class ModuleError:
         }
 
 
-def format_dtype(policy: PrecisionPolicy) -> torch.dtype:
+def format_dtype(policy: PrecisionPolicy) -> DType:
     """The narrowest format the precision's matmuls take, whose range values must fit."""
-    return policy.spec.engaged.matmul_dtypes[0].torch
+    return policy.spec.engaged.matmul_dtypes[0]
 
 
-def rounded(value: Any, dtype: torch.dtype) -> Any:
-    """``value``'s floating tensors rounded to ``dtype`` and back to fp32, clamped to its range
-    (overflow is judged apart); float8 scaled per tensor to its largest value, as fp8 casts."""
+def rounded(value: Any, fmt: DType) -> Any:
+    """``value``'s floating tensors rounded to ``fmt`` and back to fp32, clamped to its range
+    (overflow is judged apart); float8 scaled per tensor to its largest value, as fp8 casts; a
+    block-scaled format in its blocks along the last dimension, as its matmuls take it."""
     if isinstance(value, (tuple, list)):
-        return type(value)(rounded(item, dtype) for item in value)
+        return type(value)(rounded(item, fmt) for item in value)
     if isinstance(value, dict):
-        return {key: rounded(item, dtype) for key, item in value.items()}
+        return {key: rounded(item, fmt) for key, item in value.items()}
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         return value
-    largest = torch.finfo(dtype).max
     tensor = value.detach().float()
+    if fmt.block_scaled:
+        from amp_exp.training.microscaling.formats import quantized
+
+        result = quantized(tensor.reshape(tensor.shape or (1,)), fmt).reshape(tensor.shape)
+        return result.requires_grad_(value.requires_grad)
+    dtype = fmt.torch
+    largest = torch.finfo(dtype).max
     scale = 1.0
     if dtype.itemsize == 1:
         amax = float(tensor.abs().max()) if tensor.numel() else 0.0
@@ -195,12 +204,12 @@ def rounded(value: Any, dtype: torch.dtype) -> Any:
 
 
 @contextlib.contextmanager
-def rounded_parameters(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    """``module``'s floating parameters rounded to ``dtype`` while entered, restored after."""
+def rounded_parameters(module: nn.Module, fmt: DType) -> Iterator[None]:
+    """``module``'s floating parameters rounded to ``fmt`` while entered, restored after."""
     saved = [(p, p.detach().clone()) for p in module.parameters() if p.is_floating_point()]
     with torch.no_grad():
         for parameter, _ in saved:
-            parameter.copy_(rounded(parameter, dtype))
+            parameter.copy_(rounded(parameter, fmt))
     try:
         yield
     finally:

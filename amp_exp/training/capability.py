@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import AUTO, REFERENCE, plugin_of, probed_low, spec_of
+from amp_exp.config.precisions import AUTO, REFERENCE, plugin_of, probed_low, spec_of, specs
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.hardware import cpu_flags, device_name
@@ -73,6 +73,22 @@ def check_request(requested: str, device: torch.device, cfg: PrecisionConfig) ->
             "precision=fp32"
         )
     plugin_of(spec.name).check_device(device, cfg)
+
+
+def unprobed_verdicts(device: torch.device) -> dict[str, str]:
+    """The precisions the probe does not time (fp8, the block-scaled formats): whether
+    ``device`` runs them for real or, from their own check, what it lacks."""
+    found = {}
+    for spec in specs():
+        if spec.probed_as is not None:
+            continue
+        try:
+            check_request(spec.name, device, PrecisionConfig(name=spec.name))
+        except ConfigError as error:
+            found[spec.name] = str(error)
+        else:
+            found[spec.name] = "runs here for real (not probed: python -m amp_exp.speed times it)"
+    return found
 
 
 def kernels_of(model: nn.Module) -> tuple[str, ...]:

@@ -13,12 +13,17 @@ wrapper subclass, whose dtype is the original one): an operand's dtype is that o
 tensor it wraps (its float8 data, not its fp32 scale). The subclass's own inner ops (the
 dequantized fp32 mm of torchao's emulation, or ``_scaled_mm`` on a GPU) run inside the
 subclass, where the mode does not see them, so a float8 matmul counts once, as float8.
+
+An emulated block-scaled matmul (training/microscaling) multiplies dequantized fp32 values that
+stand for a narrower format's; it runs under ``computed_as``, and counts as that format.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +52,17 @@ FORMULAS: dict[Any, Any] = {
 # is the added term; convolution_backward's first is the incoming gradient (of the same dtype).
 OPERANDS = {aten.addmm: (1, 2), aten.baddbmm: (1, 2), aten.convolution_backward: (1, 2)}
 PHASES = (FORWARD, BACKWARD, RECOMPUTE)
+_COMPUTED_AS: ContextVar[str | None] = ContextVar("computed_as", default=None)
+
+
+@contextmanager
+def computed_as(fmt: str) -> Iterator[None]:
+    """The matmuls run inside count as computed in ``fmt`` (an emulated format's name)."""
+    token = _COMPUTED_AS.set(fmt)
+    try:
+        yield
+    finally:
+        _COMPUTED_AS.reset(token)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -150,7 +166,7 @@ class MatmulRecorder:
 
     def record(self, packet: Any, flops: int, args: tuple) -> None:
         module, phase = self.modules.current()
-        dtype = dtype_name(operand_dtype(packet, args))
+        dtype = _COMPUTED_AS.get() or dtype_name(operand_dtype(packet, args))
         self.flops.flops[(module, phase, dtype)] += flops
 
     def __enter__(self) -> MatmulRecorder:

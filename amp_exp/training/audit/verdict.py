@@ -49,10 +49,10 @@ def higher_precision_modules(
     """Module -> dtype -> share of all matmul FLOPs, for the matmuls that ran in a wider dtype
     than the precision computes in (fp32 in a bf16 run)."""
     total = flops.total
-    width = spec.compute_dtype.torch.itemsize
+    width = spec.compute_dtype.itemsize
     found: dict[str, dict[str, float]] = {}
     for module, dtypes in flops.by_module().items():
-        wider = {d: f / total for d, f in dtypes.items() if DType(d).torch.itemsize > width}
+        wider = {d: f / total for d, f in dtypes.items() if DType(d).itemsize > width}
         if wider:
             found[module] = wider
     return found

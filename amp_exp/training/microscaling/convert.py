@@ -1,0 +1,76 @@
+"""Which linear layers compute in a block-scaled format, and the swap that makes them.
+
+The layers are those fp8 converts (``precision_modes.plan_fp8``: by name and shape, outside
+``precision.keep_fp32``), less, for NVFP4's recipe, every linear inside the last N of the model's
+blocks (NVIDIA keeps the last blocks in bf16). Emulated, each becomes a ``MicroscalingLinear``.
+With torchao's kernels (MXFP8 on compute capability 10.0+), each becomes torchao's own
+``MXFP8Linear``, which casts and multiplies on the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from amp_exp.tasks.blocks import model_blocks
+from amp_exp.training.keep_fp32 import is_within
+from amp_exp.training.microscaling.linear import MicroscalingLinear, Recipe, swap_linears
+from amp_exp.training.precision_modes import plan_fp8
+
+
+@dataclass
+class MicroscalingConversion:
+    """Which linear layers run their matmuls in the format, and why the others do not."""
+
+    emulated: bool
+    converted: list[str] = field(default_factory=list)
+    # Layer name -> why it stays in bf16.
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def plan(
+    model: nn.Module, skip: Sequence[str], keep_fp32: Sequence[str], bf16_last_blocks: int
+) -> MicroscalingConversion:
+    """fp8's choice of linears, less those inside the last ``bf16_last_blocks`` blocks."""
+    fp8 = plan_fp8(model, skip, keep_fp32=keep_fp32)
+    chosen = MicroscalingConversion(True, [], dict(fp8.skipped))
+    last: list[str] = []
+    if bf16_last_blocks:
+        blocks = model_blocks(model)
+        if blocks is not None:
+            names = {id(module): name for name, module in model.named_modules()}
+            last = [names[id(block)] for block in list(blocks)[-bf16_last_blocks:]]
+    for name in fp8.converted:
+        if is_within(name, last):
+            chosen.skipped[name] = f"in one of the last {bf16_last_blocks} blocks"
+        else:
+            chosen.converted.append(name)
+    return chosen
+
+
+def convert_emulated(
+    model: nn.Module, conversion: MicroscalingConversion, recipe: Recipe
+) -> nn.Module:
+    return swap_linears(model, conversion.converted, MicroscalingLinear, recipe=recipe)
+
+
+def convert_with_kernels(
+    model: nn.Module, conversion: MicroscalingConversion, recipe: Recipe
+) -> nn.Module:
+    """torchao's ``MXFP8Linear`` (its CUDA and Triton casts, cuBLAS's block-scaled matmuls) in
+    place of each chosen linear. Only reached on compute capability 10.0+ (Blackwell); no
+    machine here has one, so this path is untested here."""
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    conversion.emulated = False
+    return swap_linears(
+        model,
+        conversion.converted,
+        MXFP8Linear,
+        kernel_preference=KernelPreference.AUTO,
+        scale_calculation_mode=recipe.scale_mode,
+        wgrad_with_hp=recipe.wgrad_high_precision,
+    )

@@ -1,0 +1,212 @@
+"""What the three block-scaled precisions (mxfp8, mxfp4, nvfp4) share as plugins: the device
+check, the model's conversion, the audit's expectations and what summary.json records.
+
+Emulated (``precision.emulate=true``), they run on any device as torchao's casts followed by an
+fp32 matmul (microscaling.linear), never timed. With the kernels, which only torchao's MXFP8
+training has (compute capability 10.0+, Blackwell), mxfp8 runs torchao's ``MXFP8Linear`` and is
+timed. torchao trains in neither MXFP4 nor NVFP4 (its NVFP4 is for inference), so those two are
+always emulated. Like every plugin module, this one imports no torch at its top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from amp_exp.config.precisions import BOTH_STRATEGIES, DType, Engagement, PrecisionSpec
+from amp_exp.errors import ConfigError, require
+from amp_exp.training.precisions.base import PrecisionPlugin
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from amp_exp.config.schema import PrecisionConfig, TrainerConfig
+    from amp_exp.training.microscaling.convert import MicroscalingConversion
+    from amp_exp.training.microscaling.linear import Recipe
+
+log = logging.getLogger(__name__)
+
+QUOTE = '"'
+# torchao's MXFP8 kernels: cuBLAS's block-scaled matmuls need compute capability 10.0.
+KERNEL_CAPABILITY = (10, 0)
+
+
+class ScaleMode(str, Enum):
+    """How an MX block's power-of-two scale is rounded (torchao's ``ScaleCalculationMode``):
+    floor is the OCP spec's; rceil (torchao's training default) never overflows an element."""
+
+    floor = "floor"
+    rceil = "rceil"
+    ceil = "ceil"
+    even = "even"
+
+
+def microscaling_spec(
+    name: str, formats: tuple[DType, ...], peak_math: str, order: int, colour: str
+) -> PrecisionSpec:
+    """A block-scaled precision's facts: its formats in the converted linears, bf16 autocast
+    elsewhere, fp32 master weights and state, no loss scaling (every block is scaled)."""
+    return PrecisionSpec(
+        name=name,
+        compute_dtype=DType.bfloat16,
+        autocast_dtype=DType.bfloat16,
+        weight_dtype=DType.float32,
+        optimizer_state_dtype=DType.float32,
+        grad_scaler=False,
+        # Its matmuls peak at its format's rate (fp8 or fp4); emulated, it is never timed.
+        peak_math=peak_math,
+        probed_as=None,
+        reduce_dtype=DType.float32,
+        fsdp_param_dtype=None,
+        # Under FSDP2 each layer quantizes the weight its all-gather brought.
+        strategies=BOTH_STRATEGIES,
+        # As fp8: the converted linears in the format, the rest in bf16 (the wgrad in high
+        # precision too, with that option).
+        engaged=Engagement(0.5, (*formats, DType.bfloat16), converted_dtypes=formats),
+        order=order,
+        colour=colour,
+        rankable=True,
+        repair_to="bf16",
+        needs_native_bf16=True,
+    )
+
+
+def has_kernels(device: torch.device, elements: DType) -> bool:
+    """Whether torchao can run this format's training matmuls for real on ``device``."""
+    import torch
+
+    if elements is not DType.mxfp8_e4m3 or device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(device) < KERNEL_CAPABILITY:
+        return False
+    from importlib.util import find_spec
+
+    return find_spec("triton") is not None
+
+
+class MicroscalingPlugin(PrecisionPlugin):
+    """A block-scaled format in the linears fp8 converts; the rest under bf16 autocast."""
+
+    # The format of activations and weights (and, unless the options say otherwise, gradients).
+    elements: ClassVar[DType]
+    variant_keys = ("emulate",)
+    conversion: MicroscalingConversion | None = None
+
+    @classmethod
+    def lacks(cls, device: torch.device | None) -> str | None:
+        """What ``device`` (None: any device) lacks to run this format for real, or None."""
+        if device is not None and has_kernels(device, cls.elements):
+            return None
+        if cls.elements is not DType.mxfp8_e4m3:
+            return "torchao has no MXFP4 or NVFP4 training kernels on any device"
+        return "MXFP8 kernels need a CUDA GPU with compute capability 10.0+ (Blackwell) and Triton"
+
+    @classmethod
+    def variant_label(cls, knobs: dict[str, Any]) -> str:
+        """ "nvfp4 (hadamard_wgrad=false, emulated)": the options set away from their defaults."""
+        given = knobs.get("options") or {}
+        defaults = {f.name: f.default for f in dataclasses.fields(cls.Options)}
+        details = [
+            f"{key}={json.dumps(value).strip(QUOTE)}"
+            for key, value in sorted(given.items())
+            if key in defaults and value != defaults[key]
+        ]
+        if knobs.get("emulate"):
+            details.append("emulated")
+        return f"{cls.spec.name} ({', '.join(details)})" if details else cls.spec.name
+
+    @classmethod
+    def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
+        """Before torch loads: torchao, and precision.emulate=true where the config alone shows
+        there can be no kernels (the CPU; MXFP4 and NVFP4 on any device)."""
+        from importlib.util import find_spec
+
+        from amp_exp.config.schema import DeviceChoice
+
+        name = cls.spec.name
+        require(
+            find_spec("torchao") is not None,
+            f"precision={name} needs torchao, which is not installed: pip install 'amp_exp[fp8]'",
+        )
+        if cls.elements is DType.mxfp8_e4m3 and trainer.device is not DeviceChoice.cpu:
+            return
+        where = "" if cls.elements is not DType.mxfp8_e4m3 else " (trainer.device=cpu)"
+        require(
+            cfg.emulate,
+            f"precision={name} cannot run for real here{where}: {cls.lacks(None)}; add "
+            "precision.emulate=true to emulate it (slow, not timed)",
+        )
+
+    @classmethod
+    def check_device(cls, device: torch.device, cfg: PrecisionConfig) -> None:
+        lacking = cls.lacks(device)
+        if lacking is None or cfg.emulate:
+            return
+        raise ConfigError(
+            f"precision={cls.spec.name} cannot run for real here: {lacking}; add "
+            "precision.emulate=true to emulate it (slow, not timed)"
+        )
+
+    @property
+    def emulated(self) -> bool:
+        return self.cfg.emulate or self.lacks(self.device) is not None
+
+    @property
+    def timed(self) -> bool:
+        """An emulated format measures numerics, not speed: its throughput is never reported."""
+        return not self.emulated
+
+    def recipe(self) -> Recipe:
+        """The quantization of each matmul operand, from this precision's options."""
+        raise NotImplementedError
+
+    def bf16_last_blocks(self) -> int:
+        return 0
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        from amp_exp.training.microscaling.convert import (
+            convert_emulated,
+            convert_with_kernels,
+            plan,
+        )
+
+        model = super().convert_module(model)
+        name = self.spec.name
+        self.conversion = plan(model, self.cfg.fp8_skip, self.kept_fp32, self.bf16_last_blocks())
+        skipped = ", ".join(f"{layer}: {why}" for layer, why in self.conversion.skipped.items())
+        if not self.conversion.converted:
+            raise ConfigError(
+                f"precision={name} converted no linear layer ({skipped or 'the model has none'}),"
+                f" so no matmul would run in {name}; use precision=bf16"
+            )
+        convert = convert_emulated if self.emulated else convert_with_kernels
+        model = convert(model, self.conversion, self.recipe())
+        if self.emulated:
+            log.warning("%s is emulated (precision.emulate=true): slow, so not timed", name)
+        log.info(
+            "%s%s: %d linear layers converted, %d kept in bf16 (%s)",
+            name,
+            " (emulated)" if self.emulated else "",
+            len(self.conversion.converted),
+            len(self.conversion.skipped),
+            skipped or "none",
+        )
+        return model
+
+    def converted_linears(self) -> list[str] | None:
+        return None if self.conversion is None else self.conversion.converted
+
+    def summary(self) -> dict[str, Any]:
+        if self.conversion is None:
+            return {}
+        return {
+            "precision_details": {
+                "emulated": self.emulated,
+                "converted_linears": self.conversion.converted,
+                "skipped_linears": self.conversion.skipped,
+            }
+        }
