@@ -73,6 +73,20 @@ def validate_speed(speed: SpeedConfig) -> None:
         "runs first in half the rounds",
     )
     require(
+        speed.max_rounds >= speed.rounds and speed.max_rounds % 2 == 0,
+        f"speed.max_rounds={speed.max_rounds} must be even and at least speed.rounds="
+        f"{speed.rounds}: the trial stops at the first look that knows, or there",
+    )
+    require(
+        speed.target_halfwidth > 0,
+        f"speed.target_halfwidth={speed.target_halfwidth} must be positive (ln 1.05 = 0.0488: "
+        "the speedup within 5%)",
+    )
+    require(
+        speed.compile is None or bool(speed.compile),
+        "speed.compile must list [false], [true] or [false,true], or be null",
+    )
+    require(
         bool(speed.precisions) and Precision.auto not in speed.precisions,
         "speed.precisions must list precisions to time, e.g. speed.precisions=[fp32,bf16]; "
         f"valid choices: {', '.join(p.value for p in Precision if p is not Precision.auto)}",

@@ -7,6 +7,7 @@ defaults list (``config.store``), so Hydra type-checks it and every override aga
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Union
@@ -330,8 +331,17 @@ class SpeedConfig:
     # The cap on each side's warm-up steps, when its step time has not settled before.
     max_warmup_steps: int = 100
     steps: int = 5
-    # Even, so that each side runs first in exactly half the rounds.
+    # Even, so that each side runs first in exactly half the rounds: the rounds of the first
+    # look. The trial then looks every 10 rounds and stops once it knows (speed/ratio.py)...
     rounds: int = 10
+    # ...or at this many rounds ("target not reached"); equal to rounds, a fixed trial.
+    max_rounds: int = 40
+    # ...when the 97.5% interval of the mean log ratio has a half-width below this: ln 1.05,
+    # the speedup known within 5% either way.
+    target_halfwidth: float = math.log(1.05)
+    # Time each precision eager ([false]), compiled ([true]) or both ([false,true]), each
+    # against eager fp32; null = as trainer.compile decides for each precision.
+    compile: list[bool] | None = None
 
 
 @dataclass

@@ -34,16 +34,29 @@ VERDICT_WORDS = {
 }
 
 
+def trial_interval(found: dict[str, Any]) -> tuple[float, float, float]:
+    """The speed trial's reported interval and its level: the one its looks were made at
+    (speed/ratio.py), or 95% in a speed.json written before the trial looked."""
+    low, high = found.get("ci", found["ci95"])
+    return low, high, found.get("confidence", 0.95)
+
+
+def rounds_phrase(found: dict[str, Any]) -> str:
+    """20 AB/BA rounds, and whether the trial stopped on its target."""
+    reached = found.get("target_reached")
+    return f"{found['rounds']} AB/BA rounds" + ("; target not reached" if reached is False else "")
+
+
 def speed_phrase(comparison: dict[str, Any], emulated: bool) -> str:
     """The interleaved trial's speedup and its interval; else the jobs' own, labelled as such."""
     if emulated:
         return "emulated, not timed"
     trial = comparison["speedup"]
     if trial is not None:
-        low, high = trial["ci95"]
+        low, high, level = trial_interval(trial)
         return (
-            f"{trial['ratio']:.2f}x {BASELINE}'s speed (95% CI {low:.2f}x to {high:.2f}x, "
-            f"{trial['rounds']} AB/BA rounds; total time {trial['total_time_ratio']:.2f}x)"
+            f"{trial['ratio']:.2f}x {BASELINE}'s speed ({level * 100:g}% CI {low:.2f}x to "
+            f"{high:.2f}x, {rounds_phrase(trial)}; total time {trial['total_time_ratio']:.2f}x)"
         )
     if comparison["job_speedup"] is None:
         return "throughput not measured"
