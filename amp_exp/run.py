@@ -76,7 +76,7 @@ def run_summary(
         global_batch_size=global_batch_size(cfg, engine.world_size),
         parameters=sum(p.numel() for p in built.model.parameters()),
         channels_last=built.channels_last,
-        compile=cfg.trainer.compile,
+        compile=built.compiled,
         steps=progress.step,
         total_steps=engine.total_steps,
         samples_seen=progress.samples,

@@ -94,6 +94,9 @@ class PrecisionSpec:
     engaged: Engagement
     # A candidate of precision=auto's trial, in the order a tie is broken.
     auto_candidate: bool = False
+    # Needs torch.compile to be fast on CUDA (trainer.compile=auto compiles it there): torchao's
+    # float8 fuses its casts only when compiled, and eager fp8 is commonly slower than bf16.
+    compile_on_cuda: bool = False
 
     @property
     def is_low_precision(self) -> bool:
@@ -184,6 +187,7 @@ SPECS: dict[Precision, PrecisionSpec] = {
                 (DType.float8_e4m3fn, DType.float8_e5m2, DType.bfloat16),
                 fp8_matmuls=True,
             ),
+            compile_on_cuda=True,
         ),
     )
 }

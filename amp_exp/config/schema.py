@@ -1,19 +1,19 @@
 """Typed config schemas: one dataclass per config group, enums for every closed choice.
 
-A leaf: it imports nothing heavier than OmegaConf's ``MISSING``, and from amp_exp only the model
-and dataset schemas (leaves too). Each YAML file under ``conf/`` lists its schema first in its
-defaults list (``config.store``), so Hydra type-checks it and every override against these.
+A leaf: it imports nothing heavier than OmegaConf's ``MISSING``, and from amp_exp only the model,
+dataset and adaptive schemas (leaves too). Each YAML file under ``conf/`` lists its schema first
+in its defaults list (``config.store``), so Hydra type-checks it and every override against these.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Union
 
 from omegaconf import MISSING
 
+from amp_exp.config.adaptive import COMPILE_AUTO, EvidenceConfig, SpeedStopping
 from amp_exp.config.datasets import (
     CustomDatasetConfig,
     ImageDatasetConfig,
@@ -207,8 +207,8 @@ class TrainerConfig:
     timing_warmup_steps: int = 5
     # null = on for convolutional models on CUDA.
     channels_last: bool | None = None
-    # Under fsdp2, each block of model.blocks is compiled before it is sharded.
-    compile: bool = False
+    # true, false or auto (config/adaptive.py). Under fsdp2, blocks compile, then are sharded.
+    compile: Any = COMPILE_AUTO
     compile_mode: CompileMode = CompileMode.default
     deterministic: bool = False
     # Recompute each block's activations (model.blocks) in the backward instead of keeping them.
@@ -320,9 +320,9 @@ class SensitivityConfig:
 
 
 @dataclass
-class SpeedConfig:
+class SpeedConfig(SpeedStopping):
     """The speed trial (amp_exp/speed/; rules: config/commands.py): each precision against fp32
-    in a pair of its own, warmed up until steady, timed ``rounds`` x ``steps`` steps, AB, BA, ..."""
+    in a pair of its own, warmed up until steady, timed AB, BA, ... until it knows (adaptive.py)"""
 
     # python -m amp_exp.speed times these and fp32; a sweep's trial, the precisions it ran.
     precisions: list[Precision] = field(
@@ -331,17 +331,6 @@ class SpeedConfig:
     # The cap on each side's warm-up steps, when its step time has not settled before.
     max_warmup_steps: int = 100
     steps: int = 5
-    # Even, so that each side runs first in exactly half the rounds: the rounds of the first
-    # look. The trial then looks every 10 rounds and stops once it knows (speed/ratio.py)...
-    rounds: int = 10
-    # ...or at this many rounds ("target not reached"); equal to rounds, a fixed trial.
-    max_rounds: int = 40
-    # ...when the 97.5% interval of the mean log ratio has a half-width below this: ln 1.05,
-    # the speedup known within 5% either way.
-    target_halfwidth: float = math.log(1.05)
-    # Time each precision eager ([false]), compiled ([true]) or both ([false,true]), each
-    # against eager fp32; null = as trainer.compile decides for each precision.
-    compile: list[bool] | None = None
 
 
 @dataclass
@@ -381,6 +370,7 @@ class RunConfig:
     sensitivity: SensitivityConfig = field(default_factory=SensitivityConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
+    evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
     # Jobs of a sweep that differ only in seed are replicates (docs/sweeps.md).
     seed: int = 0
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from amp_exp.config.adaptive import COMPILE_AUTO
 from amp_exp.config.commands import validate_predict, validate_sensitivity, validate_speed
 from amp_exp.config.datasets import (
     TOKEN_DATASETS,
@@ -125,6 +126,11 @@ def validate(cfg: DictConfig) -> RunConfig:
     require(run.diagnostics.check_steps >= 0, "diagnostics.check_steps must be 0 or more")
     require(
         run.diagnostics.underflow_every >= 0, "diagnostics.underflow_every must be 0 (off) or more"
+    )
+    require(
+        isinstance(run.trainer.compile, bool) or run.trainer.compile == COMPILE_AUTO,
+        f"trainer.compile={run.trainer.compile} must be true, false or {COMPILE_AUTO} (compile "
+        "where the precision needs it to be fast: fp8 on CUDA)",
     )
     audit_step = run.diagnostics.audit_step
     require(

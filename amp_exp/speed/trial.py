@@ -5,11 +5,12 @@ Each precision is timed against fp32 in a pair of its own. The pair's two runs a
 as training builds them (``amp_exp.build``: the same model init, data, optimizer, precision
 policy and non-finite guard), each warmed up until its step time settles (training/timing.py's
 ``warm_up``), then trained ``speed.steps`` steps each in rounds whose order alternates, AB then
-BA, for ``speed.rounds`` rounds and then 10 more at a time until the speedup's 97.5% interval is
-within ``speed.target_halfwidth`` (or ``speed.max_rounds``; speed/ratio.py's ``looks``): each side runs first in exactly half the rounds, so a position effect
-(a cache the first side warms for the second) cancels, and so does a linear drift of the
-machine's speed. Then both are freed before the next pair is built: no more than two runs are
-held at once, so a model that fits twice fits the trial.
+BA: each side runs first in exactly half the rounds, so a position effect (a cache the first
+side warms for the second) cancels, and so does a linear drift of the machine's speed. The trial
+runs ``speed.rounds`` rounds, then 10 more at a time until the speedup's 97.5% interval is
+within ``speed.target_halfwidth``, or ``speed.max_rounds`` (speed/ratio.py's ``looks``). Then
+both runs are freed before the next pair is built: no more than two runs are held at once, so a
+model that fits twice fits the trial.
 
 Round k's ratio is fp32's time per applied step over the precision's, both of round k: the
 round's median step (a neighbour's burst during one step does not move it) times the steps over
@@ -22,6 +23,7 @@ touched, and nothing is saved.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import statistics
@@ -35,8 +37,8 @@ import torch
 from amp_exp.build import Built, build, global_batch_size
 from amp_exp.config.schema import RunConfig, SpeedConfig
 from amp_exp.report.compare import BASELINE
-from amp_exp.runtime.hardware import device_name, resolve_device
 from amp_exp.report.verdicts import rounds_phrase, trial_interval
+from amp_exp.runtime.hardware import device_name, resolve_device
 from amp_exp.speed.ratio import LOOK_EVERY, TRIAL_CONFIDENCE, looks, narrow, speedup
 from amp_exp.training.timing import StepClock, time_steps, warm_up
 
@@ -152,6 +154,27 @@ def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfi
     }
 
 
+# The label of a precision timed compiled by speed.compile: "bf16 compiled".
+COMPILED = "compiled"
+
+
+def compile_variants(configs: Mapping[str, RunConfig], speed: SpeedConfig) -> dict[str, RunConfig]:
+    """The runs timed: as configured, or (``speed.compile``) each eager and/or compiled, every
+    one against eager fp32, so that the eager and the compiled speedups share a baseline."""
+    if speed.compile is None:
+        return dict(configs)
+    variants = {BASELINE: dataclasses.replace(configs[BASELINE])}
+    variants[BASELINE].trainer = dataclasses.replace(configs[BASELINE].trainer, compile=False)
+    for label, cfg in configs.items():
+        for compiled in dict.fromkeys(speed.compile):
+            key = f"{label} {COMPILED}" if compiled else label
+            if key == BASELINE:
+                continue
+            variants[key] = dataclasses.replace(cfg)
+            variants[key].trainer = dataclasses.replace(cfg.trainer, compile=compiled)
+    return variants
+
+
 def run_trial(
     configs: Mapping[str, RunConfig], speed: SpeedConfig, stand_in: str | None = None
 ) -> dict[str, Any]:
@@ -161,6 +184,7 @@ def run_trial(
     strategy): such a trial is shown, labelled, and kept out of the report's verdicts."""
     if BASELINE not in configs:
         raise ValueError(f"a speed trial needs {BASELINE} to compare with")
+    configs = compile_variants(configs, speed)
     baseline = configs[BASELINE]
     device = resolve_device(baseline.trainer.device)
     pairs, speedups, not_timed = {}, {}, {}
