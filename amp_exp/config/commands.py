@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from amp_exp.config.adaptive import EvidenceConfig
 from amp_exp.config.devices import PREDICTABLE
 from amp_exp.config.precision_checks import validate_precision
 from amp_exp.config.schema import (
@@ -57,6 +58,19 @@ def validate_sensitivity(
         )
         # fp8 needs what a run in fp8 needs: torchao, and a GPU or emulation.
         validate_precision(dataclasses.replace(precision, name=chosen), trainer)
+
+
+def validate_evidence(evidence: EvidenceConfig) -> None:
+    """Raise ``ConfigError`` on an evidence sweeper's plan that cannot look."""
+    require(
+        evidence.min_seeds >= 2,
+        f"evidence.min_seeds={evidence.min_seeds} must be 2 or more: one seed measures no noise",
+    )
+    require(
+        evidence.max_seeds >= evidence.min_seeds,
+        f"evidence.max_seeds={evidence.max_seeds} must be at least evidence.min_seeds="
+        f"{evidence.min_seeds}",
+    )
 
 
 def validate_speed(speed: SpeedConfig) -> None:

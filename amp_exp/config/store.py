@@ -40,9 +40,20 @@ def register_configs() -> None:
             store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=schema)
     store.store(group=f"{SCHEMA_GROUP}/sensitivity", name="sensitivity", node=SensitivityConfig)
     store.store(group=f"{SCHEMA_GROUP}/predict", name="predict", node=PredictConfig)
+    register_evidence_sweeper()
     # hydra/launcher=submitit_*: jobs that resume when requeued, if the optional plugin is there.
     if find_spec(SUBMITIT_PLUGIN) is not None:
         register_launchers()
+
+
+def register_evidence_sweeper() -> None:
+    """``hydra/sweeper=evidence``: seeds added only where a verdict is open (report/sequential)."""
+    from hydra_plugins._amp_exp_evidence import EvidenceSweeper, EvidenceSweeperConf
+
+    Plugins.instance().register(EvidenceSweeper)
+    ConfigStore.instance().store(
+        group="hydra/sweeper", name="evidence", node=EvidenceSweeperConf, provider="amp_exp"
+    )
 
 
 LAUNCHERS_MODULE = "hydra_plugins._amp_exp_submitit"

@@ -18,7 +18,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from amp_exp.config.adaptive import COMPILE_AUTO
-from amp_exp.config.commands import validate_predict, validate_sensitivity, validate_speed
+from amp_exp.config.commands import (
+    validate_evidence,
+    validate_predict,
+    validate_sensitivity,
+    validate_speed,
+)
 from amp_exp.config.datasets import (
     TOKEN_DATASETS,
     CustomDatasetConfig,
@@ -142,6 +147,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         "report.tolerance must be 0 or more, or null (the task's default)",
     )
     validate_speed(run.speed)
+    validate_evidence(run.evidence)
     validate_precision(run.precision, run.trainer)
     validate_sensitivity(run.sensitivity, run.precision, run.trainer)
     validate_predict(run.predict)

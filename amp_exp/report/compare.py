@@ -285,6 +285,7 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "label": variant_label(summary),
         "setting": run.setting,
         "seed": seed_of(run),
+        "steps": summary.get("steps"),
         "world_size": summary.get("world_size", 1),
         "strategy": summary.get("strategy"),
         "param_dtype": summary.get("param_dtype"),
@@ -346,6 +347,11 @@ def tolerance_for(row: dict[str, Any], tolerance: float | None) -> float | None:
     if tolerance is not None or declared is None:
         return tolerance
     return declared["default_tolerance"]
+
+
+def show_level(confidence: float) -> str:
+    """An interval's level: 95%, 97.5%, 98.33%."""
+    return f"{confidence * 100:.4g}%"
 
 
 def show_delta(delta: float, unit: ToleranceUnit) -> str:

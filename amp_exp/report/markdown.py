@@ -14,11 +14,13 @@ from amp_exp.report.compare import (
     describe_end,
     show_delta,
     show_interval,
+    show_level,
     show_tolerance,
     strategy_note,
     tolerance_for,
 )
 from amp_exp.report.evidence import CLAIM_P
+from amp_exp.report.sweep_design import evidence_sweep_section
 from amp_exp.results.files import REPORT_JSON, REPORT_MD, json_safe, write_text
 from amp_exp.tasks.metrics import ToleranceUnit
 
@@ -217,7 +219,8 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     }
     with_setting = any(cell["setting"] for cell in report["cells"])
     header = ["model", *(["setting"] * with_setting), "precision", "n", "metric"]
-    header += ["mean [95% CI]", f"Δ vs {BASELINE} [95% CI]", "p of the claim", "verdict"]
+    level = show_level(report.get("confidence", 0.95))
+    header += ["mean [95% CI]", f"Δ vs {BASELINE} [{level} CI]", "p of the claim", "verdict"]
     header += ["loss gap [95% CI]", "trial speedup [95% CI]"]
     body = []
     for cell in report["cells"]:
@@ -346,6 +349,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         EVIDENCE_NOTE + (FAMILYWISE_NOTE if report["familywise"] else ""),
         "",
+        *evidence_sweep_section(report.get("evidence_sweep")),
         "## Runs",
         "",
         *markdown_table(rows),

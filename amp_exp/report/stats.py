@@ -102,7 +102,7 @@ def half_width(
     scale: np.ndarray | float, n: int, confidence: float = CONFIDENCE
 ) -> np.ndarray | float:
     """The t interval's half-width at ``n`` values of spread ``scale``, at ``confidence`` (95%;
-    a sequential design's looks each use a stricter level, amp_exp/report/sequential.py)."""
+    the evidence sweeper's looks each use a stricter one, amp_exp/report/sequential.py)."""
     return stats.t.ppf(1 - (1 - confidence) / 2, n - 1) * np.asarray(scale) / math.sqrt(n)
 
 
@@ -240,11 +240,13 @@ def failure_rate_bound(n: int) -> float:
     return 1 - (1 - FAILURE_CONFIDENCE) ** (1 / n)
 
 
-def min_seeds_to_match(floor: float, tolerance: float) -> int | None:
+def min_seeds_to_match(
+    floor: float, tolerance: float, confidence: float = CONFIDENCE
+) -> int | None:
     """The fewest seeds at which ``matches`` is possible at all with the spread floored at
     ``floor`` (a mean of exactly 0, a spread at the floor); None above ``MAX_SEEDS``."""
     for n in range(2, MAX_SEEDS + 1):
-        if float(half_width(floor, n)) <= tolerance + SLACK:
+        if float(half_width(floor, n, confidence)) <= tolerance + SLACK:
             return n
     return None
 
@@ -262,6 +264,7 @@ def seeds_to_settle(
     higher_is_better: bool,
     floor: float = 0.0,
     quantum: float = 0.0,
+    confidence: float = CONFIDENCE,
 ) -> int | None:
     """A planning estimate: the fewest seeds, up to ``MAX_SEEDS``, at which the rule (floor
     included) decides with at least 80% probability in simulation. Assumed: a true difference of
@@ -283,7 +286,7 @@ def seeds_to_settle(
         deltas = rng.normal(true_mean, sd, size=(PLANNING_REPETITIONS, n))
         if quantum > 0:
             deltas = quantum * np.round(deltas / quantum)
-        codes = simulate(deltas, tolerance, higher_is_better, floor)
+        codes = simulate(deltas, tolerance, higher_is_better, floor, confidence)
         return bool(np.isin(codes, targets).mean() >= PLANNING_POWER)
 
     # The chance grows with n: when the most seeds looked at do not settle it, none fewer do.

@@ -12,6 +12,7 @@ from amp_exp.report.compare import (
     describe_end,
     show_delta,
     show_interval,
+    show_level,
     show_tolerance,
     stall_phrase,
 )
@@ -55,7 +56,7 @@ def speed_phrase(comparison: dict[str, Any], emulated: bool) -> str:
     if trial is not None:
         low, high, level = trial_interval(trial)
         return (
-            f"{trial['ratio']:.2f}x {BASELINE}'s speed ({level * 100:g}% CI {low:.2f}x to "
+            f"{trial['ratio']:.2f}x {BASELINE}'s speed ({show_level(level)} CI {low:.2f}x to "
             f"{high:.2f}x, {rounds_phrase(trial)}; total time {trial['total_time_ratio']:.2f}x)"
         )
     if comparison["job_speedup"] is None:
@@ -101,7 +102,8 @@ def numbers_phrase(comparison: dict[str, Any]) -> str:
     unit = ToleranceUnit(comparison["unit"])
     shown = f"Δ {comparison['metric_label']} {show_delta(comparison['delta_mean'], unit)}"
     if comparison["delta_ci95"] is not None:
-        shown += f", 95% CI {show_interval(comparison['delta_ci95'], unit)}"
+        level = show_level(comparison.get("confidence", 0.95))
+        shown += f", {level} CI {show_interval(comparison['delta_ci95'], unit)}"
     shown += f", n = {comparison['n']}, tolerance {show_tolerance(comparison['tolerance'], unit)}"
     if comparison["conditional_on_survival"]:
         shown = f"over the seeds that survived, conditional on their survival: {shown}"

@@ -36,7 +36,7 @@ import torch
 
 from amp_exp.build import Built, build, global_batch_size
 from amp_exp.config.schema import RunConfig, SpeedConfig
-from amp_exp.report.compare import BASELINE
+from amp_exp.report.compare import BASELINE, show_level
 from amp_exp.report.verdicts import rounds_phrase, trial_interval
 from amp_exp.runtime.hardware import device_name, resolve_device
 from amp_exp.speed.ratio import LOOK_EVERY, TRIAL_CONFIDENCE, looks, narrow, speedup
@@ -225,7 +225,7 @@ def show_speedup(found: dict[str, Any]) -> str:
         f"; TREND over rounds (Spearman rho {trend['spearman_rho']:+.2f}, p {trend['p_value']:.2g})"
     )
     return (
-        f"{found['ratio']:.2f}x [{low:.2f}x, {high:.2f}x] ({level * 100:g}% CI, "
+        f"{found['ratio']:.2f}x [{low:.2f}x, {high:.2f}x] ({show_level(level)} CI, "
         f"{rounds_phrase(found)}), "
         f"total time {found['total_time_ratio']:.2f}x" + (flag if trend["flag"] else "")
     )
@@ -248,7 +248,7 @@ def trial_markdown(trials: list[dict[str, Any]]) -> str:
             f"{trial['max_warmup_steps']} steps), then rounds of {trial['steps']} steps each, in "
             f"the orders AB, BA, AB, ...: {trial['rounds']} rounds, then a look every "
             f"{LOOK_EVERY} rounds up to {trial['max_rounds']}, stopping once the "
-            f"{TRIAL_CONFIDENCE * 100:g}% interval of the log ratio has a half-width below "
+            f"{show_level(TRIAL_CONFIDENCE)} interval of the log ratio has a half-width below "
             f"{trial['target_halfwidth']:.3f} (x{math.exp(trial['target_halfwidth']):.2f} either "
             "way)",
             "",
