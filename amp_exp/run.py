@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from amp_exp.build import Built, attach_audit, attach_diagnostics, build, global_batch_size
+from amp_exp.config.launch import launch_slot
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
 from amp_exp.results.checkpoint import (
@@ -99,6 +100,7 @@ def run_summary(
         first_overflow=progress.first_overflow,
         wall_s=wall_s,
         state_bytes=state_bytes(engine.parameters, engine.optimizer),
+        launch_slot=launch_slot(),
         **engine.policy.summary(),
         **measured,
     )

@@ -291,6 +291,8 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "param_dtype": summary.get("param_dtype"),
         "reduce_dtype": summary.get("reduce_dtype"),
         "samples_per_s": summary.get("samples_per_s"),
+        # Timed beside other jobs on its node (hydra/launcher=node): under contention.
+        "contended": (summary.get("launch_slot") or {}).get("parallel_jobs", 1) > 1,
         "tokens_per_s": summary.get("tokens_per_s"),
         "mfu": summary.get("mfu"),
         "speedup": _ratio(summary.get("samples_per_s"), base.get("samples_per_s")),

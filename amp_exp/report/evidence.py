@@ -326,6 +326,7 @@ def comparison(
         **loss_evidence(paired, metrics),
         "speedup": trial_speedup(trials, key),
         "job_speedup": statistics.median(job_speedups) if job_speedups else None,
+        "contended": any(row["contended"] for row in [*paired, *fp32_rows]),
     }
     found["seed_verdict"] = None if seed_verdict is None else seed_verdict.value
     if seed_verdict is not None:

@@ -61,7 +61,12 @@ def speed_phrase(comparison: dict[str, Any], emulated: bool) -> str:
         )
     if comparison["job_speedup"] is None:
         return "throughput not measured"
-    return f"{comparison['job_speedup']:.2f}x {BASELINE}'s speed (jobs timed one after another)"
+    how = (
+        "jobs timed in parallel on one node, under contention"
+        if comparison.get("contended")
+        else "jobs timed one after another"
+    )
+    return f"{comparison['job_speedup']:.2f}x {BASELINE}'s speed ({how})"
 
 
 # How a seed's attempt ended (report/evidence.py's failure statuses), as the lines say it.
