@@ -15,7 +15,7 @@ from amp_exp.errors import ConfigError
 from amp_exp.report import sequential
 from amp_exp.report.stats import CODE, Verdict, simulate
 from amp_exp.results.files import EVIDENCE_JSON, write_json
-from helpers.runs import run_cli
+from helpers.runs import FAST, TINY, run_cli
 
 REPETITIONS = 20_000
 TOLERANCE = 1.0
@@ -168,17 +168,8 @@ def test_a_sweep_freezes_a_decided_cell_and_reports_seeds_and_level(tmp_path: Pa
         "evidence.max_seeds=4",
         "report.tolerance=50",
         "report.speed_trial=false",
-        "trainer.device=cpu",
-        "trainer.max_steps=4",
-        "trainer.log_every=2",
-        "trainer.timing_warmup_steps=1",
-        "wandb.mode=disabled",
-        "dataset.train_size=256",
-        "dataset.eval_size=64",
-        "dataset.batch_size=16",
-        "dataset.image_size=8",
-        "model.width=4",
-        "dataset.num_workers=0",
+        *FAST,
+        *TINY,
         f"hydra.sweep.dir={tmp_path}",
         timeout=600,
     )

@@ -15,7 +15,7 @@ pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
 
-from helpers.runs import run_cli
+from helpers.runs import FAST, TINY, run_cli
 from hydra_plugins import _amp_exp_submitit as launchers
 
 
@@ -71,17 +71,8 @@ def test_two_parallel_cpu_jobs_complete_with_a_correct_report(tmp_path: Path) ->
         "precision=fp32,bf16",
         "seed=0,1",
         "report.speed_trial=false",
-        "trainer.device=cpu",
-        "trainer.max_steps=4",
-        "trainer.log_every=2",
-        "trainer.timing_warmup_steps=1",
-        "wandb.mode=disabled",
-        "dataset.train_size=256",
-        "dataset.eval_size=64",
-        "dataset.batch_size=16",
-        "dataset.image_size=8",
-        "model.width=4",
-        "dataset.num_workers=0",
+        *FAST,
+        *TINY,
         f"hydra.sweep.dir={tmp_path}",
         timeout=600,
     )
