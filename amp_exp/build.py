@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from amp_exp.config.adaptive import COMPILE_AUTO
 from amp_exp.config.launch import ALONE
 from amp_exp.config.precisions import DType
 from amp_exp.config.schema import NonFiniteAction, RunConfig
@@ -61,6 +62,8 @@ class Built:
     resumed_from: str | None = None
     # strategy (single, ddp, fsdp2), param_dtype and reduce_dtype: what summary.json and W&B say.
     parallelism: dict | None = None
+    # Whether the model trains compiled (trainer.compile, auto resolved for this precision).
+    compiled: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -82,6 +85,15 @@ def parallelism(
         return {"strategy": "single", "param_dtype": weights.short, "reduce_dtype": None}
     strategy = distributed.strategy.value
     return {"strategy": strategy, "param_dtype": dtypes.param, "reduce_dtype": dtypes.reduce}
+
+
+def compiles(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
+    """trainer.compile, with auto resolved: compiled on CUDA where the precision's row says it
+    needs compiling to be fast (fp8), and only where it is timed (emulated fp8 is not)."""
+    choice = cfg.trainer.compile
+    if choice == COMPILE_AUTO:
+        return policy.device.type == "cuda" and policy.spec.compile_on_cuda and policy.timed
+    return bool(choice)
 
 
 def build(
@@ -118,9 +130,10 @@ def build(
         keep_fp32=keep_fp32,
     )
     model, data = policy.prepare_model(workload.model), workload.data
+    compiled = compiles(cfg, policy)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model, cfg.model.name)
-    if shards and cfg.trainer.compile:
+    if shards and compiled:
         # torchtitan's order: each block compiled (after its checkpointing), then sharded.
         compile_blocks(model, cfg.trainer.compile_mode)
     blocks = model_blocks(model) or []
@@ -130,7 +143,7 @@ def build(
         cfg.optimizer, model, device, policy.stochastic_rounding, sharded=shards
     )
     total_steps = plan_total_steps(cfg.trainer, len(data.train))
-    if cfg.trainer.compile and not shards:
+    if compiled and not shards:
         # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
         trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
     hardware = capability.summary(
@@ -161,6 +174,7 @@ def build(
         data.recorded,
         distributed,
         parallelism=parallelism(distributed, dtypes, policy.spec.weight_dtype),
+        compiled=compiled,
     )
 
 
@@ -209,7 +223,6 @@ def attach_audit(cfg: RunConfig, built: Built) -> PrecisionAudit | None:
     installed, and no step pays for it."""
     if not cfg.diagnostics.audit:
         return None
-    if cfg.trainer.compile:
-        log.info("no precision audit under trainer.compile=true: compiled kernels hide their ops")
-        return None
-    return PrecisionAudit(built.engine, cfg.diagnostics.audit_step)
+    # Compiled kernels hide their ops: a compiled run audits one step run eagerly, by default its
+    # first, before anything is compiled.
+    return PrecisionAudit(built.engine, cfg.diagnostics.audit_step, eager=built.compiled)

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from amp_exp.build import Built, attach_audit, attach_diagnostics, build, global_batch_size
+from amp_exp.config.launch import launch_slot
 from amp_exp.config.plain import plain_run_config
-from amp_exp.config.schema import Precision, RunConfig
+from amp_exp.config.precisions import DType, spec_of
+from amp_exp.config.schema import RunConfig
 from amp_exp.results.checkpoint import (
     Checkpointer,
     ShardedCheckpointer,
@@ -77,7 +79,7 @@ def run_summary(
         global_batch_size=global_batch_size(cfg, engine.world_size),
         parameters=sum(p.numel() for p in built.model.parameters()),
         channels_last=built.channels_last,
-        compile=cfg.trainer.compile,
+        compile=built.compiled,
         steps=progress.step,
         total_steps=engine.total_steps,
         samples_seen=progress.samples,
@@ -100,6 +102,7 @@ def run_summary(
         first_overflow=progress.first_overflow,
         wall_s=wall_s,
         state_bytes=state_bytes(engine.parameters, engine.optimizer),
+        launch_slot=launch_slot(),
         **engine.policy.summary(),
         **measured,
     )
@@ -158,7 +161,7 @@ def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob
         ConsoleLogger(
             built.engine.total_steps,
             built.engine.task.metrics,
-            fp16=built.resolved.precision is Precision.fp16,
+            fp16=spec_of(built.resolved.precision).compute_dtype is DType.float16,
         ),
         # A fresh start replaces the rows of an earlier attempt in this directory.
         JsonlLogger(output_dir / METRICS_FILE, append=built.resumed_from is not None),

@@ -2,14 +2,17 @@
 
 Hydra instantiates a launcher only from a class defined in the ``hydra_plugins`` package, so the
 classes live here, with their behaviour; ``amp_exp.config.store`` registers them. This module
-imports nothing from amp_exp. The leading underscore keeps Hydra's plugin discovery from importing
-it (which would fail without the optional hydra-submitit-launcher).
+imports nothing from amp_exp at import time. The leading underscore keeps Hydra's plugin
+discovery from importing it (which would fail without the optional hydra-submitit-launcher).
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import queue
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -60,16 +63,35 @@ class LocalSignalDelay:
 
 
 @contextmanager
-def _local_parameter_accepted(name: str) -> Iterator[None]:
+def _local_parameter_accepted(*names: str) -> Iterator[None]:
     from submitit.local.local import LocalExecutor
 
     original = LocalExecutor.__dict__["_valid_parameters"]
-    accepted = original.__func__(LocalExecutor) | {name}
+    accepted = original.__func__(LocalExecutor) | set(names)
     LocalExecutor._valid_parameters = classmethod(lambda cls: accepted)  # type: ignore[method-assign]
     try:
         yield
     finally:
         LocalExecutor._valid_parameters = original  # type: ignore[method-assign]
+
+
+def node_gpus() -> int:
+    """The GPUs this node's jobs share (the sweep's process imported torch already)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def job_setup(gpus: int, n_jobs: int, threads: int) -> list[str]:
+    """Shell lines each job starts with: how many jobs share the node, and on a CPU node its
+    share of the cores, so that n_jobs jobs do not fight over them (torch reads OMP_NUM_THREADS
+    for its intra-op pool)."""
+    from amp_exp.config.launch import PARALLEL_JOBS_ENV
+
+    lines = [f"export {PARALLEL_JOBS_ENV}={n_jobs}"]
+    if not gpus:
+        lines += [f"export {name}={threads}" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")]
+    return lines
 
 
 class SlurmLauncher(ResumeOnRequeue, plugin.SlurmLauncher):
@@ -78,3 +100,55 @@ class SlurmLauncher(ResumeOnRequeue, plugin.SlurmLauncher):
 
 class LocalLauncher(ResumeOnRequeue, LocalSignalDelay, plugin.LocalLauncher):
     """``hydra/launcher=submitit_local``: the same jobs, run by submitit on this machine."""
+
+
+class NodeLauncher(LocalLauncher):
+    """``hydra/launcher=node``: a sweep's jobs in parallel on this node, queued, one per GPU.
+
+    Each job runs in a process of its own through submitit's local executor, which sets its
+    CUDA_VISIBLE_DEVICES from ``visible_gpus``: here the one GPU of the slot the job holds, so
+    no two running jobs share a device. On a CPU node ``n_jobs`` jobs run at once, each with
+    ``threads_per_job`` threads (the cores over n_jobs by default). The rest wait for a slot.
+    """
+
+    def launch(
+        self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+    ) -> Sequence[JobReturn]:
+        gpus = node_gpus() if self.params.get("gpus") is None else int(self.params["gpus"])
+        n_jobs = self.params.get("n_jobs") or max(gpus, 1)
+        if gpus:
+            n_jobs = min(n_jobs, gpus)
+        threads = self.params.get("threads_per_job") or max((os.cpu_count() or 1) // n_jobs, 1)
+        slots: queue.Queue[int] = queue.Queue()
+        for slot in range(n_jobs):
+            slots.put(slot)
+
+        def run(index: int, overrides: Sequence[str]) -> JobReturn:
+            slot = slots.get()
+            try:
+                one = copy.copy(self)
+                one.params = {
+                    key: value
+                    for key, value in self.params.items()
+                    if key not in ("n_jobs", "gpus", "threads_per_job")
+                }
+                one.params["gpus_per_node"] = 1 if gpus else 0
+                one.params["visible_gpus"] = [slot] if gpus else []
+                one.params["setup"] = [
+                    *self.params.get("setup", []),
+                    *job_setup(gpus, n_jobs, threads),
+                ]
+                # The plugin's own launch, for one job: its controller process sets the env.
+                (result,) = plugin.BaseSubmititLauncher.launch(one, [overrides], index)
+                return result
+            finally:
+                slots.put(slot)
+
+        # visible_gpus too: LocalExecutor reads it, AutoExecutor does not pass it on.
+        accepted = _local_parameter_accepted("signal_delay_s", "visible_gpus")
+        with accepted, ThreadPoolExecutor(n_jobs) as pool:
+            futures = [
+                pool.submit(run, initial_job_idx + i, overrides)
+                for i, overrides in enumerate(job_overrides)
+            ]
+            return [future.result() for future in futures]

@@ -18,6 +18,7 @@ LAYERS = [
         "amp_exp.config.devices",
         "amp_exp.config.datasets",
         "amp_exp.config.models",
+        "amp_exp.config.adaptive",
         "amp_exp.config.precisions",
     ),
     ("amp_exp.config",),
@@ -116,7 +117,12 @@ def test_the_schema_and_the_errors_are_leaves() -> None:
     assert graph["amp_exp.errors"] == set()
     assert graph["amp_exp.config.datasets"] == set()
     assert graph["amp_exp.config.models"] == set()
-    assert graph["amp_exp.config.schema"] == {"amp_exp.config.datasets", "amp_exp.config.models"}
+    assert graph["amp_exp.config.adaptive"] == set()
+    assert graph["amp_exp.config.schema"] == {
+        "amp_exp.config.adaptive",
+        "amp_exp.config.datasets",
+        "amp_exp.config.models",
+    }
     # The registry loads the plugins by name (as it does a user's); its own imports are leaves.
     assert graph["amp_exp.config.precisions"] == {"amp_exp.config.schema", "amp_exp.errors"}
 

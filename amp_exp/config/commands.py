@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from amp_exp.config.adaptive import EvidenceConfig
 from amp_exp.config.devices import PREDICTABLE
 from amp_exp.config.precision_checks import validate_precision
 from amp_exp.config.precisions import AUTO, names, plugin_of, register, specs
@@ -86,6 +87,19 @@ def validate_sensitivity(
         validate_precision(dataclasses.replace(precision, name=chosen), trainer)
 
 
+def validate_evidence(evidence: EvidenceConfig) -> None:
+    """Raise ``ConfigError`` on an evidence sweeper's plan that cannot look."""
+    require(
+        evidence.min_seeds >= 2,
+        f"evidence.min_seeds={evidence.min_seeds} must be 2 or more: one seed measures no noise",
+    )
+    require(
+        evidence.max_seeds >= evidence.min_seeds,
+        f"evidence.max_seeds={evidence.max_seeds} must be at least evidence.min_seeds="
+        f"{evidence.min_seeds}",
+    )
+
+
 def validate_speed(speed: SpeedConfig) -> None:
     """Raise ``ConfigError`` on the first speed value that cannot run."""
     require(
@@ -98,6 +112,20 @@ def validate_speed(speed: SpeedConfig) -> None:
         speed.rounds >= MIN_SPEED_ROUNDS and speed.rounds % 2 == 0,
         f"speed.rounds={speed.rounds} must be even and {MIN_SPEED_ROUNDS} or more: each side "
         "runs first in half the rounds",
+    )
+    require(
+        speed.max_rounds >= speed.rounds and speed.max_rounds % 2 == 0,
+        f"speed.max_rounds={speed.max_rounds} must be even and at least speed.rounds="
+        f"{speed.rounds}: the trial stops at the first look that knows, or there",
+    )
+    require(
+        speed.target_halfwidth > 0,
+        f"speed.target_halfwidth={speed.target_halfwidth} must be positive (ln 1.05 = 0.0488: "
+        "the speedup within 5%)",
+    )
+    require(
+        speed.compile is None or bool(speed.compile),
+        "speed.compile must list [false], [true] or [false,true], or be null",
     )
     require(
         bool(speed.precisions) and AUTO not in speed.precisions,

@@ -155,6 +155,20 @@ def peer_pids() -> dict[int, int]:
     return found
 
 
+# Set by hydra/launcher=node (hydra_plugins/_amp_exp_submitit.py) in each job it runs.
+PARALLEL_JOBS_ENV = "AMP_EXP_PARALLEL_JOBS"
+
+
+def launch_slot() -> dict[str, object]:
+    """How many jobs shared this node with this one, the device it was given and its threads:
+    a job timed beside others was timed under contention (the report says so)."""
+    return {
+        "parallel_jobs": int(os.environ.get(PARALLEL_JOBS_ENV, "1")),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
 def log_file_suffix() -> str:
     """Workers share the run directory; each one but rank 0 logs to a file of its own."""
     rank = worker_rank()

@@ -1,8 +1,8 @@
 """Typed config schemas: one dataclass per config group, enums for every closed choice.
 
-A leaf: it imports nothing heavier than OmegaConf's ``MISSING``, and from amp_exp only the model
-and dataset schemas (leaves too). Each YAML file under ``conf/`` lists its schema first in its
-defaults list (``config.store``), so Hydra type-checks it and every override against these.
+A leaf: it imports nothing heavier than OmegaConf's ``MISSING``, and from amp_exp only the model,
+dataset and adaptive schemas (leaves too). Each YAML file under ``conf/`` lists its schema first
+in its defaults list (``config.store``), so Hydra type-checks it and every override against these.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Union
 
 from omegaconf import MISSING
 
+from amp_exp.config.adaptive import COMPILE_AUTO, EvidenceConfig, SpeedStopping
 from amp_exp.config.datasets import (
     CustomDatasetConfig,
     ImageDatasetConfig,
@@ -204,8 +205,8 @@ class TrainerConfig:
     timing_warmup_steps: int = 5
     # null = on for convolutional models on CUDA.
     channels_last: bool | None = None
-    # Under fsdp2, each block of model.blocks is compiled before it is sharded.
-    compile: bool = False
+    # true, false or auto (config/adaptive.py). Under fsdp2, blocks compile, then are sharded.
+    compile: Any = COMPILE_AUTO
     compile_mode: CompileMode = CompileMode.default
     deterministic: bool = False
     # Recompute each block's activations (model.blocks) in the backward instead of keeping them.
@@ -319,17 +320,15 @@ class SensitivityConfig:
 
 
 @dataclass
-class SpeedConfig:
+class SpeedConfig(SpeedStopping):
     """The speed trial (amp_exp/speed/; rules: config/commands.py): each precision against fp32
-    in a pair of its own, warmed up until steady, timed ``rounds`` x ``steps`` steps, AB, BA, ..."""
+    in a pair of its own, warmed up until steady, timed AB, BA, ... until it knows (adaptive.py)"""
 
     # python -m amp_exp.speed times these and fp32; a sweep's trial, the precisions it ran.
     precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp16"])
     # The cap on each side's warm-up steps, when its step time has not settled before.
     max_warmup_steps: int = 100
     steps: int = 5
-    # Even, so that each side runs first in exactly half the rounds.
-    rounds: int = 10
 
 
 @dataclass
@@ -367,6 +366,7 @@ class RunConfig:
     sensitivity: SensitivityConfig = field(default_factory=SensitivityConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
+    evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
     # Jobs of a sweep that differ only in seed are replicates (docs/sweeps.md).
     seed: int = 0
 

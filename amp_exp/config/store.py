@@ -43,9 +43,20 @@ def register_configs() -> None:
             store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=schema)
     store.store(group=f"{SCHEMA_GROUP}/sensitivity", name="sensitivity", node=SensitivityConfig)
     store.store(group=f"{SCHEMA_GROUP}/predict", name="predict", node=PredictConfig)
+    register_evidence_sweeper()
     # hydra/launcher=submitit_*: jobs that resume when requeued, if the optional plugin is there.
     if find_spec(SUBMITIT_PLUGIN) is not None:
         register_launchers()
+
+
+def register_evidence_sweeper() -> None:
+    """``hydra/sweeper=evidence``: seeds added only where a verdict is open (report/sequential)."""
+    from hydra_plugins._amp_exp_evidence import EvidenceSweeper, EvidenceSweeperConf
+
+    Plugins.instance().register(EvidenceSweeper)
+    ConfigStore.instance().store(
+        group="hydra/sweeper", name="evidence", node=EvidenceSweeperConf, provider="amp_exp"
+    )
 
 
 LAUNCHERS_MODULE = "hydra_plugins._amp_exp_submitit"
@@ -70,7 +81,18 @@ def launcher_confs() -> dict[str, type]:
         # ...and a job is requeued at most this many times after timing out.
         max_num_timeout: int = 3
 
-    return {"submitit_slurm": SlurmConf, "submitit_local": LocalConf}
+    @dataclass
+    class NodeConf(LocalConf):
+        _target_: str = f"{LAUNCHERS_MODULE}.NodeLauncher"
+        # Jobs at once: null = one per GPU (all of them), or 1 on a CPU node; never more than
+        # the GPUs. The rest are queued.
+        n_jobs: int | None = None
+        # null = torch.cuda.device_count(); 0 runs the jobs on the CPU.
+        gpus: int | None = None
+        # A CPU job's threads (OMP_NUM_THREADS); null = the cores over n_jobs.
+        threads_per_job: int | None = None
+
+    return {"submitit_slurm": SlurmConf, "submitit_local": LocalConf, "node": NodeConf}
 
 
 def register_launchers() -> None:
@@ -80,11 +102,12 @@ def register_launchers() -> None:
     (hydra 1.3 on Python 3.10+), and the plugin's ``config`` module stores its own entries under
     these names: so discover the plugins first (once per process), then replace those entries.
     """
-    from hydra_plugins._amp_exp_submitit import LocalLauncher, SlurmLauncher
+    from hydra_plugins._amp_exp_submitit import LocalLauncher, NodeLauncher, SlurmLauncher
 
     plugins = Plugins.instance()
     store = ConfigStore.instance()
     confs = launcher_confs()
-    for name, launcher in (("submitit_slurm", SlurmLauncher), ("submitit_local", LocalLauncher)):
+    launchers = {"submitit_slurm": SlurmLauncher, "submitit_local": LocalLauncher}
+    for name, launcher in {**launchers, "node": NodeLauncher}.items():
         plugins.register(launcher)
         store.store(group="hydra/launcher", name=name, node=confs[name], provider="amp_exp")

@@ -17,8 +17,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from amp_exp.config.adaptive import COMPILE_AUTO
 from amp_exp.config.commands import (
     validate_devices,
+    validate_evidence,
     validate_predict,
     validate_sensitivity,
     validate_speed,
@@ -131,6 +133,11 @@ def validate(cfg: DictConfig) -> RunConfig:
     require(
         run.diagnostics.underflow_every >= 0, "diagnostics.underflow_every must be 0 (off) or more"
     )
+    require(
+        isinstance(run.trainer.compile, bool) or run.trainer.compile == COMPILE_AUTO,
+        f"trainer.compile={run.trainer.compile} must be true, false or {COMPILE_AUTO} (compile "
+        "where the precision needs it to be fast: fp8 on CUDA)",
+    )
     audit_step = run.diagnostics.audit_step
     require(
         audit_step is None or audit_step >= 1,
@@ -142,6 +149,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     )
     validate_devices("report.predict", run.report.predict)
     validate_speed(run.speed)
+    validate_evidence(run.evidence)
     validate_precision(run.precision, run.trainer)
     validate_sensitivity(run.sensitivity, run.precision, run.trainer)
     validate_predict(run.predict)

@@ -16,6 +16,8 @@ from amp_exp.report.markdown import write_report
 from amp_exp.report.predicted import predicted_speedups
 from amp_exp.report.recommend import recommendations
 from amp_exp.report.runs import find_runs
+from amp_exp.report.sequential import read_plan
+from amp_exp.report.stats import CONFIDENCE
 from amp_exp.report.verdicts import verdicts
 from amp_exp.results.files import PREDICTED_JSON, SPEED_JSON
 
@@ -58,13 +60,15 @@ def draw_plots(
     return drawn, errors
 
 
-def build_report(
-    dirs: list[Path], out_dir: Path, tolerance: float | None = None, familywise: bool = False
-) -> dict[str, Any]:
-    """Write report.md, report.json and the plots for the runs under ``dirs``; return the report.
-
-    ``tolerance`` is in the unit of the task's quality metric; None takes each task's default.
-    ``familywise`` applies Holm across the report's comparisons (report.familywise)."""
+def assemble(
+    dirs: list[Path],
+    out_dir: Path,
+    tolerance: float | None = None,
+    familywise: bool = False,
+    confidence: float = CONFIDENCE,
+) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """The report of the runs under ``dirs`` (no plots yet) and each run's metrics rows; the
+    verdicts' intervals at ``confidence`` (an evidence sweep's looks, report/sequential.py)."""
     runs = find_runs(dirs)
     assign_settings(runs)
     rows = comparison_rows(runs, out_dir)
@@ -79,7 +83,7 @@ def build_report(
             # from generic kernels, which may say the opposite, is not repeated beside it.
             row["health"]["hardware_advice"] = []
     mark_learned(rows, metrics)
-    cells, comparisons = gather(rows, metrics, tolerance, trials, familywise)
+    cells, comparisons = gather(rows, metrics, tolerance, trials, familywise, confidence)
     predictions = read_entries(dirs, PREDICTED_JSON, "predictions")
     for found in comparisons:
         found["predicted"] = predicted_speedups(
@@ -90,6 +94,7 @@ def build_report(
         "recommendations": recommendations(rows, comparisons),
         "tolerance": tolerance,
         "familywise": familywise,
+        "confidence": confidence,
         "baseline_precision": BASELINE,
         "verdicts": verdicts(rows, comparisons),
         "comparisons": comparisons,
@@ -99,6 +104,22 @@ def build_report(
         "plots": [],
         "plot_errors": {},
     }
+    return report, metrics
+
+
+def build_report(
+    dirs: list[Path], out_dir: Path, tolerance: float | None = None, familywise: bool = False
+) -> dict[str, Any]:
+    """Write report.md, report.json and the plots for the runs under ``dirs``; return the report.
+
+    ``tolerance`` is in the unit of the task's quality metric; None takes each task's default.
+    ``familywise`` applies Holm across the report's comparisons (report.familywise). An evidence
+    sweep's directory (its evidence.json) is judged at the level of its looks, and says so."""
+    plans = [plan for plan in map(read_plan, dirs) if plan is not None]
+    confidence = min((plan["confidence"] for plan in plans), default=CONFIDENCE)
+    report, metrics = assemble(dirs, out_dir, tolerance, familywise, confidence)
+    report["evidence_sweep"] = plans[0] if len(plans) == 1 else None
+    rows = report["runs"]
     out_dir.mkdir(parents=True, exist_ok=True)
     # The table is on disk before any plot is tried.
     write_report(out_dir, report)

@@ -280,11 +280,14 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "label": variant_label(summary),
         "setting": run.setting,
         "seed": seed_of(run),
+        "steps": summary.get("steps"),
         "world_size": summary.get("world_size", 1),
         "strategy": summary.get("strategy"),
         "param_dtype": summary.get("param_dtype"),
         "reduce_dtype": summary.get("reduce_dtype"),
         "samples_per_s": summary.get("samples_per_s"),
+        # Timed beside other jobs on its node (hydra/launcher=node): under contention.
+        "contended": (summary.get("launch_slot") or {}).get("parallel_jobs", 1) > 1,
         "tokens_per_s": summary.get("tokens_per_s"),
         "mfu": summary.get("mfu"),
         "speedup": _ratio(summary.get("samples_per_s"), base.get("samples_per_s")),
@@ -346,6 +349,11 @@ def tolerance_for(row: dict[str, Any], tolerance: float | None) -> float | None:
     if tolerance is not None or declared is None:
         return tolerance
     return declared["default_tolerance"]
+
+
+def show_level(confidence: float) -> str:
+    """An interval's level: 95%, 97.5%, 98.33%."""
+    return f"{confidence * 100:.4g}%"
 
 
 def show_delta(delta: float, unit: ToleranceUnit) -> str:

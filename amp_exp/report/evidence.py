@@ -33,6 +33,7 @@ QUALITY_KEYS = (
     "tolerance",
     "delta_mean",
     "delta_ci95",
+    "confidence",
     "sd",
     "p_equivalence",
     "p_worse",
@@ -226,10 +227,13 @@ def eval_examples(accuracies: list[float]) -> int | None:
 
 
 def quality_evidence(
-    paired: list[Row], fp32_rows: list[Row], tolerance: float | None
+    paired: list[Row],
+    fp32_rows: list[Row],
+    tolerance: float | None,
+    confidence: float = stats.CONFIDENCE,
 ) -> dict[str, Any]:
-    """The paired difference of the quality metric against fp32, and its verdict by the rule;
-    for accuracy the spread is floored at one eval example."""
+    """The paired difference of the quality metric against fp32, and its verdict by the rule
+    with the interval at ``confidence``; for accuracy the spread is floored at one eval example."""
     measured = [row for row in paired if row["quality_delta"] is not None]
     declared = next((row["quality_metric"] for row in measured), None)
     if declared is None:
@@ -243,7 +247,7 @@ def quality_evidence(
         examples = eval_examples(values)
         floor = None if examples is None else 100 / examples
     deltas = [row["quality_delta"] for row in measured]
-    difference = stats.paired_difference(deltas, limit, higher, floor or 0.0)
+    difference = stats.paired_difference(deltas, limit, higher, floor or 0.0, confidence)
     verdict = stats.verdict(difference, limit, higher)
     estimate = difference.estimate
     return {
@@ -254,6 +258,8 @@ def quality_evidence(
         "tolerance": limit,
         "delta_mean": estimate.mean,
         "delta_ci95": None if estimate.ci95 is None else list(estimate.ci95),
+        # The interval's level: 95%, or an evidence sweep's stricter one per look.
+        "confidence": confidence,
         "sd": estimate.sd,
         "deltas": {str(row["seed"]): row["quality_delta"] for row in measured},
         "p_equivalence": difference.p_equivalence,
@@ -265,9 +271,11 @@ def quality_evidence(
         "identical": difference.identical,
         "eval_examples": examples,
         "floor": floor,
-        "min_seeds_to_match": None if floor is None else stats.min_seeds_to_match(floor, limit),
+        "min_seeds_to_match": (
+            None if floor is None else stats.min_seeds_to_match(floor, limit, confidence)
+        ),
         "seeds_to_settle": (
-            stats.seeds_to_settle(estimate, limit, higher, floor or 0.0, floor or 0.0)
+            stats.seeds_to_settle(estimate, limit, higher, floor or 0.0, floor or 0.0, confidence)
             if verdict is Verdict.inconclusive and not difference.identical
             else None
         ),
@@ -312,6 +320,7 @@ def comparison(
     metrics: dict[str, list],
     tolerance: float | None,
     trials: list[dict[str, Any]],
+    confidence: float = stats.CONFIDENCE,
 ) -> dict[str, Any] | None:
     """A precision against fp32 over every seed both attempted; None when fp32 attempted none
     of them."""
@@ -328,10 +337,11 @@ def comparison(
         "setting": setting,
         "n_attempted": attempted,
         "failed_seeds": failed,
-        **quality_evidence(paired, fp32_rows, tolerance),
+        **quality_evidence(paired, fp32_rows, tolerance, confidence),
         **loss_evidence(paired, metrics),
         "speedup": trial_speedup(trials, key),
         "job_speedup": statistics.median(job_speedups) if job_speedups else None,
+        "contended": any(row["contended"] for row in [*paired, *fp32_rows]),
     }
     found["seed_verdict"] = None if seed_verdict is None else seed_verdict.value
     if seed_verdict is not None:
@@ -353,14 +363,17 @@ CLAIM_P = {
 }
 
 
-def adjust_familywise(comparisons: list[dict[str, Any]]) -> None:
-    """Holm across the report's comparisons, a family per claim (``CLAIM_P``), each at 2.5%:
-    every comparison the rule judged is tested, and a claim whose hypothesis Holm does not
-    reject becomes ``inconclusive``. The intervals stay unadjusted."""
+def adjust_familywise(
+    comparisons: list[dict[str, Any]], confidence: float = stats.CONFIDENCE
+) -> None:
+    """Holm across the report's comparisons, a family per claim (``CLAIM_P``), each at 2.5% (an
+    evidence sweep's level per look at ``confidence``): every comparison the rule judged is
+    tested, and a claim whose hypothesis Holm does not reject becomes ``inconclusive``. The
+    intervals stay unadjusted."""
     # A comparison its seeds decided (unstable, incomplete, ...) makes no statistical claim.
     judged = [c for c in comparisons if c["p_equivalence"] is not None and not c["seed_verdict"]]
     for claim, key in CLAIM_P.items():
-        rejected = stats.holm([c[key] for c in judged])
+        rejected = stats.holm([c[key] for c in judged], (1 - confidence) / 2)
         for found, kept in zip(judged, rejected, strict=True):
             if found["verdict"] == claim and not kept:
                 found["verdict"] = Verdict.inconclusive.value
@@ -373,10 +386,12 @@ def gather(
     tolerance: float | None,
     trials: list[dict[str, Any]],
     familywise: bool = False,
+    confidence: float = stats.CONFIDENCE,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(cells, comparisons) of the report's rows; ``metrics`` holds each run's metrics.jsonl
     rows by the row's ``run``, ``trials`` the speed trials of speed.json files; ``familywise``
-    applies Holm across the comparisons."""
+    applies Holm across the comparisons; ``confidence`` is the level of the verdicts' intervals
+    (an evidence sweep's per look, report/sequential.py)."""
     cells = group_cells(rows)
     summaries = [cell_summary(key, cell) for key, cell in cells.items()]
     comparisons = []
@@ -385,9 +400,9 @@ def gather(
         if label == BASELINE:
             continue
         fp32_rows = cells.get((model, setting, BASELINE), [])
-        found = comparison(key, cell, fp32_rows, metrics, tolerance, trials)
+        found = comparison(key, cell, fp32_rows, metrics, tolerance, trials, confidence)
         if found is not None:
             comparisons.append(found)
     if familywise:
-        adjust_familywise(comparisons)
+        adjust_familywise(comparisons, confidence)
     return summaries, comparisons

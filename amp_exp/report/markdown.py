@@ -13,6 +13,7 @@ from amp_exp.report.compare import (
     describe_end,
     show_delta,
     show_interval,
+    show_level,
     show_tolerance,
     strategy_note,
     tolerance_for,
@@ -29,6 +30,7 @@ from amp_exp.report.runs_table import (
     show_speedup,
     shown,
 )
+from amp_exp.report.sweep_design import evidence_sweep_section
 from amp_exp.results.files import REPORT_JSON, REPORT_MD, RUNS_CSV, json_safe, write_text
 from amp_exp.tasks.metrics import ToleranceUnit
 
@@ -102,7 +104,8 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     }
     with_setting = any(cell["setting"] for cell in report["cells"])
     header = ["model", *(["setting"] * with_setting), "precision", "n", "metric"]
-    header += ["mean [95% CI]", f"Δ vs {BASELINE} [95% CI]", "p of the claim", "verdict"]
+    level = show_level(report.get("confidence", 0.95))
+    header += ["mean [95% CI]", f"Δ vs {BASELINE} [{level} CI]", "p of the claim", "verdict"]
     header += ["loss gap [95% CI]", "trial speedup [95% CI]"]
     gpus = prediction_columns(report["comparisons"])
     header += [f"predicted on {gpu}" for gpu in gpus]
@@ -245,6 +248,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         + (FAMILYWISE_NOTE if report["familywise"] else "")
         + (PREDICTED_NOTE if prediction_columns(report["comparisons"]) else ""),
         "",
+        *evidence_sweep_section(report.get("evidence_sweep")),
         "## Runs",
         "",
         *markdown_table(rows),

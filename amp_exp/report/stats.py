@@ -98,14 +98,19 @@ def observed_sd(data: np.ndarray) -> float:
     return 0.0 if sd <= NO_SPREAD * max(1.0, float(np.abs(data).max())) else sd
 
 
-def half_width(scale: np.ndarray | float, n: int) -> np.ndarray | float:
-    """The 95% t interval's half-width at ``n`` values of spread ``scale``."""
-    return stats.t.ppf(1 - ONE_SIDED, n - 1) * np.asarray(scale) / math.sqrt(n)
+def half_width(
+    scale: np.ndarray | float, n: int, confidence: float = CONFIDENCE
+) -> np.ndarray | float:
+    """The t interval's half-width at ``n`` values of spread ``scale``, at ``confidence`` (95%;
+    the evidence sweeper's looks each use a stricter one, amp_exp/report/sequential.py)."""
+    return stats.t.ppf(1 - (1 - confidence) / 2, n - 1) * np.asarray(scale) / math.sqrt(n)
 
 
-def mean_interval(values: Sequence[float], floor: float = 0.0) -> Estimate:
-    """The mean and its 95% confidence interval from Student's t with n - 1 degrees of freedom,
-    the spread taken as at least ``floor``."""
+def mean_interval(
+    values: Sequence[float], floor: float = 0.0, confidence: float = CONFIDENCE
+) -> Estimate:
+    """The mean and its confidence interval (95% unless ``confidence`` says otherwise) from
+    Student's t with n - 1 degrees of freedom, the spread taken as at least ``floor``."""
     data = np.asarray(values, dtype=float)
     if data.size == 0:
         raise ValueError("no values to estimate from")
@@ -114,7 +119,7 @@ def mean_interval(values: Sequence[float], floor: float = 0.0) -> Estimate:
         return Estimate(1, mean, None, None)
     sd = observed_sd(data)
     scale = max(sd, floor)
-    width = float(half_width(scale, data.size))
+    width = float(half_width(scale, data.size, confidence))
     return Estimate(data.size, mean, (mean - width, mean + width), sd, scale)
 
 
@@ -154,14 +159,18 @@ def decide(
 
 
 def simulate(
-    deltas: np.ndarray, tolerance: float, higher_is_better: bool, floor: float = 0.0
+    deltas: np.ndarray,
+    tolerance: float,
+    higher_is_better: bool,
+    floor: float = 0.0,
+    confidence: float = CONFIDENCE,
 ) -> np.ndarray:
     """The verdict codes of many sweeps at once: ``deltas`` is (sweeps, seeds)."""
     n = deltas.shape[1]
     mean = deltas.mean(axis=1)
     sd = deltas.std(axis=1, ddof=1)
     sd = np.where(sd <= NO_SPREAD * np.maximum(1.0, np.abs(deltas).max(axis=1)), 0.0, sd)
-    width = half_width(np.maximum(sd, floor), n)
+    width = half_width(np.maximum(sd, floor), n, confidence)
     return decide(mean - width, mean + width, tolerance, higher_is_better)
 
 
@@ -187,9 +196,15 @@ class PairedDifference:
 
 
 def paired_difference(
-    deltas: Sequence[float], tolerance: float, higher_is_better: bool, floor: float = 0.0
+    deltas: Sequence[float],
+    tolerance: float,
+    higher_is_better: bool,
+    floor: float = 0.0,
+    confidence: float = CONFIDENCE,
 ) -> PairedDifference:
-    estimate = mean_interval(deltas, floor)
+    """The interval at ``confidence``; the p-values do not depend on it (a claim holds at a
+    stricter level when its p-value is below that level's one side)."""
+    estimate = mean_interval(deltas, floor, confidence)
     if estimate.n == 1 or not estimate.scale:
         return PairedDifference(estimate, None, None, None, None)
     t = stats.t(estimate.n - 1)
@@ -233,11 +248,13 @@ def failure_rate_bound(n: int) -> float:
     return 1 - (1 - FAILURE_CONFIDENCE) ** (1 / n)
 
 
-def min_seeds_to_match(floor: float, tolerance: float) -> int | None:
+def min_seeds_to_match(
+    floor: float, tolerance: float, confidence: float = CONFIDENCE
+) -> int | None:
     """The fewest seeds at which ``matches`` is possible at all with the spread floored at
     ``floor`` (a mean of exactly 0, a spread at the floor); None above ``MAX_SEEDS``."""
     for n in range(2, MAX_SEEDS + 1):
-        if float(half_width(floor, n)) <= tolerance + SLACK:
+        if float(half_width(floor, n, confidence)) <= tolerance + SLACK:
             return n
     return None
 
@@ -255,6 +272,7 @@ def seeds_to_settle(
     higher_is_better: bool,
     floor: float = 0.0,
     quantum: float = 0.0,
+    confidence: float = CONFIDENCE,
 ) -> int | None:
     """A planning estimate: the fewest seeds, up to ``MAX_SEEDS``, at which the rule (floor
     included) decides with at least 80% probability in simulation. Assumed: a true difference of
@@ -276,7 +294,7 @@ def seeds_to_settle(
         deltas = rng.normal(true_mean, sd, size=(PLANNING_REPETITIONS, n))
         if quantum > 0:
             deltas = quantum * np.round(deltas / quantum)
-        codes = simulate(deltas, tolerance, higher_is_better, floor)
+        codes = simulate(deltas, tolerance, higher_is_better, floor, confidence)
         return bool(np.isin(codes, targets).mean() >= PLANNING_POWER)
 
     # The chance grows with n: when the most seeds looked at do not settle it, none fewer do.

@@ -12,6 +12,7 @@ from amp_exp.report.compare import (
     describe_end,
     show_delta,
     show_interval,
+    show_level,
     show_tolerance,
     stall_phrase,
 )
@@ -35,20 +36,38 @@ VERDICT_WORDS = {
 }
 
 
+def trial_interval(found: dict[str, Any]) -> tuple[float, float, float]:
+    """The speed trial's reported interval and its level: the one its looks were made at
+    (speed/ratio.py), or 95% in a speed.json written before the trial looked."""
+    low, high = found.get("ci", found["ci95"])
+    return low, high, found.get("confidence", 0.95)
+
+
+def rounds_phrase(found: dict[str, Any]) -> str:
+    """20 AB/BA rounds, and whether the trial stopped on its target."""
+    reached = found.get("target_reached")
+    return f"{found['rounds']} AB/BA rounds" + ("; target not reached" if reached is False else "")
+
+
 def speed_phrase(comparison: dict[str, Any], emulated: bool) -> str:
     """The interleaved trial's speedup and its interval; else the jobs' own, labelled as such."""
     if emulated:
         return "emulated, not timed"
     trial = comparison["speedup"]
     if trial is not None:
-        low, high = trial["ci95"]
+        low, high, level = trial_interval(trial)
         return (
-            f"{trial['ratio']:.2f}x {BASELINE}'s speed (95% CI {low:.2f}x to {high:.2f}x, "
-            f"{trial['rounds']} AB/BA rounds; total time {trial['total_time_ratio']:.2f}x)"
+            f"{trial['ratio']:.2f}x {BASELINE}'s speed ({show_level(level)} CI {low:.2f}x to "
+            f"{high:.2f}x, {rounds_phrase(trial)}; total time {trial['total_time_ratio']:.2f}x)"
         )
     if comparison["job_speedup"] is None:
         return "throughput not measured"
-    return f"{comparison['job_speedup']:.2f}x {BASELINE}'s speed (jobs timed one after another)"
+    how = (
+        "jobs timed in parallel on one node, under contention"
+        if comparison.get("contended")
+        else "jobs timed one after another"
+    )
+    return f"{comparison['job_speedup']:.2f}x {BASELINE}'s speed ({how})"
 
 
 # How a seed's attempt ended (report/evidence.py's failure statuses), as the lines say it.
@@ -89,7 +108,8 @@ def numbers_phrase(comparison: dict[str, Any]) -> str:
     unit = ToleranceUnit(comparison["unit"])
     shown = f"Δ {comparison['metric_label']} {show_delta(comparison['delta_mean'], unit)}"
     if comparison["delta_ci95"] is not None:
-        shown += f", 95% CI {show_interval(comparison['delta_ci95'], unit)}"
+        level = show_level(comparison.get("confidence", 0.95))
+        shown += f", {level} CI {show_interval(comparison['delta_ci95'], unit)}"
     shown += f", n = {comparison['n']}, tolerance {show_tolerance(comparison['tolerance'], unit)}"
     if comparison["conditional_on_survival"]:
         shown = f"over the seeds that survived, conditional on their survival: {shown}"

@@ -31,6 +31,8 @@ RUNS_CSV = "runs.csv"
 # The interleaved speed trial (amp_exp/speed/): in its run directory, or a sweep's beside report.*
 SPEED_JSON = "speed.json"
 SPEED_MD = "speed.md"
+# An evidence sweep's plan, looks and seeds (report/sequential.py).
+EVIDENCE_JSON = "evidence.json"
 SENSITIVITY_JSON = "sensitivity.json"
 PREDICT_JSON = "predict.json"
 PREDICT_MD = "predict.md"

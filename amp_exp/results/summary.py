@@ -93,6 +93,8 @@ FIELDS = (
     "stale_weight_frac",
     # Bytes of the parameters and the optimizer state, counted from the tensors.
     "state_bytes",
+    # How many jobs shared the node with this one (hydra/launcher=node), its device and threads.
+    "launch_slot",
     # What one audited step ran in: matmul FLOPs by dtype and module, the bytes saved for
     # backward, state and communication dtypes, and whether the precision engaged.
     "precision_audit",

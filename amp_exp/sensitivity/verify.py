@@ -89,9 +89,7 @@ def verify_seeds(cfg: RunConfig) -> list[int]:
     return [cfg.seed + offset for offset in range(cfg.sensitivity.verify_seeds)]
 
 
-def verification_config(
-    cfg: RunConfig, precision: str, keep: list[str], seed: int
-) -> RunConfig:
+def verification_config(cfg: RunConfig, precision: str, keep: list[str], seed: int) -> RunConfig:
     """``cfg`` as one short, quiet verification run: evaluated once at its end (the verdict's
     metric), no W&B, no checkpoints, no resume."""
     settings = cfg.sensitivity

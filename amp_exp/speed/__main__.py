@@ -3,7 +3,7 @@
 Composed by Hydra exactly as a run (``model=... dataset=... trainer.device=...``, the same
 checks before anything is built), plus ``speed.*``: the precisions to time (fp32, the baseline,
 always among them), the warm-up's cap, steps per round and rounds (amp_exp/speed/trial.py). Writes
-speed.json and speed.md into its run directory and prints each speedup with its 95% CI:
+speed.json and speed.md into its run directory and prints each speedup with its 97.5% interval:
 
     python -m amp_exp.speed model=resnet18 'speed.precisions=[fp32,bf16,fp16]'
 """

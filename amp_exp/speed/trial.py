@@ -1,14 +1,16 @@
-"""The speed trial: how much faster than fp32 each precision trains a model, with a 95% confidence
-interval.
+"""The speed trial: how much faster than fp32 each precision trains a model, with a confidence
+interval, timed until that interval is narrow enough.
 
 Each precision is timed against fp32 in a pair of its own. The pair's two runs are built exactly
 as training builds them (``amp_exp.build``: the same model init, data, optimizer, precision
 policy and non-finite guard), each warmed up until its step time settles (training/timing.py's
-``warm_up``), then trained ``speed.steps`` steps each in ``speed.rounds`` rounds whose order
-alternates, AB then BA: each side runs first in exactly half the rounds, so a position effect
-(a cache the first side warms for the second) cancels, and so does a linear drift of the
-machine's speed. Then both are freed before the next pair is built: no more than two runs are
-held at once, so a model that fits twice fits the trial.
+``warm_up``), then trained ``speed.steps`` steps each in rounds whose order alternates, AB then
+BA: each side runs first in exactly half the rounds, so a position effect (a cache the first
+side warms for the second) cancels, and so does a linear drift of the machine's speed. The trial
+runs ``speed.rounds`` rounds, then 10 more at a time until the speedup's 97.5% interval is
+within ``speed.target_halfwidth``, or ``speed.max_rounds`` (speed/ratio.py's ``looks``). Then
+both runs are freed before the next pair is built: no more than two runs are held at once, so a
+model that fits twice fits the trial.
 
 Round k's ratio is fp32's time per applied step over the precision's, both of round k: the
 round's median step (a neighbour's burst during one step does not move it) times the steps over
@@ -21,19 +23,23 @@ touched, and nothing is saved.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import math
 import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from amp_exp.build import Built, build, global_batch_size
 from amp_exp.config.schema import RunConfig, SpeedConfig
-from amp_exp.report.compare import BASELINE
+from amp_exp.report.compare import BASELINE, show_level
+from amp_exp.report.verdicts import rounds_phrase, trial_interval
 from amp_exp.runtime.hardware import device_name, resolve_device
-from amp_exp.speed.ratio import speedup
+from amp_exp.speed.ratio import LOOK_EVERY, TRIAL_CONFIDENCE, looks, narrow, speedup
 from amp_exp.training.timing import StepClock, time_steps, warm_up
 
 
@@ -111,10 +117,17 @@ def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfi
     for side in sides.values():
         side.warm(speed.max_warmup_steps)
     clock = StepClock(built.device)
-    orders = round_orders(label, speed.rounds)
-    for order in orders:
-        for key in order:
-            sides[key].time_round(clock, speed.steps)
+    orders: list[tuple[str, str]] = []
+    reached = False
+    for rounds in looks(speed.rounds, speed.max_rounds):
+        for order in round_orders(label, rounds)[len(orders) :]:
+            for key in order:
+                sides[key].time_round(clock, speed.steps)
+            orders.append(order)
+        ratios = np.divide(sides[BASELINE].per_applied_step(), sides[label].per_applied_step())
+        reached = bool(narrow(np.log(ratios), speed.target_halfwidth))
+        if reached:
+            break
     return {
         "order": [list(order) for order in orders],
         "warmup_steps": {key: side.warmup_steps for key, side in sides.items()},
@@ -129,12 +142,37 @@ def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfi
         "ms_per_applied_step": {
             key: 1e3 * side.total_per_applied_step() for key, side in sides.items()
         },
-        "speedup": speedup(
-            sides[BASELINE].per_applied_step(),
-            sides[label].per_applied_step(),
-            sides[BASELINE].total_per_applied_step() / sides[label].total_per_applied_step(),
-        ).as_dict(),
+        "speedup": {
+            **speedup(
+                sides[BASELINE].per_applied_step(),
+                sides[label].per_applied_step(),
+                sides[BASELINE].total_per_applied_step() / sides[label].total_per_applied_step(),
+            ).as_dict(),
+            # False: speed.max_rounds ended the trial before its interval was narrow enough.
+            "target_reached": reached,
+        },
     }
+
+
+# The label of a precision timed compiled by speed.compile: "bf16 compiled".
+COMPILED = "compiled"
+
+
+def compile_variants(configs: Mapping[str, RunConfig], speed: SpeedConfig) -> dict[str, RunConfig]:
+    """The runs timed: as configured, or (``speed.compile``) each eager and/or compiled, every
+    one against eager fp32, so that the eager and the compiled speedups share a baseline."""
+    if speed.compile is None:
+        return dict(configs)
+    variants = {BASELINE: dataclasses.replace(configs[BASELINE])}
+    variants[BASELINE].trainer = dataclasses.replace(configs[BASELINE].trainer, compile=False)
+    for label, cfg in configs.items():
+        for compiled in dict.fromkeys(speed.compile):
+            key = f"{label} {COMPILED}" if compiled else label
+            if key == BASELINE:
+                continue
+            variants[key] = dataclasses.replace(cfg)
+            variants[key].trainer = dataclasses.replace(cfg.trainer, compile=compiled)
+    return variants
 
 
 def run_trial(
@@ -146,6 +184,7 @@ def run_trial(
     strategy): such a trial is shown, labelled, and kept out of the report's verdicts."""
     if BASELINE not in configs:
         raise ValueError(f"a speed trial needs {BASELINE} to compare with")
+    configs = compile_variants(configs, speed)
     baseline = configs[BASELINE]
     device = resolve_device(baseline.trainer.device)
     pairs, speedups, not_timed = {}, {}, {}
@@ -170,6 +209,8 @@ def run_trial(
         "max_warmup_steps": speed.max_warmup_steps,
         "steps": speed.steps,
         "rounds": speed.rounds,
+        "max_rounds": speed.max_rounds,
+        "target_halfwidth": speed.target_halfwidth,
         "pairs": pairs,
         "speedup": speedups,
         "not_timed": not_timed,
@@ -177,14 +218,15 @@ def run_trial(
 
 
 def show_speedup(found: dict[str, Any]) -> str:
-    """1.52x [1.40x, 1.65x], total time 1.48x"""
-    low, high = found["ci95"]
+    """1.52x [1.40x, 1.65x] (97.5% CI, 20 AB/BA rounds), total time 1.48x"""
+    low, high, level = trial_interval(found)
     trend = found["trend"]
     flag = (
         f"; TREND over rounds (Spearman rho {trend['spearman_rho']:+.2f}, p {trend['p_value']:.2g})"
     )
     return (
-        f"{found['ratio']:.2f}x [{low:.2f}x, {high:.2f}x], "
+        f"{found['ratio']:.2f}x [{low:.2f}x, {high:.2f}x] ({show_level(level)} CI, "
+        f"{rounds_phrase(found)}), "
         f"total time {found['total_time_ratio']:.2f}x" + (flag if trend["flag"] else "")
     )
 
@@ -203,11 +245,15 @@ def trial_markdown(trials: list[dict[str, Any]]) -> str:
         lines += [
             f"{trial['device_name']}, {trial['samples_per_step']} samples per step: each precision "
             f"against {BASELINE} in a pair of its own, each side warmed up until steady (at most "
-            f"{trial['max_warmup_steps']} steps), then {trial['rounds']} rounds of "
-            f"{trial['steps']} steps each, in the orders AB, BA, AB, ...",
+            f"{trial['max_warmup_steps']} steps), then rounds of {trial['steps']} steps each, in "
+            f"the orders AB, BA, AB, ...: {trial['rounds']} rounds, then a look every "
+            f"{LOOK_EVERY} rounds up to {trial['max_rounds']}, stopping once the "
+            f"{show_level(TRIAL_CONFIDENCE)} interval of the log ratio has a half-width below "
+            f"{trial['target_halfwidth']:.3f} (x{math.exp(trial['target_halfwidth']):.2f} either "
+            "way)",
             "",
             f"| precision | ms per applied step ({BASELINE} / it) | speedup vs {BASELINE} "
-            "[95% CI], total time | warm-up steps | skipped steps |",
+            "[CI, rounds], total time | warm-up steps | skipped steps |",
             "|---|---|---|---|---|",
         ]
         for label, pair in trial["pairs"].items():

@@ -9,11 +9,13 @@ dispatch mode, no hook. The audited step trains like any other; only its time, s
 are left out of throughput.
 
 The step audited is ``diagnostics.audit_step``, or by default the first timed step (the first
-after ``trainer.timing_warmup_steps``): kernels are chosen and caches warm by then. A resumed run
-that started past it audits its own first timed step. Under torchrun every rank audits its
-step; the FLOPs are summed over the ranks, the saved bytes are the largest rank's (what one
-device holds), the state and dtypes rank 0's (its shards under FSDP2), and rank 0 warns and
-records.
+after ``trainer.timing_warmup_steps``): kernels are chosen and caches warm by then. A resumed
+run that started past it audits its own first timed step. A compiled run's audited step runs
+eagerly (``torch.compiler.set_stance("force_eager")``: compiled kernels hide their ops), by
+default its first step, before anything is compiled; the record says so. Under torchrun every
+rank audits its step; the FLOPs are summed over the ranks, the saved bytes are the largest
+rank's (what one device holds), the state and dtypes rank 0's (its shards under FSDP2), and
+rank 0 warns and records.
 """
 
 from __future__ import annotations
@@ -49,9 +51,12 @@ TF32_NOTE = (
 class PrecisionAudit:
     """Audits one step of ``engine``; ``summary()`` is what summary.json records of it."""
 
-    def __init__(self, engine: Engine, audit_step: int | None) -> None:
+    def __init__(self, engine: Engine, audit_step: int | None, eager: bool = False) -> None:
+        """``eager``: the run is compiled, so its audited step runs eagerly (compiled kernels
+        hide their ops), by default the first step of the attempt, before compilation."""
         self.engine = engine
         self.audit_step = audit_step
+        self.eager = eager
         self.result: dict[str, Any] | None = None
         self._first_step: int | None = None
         engine.step_instrument = self.instrument
@@ -62,7 +67,7 @@ class PrecisionAudit:
             self._first_step = step  # where this attempt starts
         wanted = self.audit_step
         if wanted is None or wanted < self._first_step:
-            wanted = first_timed_step
+            wanted = self._first_step if self.eager else first_timed_step
         if self.result is not None or step != min(wanted, self.engine.total_steps):
             return contextlib.nullcontext()
         return self._audited(step)
@@ -78,8 +83,12 @@ class PrecisionAudit:
             grads.extend(p.grad for p in engine.parameters if p.grad is not None)
 
         hook = engine.optimizer.register_step_pre_hook(catch_grads)
+        # force_eager runs every torch.compile'd module and function of the step as written.
+        stance = (
+            torch.compiler.set_stance("force_eager") if self.eager else contextlib.nullcontext()
+        )
         try:
-            with engine.throughput.left_out(engine.progress), recorder, saved:
+            with engine.throughput.left_out(engine.progress), stance, recorder, saved:
                 yield
         finally:
             hook.remove()
@@ -138,11 +147,14 @@ class PrecisionAudit:
         is_main = engine.distributed is None or engine.distributed.is_main
         by_dtype = flops.by_dtype()
         if is_main:
-            log.info("%s", described(step, share_by_dtype(by_dtype), figures, kept_share))
+            line = described(step, share_by_dtype(by_dtype), figures, kept_share)
+            log.info("%s%s", line, " (an eager step of the compiled run)" if self.eager else "")
         if verdict.engaged is False and is_main:
             log.warning("%s", warning_text(policy.precision, verdict))
         return {
             "step": step,
+            # The run trains compiled, and this step ran eagerly (before compilation by default).
+            "eager_step_of_compiled_run": self.eager,
             "ranks": figures["ranks"],
             "engaged": verdict.engaged,
             "shortfalls": verdict.shortfalls,

@@ -1,0 +1,47 @@
+"""The evidence sweep's section of report.md: its stopping rule and level, the seeds each cell
+used, and what a fixed design would have spent (report/sequential.py records them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from amp_exp.report.compare import BASELINE, show_level
+from amp_exp.report.sequential import FIXED_SEEDS
+
+
+def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
+    """An evidence sweep's design (report/sequential.py): its rule and level, the seeds each
+    cell used and the look it was decided at, and what a fixed 3-seed design would have spent."""
+    if sweep is None:
+        return []
+    plan = sweep["plan"]
+    lines = [
+        "## Evidence sweep",
+        "",
+        f"Seeds were added only where a verdict was still open: every cell ran "
+        f"{plan['min_seeds']} seeds, then each cell not yet decided (and its {BASELINE} pair) one "
+        f"more per look, up to {plan['max_seeds']}; a decided cell stayed frozen. {sweep['rule']}: "
+        f"L = {plan['looks']} looks planned, each interval at {show_level(sweep['confidence'])} "
+        f"(1 - 0.05/{plan['looks']}), so a false claim stays below 2.5% per side however the "
+        "looks fell; the intervals above are those adjusted ones, not 95%.",
+        "",
+        "| cell | seeds | verdict at each look |",
+        "|---|---|---|",
+    ]
+    for cell, seeds in sweep["seeds"].items():
+        looks = [look[cell] for look in sweep["looks"] if cell in look]
+        shown = ", ".join(f"n={look['n']} {look['verdict']}" for look in looks) or "-"
+        model, setting, label = cell.split("|")
+        named = f"{model} ({setting}) {label}" if setting else f"{model} {label}"
+        lines.append(f"| {named} | {seeds} | {shown} |")
+    steps = sweep["steps_per_job"]
+    cost = f", {sweep['steps']:,} steps" if steps else ""
+    fixed = f", {sweep['fixed_jobs'] * steps:,} steps" if steps else ""
+    lines += [
+        "",
+        f"Spent: {sweep['jobs']} jobs{cost}. A fixed design of {FIXED_SEEDS} seeds per cell "
+        f"would have spent {sweep['fixed_jobs']} jobs{fixed}, and {plan['max_seeds']} seeds per "
+        f"cell {plan['max_seeds'] * len(sweep['seeds'])} jobs.",
+        "",
+    ]
+    return lines

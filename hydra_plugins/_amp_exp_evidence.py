@@ -1,0 +1,132 @@
+"""``hydra/sweeper=evidence``: seeds added only to the cells whose verdict is still open.
+
+A Hydra sweeper that launches in batches, as Hydra's Optuna and Ax sweepers do: the first batch
+runs ``evidence.min_seeds`` seeds of every cell (each combination of the swept values, Hydra's
+basic expansion, fp32 among them); after each batch it builds the report's verdicts at the level
+of its looks and launches the next seed of each open cell with its fp32 pair (the rule, the plan
+and evidence.json: amp_exp/report/sequential.py), until no cell is open. The launcher is the
+sweep's own (basic, joblib, submitit), so a batch may run in parallel.
+
+Hydra instantiates a sweeper only from a class in the ``hydra_plugins`` package; the leading
+underscore keeps its plugin discovery from importing this module (and amp_exp's report) in
+every Hydra process. ``amp_exp.config.store`` registers it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobReturn
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("amp_exp")
+
+SEED = "seed"
+Cell = tuple[str, ...]
+
+
+@dataclass
+class EvidenceSweeperConf:
+    _target_: str = "hydra_plugins._amp_exp_evidence.EvidenceSweeper"
+    # What to sweep, as the basic sweeper's params (a preset's precision: fp32,bf16,...).
+    params: dict[str, str] | None = None
+
+
+def job_overrides(run_dir: Path) -> list[str]:
+    """The overrides Hydra recorded for a job (its .hydra/overrides.yaml)."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    return list(yaml.safe_load(path.read_text(encoding="utf-8")) or []) if path.is_file() else []
+
+
+class EvidenceSweeper(Sweeper):
+    def __init__(self, params: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.params = params or {}
+        self.config: DictConfig | None = None
+        self.launcher: Any = None
+        self.hydra_context: HydraContext | None = None
+
+    def setup(
+        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
+    ) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+
+    def cells(self, arguments: list[str]) -> list[Cell]:
+        """Every combination of the swept values, each a cell; the seeds are the sweeper's."""
+        from amp_exp.errors import ConfigError
+
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        overrides = parser.parse_overrides(
+            [*(f"{k}={v}" for k, v in self.params.items()), *arguments]
+        )
+        for override in overrides:
+            if override.get_key_element() == SEED:
+                raise ConfigError(
+                    f"{override.input_line}: the evidence sweeper chooses the seeds "
+                    "(evidence.min_seeds, evidence.max_seeds); leave seed out"
+                )
+        (combinations,) = BasicSweeper.split_arguments(overrides, None)
+        if not any(o.startswith("precision=fp32") for c in combinations for o in c):
+            raise ConfigError(
+                "hydra/sweeper=evidence compares each precision with fp32: sweep "
+                "precision=fp32,... (e.g. precision=fp32,bf16)"
+            )
+        return [tuple(c) for c in combinations]
+
+    def sweep(self, arguments: list[str]) -> list[list[JobReturn]]:
+        from amp_exp.report import sequential
+        from amp_exp.report.assemble import assemble
+
+        cfg = self.config
+        sweep_dir = Path(cfg.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
+        cells = self.cells(arguments)
+        plan = sequential.start(sweep_dir, cfg.evidence.min_seeds, cfg.evidence.max_seeds)
+        log.info(
+            "evidence sweep: %d cells, %d to %d seeds, %d looks planned, intervals at %.2f%%",
+            len(cells),
+            plan.min_seeds,
+            plan.max_seeds,
+            plan.looks,
+            100 * plan.confidence,
+        )
+        wanted = {cell: list(range(plan.min_seeds)) for cell in cells}
+        returns: list[list[JobReturn]] = []
+        looks: list[dict[str, Any]] = []
+        job_idx = 0
+        while wanted:
+            batch = [[*cell, f"{SEED}={s}"] for cell, seeds in wanted.items() for s in seeds]
+            returns.append(list(self.launcher.launch(batch, initial_job_idx=job_idx)))
+            job_idx += len(batch)
+            report, _ = assemble(
+                [sweep_dir], sweep_dir, cfg.report.tolerance, cfg.report.familywise, plan.confidence
+            )
+            sequential.record(sweep_dir, plan, report, looks)
+            cell_of_run = {
+                row["run"]: tuple(
+                    o for o in job_overrides(sweep_dir / row["run"]) if not o.startswith(f"{SEED}=")
+                )
+                for row in report["runs"]
+            }
+            found = sequential.next_seeds(report, cell_of_run, plan)
+            wanted = {cell: [seed] for cell, seed in found.items()}
+            log.info("evidence sweep, look %d: %d more jobs", len(looks), len(wanted))
+        # As Hydra's basic sweeper: a failed job fails the sweep, once every look has run.
+        for results in returns:
+            for result in results:
+                _ = result.return_value
+        return returns
