@@ -125,7 +125,7 @@ def test_the_report_orders_labels_and_colours_it_from_its_facts(
     assert [row["precision"] for row in report["runs"]] == ["fp32", NAME]
     (comparison,) = report["comparisons"]
     assert (comparison["precision"], comparison["label"]) == (NAME, NAME)
-    assert plots._color(NAME) == "#123456"
+    assert plots.precision_color(NAME) == "#123456"
     assert NAME in (tmp_path / "report" / "report.md").read_text()
 
 

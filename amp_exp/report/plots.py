@@ -25,7 +25,7 @@ OTHER_COLOR = "#8c8c8c"
 PANEL_COLUMNS = 3
 
 
-def _color(precision: str) -> str:
+def precision_color(precision: str) -> str:
     # A variant ("fp8 (rowwise)", "bf16_true (nearest)") takes its mode's colour (its facts').
     plugin = known_plugin(precision.split(" ")[0])
     return OTHER_COLOR if plugin is None else plugin.spec.colour
@@ -75,7 +75,7 @@ def _cell_label(row: dict[str, Any], seeds: int) -> str:
 def _draw_cell(ax: Any, cell: Rows, metrics: Metrics) -> None:
     """One precision's loss: a line per seed, their mean over them; a run that did not complete
     dashed. A picture only: the paired loss gap (loss_gap.png, the verdicts) is the evidence."""
-    color = _color(cell[0]["precision"])
+    color = precision_color(cell[0]["precision"])
     done = [
         curves.train_curve(metrics.get(r["run"], [])) for r in cell if r["status"] == "completed"
     ]
@@ -134,7 +134,7 @@ def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
                     steps,
                     [fp32_band[s][0] for s in steps],
                     [fp32_band[s][1] for s in steps],
-                    color=_color("fp32"),
+                    color=precision_color("fp32"),
                     alpha=0.25,
                     linewidth=0,
                     label=f"fp32 band ({len(fp32)} seeds){f', {setting}' if setting else ''}",
@@ -239,7 +239,7 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
                 continue
             steps = curves.common_steps(gaps)
             mean = curves.mean_curve(gaps)
-            color = _color(label)
+            color = precision_color(label)
             name = " ".join([label, setting]).strip()
             ax.plot(
                 steps, [mean[s] for s in steps], color=color, label=f"{name} (mean of {len(gaps)})"
@@ -269,7 +269,7 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
                     linewidth=0.9,
                     label=name if sign == 1 else None,
                 )
-        ax.axhline(0, color=_color("fp32"), linewidth=0.8)
+        ax.axhline(0, color=precision_color("fp32"), linewidth=0.8)
         ax.yaxis.set_major_formatter(lambda value, _: f"{value:+.2%}")
         ax.set(title=model, xlabel="step", ylabel="training-loss gap vs fp32, paired by seed")
         ax.grid(alpha=0.3)
@@ -289,7 +289,7 @@ def _bars(rows: Rows, value_key: str, ratio_key: str, unit: float, ylabel: str) 
         drawn = ax.bar(
             range(len(bars)),
             [row[value_key] / unit for row in bars],
-            color=[_color(row["precision"]) for row in bars],
+            color=[precision_color(row["precision"]) for row in bars],
         )
         ax.bar_label(
             drawn,
@@ -340,12 +340,12 @@ def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
             medians,
             yerr=errors,
             capsize=4,
-            color=[_color(row["precision"]) for row in bars],
+            color=[precision_color(row["precision"]) for row in bars],
         )
         ax.bar_label(
             drawn, labels=[f"{m:.2f}x" for m in medians], label_type="center", fontsize="small"
         )
-        ax.axhline(1.0, color=_color("fp32"), linewidth=1, linestyle="--", label="fp32")
+        ax.axhline(1.0, color=precision_color("fp32"), linewidth=1, linestyle="--", label="fp32")
         ax.set_xticks(
             range(len(bars)),
             [_label(row, with_model=False).replace(" ", "\n") for row in bars],

@@ -200,7 +200,7 @@ def chart(report: dict[str, Any], show: int):
     """The margin per module and precision, the most sensitive (first precision) on top."""
     from matplotlib.figure import Figure
 
-    from amp_exp.report.plots import OTHER_COLOR, PRECISION_COLORS
+    from amp_exp.report.plots import precision_color
 
     names = report["rankings"][report["precisions"][0]][:show]
     by_name = {module["name"]: module for module in report["modules"]}
@@ -215,7 +215,7 @@ def chart(report: dict[str, Any], show: int):
             broken = value == -math.inf
             shown = 0.0 if broken else max(min(value, CHART_MAX_DB), -CHART_MAX_DB)
             y = row + i * height
-            color = PRECISION_COLORS.get(precision, OTHER_COLOR)
+            color = precision_color(precision)
             ax.barh(y, shown, height, color=color, label=precision if row == 0 else None)
             if broken or value == math.inf:
                 label = " overflow or non-finite" if broken else " exact"
