@@ -150,8 +150,8 @@ NOT_PRECISIONS = {"config/devices.py"}
 
 
 def copies_in(source: str, known: set[str]) -> list[tuple[str, int]]:
-    """(what, line) of each module-level name of ``COPY_NAMES`` and each literal list, tuple, set
-    or dict holding two or more precision names, with the class it sits in ('' at top level)."""
+    """(what, line) of each use of a name of ``COPY_NAMES`` and each literal list, tuple, set or
+    dict holding two or more precision names, with the class it sits in ('' at top level)."""
     found = []
     tree = ast.parse(source)
     owners = {}
@@ -160,9 +160,11 @@ def copies_in(source: str, known: set[str]) -> list[tuple[str, int]]:
             for inner in ast.walk(node):
                 owners[id(inner)] = node.name
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            found += [(t.id, node.lineno) for t in targets if getattr(t, "id", None) in COPY_NAMES]
+        # Defined, imported or read: a reader of a removed copy fails only where it runs.
+        if isinstance(node, ast.Name) and node.id in COPY_NAMES:
+            found.append((node.id, node.lineno))
+        if isinstance(node, ast.ImportFrom):
+            found += [(a.name, node.lineno) for a in node.names if a.name in COPY_NAMES]
         if isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict)):
             items = node.keys if isinstance(node, ast.Dict) else node.elts
             named = [i.value for i in items if isinstance(i, ast.Constant) and i.value in known]
@@ -189,6 +191,7 @@ def test_the_registry_is_the_only_place_that_lists_precisions() -> None:
 def test_the_copy_search_finds_the_copies_it_replaced() -> None:
     known = set(MODES)
     assert copies_in('PRECISION_ORDER = {"zz": 0}\n', known) == [("PRECISION_ORDER", 1)]
+    assert copies_in("def f():\n    from x import SPECS\n", known) == [("SPECS", 2)]
     assert copies_in('if p in ("bf16", "bf16_true"):\n    pass\n', known) == [("", 1)]
     assert copies_in('class S:\n    x = ["fp32", "fp8"]\n', known) == [("S", 2)]
     assert copies_in('if p == "fp8":\n    pass\n', known) == []

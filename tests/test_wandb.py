@@ -222,6 +222,8 @@ def test_config_is_plain_with_precision_flat(run_cfg) -> None:
     assert config["optimizer"]["betas"] == [0.9, 0.999]
     assert {k for k in config if k.startswith("precision.")} == {
         "precision.name",
+        "precision._target_",
+        "precision.options",
         "precision.init_scale",
         "precision.growth_factor",
         "precision.backoff_factor",
