@@ -23,7 +23,7 @@ class SpeedStopping:
 
     # Even, so that each side runs first in exactly half the rounds: the first look's rounds.
     rounds: int = 10
-    max_rounds: int = 40
+    max_rounds: int = 20
     # ln 1.05: the speedup known within 5% either way.
     target_halfwidth: float = math.log(1.05)
     # Time each precision eager ([false]), compiled ([true]) or both ([false,true]), each against
