@@ -41,6 +41,9 @@ REQUIRED = {
     ("dataset", "image_folder"): [f"dataset.root={CONF_DIR}"],
     # The tests run on the CPU, where fp8 is emulated or refused.
     ("precision", "fp8"): ["precision.emulate=true"],
+    ("precision", "mxfp8"): ["precision.emulate=true"],
+    ("precision", "mxfp4"): ["precision.emulate=true"],
+    ("precision", "nvfp4"): ["precision.emulate=true"],
     ("dataset", "synthetic_tokens"): ["model=gpt_tiny"],
     ("dataset", "text"): ["model=gpt_tiny", f"dataset.path={CONF_DIR}"],
     ("dataset", "custom"): [
@@ -209,7 +212,7 @@ def test_cli_rejects_bad_value_before_building_anything(tmp_path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "amp_exp: error: precision=fp4 is not an option; valid choices: auto, bf16, bf16_true, "
-        "bf16_true_nearest, fp16, fp32, fp8"
+        "bf16_true_nearest, fp16, fp32, fp8, mxfp4, mxfp8, nvfp4"
     ]
     assert "Traceback" not in result.stdout + result.stderr
     assert not (tmp_path / "run").exists()
