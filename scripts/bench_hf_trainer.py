@@ -122,7 +122,7 @@ def run_hf_trainer(cfg, stamps: list[tuple[float, float]], synchronize) -> int:
             max_grad_norm=cfg.precision.clip_grad_norm,
             lr_scheduler_type="cosine",
             warmup_steps=cfg.scheduler.warmup_steps,
-            bf16=cfg.precision.name.value == "bf16",
+            bf16=cfg.precision.name == "bf16",
             use_cpu=device.type == "cpu",
             logging_steps=cfg.trainer.log_every,
             save_strategy="no",

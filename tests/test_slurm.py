@@ -170,8 +170,7 @@ def test_submitit_local_sweep_reports_every_job(tmp_path: Path) -> None:
     jobs = {row["run"]: (row["precision"], row["status"]) for row in report["runs"]}
     assert jobs == {"0": ("fp32", "completed"), "1": ("bf16", "completed")}
     table = (tmp_path / "report.md").read_text()
-    assert "| 0 | tiny_cnn | fp32 | completed |" in table
-    assert "| 1 | tiny_cnn | bf16 | completed |" in table
+    assert "| 0 | tiny_cnn | fp32 |" in table and "| 1 | tiny_cnn | bf16 |" in table
     # submitit's own files: one folder per job, with its stdout and stderr.
     assert len(list(tmp_path.glob(".submitit/*/*_0_log.out"))) == 2
 
@@ -221,5 +220,5 @@ def test_a_bad_launcher_option_fails_in_one_line() -> None:
     result = amp_exp("-m", "hydra/launcher=submitit_nope", "precision=fp32,bf16", expect_rc=2)
     assert result.stderr == (
         "amp_exp: error: hydra/launcher=submitit_nope is not an option; valid choices: basic, "
-        "joblib, slurm, submitit_local, submitit_slurm\n"
+        "joblib, node, slurm, submitit_local, submitit_slurm\n"
     )

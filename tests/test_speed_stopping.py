@@ -81,7 +81,7 @@ def test_the_rounds_a_trial_takes_depend_on_how_noisy_its_ratios_are(run_cfg, mo
     spread = {"sd": 0.01}
 
     def fake_round(side, clock, steps) -> None:
-        fp32 = side.built.engine.policy.precision.value == "fp32"
+        fp32 = side.built.engine.policy.precision == "fp32"
         noise = math.exp(rng.normal(0, spread["sd"])) if fp32 else 1.0
         side.seconds.append([(2.0 * noise if fp32 else 1.0)] * steps)
         side.skipped.append(0)
