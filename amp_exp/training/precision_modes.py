@@ -85,8 +85,9 @@ def to_bf16_true(model: nn.Module, keep_fp32: Sequence[str] = ()) -> nn.Module:
 
 
 @dataclass
-class Fp8Conversion:
-    """Which linear layers run their matmuls in fp8, and why the others do not."""
+class LinearConversion:
+    """Which linear layers run their matmuls in fp8 or a block-scaled format, and why the others
+    do not."""
 
     emulated: bool
     converted: list[str] = field(default_factory=list)
@@ -99,7 +100,7 @@ def plan_fp8(
     skip: Sequence[str],
     skip_small_for: str | None = None,
     keep_fp32: Sequence[str] = (),
-) -> Fp8Conversion:
+) -> LinearConversion:
     """Choose the linear layers to convert by their fully qualified names and shapes, as
     torchtitan does (torchao's ``module_filter_fn``): every linear whose dimensions are
     multiples of 16, except those inside a ``keep_fp32`` module, those a pattern of ``skip``
@@ -110,7 +111,7 @@ def plan_fp8(
         from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
         too_small = _auto_filter_for_recipe(skip_small_for, filter_fqns=[])
-    plan = Fp8Conversion(emulated=False)
+    plan = LinearConversion(emulated=False)
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
@@ -132,7 +133,7 @@ def plan_fp8(
 
 def convert_to_fp8(
     model: nn.Module, cfg: PrecisionConfig, keep_fp32: Sequence[str] = ()
-) -> tuple[nn.Module, Fp8Conversion]:
+) -> tuple[nn.Module, LinearConversion]:
     """Swap the planned linears for torchao ``Float8Linear`` (in place, weights kept)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

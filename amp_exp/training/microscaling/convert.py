@@ -10,32 +10,21 @@ With torchao's kernels (MXFP8 on compute capability 10.0+), each becomes torchao
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from torch import nn
 
 from amp_exp.tasks.blocks import model_blocks
 from amp_exp.training.keep_fp32 import is_within
 from amp_exp.training.microscaling.linear import MicroscalingLinear, Recipe, swap_linears
-from amp_exp.training.precision_modes import plan_fp8
-
-
-@dataclass
-class MicroscalingConversion:
-    """Which linear layers run their matmuls in the format, and why the others do not."""
-
-    emulated: bool
-    converted: list[str] = field(default_factory=list)
-    # Layer name -> why it stays in bf16.
-    skipped: dict[str, str] = field(default_factory=dict)
+from amp_exp.training.precision_modes import LinearConversion, plan_fp8
 
 
 def plan(
     model: nn.Module, skip: Sequence[str], keep_fp32: Sequence[str], bf16_last_blocks: int
-) -> MicroscalingConversion:
+) -> LinearConversion:
     """fp8's choice of linears, less those inside the last ``bf16_last_blocks`` blocks."""
     fp8 = plan_fp8(model, skip, keep_fp32=keep_fp32)
-    chosen = MicroscalingConversion(True, [], dict(fp8.skipped))
+    chosen = LinearConversion(True, [], dict(fp8.skipped))
     last: list[str] = []
     if bf16_last_blocks:
         blocks = model_blocks(model)
@@ -50,14 +39,12 @@ def plan(
     return chosen
 
 
-def convert_emulated(
-    model: nn.Module, conversion: MicroscalingConversion, recipe: Recipe
-) -> nn.Module:
+def convert_emulated(model: nn.Module, conversion: LinearConversion, recipe: Recipe) -> nn.Module:
     return swap_linears(model, conversion.converted, MicroscalingLinear, recipe=recipe)
 
 
 def convert_with_kernels(
-    model: nn.Module, conversion: MicroscalingConversion, recipe: Recipe
+    model: nn.Module, conversion: LinearConversion, recipe: Recipe
 ) -> nn.Module:
     """torchao's ``MXFP8Linear`` (its CUDA and Triton casts, cuBLAS's block-scaled matmuls) in
     place of each chosen linear. Only reached on compute capability 10.0+ (Blackwell); no

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from amp_exp.config.schema import PrecisionConfig, TrainerConfig
-    from amp_exp.training.microscaling.convert import MicroscalingConversion
+    from amp_exp.training.microscaling.convert import LinearConversion
     from amp_exp.training.microscaling.linear import Recipe
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class MicroscalingPlugin(PrecisionPlugin):
     # The format of activations and weights (and, unless the options say otherwise, gradients).
     elements: ClassVar[DType]
     variant_keys = ("emulate",)
-    conversion: MicroscalingConversion | None = None
+    conversion: LinearConversion | None = None
 
     @classmethod
     def lacks(cls, device: torch.device | None) -> str | None:

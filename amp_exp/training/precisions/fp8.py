@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from amp_exp.config.schema import PrecisionConfig, TrainerConfig
-    from amp_exp.training.precision_modes import Fp8Conversion
+    from amp_exp.training.precision_modes import LinearConversion
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Fp8(PrecisionPlugin):
     )
 
     variant_keys = ("emulate", "fp8_recipe", "fp8_skip", "fp8_skip_small")
-    conversion: Fp8Conversion | None = None
+    conversion: LinearConversion | None = None
 
     @property
     def timed(self) -> bool:
