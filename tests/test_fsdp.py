@@ -16,7 +16,7 @@ from amp_exp.results.resume import find_checkpoint, resume
 from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import whole
-from helpers.runs import FAST, TINY, read_jsonl
+from helpers.runs import FAST, FAST_TRAINER, TINY, read_jsonl
 from helpers.torchrun import TORCHRUN_TWO_RANKS, assert_bitwise_equal, run_worker, torchrun
 from helpers.warm_python import python_m
 
@@ -93,6 +93,54 @@ def test_the_audit_reads_the_dtypes_fsdp2_gathers_and_reduces_in(fsdp_sweep):
     assert policies == {("float32", "float32"): [""]}
     # The optimizer steps this rank's fp32 shards.
     assert set(audit["state"]["weights"]) == set(audit["state"]["grads"]) == {"float32"}
+
+
+# gpt_tiny at its own width (64: two MX blocks per row), two ranks of 4 sequences, 4 steps.
+MICROSCALING_RUN = [
+    *FAST_TRAINER,
+    "model=gpt_tiny",
+    "dataset=synthetic_tokens",
+    "dataset.train_size=64",
+    "dataset.eval_size=16",
+    "dataset.batch_size=4",
+    "scheduler=none",
+    "precision.emulate=true",
+]
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "nvfp4"])
+def test_a_block_scaled_format_sharded_over_two_ranks_trains_as_ddp_does(precision, tmp_path):
+    """Each converted linear quantizes the whole weight its all-gather brings in, while the
+    optimizer steps each rank's fp32 shard: the sharded run engages as the DDP run does (same
+    formats, same modules) and ends at its loss. Were a rank to quantize its own shard, the
+    blocks would straddle the shard's edge and the loss would drift; were the master weights
+    left whole, each rank's optimizer would hold all of them."""
+    torchrun(
+        "-m",
+        "amp_exp",
+        "-m",
+        f"hydra.sweep.dir={tmp_path}",
+        *MICROSCALING_RUN,
+        f"precision={precision}",
+        "trainer.strategy=ddp,fsdp2",
+        "report.speed_trial=false",
+        timeout=400,
+    )
+    ddp, fsdp = (json.loads((tmp_path / job / "summary.json").read_text()) for job in "01")
+    assert (ddp["strategy"], fsdp["strategy"], fsdp["world_size"]) == ("ddp", "fsdp2", 2)
+    audit = fsdp["precision_audit"]
+    assert audit["engaged"] is True, audit["shortfalls"]
+    assert audit["modules"] == ddp["precision_audit"]["modules"]
+    assert audit["flops_by_dtype"] == ddp["precision_audit"]["flops_by_dtype"]
+    # Each rank's optimizer holds half of the fp32 master weights DDP's holds whole.
+    assert audit["state"]["weights"] == {
+        "float32": ddp["precision_audit"]["state"]["weights"]["float32"] // 2
+    }
+    assert (
+        fsdp["precision_details"]["converted_linears"]
+        == (ddp["precision_details"]["converted_linears"])
+    )
+    assert fsdp["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-4)
 
 
 def test_sigterm_then_resume_auto_ends_bit_exact_with_an_uninterrupted_run(tmp_path):
