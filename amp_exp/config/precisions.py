@@ -267,7 +267,7 @@ def precision_order(name: str) -> float:
 
 def spec_of(name: str) -> PrecisionSpec:
     """The facts of a resolved precision; precision=auto has none until it is decided."""
-    return plugin_of(str(getattr(name, "value", name))).spec
+    return plugin_of(name).spec
 
 
 def auto_candidates() -> tuple[str, ...]:

@@ -131,24 +131,22 @@ class ConsoleLogger:
         if row["kind"] == EVAL:
             log.info("eval @ step %d: %s", row["step"], describe_eval(row, self.metrics))
             return
-        if row["kind"] == DIAGNOSTICS and not self.fp16:
-            log.info(
-                "gradient range @ step %d, if this run were fp16: %s would flush to zero "
-                "unscaled, %s would overflow; %s of weights unchanged over %s steps",
-                row["step"],
-                _fmt(row["grad_underflow_frac"], ".3%"),
-                _fmt(row["grad_overflow_frac_scaled"], ".3%"),
-                _fmt(row.get("stale_weight_frac"), ".1%"),
-                row.get("stale_window_steps", "-"),
-            )
-            return
         if row["kind"] == DIAGNOSTICS:
+            # An fp16 run has a scale to report against; another precision's row is hypothetical.
+            head, scaled = (
+                (
+                    "fp16 gradient range @ step %d: ",
+                    f"{_fmt(row['grad_underflow_frac_scaled'], '.3%')} at the current scale, ",
+                )
+                if self.fp16
+                else ("gradient range @ step %d, if this run were fp16: ", "")
+            )
             log.info(
-                "fp16 gradient range @ step %d: %s would flush to zero unscaled, %s at the "
-                "current scale, %s would overflow; %s of weights unchanged over %s steps",
+                head + "%s would flush to zero unscaled, %s%s would overflow; "
+                "%s of weights unchanged over %s steps",
                 row["step"],
                 _fmt(row["grad_underflow_frac"], ".3%"),
-                _fmt(row["grad_underflow_frac_scaled"], ".3%"),
+                scaled,
                 _fmt(row["grad_overflow_frac_scaled"], ".3%"),
                 _fmt(row.get("stale_weight_frac"), ".1%"),
                 row.get("stale_window_steps", "-"),
