@@ -219,19 +219,27 @@ def test_the_speed_trial_gives_the_speedup_beside_each_jobs_own_throughput(
 ) -> None:
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     write_run(tmp_path / "1", "tiny_cnn", "bf16", 700.0, 0.8)
-    trial = {"ratio": 1.2, "ci95": [1.1, 1.3], "rounds": 10, "total_time_ratio": 1.15}
+    trial = {
+        "ratio": 1.2,
+        "ci": [1.1, 1.3],
+        "confidence": 0.975,
+        "rounds": 10,
+        "total_time_ratio": 1.15,
+    }
     speed = {"trials": [{"model": "tiny_cnn", "setting": "", "speedup": {"bf16": trial}}]}
     (tmp_path / SPEED_JSON).write_text(json.dumps(speed))
     report = build_report([tmp_path], tmp_path)
     (comparison,) = report["comparisons"]
     assert comparison["speedup"] == trial and comparison["job_speedup"] == 0.7
     assert (
-        "1.20x fp32's speed (95% CI 1.10x to 1.30x, 10 AB/BA rounds; total time 1.15x)"
+        "1.20x fp32's speed (97.5% CI 1.10x to 1.30x, 10 AB/BA rounds; total time 1.15x)"
         in (report["verdicts"][0])
     )
     markdown = (tmp_path / "report.md").read_text()
     # One speedup column: the trial's; the jobs' own 0.70x stays in report.json.
     assert "| 1 | tiny_cnn | bf16 | learned | 700.0 samples/s | 1.20x [1.10, 1.30] |" in markdown
+    # The evidence table gives the same interval at the same level as the verdict, not another.
+    assert "trial speedup [97.5% CI] |" in markdown and "| 1.20x [1.10, 1.30] |" in markdown
     assert report["runs"][1]["speedup"] == pytest.approx(0.70) and "0.70x" not in markdown
 
 
@@ -441,7 +449,13 @@ def write_lm_cell(
 def write_trial(root: Path, **speedups: tuple[float, float, float]) -> None:
     """A speed trial of gpt_tiny: each precision's (ratio, low, high) against fp32."""
     found = {
-        label: {"ratio": r, "ci95": [low, high], "rounds": 10, "total_time_ratio": r}
+        label: {
+            "ratio": r,
+            "ci": [low, high],
+            "confidence": 0.975,
+            "rounds": 10,
+            "total_time_ratio": r,
+        }
         for label, (r, low, high) in speedups.items()
     }
     trial = {"model": "gpt_tiny", "setting": "", "speedup": found}

@@ -14,6 +14,7 @@ import pytest
 from amp_exp.errors import ConfigError
 from amp_exp.report import sequential
 from amp_exp.report.stats import CODE, Verdict, simulate
+from amp_exp.report.sweep_design import evidence_sweep_section
 from amp_exp.results.files import EVIDENCE_JSON, write_json
 from helpers.runs import FAST, TINY, run_cli
 
@@ -187,3 +188,34 @@ def test_a_sweep_freezes_a_decided_cell_and_reports_seeds_and_level(tmp_path: Pa
     assert "L = 3 looks planned, each interval at 98.33%" in markdown
     assert "| tiny_cnn bf16 | 3 | n=2 inconclusive, n=3 matches |" in markdown
     assert "98.33% CI" in " ".join(report["verdicts"])
+
+
+def test_a_frozen_cell_shows_the_look_that_decided_it_once() -> None:
+    """bf16 decided at the first look and stayed frozen at 2 seeds while bf16_true (nearest) took
+    a third (the lr 0.01 gpt_tiny sweep): listing bf16's second look would read as a second
+    judgement on new evidence."""
+    bf16, nearest = "gpt_tiny||bf16", "gpt_tiny||bf16_true (nearest)"
+    sweep = {
+        "plan": {"min_seeds": 2, "max_seeds": 5, "looks": 4},
+        "rule": "Bonferroni over the planned looks",
+        "confidence": 0.9875,
+        "looks": [
+            {
+                bf16: {"n": 2, "verdict": "matches", "open": False},
+                nearest: {"n": 2, "verdict": "inconclusive", "open": True},
+            },
+            {
+                bf16: {"n": 2, "verdict": "matches", "open": False},
+                nearest: {"n": 3, "verdict": "worse", "open": False},
+            },
+        ],
+        "seeds": {"gpt_tiny||fp32": 3, bf16: 2, nearest: 3},
+        "jobs": 8,
+        "fixed_jobs": 9,
+        "steps": 1600,
+        "steps_per_job": 200,
+    }
+    lines = evidence_sweep_section(sweep)
+    assert "| gpt_tiny bf16 | 2 | n=2 matches |" in lines
+    assert "| gpt_tiny bf16_true (nearest) | 3 | n=2 inconclusive, n=3 worse |" in lines
+    assert "| gpt_tiny fp32 | 3 | - |" in lines

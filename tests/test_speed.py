@@ -81,13 +81,13 @@ def test_the_interval_is_a_t_interval_on_log_ratios_with_95_percent_coverage() -
     covered, repetitions = 0, 1000
     for _ in range(repetitions):
         logs = rng.normal(math.log(1.5), 0.2, 10)
-        found = speedup(np.exp(logs), np.ones(10), total_time_ratio=1.5)
-        covered += found.ci95[0] <= 1.5 <= found.ci95[1]
+        found = speedup(np.exp(logs), np.ones(10), total_time_ratio=1.5, confidence=0.95)
+        covered += found.ci[0] <= 1.5 <= found.ci[1]
     assert abs(covered / repetitions - 0.95) < 0.02, covered / repetitions
     fp32, bf16 = [10.0, 11.0, 30.0, 10.2, 10.8, 10.1], [5.0, 5.4, 5.1, 5.2, 5.3, 5.0]
     forward, backward = speedup(fp32, bf16, 2.0), speedup(bf16, fp32, 0.5)
     assert forward.ratio == pytest.approx(1 / backward.ratio)
-    assert forward.ci95 == pytest.approx((1 / backward.ci95[1], 1 / backward.ci95[0]))
+    assert forward.ci == pytest.approx((1 / backward.ci[1], 1 / backward.ci[0]))
     with pytest.raises(ValueError, match="the clock measured no spread"):
         speedup([2.0] * 6, [1.0] * 6, 2.0)
 
@@ -264,6 +264,7 @@ def test_a_report_with_a_trial_gives_no_probe_advice_for_the_same_precision(
         summary = json.loads((fp16 / "summary.json").read_text())
         summary["hardware"] = {"advice": [advice]}
         (fp16 / "summary.json").write_text(json.dumps(summary))
+    # A speed.json from before the trial looked: its one interval is a 95% one.
     found = {"ratio": 1.1, "ci95": [1.05, 1.15], "rounds": 10, "total_time_ratio": 1.1}
     speed = {"trials": [{"model": "tiny_cnn", "setting": "", "speedup": {"fp16": found}}]}
     (tmp_path / SPEED_JSON).write_text(json.dumps(speed))

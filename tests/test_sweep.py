@@ -118,7 +118,7 @@ def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
     for job, cells in table.items():
         trial = rows[job]["trial_speedup"]
         if cells["precision"] == "fp16":
-            low, high = trial["ci95"]
+            low, high = trial["ci"]
             assert cells["speedup vs fp32"] == f"{trial['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
     assert report["plots"] == list(PLOTS) and report["plot_errors"] == {}
     for name in PLOTS:

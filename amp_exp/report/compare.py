@@ -351,9 +351,25 @@ def tolerance_for(row: dict[str, Any], tolerance: float | None) -> float | None:
     return declared["default_tolerance"]
 
 
+def trial_interval(found: dict[str, Any]) -> tuple[float, float, float]:
+    """A speed trial's one interval and its level: the level its looks were made at
+    (speed/ratio.py), or 95% in a speed.json written before the trial looked."""
+    if "ci" in found:
+        low, high = found["ci"]
+        return low, high, found["confidence"]
+    low, high = found["ci95"]
+    return low, high, 0.95
+
+
 def show_level(confidence: float) -> str:
     """An interval's level: 95%, 97.5%, 98.33%."""
     return f"{confidence * 100:.4g}%"
+
+
+def trial_levels(intervals: list[tuple[float, float, float]]) -> str:
+    """The level of the trials' intervals ("97.5%"), each where trials of two levels are shown."""
+    levels = sorted({show_level(level) for _, _, level in intervals})
+    return " or ".join(levels)
 
 
 def show_delta(delta: float, unit: ToleranceUnit) -> str:

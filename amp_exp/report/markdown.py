@@ -17,6 +17,8 @@ from amp_exp.report.compare import (
     show_tolerance,
     strategy_note,
     tolerance_for,
+    trial_interval,
+    trial_levels,
 )
 from amp_exp.report.evidence import CLAIM_P
 from amp_exp.report.learned import DROP, FLOOR_FACTOR
@@ -106,7 +108,12 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     header = ["model", *(["setting"] * with_setting), "precision", "n", "metric"]
     level = show_level(report.get("confidence", 0.95))
     header += ["mean [95% CI]", f"Δ vs {BASELINE} [{level} CI]", "p of the claim", "verdict"]
-    header += ["loss gap [95% CI]", "trial speedup [95% CI]"]
+    trials = [trial_interval(c["speedup"]) for c in report["comparisons"] if c.get("speedup")]
+    trial_level = trial_levels(trials)
+    header += [
+        "loss gap [95% CI]",
+        f"trial speedup [{trial_level} CI]" if trial_level else "trial speedup",
+    ]
     gpus = prediction_columns(report["comparisons"])
     header += [f"predicted on {gpu}" for gpu in gpus]
     body = []

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 
 from amp_exp.config.precisions import known_plugin
 from amp_exp.report import curves
+from amp_exp.report.compare import trial_interval, trial_levels
 
 Rows = list[dict[str, Any]]
 Metrics = dict[str, list[dict[str, Any]]]
@@ -342,7 +343,7 @@ def memory_bars(rows: Rows, metrics: Metrics) -> Figure | None:
 
 
 def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
-    """The speed trial: each precision's speedup over fp32 (geometric mean), with its 95% CI."""
+    """The speed trial: each precision's speedup over fp32 (geometric mean) and its interval."""
     trialled = {
         key: cell[0] for key, cell in _cells(rows).items() if cell[0]["trial_speedup"] is not None
     }
@@ -353,9 +354,10 @@ def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
     for ax, model in zip(axes, models, strict=True):
         bars = [row for (cell_model, _, _), row in trialled.items() if cell_model == model]
         medians = [row["trial_speedup"]["ratio"] for row in bars]
+        intervals = [trial_interval(row["trial_speedup"]) for row in bars]
         errors = [
-            [m - row["trial_speedup"]["ci95"][0] for m, row in zip(medians, bars, strict=True)],
-            [row["trial_speedup"]["ci95"][1] - m for m, row in zip(medians, bars, strict=True)],
+            [m - low for m, (low, _, _) in zip(medians, intervals, strict=True)],
+            [high - m for m, (_, high, _) in zip(medians, intervals, strict=True)],
         ]
         drawn = ax.bar(
             range(len(bars)),
@@ -373,7 +375,7 @@ def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
             [_label(row, with_model=False).replace(" ", "\n") for row in bars],
             fontsize="small",
         )
-        ax.set(title=model, ylabel="speedup over fp32 (95% CI)")
+        ax.set(title=model, ylabel=f"speedup over fp32 ({trial_levels(intervals)} CI)")
         ax.margins(y=0.2)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize="small")

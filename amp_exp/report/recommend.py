@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_exp.report.compare import BASELINE
+from amp_exp.report.compare import BASELINE, trial_interval
 from amp_exp.report.learned import FIX
 
 Row = dict[str, Any]
@@ -35,10 +35,10 @@ GPU_LINE = (
 
 def speed(comparison: dict[str, Any]) -> tuple[float | None, bool]:
     """(its speed against fp32's, whether it is measurably faster): the speed trial's ratio,
-    faster when its 95% interval lies above 1; else the jobs' own, by more than ``JOB_MARGIN``."""
+    faster when its interval lies above 1; else the jobs' own, by more than ``JOB_MARGIN``."""
     trial = comparison.get("speedup")
     if trial is not None:
-        return trial["ratio"], trial["ci95"][0] > 1
+        return trial["ratio"], trial_interval(trial)[0] > 1
     ratio = comparison.get("job_speedup")
     return ratio, ratio is not None and ratio > 1 + JOB_MARGIN
 
@@ -69,7 +69,8 @@ def overlap(first: dict[str, Any], second: dict[str, Any]) -> bool:
     a, b = first.get("speedup"), second.get("speedup")
     if a is None or b is None:
         return False
-    return a["ci95"][0] <= b["ci95"][1] and b["ci95"][0] <= a["ci95"][1]
+    (a_low, a_high, _), (b_low, b_high, _) = trial_interval(a), trial_interval(b)
+    return a_low <= b_high and b_low <= a_high
 
 
 def cost_key(found: dict[str, Any]) -> tuple[bool, int, float]:

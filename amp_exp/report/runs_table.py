@@ -8,7 +8,7 @@ import io
 from collections.abc import Callable
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, NOT_ENGAGED
+from amp_exp.report.compare import BASELINE, NOT_ENGAGED, trial_interval
 
 
 def number_format(spec: str, scale: float = 1, suffix: str = "") -> Callable[[Any], str]:
@@ -23,10 +23,10 @@ def _text(value: Any) -> str:
 
 
 def show_speedup(speedup: dict[str, Any] | None) -> str:
-    """A speed trial's speedup and its 95% CI: 1.12x [1.05, 1.20]."""
+    """A speed trial's speedup and its interval: 1.12x [1.05, 1.20]."""
     if speedup is None:
         return "-"
-    low, high = speedup["ci95"]
+    low, high, _ = trial_interval(speedup)
     return f"{speedup['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
 
 

@@ -25,15 +25,16 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         f"(1 - 0.05/{plan['looks']}), so a false claim stays below 2.5% per side however the "
         "looks fell; the intervals above are those adjusted ones, not 95%.",
         "",
-        "| cell | seeds | verdict at each look |",
+        "| cell | seeds | verdict at each look, until decided |",
         "|---|---|---|",
     ]
     for cell, seeds in sweep["seeds"].items():
-        looks = [look[cell] for look in sweep["looks"] if cell in look]
-        shown = ", ".join(f"n={look['n']} {look['verdict']}" for look in looks) or "-"
+        shown = ", ".join(
+            f"n={look['n']} {look['verdict']}" for look in looks_until_decided(sweep, cell)
+        )
         model, setting, label = cell.split("|")
         named = f"{model} ({setting}) {label}" if setting else f"{model} {label}"
-        lines.append(f"| {named} | {seeds} | {shown} |")
+        lines.append(f"| {named} | {seeds} | {shown or '-'} |")
     steps = sweep["steps_per_job"]
     cost = f", {sweep['steps']:,} steps" if steps else ""
     fixed = f", {sweep['fixed_jobs'] * steps:,} steps" if steps else ""
@@ -45,3 +46,15 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         "",
     ]
     return lines
+
+
+def looks_until_decided(sweep: dict[str, Any], cell: str) -> list[dict[str, Any]]:
+    """The looks at ``cell`` up to the one that decided it: a frozen cell's later looks repeat
+    that verdict on the same seeds, and would read as more evidence."""
+    looks = []
+    for look in sweep["looks"]:
+        if cell in look:
+            looks.append(look[cell])
+            if not look[cell]["open"]:
+                break
+    return looks

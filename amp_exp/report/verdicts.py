@@ -15,6 +15,7 @@ from amp_exp.report.compare import (
     show_level,
     show_tolerance,
     stall_phrase,
+    trial_interval,
 )
 from amp_exp.report.evidence import CLAIM_P
 from amp_exp.report.learned import FIX
@@ -34,13 +35,6 @@ VERDICT_WORDS = {
     "unstable": "is unstable",
     "incomplete": f"against {BASELINE} is incomplete",
 }
-
-
-def trial_interval(found: dict[str, Any]) -> tuple[float, float, float]:
-    """The speed trial's reported interval and its level: the one its looks were made at
-    (speed/ratio.py), or 95% in a speed.json written before the trial looked."""
-    low, high = found.get("ci", found["ci95"])
-    return low, high, found.get("confidence", 0.95)
 
 
 def rounds_phrase(found: dict[str, Any]) -> str:

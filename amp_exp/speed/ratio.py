@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from amp_exp.report.stats import CONFIDENCE, half_width
+from amp_exp.report.stats import half_width
 
 # Spearman's test at this level flags a trend in the rounds' log ratios.
 TREND_LEVEL = 0.05
@@ -58,9 +58,9 @@ class Speedup:
 
     # The geometric mean over rounds of the baseline's median step over the candidate's.
     ratio: float
-    ci95: tuple[float, float]
     rounds: int
-    # The interval the trial reports, at the level its looks were made at (``TRIAL_CONFIDENCE``).
+    # The trial's one interval, at the level its looks were made at (``TRIAL_CONFIDENCE``): a
+    # second one at another level would be a second claim about the same speed.
     ci: tuple[float, float]
     confidence: float
     # Wall clock: the baseline's total time per applied step over the candidate's.
@@ -76,7 +76,6 @@ class Speedup:
     def as_dict(self) -> dict[str, object]:
         return {
             "ratio": self.ratio,
-            "ci95": list(self.ci95),
             "rounds": self.rounds,
             "ci": list(self.ci),
             "confidence": self.confidence,
@@ -92,8 +91,8 @@ def speedup(
     confidence: float = TRIAL_CONFIDENCE,
 ) -> Speedup:
     """Round k's ratio is the baseline's time per applied step over the candidate's, both of
-    round k; ``total_time_ratio`` is the same over all the timed steps. ``ci95`` is the 95%
-    interval; ``ci`` the one at ``confidence``, the level the trial's looks were made at."""
+    round k; ``total_time_ratio`` is the same over all the timed steps. ``ci`` is the interval
+    at ``confidence``, the level the trial's looks were made at."""
     logs = np.log(np.asarray(baseline_seconds, dtype=float) / np.asarray(seconds, dtype=float))
     if logs.size < 2 or not np.all(np.isfinite(logs)):
         raise ValueError(f"{logs.size} rounds with finite times are needed, at least 2")
@@ -102,12 +101,10 @@ def speedup(
         # Only a coarse clock gives every round the same ratio: that is no measured spread.
         raise ValueError("every round gave the same ratio: the clock measured no spread")
     mean = logs.mean()
-    width = float(log_half_width(logs, CONFIDENCE))
     reported = float(log_half_width(logs, confidence))
     trend = stats.spearmanr(np.arange(logs.size), logs)
     return Speedup(
         math.exp(mean),
-        (math.exp(mean - width), math.exp(mean + width)),
         int(logs.size),
         (math.exp(mean - reported), math.exp(mean + reported)),
         confidence,
