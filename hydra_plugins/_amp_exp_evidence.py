@@ -69,9 +69,16 @@ class EvidenceSweeper(Sweeper):
         from amp_exp.errors import ConfigError
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        overrides = parser.parse_overrides(
-            [*(f"{k}={v}" for k, v in self.params.items()), *arguments]
-        )
+        # A preset's fixed seeds (experiment=precision_evidence: seed 0,1,2) are what this
+        # sweeper replaces; seeds asked for on the command line contradict it, and are refused.
+        preset = {key: value for key, value in self.params.items() if key != SEED}
+        if len(preset) < len(self.params):
+            log.info(
+                "evidence sweep: the preset's seed=%s gives way to evidence.min_seeds and "
+                "evidence.max_seeds",
+                self.params[SEED],
+            )
+        overrides = parser.parse_overrides([*(f"{k}={v}" for k, v in preset.items()), *arguments])
         for override in overrides:
             if override.get_key_element() == SEED:
                 raise ConfigError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from amp_exp.report.stats import CODE, Verdict, simulate
 from amp_exp.report.sweep_design import evidence_sweep_section
 from amp_exp.results.files import EVIDENCE_JSON, write_json
 from helpers.runs import FAST, TINY, run_cli
+from hydra_plugins._amp_exp_evidence import EvidenceSweeper
 
 REPETITIONS = 20_000
 TOLERANCE = 1.0
@@ -219,3 +221,20 @@ def test_a_frozen_cell_shows_the_look_that_decided_it_once() -> None:
     assert "| gpt_tiny bf16 | 2 | n=2 matches |" in lines
     assert "| gpt_tiny bf16_true (nearest) | 3 | n=2 inconclusive, n=3 worse |" in lines
     assert "| gpt_tiny fp32 | 3 | - |" in lines
+
+
+def test_a_presets_seeds_give_way_and_seeds_on_the_command_line_are_refused() -> None:
+    """experiment=precision_evidence fixes seed 0,1,2 in its sweeper params: under this sweeper
+    they give way (else every cell would be a seed list, or the preset could not be used); a
+    seed=0,1 the user typed contradicts the sweeper, as does a sweep without fp32."""
+    sweeper = EvidenceSweeper(params={"precision": "fp32,bf16", "seed": "0,1,2"})
+    sweeper.hydra_context = SimpleNamespace(config_loader=None)
+    assert sweeper.cells(["model=gpt_tiny"]) == [
+        ("precision=fp32", "model=gpt_tiny"),
+        ("precision=bf16", "model=gpt_tiny"),
+    ]
+    with pytest.raises(ConfigError, match=r"^seed=0,1: the evidence sweeper chooses the seeds"):
+        sweeper.cells(["seed=0,1"])
+    sweeper.params = {"precision": "bf16"}
+    with pytest.raises(ConfigError, match="compares each precision with fp32"):
+        sweeper.cells([])
