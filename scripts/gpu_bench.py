@@ -369,11 +369,12 @@ def run_mode_cell(plan: dict, name: str, overrides: list[str], out: Path) -> dic
         return {"cell": name, "error": result.stderr.strip().splitlines()[-1][:200]}
     summary = json.loads((run_dir / "summary.json").read_text())
     keys = ("samples_per_s", "peak_mem_bytes", "state_bytes", "final_loss", "device_name")
+    details = summary.get("precision_details") or {}
     return {
         "cell": name,
         **{key: summary[key] for key in keys},
-        "fp8_converted": len(summary["fp8_converted"] or []),
-        "fp8_emulated": bool(summary["fp8_emulated"]),
+        "converted_linears": len(details.get("converted_linears") or []),
+        "emulated": bool(details.get("emulated")),
     }
 
 
@@ -381,7 +382,7 @@ def modes_table(cells: list[dict]) -> str:
     base = next((c.get("samples_per_s") for c in cells if c["cell"] == "fp32"), None)
     lines = [
         "| precision | samples/s | speedup vs fp32 | peak mem (GiB) | weights + opt. state (MiB) "
-        "| final loss | fp8 linears |",
+        "| final loss | converted linears |",
         "|---|---|---|---|---|---|---|",
     ]
     for c in cells:
@@ -389,13 +390,13 @@ def modes_table(cells: list[dict]) -> str:
             lines.append(f"| {c['cell']} | failed: {c['error']} | | | | | |")
             continue
         speed = c["samples_per_s"]
-        if c["fp8_emulated"]:
+        if c["emulated"]:
             shown, speedup = "emulated, not timed", "-"
         else:
             shown, speedup = f"{speed:.0f}", f"{speed / base:.2f}x" if base else "-"
         lines.append(
             f"| {c['cell']} | {shown} | {speedup} | {c['peak_mem_bytes'] / 2**30:.2f} "
-            f"| {c['state_bytes'] / 2**20:.2f} | {c['final_loss']:.4f} | {c['fp8_converted']} |"
+            f"| {c['state_bytes'] / 2**20:.2f} | {c['final_loss']:.4f} | {c['converted_linears']} |"
         )
     return "\n".join(lines)
 

@@ -162,10 +162,11 @@ def test_emulated_fp8_runs_float8_matmuls_in_the_converted_linears_only(run_cfg,
     summary = train(cfg, tmp_path)
     audit = summary["precision_audit"]
     assert audit["engaged"] is True
-    assert summary["fp8_converted"] and summary["fp8_skipped"]
-    for name in summary["fp8_converted"]:
+    details = summary["precision_details"]
+    assert details["converted_linears"] and details["skipped_linears"]
+    for name in details["converted_linears"]:
         assert {"float8_e4m3fn", "float8_e5m2"} <= set(audit["modules"][name])
-    for name in summary["fp8_skipped"]:
+    for name in details["skipped_linears"]:
         assert set(audit["modules"][name]) == {"bfloat16"}
     assert set(audit["forward"]["flops_by_dtype"]) == {"float8_e4m3fn", "bfloat16"}
 

@@ -245,9 +245,10 @@ def test_emulated_fp8_converts_the_llamas_linear_layers_by_their_transformers_na
     pytest.importorskip("torchao")
     summary = train(hf_cfg(*LLAMA, "precision=fp8", "precision.emulate=true"), tmp_path)
     assert summary["status"] == "completed"
-    assert "hf.model.layers.1.mlp.down_proj" in summary["fp8_converted"]
-    assert "hf.model.layers.0.self_attn.q_proj" in summary["fp8_converted"]
-    assert summary["fp8_skipped"] == {"hf.lm_head": "precision.fp8_skip: hf.lm_head"}
+    details = summary["precision_details"]
+    assert "hf.model.layers.1.mlp.down_proj" in details["converted_linears"]
+    assert "hf.model.layers.0.self_attn.q_proj" in details["converted_linears"]
+    assert details["skipped_linears"] == {"hf.lm_head": "precision.fp8_skip: hf.lm_head"}
 
 
 def test_activation_checkpointing_recomputes_decoder_layers_and_changes_no_result(hf_cfg, tmp_path):

@@ -334,10 +334,12 @@ def test_emulated_fp8_trains_with_a_falling_loss_and_is_never_timed(
     losses = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     assert losses[-1] < losses[0] - 0.1
     # The MLP's head, "7", is kept for its shape; the first linear is no special case.
-    assert summary["fp8_converted"] == ["1", "3", "5"]
-    assert summary["fp8_skipped"] == {"7": "64x10 not multiples of 16"}
-    assert summary["fp8_emulated"] is True
-    assert summary["fp8_mfu_peak_source"] == "null: emulated fp8 is not timed"
+    assert summary["precision_details"] == {
+        "emulated": True,
+        "converted_linears": ["1", "3", "5"],
+        "skipped_linears": {"7": "64x10 not multiples of 16"},
+        "mfu_peak_source": "null: emulated fp8 is not timed",
+    }
     assert summary["samples_per_s"] is None and summary["step_time_ms"] is None
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert all(r["samples_per_s"] is None for r in rows if r["kind"] == "train")

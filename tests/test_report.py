@@ -555,7 +555,7 @@ def test_emulated_fp8_shows_as_not_timed_and_mode_variants_share_the_fp32_baseli
 ) -> None:
     write_run(tmp_path / "0", "mlp", "fp32", 1000.0, 0.8)
     for job, precision, knobs, extra in [
-        ("1", "fp8", {"fp8_recipe": "rowwise", "emulate": True}, {"fp8_emulated": True}),
+        ("1", "fp8", {"fp8_recipe": "rowwise", "emulate": True}, {}),
         ("2", "bf16_true", {"stochastic_rounding": True}, {"stale_weight_frac": 0.01}),
     ]:
         path = tmp_path / job
@@ -563,7 +563,11 @@ def test_emulated_fp8_shows_as_not_timed_and_mode_variants_share_the_fp32_baseli
         summary["samples_per_s"] = None if precision == "fp8" else 900.0
         summary["config"]["precision"] |= knobs
         if precision == "fp8":
-            summary |= {"fp8_converted": ["3"], "fp8_skipped": {"1": "first layer"}}
+            summary["precision_details"] = {
+                "emulated": True,
+                "converted_linears": ["3"],
+                "skipped_linears": {"1": "too small"},
+            }
         (path / "summary.json").write_text(json.dumps(summary))
     report = build_report([tmp_path], tmp_path, tolerance=0.5)
     rows = rows_by_run(report)
@@ -579,7 +583,7 @@ def test_emulated_fp8_shows_as_not_timed_and_mode_variants_share_the_fp32_baseli
     assert "; emulated, not timed, 1.00x the saved activations of fp32" in fp8
     assert "0.90x fp32's speed" in bf16_true and "did not move" not in bf16_true
     markdown = (tmp_path / "report.md").read_text()
-    assert "fp8 linears: 3 (kept in bf16: 1: first layer)" in markdown
+    assert "fp8 linears: 3 (kept in bf16: 1: too small)" in markdown
     assert "1.0% of weights unchanged over the last interval" in markdown
 
 

@@ -42,7 +42,7 @@ def test_gpu_bench_smoke_writes_both_tables_and_checks_parity(tmp_path: Path, mo
     assert set(modes) == {"fp32", "bf16_true", "fp8 tensorwise (emulated)"}
     # AdamW: weights and two moments in bf16, beside fp32 step counts.
     assert modes["bf16_true"]["state_bytes"] < 0.51 * modes["fp32"]["state_bytes"]
-    assert modes["fp8 tensorwise (emulated)"]["fp8_converted"] == 3
+    assert modes["fp8 tensorwise (emulated)"]["converted_linears"] == 3
     assert "| fp8 tensorwise (emulated) | emulated, not timed | - |" in markdown
 
 

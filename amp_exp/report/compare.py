@@ -200,10 +200,15 @@ def amp_health(summary: dict[str, Any]) -> dict[str, Any]:
         "underflow_frac_scaled": underflow.get("underflow_frac_scaled"),
         "suggested_init_scale": summary.get("suggested_init_scale"),
         "stale_weight_frac": summary.get("stale_weight_frac"),
-        "fp8_converted": summary.get("fp8_converted"),
-        "fp8_skipped": summary.get("fp8_skipped"),
+        "converted_linears": details_of(summary).get("converted_linears"),
+        "skipped_linears": details_of(summary).get("skipped_linears"),
         "hardware_advice": (summary.get("hardware") or {}).get("advice", []),
     }
+
+
+def details_of(summary: dict[str, Any]) -> dict[str, Any]:
+    """What the run's precision plugin recorded (fp8's and the block-scaled formats' linears)."""
+    return summary.get("precision_details") or {}
 
 
 def saved_activation_bytes(summary: dict[str, Any]) -> int | None:
@@ -299,13 +304,8 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "state_ratio": _ratio(summary.get("state_bytes"), base.get("state_bytes")),
         "engaged": engaged(summary),
         "audit": audit_health(summary),
-        "emulated": bool(
-            summary.get("fp8_emulated") or (summary.get("precision_details") or {}).get("emulated")
-        ),
+        "emulated": bool(details_of(summary).get("emulated")),
         "stale_weight_frac": summary.get("stale_weight_frac"),
-        "stochastic_rounding": (
-            ((summary.get("config") or {}).get("precision") or {}).get("stochastic_rounding")
-        ),
         "final_loss": summary.get("final_loss"),
         # The best loss the data allows, where it knows one (report/learned.py reads it).
         "loss_floor": summary.get("loss_floor"),
@@ -351,25 +351,9 @@ def tolerance_for(row: dict[str, Any], tolerance: float | None) -> float | None:
     return declared["default_tolerance"]
 
 
-def trial_interval(found: dict[str, Any]) -> tuple[float, float, float]:
-    """A speed trial's one interval and its level: the level its looks were made at
-    (speed/ratio.py), or 95% in a speed.json written before the trial looked."""
-    if "ci" in found:
-        low, high = found["ci"]
-        return low, high, found["confidence"]
-    low, high = found["ci95"]
-    return low, high, 0.95
-
-
 def show_level(confidence: float) -> str:
     """An interval's level: 95%, 97.5%, 98.33%."""
     return f"{confidence * 100:.4g}%"
-
-
-def trial_levels(intervals: list[tuple[float, float, float]]) -> str:
-    """The level of the trials' intervals ("97.5%"), each where trials of two levels are shown."""
-    levels = sorted({show_level(level) for _, _, level in intervals})
-    return " or ".join(levels)
 
 
 def show_delta(delta: float, unit: ToleranceUnit) -> str:
@@ -397,7 +381,7 @@ def stall_phrase(row: dict[str, Any]) -> str | None:
     stale = row["stale_weight_frac"]
     if stale is None or stale < STALL_FRACTION:
         return None
-    phrase = f"{stale:.0%} of weights did not move over the last interval"
-    if row["precision"] == "bf16_true" and row["stochastic_rounding"] is False:
-        return f"{phrase}: updates round away in bf16; use precision.stochastic_rounding=true"
-    return f"{phrase}: the learning rate may be too small for the weights' precision"
+    # The precision's plugin says why, from the options that make the run's variant.
+    plugin = known_plugin(row["precision"]) or known_plugin(REFERENCE)
+    why = plugin.stall_advice(row["precision_options"])
+    return f"{stale:.0%} of weights did not move over the last interval: {why}"

@@ -17,8 +17,6 @@ from amp_exp.report.compare import (
     show_tolerance,
     strategy_note,
     tolerance_for,
-    trial_interval,
-    trial_levels,
 )
 from amp_exp.report.evidence import CLAIM_P
 from amp_exp.report.learned import DROP, FLOOR_FACTOR
@@ -29,9 +27,10 @@ from amp_exp.report.runs_table import (
     md_table,
     number_format,
     runs_csv,
-    show_speedup,
     shown,
+    speedup_cell,
 )
+from amp_exp.report.speedup import trial_interval, trial_levels
 from amp_exp.report.sweep_design import evidence_sweep_section
 from amp_exp.results.files import REPORT_JSON, REPORT_MD, RUNS_CSV, json_safe, write_text
 from amp_exp.tasks.metrics import ToleranceUnit
@@ -140,7 +139,7 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
                 "-" if p_value is None else f"{p_value:.2g}",
                 found.get("verdict") or "-",
                 _estimate(found.get("loss_gap_rel"), number_format("+.2%")),
-                show_speedup(found.get("speedup")),
+                speedup_cell(found.get("speedup")),
                 *(show_prediction((found.get("predicted") or {}).get(gpu)) for gpu in gpus),
             ]
         )
@@ -190,10 +189,10 @@ def health_line(row: dict[str, Any]) -> str:
     if health["stale_weight_frac"] is not None:
         stale = health["stale_weight_frac"]
         parts.append(f"{stale:.1%} of weights unchanged over the last interval")
-    if health["fp8_converted"] is not None:
-        kept = "; ".join(f"{name}: {why}" for name, why in health["fp8_skipped"].items())
+    if health["converted_linears"] is not None:
+        kept = "; ".join(f"{name}: {why}" for name, why in health["skipped_linears"].items())
         parts.append(
-            f"fp8 linears: {', '.join(health['fp8_converted']) or 'none'}"
+            f"{row['precision']} linears: {', '.join(health['converted_linears']) or 'none'}"
             + (f" (kept in bf16: {kept})" if kept else "")
         )
     parts += audit_parts(row["audit"])

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from amp_exp.config.precisions import known_plugin
 from amp_exp.report import curves
-from amp_exp.report.compare import trial_interval, trial_levels
+from amp_exp.report.speedup import trial_interval, trial_levels
 
 Rows = list[dict[str, Any]]
 Metrics = dict[str, list[dict[str, Any]]]

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, trial_interval
+from amp_exp.report.compare import BASELINE
 from amp_exp.report.learned import FIX
+from amp_exp.report.speedup import trial_interval
 
 Row = dict[str, Any]
 QUALIFYING = ("matches", "not_worse")

@@ -128,14 +128,17 @@ FIELD_KINDS: dict[str, Any] = {
         ("eval_acc", "eval_perplexity", "loss_scale", "stale_weight_frac", "suggested_init_scale"),
         NUMBER,
     ),
-    "fp8_emulated": bool,
     "config": {"precision": Nullable(dict), "wandb": Nullable(dict)},
     "checks": {str: {"passed": Nullable(bool), "offenders": Nullable([str])}},
     "underflow": {"underflow_frac_scaled": Nullable(NUMBER)},
     "first_overflow": {"step": int, "loss_finite": bool, "parameters": [str]},
     "hardware": {"advice": Nullable([str])},
-    "fp8_converted": [str],
-    "fp8_skipped": {str: str},
+    # A plugin records what it likes there; the report reads these, where present.
+    "precision_details": {
+        "emulated": Nullable(bool),
+        "converted_linears": Nullable([str]),
+        "skipped_linears": Nullable({str: str}),
+    },
 }
 
 

@@ -8,7 +8,8 @@ import io
 from collections.abc import Callable
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, NOT_ENGAGED, trial_interval
+from amp_exp.report.compare import BASELINE, NOT_ENGAGED
+from amp_exp.report.speedup import speedup_cell
 
 
 def number_format(spec: str, scale: float = 1, suffix: str = "") -> Callable[[Any], str]:
@@ -20,14 +21,6 @@ def number_format(spec: str, scale: float = 1, suffix: str = "") -> Callable[[An
 
 def _text(value: Any) -> str:
     return "-" if value is None else str(value)
-
-
-def show_speedup(speedup: dict[str, Any] | None) -> str:
-    """A speed trial's speedup and its interval: 1.12x [1.05, 1.20]."""
-    if speedup is None:
-        return "-"
-    low, high, _ = trial_interval(speedup)
-    return f"{speedup['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
 
 
 Column = tuple[str, Callable[[dict[str, Any]], str]]
@@ -51,7 +44,7 @@ def speedup(row: dict[str, Any]) -> str:
     if row["label"] == BASELINE:
         return "-"  # the baseline of every speedup
     if row["trial_speedup"] is not None:
-        return show_speedup(row["trial_speedup"])
+        return speedup_cell(row["trial_speedup"])
     return number_format(".2f", suffix="x (jobs)")(row["speedup"])
 
 

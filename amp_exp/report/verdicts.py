@@ -15,10 +15,10 @@ from amp_exp.report.compare import (
     show_level,
     show_tolerance,
     stall_phrase,
-    trial_interval,
 )
 from amp_exp.report.evidence import CLAIM_P
 from amp_exp.report.learned import FIX
+from amp_exp.report.speedup import trial_interval
 from amp_exp.report.stats import MAX_SEEDS
 from amp_exp.tasks.metrics import ToleranceUnit
 

@@ -98,12 +98,8 @@ FIELDS = (
     # What one audited step ran in: matmul FLOPs by dtype and module, the bytes saved for
     # backward, state and communication dtypes, and whether the precision engaged.
     "precision_audit",
-    "fp8_emulated",
-    "fp8_converted",
-    "fp8_skipped",
-    # Why an fp8 run has no MFU against a bf16 peak (null for the other precisions).
-    "fp8_mfu_peak_source",
-    # What a precision plugin records of its run beyond these fields (PrecisionPlugin.summary).
+    # What a precision plugin records of its run beyond these fields (PrecisionPlugin.summary):
+    # fp8's and the block-scaled formats' converted and skipped linears, whether emulated.
     "precision_details",
     # The modules precision.keep_fp32 matched (the outermost ones), run in fp32 in every mode.
     "keep_fp32_modules",

@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from amp_exp.config.precisions import BOTH_STRATEGIES, DType, Engagement, PrecisionSpec
 from amp_exp.errors import ConfigError, require
-from amp_exp.training.precisions.base import PrecisionPlugin
+from amp_exp.training.precisions.base import LinearFormatPlugin
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from amp_exp.config.schema import PrecisionConfig, TrainerConfig
-    from amp_exp.training.microscaling.convert import LinearConversion
     from amp_exp.training.microscaling.linear import Recipe
 
-log = logging.getLogger(__name__)
 
 QUOTE = '"'
 # torchao's MXFP8 kernels: cuBLAS's block-scaled matmuls need compute capability 10.0.
@@ -88,13 +85,12 @@ def has_kernels(device: torch.device, elements: DType) -> bool:
     return find_spec("triton") is not None
 
 
-class MicroscalingPlugin(PrecisionPlugin):
+class MicroscalingPlugin(LinearFormatPlugin):
     """A block-scaled format in the linears fp8 converts; the rest under bf16 autocast."""
 
     # The format of activations and weights (and, unless the options say otherwise, gradients).
     elements: ClassVar[DType]
     variant_keys = ("emulate",)
-    conversion: LinearConversion | None = None
 
     @classmethod
     def lacks(cls, device: torch.device | None) -> str | None:
@@ -175,38 +171,8 @@ class MicroscalingPlugin(PrecisionPlugin):
         )
 
         model = super().convert_module(model)
-        name = self.spec.name
         self.conversion = plan(model, self.cfg.fp8_skip, self.kept_fp32, self.bf16_last_blocks())
-        skipped = ", ".join(f"{layer}: {why}" for layer, why in self.conversion.skipped.items())
-        if not self.conversion.converted:
-            raise ConfigError(
-                f"precision={name} converted no linear layer ({skipped or 'the model has none'}),"
-                f" so no matmul would run in {name}; use precision=bf16"
-            )
         convert = convert_emulated if self.emulated else convert_with_kernels
         model = convert(model, self.conversion, self.recipe())
-        if self.emulated:
-            log.warning("%s is emulated (precision.emulate=true): slow, so not timed", name)
-        log.info(
-            "%s%s: %d linear layers converted, %d kept in bf16 (%s)",
-            name,
-            " (emulated)" if self.emulated else "",
-            len(self.conversion.converted),
-            len(self.conversion.skipped),
-            skipped or "none",
-        )
+        self.announce(f"{self.spec.name}{' (emulated)' if self.emulated else ''}")
         return model
-
-    def converted_linears(self) -> list[str] | None:
-        return None if self.conversion is None else self.conversion.converted
-
-    def summary(self) -> dict[str, Any]:
-        if self.conversion is None:
-            return {}
-        return {
-            "precision_details": {
-                "emulated": self.emulated,
-                "converted_linears": self.conversion.converted,
-                "skipped_linears": self.conversion.skipped,
-            }
-        }

@@ -15,6 +15,7 @@ config is validated, before torch loads. Methods import torch where they run.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from torch import nn
 
     from amp_exp.config.schema import PrecisionConfig, TrainerConfig
+    from amp_exp.training.precision_modes import LinearConversion
+
+log = logging.getLogger(__name__)
 
 
 class PrecisionPlugin:
@@ -79,6 +83,12 @@ class PrecisionPlugin:
         return cls.spec.name
 
     @classmethod
+    def stall_advice(cls, knobs: dict[str, Any]) -> str:
+        """Why a run of this variant (its ``precision.*`` values) whose weights stopped moving
+        may have stalled, and what to do, in the report's words."""
+        return "the learning rate may be too small for the weights' precision"
+
+    @classmethod
     def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
         """Refuse, in one ConfigError, what the config alone shows this precision cannot run;
         called while the config is validated, so it must not import torch."""
@@ -123,8 +133,8 @@ class PrecisionPlugin:
         return None
 
     def summary(self) -> dict[str, Any]:
-        """summary.json fields this precision fills (results.summary.FIELDS): fp8's own, or
-        ``precision_details``, a dict of whatever a plugin records of its run."""
+        """summary.json fields this precision fills (results.summary.FIELDS): its
+        ``precision_details``, a dict of whatever it records of its run."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -133,3 +143,58 @@ class PrecisionPlugin:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back ``state_dict()``'s state on resume."""
+
+
+class LinearFormatPlugin(PrecisionPlugin):
+    """A precision that runs the matmuls of some linears in a format of its own (fp8, the
+    block-scaled formats), the rest under bf16 autocast: ``conversion`` records which, and why
+    the others stay, for the audit, the log and summary.json."""
+
+    conversion: LinearConversion | None = None
+
+    def announce(self, what: str) -> None:
+        """Refuse a conversion that converted nothing; else say what it converted."""
+        from amp_exp.errors import ConfigError
+
+        assert self.conversion is not None
+        skipped = ", ".join(f"{name}: {why}" for name, why in self.conversion.skipped.items())
+        if not self.conversion.converted:
+            raise ConfigError(
+                f"precision={self.spec.name} converted no linear layer ("
+                f"{skipped or 'the model has none'}), so no matmul would run in "
+                f"{self.spec.name}; use precision=bf16{self.nothing_converted_hint()}"
+            )
+        if self.conversion.emulated:
+            log.warning(
+                "%s is emulated (precision.emulate=true): slow, so not timed", self.spec.name
+            )
+        log.info(
+            "%s: %d linear layers converted, %d kept in bf16 (%s)",
+            what,
+            len(self.conversion.converted),
+            len(self.conversion.skipped),
+            skipped or "none",
+        )
+
+    def nothing_converted_hint(self) -> str:
+        """What else may convert something, after "use precision=bf16"."""
+        return ""
+
+    def converted_linears(self) -> list[str] | None:
+        return None if self.conversion is None else self.conversion.converted
+
+    def details(self) -> dict[str, Any]:
+        """What this precision records beyond the conversion, in ``precision_details``."""
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        if self.conversion is None:
+            return {}
+        return {
+            "precision_details": {
+                "emulated": self.conversion.emulated,
+                "converted_linears": self.conversion.converted,
+                "skipped_linears": self.conversion.skipped,
+                **self.details(),
+            }
+        }

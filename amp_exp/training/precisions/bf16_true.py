@@ -49,6 +49,12 @@ class Bf16True(PrecisionPlugin):
     def variant_label(cls, knobs: dict[str, Any]) -> str:
         return "bf16_true (nearest)" if knobs.get("stochastic_rounding") is False else "bf16_true"
 
+    @classmethod
+    def stall_advice(cls, knobs: dict[str, Any]) -> str:
+        if knobs.get("stochastic_rounding") is False:
+            return "updates round away in bf16; use precision.stochastic_rounding=true"
+        return super().stall_advice(knobs)
+
     @property
     def stochastic_rounding(self) -> bool:
         return self.cfg.stochastic_rounding

@@ -5,23 +5,19 @@ precision.emulate=true (numerics only, never timed)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
 from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
 from amp_exp.config.schema import DeviceChoice, Fp8Recipe, Strategy
 from amp_exp.errors import ConfigError, require
-from amp_exp.training.precisions.base import PrecisionPlugin
+from amp_exp.training.precisions.base import LinearFormatPlugin
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from amp_exp.config.schema import PrecisionConfig, TrainerConfig
-    from amp_exp.training.precision_modes import LinearConversion
-
-log = logging.getLogger(__name__)
 
 
 def require_fp8_hardware(device: torch.device, emulate: bool) -> None:
@@ -37,7 +33,7 @@ def require_fp8_hardware(device: torch.device, emulate: bool) -> None:
     )
 
 
-class Fp8(PrecisionPlugin):
+class Fp8(LinearFormatPlugin):
     spec = PrecisionSpec(
         name="fp8",
         compute_dtype=DType.bfloat16,
@@ -66,7 +62,6 @@ class Fp8(PrecisionPlugin):
     )
 
     variant_keys = ("emulate", "fp8_recipe", "fp8_skip", "fp8_skip_small")
-    conversion: LinearConversion | None = None
 
     @property
     def timed(self) -> bool:
@@ -112,29 +107,9 @@ class Fp8(PrecisionPlugin):
 
         model = super().convert_module(model)
         model, self.conversion = convert_to_fp8(model, self.cfg, self.kept_fp32)
-        if not self.conversion.converted:
-            raise ConfigError(self._converted_nothing())
-        if self.conversion.emulated:
-            log.warning("fp8 is emulated (precision.emulate=true): slow, so not timed")
-        log.info(
-            "fp8 (%s%s): %d linear layers converted, %d kept in bf16 (%s)",
-            self.cfg.fp8_recipe.value,
-            ", emulated" if self.conversion.emulated else "",
-            len(self.conversion.converted),
-            len(self.conversion.skipped),
-            ", ".join(f"{name}: {why}" for name, why in self.conversion.skipped.items()) or "none",
-        )
+        emulated = ", emulated" if self.conversion.emulated else ""
+        self.announce(f"fp8 ({self.cfg.fp8_recipe.value}{emulated})")
         return model
-
-    def _converted_nothing(self) -> str:
-        skipped = self.conversion.skipped if self.conversion else {}
-        why = ", ".join(f"{name}: {reason}" for name, reason in skipped.items())
-        first_last = any(reason in ("first layer", "last layer") for reason in skipped.values())
-        return (
-            f"precision=fp8 converted no linear layer ({why or 'the model has none'}), so no "
-            "matmul would run in float8; use precision=bf16"
-            + (" or precision.fp8_skip_first_last=false" if first_last else "")
-        )
 
     def inference_context(self) -> contextlib.AbstractContextManager:
         """torchao's Float8Linear fails under inference_mode (pytorch/ao#643): no_grad."""
@@ -142,23 +117,15 @@ class Fp8(PrecisionPlugin):
 
         return torch.no_grad()
 
-    def converted_linears(self) -> list[str] | None:
-        return None if self.conversion is None else self.conversion.converted
-
-    def summary(self) -> dict[str, Any]:
-        if self.conversion is None:
-            return {}
-        emulated = self.conversion.emulated
+    def details(self) -> dict[str, Any]:
         return {
-            "fp8_emulated": emulated,
-            "fp8_converted": self.conversion.converted,
-            "fp8_skipped": self.conversion.skipped,
-            "fp8_mfu_peak_source": (
+            # Why an fp8 run has no MFU: the peak it would be measured against.
+            "mfu_peak_source": (
                 "null: emulated fp8 is not timed"
-                if emulated
+                if self.conversion.emulated
                 else "null: fp8 matmuls peak at twice the bf16 rate, so MFU against a bf16 "
                 "peak would overstate utilization"
-            ),
+            )
         }
 
 
