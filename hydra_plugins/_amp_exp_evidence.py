@@ -80,7 +80,7 @@ class EvidenceSweeper(Sweeper):
             )
         overrides = parser.parse_overrides([*(f"{k}={v}" for k, v in preset.items()), *arguments])
         for override in overrides:
-            if override.get_key_element() == SEED:
+            if override.key_or_group == SEED:
                 raise ConfigError(
                     f"{override.input_line}: the evidence sweeper chooses the seeds "
                     "(evidence.min_seeds, evidence.max_seeds); leave seed out"

@@ -221,6 +221,13 @@ def test_a_frozen_cell_shows_the_look_that_decided_it_once() -> None:
     assert "| gpt_tiny bf16 | 2 | n=2 matches |" in lines
     assert "| gpt_tiny bf16_true (nearest) | 3 | n=2 inconclusive, n=3 worse |" in lines
     assert "| gpt_tiny fp32 | 3 | - |" in lines
+    # Under report.familywise, Holm may reopen a decided cell when the others' p-values move:
+    # the looks after it are new judgements, and stay.
+    sweep["looks"].append({bf16: {"n": 3, "verdict": "matches", "open": False}})
+    sweep["looks"][1][bf16] = {"n": 2, "verdict": "inconclusive", "open": True}
+    sweep["seeds"][bf16] = 3
+    lines = evidence_sweep_section(sweep)
+    assert "| gpt_tiny bf16 | 3 | n=2 matches, n=2 inconclusive, n=3 matches |" in lines
 
 
 def test_a_presets_seeds_give_way_and_seeds_on_the_command_line_are_refused() -> None:
@@ -235,6 +242,8 @@ def test_a_presets_seeds_give_way_and_seeds_on_the_command_line_are_refused() ->
     ]
     with pytest.raises(ConfigError, match=r"^seed=0,1: the evidence sweeper chooses the seeds"):
         sweeper.cells(["seed=0,1"])
+    with pytest.raises(ConfigError, match="the evidence sweeper chooses the seeds"):
+        sweeper.cells(["++seed=3"])
     sweeper.params = {"precision": "bf16"}
     with pytest.raises(ConfigError, match="compares each precision with fp32"):
         sweeper.cells([])

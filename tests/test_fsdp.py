@@ -112,9 +112,10 @@ MICROSCALING_RUN = [
 def test_a_block_scaled_format_sharded_over_two_ranks_trains_as_ddp_does(precision, tmp_path):
     """Each converted linear quantizes the whole weight its all-gather brings in, while the
     optimizer steps each rank's fp32 shard: the sharded run engages as the DDP run does (same
-    formats, same modules) and ends at its loss. Were a rank to quantize its own shard, the
-    blocks would straddle the shard's edge and the loss would drift; were the master weights
-    left whole, each rank's optimizer would hold all of them."""
+    formats, same modules) and ends at its loss. Were a rank to quantize only its own shard,
+    nvfp4's per-tensor scale would come from half the weight and its loss would drift (mxfp8's
+    32-blocks happen to fit these shards); were the master weights left whole, each rank's
+    optimizer would hold all of them."""
     torchrun(
         "-m",
         "amp_exp",

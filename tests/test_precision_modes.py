@@ -338,7 +338,6 @@ def test_emulated_fp8_trains_with_a_falling_loss_and_is_never_timed(
         "emulated": True,
         "converted_linears": ["1", "3", "5"],
         "skipped_linears": {"7": "64x10 not multiples of 16"},
-        "mfu_peak_source": "null: emulated fp8 is not timed",
     }
     assert summary["samples_per_s"] is None and summary["step_time_ms"] is None
     rows = read_jsonl(tmp_path / "metrics.jsonl")

@@ -190,7 +190,8 @@ def health_line(row: dict[str, Any]) -> str:
         stale = health["stale_weight_frac"]
         parts.append(f"{stale:.1%} of weights unchanged over the last interval")
     if health["converted_linears"] is not None:
-        kept = "; ".join(f"{name}: {why}" for name, why in health["skipped_linears"].items())
+        skipped = health["skipped_linears"] or {}
+        kept = "; ".join(f"{name}: {why}" for name, why in skipped.items())
         parts.append(
             f"{row['precision']} linears: {', '.join(health['converted_linears']) or 'none'}"
             + (f" (kept in bf16: {kept})" if kept else "")

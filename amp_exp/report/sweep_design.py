@@ -29,9 +29,7 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         "|---|---|---|",
     ]
     for cell, seeds in sweep["seeds"].items():
-        shown = ", ".join(
-            f"n={look['n']} {look['verdict']}" for look in looks_until_decided(sweep, cell)
-        )
+        shown = ", ".join(f"n={look['n']} {look['verdict']}" for look in judged_looks(sweep, cell))
         model, setting, label = cell.split("|")
         named = f"{model} ({setting}) {label}" if setting else f"{model} {label}"
         lines.append(f"| {named} | {seeds} | {shown or '-'} |")
@@ -48,13 +46,20 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def looks_until_decided(sweep: dict[str, Any], cell: str) -> list[dict[str, Any]]:
-    """The looks at ``cell`` up to the one that decided it: a frozen cell's later looks repeat
-    that verdict on the same seeds, and would read as more evidence."""
-    looks = []
+def judged_looks(sweep: dict[str, Any], cell: str) -> list[dict[str, Any]]:
+    """The looks at ``cell`` that judged new evidence: a frozen cell's later looks repeat its
+    verdict on the same seeds, and would read as more judgements. A cell that Holm's
+    adjustment (report.familywise) reopened keeps the looks that followed."""
+    looks: list[dict[str, Any]] = []
     for look in sweep["looks"]:
-        if cell in look:
-            looks.append(look[cell])
-            if not look[cell]["open"]:
-                break
+        found = look.get(cell)
+        if found is not None and (
+            not looks
+            or (found["n"], found["verdict"])
+            != (
+                looks[-1]["n"],
+                looks[-1]["verdict"],
+            )
+        ):
+            looks.append(found)
     return looks

@@ -172,6 +172,7 @@ class MicroscalingPlugin(LinearFormatPlugin):
 
         model = super().convert_module(model)
         self.conversion = plan(model, self.cfg.fp8_skip, self.kept_fp32, self.bf16_last_blocks())
+        self.refuse_if_nothing_converts()
         convert = convert_emulated if self.emulated else convert_with_kernels
         model = convert(model, self.conversion, self.recipe())
         self.announce(f"{self.spec.name}{' (emulated)' if self.emulated else ''}")

@@ -152,18 +152,26 @@ class LinearFormatPlugin(PrecisionPlugin):
 
     conversion: LinearConversion | None = None
 
-    def announce(self, what: str) -> None:
-        """Refuse a conversion that converted nothing; else say what it converted."""
+    def skipped_text(self) -> str:
+        assert self.conversion is not None
+        return ", ".join(f"{name}: {why}" for name, why in self.conversion.skipped.items())
+
+    def refuse_if_nothing_converts(self) -> None:
+        """Stop in one line where the filters left no linear to convert: no matmul would run
+        in the format, and the run would measure bf16 under this precision's name."""
         from amp_exp.errors import ConfigError
 
         assert self.conversion is not None
-        skipped = ", ".join(f"{name}: {why}" for name, why in self.conversion.skipped.items())
         if not self.conversion.converted:
             raise ConfigError(
                 f"precision={self.spec.name} converted no linear layer ("
-                f"{skipped or 'the model has none'}), so no matmul would run in "
-                f"{self.spec.name}; use precision=bf16{self.nothing_converted_hint()}"
+                f"{self.skipped_text() or 'the model has none'}), so no matmul would run in "
+                f"{self.spec.name}; use precision=bf16"
             )
+
+    def announce(self, what: str) -> None:
+        """Say what the conversion converted, and what it kept in bf16."""
+        assert self.conversion is not None
         if self.conversion.emulated:
             log.warning(
                 "%s is emulated (precision.emulate=true): slow, so not timed", self.spec.name
@@ -173,19 +181,11 @@ class LinearFormatPlugin(PrecisionPlugin):
             what,
             len(self.conversion.converted),
             len(self.conversion.skipped),
-            skipped or "none",
+            self.skipped_text() or "none",
         )
-
-    def nothing_converted_hint(self) -> str:
-        """What else may convert something, after "use precision=bf16"."""
-        return ""
 
     def converted_linears(self) -> list[str] | None:
         return None if self.conversion is None else self.conversion.converted
-
-    def details(self) -> dict[str, Any]:
-        """What this precision records beyond the conversion, in ``precision_details``."""
-        return {}
 
     def summary(self) -> dict[str, Any]:
         if self.conversion is None:
@@ -195,6 +195,5 @@ class LinearFormatPlugin(PrecisionPlugin):
                 "emulated": self.conversion.emulated,
                 "converted_linears": self.conversion.converted,
                 "skipped_linears": self.conversion.skipped,
-                **self.details(),
             }
         }

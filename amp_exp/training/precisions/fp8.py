@@ -107,6 +107,7 @@ class Fp8(LinearFormatPlugin):
 
         model = super().convert_module(model)
         model, self.conversion = convert_to_fp8(model, self.cfg, self.kept_fp32)
+        self.refuse_if_nothing_converts()
         emulated = ", emulated" if self.conversion.emulated else ""
         self.announce(f"fp8 ({self.cfg.fp8_recipe.value}{emulated})")
         return model
@@ -116,17 +117,6 @@ class Fp8(LinearFormatPlugin):
         import torch
 
         return torch.no_grad()
-
-    def details(self) -> dict[str, Any]:
-        return {
-            # Why an fp8 run has no MFU: the peak it would be measured against.
-            "mfu_peak_source": (
-                "null: emulated fp8 is not timed"
-                if self.conversion.emulated
-                else "null: fp8 matmuls peak at twice the bf16 rate, so MFU against a bf16 "
-                "peak would overstate utilization"
-            )
-        }
 
 
 PLUGIN = Fp8
