@@ -14,9 +14,11 @@ from scipy import stats as scipy_stats
 from amp_exp.config.schema import ReportConfig
 from amp_exp.report.__main__ import main
 from amp_exp.report.assemble import build_report
+from amp_exp.report.compare import show_delta, show_interval
 from amp_exp.report.evidence import adjust_familywise
 from amp_exp.results.files import SPEED_JSON
 from amp_exp.tasks.lm import LanguageModelTask
+from amp_exp.tasks.metrics import ToleranceUnit
 from test_report import rows_by_run, write_failed_run, write_run
 
 FP32_ACC = [0.8125, 0.7969, 0.8047]
@@ -560,3 +562,16 @@ def test_a_faster_precision_with_an_open_verdict_leaves_it_not_decided(tmp_path:
     assert "- **gpt_tiny: not decided yet.** bf16: inconclusive" in (
         (tmp_path / "report.md").read_text()
     )
+
+
+def test_a_narrow_interval_gets_the_decimals_that_show_its_width() -> None:
+    """fp16 against fp32 on gpt_tiny (lm_precision_evidence, measured): a paired difference of
+    -0.0003% in [-0.0016%, +0.0010%] printed at two decimals read [-0.00%, +0.00%], an interval
+    of no width, which no spread gives; the ordinary one keeps two."""
+    relative, points = ToleranceUnit.relative, ToleranceUnit.points
+    narrow = [-1.5825643820158774e-05, 1.0429234613373404e-05]
+    assert show_interval(narrow, relative) == "[-0.002%, +0.001%]"
+    assert show_delta(-2.698e-06, relative, narrow) == "-0.000%"
+    assert show_interval([0.0051, 0.0087], relative) == "[+0.51%, +0.87%]"
+    assert show_delta(0.0069, relative, [0.0051, 0.0087]) == "+0.69%"
+    assert show_interval([0.1001, 0.1004], points) == "[+0.1001, +0.1004]"

@@ -356,15 +356,31 @@ def show_level(confidence: float) -> str:
     return f"{confidence * 100:.4g}%"
 
 
-def show_delta(delta: float, unit: ToleranceUnit) -> str:
-    return f"{delta:+.2f} points" if unit is ToleranceUnit.points else f"{delta:+.2%}"
+def decimals(interval: list[float] | None, unit: ToleranceUnit) -> int:
+    """Enough decimals (2 to 6) that an interval of some width never shows as one number: a
+    narrow one read as [-0.00%, +0.00%] would claim no spread."""
+    scale = 1 if unit is ToleranceUnit.points else 100
+    places = 2
+    while interval is not None and places < 6:
+        low, high = (round(bound * scale, places) for bound in interval)
+        if low != high:
+            break
+        places += 1
+    return places
+
+
+def show_delta(delta: float, unit: ToleranceUnit, interval: list[float] | None = None) -> str:
+    """A difference, at as many decimals as its ``interval`` needs."""
+    places = decimals(interval, unit)
+    return f"{delta:+.{places}f} points" if unit is ToleranceUnit.points else f"{delta:+.{places}%}"
 
 
 def show_interval(interval: list[float], unit: ToleranceUnit) -> str:
+    places = decimals(interval, unit)
     low, high = interval
     if unit is ToleranceUnit.points:
-        return f"[{low:+.2f}, {high:+.2f}]"
-    return f"[{low:+.2%}, {high:+.2%}]"
+        return f"[{low:+.{places}f}, {high:+.{places}f}]"
+    return f"[{low:+.{places}%}, {high:+.{places}%}]"
 
 
 def show_tolerance(tolerance: float, unit: ToleranceUnit) -> str:

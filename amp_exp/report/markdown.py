@@ -78,6 +78,15 @@ def _estimate(estimate: dict[str, Any] | None, show: Callable[[float], str]) -> 
     return show(estimate["mean"]) + ("" if ci is None else f" [{show(ci[0])}, {show(ci[1])}]")
 
 
+def relative_estimate(estimate: dict[str, Any] | None) -> str:
+    """A relative difference and its interval, at the decimals the interval needs."""
+    if estimate is None:
+        return "-"
+    unit, ci = ToleranceUnit.relative, estimate["ci95"]
+    shown = show_delta(estimate["mean"], unit, ci)
+    return shown if ci is None else f"{shown} {show_interval(ci, unit)}"
+
+
 def attempted(comparison: dict[str, Any]) -> str:
     """Beside n, " of 3 attempted" where a seed attempted gave no result."""
     if not comparison.get("failed_seeds"):
@@ -123,7 +132,7 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
         delta = "-"
         if found.get("delta_mean") is not None:
             unit = ToleranceUnit(found["unit"])
-            delta = show_delta(found["delta_mean"], unit)
+            delta = show_delta(found["delta_mean"], unit, found["delta_ci95"])
             if found["delta_ci95"] is not None:
                 delta += " " + show_interval(found["delta_ci95"], unit)
         p_value = claim_p(found)
@@ -138,7 +147,7 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
                 delta,
                 "-" if p_value is None else f"{p_value:.2g}",
                 found.get("verdict") or "-",
-                _estimate(found.get("loss_gap_rel"), number_format("+.2%")),
+                relative_estimate(found.get("loss_gap_rel")),
                 speedup_cell(found.get("speedup")),
                 *(show_prediction((found.get("predicted") or {}).get(gpu)) for gpu in gpus),
             ]

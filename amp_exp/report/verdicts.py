@@ -100,7 +100,8 @@ def seeds_phrase(comparison: dict[str, Any]) -> str:
 def numbers_phrase(comparison: dict[str, Any]) -> str:
     """The paired difference, its interval and tolerance, as the seeds that survived give it."""
     unit = ToleranceUnit(comparison["unit"])
-    shown = f"Δ {comparison['metric_label']} {show_delta(comparison['delta_mean'], unit)}"
+    delta = show_delta(comparison["delta_mean"], unit, comparison["delta_ci95"])
+    shown = f"Δ {comparison['metric_label']} {delta}"
     if comparison["delta_ci95"] is not None:
         level = show_level(comparison.get("confidence", 0.95))
         shown += f", {level} CI {show_interval(comparison['delta_ci95'], unit)}"
@@ -202,7 +203,7 @@ def loss_phrase(comparison: dict[str, Any]) -> str:
     gap, absolute = comparison["loss_gap_rel"], comparison["loss_gap_abs"]
     if gap is None:
         return ""
-    shown = f"loss gap {gap['mean']:+.2%}"
+    shown = f"loss gap {show_delta(gap['mean'], ToleranceUnit.relative, gap['ci95'])}"
     if gap["ci95"] is not None:
         shown += f" (95% CI {show_interval(gap['ci95'], ToleranceUnit.relative)})"
     return f"; {shown}, {absolute['mean']:+.4f} absolute, over the last 10% of steps"
