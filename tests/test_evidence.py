@@ -14,8 +14,8 @@ from scipy import stats as scipy_stats
 from amp_exp.config.schema import ReportConfig
 from amp_exp.report.__main__ import main
 from amp_exp.report.assemble import build_report
-from amp_exp.report.compare import show_delta, show_interval
 from amp_exp.report.evidence import adjust_familywise
+from amp_exp.report.shown import show_delta, show_interval
 from amp_exp.results.files import SPEED_JSON
 from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.tasks.metrics import ToleranceUnit

@@ -11,7 +11,7 @@ from typing import Any
 from amp_exp.config.plain import flatten_config
 from amp_exp.config.precisions import REFERENCE, known_plugin, plugins, precision_order
 from amp_exp.report.runs import Run
-from amp_exp.tasks.metrics import TaskMetrics, ToleranceUnit
+from amp_exp.tasks.metrics import TaskMetrics
 
 BASELINE = REFERENCE
 # Jobs that differ only in seed are replicates of one cell: seed s is paired with fp32's seed s.
@@ -349,42 +349,6 @@ def tolerance_for(row: dict[str, Any], tolerance: float | None) -> float | None:
     if tolerance is not None or declared is None:
         return tolerance
     return declared["default_tolerance"]
-
-
-def show_level(confidence: float) -> str:
-    """An interval's level: 95%, 97.5%, 98.33%."""
-    return f"{confidence * 100:.4g}%"
-
-
-def decimals(interval: list[float] | None, unit: ToleranceUnit) -> int:
-    """Enough decimals (2 to 6) that an interval of some width never shows as one number: a
-    narrow one read as [-0.00%, +0.00%] would claim no spread."""
-    scale = 1 if unit is ToleranceUnit.points else 100
-    places = 2
-    while interval is not None and places < 6:
-        low, high = (round(bound * scale, places) for bound in interval)
-        if low != high:
-            break
-        places += 1
-    return places
-
-
-def show_delta(delta: float, unit: ToleranceUnit, interval: list[float] | None = None) -> str:
-    """A difference, at as many decimals as its ``interval`` needs."""
-    places = decimals(interval, unit)
-    return f"{delta:+.{places}f} points" if unit is ToleranceUnit.points else f"{delta:+.{places}%}"
-
-
-def show_interval(interval: list[float], unit: ToleranceUnit) -> str:
-    places = decimals(interval, unit)
-    low, high = interval
-    if unit is ToleranceUnit.points:
-        return f"[{low:+.{places}f}, {high:+.{places}f}]"
-    return f"[{low:+.{places}%}, {high:+.{places}%}]"
-
-
-def show_tolerance(tolerance: float, unit: ToleranceUnit) -> str:
-    return f"±{tolerance:g} points" if unit is ToleranceUnit.points else f"±{tolerance:.2%}"
 
 
 def describe_end(row: dict[str, Any]) -> str:

@@ -11,10 +11,6 @@ from typing import Any
 from amp_exp.report.compare import (
     BASELINE,
     describe_end,
-    show_delta,
-    show_interval,
-    show_level,
-    show_tolerance,
     strategy_note,
     tolerance_for,
 )
@@ -30,6 +26,7 @@ from amp_exp.report.runs_table import (
     shown,
     speedup_cell,
 )
+from amp_exp.report.shown import show_delta, show_interval, show_level, show_tolerance
 from amp_exp.report.speedup import trial_interval, trial_levels
 from amp_exp.report.sweep_design import evidence_sweep_section
 from amp_exp.results.files import REPORT_JSON, REPORT_MD, RUNS_CSV, json_safe, write_text

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_exp.report.compare import show_level
+from amp_exp.report.shown import show_level
 
 
 def trial_interval(found: dict[str, Any]) -> tuple[float, float, float]:

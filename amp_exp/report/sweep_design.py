@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, show_level
+from amp_exp.report.compare import BASELINE
 from amp_exp.report.sequential import FIXED_SEEDS
+from amp_exp.report.shown import show_level
 
 
 def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:

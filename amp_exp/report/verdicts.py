@@ -10,14 +10,11 @@ from typing import Any
 from amp_exp.report.compare import (
     BASELINE,
     describe_end,
-    show_delta,
-    show_interval,
-    show_level,
-    show_tolerance,
     stall_phrase,
 )
 from amp_exp.report.evidence import CLAIM_P
 from amp_exp.report.learned import FIX
+from amp_exp.report.shown import show_delta, show_interval, show_level, show_tolerance
 from amp_exp.report.speedup import trial_interval
 from amp_exp.report.stats import MAX_SEEDS
 from amp_exp.tasks.metrics import ToleranceUnit

@@ -36,7 +36,8 @@ import torch
 
 from amp_exp.build import Built, build, global_batch_size
 from amp_exp.config.schema import RunConfig, SpeedConfig
-from amp_exp.report.compare import BASELINE, show_level
+from amp_exp.report.compare import BASELINE
+from amp_exp.report.shown import show_level
 from amp_exp.report.speedup import trial_interval
 from amp_exp.report.verdicts import rounds_phrase
 from amp_exp.runtime.hardware import device_name, resolve_device
