@@ -575,3 +575,6 @@ def test_a_narrow_interval_gets_the_decimals_that_show_its_width() -> None:
     assert show_interval([0.0051, 0.0087], relative) == "[+0.51%, +0.87%]"
     assert show_delta(0.0069, relative, [0.0051, 0.0087]) == "+0.69%"
     assert show_interval([0.1001, 0.1004], points) == "[+0.1001, +0.1004]"
+    # A bound just below zero is not shown as zero (bf16 on lm_precision_sweep, measured).
+    assert show_interval([-9.8e-05, -2.1e-06], relative) == "[-0.0098%, -0.0002%]"
+    assert show_interval([0.0, 0.0051], relative) == "[+0.00%, +0.51%]"

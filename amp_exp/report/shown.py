@@ -12,13 +12,14 @@ def show_level(confidence: float) -> str:
 
 
 def decimals(interval: list[float] | None, unit: ToleranceUnit) -> int:
-    """Enough decimals (2 to 6) that an interval of some width never shows as one number: a
-    narrow one read as [-0.00%, +0.00%] would claim no spread."""
+    """Enough decimals (2 to 6) that an interval of some width never shows as one number, nor a
+    bound off zero as zero: [-0.00%, +0.00%] would claim no spread, [-0.01%, -0.00%] a bound
+    that is not there."""
     scale = 1 if unit is ToleranceUnit.points else 100
     places = 2
     while interval is not None and places < 6:
-        low, high = (round(bound * scale, places) for bound in interval)
-        if low != high:
+        shown = [round(bound * scale, places) for bound in interval]
+        if shown[0] != shown[1] and all(s or not b for s, b in zip(shown, interval, strict=True)):
             break
         places += 1
     return places
