@@ -19,7 +19,7 @@ import torch
 from amp_exp.build import Built, attach_audit, attach_diagnostics, build, global_batch_size
 from amp_exp.config.launch import launch_slot
 from amp_exp.config.plain import plain_run_config
-from amp_exp.config.precisions import DType, spec_of
+from amp_exp.config.precisions import DType
 from amp_exp.config.schema import RunConfig
 from amp_exp.results.checkpoint import (
     Checkpointer,
@@ -161,7 +161,7 @@ def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob
         ConsoleLogger(
             built.engine.total_steps,
             built.engine.task.metrics,
-            fp16=spec_of(built.resolved.precision).compute_dtype is DType.float16,
+            fp16=built.engine.policy.spec.compute_dtype is DType.float16,
         ),
         # A fresh start replaces the rows of an earlier attempt in this directory.
         JsonlLogger(output_dir / METRICS_FILE, append=built.resumed_from is not None),

@@ -152,18 +152,23 @@ def test_tiny_loss_scale_shows_as_underflow_and_a_sane_one_does_not(run_cfg, tmp
     assert sane["suggested_init_scale"] >= 2.0**10
 
 
+def poison_head_gradient(model: torch.nn.Module, at_step: int) -> None:
+    """The head's weight gradient becomes inf in the backward of step ``at_step`` only."""
+    calls = 0
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return grad * float("inf") if calls == at_step else grad
+
+    model.head.weight.register_hook(poison)
+
+
 def test_overflow_in_one_layer_is_reported_as_the_first_overflow(run_cfg) -> None:
     from amp_exp.run import build
 
     built = build(run_cfg("precision=fp16", *TINY))
-    calls = 0
-
-    def poison_second_step(grad: torch.Tensor) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        return grad * float("inf") if calls == 2 else grad
-
-    built.model.head.weight.register_hook(poison_second_step)
+    poison_head_gradient(built.model, at_step=2)
     result = built.engine.fit(lambda row: None)
     assert result.progress.first_overflow == {
         "step": 2,
@@ -183,14 +188,7 @@ def test_the_suggested_init_scale_is_never_above_a_scale_the_run_overflowed_at(r
     cfg = run_cfg("precision=fp16", "diagnostics.underflow_every=2", *TINY)
     built = build(cfg)
     diagnostics = attach_diagnostics(cfg, built, lambda row: None)
-    calls = 0
-
-    def poison_first_step(grad: torch.Tensor) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        return grad * float("inf") if calls == 1 else grad
-
-    built.model.head.weight.register_hook(poison_first_step)
+    poison_head_gradient(built.model, at_step=1)
     result = built.engine.fit(lambda row: None)
     backed_off_to = result.progress.first_overflow["backed_off_to"]
     # The tiny model's gradients alone would allow far more: the cap is what brings it down.

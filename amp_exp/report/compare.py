@@ -76,6 +76,11 @@ def varied_facts(runs: list[Run]) -> list[str]:
     ]
 
 
+def subject(model: str, setting: str | None) -> str:
+    """The model, and its setting where the runs of a model differ in more than precision."""
+    return f"{model} ({setting})" if setting else model
+
+
 def assign_settings(runs: list[Run]) -> None:
     """Name, for each run, the config values and the ``RUN_FACTS`` in which it differs from the
     runs of its model.

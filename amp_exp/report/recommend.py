@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_exp.report.compare import BASELINE
+from amp_exp.report.compare import BASELINE, subject
 from amp_exp.report.learned import FIX
 from amp_exp.report.speedup import trial_interval
 
@@ -194,12 +194,11 @@ def recommendation_lines(found: list[dict[str, Any]]) -> list[str]:
     """The report's opening: a line per model and setting, then what a GPU would change."""
     lines = []
     for item in found:
-        subject = f"{item['model']} ({item['setting']})" if item["setting"] else item["model"]
         if item["precision"] is None:
             use = "not decided yet"
         elif item["precision"] == BASELINE:
             use = f"{BASELINE} on this device"
         else:
             use = f"use {item['precision']}"
-        lines.append(f"- **{subject}: {use}.** {item['reason']}.")
+        lines.append(f"- **{subject(item['model'], item['setting'])}: {use}.** {item['reason']}.")
     return [*lines, "", GPU_LINE] if lines else []

@@ -8,7 +8,7 @@ import io
 from collections.abc import Callable
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, NOT_ENGAGED
+from amp_exp.report.compare import BASELINE, NOT_ENGAGED, subject
 from amp_exp.report.speedup import speedup_cell
 
 
@@ -26,9 +26,8 @@ def _text(value: Any) -> str:
 Column = tuple[str, Callable[[dict[str, Any]], str]]
 
 
-def subject(row: dict[str, Any]) -> str:
-    """The model, and its setting where the runs of a model differ in more than precision."""
-    return f"{row['model']} ({row['setting']})" if row["setting"] else row["model"]
+def row_subject(row: dict[str, Any]) -> str:
+    return subject(row["model"], row["setting"])
 
 
 def throughput(row: dict[str, Any]) -> str:
@@ -94,7 +93,7 @@ def run_columns(rows: list[dict[str, Any]]) -> list[Column]:
     seeds = [("seed", lambda row: _text(row["seed"]))] if len({r["seed"] for r in rows}) > 1 else []
     return [
         ("run", lambda row: row["run"]),
-        ("model", subject),
+        ("model", row_subject),
         ("precision", precision_cell),
         *seeds,
         ("result", result),

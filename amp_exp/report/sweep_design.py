@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_exp.report.compare import BASELINE
+from amp_exp.report.compare import BASELINE, subject
 from amp_exp.report.sequential import FIXED_SEEDS
 from amp_exp.report.shown import show_level
 
@@ -32,7 +32,7 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
     for cell, seeds in sweep["seeds"].items():
         shown = ", ".join(f"n={look['n']} {look['verdict']}" for look in judged_looks(sweep, cell))
         model, setting, label = cell.split("|")
-        named = f"{model} ({setting}) {label}" if setting else f"{model} {label}"
+        named = f"{subject(model, setting)} {label}"
         lines.append(f"| {named} | {seeds} | {shown or '-'} |")
     steps = sweep["steps_per_job"]
     cost = f", {sweep['steps']:,} steps" if steps else ""

@@ -11,6 +11,7 @@ from amp_exp.report.compare import (
     BASELINE,
     describe_end,
     stall_phrase,
+    subject,
 )
 from amp_exp.report.evidence import CLAIM_P
 from amp_exp.report.learned import FIX
@@ -295,7 +296,7 @@ def verdicts(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[str]:
     lines = []
     for model, setting in dict.fromkeys((row["model"], row["setting"]) for row in rows):
         group = [row for row in rows if (row["model"], row["setting"]) == (model, setting)]
-        subject = f"{model} ({setting})" if setting else model
+        who = subject(model, setting)
         replicated = len({row["seed"] for row in group}) > 1
         if not any(r["label"] == BASELINE and r["status"] == "completed" for r in group):
             parts = [f"no completed {BASELINE} run to compare with"] + [
@@ -304,14 +305,14 @@ def verdicts(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[str]:
                 else ended_phrase(row, replicated)
                 for row in group
             ]
-            lines.append(f"{subject}: {'; '.join(parts)}")
+            lines.append(f"{who}: {'; '.join(parts)}")
             continue
         before = len(lines)
         for label in dict.fromkeys(row["label"] for row in group):
             cell = [row for row in group if row["label"] == label]
             parts = cell_parts(cell, compared.get((model, setting, label)), replicated)
             if parts:
-                lines.append(f"{subject}: {'; '.join(parts)}")
+                lines.append(f"{who}: {'; '.join(parts)}")
         if len(lines) == before:
-            lines.append(f"{subject}: only {BASELINE} ran")
+            lines.append(f"{who}: only {BASELINE} ran")
     return lines

@@ -13,7 +13,7 @@ from typing import Any
 
 from amp_exp.config.plain import run_config_from_plain
 from amp_exp.config.schema import RunConfig
-from amp_exp.report.compare import BASELINE, assign_settings, precision_label
+from amp_exp.report.compare import BASELINE, assign_settings, precision_label, subject
 from amp_exp.report.runs import Run, find_runs
 from amp_exp.results.files import SPEED_JSON, SPEED_MD, write_json, write_text
 
@@ -58,7 +58,7 @@ def time_sweep(sweep_dir: Path) -> Path | None:
     assign_settings(runs)
     trials: list[dict[str, Any]] = []
     for (model, setting), jobs in trial_groups(runs).items():
-        where = f"{model}{f' ({setting})' if setting else ''}"
+        where = subject(model, setting)
         log.info("speed trial: %s in %s, interleaved", ", ".join(jobs), where)
         try:
             configs = {label: trial_config(run) for label, run in jobs.items()}

@@ -36,7 +36,7 @@ import torch
 
 from amp_exp.build import Built, build, global_batch_size
 from amp_exp.config.schema import RunConfig, SpeedConfig
-from amp_exp.report.compare import BASELINE
+from amp_exp.report.compare import BASELINE, subject
 from amp_exp.report.shown import show_level
 from amp_exp.report.speedup import trial_interval
 from amp_exp.report.verdicts import rounds_phrase
@@ -237,8 +237,7 @@ def trial_markdown(trials: list[dict[str, Any]]) -> str:
     """speed.md: a table per trial, and how to read it."""
     lines = ["# amp_exp speed trial", ""]
     for trial in trials:
-        subject = trial["model"] + (f" ({trial['setting']})" if trial.get("setting") else "")
-        lines += [f"## {subject}", ""]
+        lines += [f"## {subject(trial['model'], trial.get('setting'))}", ""]
         if "error" in trial:
             lines += [f"The trial failed: {trial['error']}", ""]
             continue
