@@ -166,7 +166,6 @@ REFERENCE = "fp32"
 # Not a precision: the selector that times the candidates and picks one (training/auto_precision).
 AUTO = "auto"
 BUILTIN_PACKAGE = "amp_exp.training.precisions"
-BUILTIN_FOLDER = Path(__file__).resolve().parent.parent / "training" / "precisions"
 ENTRY_POINT_GROUP = "amp_exp.precisions"
 # Modules of the built-in folder that are not plugins.
 NOT_PLUGINS = frozenset({"base"})
@@ -213,7 +212,8 @@ def _builtins() -> None:
     if "builtins" in _found:
         return
     _found.add("builtins")
-    for module in pkgutil.iter_modules([str(BUILTIN_FOLDER)]):
+    folder = Path(__file__).resolve().parent.parent / "training" / "precisions"
+    for module in pkgutil.iter_modules([str(folder)]):
         if module.name not in NOT_PLUGINS:
             loaded = importlib.import_module(f"{BUILTIN_PACKAGE}.{module.name}")
             _builtin_plugins.add(loaded.PLUGIN)

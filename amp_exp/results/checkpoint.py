@@ -73,8 +73,8 @@ def check_plugin_state(precision: str, plugin_state: Any) -> None:
     save, in memory, not found out only when a resume cannot load the run's checkpoints."""
     buffer = io.BytesIO()
     try:
-        # torch.serialization's own functions: this is a check in memory, not a save, which
-        # is torch.save (save_to) alone, as what wraps or watches it expects.
+        # torch.serialization's functions, not torch.save and torch.load: those stand for the
+        # checkpoint's own writes and reads (save_to, read_checkpoint), and this is neither.
         torch.serialization.save(plugin_state, buffer)
         buffer.seek(0)
         torch.serialization.load(buffer, map_location="cpu", weights_only=True)
