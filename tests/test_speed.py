@@ -222,7 +222,7 @@ def sweep_start(callback: SweepReport, sweep_dir: Path, launcher: str) -> None:
         }
     )
     callback.on_multirun_start(config)
-    atexit.unregister(callback.build)
+    atexit.unregister(callback.build_at_exit)
 
 
 def test_a_sweeps_trial_that_fails_never_costs_its_report(tmp_path: Path, caplog) -> None:

@@ -54,18 +54,37 @@ def worker_rank() -> WorkerRank | None:
     """
     if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR"):
         return submitit_rank()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
+    world_size = environment_int("WORLD_SIZE", "1")
+    if world_size < 1:
+        # Not one process either: a 0 trained alone would hide a launcher's mistake.
+        raise ConfigError(f"WORLD_SIZE={world_size} must be 1 or more; {TORCHRUN_SETS_THEM}")
+    if world_size == 1:
         return None
-    try:
-        return WorkerRank(
-            int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0"))
-        )
-    except KeyError:
+    if "RANK" not in os.environ:
+        raise ConfigError(f"WORLD_SIZE={world_size} is set but RANK is not; {TORCHRUN_SETS_THEM}")
+    rank, local_rank = environment_int("RANK"), environment_int("LOCAL_RANK", "0")
+    # Out of range, a rank no other waits for: the process group would hang until its timeout.
+    if not 0 <= rank < world_size:
         raise ConfigError(
-            f"WORLD_SIZE={world_size} is set but RANK is not; start data-parallel runs with "
-            "torchrun, which sets both"
-        ) from None
+            f"RANK={rank} must lie in 0 to {world_size - 1} (WORLD_SIZE={world_size}); "
+            f"{TORCHRUN_SETS_THEM}"
+        )
+    if local_rank < 0:
+        raise ConfigError(f"LOCAL_RANK={local_rank} must be 0 or more; {TORCHRUN_SETS_THEM}")
+    return WorkerRank(rank, world_size, local_rank)
+
+
+TORCHRUN_SETS_THEM = "start data-parallel runs with torchrun, which sets them"
+
+
+def environment_int(name: str, default: str | None = None) -> int:
+    """The whole number in environment variable ``name``; ConfigError (exit 2) in one line
+    where it is not one, not int()'s traceback."""
+    value = os.environ.get(name, default)
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a whole number; {TORCHRUN_SETS_THEM}") from None
 
 
 def submitit_rank() -> WorkerRank | None:

@@ -4,7 +4,15 @@ precision runs under (from its facts). Imports no torch."""
 
 from __future__ import annotations
 
-from amp_exp.config.precisions import AUTO, options_of, plugin_of, register, spec_of, specs
+from amp_exp.config.precisions import (
+    AUTO,
+    PluginHook,
+    options_of,
+    plugin_of,
+    register,
+    spec_of,
+    specs,
+)
 from amp_exp.config.schema import (
     PrecisionConfig,
     ReduceDtype,
@@ -35,7 +43,8 @@ def _validate_plugin(precision: PrecisionConfig, trainer: TrainerConfig) -> None
         return
     plugin = plugin_of(precision.name)
     options_of(plugin, precision.options)
-    plugin.check_config(precision, trainer)
+    with PluginHook(plugin, "check_config"):
+        plugin.check_config(precision, trainer)
 
 
 def _validate_scaler(precision: PrecisionConfig) -> None:

@@ -22,13 +22,16 @@ import importlib
 import importlib.metadata
 import math
 import pkgutil
+import sys
+import traceback
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from amp_exp.config.schema import Strategy
-from amp_exp.errors import ConfigError
+from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RuntimeFault, first_line
 
 
 class DType(str, Enum):
@@ -166,18 +169,36 @@ BUILTIN_PACKAGE = "amp_exp.training.precisions"
 ENTRY_POINT_GROUP = "amp_exp.precisions"
 # Modules of the built-in folder that are not plugins.
 NOT_PLUGINS = frozenset({"base"})
+# Where the base classes live: their code is amp_exp's, whichever plugin it runs for.
+BASE_MODULE = f"{BUILTIN_PACKAGE}.base"
 
 # name -> plugin class (``spec`` its facts); filled on first use.
 _plugins: dict[str, Any] = {}
 _found: set[str] = set()
+# The plugins of amp_exp's own folder, whose names no other plugin may take.
+_builtin_plugins: set[Any] = set()
 
 
-def _add(plugin: Any, source: str) -> PrecisionSpec:
+def _add(plugin: Any, source: str, named: str | None = None) -> PrecisionSpec:
+    """Register ``plugin`` (from ``source``; ``named``: the name its entry point gives it). A
+    plugin from outside amp_exp never takes a built-in's name: the built-in would silently run
+    in its place, or it in the built-in's, in every run and report that names it."""
     spec = getattr(plugin, "spec", None)
     if not isinstance(spec, PrecisionSpec):
         raise ConfigError(f"{source} is not a precision plugin: it has no PrecisionSpec `spec`")
     if spec.name == AUTO:
         raise ConfigError(f"{source}: `auto` is the selector, not a precision name")
+    for name in dict.fromkeys([named or spec.name, spec.name]):
+        if plugin not in _builtin_plugins and name in _builtin_names():
+            raise ConfigError(
+                f"{source} takes the name {name!r} of a built-in precision; give it a name of its "
+                "own (its spec.name, and its entry point's name)"
+            )
+    if named is not None and named != spec.name:
+        raise ConfigError(
+            f"{source} is named {named!r} but defines precision {spec.name!r}; name the entry "
+            "point as its spec.name"
+        )
     known = _plugins.get(spec.name)
     if known is not None and known is not plugin:
         raise ConfigError(
@@ -195,7 +216,13 @@ def _builtins() -> None:
     for module in pkgutil.iter_modules([str(folder)]):
         if module.name not in NOT_PLUGINS:
             loaded = importlib.import_module(f"{BUILTIN_PACKAGE}.{module.name}")
+            _builtin_plugins.add(loaded.PLUGIN)
             _add(loaded.PLUGIN, f"{BUILTIN_PACKAGE}.{module.name}")
+
+
+def _builtin_names() -> set[str]:
+    _builtins()
+    return {name for name, plugin in _plugins.items() if plugin in _builtin_plugins}
 
 
 def _entry_points() -> None:
@@ -203,7 +230,7 @@ def _entry_points() -> None:
         return
     _found.add("entry_points")
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        _add(entry.load(), f"entry point {entry.name} ({entry.value})")
+        _add(entry.load(), f"entry point {entry.name} ({entry.value})", named=entry.name)
 
 
 def register(target: str) -> PrecisionSpec:
@@ -240,9 +267,9 @@ def plugin_of(name: str) -> Any:
     """The plugin class of a resolved precision; ConfigError naming the valid ones."""
     if name == AUTO:
         raise ValueError("resolve precision=auto first (training.auto_precision)")
-    _builtins()
-    if name not in _plugins:
-        _entry_points()
+    # Every source, also for a built-in's name: an installed plugin that takes it is refused
+    # (``_add``), never passed over because the built-in was found first.
+    _all()
     if name not in _plugins:
         raise ConfigError(
             f"precision={name} is not a precision; valid choices: {', '.join((AUTO, *names()))}"
@@ -308,3 +335,45 @@ def options_of(plugin: Any, given: Any) -> Any:
             f"{where} of precision={plugin.spec.name}: {str(error).splitlines()[0]}"
         ) from None
     return OmegaConf.to_object(merged)
+
+
+class PluginHook:
+    """A call into one of a plugin's hooks (``with PluginHook(plugin, "backward"): ...``): an
+    exception the plugin's own code raised ends the command as a runtime fault (exit 4) in one
+    line naming the plugin's class and module, not a traceback and exit 1. What the plugin
+    raises on purpose (``ConfigError``, ``NumericalFault``...) passes as it is, and so does what
+    the code a hook only calls into raised by itself (the model's forward or backward, torch):
+    the plugin is named only when one of its own files is on the failing call's stack.
+    ``passing`` is never blamed: the block's exception going through a context's ``__exit__``."""
+
+    def __init__(self, plugin: Any, hook: str, passing: BaseException | None = None) -> None:
+        self.plugin = plugin if isinstance(plugin, type) else type(plugin)
+        self.hook, self.passing = hook, passing
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type | None, error: BaseException | None, trace: TracebackType | None
+    ) -> bool:
+        if (
+            isinstance(error, Exception)
+            and not isinstance(error, EXPECTED_ERRORS)
+            and error is not self.passing
+            and _raised_in(self.plugin, trace)
+        ):
+            raise RuntimeFault(
+                f"precision plugin {self.plugin.__qualname__} ({self.plugin.__module__}) raised "
+                f"{type(error).__name__} in {self.hook}: {first_line(str(error))}"
+            ) from error
+        return False
+
+
+def _raised_in(plugin: type, trace: TracebackType | None) -> bool:
+    """Whether a file of ``plugin``'s own classes (not amp_exp's base classes) is on ``trace``."""
+    own = {
+        getattr(sys.modules.get(cls.__module__), "__file__", None)
+        for cls in plugin.__mro__
+        if cls.__module__ not in (BASE_MODULE, "builtins")
+    }
+    return any(frame.f_code.co_filename in own for frame, _ in traceback.walk_tb(trace))

@@ -20,8 +20,9 @@ from amp_exp.config.schema import ReportConfig
 from amp_exp.errors import RuntimeFault
 from amp_exp.report.assemble import build_report
 from amp_exp.report.runs import ReportError, run_paths
-from amp_exp.results.contract import OneLineParser, enter
+from amp_exp.results.contract import OneLineParser, enter, hold_output
 from amp_exp.results.files import REPORT_JSON, REPORT_MD
+from amp_exp.results.lock import RunDirectoryBusy
 
 COMMAND = "amp_exp.report"
 
@@ -112,9 +113,15 @@ def run(argv: list[str] | None) -> int:
     out_dir = args.out or Path(os.path.commonpath([d.resolve() for d in args.dirs]))
     out_dir = where_to_write(args.dirs, out_dir.resolve(), args.force)
     try:
-        report = build_report(args.dirs, out_dir, args.tolerance, args.familywise)
+        with hold_output(out_dir):
+            report = build_report(args.dirs, out_dir, args.tolerance, args.familywise)
     except RuntimeFault as error:  # report.md cannot be written there: read-only, or full
         raise RuntimeFault(f"{error}; write it elsewhere with --out DIR") from None
+    except RunDirectoryBusy as busy:  # its advice is a run's (hydra.run.dir=...)
+        in_use = str(busy).partition("; ")[0]
+        raise ReportError(
+            f"{in_use}; wait for it, or write the report elsewhere with --out DIR"
+        ) from None
     print("\n".join(report["verdicts"]))
     print(f"report: {out_dir / REPORT_MD}")
     if args.wandb:

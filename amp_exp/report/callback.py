@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import logging
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from omegaconf import DictConfig
 
 from amp_exp.config.launch import worker_rank
 from amp_exp.config.schema import ReportConfig
+from amp_exp.results.contract import Stopped, stop_on_signals
 
 log = logging.getLogger("amp_exp")
 
@@ -62,31 +65,61 @@ class SweepReport(Callback):
             log.warning("report.wandb=true: %s; the sweep runs without it", MISSING_LIBRARY)
         # Hydra skips on_multirun_end when a job failed (the sweeper re-raises the first failure
         # once the jobs are done), so the report is also built at exit; on_multirun_end cancels it.
-        atexit.register(self.build)
+        atexit.register(self.build_at_exit)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        atexit.unregister(self.build)
+        atexit.unregister(self.build_at_exit)
         self.build()
 
     def build(self) -> None:
-        from amp_exp.report.assemble import build_report
-
+        """The speed trial, the predictions and the report; a signal during the trial stops it,
+        the report shows what it measured, and then the signal stops the sweep (``Stopped``:
+        it exits 128 + N)."""
         rank = worker_rank()
         if rank is not None and not rank.is_main:
             return  # under torchrun every rank runs the sweep; rank 0 alone writes its report
 
-        if self.settings.speed_trial and self.speed_trial is not None:
-            try:
-                self.speed_trial(self.sweep_dir)
-            except Exception as error:
-                # Without it the report shows the jobs' own timings, labelled as such.
-                log.warning("no speed trial: %s", error)
-        if self.settings.predict and self.predict_sweep is not None:
+        stopped = self.time_speed()
+        if stopped is None and self.settings.predict and self.predict_sweep is not None:
             try:
                 self.predict_sweep(self.sweep_dir, self.settings.predict)
             except Exception as error:
                 # A prediction is an extra column: without it the report is the measured one.
                 log.warning("no prediction: %s", error)
+        self.report()
+        if stopped is not None:
+            raise stopped
+
+    def build_at_exit(self) -> None:
+        """``build`` as the process exits, where an exception no longer sets its status."""
+        try:
+            self.build()
+        except Stopped as stopped:
+            print(f"amp_exp: stopped by {stopped.received.name}", file=sys.stderr)
+            logging.shutdown()
+            os._exit(128 + stopped.received)
+
+    def time_speed(self) -> Stopped | None:
+        """The sweep's speed trial, stopped by a preemption signal (which is returned)."""
+        if not (self.settings.speed_trial and self.speed_trial is not None):
+            return None
+        try:
+            with stop_on_signals():
+                self.speed_trial(self.sweep_dir)
+        except Stopped as stopped:
+            log.error(
+                "speed trial stopped by %s: the report shows the rounds it measured",
+                stopped.received.name,
+            )
+            return stopped
+        except Exception as error:
+            # Without it the report shows the jobs' own timings, labelled as such.
+            log.warning("no speed trial: %s", error)
+        return None
+
+    def report(self) -> None:
+        from amp_exp.report.assemble import build_report
+
         try:
             report = build_report(
                 [self.sweep_dir],

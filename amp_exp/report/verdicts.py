@@ -36,8 +36,10 @@ VERDICT_WORDS = {
 
 
 def rounds_phrase(found: dict[str, Any]) -> str:
-    """20 AB/BA rounds, and whether the trial stopped on its target."""
-    reached = found.get("target_reached")
+    """20 AB/BA rounds, and whether the trial stopped on its target, or a signal stopped it."""
+    reached, stopped = found.get("target_reached"), found.get("stopped_by")
+    if stopped:
+        return f"{found['rounds']} AB/BA rounds; partial: stopped by {stopped}"
     return f"{found['rounds']} AB/BA rounds" + ("; target not reached" if reached is False else "")
 
 

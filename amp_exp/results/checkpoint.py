@@ -15,6 +15,7 @@ imported only where a sharded checkpoint is saved or read: about 0.2 s of every 
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 import shutil
@@ -23,6 +24,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
+from amp_exp.config.precisions import plugin_of
 from amp_exp.errors import RuntimeFault, first_line
 from amp_exp.results.files import (
     CHECKPOINT_DIR,
@@ -64,6 +66,33 @@ def save_to(payload: dict[str, Any], file: IO[bytes]) -> None:
         raise
 
 
+def check_plugin_state(precision: str, plugin_state: Any) -> None:
+    """Raise ``RuntimeFault`` (exit 4) naming the plugin when its ``state_dict()`` would not
+    come back from a checkpoint: a value pickle cannot save (a lambda, a lock), or one a safe
+    load refuses (any class but tensors, numbers, strings and containers). Checked at the first
+    save, in memory, not found out only when a resume cannot load the run's checkpoints."""
+    buffer = io.BytesIO()
+    try:
+        # torch.serialization's functions, not torch.save and torch.load: those stand for the
+        # checkpoint's own writes and reads (save_to, read_checkpoint), and this is neither.
+        torch.serialization.save(plugin_state, buffer)
+        buffer.seek(0)
+        torch.serialization.load(buffer, map_location="cpu", weights_only=True)
+    except Exception as error:
+        plugin = plugin_of(precision)
+        refused = UNSAFE_GLOBAL.search(str(error))
+        reason = f"it holds a {refused.group(1)}" if refused else first_line(str(error))
+        raise RuntimeFault(
+            f"the state_dict() of precision plugin {plugin.__qualname__} ({plugin.__module__}) "
+            f"cannot be checkpointed so that it loads back ({reason}); return tensors, numbers, "
+            "strings, lists and dicts from it"
+        ) from None
+
+
+# What torch's safe unpickler names when it refuses a class.
+UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+
+
 class Checkpointer:
     """Saves every ``every_steps`` steps (0: only at the end) and when the run stops early.
 
@@ -82,6 +111,7 @@ class Checkpointer:
     ) -> None:
         self.directory, self.every_steps, self.keep = directory, every_steps, keep
         self.metadata, self.writes = metadata, writes
+        self.plugin_state_checked = False
 
     def is_due(self, progress: Progress, last: bool) -> bool:
         if last:
@@ -92,6 +122,9 @@ class Checkpointer:
         return healthy and self.every_steps > 0 and progress.step % self.every_steps == 0
 
     def payload(self, state: dict[str, Any]) -> dict[str, Any]:
+        if not self.plugin_state_checked and "plugin" in state:
+            check_plugin_state(state["precision"], state["plugin"])
+            self.plugin_state_checked = True
         progress = state["progress"]
         return {
             "format": FORMAT,

@@ -4,7 +4,9 @@
 - **Its directory is claimed** before anything is written there (``claim_directory``; training
   runs through results/claim.py, which holds the same rules for checkpoints and resumes). A
   directory that holds another command's finished results is refused, and so is one holding this
-  command's own, unless ``--force`` says to replace them; a refused command writes nothing.
+  command's own, unless ``--force`` says to replace them; a refused command writes nothing. The
+  report, which writes beside the runs it reads, holds only the directory it writes into
+  (``hold_output``); what it reads is read without a claim.
 - **Bad input is one line and exit 2** (``ConfigError``, and ``OneLineParser`` for flags), a
   numerical fault exit 3, a runtime fault exit 4 (a full disk, a dead rank), each one line on
   stderr with no traceback.
@@ -167,6 +169,16 @@ def claim_directory(
 
     with contextlib.ExitStack() as held:
         hold_directory(directory, check, held)
+        yield
+
+
+@contextlib.contextmanager
+def hold_output(directory: Path) -> Iterator[None]:
+    """Hold ``directory`` while the block writes into it, for a command whose files go beside
+    others' results by design (the report beside its runs): only another process there refuses
+    it (exit 2). The directories it reads are not held: they may be read-only, or in use."""
+    with contextlib.ExitStack() as held:
+        hold_directory(directory.expanduser().resolve(), lambda: None, held)
         yield
 
 

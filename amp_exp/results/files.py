@@ -25,6 +25,8 @@ LAST_CHECKPOINT = "last.pt"
 WANDB_RUN_ID_FILE = "wandb_run_id"
 # Hydra writes a job's config here before the job runs, so it marks a run that left no summary.
 JOB_CONFIG = Path(".hydra") / "config.yaml"
+# Hydra writes the sweep's spec here, in the sweep directory, before the first job.
+MULTIRUN_SPEC = "multirun.yaml"
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
 RUNS_CSV = "runs.csv"

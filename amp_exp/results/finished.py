@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from amp_exp.results.files import PREDICT_JSON, SENSITIVITY_JSON, SPEED_JSON
+from amp_exp.results.files import MULTIRUN_SPEC, PREDICT_JSON, SENSITIVITY_JSON, SPEED_JSON
 from amp_exp.results.summary import completed_summary
 
 # The file each measuring command writes last, once its result is whole: while it is absent the
@@ -23,6 +23,10 @@ def finished_results(directory: Path) -> dict[str, str]:
     completed = completed_summary(directory)
     if completed is not None:
         found["amp_exp"] = f"a completed run ({completed.get('steps')} steps)"
+    if (directory / MULTIRUN_SPEC).is_file():
+        # A sweep's own directory: its jobs, report and speed trial belong together, and a
+        # command's files written among them would be taken for the sweep's.
+        found["amp_exp -m"] = f"a sweep's results ({MULTIRUN_SPEC})"
     for command, name in RESULT_FILES.items():
         if (directory / name).is_file():
             found[command] = f"the finished results of python -m {command} ({name})"

@@ -51,24 +51,32 @@ def stand_in(jobs: dict[str, Run]) -> str | None:
 def time_sweep(sweep_dir: Path) -> Path | None:
     """Run the sweep's trials and write speed.json and speed.md; returns speed.json's path, or
     None when no model and setting ran fp32 and another precision. A trial that fails is recorded
-    with its error, and the report of that group falls back to the jobs' own timings."""
-    from amp_exp.speed.trial import run_trial, trial_markdown
+    with its error, and the report of that group falls back to the jobs' own timings. A signal
+    (``TrialStopped``) ends the trials: what they measured is written, marked as stopped, and the
+    signal goes on to the caller."""
+    from amp_exp.speed.trial import TrialStopped, run_trial, trial_markdown
 
     runs = find_runs([sweep_dir])
     assign_settings(runs)
     trials: list[dict[str, Any]] = []
+
+    def write() -> Path:
+        write_json(sweep_dir / SPEED_JSON, {"trials": trials})
+        write_text(sweep_dir / SPEED_MD, trial_markdown(trials))
+        return sweep_dir / SPEED_JSON
+
     for (model, setting), jobs in trial_groups(runs).items():
         where = subject(model, setting)
         log.info("speed trial: %s in %s, interleaved", ", ".join(jobs), where)
         try:
             configs = {label: trial_config(run) for label, run in jobs.items()}
             trial = run_trial(configs, configs[BASELINE].speed, stand_in(jobs))
+        except TrialStopped as stopped:
+            trials.append({**stopped.trial, "model": model, "setting": setting})
+            write()
+            raise
         except Exception as error:
             log.warning("speed trial of %s failed: %s", where, error)
             trial = {"error": f"{type(error).__name__}: {error}"}
         trials.append({**trial, "model": model, "setting": setting})
-    if not trials:
-        return None
-    write_json(sweep_dir / SPEED_JSON, {"trials": trials})
-    write_text(sweep_dir / SPEED_MD, trial_markdown(trials))
-    return sweep_dir / SPEED_JSON
+    return write() if trials else None

@@ -40,6 +40,7 @@ from amp_exp.report.compare import BASELINE, subject
 from amp_exp.report.shown import show_level
 from amp_exp.report.speedup import trial_interval
 from amp_exp.report.verdicts import rounds_phrase
+from amp_exp.results.contract import Stopped
 from amp_exp.runtime.hardware import device_name, resolve_device
 from amp_exp.speed.ratio import LOOK_EVERY, TRIAL_CONFIDENCE, looks, narrow, speedup
 from amp_exp.training.timing import StepClock, time_steps, warm_up
@@ -121,16 +122,25 @@ def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfi
     clock = StepClock(built.device)
     orders: list[tuple[str, str]] = []
     reached = False
-    for rounds in looks(speed.rounds, speed.max_rounds):
-        for order in round_orders(label, rounds)[len(orders) :]:
-            for key in order:
-                sides[key].time_round(clock, speed.steps)
-            orders.append(order)
-        ratios = np.divide(sides[BASELINE].per_applied_step(), sides[label].per_applied_step())
-        reached = bool(narrow(np.log(ratios), speed.target_halfwidth))
-        if reached:
-            break
-    return {
+    stopped: Stopped | None = None
+    try:
+        for rounds in looks(speed.rounds, speed.max_rounds):
+            for order in round_orders(label, rounds)[len(orders) :]:
+                for key in order:
+                    sides[key].time_round(clock, speed.steps)
+                orders.append(order)
+            ratios = np.divide(sides[BASELINE].per_applied_step(), sides[label].per_applied_step())
+            reached = bool(narrow(np.log(ratios), speed.target_halfwidth))
+            if reached:
+                break
+    except Stopped as stop:
+        stopped = stop
+        if len(orders) < MIN_ROUNDS:
+            return {"not_timed": stopped_phrase(stop, len(orders)), "stopped_by": stop}
+        # The rounds done are what was measured; a round cut short is no round.
+        for side in sides.values():
+            del side.seconds[len(orders) :], side.skipped[len(orders) :]
+    found = {
         "order": [list(order) for order in orders],
         "warmup_steps": {key: side.warmup_steps for key, side in sides.items()},
         "steady": {key: side.steady for key, side in sides.items()},
@@ -154,6 +164,27 @@ def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfi
             "target_reached": reached,
         },
     }
+    if stopped is not None:
+        found["stopped_by"] = stopped
+        found["speedup"]["stopped_by"] = stopped.received.name
+    return found
+
+
+# A speedup's interval needs two rounds' spread (speed/ratio.py).
+MIN_ROUNDS = 2
+
+
+class TrialStopped(Stopped):
+    """A signal stopped the trial; ``trial`` is its record of what it measured until then,
+    marked with ``stopped_by``, for the caller to write before the command stops."""
+
+    def __init__(self, stop: Stopped, trial: dict[str, Any]) -> None:
+        super().__init__(stop.received)
+        self.trial = trial
+
+
+def stopped_phrase(stop: Stopped, rounds: int) -> str:
+    return f"stopped by {stop.received.name} after {rounds} round(s), too few for a speedup"
 
 
 # The label of a precision timed compiled by speed.compile: "bf16 compiled".
@@ -190,18 +221,26 @@ def run_trial(
     baseline = configs[BASELINE]
     device = resolve_device(baseline.trainer.device)
     pairs, speedups, not_timed = {}, {}, {}
+    stopped: Stopped | None = None
     for label, cfg in configs.items():
         if label == BASELINE:
             continue
-        found = time_pair(baseline, label, cfg, speed)
+        if stopped is not None:
+            not_timed[label] = f"stopped by {stopped.received.name} before its turn"
+            continue
+        try:
+            found = time_pair(baseline, label, cfg, speed)
+        except Stopped as stop:  # while its runs were built or warmed up
+            found = {"not_timed": stopped_phrase(stop, 0), "stopped_by": stop}
         free(device)
+        stopped = found.pop("stopped_by", None)
         if "not_timed" in found:
             not_timed[label] = found["not_timed"]
             continue
         speedups[label] = found.pop("speedup")
         pairs[label] = found
     samples_per_step = global_batch_size(baseline, 1)
-    return {
+    trial = {
         "model": baseline.model.name,
         "setting": "",
         "device": device.type,
@@ -217,6 +256,10 @@ def run_trial(
         "speedup": speedups,
         "not_timed": not_timed,
     }
+    if stopped is not None:
+        trial["stopped_by"] = stopped.received.name
+        raise TrialStopped(stopped, trial)
+    return trial
 
 
 def show_speedup(found: dict[str, Any]) -> str:
@@ -243,6 +286,12 @@ def trial_markdown(trials: list[dict[str, Any]]) -> str:
             continue
         if trial["stand_in"]:
             lines += [f"A {trial['stand_in']}: shown here, kept out of the report's verdicts.", ""]
+        if trial.get("stopped_by"):
+            lines += [
+                f"**Partial: {trial['stopped_by']} stopped this trial.** Shown is what the rounds "
+                "done before it measured.",
+                "",
+            ]
         lines += [
             f"{trial['device_name']}, {trial['samples_per_step']} samples per step: each precision "
             f"against {BASELINE} in a pair of its own, each side warmed up until steady (at most "

@@ -17,7 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import AUTO, REFERENCE, plugin_of, probed_low, spec_of, specs
+from amp_exp.config.precisions import (
+    AUTO,
+    REFERENCE,
+    PluginHook,
+    plugin_of,
+    probed_low,
+    spec_of,
+    specs,
+)
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.hardware import cpu_flags, device_name
@@ -72,7 +80,9 @@ def check_request(requested: str, device: torch.device, cfg: PrecisionConfig) ->
             f"8.0+), but {torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or "
             "precision=fp32"
         )
-    plugin_of(spec.name).check_device(device, cfg)
+    plugin = plugin_of(spec.name)
+    with PluginHook(plugin, "check_device"):
+        plugin.check_device(device, cfg)
 
 
 def unprobed_verdicts(device: torch.device) -> dict[str, str]:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-from amp_exp.config.precisions import plugin_of
+from amp_exp.config.precisions import PluginHook, plugin_of
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.runtime.fsdp import local, whole
 from amp_exp.training.precisions.base import PrecisionPlugin
@@ -56,6 +56,25 @@ def per_tensor_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return norms
 
 
+class PluginContext:
+    """A plugin's forward or inference context: a fault of the plugin's own in making,
+    entering or leaving it is named as the plugin's (``PluginHook``); what the block raises
+    passes through it as it is."""
+
+    def __init__(self, plugin: PrecisionPlugin, hook: str) -> None:
+        self.plugin, self.hook = plugin, hook
+        with PluginHook(plugin, hook):
+            self.context = getattr(plugin, hook)()
+
+    def __enter__(self) -> object:
+        with PluginHook(self.plugin, self.hook):
+            return self.context.__enter__()
+
+    def __exit__(self, kind: type | None, error: BaseException | None, trace: object) -> bool:
+        with PluginHook(self.plugin, self.hook, passing=error):
+            return bool(self.context.__exit__(kind, error, trace))
+
+
 class PrecisionPolicy:
     """Autocast context, GradScaler and the backward/unscale/clip/step/update sequence."""
 
@@ -81,9 +100,9 @@ class PrecisionPolicy:
         upcast what the policy means to run in the low dtype. One caster, the policy, as in
         torchtitan; the GradScaler stays.
         """
-        self.plugin: PrecisionPlugin = plugin_of(str(getattr(precision, "value", precision)))(
-            cfg, device, keep_fp32, params_cast
-        )
+        plugin = plugin_of(str(getattr(precision, "value", precision)))
+        with PluginHook(plugin, "__init__"):
+            self.plugin: PrecisionPlugin = plugin(cfg, device, keep_fp32, params_cast)
         self.spec = self.plugin.spec
         self.precision = self.spec.name
         self.cfg = cfg
@@ -128,21 +147,24 @@ class PrecisionPolicy:
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """The model as this precision trains it; call before the optimizer and any wrapper."""
-        return self.plugin.convert_module(model)
+        with PluginHook(self.plugin, "convert_module"):
+            return self.plugin.convert_module(model)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return self.plugin.forward_context()
+        return PluginContext(self.plugin, "forward_context")
 
     def inference(self) -> contextlib.AbstractContextManager:
         """The no-grad mode of evaluation."""
-        return self.plugin.inference_context()
+        return PluginContext(self.plugin, "inference_context")
 
     def summary(self) -> dict:
         """What summary.json records: the modules kept in fp32, and the plugin's own fields."""
-        return {"keep_fp32_modules": self.kept_fp32, **self.plugin.summary()}
+        with PluginHook(self.plugin, "summary"):
+            return {"keep_fp32_modules": self.kept_fp32, **self.plugin.summary()}
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.plugin.backward(loss if self.scaler is None else self.scaler.scale(loss))
+        with PluginHook(self.plugin, "backward"):
+            self.plugin.backward(loss if self.scaler is None else self.scaler.scale(loss))
 
     def unscale_and_clip(
         self,
@@ -204,7 +226,8 @@ class PrecisionPolicy:
 
     def _step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.rounding is None:
-            self.plugin.optimizer_step(optimizer)
+            with PluginHook(self.plugin, "optimizer_step"):
+                self.plugin.optimizer_step(optimizer)
         else:
             self.rounding.step(optimizer)
 
@@ -213,10 +236,12 @@ class PrecisionPolicy:
         return None if self.scaler is None else self.scaler.get_scale()
 
     def state_dict(self) -> dict:
+        with PluginHook(self.plugin, "state_dict"):
+            plugin_state = self.plugin.state_dict()
         return {
             "precision": self.precision,
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "plugin": self.plugin.state_dict(),
+            "plugin": plugin_state,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -224,7 +249,8 @@ class PrecisionPolicy:
         if state["precision"] == self.precision:
             if self.scaler is not None:
                 self.scaler.load_state_dict(state["scaler"])
-            self.plugin.load_state_dict(state.get("plugin", {}))
+            with PluginHook(self.plugin, "load_state_dict"):
+                self.plugin.load_state_dict(state.get("plugin", {}))
             return
         if self.scaler is not None:
             kept = "a fresh GradScaler starts at precision.init_scale"

@@ -311,6 +311,20 @@ def make_signalling(
     return SignallingClassifier(input_shape, num_classes, signal_at, signum)
 
 
+class FailingClassifier(ExitingClassifier):
+    """Raises ValueError in its ``exit_at``-th forward: a bug of the model's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.exit_at:
+            raise ValueError("the model's own bug")
+        return self.model(x)
+
+
+def make_failing(input_shape: tuple[int, ...], num_classes: int, fail_at: int) -> nn.Module:
+    return FailingClassifier(input_shape, num_classes, fail_at)
+
+
 def make_mortal(input_shape: tuple[int, ...], num_classes: int, die_at: int = 4) -> nn.Module:
     return MortalClassifier(input_shape, num_classes, die_at)
 
