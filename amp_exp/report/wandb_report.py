@@ -32,7 +32,7 @@ from amp_exp.results.dashboard import (
     X_AXIS,
     wandb_key_of,
 )
-from amp_exp.results.files import WANDB_RUN_ID_FILE
+from amp_exp.results.files import WANDB_RUN_ID_FILE, read_data
 from amp_exp.results.wandb_logger import NO_API_KEY, describe
 
 EXTRA = "wandb-report"
@@ -72,7 +72,7 @@ class SweepPage:
 
 def _run_id(run: Run) -> str | None:
     path = run.path / WANDB_RUN_ID_FILE
-    return path.read_text(encoding="utf-8").strip() if path.is_file() else None
+    return read_data(path).decode("utf-8").strip() if path.is_file() else None
 
 
 def _wandb_config(run: Run) -> dict[str, Any]:
