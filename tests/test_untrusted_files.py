@@ -21,6 +21,7 @@ from amp_exp.report.markdown import verdict_lines
 from amp_exp.report.runs import find_runs
 from amp_exp.report.sequential import read_plan
 from amp_exp.report.wandb_report import sweep_page
+from amp_exp.results.checkpoint import remove_stale_temporaries
 from amp_exp.results.files import (
     MAX_DEPTH,
     WANDB_RUN_ID_FILE,
@@ -205,6 +206,20 @@ def test_a_corrupt_evidence_json_is_one_line_exit_2(tmp_path, capsys, content, w
     assert f"{root / 'evidence.json'} is damaged ({why}" in line
     assert line.endswith("nothing was changed: restore it or remove it")
     assert (root / "evidence.json").read_bytes() == content
+
+
+def test_a_stale_checkpoint_temporary_that_is_a_link_goes_and_its_target_stays(tmp_path) -> None:
+    """Caught: rmtree on a planted .step_<N>.tmp link (an OSError on resume), or a removal that
+    reaches the directory it names."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text(PRECIOUS)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / ".step_00000004.tmp").symlink_to(kept, target_is_directory=True)
+    assert remove_stale_temporaries(tmp_path / "run") == [checkpoints / ".step_00000004.tmp"]
+    assert not (checkpoints / ".step_00000004.tmp").is_symlink()
+    assert (kept / "notes.txt").read_text() == PRECIOUS
 
 
 # --- damaged runs ------------------------------------------------------------------------------

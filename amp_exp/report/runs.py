@@ -4,7 +4,9 @@ It reads files alone, so a report works on runs copied from another machine and 
 without W&B. A job that never wrote summary.json (SIGKILL, the OOM killer) is found by the config
 Hydra saved before it ran, and listed as killed. What cannot be read is named in one line and
 passed over: a summary.json that is no summary (the run is listed as failed), a field of the
-wrong kind, a line of metrics.jsonl that is no row.
+wrong kind, a line of metrics.jsonl that is no row; a completed run whose metrics.jsonl is missing
+or cut short is listed as damaged, never judged. A file amp_exp cannot have written (a link, a
+FIFO, one too large or nested too deep: results/files.py) stops the report in one line.
 """
 
 from __future__ import annotations

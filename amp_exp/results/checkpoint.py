@@ -28,6 +28,7 @@ from amp_exp.results.files import (
     CHECKPOINT_DIR,
     LAST_CHECKPOINT,
     TMP_SUFFIX,
+    UntrustedFile,
     stale_temporaries,
     write_atomically,
 )
@@ -130,8 +131,14 @@ class ShardedCheckpointer(Checkpointer):
             {**state, "model": None, "optimizer": None, "sharded": sorted(shards)}
         )
         final = self.directory / f"step_{payload['step']:08d}"
-        # The same name on every rank; a leftover of a killed save is written over.
+        # The same name on every rank; a leftover of a killed save is written over, a link
+        # planted there never (the shards would go wherever it points).
         partial = self.directory / f".{final.name}{TMP_SUFFIX}"
+        if partial.is_symlink():
+            raise UntrustedFile(
+                f"{partial} is a symbolic link; amp_exp never writes one there, so it saves "
+                "nothing through it: remove it"
+            )
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -178,7 +185,7 @@ def remove_stale_temporaries(target: Path) -> list[Path]:
     """Delete the temporary files saves killed mid-write left in ``target``'s checkpoints/."""
     stale = stale_temporaries(checkpoint_dir(target))
     for path in stale:
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():  # a link goes, never what it points at
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
