@@ -107,6 +107,7 @@ JSON_LIMIT = 64 * 2**20
 # A run logging every step for a million steps writes about 500 MB.
 METRICS_LIMIT = 2**30
 MAX_DEPTH = 64
+READ_CHUNK = 2**20
 
 
 class UntrustedFile(RunRefused):
@@ -157,16 +158,22 @@ def open_data(path: Path, flags: int = os.O_RDONLY) -> int:
 
 def read_data(path: Path, limit: int = JSON_LIMIT) -> bytes:
     """``path``'s bytes (``open_data``), if it holds at most ``limit``; ``UntrustedFile``
-    otherwise."""
+    otherwise: refused by its size before a byte is read, and, should it grow while it is read,
+    once ``limit`` is passed."""
+    too_large = UntrustedFile(
+        f"{path} holds over {limit / 2**20:g} MiB, more than amp_exp writes there; remove it or "
+        "move it elsewhere"
+    )
     with os.fdopen(open_data(path), "rb") as file:
-        # A file still growing past the limit while it is read is refused alike.
-        data = file.read(limit + 1)
-    if len(data) > limit:
-        raise UntrustedFile(
-            f"{path} holds over {limit // 2**20} MiB, more than amp_exp writes there; remove it "
-            "or move it elsewhere"
-        )
-    return data
+        if os.fstat(file.fileno()).st_size > limit:
+            raise too_large
+        chunks, size = [], 0
+        while chunk := file.read(READ_CHUNK):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+    return b"".join(chunks)
 
 
 # A JSON string (escapes included), and everything that is not a bracket: what ``nests_too_deep``
