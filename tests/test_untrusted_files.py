@@ -32,6 +32,8 @@ from amp_exp.results.files import (
 )
 from amp_exp.results.lock import LOCK_FILE, RunDirectoryLock
 from amp_exp.results.summary import completed_summary
+from amp_exp.results.wandb_logger import open_wandb_logger
+from helpers.fake_wandb import install_fake_wandb
 from helpers.runs import FAST, TINY
 from helpers.warm_python import python_m
 from test_report import rows_by_run, write_run
@@ -220,6 +222,22 @@ def test_a_stale_checkpoint_temporary_that_is_a_link_goes_and_its_target_stays(t
     assert remove_stale_temporaries(tmp_path / "run") == [checkpoints / ".step_00000004.tmp"]
     assert not (checkpoints / ".step_00000004.tmp").is_symlink()
     assert (kept / "notes.txt").read_text() == PRECIOUS
+
+
+def test_a_planted_wandb_run_id_link_starts_a_new_wandb_run_and_never_stops_the_run(
+    run_cfg, tmp_path, monkeypatch, caplog
+) -> None:
+    """Caught: the W&B id read through a link (resuming whatever run it names), or its refusal
+    stopping training, which W&B, being optional, never does."""
+    fake = install_fake_wandb(monkeypatch)
+    (tmp_path / "someone_elses_id").write_text("their-run")
+    (tmp_path / WANDB_RUN_ID_FILE).symlink_to(tmp_path / "someone_elses_id")
+    cfg = run_cfg("wandb.mode=offline")
+    assert open_wandb_logger(cfg, tmp_path, "fp32", "cpu", 4, None, tmp_path) is not None
+    (init,) = fake.called("init")
+    assert "id" not in init and "resume" not in init
+    assert f"{tmp_path / WANDB_RUN_ID_FILE} is a symbolic link" in caplog.text
+    assert "this run starts a new W&B run" in caplog.text
 
 
 # --- damaged runs ------------------------------------------------------------------------------
