@@ -31,6 +31,7 @@ from amp_exp.results.files import (
     read_json,
 )
 from amp_exp.results.lock import LOCK_FILE, RunDirectoryLock
+from amp_exp.results.loggers import JsonlLogger
 from amp_exp.results.summary import completed_summary
 from amp_exp.results.wandb_logger import open_wandb_logger
 from helpers.fake_wandb import install_fake_wandb
@@ -108,6 +109,18 @@ def test_cli_a_planted_symlink_lock_exits_2_in_one_line_and_writes_nothing(tmp_p
     )
     assert target.read_text() == PRECIOUS
     assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]
+
+
+@pytest.mark.parametrize("append", [False, True], ids=["fresh", "resumed"])
+def test_a_planted_metrics_link_is_refused_and_the_file_it_points_at_is_untouched(
+    tmp_path, append
+) -> None:
+    """Caught: metrics.jsonl opened with open("w") truncates whatever a planted link names."""
+    target = precious(tmp_path)
+    (tmp_path / "metrics.jsonl").symlink_to(target)
+    with pytest.raises(UntrustedFile, match=r"metrics\.jsonl is a symbolic link"):
+        JsonlLogger(tmp_path / "metrics.jsonl", append=append)
+    assert target.read_text() == PRECIOUS
 
 
 # --- reading as data ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -15,6 +16,7 @@ from amp_exp.results.files import (
     METRICS_LIMIT,
     UntrustedFile,
     json_line,
+    open_data,
     parse_json,
     read_data,
     write_fault,
@@ -41,10 +43,12 @@ class JsonlLogger:
     """
 
     def __init__(self, path: Path, append: bool = False) -> None:
-        """``append`` continues the rows a resumed run carried over; otherwise start afresh."""
+        """``append`` continues the rows a resumed run carried over; otherwise start afresh.
+        A link planted at ``path`` is refused (``open_data``): the rows never go where it points."""
         self.path = path
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
         try:
-            self._file = path.open("a" if append else "w", encoding="utf-8")
+            self._file = os.fdopen(open_data(path, flags), "a", encoding="utf-8")
         except OSError as error:
             raise write_fault(path, error) from None
 
