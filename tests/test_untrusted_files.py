@@ -21,7 +21,11 @@ from amp_exp.report.markdown import verdict_lines
 from amp_exp.report.runs import find_runs
 from amp_exp.report.sequential import read_plan
 from amp_exp.report.wandb_report import sweep_page
-from amp_exp.results.checkpoint import remove_stale_temporaries
+from amp_exp.results.checkpoint import (
+    UnusableCheckpoints,
+    load_newest_valid,
+    remove_stale_temporaries,
+)
 from amp_exp.results.files import (
     MAX_DEPTH,
     WANDB_RUN_ID_FILE,
@@ -251,6 +255,26 @@ def test_a_planted_wandb_run_id_link_starts_a_new_wandb_run_and_never_stops_the_
     assert "id" not in init and "resume" not in init
     assert f"{tmp_path / WANDB_RUN_ID_FILE} is a symbolic link" in caplog.text
     assert "this run starts a new W&B run" in caplog.text
+
+
+def test_a_fifo_found_as_a_step_checkpoint_is_unusable_not_a_hang(tmp_path) -> None:
+    """Caught: torch.load on a FIFO in checkpoints/ blocking the resume for ever."""
+    fifo = tmp_path / "checkpoints" / "step_00000004.pt"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def resume() -> None:
+        try:
+            load_newest_valid(tmp_path)
+        except UnusableCheckpoints as unusable:
+            outcome.append(unusable)
+
+    looking = threading.Thread(target=resume, daemon=True)
+    looking.start()
+    looking.join(timeout=60)
+    [unusable] = outcome
+    assert unusable.reasons[fifo] == f"{fifo} is a FIFO, not a file amp_exp wrote; remove it"
 
 
 # --- damaged runs ------------------------------------------------------------------------------

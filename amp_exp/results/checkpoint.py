@@ -16,6 +16,7 @@ imported only where a sharded checkpoint is saved or read: about 0.2 s of every 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -29,6 +30,7 @@ from amp_exp.results.files import (
     LAST_CHECKPOINT,
     TMP_SUFFIX,
     UntrustedFile,
+    open_data,
     stale_temporaries,
     write_atomically,
 )
@@ -225,6 +227,10 @@ def load_newest_valid(target: Path, look: bool = False) -> tuple[Path, dict[str,
         if best is not None and step is not None and step <= best[1]["step"]:
             break  # numbered checkpoints come newest first: none of the rest is newer
         try:
+            if path != target and (path.is_symlink() or not path.is_dir()):
+                # Found, not named by the user: a planted link or FIFO is no checkpoint (a FIFO
+                # would block the load for ever).
+                os.close(open_data(path))
             payload = read_checkpoint(path, mmap=look)
             if not (
                 isinstance(payload, dict)
