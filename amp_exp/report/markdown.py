@@ -121,7 +121,7 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
         f"trial speedup [{trial_level} CI]" if trial_level else "trial speedup",
     ]
     gpus = prediction_columns(report["comparisons"])
-    header += [f"predicted on {gpu}" for gpu in gpus]
+    header += [f"predicted on {md_text(gpu)}" for gpu in gpus]
     body = []
     for cell in report["cells"]:
         found = compared.get((cell["model"], cell["setting"], cell["label"]), {})
