@@ -16,7 +16,7 @@ from amp_exp.errors import ConfigError
 from amp_exp.report import sequential
 from amp_exp.report.stats import CODE, Verdict, simulate
 from amp_exp.report.sweep_design import evidence_sweep_section
-from amp_exp.results.files import EVIDENCE_JSON, write_json
+from amp_exp.results.files import EVIDENCE_JSON
 from helpers.runs import FAST, TINY, run_cli
 from hydra_plugins._amp_exp_evidence import EvidenceSweeper
 
@@ -116,7 +116,7 @@ def test_the_level_is_bonferroni_over_the_planned_looks() -> None:
 
 
 def test_a_resumed_sweep_keeps_its_looks_and_may_not_raise_max_seeds(tmp_path: Path) -> None:
-    write_json(tmp_path / EVIDENCE_JSON, {"plan": {"min_seeds": 2, "max_seeds": 5, "looks": 4}})
+    sequential.record(tmp_path, sequential.Plan(2, 5, 4), {"comparisons": [], "runs": []}, [])
     with pytest.raises(ConfigError, match=r"evidence.max_seeds=6: this sweep was planned"):
         sequential.start(tmp_path, 2, 6)
     lowered = sequential.start(tmp_path, 2, 4)

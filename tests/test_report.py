@@ -251,12 +251,17 @@ def test_without_matplotlib_the_report_keeps_its_table(tmp_path: Path, monkeypat
     assert json.loads((tmp_path / "report.json").read_text())["runs"] == report["runs"]
 
 
-def test_a_line_cut_short_by_a_killed_run_is_skipped(tmp_path: Path) -> None:
+def test_a_completed_run_whose_metrics_end_in_a_cut_line_is_damaged_not_judged(
+    tmp_path: Path,
+) -> None:
+    """A completed run closes metrics.jsonl whole: a line cut short means the file was cut
+    afterwards, and the run is listed as damaged (its rows before the cut still drawn)."""
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     with (tmp_path / "0" / "metrics.jsonl").open("a") as metrics:
         metrics.write('{"step": 4, "lo')
     report = build_report([tmp_path], tmp_path, tolerance=0.5)
-    assert report["runs"][0]["status"] == "completed"
+    assert report["runs"][0]["status"] == "damaged"
+    assert report["runs"][0]["error"] == "its metrics.jsonl ends in a line cut short"
     assert "loss_curves.png" in report["plots"]
 
 

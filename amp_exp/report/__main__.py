@@ -9,7 +9,6 @@ when a multirun ends.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -21,7 +20,7 @@ from amp_exp.errors import RuntimeFault
 from amp_exp.report.assemble import build_report
 from amp_exp.report.runs import ReportError, run_paths
 from amp_exp.results.contract import OneLineParser, enter, hold_output
-from amp_exp.results.files import REPORT_JSON, REPORT_MD
+from amp_exp.results.files import REPORT_JSON, REPORT_MD, UntrustedFile, read_json
 from amp_exp.results.lock import RunDirectoryBusy
 
 COMMAND = "amp_exp.report"
@@ -79,8 +78,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def reported_runs(out_dir: Path) -> set[str]:
     """The runs (relative to ``out_dir``) of the report already there; empty if none."""
     try:
-        rows = json.loads((out_dir / REPORT_JSON).read_text())["runs"]
+        rows = read_json(out_dir / REPORT_JSON)["runs"]
         return {str(row["run"]) for row in rows}
+    except UntrustedFile:
+        raise
     except (OSError, ValueError, KeyError, TypeError):
         return set()
 

@@ -3,7 +3,6 @@ report.json and the plots."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -19,7 +18,7 @@ from amp_exp.report.runs import find_runs
 from amp_exp.report.sequential import read_plan
 from amp_exp.report.stats import CONFIDENCE
 from amp_exp.report.verdicts import verdicts
-from amp_exp.results.files import PREDICTED_JSON, SPEED_JSON
+from amp_exp.results.files import PREDICTED_JSON, SPEED_JSON, UntrustedFile, read_json
 
 log = logging.getLogger("amp_exp")
 
@@ -33,7 +32,9 @@ def read_entries(dirs: list[Path], name: str, key: str) -> list[dict[str, Any]]:
     for directory in dirs:
         for path in sorted(directory.rglob(name)):
             try:
-                entries += json.loads(path.read_text(encoding="utf-8"))[key]
+                entries += read_json(path)[key]
+            except UntrustedFile:
+                raise
             except (OSError, ValueError, KeyError, TypeError) as error:
                 log.warning("report: skipping %s: %s", path, error)
     return entries

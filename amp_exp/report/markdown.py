@@ -14,6 +14,7 @@ from amp_exp.report.compare import (
     strategy_note,
     tolerance_for,
 )
+from amp_exp.report.escape import md_text
 from amp_exp.report.evidence import CLAIM_P
 from amp_exp.report.learned import DROP, FLOOR_FACTOR
 from amp_exp.report.predicted import PREDICTED_NOTE, prediction_columns, show_prediction
@@ -120,7 +121,7 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
         f"trial speedup [{trial_level} CI]" if trial_level else "trial speedup",
     ]
     gpus = prediction_columns(report["comparisons"])
-    header += [f"predicted on {gpu}" for gpu in gpus]
+    header += [f"predicted on {md_text(gpu)}" for gpu in gpus]
     body = []
     for cell in report["cells"]:
         found = compared.get((cell["model"], cell["setting"], cell["label"]), {})
@@ -135,11 +136,11 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
         p_value = claim_p(found)
         body.append(
             [
-                cell["model"],
-                *([cell["setting"] or "-"] * with_setting),
-                cell["label"],
+                md_text(cell["model"]),
+                *([md_text(cell["setting"] or "-")] * with_setting),
+                md_text(cell["label"]),
                 str(cell["n"]) + attempted(found),
-                metric or "-",
+                md_text(metric or "-"),
                 mean,
                 delta,
                 "-" if p_value is None else f"{p_value:.2g}",
@@ -163,7 +164,7 @@ def tolerance_sentence(report: dict[str, Any]) -> str:
             judged[declared["quality"]] = show_tolerance(limit, unit)
     if not judged:
         return ""
-    listed = ", ".join(f"{name} {limit}" for name, limit in judged.items())
+    listed = ", ".join(f"{md_text(name)} {limit}" for name, limit in judged.items())
     source = "`report.tolerance`" if report["tolerance"] is not None else "each task's default"
     return f" Tolerance: {listed} ({source})."
 
@@ -173,13 +174,13 @@ def health_line(row: dict[str, Any]) -> str:
     failed = health["failed_checks"]
     parts = [
         "checks FAILED: "
-        + "; ".join(f"{name} ({', '.join(who) or '?'})" for name, who in failed.items())
+        + md_text("; ".join(f"{name} ({', '.join(who) or '?'})" for name, who in failed.items()))
         if failed
         else "checks passed"
     ]
     overflow = health["first_overflow"]
     if overflow:
-        where = ", ".join(overflow["parameters"]) or "no parameter found"
+        where = md_text(", ".join(overflow["parameters"]) or "no parameter found")
         loss = "finite" if overflow["loss_finite"] else "non-finite"
         parts.append(f"first overflow at step {overflow['step']} (loss {loss}; {where})")
     # fp16's figures, measured in every run: in another precision they say what fp16 would do,
@@ -197,28 +198,37 @@ def health_line(row: dict[str, Any]) -> str:
         parts.append(f"{stale:.1%} of weights unchanged over the last interval")
     if health["converted_linears"] is not None:
         skipped = health["skipped_linears"] or {}
-        kept = "; ".join(f"{name}: {why}" for name, why in skipped.items())
+        kept = md_text("; ".join(f"{name}: {why}" for name, why in skipped.items()))
+        converted = md_text(", ".join(health["converted_linears"]) or "none")
         parts.append(
-            f"{row['precision']} linears: {', '.join(health['converted_linears']) or 'none'}"
+            f"{md_text(row['precision'])} linears: {converted}"
             + (f" (kept in bf16: {kept})" if kept else "")
         )
     parts += audit_parts(row["audit"])
-    return f"- `{row['run']}` ({row['model']} {shown(row)}): " + "; ".join(parts)
+    return f"- {run_named(row)}: " + "; ".join(parts)
+
+
+def run_named(row: dict[str, Any]) -> str:
+    """A run in a line of report.md: its directory, model and precision."""
+    return f"`{md_text(row['run'])}` ({md_text(row['model'])} {shown(row)})"
 
 
 def _sentence(text: str | None) -> str:
-    return f" {text}" if text else ""
+    """A sentence of text that names what the runs recorded (their strategies)."""
+    return f" {md_text(text)}" if text else ""
 
 
 def audit_parts(audit: dict[str, Any] | None) -> list[str]:
     """The dtypes the audited step's matmuls ran in, and why the precision did not engage."""
     if audit is None:
         return []
-    shares = ", ".join(f"{dtype} {share:.0%}" for dtype, share in audit["flops_by_dtype"].items())
+    shares = ", ".join(
+        f"{md_text(dtype)} {share:.0%}" for dtype, share in audit["flops_by_dtype"].items()
+    )
     parts = [f"matmul FLOPs: {shares or 'none'}"]
     if audit["shortfalls"]:
-        where = f" ({', '.join(audit['responsible'])})" if audit["responsible"] else ""
-        parts.append(f"DID NOT ENGAGE: {'; '.join(audit['shortfalls'])}{where}")
+        where = f" ({md_text(', '.join(audit['responsible']))})" if audit["responsible"] else ""
+        parts.append(f"DID NOT ENGAGE: {md_text('; '.join(audit['shortfalls']))}{where}")
     return parts
 
 
@@ -228,15 +238,23 @@ def rss_footnote(rows: list[dict[str, Any]]) -> str:
     rss = [row for row in rows if row["peak_mem_kind"] == "cpu_peak_rss" and row["peak_mem_bytes"]]
     if not rss:
         return ""
-    listed = ", ".join(f"`{row['run']}` {row['peak_mem_bytes'] / 2**20:,.0f} MiB" for row in rss)
+    listed = ", ".join(
+        f"`{md_text(row['run'])}` {row['peak_mem_bytes'] / 2**20:,.0f} MiB" for row in rss
+    )
     return f" CPU peak resident memory of the process (not of the precision): {listed}."
+
+
+def verdict_lines(report: dict[str, Any]) -> list[str]:
+    """The verdicts as a markdown list, for report.md and the W&B Report alike: plain text that
+    names models and precisions the runs recorded."""
+    return [f"- {md_text(line)}" for line in report["verdicts"]]
 
 
 def render_markdown(report: dict[str, Any]) -> str:
     rows = report["runs"]
     unfinished = [row for row in rows if row["status"] != "completed"]
     statuses = Counter(row["status"] for row in rows)
-    devices = sorted({row["device_name"] for row in rows if row["device_name"]})
+    devices = sorted({md_text(row["device_name"]) for row in rows if row["device_name"]})
     lines = [
         "# amp_exp sweep report",
         "",
@@ -251,7 +269,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         "## Verdict",
         "",
-        *(f"- {line}" for line in report["verdicts"]),
+        *verdict_lines(report),
         "",
         "## Evidence",
         "",
@@ -283,15 +301,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"- this machine: {line}" for line in advice]
     if unfinished:
         lines += ["", "## Runs that did not complete", ""]
-        lines += [
-            f"- `{row['run']}` ({row['model']} {shown(row)}) {describe_end(row)}"
-            for row in unfinished
-        ]
+        lines += [f"- {run_named(row)} {md_text(describe_end(row))}" for row in unfinished]
     if report["plots"] or report["plot_errors"]:
         lines += ["", "## Plots", ""]
         lines += [f"![{Path(name).stem}]({name})" for name in report["plots"]]
         lines += [
-            f"- {name} could not be drawn: {error}" for name, error in report["plot_errors"].items()
+            f"- {name} could not be drawn: {md_text(error)}"
+            for name, error in report["plot_errors"].items()
         ]
     return "\n".join(lines) + "\n"
 

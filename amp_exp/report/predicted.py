@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from amp_exp.report.escape import md_text
+
 PREDICTED_NOTE = (
     " Predicted on a GPU: a roofline of one traced training step on that GPU's datasheet "
     "(python -m amp_exp.predict, docs/benchmarks.md states its assumptions and its error against "
@@ -39,5 +41,5 @@ def show_prediction(found: dict[str, Any] | None) -> str:
     if not found:
         return "-"
     if found.get("speedup_vs_fp32") is None:
-        return f"not predicted: {found.get('unavailable') or 'no fp32 prediction'}"
+        return f"not predicted: {md_text(found.get('unavailable') or 'no fp32 prediction')}"
     return f"{found['speedup_vs_fp32']:.2f}x (predicted)"

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from amp_exp.report.compare import BASELINE, subject
+from amp_exp.report.escape import md_text
 from amp_exp.report.learned import FIX
 from amp_exp.report.speedup import trial_interval
 
@@ -199,6 +200,7 @@ def recommendation_lines(found: list[dict[str, Any]]) -> list[str]:
         elif item["precision"] == BASELINE:
             use = f"{BASELINE} on this device"
         else:
-            use = f"use {item['precision']}"
-        lines.append(f"- **{subject(item['model'], item['setting'])}: {use}.** {item['reason']}.")
+            use = f"use {md_text(item['precision'])}"
+        named = md_text(subject(item["model"], item["setting"]))
+        lines.append(f"- **{named}: {use}.** {md_text(item['reason'])}.")
     return [*lines, "", GPU_LINE] if lines else []

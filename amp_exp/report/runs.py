@@ -4,12 +4,13 @@ It reads files alone, so a report works on runs copied from another machine and 
 without W&B. A job that never wrote summary.json (SIGKILL, the OOM killer) is found by the config
 Hydra saved before it ran, and listed as killed. What cannot be read is named in one line and
 passed over: a summary.json that is no summary (the run is listed as failed), a field of the
-wrong kind, a line of metrics.jsonl that is no row.
+wrong kind, a line of metrics.jsonl that is no row; a completed run whose metrics.jsonl is missing
+or cut short is listed as damaged, never judged. A file amp_exp cannot have written (a link, a
+FIFO, one too large or nested too deep: results/files.py) stops the report in one line.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,16 @@ from typing import Any
 
 from amp_exp.config.precisions import register
 from amp_exp.errors import ConfigError, first_line
-from amp_exp.results.files import JOB_CONFIG, METRICS_FILE, SUMMARY_FILE
-from amp_exp.results.loggers import read_rows
+from amp_exp.results.files import (
+    JOB_CONFIG,
+    METRICS_FILE,
+    METRICS_LIMIT,
+    SUMMARY_FILE,
+    UntrustedFile,
+    read_data,
+    read_json,
+)
+from amp_exp.results.loggers import TRAIN, parse_rows
 from amp_exp.results.summary import Status, make_summary
 
 log = logging.getLogger("amp_exp")
@@ -54,12 +63,29 @@ def _natural_key(path: Path) -> list[tuple[int, int | str]]:
     return [(0, int(part)) if part.isdigit() else (1, part) for part in path.parts]
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of metrics.jsonl; a line cut short by a killed run is left out."""
-    rows, unreadable = read_rows(path)
+def read_metrics(path: Path, summary: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """The rows of metrics.jsonl, a line cut short by a killed run left out; and why they cannot
+    be the whole record of a run whose ``summary`` says it completed (None if they can, or if it
+    did not complete): the file is missing, ends in a line cut short, or stops before the last
+    step, which every run logs."""
+    try:
+        data = read_data(path, METRICS_LIMIT)
+    except FileNotFoundError:
+        data = None
+    rows, unreadable = parse_rows(data or b"", path)
     if unreadable:
         log.warning("%s: skipping %d unreadable line(s)", path, unreadable)
-    return rows
+    if summary.get("status") != Status.completed.value:
+        return rows, None
+    if data is None:
+        return rows, f"its {METRICS_FILE} is missing"
+    if not data.endswith(b"\n"):
+        return rows, f"its {METRICS_FILE} ends in a line cut short"
+    steps = summary.get("steps") or 0
+    logged = max((row["step"] for row in rows if row["kind"] == TRAIN), default=0)
+    if logged < steps:
+        return rows, f"its {METRICS_FILE} logs training to step {logged} of {steps}"
+    return rows, None
 
 
 def job_config(path: Path) -> dict[str, Any]:
@@ -75,7 +101,7 @@ def job_config(path: Path) -> dict[str, Any]:
     from amp_exp.config.validate import validate
 
     try:
-        saved = OmegaConf.load(path / JOB_CONFIG)
+        saved = OmegaConf.create(read_data(path / JOB_CONFIG).decode("utf-8"))
     except Exception:  # a missing or broken file of any kind
         return {}
     if not isinstance(saved, DictConfig):
@@ -164,8 +190,9 @@ def conforms(value: Any, kind: Any) -> bool:
 
 def read_summary(path: Path) -> dict[str, Any]:
     """A run's summary.json, its fields of the wrong kind left out (and named); raises
-    ValueError (or OSError) for a file that is no summary at all."""
-    summary = json.loads((path / SUMMARY_FILE).read_bytes().decode("utf-8"))
+    ValueError (or OSError) for a file that is no summary at all, ``UntrustedFile`` for one
+    amp_exp cannot have written (a link, a FIFO, nested too deep), which stops the report."""
+    summary = read_json(path / SUMMARY_FILE)
     if not isinstance(summary, dict):
         raise ValueError(f"it holds a JSON {type(summary).__name__}, not an object")
     statuses = [status.value for status in Status]
@@ -202,6 +229,8 @@ def load_run(path: Path) -> Run:
         summary = read_summary(path)
     except FileNotFoundError:
         summary = killed_summary(path)
+    except UntrustedFile:
+        raise
     except (OSError, ValueError) as error:
         # UnicodeDecodeError and json.JSONDecodeError are ValueErrors too.
         reason = first_line(str(error)) or type(error).__name__
@@ -210,7 +239,12 @@ def load_run(path: Path) -> Run:
             Status.failed, job_config(path), error=f"unreadable {SUMMARY_FILE}: {reason}"
         )
     register_own_plugin(path, summary)
-    return Run(path, summary, read_metrics(path / METRICS_FILE))
+    metrics, damage = read_metrics(path / METRICS_FILE, summary)
+    if damage:
+        # Listed with the runs that did not complete, and judged as none of them is.
+        log.warning("%s: %s; listed as damaged", path, damage)
+        summary = {**summary, "status": Status.damaged.value, "error": damage}
+    return Run(path, summary, metrics)
 
 
 def register_own_plugin(path: Path, summary: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from amp_exp.report.compare import BASELINE, NOT_ENGAGED, subject
+from amp_exp.report.escape import md_text
 from amp_exp.report.speedup import speedup_cell
 
 
@@ -27,7 +28,7 @@ Column = tuple[str, Callable[[dict[str, Any]], str]]
 
 
 def row_subject(row: dict[str, Any]) -> str:
-    return subject(row["model"], row["setting"])
+    return md_text(subject(row["model"], row["setting"]))
 
 
 def throughput(row: dict[str, Any]) -> str:
@@ -70,7 +71,7 @@ def precision_cell(row: dict[str, Any]) -> str:
     parts += ["fsdp2"] if row["strategy"] == "fsdp2" else []
     for what, key in (("params", "param_dtype"), ("reduce", "reduce_dtype")):
         if row[key] not in (None, "fp32"):
-            parts.append(f"{what} {row[key]}")
+            parts.append(f"{what} {md_text(row[key])}")
     return shown(row) + (f" [{', '.join(parts)}]" if parts else "")
 
 
@@ -92,7 +93,7 @@ def run_columns(rows: list[dict[str, Any]]) -> list[Column]:
     a new column is one more entry here."""
     seeds = [("seed", lambda row: _text(row["seed"]))] if len({r["seed"] for r in rows}) > 1 else []
     return [
-        ("run", lambda row: row["run"]),
+        ("run", lambda row: md_text(row["run"])),
         ("model", row_subject),
         ("precision", precision_cell),
         *seeds,
@@ -106,7 +107,8 @@ def run_columns(rows: list[dict[str, Any]]) -> list[Column]:
 
 def shown(row: dict[str, Any]) -> str:
     """A run's precision as the tables show it: its label, and whether it did not engage."""
-    return f"{row['label']} ({NOT_ENGAGED})" if row["engaged"] is False else row["label"]
+    label = md_text(row["label"])
+    return f"{label} ({NOT_ENGAGED})" if row["engaged"] is False else label
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> list[str]:

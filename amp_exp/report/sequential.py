@@ -18,15 +18,15 @@ writes evidence.json through ``record``; the report reads it back (``read_plan``
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from amp_exp.errors import ConfigError
+from amp_exp.errors import ConfigError, first_line
 from amp_exp.report.compare import BASELINE
+from amp_exp.report.runs import NUMBER, Nullable, conforms
 from amp_exp.report.stats import CONFIDENCE, Verdict
-from amp_exp.results.files import EVIDENCE_JSON, write_json
+from amp_exp.results.files import EVIDENCE_JSON, UntrustedFile, damaged, read_json, write_json
 from amp_exp.tasks.metrics import ToleranceUnit
 
 # The verdicts another seed may still change: nothing claimed, or only the one-sided not_worse.
@@ -55,12 +55,36 @@ class Plan:
         return 1 - (1 - CONFIDENCE) / self.looks
 
 
+# What ``record`` writes into evidence.json, by field (report/runs.py ``conforms``).
+EVIDENCE_KINDS = {
+    "plan": {"min_seeds": int, "max_seeds": int, "looks": int},
+    "rule": str,
+    "confidence": NUMBER,
+    "looks": [{str: {"n": int, "verdict": str, "open": bool}}],
+    "seeds": {str: int},
+    "jobs": int,
+    "fixed_jobs": int,
+    "steps": int,
+    "steps_per_job": Nullable(int),
+}
+
+
 def read_plan(directory: Path) -> dict[str, Any] | None:
-    """evidence.json of an evidence sweep's directory: its plan, looks and seeds; None elsewhere."""
+    """evidence.json of an evidence sweep's directory: its plan, looks and seeds; None elsewhere.
+    One that is not as ``record`` writes it stops the sweep or the report in one line (exit 2):
+    its plan sets the level of every interval, so no guess can stand in for it."""
     path = directory / EVIDENCE_JSON
-    if not path.is_file():
+    try:
+        recorded = read_json(path)
+    except FileNotFoundError:
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    except UntrustedFile:
+        raise
+    except (OSError, ValueError) as error:
+        raise damaged(path, first_line(str(error)) or type(error).__name__) from None
+    if not conforms(recorded, EVIDENCE_KINDS):
+        raise damaged(path, "its fields are not those amp_exp writes there")
+    return recorded
 
 
 def start(sweep_dir: Path, min_seeds: int, max_seeds: int) -> Plan:

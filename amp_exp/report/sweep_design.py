@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from amp_exp.report.compare import BASELINE, subject
+from amp_exp.report.escape import md_text
 from amp_exp.report.sequential import FIXED_SEEDS
 from amp_exp.report.shown import show_level
 
@@ -15,13 +16,13 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
     cell used and the look it was decided at, and what a fixed 3-seed design would have spent."""
     if sweep is None:
         return []
-    plan = sweep["plan"]
+    plan, rule = sweep["plan"], md_text(sweep["rule"])
     lines = [
         "## Evidence sweep",
         "",
         f"Seeds were added only where a verdict was still open: every cell ran "
         f"{plan['min_seeds']} seeds, then each cell not yet decided (and its {BASELINE} pair) one "
-        f"more per look, up to {plan['max_seeds']}; a decided cell stayed frozen. {sweep['rule']}: "
+        f"more per look, up to {plan['max_seeds']}; a decided cell stayed frozen. {rule}: "
         f"L = {plan['looks']} looks planned, each interval at {show_level(sweep['confidence'])} "
         f"(1 - 0.05/{plan['looks']}), so a false claim stays below 2.5% per side however the "
         "looks fell; the intervals above are those adjusted ones, not 95%.",
@@ -30,9 +31,11 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         "|---|---|---|",
     ]
     for cell, seeds in sweep["seeds"].items():
-        shown = ", ".join(f"n={look['n']} {look['verdict']}" for look in judged_looks(sweep, cell))
+        shown = ", ".join(
+            f"n={look['n']} {md_text(look['verdict'])}" for look in judged_looks(sweep, cell)
+        )
         model, setting, label = cell.split("|")
-        named = f"{subject(model, setting)} {label}"
+        named = md_text(f"{subject(model, setting)} {label}")
         lines.append(f"| {named} | {seeds} | {shown or '-'} |")
     steps = sweep["steps_per_job"]
     cost = f", {sweep['steps']:,} steps" if steps else ""

@@ -72,6 +72,7 @@ ENDED_WORDS = {
     "killed": "was killed",
     "stopped": "was stopped",
     "failed": "failed",
+    "damaged": "left a damaged record",
 }
 
 

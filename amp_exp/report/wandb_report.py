@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.report.compare import REPLICATE_KEY, declared_metrics, varied_keys
-from amp_exp.report.markdown import evidence_table
+from amp_exp.report.markdown import evidence_table, verdict_lines
 from amp_exp.report.runs import Run, find_runs
 from amp_exp.report.runs_table import markdown_table
 from amp_exp.results.dashboard import (
@@ -32,7 +32,7 @@ from amp_exp.results.dashboard import (
     X_AXIS,
     wandb_key_of,
 )
-from amp_exp.results.files import WANDB_RUN_ID_FILE
+from amp_exp.results.files import WANDB_RUN_ID_FILE, read_data
 from amp_exp.results.wandb_logger import NO_API_KEY, describe
 
 EXTRA = "wandb-report"
@@ -60,7 +60,7 @@ class SweepPage:
     title: str
     description: str
     run_ids: tuple[str, ...]
-    verdicts: tuple[str, ...]
+    verdicts: tuple[str, ...]  # markdown lines: the verdict list of report.md
     evidence: tuple[str, ...]  # markdown lines: the verdict table of report.md
     table: tuple[str, ...]  # markdown lines
     swept_keys: tuple[str, ...]  # dotted config keys ("optimizer.lr"), precision.resolved first
@@ -72,7 +72,7 @@ class SweepPage:
 
 def _run_id(run: Run) -> str | None:
     path = run.path / WANDB_RUN_ID_FILE
-    return path.read_text(encoding="utf-8").strip() if path.is_file() else None
+    return read_data(path).decode("utf-8").strip() if path.is_file() else None
 
 
 def _wandb_config(run: Run) -> dict[str, Any]:
@@ -136,7 +136,7 @@ def sweep_page(runs: list[Run], report: dict[str, Any], out_dir: Path) -> SweepP
         title=title,
         description=f"{len(logged)} W&B runs of the {len(runs)} runs in {out_dir.resolve()}",
         run_ids=tuple(str(_run_id(run)) for run in logged),
-        verdicts=tuple(report["verdicts"]),
+        verdicts=tuple(verdict_lines(report)),
         evidence=tuple(evidence_table(report)),
         table=tuple(markdown_table(report["runs"])),
         swept_keys=_swept_keys(logged),
@@ -273,7 +273,7 @@ def build_page(page: SweepPage, entity: str) -> Any:
         width="fluid",
         blocks=[
             wr.H2("Verdict"),
-            wr.MarkdownBlock("\n".join(f"- {line}" for line in page.verdicts)),
+            wr.MarkdownBlock("\n".join(page.verdicts)),
             wr.MarkdownBlock("\n".join(page.evidence)),
             wr.H2("Runs by precision and setting: the mean of the seeds, in their min-max band"),
             wr.PanelGrid(runsets=[runset], panels=_panels(wr, page)),

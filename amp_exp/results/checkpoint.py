@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -30,6 +31,8 @@ from amp_exp.results.files import (
     CHECKPOINT_DIR,
     LAST_CHECKPOINT,
     TMP_SUFFIX,
+    UntrustedFile,
+    open_data,
     stale_temporaries,
     write_atomically,
 )
@@ -163,8 +166,14 @@ class ShardedCheckpointer(Checkpointer):
             {**state, "model": None, "optimizer": None, "sharded": sorted(shards)}
         )
         final = self.directory / f"step_{payload['step']:08d}"
-        # The same name on every rank; a leftover of a killed save is written over.
+        # The same name on every rank; a leftover of a killed save is written over, a link
+        # planted there never (the shards would go wherever it points).
         partial = self.directory / f".{final.name}{TMP_SUFFIX}"
+        if partial.is_symlink():
+            raise UntrustedFile(
+                f"{partial} is a symbolic link; amp_exp never writes one there, so it saves "
+                "nothing through it: remove it"
+            )
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -211,7 +220,7 @@ def remove_stale_temporaries(target: Path) -> list[Path]:
     """Delete the temporary files saves killed mid-write left in ``target``'s checkpoints/."""
     stale = stale_temporaries(checkpoint_dir(target))
     for path in stale:
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():  # a link goes, never what it points at
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
@@ -251,6 +260,10 @@ def load_newest_valid(target: Path, look: bool = False) -> tuple[Path, dict[str,
         if best is not None and step is not None and step <= best[1]["step"]:
             break  # numbered checkpoints come newest first: none of the rest is newer
         try:
+            if path != target and (path.is_symlink() or not path.is_dir()):
+                # Found, not named by the user: a planted link or FIFO is no checkpoint (a FIFO
+                # would block the load for ever).
+                os.close(open_data(path))
             payload = read_checkpoint(path, mmap=look)
             if not (
                 isinstance(payload, dict)

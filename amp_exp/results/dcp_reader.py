@@ -13,6 +13,7 @@ and again as DCP loads it (``SafeLoadPlanner``).
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+
+from amp_exp.results.files import open_data
 
 DCP_METADATA = ".metadata"
 # Everything a DCP .metadata file of plain and FSDP2 state dicts refers to by name.
@@ -60,7 +63,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 def read_metadata(path: Path) -> Metadata:
     """A DCP ``.metadata`` file, unpickled with DCP's own classes only."""
-    with path.open("rb") as file:
+    with os.fdopen(open_data(path), "rb") as file:
         metadata = MetadataUnpickler(file).load()
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpoint(f"{DCP_METADATA} holds a {type(metadata).__name__}, not Metadata")
@@ -82,7 +85,7 @@ def check_checkpoint(path: Path) -> None:
                 f"the value of {index.fqn} lies in {where.relative_path}, transformed by "
                 f"{where.transform_descriptors or 'nothing'}: not where amp_exp saves one"
             )
-        with shard.open("rb") as file:
+        with os.fdopen(open_data(shard), "rb") as file:
             file.seek(where.offset)
             load_plain(io.BytesIO(file.read(where.length)), index.fqn)
 

@@ -1,18 +1,27 @@
-"""The files of a run directory: their names, one atomic write, and strict JSON.
+"""The files of a run directory: their names, one atomic write, strict JSON, and reading as data.
 
 Every result file is written through ``runtime.atomic``: a crash at any moment leaves the old
 file or the new one, never a torn one, and the file gets the mode any file the user creates gets.
+
+Every file amp_exp reads back from an output directory is read through ``read_data`` or
+``read_json``: the directory may be one someone shared, or an artifact downloaded from W&B, so
+its files are data that may be anything (docs/faults.md, "Files in an output directory").
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import re
+import stat
 from collections.abc import Callable
+from itertools import accumulate
 from pathlib import Path
 from typing import IO, Any
 
-from amp_exp.errors import RuntimeFault, first_line
+from amp_exp.errors import RunRefused, RuntimeFault, first_line
 from amp_exp.runtime.atomic import TMP_SUFFIX, atomic_write
 
 METRICS_FILE = "metrics.jsonl"
@@ -92,3 +101,111 @@ def stale_temporaries(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     return sorted(directory.glob(f".*{TMP_SUFFIX}"))
+
+
+# Far above what amp_exp writes (a summary is some kB, a metrics row some hundred bytes, nesting
+# about 6 deep), so only a file amp_exp did not write reaches them.
+JSON_LIMIT = 64 * 2**20
+# A run logging every step for a million steps writes about 500 MB.
+METRICS_LIMIT = 2**30
+MAX_DEPTH = 64
+READ_CHUNK = 2**20
+
+
+class UntrustedFile(RunRefused):
+    """A file amp_exp reads back from an output directory is not one it can have written: a
+    symbolic link, a FIFO, a device, larger or nested deeper than anything it writes, or content
+    it does not write. Refused in one line (exit 2) before the command has changed anything."""
+
+
+def damaged(path: Path, why: str) -> UntrustedFile:
+    return UntrustedFile(f"{path} is damaged ({why}); nothing was changed: restore it or remove it")
+
+
+def file_kind(mode: int) -> str:
+    kinds = {
+        stat.S_ISDIR: "a directory",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
+    return next((name for test, name in kinds.items() if test(mode)), "an unknown kind of file")
+
+
+def open_data(path: Path, flags: int = os.O_RDONLY) -> int:
+    """A descriptor of ``path`` opened with ``flags``, if it is a regular file; ``UntrustedFile``
+    for anything else. A missing file raises ``FileNotFoundError`` (unless ``flags`` create it).
+
+    ``O_NOFOLLOW`` refuses a link in the last component (a directory given by a link, as a
+    user's ``outputs/`` may be, is followed): nothing is read or written through one.
+    ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for a writer, so its
+    type can be refused; on a regular file it changes nothing.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UntrustedFile(
+                f"{path} is a symbolic link; amp_exp never writes one there, so it reads and "
+                "writes nothing through it: replace it with the file itself"
+            ) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise UntrustedFile(f"{path} is {file_kind(mode)}, not a file amp_exp wrote; remove it")
+    return fd
+
+
+def read_data(path: Path, limit: int = JSON_LIMIT) -> bytes:
+    """``path``'s bytes (``open_data``), if it holds at most ``limit``; ``UntrustedFile``
+    otherwise: refused by its size before a byte is read, and, should it grow while it is read,
+    once ``limit`` is passed."""
+    too_large = UntrustedFile(
+        f"{path} holds over {limit / 2**20:g} MiB, more than amp_exp writes there; remove it or "
+        "move it elsewhere"
+    )
+    with os.fdopen(open_data(path), "rb") as file:
+        if os.fstat(file.fileno()).st_size > limit:
+            raise too_large
+        chunks, size = [], 0
+        while chunk := file.read(READ_CHUNK):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+    return b"".join(chunks)
+
+
+# A JSON string (escapes included), and everything that is not a bracket: what ``nests_too_deep``
+# strips before counting, so a bracket inside a string does not count.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
+_BRACKET_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def nests_too_deep(data: bytes) -> bool:
+    """Whether ``data``'s arrays and objects nest deeper than ``MAX_DEPTH``: checked before
+    parsing, because Python's parser recurses once a level and a deep enough file exhausts it."""
+    if data.count(b"[") + data.count(b"{") <= MAX_DEPTH:
+        return False  # too few brackets to nest that deep
+    brackets = _NOT_BRACKET.sub(b"", _JSON_STRING.sub(b"", data))
+    return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0) > MAX_DEPTH
+
+
+def parse_json(data: bytes, path: Path) -> Any:
+    """``data`` (read from ``path``) parsed as JSON; ``UntrustedFile`` when it nests deeper
+    than ``MAX_DEPTH``, ``ValueError`` when it is no JSON (``UnicodeDecodeError`` and
+    ``json.JSONDecodeError`` both are)."""
+    if nests_too_deep(data):
+        raise UntrustedFile(
+            f"{path} nests deeper than {MAX_DEPTH} levels, deeper than anything amp_exp writes; "
+            "remove it"
+        )
+    return json.loads(data.decode("utf-8"))
+
+
+def read_json(path: Path, limit: int = JSON_LIMIT) -> Any:
+    """``path`` read as data (``read_data``) and parsed as JSON (``parse_json``)."""
+    return parse_json(read_data(path, limit), path)

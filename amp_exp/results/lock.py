@@ -18,6 +18,7 @@ import socket
 from pathlib import Path
 
 from amp_exp.errors import RunRefused, RuntimeFault, first_line
+from amp_exp.results.files import open_data
 
 LOCK_FILE = ".amp_exp.lock"
 
@@ -42,9 +43,9 @@ def holder_of(directory: Path) -> str | None:
     if key in _held:
         return None
     try:
-        fd = os.open(key / LOCK_FILE, os.O_RDONLY)
+        fd = os.open(key / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return None  # no lock file: no run ever held it
+        return None  # no lock file (no run ever held it), or one no run took: _acquire refuses it
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -69,8 +70,10 @@ class RunDirectoryLock:
         return self
 
     def _acquire(self) -> int:
+        # The holder's line is written into the lock: open_data refuses a link planted in its
+        # place (the line would land in whatever it points at) and a FIFO, in one line.
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_data(self.path, os.O_RDWR | os.O_CREAT)
         except OSError as error:
             raise self._unwritable(error) from None
         try:

@@ -7,12 +7,21 @@ touch tensors. Every row names its kind (``train``, ``eval``, ``diagnostics``) i
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from amp_exp.results.files import json_line, write_fault, write_text
+from amp_exp.results.files import (
+    METRICS_LIMIT,
+    UntrustedFile,
+    json_line,
+    open_data,
+    parse_json,
+    read_data,
+    write_fault,
+    write_text,
+)
 from amp_exp.tasks.metrics import TaskMetrics
 
 log = logging.getLogger("amp_exp")
@@ -34,10 +43,12 @@ class JsonlLogger:
     """
 
     def __init__(self, path: Path, append: bool = False) -> None:
-        """``append`` continues the rows a resumed run carried over; otherwise start afresh."""
+        """``append`` continues the rows a resumed run carried over; otherwise start afresh.
+        A link planted at ``path`` is refused (``open_data``): the rows never go where it points."""
         self.path = path
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
         try:
-            self._file = path.open("a" if append else "w", encoding="utf-8")
+            self._file = os.fdopen(open_data(path, flags), "a", encoding="utf-8")
         except OSError as error:
             raise write_fault(path, error) from None
 
@@ -56,17 +67,26 @@ class JsonlLogger:
 
 
 def read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The rows of a metrics.jsonl, and how many lines could not be read: a line torn by a
-    process killed mid-write, bytes that are not UTF-8, or JSON that is not a row (an object with
-    its ``kind`` and ``step``)."""
-    if not path.is_file():
+    """The rows of a metrics.jsonl (``parse_rows``), read as data; none if it is missing."""
+    try:
+        data = read_data(path, METRICS_LIMIT)
+    except FileNotFoundError:
         return [], 0
+    return parse_rows(data, path)
+
+
+def parse_rows(data: bytes, path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The rows in ``data`` (the bytes of ``path``, a metrics.jsonl), and how many lines could not
+    be read: a line torn by a process killed mid-write, bytes that are not UTF-8, or JSON that is
+    not a row (an object with its ``kind`` and ``step``)."""
     rows, unreadable = [], 0
-    for line in path.read_bytes().splitlines():
+    for line in data.splitlines():
         if not line.strip():
             continue
         try:
-            row = json.loads(line.decode("utf-8"))
+            row = parse_json(line, path)
+        except UntrustedFile:
+            raise
         except ValueError:  # UnicodeDecodeError and json.JSONDecodeError both are
             unreadable += 1
             continue

@@ -6,7 +6,6 @@ A report can then read any run without guessing which keys exist.
 
 from __future__ import annotations
 
-import json
 import logging
 import platform
 from enum import Enum
@@ -14,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.errors import first_line
-from amp_exp.results.files import FAILED_ATTEMPT_FILE, SUMMARY_FILE, write_json
+from amp_exp.results.files import (
+    FAILED_ATTEMPT_FILE,
+    SUMMARY_FILE,
+    UntrustedFile,
+    read_json,
+    write_json,
+)
 from amp_exp.results.provenance import git_sha
 
 log = logging.getLogger("amp_exp")
@@ -27,6 +32,9 @@ class Status(str, Enum):
     failed = "failed"
     # No summary was written (SIGKILL, the OOM killer); the report fills this one in.
     killed = "killed"
+    # The summary says completed, and metrics.jsonl is missing or cut short: the report fills
+    # this one in, and judges no such run as if its record were whole.
+    damaged = "damaged"
 
 
 # Every key of summary.json, in the order written.
@@ -200,9 +208,12 @@ def record_failure(
 
 
 def completed_summary(output_dir: Path) -> dict[str, Any] | None:
-    """The run directory's summary.json, if it records a completed run."""
+    """The run directory's summary.json, if it records a completed run; ``UntrustedFile`` for one
+    amp_exp cannot have written (a link, a FIFO), which no command may take for absent."""
     try:
-        summary = json.loads((output_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
+        summary = read_json(output_dir / SUMMARY_FILE)
+    except UntrustedFile:
+        raise
     except (OSError, ValueError):
         return None
     completed = isinstance(summary, dict) and summary.get("status") == Status.completed.value

@@ -33,7 +33,7 @@ from amp_exp.results.dashboard import (
     run_tags,
     wandb_metrics,
 )
-from amp_exp.results.files import WANDB_RUN_ID_FILE
+from amp_exp.results.files import WANDB_RUN_ID_FILE, read_data
 from amp_exp.results.loggers import TRAIN
 from amp_exp.results.sweep import SweepJob
 
@@ -144,7 +144,10 @@ def open_wandb_logger(
     }
     id_file = resumed_run_dir / WANDB_RUN_ID_FILE if resumed_run_dir else None
     if id_file is not None and id_file.is_file():
-        init_args.update(id=id_file.read_text(encoding="utf-8").strip(), resume="allow")
+        try:
+            init_args.update(id=read_data(id_file).decode("utf-8").strip(), resume="allow")
+        except ValueError as error:  # a planted link, bytes that are no id: W&B is optional
+            log.warning("%s; this run starts a new W&B run", first_line(str(error)))
     run = start_run(wandb, mode, cfg.wandb, init_args)
     if run is None:
         return None

@@ -24,6 +24,8 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], durable: bool =
     ``durable`` also fsyncs the file and the rename, for results; a cache needs only the rename.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    # mkstemp creates a new file (O_EXCL, O_NOFOLLOW): never one planted under its random name;
+    # the rename then replaces a link at ``path`` itself, never what it points at.
     handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
     try:
         # mkstemp creates 0600; give the file the mode open() would have.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import logging
 import math
 from pathlib import Path
@@ -20,7 +19,7 @@ from amp_exp.config.commands import target_precisions
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
 from amp_exp.errors import ConfigError, RunRefused
-from amp_exp.results.files import SENSITIVITY_JSON
+from amp_exp.results.files import SENSITIVITY_JSON, read_json
 from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.sensitivity.measure import measure_precision, ranking
 from amp_exp.sensitivity.reference import capture_reference
@@ -53,7 +52,7 @@ def finished_before(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     saved = output_dir / SENSITIVITY_JSON
     if cfg.resume is None or not saved.is_file():
         return None
-    report = json.loads(saved.read_text())
+    report = read_json(saved)
     changed = changed_keys(
         {"config": report.get("config")}, {"config": plain_run_config(cfg)}, RESUMABLE
     )
@@ -70,7 +69,7 @@ def finished_before(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     ):
         return None  # a repair to run, to continue, or to take further than it went
     if repaired.is_file():
-        report["repair"] = json.loads(repaired.read_text())
+        report["repair"] = read_json(repaired)
     log.info(
         "resume=auto: %s holds this sensitivity%s, finished; nothing to do, its results stay as "
         "they are",

@@ -20,7 +20,6 @@ trials' outcomes, so it ends where an uninterrupted one would.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -31,7 +30,7 @@ from amp_exp.config.precisions import REFERENCE, spec_of
 from amp_exp.config.schema import RunConfig
 from amp_exp.errors import RunRefused
 from amp_exp.report.stats import Verdict
-from amp_exp.results.files import write_json
+from amp_exp.results.files import read_json, write_json
 from amp_exp.sensitivity.reference import Reference
 from amp_exp.sensitivity.verify import (
     Trial,
@@ -183,7 +182,7 @@ def start_search(cfg: RunConfig, verify_dir: Path, plan: dict[str, Any]) -> None
     recorded search was asked: its trials answer only that."""
     path = verify_dir / SEARCH_FILE
     if cfg.resume == "auto" and path.is_file():
-        recorded = json.loads(path.read_text())
+        recorded = read_json(path)
         changed = changed_keys(recorded, plan, RESUMABLE)
         if changed:
             raise RunRefused(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import logging
 import os
 import signal
@@ -35,7 +34,7 @@ from amp_exp.report.runs import find_runs
 from amp_exp.report.stats import Verdict
 from amp_exp.report.verdicts import quality_phrase
 from amp_exp.results.contract import Stopped
-from amp_exp.results.files import METRICS_FILE, write_json
+from amp_exp.results.files import METRICS_FILE, read_json, write_json
 from amp_exp.results.loggers import read_rows
 from amp_exp.results.summary import Status, completed_summary, record_failure
 from amp_exp.run import train
@@ -79,7 +78,7 @@ class Trial:
     def load(cls, trial_dir: Path) -> Trial | None:
         """The trial recorded in ``trial_dir``; None when it never finished there."""
         path = trial_dir / TRIAL_FILE
-        return cls(**json.loads(path.read_text())) if path.is_file() else None
+        return cls(**read_json(path)) if path.is_file() else None
 
     def save(self) -> None:
         write_json(Path(self.run_dir) / TRIAL_FILE, vars(self))
