@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
 from amp_exp.errors import RunRefused, RuntimeFault
 from amp_exp.results.checkpoint import load_shards, remove_stale_temporaries
@@ -18,7 +19,6 @@ from amp_exp.results.claim import check_same_experiment, nothing_to_do, resume_t
 from amp_exp.results.claim import find_checkpoint as checkpoint_to_resume
 from amp_exp.results.files import METRICS_FILE
 from amp_exp.results.loggers import keep_metrics_until
-from amp_exp.config.plain import plain_run_config
 from amp_exp.results.resume_rules import data_position, kept_horizon
 from amp_exp.results.summary import completed_summary
 from amp_exp.runtime.distributed import Distributed
