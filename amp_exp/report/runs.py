@@ -3,8 +3,9 @@
 It reads files alone, so a report works on runs copied from another machine and on runs logged
 without W&B. Everything in them is data: a run in a precision no plugin installed here defines (a
 user's own, named by ``precision._target_``) is shown by the facts its run recorded
-(``precision_facts``: label, order, colour), or by its name; its module is never imported. A job that never wrote summary.json (SIGKILL, the OOM killer) is found by the config
-Hydra saved before it ran, and listed as killed. What cannot be read is named in one line and
+(``precision_facts``: label, order, colour), or by its name; its module is never imported. A
+job that never wrote summary.json (SIGKILL, the OOM killer) is found by the config Hydra saved
+before it ran (results/recorded.py), and listed as killed. What cannot be read is named in one line and
 passed over: a summary.json that is no summary (the run is listed as failed), a field of the
 wrong kind, a line of metrics.jsonl that is no row.
 """

@@ -100,10 +100,7 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list
             continue
         change = f"{key}: {json.dumps(before)} -> {json.dumps(after)}"
         # Within the autocast family a precision change is a warning, not a new experiment.
-        if key == PRECISION_NAME:
-            ok = _family(before) == _family(after)
-        else:
-            ok = may_change(key)
+        ok = _family(before) == _family(after) if key == PRECISION_NAME else may_change(key)
         (allowed if ok else refused).append(change)
     return refused, allowed
 
@@ -114,7 +111,10 @@ def kept_horizon(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     old, new = flatten_config(saved), flatten_config(current)
     if str(new.get("scheduler.name")) not in SPANNING_SCHEDULES:
         return None
-    changed = [f"{k}: {old.get(k)} -> {new.get(k)}" for k in HORIZON_KEYS if old.get(k) != new.get(k)]
+    changed = [
+        f"{k}: {old.get(k)} -> {new.get(k)}" for k in HORIZON_KEYS
+        if old.get(k) != new.get(k)
+    ]
     if not changed:
         return None
     return (

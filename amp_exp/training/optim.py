@@ -116,7 +116,8 @@ class CosineWithWarmup:
             return (step + 1) / self.warmup_steps
         span = max(1, self.total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine
 
 
 class HeldOneCycleLR(torch.optim.lr_scheduler.OneCycleLR):
