@@ -5,9 +5,9 @@ without W&B. Everything in them is data: a run in a precision no plugin installe
 user's own, named by ``precision._target_``) is shown by the facts its run recorded
 (``precision_facts``: label, order, colour), or by its name; its module is never imported. A
 job that never wrote summary.json (SIGKILL, the OOM killer) is found by the config Hydra saved
-before it ran (results/recorded.py), and listed as killed. What cannot be read is named in one line and
-passed over: a summary.json that is no summary (the run is listed as failed), a field of the
-wrong kind, a line of metrics.jsonl that is no row.
+before it ran (results/recorded.py), and listed as killed. What cannot be read is named in one
+line and passed over: a summary.json that is no summary (the run is listed as failed), a field of
+the wrong kind, a line of metrics.jsonl that is no row.
 """
 
 from __future__ import annotations
