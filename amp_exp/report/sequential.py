@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from amp_exp.config.adaptive import EvidenceConfig, check_resumed_plan
+from amp_exp.config.adaptive import EvidenceConfig
+from amp_exp.config.commands import check_resumed_plan
 from amp_exp.report.compare import BASELINE
 from amp_exp.report.stats import CONFIDENCE, Verdict
 from amp_exp.results.files import EVIDENCE_JSON, write_json

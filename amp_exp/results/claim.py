@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from amp_exp.config.adaptive import check_resumed_plan
+from amp_exp.config.commands import check_resumed_plan
 from amp_exp.config.launch import FAILED, rank0_decides, worker_rank
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.preflight import Launch

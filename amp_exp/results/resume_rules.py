@@ -112,8 +112,7 @@ def kept_horizon(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     if str(new.get("scheduler.name")) not in SPANNING_SCHEDULES:
         return None
     changed = [
-        f"{k}: {old.get(k)} -> {new.get(k)}" for k in HORIZON_KEYS
-        if old.get(k) != new.get(k)
+        f"{k}: {old.get(k)} -> {new.get(k)}" for k in HORIZON_KEYS if old.get(k) != new.get(k)
     ]
     if not changed:
         return None
