@@ -170,7 +170,7 @@ def test_an_evidence_sweep_killed_in_its_second_look_resumes_to_the_same_answer(
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    second_look = killed / "4" / ".hydra" / "config.yaml"
+    second_look = killed / "4" / ".hydra" / "overrides.yaml"
     deadline = time.monotonic() + 240
     while not second_look.exists() and sweep.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
