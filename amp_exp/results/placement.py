@@ -15,6 +15,7 @@ holds its completed run, asked for the same steps, is not launched again, so its
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from amp_exp.results.recorded import as_recorded, job_config
 from amp_exp.results.resume_rules import trained_values
 from amp_exp.results.summary import completed_summary
+
+log = logging.getLogger("amp_exp")
 
 # Hydra's job subdirectory, and amp_exp's (conf/config.yaml): the job's number. Placement
 # overrides it per job; a sweep that names its jobs otherwise is left to that name.
@@ -81,7 +84,14 @@ class Placement:
         if completed is None:
             return False
         trainer = (completed.get("config") or {}).get("trainer") or {}
-        return all(trainer.get(key) == config["trainer"].get(key) for key in STEP_COUNT)
+        if any(trainer.get(key) != config["trainer"].get(key) for key in STEP_COUNT):
+            return False
+        log.info(
+            "%s: this run completed at step %s; nothing to do, its results stay as they are",
+            self.sweep_dir / name,
+            completed.get("steps"),
+        )
+        return True
 
     def place(self, overrides: list[str]) -> list[str] | None:
         """The job's overrides, sending it to its directory; None when it has nothing to do."""
