@@ -67,7 +67,7 @@ class PlacedSweeper(BasicSweeper):
             self.placement = placement_of(self.config, self.hydra_context)
         if not self.placement.held or not numbered(self.config):
             return batch
-        return [placed for job in batch if (placed := self.placement.place(job)) is not None]
+        return [placed for job in batch if (placed := self.placement.place(job)[1]) is not None]
 
 
 def placement_of(config: DictConfig, hydra_context: HydraContext) -> Any:
@@ -129,7 +129,6 @@ class EvidenceSweeper(Sweeper):
     def sweep(self, arguments: list[str]) -> list[list[JobReturn]]:
         from amp_exp.report import sequential
         from amp_exp.report.assemble import assemble
-        from amp_exp.results.placement import SUBDIR_KEY
 
         cfg = self.config
         sweep_dir = Path(cfg.hydra.sweep.dir)
@@ -157,11 +156,10 @@ class EvidenceSweeper(Sweeper):
             batch = []
             for cell, seeds in wanted.items():
                 for seed in seeds:
-                    overrides = [*cell, f"{SEED}={seed}"]
-                    name, config = placement.directory(overrides)
+                    name, placed = placement.place([*cell, f"{SEED}={seed}"])
                     cell_of_run[name] = cell
-                    if not placement.done(name, config):
-                        batch.append([*overrides, f"{SUBDIR_KEY}={name}"])
+                    if placed is not None:
+                        batch.append(placed)
             if batch:
                 returns.append(list(self.launcher.launch(batch, initial_job_idx=job_idx)))
                 job_idx += len(batch)

@@ -93,9 +93,10 @@ class Placement:
         )
         return True
 
-    def place(self, overrides: list[str]) -> list[str] | None:
-        """The job's overrides, sending it to its directory; None when it has nothing to do."""
+    def place(self, overrides: list[str]) -> tuple[str, list[str] | None]:
+        """The job's directory name, and its overrides sending it there (None when it has
+        nothing to do there)."""
         name, config = self.directory(overrides)
         if self.done(name, config):
-            return None
-        return [*overrides, f"{SUBDIR_KEY}={name}"]
+            return name, None
+        return name, [*overrides, f"{SUBDIR_KEY}={name}"]
