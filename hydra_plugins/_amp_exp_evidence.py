@@ -1,4 +1,5 @@
-"""``hydra/sweeper=evidence``: seeds added only to the cells whose verdict is still open.
+"""``hydra/sweeper=evidence``: seeds added only to the cells whose verdict is still open; and
+``hydra/sweeper=basic``, Hydra's own, whose resumed jobs each find their own directory.
 
 A Hydra sweeper that launches in batches, as Hydra's Optuna and Ax sweepers do: the first batch
 runs ``evidence.min_seeds`` seeds of every cell (each combination of the swept values, Hydra's
@@ -6,6 +7,13 @@ basic expansion, fp32 among them); after each batch it builds the report's verdi
 of its looks and launches the next seed of each open cell with its fp32 pair (the rule, the plan
 and evidence.json: amp_exp/report/sequential.py), until no cell is open. The launcher is the
 sweep's own (basic, joblib, submitit), so a batch may run in parallel.
+
+Resumed (``resume=auto``), it plans again from its command line and replays its looks: each look's
+verdicts come from the jobs of that look and those before it, so a sweep killed at any point and
+resumed takes the looks, seeds and verdicts the uninterrupted sweep takes. Each job goes to the
+directory that holds what it trains (results/placement.py); a job completed there is not launched
+again, any other (killed, stopped) is. Nothing a job directory holds becomes an override: a job's
+overrides come from the sweep's command line and config alone.
 
 Hydra instantiates a sweeper only from a class in the ``hydra_plugins`` package; the leading
 underscore keeps its plugin discovery from importing this module (and amp_exp's report) in
@@ -19,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper, BasicSweeperConf
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn
 from hydra.plugins.sweeper import Sweeper
@@ -40,10 +47,36 @@ class EvidenceSweeperConf:
     params: dict[str, str] | None = None
 
 
-def job_overrides(run_dir: Path) -> list[str]:
-    """The overrides Hydra recorded for a job (its .hydra/overrides.yaml)."""
-    path = run_dir / ".hydra" / "overrides.yaml"
-    return list(yaml.safe_load(path.read_text(encoding="utf-8")) or []) if path.is_file() else []
+@dataclass
+class PlacedSweeperConf(BasicSweeperConf):
+    _target_: str = "hydra_plugins._amp_exp_evidence.PlacedSweeper"
+
+
+class PlacedSweeper(BasicSweeper):
+    """Hydra's basic sweeper; resumed in a directory that holds its jobs, it sends each job to
+    the directory that holds what it trains, and launches none whose run completed there
+    (results/placement.py). A fresh sweep is numbered as Hydra numbers it."""
+
+    placement: Any = None
+
+    def get_job_batch(self) -> list[list[str]]:
+        from amp_exp.results.placement import numbered
+
+        batch = [list(job) for job in super().get_job_batch()]
+        if self.placement is None:
+            self.placement = placement_of(self.config, self.hydra_context)
+        if not self.placement.held or not numbered(self.config):
+            return batch
+        return [placed for job in batch if (placed := self.placement.place(job)[1]) is not None]
+
+
+def placement_of(config: DictConfig, hydra_context: HydraContext) -> Any:
+    from amp_exp.results.placement import Placement
+
+    def compose(overrides: list[str]) -> DictConfig:
+        return hydra_context.config_loader.load_sweep_config(config, overrides)
+
+    return Placement(Path(config.hydra.sweep.dir), compose)
 
 
 class EvidenceSweeper(Sweeper):
@@ -99,10 +132,12 @@ class EvidenceSweeper(Sweeper):
 
         cfg = self.config
         sweep_dir = Path(cfg.hydra.sweep.dir)
+        cells = self.cells(arguments)
+        # The pre-flight refused a resume that raises max_seeds (results/claim.py).
+        plan = sequential.start(sweep_dir, cfg.evidence.min_seeds, cfg.evidence.max_seeds)
+        placement = placement_of(cfg, self.hydra_context)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
-        cells = self.cells(arguments)
-        plan = sequential.start(sweep_dir, cfg.evidence.min_seeds, cfg.evidence.max_seeds)
         log.info(
             "evidence sweep: %d cells, %d to %d seeds, %d looks planned, intervals at %.2f%%",
             len(cells),
@@ -114,21 +149,28 @@ class EvidenceSweeper(Sweeper):
         wanted = {cell: list(range(plan.min_seeds)) for cell in cells}
         returns: list[list[JobReturn]] = []
         looks: list[dict[str, Any]] = []
+        # Each job's directory (its name in the report) and the cell it belongs to.
+        cell_of_run: dict[str, Cell] = {}
         job_idx = 0
         while wanted:
-            batch = [[*cell, f"{SEED}={s}"] for cell, seeds in wanted.items() for s in seeds]
-            returns.append(list(self.launcher.launch(batch, initial_job_idx=job_idx)))
-            job_idx += len(batch)
+            batch = []
+            for cell, seeds in wanted.items():
+                for seed in seeds:
+                    name, placed = placement.place([*cell, f"{SEED}={seed}"])
+                    cell_of_run[name] = cell
+                    if placed is not None:
+                        batch.append(placed)
+            if batch:
+                returns.append(list(self.launcher.launch(batch, initial_job_idx=job_idx)))
+                job_idx += len(batch)
             report, _ = assemble(
-                [sweep_dir], sweep_dir, cfg.report.tolerance, cfg.report.familywise, plan.confidence
+                [sweep_dir / name for name in cell_of_run],
+                sweep_dir,
+                cfg.report.tolerance,
+                cfg.report.familywise,
+                plan.confidence,
             )
             sequential.record(sweep_dir, plan, report, looks)
-            cell_of_run = {
-                row["run"]: tuple(
-                    o for o in job_overrides(sweep_dir / row["run"]) if not o.startswith(f"{SEED}=")
-                )
-                for row in report["runs"]
-            }
             found = sequential.next_seeds(report, cell_of_run, plan)
             wanted = {cell: [seed] for cell, seed in found.items()}
             log.info("evidence sweep, look %d: %d more jobs", len(looks), len(wanted))

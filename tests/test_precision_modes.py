@@ -227,7 +227,10 @@ def test_bf16_true_and_fp8_checkpoints_do_not_resume_in_another_precision() -> N
         )
         assert refused == [f'precision.name: "{saved}" -> "{current}"']
     knob = {"precision": {"name": "bf16_true", "stochastic_rounding": False}}
-    assert config_changes(knob, {"precision": {"name": "bf16_true"}})[0] == []
+    assert config_changes(knob, knob)[0] == []
+    # Rounding to nearest instead is another experiment (results/resume_rules.MAY_CHANGE).
+    nearest = {"precision": {"name": "bf16_true", "stochastic_rounding": True}}
+    assert config_changes(knob, nearest)[0] == ["precision.stochastic_rounding: false -> true"]
 
 
 # --- training -----------------------------------------------------------------------------------

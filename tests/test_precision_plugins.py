@@ -119,9 +119,11 @@ def test_the_report_orders_labels_and_colours_it_from_its_facts(
     for precision in ("fp32", NAME):
         overrides = [*MODES, *(PLUGIN if precision == NAME else ["precision=fp32"])]
         train(run_cfg(*overrides), tmp_path / "runs" / precision)
-    # As a fresh report process would: the plugin comes back from the run's saved config.
+    # As a fresh report process would: the plugin's facts come from the run's summary.json, as
+    # data; the module its config names is never imported (registered) again.
     precisions._plugins.pop(NAME)
     report = build_report([tmp_path / "runs"], tmp_path / "report")
+    assert NAME not in precisions._plugins
     assert [row["precision"] for row in report["runs"]] == ["fp32", NAME]
     (comparison,) = report["comparisons"]
     assert (comparison["precision"], comparison["label"]) == (NAME, NAME)

@@ -20,7 +20,7 @@ from amp_exp.config.schema import (
     SpeedConfig,
     TrainerConfig,
 )
-from amp_exp.errors import require
+from amp_exp.errors import ConfigError, require
 
 # The speed trial's warm-up ends when the median steps of two consecutive windows of this many
 # steps agree within 5% (training/timing.py).
@@ -98,6 +98,25 @@ def validate_evidence(evidence: EvidenceConfig) -> None:
         f"evidence.max_seeds={evidence.max_seeds} must be at least evidence.min_seeds="
         f"{evidence.min_seeds}",
     )
+
+
+def check_resumed_plan(evidence: EvidenceConfig, recorded: object) -> None:
+    """Raise ``ConfigError`` unless an evidence sweep resumed with ``evidence`` keeps the plan it
+    recorded (evidence.json's ``plan``): the same min_seeds, and max_seeds no higher. The looks
+    planned set every look's level; more seeds would add looks the level did not pay for."""
+    plan = recorded if isinstance(recorded, dict) else {}
+    before = (plan.get("min_seeds"), plan.get("max_seeds"))
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in before):
+        raise ConfigError(
+            f"evidence.json holds no plan this sweep can read ({plan!r}); resume only a sweep "
+            "amp_exp wrote there, or start a new sweep"
+        )
+    if evidence.max_seeds > before[1] or evidence.min_seeds != before[0]:
+        raise ConfigError(
+            f"evidence.min_seeds={evidence.min_seeds} evidence.max_seeds={evidence.max_seeds}: "
+            f"this sweep was planned with min_seeds={before[0]} and max_seeds={before[1]}, and "
+            "its looks' level holds only for those; resume it with them, or start a new sweep"
+        )
 
 
 def validate_speed(speed: SpeedConfig) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
-import math
 import pkgutil
 import sys
 import traceback
@@ -284,12 +283,6 @@ def known_plugin(name: str) -> Any:
         return plugin_of(name)
     except (ConfigError, ValueError):
         return None
-
-
-def precision_order(name: str) -> float:
-    """Where ``name`` comes in the report: its facts' order, unknown ones last."""
-    plugin = known_plugin(name)
-    return math.inf if plugin is None else plugin.spec.order
 
 
 def spec_of(name: str) -> PrecisionSpec:

@@ -50,13 +50,25 @@ def register_configs() -> None:
 
 
 def register_evidence_sweeper() -> None:
-    """``hydra/sweeper=evidence``: seeds added only where a verdict is open (report/sequential)."""
-    from hydra_plugins._amp_exp_evidence import EvidenceSweeper, EvidenceSweeperConf
-
-    Plugins.instance().register(EvidenceSweeper)
-    ConfigStore.instance().store(
-        group="hydra/sweeper", name="evidence", node=EvidenceSweeperConf, provider="amp_exp"
+    """``hydra/sweeper=evidence``: seeds added only where a verdict is open (report/sequential);
+    and ``hydra/sweeper=basic`` replaced by Hydra's own whose resumed jobs find their own
+    directories (results/placement.py). Plugins are discovered first: discovery executes Hydra's
+    core plugin modules again, replacing the basic sweeper's class and config entry."""
+    plugins = Plugins.instance()
+    from hydra_plugins._amp_exp_evidence import (
+        EvidenceSweeper,
+        EvidenceSweeperConf,
+        PlacedSweeper,
+        PlacedSweeperConf,
     )
+
+    store = ConfigStore.instance()
+    for sweeper, name, node in (
+        (EvidenceSweeper, "evidence", EvidenceSweeperConf),
+        (PlacedSweeper, "basic", PlacedSweeperConf),
+    ):
+        plugins.register(sweeper)
+        store.store(group="hydra/sweeper", name=name, node=node, provider="amp_exp")
 
 
 LAUNCHERS_MODULE = "hydra_plugins._amp_exp_submitit"

@@ -26,12 +26,14 @@ from amp_exp.speed.sweep import trial_config, trial_groups
 log = logging.getLogger("amp_exp")
 
 
-def predict_group(jobs: dict[str, Any], devices: list[str]) -> dict[str, Any]:
+def predict_group(
+    jobs: dict[str, Any], devices: list[str], trusted: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """Per device, each precision label's predicted step time and speedup over fp32, from one
     trace of the fp32 job's step (every job of a group trains the same model on the same
     batch). A job's world size is predicted as it ran, its collectives at predict's stated
     interconnect bandwidth."""
-    configs = {label: trial_config(run) for label, run in jobs.items()}
+    configs = {label: trial_config(run, trusted) for label, run in jobs.items()}
     for label, cfg in configs.items():
         cfg.predict.world_size = int(jobs[label].summary.get("world_size") or 1)
     trace = trace_step(configs[BASELINE])
@@ -55,10 +57,12 @@ def predict_group(jobs: dict[str, Any], devices: list[str]) -> dict[str, Any]:
     return found
 
 
-def predict_sweep(sweep_dir: Path, devices: list[str]) -> Path | None:
+def predict_sweep(
+    sweep_dir: Path, devices: list[str], trusted: frozenset[str] = frozenset()
+) -> Path | None:
     """Write the sweep's predicted.json; returns its path, or None when no model and setting ran
     fp32 and another precision. A group whose trace fails is recorded with its error, and its
-    report shows no prediction."""
+    report shows no prediction. ``trusted``: the code the sweep names (speed.sweep.trial_config)."""
     if not devices:
         return None
     runs = find_runs([sweep_dir])
@@ -66,7 +70,7 @@ def predict_sweep(sweep_dir: Path, devices: list[str]) -> Path | None:
     predictions: list[dict[str, Any]] = []
     for (model, setting), jobs in trial_groups(runs).items():
         try:
-            found: dict[str, Any] = {"devices": predict_group(jobs, devices)}
+            found: dict[str, Any] = {"devices": predict_group(jobs, devices, trusted)}
         except Exception as error:
             log.warning("no prediction for %s: %s", model, error)
             found = {"error": f"{type(error).__name__}: {error}"}

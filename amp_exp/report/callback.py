@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from amp_exp.config.launch import worker_rank
 from amp_exp.config.schema import ReportConfig
 from amp_exp.results.contract import Stopped, stop_on_signals
+from amp_exp.results.sweep import named_code
 
 log = logging.getLogger("amp_exp")
 
@@ -28,21 +29,24 @@ class SweepReport(Callback):
 
     def __init__(
         self,
-        speed_trial: Callable[[Path], Any] | None = None,
-        predict_sweep: Callable[[Path, list[str]], Any] | None = None,
+        speed_trial: Callable[[Path, frozenset[str]], Any] | None = None,
+        predict_sweep: Callable[[Path, list[str], frozenset[str]], Any] | None = None,
     ) -> None:
-        """``speed_trial(sweep_dir)`` writes the sweep's speed.json, ``predict_sweep(sweep_dir,
-        devices)`` its predicted.json (report.predict): conf/config.yaml hands in
-        amp_exp.speed.sweep.time_sweep and amp_exp.predict.sweep.predict_sweep, which build
-        models, a layer above the report's."""
+        """``speed_trial(sweep_dir, trusted)`` writes the sweep's speed.json,
+        ``predict_sweep(sweep_dir, devices, trusted)`` its predicted.json (report.predict):
+        conf/config.yaml hands in amp_exp.speed.sweep.time_sweep and
+        amp_exp.predict.sweep.predict_sweep, which build models, a layer above the report's."""
         self.sweep_dir = Path()
         self.settings = ReportConfig()
         self.speed_trial = speed_trial
         self.predict_sweep = predict_sweep
+        # The code the sweep's own command line and config name: all the trial may import.
+        self.trusted: frozenset[str] = frozenset()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Resolving the sweep directory now pins its ${now:...} to the one the jobs use.
         self.sweep_dir = Path(config.hydra.sweep.dir).absolute()
+        self.trusted = named_code(config)
         self.settings = ReportConfig(
             tolerance=config.report.tolerance,
             wandb=config.report.wandb,
@@ -82,7 +86,7 @@ class SweepReport(Callback):
         stopped = self.time_speed()
         if stopped is None and self.settings.predict and self.predict_sweep is not None:
             try:
-                self.predict_sweep(self.sweep_dir, self.settings.predict)
+                self.predict_sweep(self.sweep_dir, self.settings.predict, self.trusted)
             except Exception as error:
                 # A prediction is an extra column: without it the report is the measured one.
                 log.warning("no prediction: %s", error)
@@ -105,7 +109,7 @@ class SweepReport(Callback):
             return None
         try:
             with stop_on_signals():
-                self.speed_trial(self.sweep_dir)
+                self.speed_trial(self.sweep_dir, self.trusted)
         except Stopped as stopped:
             log.error(
                 "speed trial stopped by %s: the report shows the rounds it measured",

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.config.plain import flatten_config
-from amp_exp.config.precisions import REFERENCE, known_plugin, plugins, precision_order
-from amp_exp.report.runs import Run
+from amp_exp.config.precisions import REFERENCE, plugins
+from amp_exp.report.runs import Run, report_order, report_plugin
 from amp_exp.tasks.metrics import TaskMetrics
 
 BASELINE = REFERENCE
@@ -163,7 +163,7 @@ def precision_options(summary: dict[str, Any]) -> dict[str, Any]:
     """The ``precision.*`` values that make the run's variant of its mode, as a user passes them
     back beside ``precision=`` (``{"stochastic_rounding": false}`` for bf16_true rounding to
     nearest); empty for a mode without variants."""
-    plugin, knobs = known_plugin(str(summary.get("precision"))), precision_knobs(summary)
+    plugin, knobs = report_plugin(str(summary.get("precision"))), precision_knobs(summary)
     if plugin is None:
         return {}
     chosen = {key: knobs[key] for key in sorted(plugin.variant_keys) if key in knobs}
@@ -181,7 +181,7 @@ def variant_label(summary: dict[str, Any]) -> str:
     """The mode and its variant, as its plugin words it: "bf16_true (nearest)", "fp8 (rowwise,
     emulated)"; a precision no plugin here knows keeps its name."""
     precision = str(summary.get("precision") or "?")
-    plugin = known_plugin(precision)
+    plugin = report_plugin(precision)
     return precision if plugin is None else plugin.variant_label(precision_knobs(summary))
 
 
@@ -337,7 +337,7 @@ def comparison_rows(runs: list[Run], out_dir: Path) -> list[dict[str, Any]]:
             model_order[r.model],
             setting_order[r.setting],
             # Within a model the baseline comes first, then the precisions in their facts' order.
-            precision_order(r.precision),
+            report_order(r.precision),
             label_order[labels[id(r)]],
             seed_of(r) if isinstance(seed_of(r), int) else -1,
         ),
@@ -367,6 +367,6 @@ def stall_phrase(row: dict[str, Any]) -> str | None:
     if stale is None or stale < STALL_FRACTION:
         return None
     # The precision's plugin says why, from the options that make the run's variant.
-    plugin = known_plugin(row["precision"]) or known_plugin(REFERENCE)
+    plugin = report_plugin(row["precision"]) or report_plugin(REFERENCE)
     why = plugin.stall_advice(row["precision_options"])
     return f"{stale:.0%} of weights did not move over the last interval: {why}"

@@ -15,8 +15,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from amp_exp.config.precisions import known_plugin
 from amp_exp.report import curves
+from amp_exp.report.runs import report_plugin
 from amp_exp.report.speedup import trial_interval, trial_levels
 
 Rows = list[dict[str, Any]]
@@ -28,7 +28,7 @@ PANEL_COLUMNS = 3
 
 def precision_color(precision: str) -> str:
     # A variant ("fp8 (rowwise)", "bf16_true (nearest)") takes its mode's colour (its facts').
-    plugin = known_plugin(precision.split(" ")[0])
+    plugin = report_plugin(precision.split(" ")[0])
     return OTHER_COLOR if plugin is None else plugin.spec.colour
 
 
@@ -161,7 +161,7 @@ def loss_scale_trace(rows: Rows, metrics: Metrics) -> Figure | None:
             ],
         )
         for row in rows
-        if (plugin := known_plugin(row["precision"])) is not None and plugin.spec.grad_scaler
+        if (plugin := report_plugin(row["precision"])) is not None and plugin.spec.grad_scaler
     ]
     traced = [(row, points) for row, points in traced if points]
     if not traced:

@@ -1,22 +1,27 @@
 """Finding runs on disk and reading what each one left: summary.json and metrics.jsonl.
 
 It reads files alone, so a report works on runs copied from another machine and on runs logged
-without W&B. A job that never wrote summary.json (SIGKILL, the OOM killer) is found by the config
-Hydra saved before it ran, and listed as killed. What cannot be read is named in one line and
-passed over: a summary.json that is no summary (the run is listed as failed), a field of the
-wrong kind, a line of metrics.jsonl that is no row; a completed run whose metrics.jsonl is missing
-or cut short is listed as damaged, never judged. A file amp_exp cannot have written (a link, a
-FIFO, one too large or nested too deep: results/files.py) stops the report in one line.
+without W&B. Everything in them is data: a run in a precision no plugin installed here defines (a
+user's own, named by ``precision._target_``) is shown by the facts its run recorded
+(``precision_facts``: label, order, colour), or by its name; its module is never imported. A
+job that never wrote summary.json (SIGKILL, the OOM killer) is found by the config Hydra saved
+before it ran (results/recorded.py), and listed as killed. What cannot be read is named in one
+line and passed over: a summary.json that is no summary (the run is listed as failed), a field of
+the wrong kind, a line of metrics.jsonl that is no row; a completed run whose metrics.jsonl is
+missing or cut short is listed as damaged, never judged. A file amp_exp cannot have written (a
+link, a FIFO, one too large or nested too deep: results/files.py) stops the report in one line.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from amp_exp.config.precisions import register
+from amp_exp.config.precisions import known_plugin
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.results.files import (
     JOB_CONFIG,
@@ -28,6 +33,7 @@ from amp_exp.results.files import (
     read_json,
 )
 from amp_exp.results.loggers import TRAIN, parse_rows
+from amp_exp.results.recorded import job_config
 from amp_exp.results.summary import Status, make_summary
 
 log = logging.getLogger("amp_exp")
@@ -88,36 +94,6 @@ def read_metrics(path: Path, summary: dict[str, Any]) -> tuple[list[dict[str, An
     return rows, None
 
 
-def job_config(path: Path) -> dict[str, Any]:
-    """The config Hydra saved before the job ran, to place a run that left no usable summary:
-    typed, validated (which infers the task) and resolved, as a completed job's summary records
-    it. One that no longer validates (its data gone, a schema changed since) is read as saved,
-    its interpolations resolved where they resolve; a missing or broken file gives {}, and the
-    run is listed all the same."""
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from amp_exp.config.plain import plain_run_config, typed_config
-    from amp_exp.config.validate import validate
-
-    try:
-        saved = OmegaConf.create(read_data(path / JOB_CONFIG).decode("utf-8"))
-    except Exception:  # a missing or broken file of any kind
-        return {}
-    if not isinstance(saved, DictConfig):
-        return {}
-    try:
-        return plain_run_config(validate(typed_config(saved)))
-    except (ConfigError, OmegaConfBaseException) as error:
-        log.warning("%s: its config does not validate (%s); read as saved", path, error)
-    except Exception:  # a saved file that parses but holds what no config can be
-        return {}
-    try:
-        return OmegaConf.to_container(saved, resolve=True)  # type: ignore[return-value]
-    except OmegaConfBaseException:
-        return OmegaConf.to_container(saved, resolve=False)  # type: ignore[return-value]
-
-
 # What the report computes with, by summary.json field, and the kind of value amp_exp writes
 # there. A summary edited by hand or written by another program may hold anything; a field of
 # another kind is left out (as if never measured), and said so, rather than failing the report
@@ -159,6 +135,14 @@ FIELD_KINDS: dict[str, Any] = {
     "underflow": {"underflow_frac_scaled": Nullable(NUMBER)},
     "first_overflow": {"step": int, "loss_finite": bool, "parameters": [str]},
     "hardware": {"advice": Nullable([str])},
+    # What the run's plugin said of itself: how a report shows a precision it has no plugin for.
+    "precision_facts": {
+        "label": str,
+        "order": NUMBER,
+        "colour": str,
+        "grad_scaler": bool,
+        "stall_advice": str,
+    },
     # A plugin records what it likes there; the report reads these, where present.
     "precision_details": {
         "emulated": Nullable(bool),
@@ -238,7 +222,7 @@ def load_run(path: Path) -> Run:
         summary = make_summary(
             Status.failed, job_config(path), error=f"unreadable {SUMMARY_FILE}: {reason}"
         )
-    register_own_plugin(path, summary)
+    remember_facts(summary)
     metrics, damage = read_metrics(path / METRICS_FILE, summary)
     if damage:
         # Listed with the runs that did not complete, and judged as none of them is.
@@ -247,16 +231,49 @@ def load_run(path: Path) -> Run:
     return Run(path, summary, metrics)
 
 
-def register_own_plugin(path: Path, summary: dict[str, Any]) -> None:
-    """A run in a user's own precision (``precision._target_``) brings its plugin, so the report
-    orders, labels and colours it by its facts; one that cannot be imported here is reported
-    under its name alone."""
-    target = ((summary.get("config") or {}).get("precision") or {}).get("_target_")
-    if target:
-        try:
-            register(target)
-        except ConfigError as error:
-            log.warning("%s: %s; reported by its name alone", path, error)
+class RecordedPlugin:
+    """A precision plugin as its run recorded it (summary.json's ``precision_facts``): the
+    facts and words a report reads of a plugin, as data, for a precision no plugin installed
+    here defines."""
+
+    variant_keys: tuple[str, ...] = ()
+
+    def __init__(self, name: str, facts: dict[str, Any]) -> None:
+        self.facts = facts
+        self.spec = SimpleNamespace(
+            name=name,
+            order=facts["order"],
+            colour=facts["colour"],
+            grad_scaler=facts["grad_scaler"],
+        )
+
+    def variant_label(self, knobs: dict[str, Any]) -> str:
+        return str(self.facts["label"])
+
+    def stall_advice(self, knobs: dict[str, Any]) -> str:
+        return str(self.facts["stall_advice"])
+
+
+# Precision name -> what its runs recorded of a plugin this process does not have.
+_recorded: dict[str, RecordedPlugin] = {}
+
+
+def remember_facts(summary: dict[str, Any]) -> None:
+    facts, name = summary.get("precision_facts"), summary.get("precision")
+    if isinstance(facts, dict) and isinstance(name, str) and known_plugin(name) is None:
+        _recorded.setdefault(name, RecordedPlugin(name, facts))
+
+
+def report_plugin(name: str) -> Any:
+    """What the report reads of precision ``name``'s plugin: the installed plugin's (built in,
+    or an entry point), else the facts a run of it recorded, else None (shown by its name)."""
+    return known_plugin(name) or _recorded.get(name)
+
+
+def report_order(name: str) -> float:
+    """Where ``name`` comes in the report: its facts' order, unknown ones last."""
+    plugin = report_plugin(name)
+    return math.inf if plugin is None else plugin.spec.order
 
 
 def find_runs(dirs: list[Path]) -> list[Run]:

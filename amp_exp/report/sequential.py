@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from amp_exp.errors import ConfigError, first_line
+from amp_exp.config.adaptive import EvidenceConfig
+from amp_exp.config.commands import check_resumed_plan
+from amp_exp.errors import first_line
 from amp_exp.report.compare import BASELINE
 from amp_exp.report.runs import NUMBER, Nullable, conforms
 from amp_exp.report.stats import CONFIDENCE, Verdict
@@ -93,14 +95,8 @@ def start(sweep_dir: Path, min_seeds: int, max_seeds: int) -> Plan:
     recorded = read_plan(sweep_dir)
     if recorded is None:
         return planned
+    check_resumed_plan(EvidenceConfig(min_seeds, max_seeds), recorded.get("plan"))
     before = Plan(**recorded["plan"])
-    if max_seeds > before.max_seeds or min_seeds != before.min_seeds:
-        raise ConfigError(
-            f"evidence.min_seeds={min_seeds} evidence.max_seeds={max_seeds}: this sweep was "
-            f"planned with min_seeds={before.min_seeds} and max_seeds={before.max_seeds}, and its "
-            f"looks' level ({before.confidence:.2%}) holds only for those; resume it with them, "
-            "or start a new sweep"
-        )
     # A lower max_seeds takes fewer looks than were paid for: valid, and the level stays.
     return Plan(before.min_seeds, max_seeds, before.looks)
 

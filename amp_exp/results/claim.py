@@ -23,11 +23,13 @@ otherwise (a requeued SLURM job, a test calling ``train``).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from amp_exp.config.commands import check_resumed_plan
 from amp_exp.config.launch import FAILED, rank0_decides, worker_rank
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.preflight import Launch
@@ -39,6 +41,7 @@ from amp_exp.results.checkpoint import (
     checkpoint_dir,
     load_newest_valid,
 )
+from amp_exp.results.files import EVIDENCE_JSON
 from amp_exp.results.finished import finished_results
 from amp_exp.results.lock import (
     LOCK_FILE,
@@ -47,12 +50,15 @@ from amp_exp.results.lock import (
     busy_message,
     holder_of,
 )
-from amp_exp.results.resume_rules import config_changes
+from amp_exp.results.recorded import job_config
+from amp_exp.results.resume_rules import config_changes, trained_values
 from amp_exp.results.summary import completed_summary
 
 # Less free space than this and Hydra cannot even write the job's config files before the run
 # starts (about 10 KB), let alone its metrics, summary and checkpoints.
 MIN_FREE_BYTES = 2**20
+# Jobs of a sweep that differ in it alone are replicates; an evidence sweep chooses it.
+REPLICATE_KEY = "seed"
 # rank0_decides's answers: go ahead, or nothing to do (and why).
 GO, DONE = "go", "done: "
 
@@ -172,7 +178,9 @@ def check_directory(cfg: RunConfig, directory: Path, world_size: int) -> str | N
 
 def check_sweep_directory(jobs: list[RunConfig], directory: Path) -> None:
     """A sweep never overwrites the jobs of an earlier sweep there; ``resume=auto`` continues
-    them. A job directory in use stops the sweep before its first job."""
+    them, as the sweep they belong to: each job directory must hold an experiment of this sweep,
+    and an evidence sweep keeps its recorded plan. A job directory in use stops the sweep before
+    its first job."""
     if not directory.is_dir():
         return
     held = []
@@ -188,6 +196,51 @@ def check_sweep_directory(jobs: list[RunConfig], directory: Path) -> None:
             f"{', '.join(held)}); a new sweep there would overwrite them: continue it with "
             "resume=auto, or give this sweep its own directory (hydra.sweep.dir=...)"
         )
+    check_same_sweep(jobs, directory)
+    plan = read_evidence_plan(directory)
+    if plan is not None:
+        check_resumed_plan(jobs[0].evidence, plan.get("plan"))
+
+
+def read_evidence_plan(directory: Path) -> dict[str, Any] | None:
+    """An evidence sweep's evidence.json in ``directory``, or None where there is none."""
+    path = directory / EVIDENCE_JSON
+    if not path.is_file():
+        return None
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise RunRefused(f"{path} cannot be read ({error}); nothing was changed") from None
+    return found if isinstance(found, dict) else {}
+
+
+def check_same_sweep(jobs: list[RunConfig], directory: Path) -> None:
+    """Refuse a sweep resumed in ``directory`` where a job directory holds an experiment this
+    sweep does not plan: what it trains (resume_rules.trained_values, the seed aside) must be a
+    combination of the sweep's values. ``jobs`` use every value of every swept key."""
+    planned = [trained_values(plain_run_config(cfg)) for cfg in jobs]
+    values: dict[str, list[Any]] = {}
+    for job in planned:
+        for key, value in job.items():
+            values.setdefault(key, [])
+            if value not in values[key]:
+                values[key].append(value)
+    for job in sorted(path for path in directory.iterdir() if path.is_dir()):
+        recorded = job_config(job)
+        if not recorded:
+            continue
+        found = trained_values(recorded)
+        differ = [
+            f"{key}: {json.dumps(found.get(key))} -> {json.dumps(values.get(key, [None])[0])}"
+            for key in sorted(values.keys() | found.keys())
+            if key != REPLICATE_KEY and found.get(key) not in values.get(key, [None])
+        ]
+        if differ:
+            raise RunRefused(
+                f"hydra.sweep.dir={directory}: job {job.name} holds an experiment this sweep "
+                f"does not plan ({'; '.join(differ[:3])}); resume the sweep with the values it "
+                "ran, or give this sweep its own directory (hydra.sweep.dir=...)"
+            )
 
 
 def check_free_space(directory: Path) -> None:

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
 from amp_exp.errors import RunRefused, RuntimeFault
 from amp_exp.results.checkpoint import load_shards, remove_stale_temporaries
@@ -18,7 +19,7 @@ from amp_exp.results.claim import check_same_experiment, nothing_to_do, resume_t
 from amp_exp.results.claim import find_checkpoint as checkpoint_to_resume
 from amp_exp.results.files import METRICS_FILE
 from amp_exp.results.loggers import keep_metrics_until
-from amp_exp.results.resume_rules import data_position
+from amp_exp.results.resume_rules import data_position, kept_horizon
 from amp_exp.results.summary import completed_summary
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import state_template
@@ -107,6 +108,9 @@ def check_resumable(cfg: RunConfig, engine: Engine, payload: dict[str, Any]) -> 
     allowed = check_same_experiment(cfg, payload.get("config"), "the checkpoint")
     if allowed:
         log.info("resuming with changed settings: %s", "; ".join(allowed))
+    horizon = kept_horizon(payload.get("config") or {}, plain_run_config(cfg))
+    if horizon is not None:
+        log.warning("%s", horizon)
     saved_world_size = payload["world_size"]
     if saved_world_size != engine.world_size and "sharded" in payload:
         log.info(

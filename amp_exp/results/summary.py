@@ -109,6 +109,10 @@ FIELDS = (
     # What a precision plugin records of its run beyond these fields (PrecisionPlugin.summary):
     # fp8's and the block-scaled formats' converted and skipped linears, whether emulated.
     "precision_details",
+    # The facts and words a report shows of the run's precision plugin (label, order, colour,
+    # whether it scales the loss, stall advice): a report where that plugin is not installed
+    # shows the run by them, never importing its module (report/runs.py).
+    "precision_facts",
     # The modules precision.keep_fp32 matched (the outermost ones), run in fp32 in every mode.
     "keep_fp32_modules",
     "replicas_identical",

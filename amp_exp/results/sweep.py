@@ -49,3 +49,20 @@ def sweep_job(hydra_cfg: DictConfig) -> SweepJob | None:
         (o.key_or_group, o.get_value_element_as_str()) for o in job if o.key_or_group in swept
     )
     return SweepJob(sweep_dir, choices)
+
+
+# The config keys that name code to import: the user's own model, data and precision plugin.
+CODE_KEYS = ("model._target_", "dataset._target_", "precision._target_")
+
+
+def named_code(spec: DictConfig) -> frozenset[str]:
+    """Every module path the sweep's own config and command line name as code (``CODE_KEYS``):
+    what a sweep may import again for its jobs, never a name read from a job's files."""
+    named = {OmegaConf.select(spec, key, default=None) for key in CODE_KEYS}
+    for override in OverridesParser.create().parse_overrides(sweep_overrides(spec)):
+        if override.key_or_group in CODE_KEYS:
+            if override.is_sweep_override():
+                named.update(override.sweep_string_iterator())
+            else:
+                named.add(override.get_value_element_as_str())
+    return frozenset(str(name) for name in named if name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from importlib.util import find_spec
 
 import torch
@@ -99,14 +100,38 @@ def _build_torch_optimizer(
     return optimizer
 
 
-def cosine_with_warmup(total_steps: int, warmup_steps: int, min_lr_ratio: float):
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+@dataclass
+class CosineWithWarmup:
+    """The cosine schedule's factor at a step: a linear warm-up, then a cosine to
+    ``min_lr_ratio`` at ``total_steps``, held there after. An object, not a closure, so that
+    LambdaLR keeps its fields in the checkpoint: a resumed run keeps the horizon it started with
+    whatever trainer.max_steps says now (results/resume_rules.py)."""
 
-    return factor
+    total_steps: int
+    warmup_steps: int
+    min_lr_ratio: float
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine
+
+
+class HeldOneCycleLR(torch.optim.lr_scheduler.OneCycleLR):
+    """OneCycleLR, whose checkpointed state keeps its horizon, holding its last step's rate
+    past it (a resumed run that trains longer), where torch's raises."""
+
+    def get_lr(self) -> list[float]:
+        if self.last_epoch < self.total_steps:
+            return super().get_lr()
+        step, self.last_epoch = self.last_epoch, self.total_steps - 1
+        try:
+            return super().get_lr()
+        finally:
+            self.last_epoch = step
 
 
 def build_scheduler(
@@ -118,10 +143,10 @@ def build_scheduler(
     if cfg.name is SchedulerName.cosine:
         warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
         return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, cosine_with_warmup(total_steps, warmup, cfg.min_lr_ratio)
+            optimizer, CosineWithWarmup(total_steps, warmup, cfg.min_lr_ratio)
         )
     # float(): torchao's optimizers keep the learning rate in a tensor.
     max_lrs = [float(group["lr"]) for group in optimizer.param_groups]
-    return torch.optim.lr_scheduler.OneCycleLR(
+    return HeldOneCycleLR(
         optimizer, max_lr=max_lrs, total_steps=max(total_steps, 2), pct_start=cfg.pct_start
     )

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
+from amp_exp.config.plain import plain_run_config
 from amp_exp.config.precisions import PluginHook, plugin_of
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.runtime.fsdp import local, whole
@@ -158,9 +159,19 @@ class PrecisionPolicy:
         return PluginContext(self.plugin, "inference_context")
 
     def summary(self) -> dict:
-        """What summary.json records: the modules kept in fp32, and the plugin's own fields."""
+        """What summary.json records: the modules kept in fp32, the plugin's facts as a report
+        shows them, and the plugin's own fields."""
+        knobs = plain_run_config(self.cfg)
         with PluginHook(self.plugin, "summary"):
-            return {"keep_fp32_modules": self.kept_fp32, **self.plugin.summary()}
+            facts = {
+                "label": self.plugin.variant_label(knobs),
+                "order": self.plugin.spec.order,
+                "colour": self.plugin.spec.colour,
+                "grad_scaler": self.plugin.spec.grad_scaler,
+                "stall_advice": self.plugin.stall_advice(knobs),
+            }
+            own = self.plugin.summary()
+        return {"keep_fp32_modules": self.kept_fp32, "precision_facts": facts, **own}
 
     def backward(self, loss: torch.Tensor) -> None:
         with PluginHook(self.plugin, "backward"):
