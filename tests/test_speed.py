@@ -228,7 +228,7 @@ def sweep_start(callback: SweepReport, sweep_dir: Path, launcher: str) -> None:
 def test_a_sweeps_trial_that_fails_never_costs_its_report(tmp_path: Path, caplog) -> None:
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
 
-    def failing_trial(sweep_dir: Path) -> None:
+    def failing_trial(sweep_dir: Path, trusted: frozenset[str]) -> None:
         raise RuntimeError("out of memory")
 
     callback = SweepReport(speed_trial=failing_trial)
@@ -241,7 +241,7 @@ def test_a_sweeps_trial_that_fails_never_costs_its_report(tmp_path: Path, caplog
 def test_under_slurm_the_sweeps_own_process_times_nothing(tmp_path: Path) -> None:
     """It runs where the sweep was submitted, not on the nodes that trained."""
     trials: list[Path] = []
-    callback = SweepReport(speed_trial=trials.append)
+    callback = SweepReport(speed_trial=lambda sweep_dir, trusted: trials.append(sweep_dir))
     sweep_start(callback, tmp_path, "hydra_plugins._amp_exp_submitit.SlurmLauncher")
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     callback.build()

@@ -32,7 +32,8 @@ def swept_keys(task_overrides: list[str]) -> set[str]:
 def sweep_overrides(spec: DictConfig) -> list[str]:
     """A sweep's overrides: a preset's ``hydra.sweeper.params``, then the command line's."""
     params = OmegaConf.select(spec, "hydra.sweeper.params") or {}
-    return [*(f"{key}={value}" for key, value in params.items()), *spec.hydra.overrides.task]
+    task = OmegaConf.select(spec, "hydra.overrides.task") or []
+    return [*(f"{key}={value}" for key, value in params.items()), *task]
 
 
 def sweep_job(hydra_cfg: DictConfig) -> SweepJob | None:
