@@ -169,6 +169,25 @@ def test_nesting_is_counted_outside_strings_and_the_limit_itself_is_read() -> No
         parse_json(b"[" + deepest.encode() + b"]", path)
 
 
+def test_a_string_left_open_is_read_in_one_pass_not_once_per_quote_in_it() -> None:
+    """Caught: a string pattern that needs its closing quote retries from every escaped quote of
+    an open string: a few MB of them took hours."""
+    hostile = b"[[]" + b"[]" * MAX_DEPTH + b'"' + b'\\"' * 2_000_000
+    outcome: list[BaseException] = []
+
+    def parse() -> None:
+        try:
+            parse_json(hostile, Path("summary.json"))
+        except ValueError as error:
+            outcome.append(error)
+
+    parsing = threading.Thread(target=parse, daemon=True)
+    parsing.start()
+    parsing.join(timeout=60)
+    [error] = outcome
+    assert not isinstance(error, UntrustedFile)  # 2 deep, then a string left open: no JSON
+
+
 def test_a_fifo_named_summary_json_is_refused_without_waiting_for_a_writer(
     tmp_path, capsys
 ) -> None:

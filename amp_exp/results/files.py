@@ -179,8 +179,10 @@ def read_data(path: Path, limit: int = JSON_LIMIT) -> bytes:
 
 
 # A JSON string (escapes included), and everything that is not a bracket: what ``nests_too_deep``
-# strips before counting, so a bracket inside a string does not count.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# strips before counting, so a bracket inside a string does not count. A string left open runs
+# to the end of the data, so that every quote matches at its first try: a pattern that must find
+# the closing quote retries from each quote inside an open one, quadratic in the file's size.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:\\\Z)?(?:"|\Z)', re.DOTALL)
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
 _BRACKET_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
