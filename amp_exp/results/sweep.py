@@ -14,6 +14,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from amp_exp.results.files import read_data
+
 
 @dataclass(frozen=True)
 class SweepJob:
@@ -44,7 +46,11 @@ def sweep_job(hydra_cfg: DictConfig) -> SweepJob | None:
     # Relative to where the sweep was launched, even if the job changed its directory.
     spec = Path(hydra_cfg.runtime.cwd, sweep_dir, "multirun.yaml")
     # A launcher that writes no sweep spec leaves the job's name without sweep values.
-    swept = swept_keys(sweep_overrides(OmegaConf.load(spec))) if spec.is_file() else set()
+    swept = (
+        swept_keys(sweep_overrides(OmegaConf.create(read_data(spec).decode("utf-8"))))
+        if spec.is_file()
+        else set()
+    )
     job = OverridesParser.create().parse_overrides(list(hydra_cfg.overrides.task))
     choices = tuple(
         (o.key_or_group, o.get_value_element_as_str()) for o in job if o.key_or_group in swept

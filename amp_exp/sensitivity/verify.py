@@ -34,7 +34,7 @@ from amp_exp.report.runs import find_runs
 from amp_exp.report.stats import Verdict
 from amp_exp.report.verdicts import quality_phrase
 from amp_exp.results.contract import Stopped
-from amp_exp.results.files import METRICS_FILE, read_json, write_json
+from amp_exp.results.files import METRICS_FILE, damaged, read_json, write_json
 from amp_exp.results.loggers import read_rows
 from amp_exp.results.summary import Status, completed_summary, record_failure
 from amp_exp.run import train
@@ -78,7 +78,13 @@ class Trial:
     def load(cls, trial_dir: Path) -> Trial | None:
         """The trial recorded in ``trial_dir``; None when it never finished there."""
         path = trial_dir / TRIAL_FILE
-        return cls(**read_json(path)) if path.is_file() else None
+        if not path.is_file():
+            return None
+        recorded = read_json(path)
+        try:
+            return cls(**recorded)
+        except TypeError:  # not an object, or fields this class never wrote
+            raise damaged(path, "its fields are not those amp_exp writes there") from None
 
     def save(self) -> None:
         write_json(Path(self.run_dir) / TRIAL_FILE, vars(self))
