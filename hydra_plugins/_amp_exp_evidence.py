@@ -104,12 +104,12 @@ class EvidenceSweeper(Sweeper):
         cells = self.cells(arguments)
         plan = sequential.start(sweep_dir, cfg.evidence.min_seeds, cfg.evidence.max_seeds)
         log.info(
-            "evidence sweep: %d cells, %d to %d seeds, %d looks planned, intervals at %.2f%%",
+            "evidence sweep: %d cells, %d to %d seeds, %d looks planned, one-sided levels %s",
             len(cells),
             plan.min_seeds,
             plan.max_seeds,
             plan.looks,
-            100 * plan.confidence,
+            plan.shown(),
         )
         wanted = {cell: list(range(plan.min_seeds)) for cell in cells}
         returns: list[list[JobReturn]] = []
@@ -120,7 +120,7 @@ class EvidenceSweeper(Sweeper):
             returns.append(list(self.launcher.launch(batch, initial_job_idx=job_idx)))
             job_idx += len(batch)
             report, _ = assemble(
-                [sweep_dir], sweep_dir, cfg.report.tolerance, cfg.report.familywise, plan.confidence
+                [sweep_dir], sweep_dir, cfg.report.tolerance, cfg.report.familywise, plan
             )
             sequential.record(sweep_dir, plan, report, looks)
             cell_of_run = {

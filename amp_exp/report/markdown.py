@@ -48,11 +48,15 @@ EVIDENCE_NOTE = (
     "the last 10% of training, paired seed by seed. Trial speedup: the geometric mean over AB/BA "
     "rounds of a speed trial, with a t interval on the log ratios (docs/sweeps.md)."
 )
-FAMILYWISE_NOTE = (
-    " With `report.familywise=true`, Holm's step-down procedure runs across this report's "
-    "comparisons, a family per claim (matches, not_worse, worse, better), each at 2.5%; a claim "
-    "that fails its adjusted threshold is `inconclusive`. The intervals shown are unadjusted."
-)
+FAMILYWISE_NOTE = {
+    "holm": " With `report.familywise=holm` (the default), Holm's step-down procedure runs across "
+    "this report's comparisons, a family per claim (matches, not_worse, worse, better), each at "
+    "2.5%; a claim that fails its adjusted threshold is `inconclusive`. The intervals shown are "
+    "unadjusted.",
+    "none": " With `report.familywise=none`, each verdict holds at its own level and nothing "
+    "corrects across this report's comparisons: with several, the chance that one claim is "
+    "false is larger than 2.5%.",
+}
 MFU_NOTE = "MFU: achieved TFLOP/s over the GPU's dense peak (summary.json's mfu_peak_source). "
 MEMORY_NOTE = (
     "Memory vs fp32: act. is the bytes autograd kept for backward in the audited step, counted "
@@ -111,7 +115,9 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     }
     with_setting = any(cell["setting"] for cell in report["cells"])
     header = ["model", *(["setting"] * with_setting), "precision", "n", "metric"]
-    level = show_level(report.get("confidence", 0.95))
+    # An evidence sweep's comparisons are each at their look's level (the section below).
+    shared = report.get("confidence", 0.95)
+    level = "look's" if shared is None else show_level(shared)
     header += ["mean [95% CI]", f"Δ vs {BASELINE} [{level} CI]", "p of the claim", "verdict"]
     trials = [trial_interval(c["speedup"]) for c in report["comparisons"] if c.get("speedup")]
     trial_level = trial_levels(trials)
@@ -258,7 +264,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         *evidence_table(report),
         "",
         EVIDENCE_NOTE
-        + (FAMILYWISE_NOTE if report["familywise"] else "")
+        + FAMILYWISE_NOTE[report["familywise"]]
         + (PREDICTED_NOTE if prediction_columns(report["comparisons"]) else ""),
         "",
         *evidence_sweep_section(report.get("evidence_sweep")),

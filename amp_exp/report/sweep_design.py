@@ -22,9 +22,10 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         f"Seeds were added only where a verdict was still open: every cell ran "
         f"{plan['min_seeds']} seeds, then each cell not yet decided (and its {BASELINE} pair) one "
         f"more per look, up to {plan['max_seeds']}; a decided cell stayed frozen. {sweep['rule']}: "
-        f"L = {plan['looks']} looks planned, each interval at {show_level(sweep['confidence'])} "
-        f"(1 - 0.05/{plan['looks']}), so a false claim stays below 2.5% per side however the "
-        "looks fell; the intervals above are those adjusted ones, not 95%.",
+        f"each claim at its look's one-sided level ({levels_shown(plan['levels'])}; accuracy "
+        f"cells, which look first at 3 seeds: {levels_shown(plan['accuracy_levels'])}), so a "
+        "false claim stays below 2.5% per side however the looks fell (simulated: docs/sweeps.md);"
+        " the intervals above are at those levels (1 - 2 x the level), not 95%.",
         "",
         "| cell | seeds | verdict at each look, until decided |",
         "|---|---|---|",
@@ -45,6 +46,10 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         "",
     ]
     return lines
+
+
+def levels_shown(levels: dict[str, float]) -> str:
+    return ", ".join(f"{show_level(level)} at n = {n}" for n, level in levels.items())
 
 
 def judged_looks(sweep: dict[str, Any], cell: str) -> list[dict[str, Any]]:
