@@ -5,8 +5,8 @@ The rule (README "How to decide"):
 - the fastest precision whose verdict is ``better``, ``matches`` or ``not_worse`` and that never
   failed a seed, where an interval shows it faster than fp32: the speed trial's, or for runs no
   trial timed, the interval of the paired per-seed throughput ratios (never a median);
-- fp32 on this device when no lower precision is faster, or the faster ones are worse or
-  unstable;
+- fp32 on this device when no interval shows a lower precision faster, or the faster ones are
+  worse or unstable;
 - not decided yet, with what would decide it, while the verdict of a faster one is open, or
   while fp32 itself did not learn on a seed (report/learned.py).
 
