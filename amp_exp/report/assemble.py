@@ -12,6 +12,7 @@ from typing import Any
 from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows, tolerance_for
 from amp_exp.report.decision import DEFAULT_FAMILYWISE
 from amp_exp.report.evidence import cell_key, fixed_level, gather, trial_speedup
+from amp_exp.report.failures import troubles
 from amp_exp.report.learned import mark_comparisons, mark_learned
 from amp_exp.report.markdown import write_report
 from amp_exp.report.predicted import predicted_speedups
@@ -84,6 +85,8 @@ def assemble(
             # from generic kernels, which may say the opposite, is not repeated beside it.
             row["health"]["hardware_advice"] = []
     mark_learned(rows, metrics)
+    for row in rows:
+        row["troubles"] = troubles(row, metrics.get(row["run"], []))
     alpha = fixed_level if plan is None else plan.alpha
     cells, comparisons = gather(rows, metrics, tolerance, trials, familywise, alpha)
     predictions = read_entries(dirs, PREDICTED_JSON, "predictions")

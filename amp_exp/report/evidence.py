@@ -138,6 +138,10 @@ def cell_summary(key: CellKey, rows: list[Row]) -> dict[str, Any]:
     if measured:
         estimate = (stats.geometric_interval if log_scale else stats.mean_interval)(values)
     model, setting, label = key
+    summary = estimate_dict(estimate) or {"mean": None, "ci95": None}
+    if summary["ci95"] is not None and is_fraction(declared):
+        # An accuracy is a share of the eval set: its interval ends where the share can.
+        summary["ci95"] = [max(0.0, summary["ci95"][0]), min(1.0, summary["ci95"][1])]
     return {
         "model": model,
         "setting": setting,
@@ -149,8 +153,13 @@ def cell_summary(key: CellKey, rows: list[Row]) -> dict[str, Any]:
         "metric": None if declared is None else declared["quality"],
         # A loss or perplexity is summarised as a geometric mean: its interval stays positive.
         "scale": "log" if log_scale else "linear",
-        **(estimate_dict(estimate) or {"mean": None, "ci95": None}),
+        **summary,
     }
+
+
+def is_fraction(declared: dict[str, Any] | None) -> bool:
+    """Whether the quality metric is a share in [0, 1] (judged in points: an accuracy)."""
+    return declared is not None and declared["tolerance_unit"] == ToleranceUnit.points.value
 
 
 def on_log_scale(declared: dict[str, Any] | None, values: list[float]) -> bool:

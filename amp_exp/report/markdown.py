@@ -15,6 +15,7 @@ from amp_exp.report.compare import (
     tolerance_for,
 )
 from amp_exp.report.evidence import CLAIM_P
+from amp_exp.report.failures import SKIPPED_SHARE
 from amp_exp.report.learned import DROP, FLOOR_FACTOR
 from amp_exp.report.predicted import PREDICTED_NOTE, prediction_columns, show_prediction
 from amp_exp.report.recommend import recommendation_lines
@@ -176,13 +177,15 @@ def tolerance_sentence(report: dict[str, Any]) -> str:
 
 def health_line(row: dict[str, Any]) -> str:
     health = row["health"]
-    failed = health["failed_checks"]
-    parts = [
-        "checks FAILED: "
-        + "; ".join(f"{name} ({', '.join(who) or '?'})" for name, who in failed.items())
-        if failed
-        else "checks passed"
-    ]
+    failed = [f"{name} ({', '.join(who) or '?'})" for name, who in health["failed_checks"].items()]
+    # A diverged loss or many skipped steps fail the run whatever its diagnostics found.
+    trouble = row.get("troubles") or {}
+    if trouble.get("diverged"):
+        failed.append(f"diverged: {trouble['diverged']}")
+    share = trouble.get("skipped_share")
+    if share is not None and share > SKIPPED_SHARE:
+        failed.append(f"skipped {share:.0%} of its steps")
+    parts = ["checks FAILED: " + "; ".join(failed) if failed else "checks passed"]
     overflow = health["first_overflow"]
     if overflow:
         where = ", ".join(overflow["parameters"]) or "no parameter found"

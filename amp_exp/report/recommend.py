@@ -26,6 +26,12 @@ from amp_exp.report.speedup import trial_interval
 from amp_exp.report.verdicts import CONTINUE, VERDICT_WORDS
 
 Row = dict[str, Any]
+# How a run ends when it was stopped from outside (a signal, a kill): its sweep can go on.
+INTERRUPTED = ("killed", "stopped")
+RESUME = (
+    "the sweep was interrupted before every run completed, so this rests on the runs that did: "
+    "resume it with the same command, its hydra.sweep.dir and resume=auto"
+)
 QUALIFYING = ("better", "matches", "not_worse")
 # Verdicts more data could still change: a faster precision with one of them leaves it open.
 OPEN = ("inconclusive", "single_seed", "incomplete", None)
@@ -130,7 +136,7 @@ def to_decide(comparison: dict[str, Any]) -> str:
     if verdict == "single_seed":
         return f"{label}: one seed measures no noise; sweep seed=0,1,2"
     if verdict == "incomplete":
-        return f"{label}: a seed was killed; rerun it"
+        return f"{label}: a seed was killed or stopped before it completed"
     if verdict is None:
         return f"{label}: no eval metric to compare"
     needed = comparison.get("seeds_to_settle")
@@ -196,6 +202,9 @@ def recommendations(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[
             if (c["model"], c["setting"]) == (model, setting)
         ]
         precision, reason = recommend_group(group)
+        ended = [r for r in rows if (r["model"], r["setting"]) == (model, setting)]
+        if any(row["status"] in INTERRUPTED for row in ended):
+            reason += f"; {RESUME}"
         found.append(
             {
                 "model": model,
