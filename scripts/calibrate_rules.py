@@ -10,7 +10,11 @@
 2. For the default plans, what the sweeper's rule (the report's own, stats.simulate, frozen at
    the first decided look) gives with these levels and with Bonferroni's: false safe claims at
    the worse edge, right verdicts and mean seeds over a grid of true differences and spreads.
-3. The skewness check's thresholds (report/shape.py): the 95th percentile of |G1| of n normal
+3. The speed trial's critical values (speed/ratio.py): for n rounds, the largest over AR(1)
+   autocorrelations 0 to 0.6 (with a carry-over effect) of the 97.5% quantile of
+   |a - truth| / se, a and se the order-adjusted mean and its Newey-West standard error (at 98%
+   for n fixed, so that the interval the trial stops on covers 97.5%).
+4. The skewness check's thresholds (report/shape.py): the 95th percentile of |G1| of n normal
    differences, and the false `matches` rates at the tolerance's edge for normal, skewed
    (lognormal) and heavy-tailed (t with 3 degrees of freedom) differences, with and without it.
 
@@ -32,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from amp_exp.report import shape  # noqa: E402
 from amp_exp.report.calibration import NAME  # noqa: E402
 from amp_exp.report.stats import CODE, ONE_SIDED, Verdict, simulate  # noqa: E402
+from amp_exp.speed import ratio  # noqa: E402
 
 PATHS = 200_000
 CHECK_PATHS = 100_000
@@ -95,7 +100,7 @@ def adaptive(deltas: np.ndarray, looks: list[int], alphas: list[float], **rule) 
     return codes, seeds
 
 
-def against_bonferroni(rng: np.random.Generator, looks: list[int], alphas: list[float]) -> dict:
+def against_bonferroni(looks: list[int], alphas: list[float]) -> dict:
     """The sweeper's rule with these levels and with Bonferroni's over the same looks."""
     bonferroni = [ONE_SIDED / len(looks)] * len(looks)
     right = {0.0: CODE[Verdict.matches], 3.0: CODE[Verdict.worse], -3.0: CODE[Verdict.better]}
@@ -150,30 +155,70 @@ def false_matches(rng: np.random.Generator) -> dict:
 
 
 THRESHOLDS: dict[str, float] = {}
+SPEED_PATHS = 40_000
+# Fixed-n coverage the critical values are set to: above the stated 97.5%, so that the interval
+# the trial stops on (it stops when the interval is narrow, which favours a small spread) still
+# covers 97.5% (tests/test_speed_interval.py checks both).
+SPEED_QUANTILE = 0.98
+SPEED_ROUNDS = range(ratio.MIN_ROUNDS, 61)
+SPEED_RHOS = (0.0, 0.2, 0.4, ratio.MAX_RHO)
+# A carry-over of 3% (AB rounds' ratio over BA rounds'), which the order term must absorb.
+CARRY_OVER = np.log(1.03)
+
+
+def ar1(rng: np.random.Generator, paths: int, n: int, rho: float) -> np.ndarray:
+    """Stationary AR(1) noise of unit variance, ``paths`` series of ``n``."""
+    shocks = rng.standard_normal((paths, n)) * np.sqrt(1 - rho**2)
+    found = np.empty((paths, n))
+    found[:, 0] = rng.standard_normal(paths)
+    for t in range(1, n):
+        found[:, t] = rho * found[:, t - 1] + shocks[:, t]
+    return found
+
+
+def speed_critical(rng: np.random.Generator) -> dict[str, float]:
+    critical = {}
+    for n in SPEED_ROUNDS:
+        worst = 0.0
+        for rho in SPEED_RHOS:
+            logs = 0.05 * ar1(rng, SPEED_PATHS, n, rho) + CARRY_OVER * ratio.orders(n)
+            mean, se, _ = ratio.fit(logs)
+            worst = max(worst, float(np.quantile(np.abs(mean) / se, SPEED_QUANTILE)))
+        critical[str(n)] = worst
+    return critical
 
 
 def main() -> None:
-    rng = np.random.default_rng(SEED)
+    # Each section draws from its own stream, so that one can change without moving the others.
+    rng = np.random.default_rng([SEED, 1])
     for n in range(shape.MIN_N, SHAPE_MAX_N + 1):
         found = shape.skewness(rng.standard_normal((SHAPE_PATHS, n)))
         THRESHOLDS[str(n)] = float(np.quantile(found, 1 - shape.WITHHOLD_RATE))
     boundaries = {}
+    rng = np.random.default_rng([SEED, 2])
     for first in FIRST_LOOKS:
         for last in range(first, LAST_LOOK + 1):
             boundaries[f"{first}-{last}"] = boundary(rng, first, last)
             print(first, last, boundaries[f"{first}-{last}"]["alphas"][:4], flush=True)
     compared = {
-        key: against_bonferroni(rng, boundaries[key]["looks"], boundaries[key]["alphas"])
+        key: against_bonferroni(boundaries[key]["looks"], boundaries[key]["alphas"])
         for key in ("2-5", "3-5", "3-6")
     }
     written = {
+        "speed": {
+            "confidence": ratio.TRIAL_CONFIDENCE,
+            "max_rho": ratio.MAX_RHO,
+            "paths": SPEED_PATHS,
+            "quantile": SPEED_QUANTILE,
+            "critical": speed_critical(np.random.default_rng([SEED, 3])),
+        },
         "boundaries": boundaries,
         "compared_with_bonferroni": compared,
         "shape": {
             "withhold_rate": shape.WITHHOLD_RATE,
             "paths": SHAPE_PATHS,
             "thresholds": THRESHOLDS,
-            "false_matches": false_matches(rng),
+            "false_matches": false_matches(np.random.default_rng([SEED, 4])),
         },
         "seed": SEED,
     }

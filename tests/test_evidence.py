@@ -381,11 +381,12 @@ def planted(ci: tuple[float, float], p_equivalence: float, p_worse: float = 0.5)
 
 def test_holm_across_comparisons_turns_claims_that_fail_their_threshold_inconclusive() -> None:
     inside, below = (-0.1, 0.1), (-2.0, -1.0)
-    family = [planted(inside, 0.001), planted(inside, 0.02), planted(inside, 0.02)]
+    family = [planted(inside, 0.001), planted(inside, 0.01), planted(inside, 0.02)]
     family.append(planted(below, 0.9, p_worse=0.02))
     found = decide(family)
-    # 0.001 <= 0.025 / 4; then 0.02 > 0.025 / 3 stops the matches family. The worse family has
-    # one claim of p 0.02 among four p-values, the next smallest 0.5: 0.02 > 0.025 / 4.
+    # 0.001 <= 0.025 / 4; then 0.01 > 0.025 / 3 stops the matches family (at twice the level,
+    # 0.01 <= 0.05 / 3 and 0.02 <= 0.05 / 2 would pass). The worse family has one claim of p 0.02
+    # among four p-values, the next smallest 0.5: 0.02 > 0.025 / 4.
     assert [d.verdict.value for d in found] == ["matches", *["inconclusive"] * 3]
     assert [d.unadjusted.value for d in found] == [*["matches"] * 3, "worse"]
     assert found[1].withheld == "familywise"
