@@ -5,7 +5,7 @@ look, a cell whose verdict against fp32 is still open gets its next seed, with i
 a decided cell stays frozen, until ``evidence.max_seeds``. The verdicts are the report's own
 (report/decision.py), each claim at the one-sided level of its look: group-sequential boundaries
 for the paired t-statistic, O'Brien-Fleming-like (strict early, close to 2.5% at the last look:
-0.05%, 0.34%, 0.95% and 1.80% at n = 2..5), calibrated by simulation so that a true difference
+0.04%, 0.34%, 0.94% and 1.79% at n = 2..5), calibrated by simulation so that a true difference
 on the tolerance crosses some look's boundary 2.5% of the time (scripts/calibrate_rules.py writes
 them and their simulated rates to calibration.json; docs/sweeps.md compares them with
 Bonferroni's). The looks are planned, n = min_seeds .. max_seeds, never the looks a cell took;
