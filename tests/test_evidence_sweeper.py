@@ -280,3 +280,24 @@ def test_a_presets_seeds_give_way_and_seeds_on_the_command_line_are_refused() ->
     sweeper.params = {"precision": "bf16"}
     with pytest.raises(ConfigError, match="compares each precision with fp32"):
         sweeper.cells([])
+
+
+def test_runs_added_after_the_last_look_are_said_and_keep_the_plans_levels() -> None:
+    """A fixed sweep's runs copied into an evidence sweep's directory would otherwise be read as
+    if the sweep had planned them."""
+    sweep = {
+        "plan": dataclasses.asdict(PLAN),
+        "rule": sequential.RULE,
+        "looks": [],
+        "seeds": {},
+        "jobs": 8,
+        "fixed_jobs": 9,
+        "steps": 0,
+        "steps_per_job": None,
+        "runs_after_last_look": 2,
+    }
+    text = " ".join(evidence_sweep_section(sweep))
+    assert "2 runs joined this directory after the sweep's last look" in text
+    assert "never 95%" in text
+    sweep["runs_after_last_look"] = 0
+    assert "joined this directory" not in " ".join(evidence_sweep_section(sweep))

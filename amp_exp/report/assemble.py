@@ -135,6 +135,10 @@ def build_report(
     plan = min(map(plan_of, plans), key=lambda p: p.alpha(p.max_seeds, None), default=None)
     report, metrics = assemble(dirs, out_dir, tolerance, familywise, plan)
     report["evidence_sweep"] = plans[0] if len(plans) == 1 else None
+    if report["evidence_sweep"] is not None:
+        # Runs the sweep's last look never saw: judged by the plan's levels, never at 95%.
+        recorded = report["evidence_sweep"]["jobs"]
+        report["evidence_sweep"]["runs_after_last_look"] = max(0, len(report["runs"]) - recorded)
     rows = report["runs"]
     out_dir.mkdir(parents=True, exist_ok=True)
     # The table is on disk before any plot is tried.

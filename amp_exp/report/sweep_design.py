@@ -27,6 +27,7 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         "false claim stays below 2.5% per side however the looks fell (simulated: docs/sweeps.md);"
         " the intervals above are at those levels (1 - 2 x the level), not 95%.",
         "",
+        *after_last_look(sweep),
         "| cell | seeds | verdict at each look, until decided |",
         "|---|---|---|",
     ]
@@ -46,6 +47,20 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         "",
     ]
     return lines
+
+
+def after_last_look(sweep: dict[str, Any]) -> list[str]:
+    """Runs added to the sweep's directory after its last look, said, with the rule they get."""
+    added = sweep.get("runs_after_last_look") or 0
+    if not added:
+        return []
+    return [
+        f"{added} run{'' if added == 1 else 's'} joined this directory after the sweep's last "
+        "look: the verdicts above still use the plan's levels (a cell past max_seeds its last "
+        "look's), never 95%, and a claim there was not planned for: continue the sweep "
+        "(`resume=auto`) rather than add runs by hand.",
+        "",
+    ]
 
 
 def levels_shown(levels: dict[str, float]) -> str:
