@@ -139,12 +139,12 @@ class EvidenceSweeper(Sweeper):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
         log.info(
-            "evidence sweep: %d cells, %d to %d seeds, %d looks planned, intervals at %.2f%%",
+            "evidence sweep: %d cells, %d to %d seeds, %d looks planned, one-sided levels %s",
             len(cells),
             plan.min_seeds,
             plan.max_seeds,
             plan.looks,
-            100 * plan.confidence,
+            plan.shown(),
         )
         wanted = {cell: list(range(plan.min_seeds)) for cell in cells}
         returns: list[list[JobReturn]] = []
@@ -168,7 +168,7 @@ class EvidenceSweeper(Sweeper):
                 sweep_dir,
                 cfg.report.tolerance,
                 cfg.report.familywise,
-                plan.confidence,
+                plan,
             )
             sequential.record(sweep_dir, plan, report, looks)
             found = sequential.next_seeds(report, cell_of_run, plan)

@@ -12,9 +12,10 @@ import pytest
 from scipy import stats as scipy_stats
 
 from amp_exp.config.schema import ReportConfig
+from amp_exp.report import stats
 from amp_exp.report.__main__ import main
 from amp_exp.report.assemble import build_report
-from amp_exp.report.evidence import adjust_familywise
+from amp_exp.report.decision import Evidence, decide
 from amp_exp.report.shown import show_delta, show_interval
 from amp_exp.results.files import SPEED_JSON
 from amp_exp.tasks.lm import LanguageModelTask
@@ -232,7 +233,10 @@ def test_the_speed_trial_gives_the_speedup_beside_each_jobs_own_throughput(
     (tmp_path / SPEED_JSON).write_text(json.dumps(speed))
     report = build_report([tmp_path], tmp_path)
     (comparison,) = report["comparisons"]
-    assert comparison["speedup"] == trial and comparison["job_speedup"] == 0.7
+    assert comparison["speedup"] == trial
+    assert comparison["job_speedup"]["ratio"] == pytest.approx(0.7)
+    # One seed's throughput ratio has no interval: it can establish no speedup.
+    assert comparison["job_speedup"]["ci"] is None
     assert (
         "1.20x fp32's speed (97.5% CI 1.10x to 1.30x, 10 AB/BA rounds; total time 1.15x)"
         in (report["verdicts"][0])
@@ -368,38 +372,47 @@ def test_a_killed_seed_is_incomplete_until_a_rerun_of_it_completes(tmp_path: Pat
     assert rerun["deltas"]["2"] == pytest.approx(0.05)
 
 
+def planted(ci: tuple[float, float], p_equivalence: float, p_worse: float = 0.5) -> Evidence:
+    """A comparison whose interval gives the rule's claim and whose p-values are planted."""
+    estimate = stats.Estimate(3, sum(ci) / 2, ci, 0.1, 0.1)
+    difference = stats.PairedDifference(estimate, p_equivalence, p_worse, 0.9, p_equivalence)
+    return Evidence(difference, (0.0, 0.1, 0.2), 0.5, True, None)
+
+
 def test_holm_across_comparisons_turns_claims_that_fail_their_threshold_inconclusive() -> None:
-    def judged(verdict: str, p_equivalence: float, p_worse: float = 0.5) -> dict:
-        return {
-            "verdict": verdict,
-            "seed_verdict": None,
-            "p_equivalence": p_equivalence,
-            "p_not_worse": p_equivalence,
-            "p_worse": p_worse,
-            "p_better": 0.9,
-            "failure_rate_bound": 0.63,
-        }
-
-    family = [judged("matches", 0.001), judged("matches", 0.02), judged("matches", 0.02)]
-    family.append(judged("worse", 0.9, p_worse=0.02))
-    adjust_familywise(family)
-    # 0.001 <= 0.025 / 4; then 0.02 > 0.025 / 3 stops the matches family. The worse family has
-    # one claim of p 0.02 among four p-values, the next smallest 0.5: 0.02 > 0.025 / 4.
-    assert [c["verdict"] for c in family] == ["matches", *["inconclusive"] * 3]
-    assert family[1]["failure_rate_bound"] is None
-    assert ReportConfig().familywise is False
+    inside, below = (-0.1, 0.1), (-2.0, -1.0)
+    family = [planted(inside, 0.001), planted(inside, 0.01), planted(inside, 0.02)]
+    family.append(planted(below, 0.9, p_worse=0.02))
+    found = decide(family)
+    # 0.001 <= 0.025 / 4; then 0.01 > 0.025 / 3 stops the matches family (at twice the level,
+    # 0.01 <= 0.05 / 3 and 0.02 <= 0.05 / 2 would pass). The worse family has one claim of p 0.02
+    # among four p-values, the next smallest 0.5: 0.02 > 0.025 / 4.
+    assert [d.verdict.value for d in found] == ["matches", *["inconclusive"] * 3]
+    assert [d.unadjusted.value for d in found] == [*["matches"] * 3, "worse"]
+    assert found[1].withheld == "familywise"
+    # Holm is on by default; none leaves each claim at its own level, and says so.
+    assert ReportConfig().familywise == "holm"
+    assert [d.verdict.value for d in decide(family, "none")] == [*["matches"] * 3, "worse"]
 
 
-def test_familywise_reports_label_their_intervals_unadjusted(tmp_path: Path) -> None:
+def test_holm_reads_each_p_value_in_units_of_its_looks_level() -> None:
+    """An evidence sweep's look at a stricter level: its p-value 0.004 is above that look's
+    0.0034, so alone (a family of one) it claims nothing, and neither may it under Holm."""
+    found = planted((-0.1, 0.1), 0.004)
+    strict = Evidence(found.difference, found.deltas, 0.5, True, None, alpha=0.0034)
+    assert decide([strict])[0].verdict.value == "inconclusive"
+
+
+def test_familywise_none_is_named_in_the_words_and_holm_by_default(tmp_path: Path) -> None:
     write_three_seeds(tmp_path, "fp32", 0)
     write_three_seeds(tmp_path, "bf16", 3)
-    report = build_report([tmp_path], tmp_path, familywise=True)
-    assert report["familywise"] is True and report["comparisons"][0]["verdict"] == "matches"
+    report = build_report([tmp_path], tmp_path)
+    assert report["familywise"] == "holm" and report["comparisons"][0]["verdict"] == "matches"
     assert "The intervals shown are unadjusted." in (tmp_path / "report.md").read_text()
-    build_report([tmp_path], tmp_path)
-    assert "unadjusted" not in (tmp_path / "report.md").read_text()
-    assert main([str(tmp_path), "--familywise"]) == 0
-    assert json.loads((tmp_path / "report.json").read_text())["familywise"] is True
+    build_report([tmp_path], tmp_path, familywise="none")
+    assert "`report.familywise=none`" in (tmp_path / "report.md").read_text()
+    assert main([str(tmp_path), "--familywise", "none"]) == 0
+    assert json.loads((tmp_path / "report.json").read_text())["familywise"] == "none"
 
 
 def test_options_that_train_nothing_never_split_a_cell(tmp_path: Path) -> None:
@@ -546,7 +559,10 @@ def test_fp32_is_recommended_when_no_lower_precision_is_faster(tmp_path: Path) -
     write_trial(tmp_path, bf16=(0.70, 0.65, 0.75))
     (recommendation,) = build_report([tmp_path], tmp_path)["recommendations"]
     assert recommendation["precision"] == "fp32"
-    assert recommendation["reason"] == "no lower precision is faster (bf16 0.70x fp32's speed)"
+    assert recommendation["reason"] == (
+        "no interval shows a lower precision faster (bf16 0.70x fp32's speed (speed trial, 97.5% "
+        "CI 0.65x to 0.75x))"
+    )
     assert "- **gpt_tiny: fp32 on this device.**" in (tmp_path / "report.md").read_text()
 
 

@@ -352,7 +352,7 @@ def test_sweep_report_shows_tokens_mfu_and_perplexity_for_lm_runs(tmp_path) -> N
     assert report["verdicts"][0] == (
         "gpt_tiny: bf16 against fp32 on a single seed: Δ loss +0.91%, tolerance ±1.00%; one "
         "seed measures no noise, so no verdict (sweep seed=0,1,2 for one); 3.00x fp32's speed "
-        "(jobs timed one after another), 1.00x the CUDA peak of fp32"
+        "(one seed's jobs timed one after another: no interval), 1.00x the CUDA peak of fp32"
     )
     markdown = (tmp_path / "report.md").read_text()
     header = next(line for line in markdown.splitlines() if line.startswith("| run"))

@@ -12,6 +12,7 @@ from amp_exp.report import stats
 from amp_exp.report.assemble import build_report
 from amp_exp.results.files import SPEED_JSON, SPEED_MD
 from amp_exp.speed.sweep import time_sweep
+from helpers.rule import rule_verdict
 from helpers.runs import FAST, TINY, run_cli
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,7 @@ def test_three_seeds_of_bf16_are_judged_by_the_rule_on_the_jobs_own_accuracies(
     assert comparison["deltas"] == {str(seed): pytest.approx(d) for seed, d in enumerate(deltas)}
     assert comparison["eval_examples"] == 512
     difference = stats.paired_difference(deltas, 0.5, True, floor=100 / 512)
-    assert comparison["verdict"] == stats.verdict(difference, 0.5, True).value
+    assert comparison["verdict"] == rule_verdict(difference, 0.5, True).value
     assert (
         comparison["delta_ci95"][1] - comparison["delta_ci95"][0]
         >= 2 * stats.half_width(100 / 512, 3) - 1e-9

@@ -129,8 +129,8 @@ def test_each_run_is_compared_with_fp32_of_its_model_and_setting(tmp_path: Path)
         "tiny_cnn (precision.clip_grad_norm=null): bf16 against fp32 on a single seed"
     )
     assert (
-        "; 2.00x fp32's speed (jobs timed one after another), 0.50x the saved activations of fp32"
-        in (report["verdicts"][0])
+        "; 2.00x fp32's speed (one seed's jobs timed one after another: no interval), 0.50x the "
+        "saved activations of fp32" in (report["verdicts"][0])
     )
     assert report["verdicts"][1].startswith("tiny_cnn (precision.clip_grad_norm=1.0): bf16")
     assert report["verdicts"][2].startswith("mlp: bf16 against fp32 on a single seed")
@@ -147,12 +147,14 @@ def test_a_single_seed_shows_the_difference_and_its_tolerance_but_claims_nothing
     assert report["verdicts"] == [
         "resnet18: bf16 against fp32 on a single seed: Δ accuracy -0.20 points, tolerance "
         "±0.5 points; one seed measures no noise, so no verdict (sweep seed=0,1,2 for one); "
-        "1.90x fp32's speed (jobs timed one after another), 1.00x the saved activations of fp32; "
+        "1.90x fp32's speed (one seed's jobs timed one after another: no interval), 1.00x the "
+        "saved activations of fp32; "
         "loss gap "
         "+0.00%, +0.0000 absolute, over the last 10% of steps",
         "resnet18: fp16 against fp32 on a single seed: Δ accuracy -3.00 points, tolerance "
         "±0.5 points; one seed measures no noise, so no verdict (sweep seed=0,1,2 for one); "
-        "2.00x fp32's speed (jobs timed one after another), 1.00x the saved activations of fp32; "
+        "2.00x fp32's speed (one seed's jobs timed one after another: no interval), 1.00x the "
+        "saved activations of fp32; "
         "loss gap "
         "+0.00%, +0.0000 absolute, over the last 10% of steps, skipped 4 steps",
     ]
@@ -352,7 +354,8 @@ def test_several_run_directories_are_reported_together(tmp_path: Path, capsys) -
     report = json.loads((tmp_path / "runs" / "report.json").read_text())
     assert [row["run"] for row in report["runs"]] == ["a", "b"]
     assert rows_by_run(report)["b"]["speedup"] == 0.7
-    assert "0.70x fp32's speed (jobs timed one after another)" in capsys.readouterr().out
+    shown = "0.70x fp32's speed (one seed's jobs timed one after another: no interval)"
+    assert shown in capsys.readouterr().out
 
 
 def test_a_missing_directory_is_a_one_line_error(tmp_path: Path, capsys) -> None:

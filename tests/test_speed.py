@@ -11,7 +11,6 @@ import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -73,17 +72,9 @@ def test_a_skipped_step_costs_its_time_and_counts_as_no_progress() -> None:
     assert side.per_applied_step() == [math.inf]
 
 
-def test_the_interval_is_a_t_interval_on_log_ratios_with_95_percent_coverage() -> None:
-    """Simulated rounds whose log ratio is normal around log 1.5: an interval on the ratios
-    themselves is not reciprocal when the sides swap, and the old order-statistic interval of
-    the median covers 97.9% at 10 rounds, outside 95% +- 2 points (2.9 standard errors)."""
-    rng = np.random.default_rng(0)
-    covered, repetitions = 0, 1000
-    for _ in range(repetitions):
-        logs = rng.normal(math.log(1.5), 0.2, 10)
-        found = speedup(np.exp(logs), np.ones(10), total_time_ratio=1.5, confidence=0.95)
-        covered += found.ci[0] <= 1.5 <= found.ci[1]
-    assert abs(covered / repetitions - 0.95) < 0.02, covered / repetitions
+def test_the_interval_is_on_log_ratios_so_swapping_the_sides_inverts_it() -> None:
+    """An interval on the ratios themselves is not reciprocal when the sides swap (coverage under
+    autocorrelated rounds: tests/test_speed_interval.py)."""
     fp32, bf16 = [10.0, 11.0, 30.0, 10.2, 10.8, 10.1], [5.0, 5.4, 5.1, 5.2, 5.3, 5.0]
     forward, backward = speedup(fp32, bf16, 2.0), speedup(bf16, fp32, 0.5)
     assert forward.ratio == pytest.approx(1 / backward.ratio)
@@ -95,7 +86,9 @@ def test_the_interval_is_a_t_interval_on_log_ratios_with_95_percent_coverage() -
 def test_a_drift_over_rounds_is_flagged_and_alternating_noise_is_not() -> None:
     drifting = speedup([1.0 + 0.1 * r for r in range(10)], [1.0] * 10, 1.4)
     assert drifting.trend and drifting.trend_rho == pytest.approx(1.0)
-    alternating = speedup([1.1, 1.0] * 5, [1.0] * 10, 1.05)
+    alternating = speedup(
+        [1.1, 1.0, 1.12, 1.01, 1.09, 0.99, 1.11, 1.0, 1.1, 1.02], [1.0] * 10, 1.05
+    )
     assert not alternating.trend
 
 

@@ -12,6 +12,7 @@ import pytest
 import amp_exp.speed.trial as trial_module
 from amp_exp.config.schema import SpeedConfig
 from amp_exp.errors import ConfigError
+from amp_exp.report.stats import half_width
 from amp_exp.speed.__main__ import candidates
 from amp_exp.speed.ratio import log_half_width, looks, narrow
 from helpers.runs import TINY
@@ -60,7 +61,7 @@ def test_looking_every_round_at_95_percent_would_not_cover() -> None:
     open_ = np.ones(REPETITIONS, dtype=bool)
     for n in at:
         seen = logs[:, :n]
-        width = log_half_width(seen, 0.95)
+        width = half_width(seen.std(axis=1, ddof=1), n, 0.95)
         here = open_ & ((width < TARGET) | (n == 40))
         rounds[here] = n
         covered[here] = np.abs(seen[here].mean(axis=1)) <= width[here]

@@ -12,6 +12,7 @@ from scipy import stats as scipy_stats
 
 from amp_exp.report import curves, stats
 from amp_exp.report.stats import Verdict
+from helpers.rule import rule_verdict
 
 # Accuracy of three seeds, fp32 and bf16, as fractions; their paired differences in points.
 FP32 = np.array([0.8125, 0.7969, 0.8047])
@@ -91,7 +92,7 @@ def test_verdict_rules(
     deltas: list[float], higher_is_better: bool, floor: float, verdict: Verdict
 ) -> None:
     difference = stats.paired_difference(deltas, 0.5, higher_is_better, floor)
-    assert stats.verdict(difference, 0.5, higher_is_better) is verdict
+    assert rule_verdict(difference, 0.5, higher_is_better) is verdict
 
 
 def test_matches_exactly_when_tost_rejects_at_two_and_a_half_percent() -> None:
@@ -99,7 +100,7 @@ def test_matches_exactly_when_tost_rejects_at_two_and_a_half_percent() -> None:
     for _ in range(200):
         deltas = rng.normal(rng.uniform(-0.6, 0.6), rng.uniform(0.05, 0.5), size=4)
         difference = stats.paired_difference(deltas, 0.5, True)
-        matches = stats.verdict(difference, 0.5, True) is Verdict.matches
+        matches = rule_verdict(difference, 0.5, True) is Verdict.matches
         assert matches == (difference.p_equivalence < 0.025)
 
 
@@ -113,7 +114,7 @@ def test_the_simulated_rule_is_the_reports_rule() -> None:
     for higher in (True, False):
         codes = stats.simulate(deltas, 0.5, higher, floor=0.1)
         one_by_one = [
-            stats.verdict(stats.paired_difference(row, 0.5, higher, 0.1), 0.5, higher)
+            rule_verdict(stats.paired_difference(row, 0.5, higher, 0.1), 0.5, higher)
             for row in deltas
         ]
         assert [stats.RULE_VERDICTS[code] for code in codes] == one_by_one

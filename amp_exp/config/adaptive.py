@@ -39,6 +39,6 @@ class EvidenceConfig:
     # Seeds every cell runs before the first look (accuracy cells look first at 3: with one eval
     # example's floor, 2 seeds cannot decide).
     min_seeds: int = 2
-    # The most seeds a cell runs. The looks planned, max_seeds - min_seeds + 1, set the level of
-    # every look's interval (Bonferroni: 1 - 0.05 / looks); a resumed sweep may not raise it.
+    # The most seeds a cell runs. The looks planned, n = min_seeds .. max_seeds, set each look's
+    # calibrated level (report/sequential.py); a resumed sweep may not raise it.
     max_seeds: int = 5

@@ -25,8 +25,8 @@ from amp_exp.errors import ConfigError, require
 # The speed trial's warm-up ends when the median steps of two consecutive windows of this many
 # steps agree within 5% (training/timing.py).
 SPEED_WARMUP_WINDOW = 5
-# The fewest rounds for the speedup's t interval to be of any use (t(0.975, 5) = 2.57; at 4
-# rounds it is 3.18).
+# The fewest rounds for the speedup's interval to be of any use (its critical value, calibrated
+# for autocorrelated rounds in speed/ratio.py, is 11 at 6 rounds and 23 at 4).
 MIN_SPEED_ROUNDS = 6
 # The fewest seeds whose paired differences give the verdict rule an interval.
 MIN_VERIFY_SEEDS = 2

@@ -278,6 +278,10 @@ class WandbConfig:
 # --- report ------------------------------------------------------------------------------------
 
 
+# report.familywise: Holm across a report's comparisons, or each at its own level.
+FAMILYWISE = ("holm", "none")
+
+
 @dataclass
 class ReportConfig:
     # How far a low-precision run's quality metric may lie from its fp32 run's, in the unit the
@@ -291,9 +295,9 @@ class ReportConfig:
     wandb_timeout: float = 10.0
     # Time each model and setting of a sweep that varies precision in the speed trial (speed.*).
     speed_trial: bool = True
-    # Holm across the report's comparisons, a family per claim (matches, not_worse, worse,
-    # better) at 2.5% each; off, each comparison holds at its own level (docs/sweeps.md).
-    familywise: bool = False
+    # holm: Holm across the report's comparisons, a family per claim (matches, not_worse, worse,
+    # better) at 2.5% each; none: each comparison holds at its own level (docs/sweeps.md).
+    familywise: str = "holm"
     # GPUs of config/devices.py (h100, ...) whose roofline speedups (amp_exp.predict) the
     # report shows beside the measured ones, labelled as predicted.
     predict: list[str] = field(default_factory=list)

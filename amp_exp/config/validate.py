@@ -46,6 +46,7 @@ from amp_exp.config.models import (
 from amp_exp.config.pairing import check_pairing
 from amp_exp.config.precision_checks import validate_precision
 from amp_exp.config.schema import (
+    FAMILYWISE,
     SCHEMAS,
     WANDB_TAG_MAX_CHARS,
     AdamWConfig,
@@ -146,6 +147,10 @@ def validate(cfg: DictConfig) -> RunConfig:
     require(
         run.report.tolerance is None or run.report.tolerance >= 0,
         "report.tolerance must be 0 or more, or null (the task's default)",
+    )
+    require(
+        run.report.familywise in FAMILYWISE,
+        f"report.familywise={run.report.familywise}: one of {', '.join(FAMILYWISE)}",
     )
     validate_devices("report.predict", run.report.predict)
     validate_speed(run.speed)

@@ -15,9 +15,10 @@ import os
 import sys
 from pathlib import Path
 
-from amp_exp.config.schema import ReportConfig
+from amp_exp.config.schema import FAMILYWISE, ReportConfig
 from amp_exp.errors import RuntimeFault
 from amp_exp.report.assemble import build_report
+from amp_exp.report.decision import DEFAULT_FAMILYWISE
 from amp_exp.report.runs import ReportError, run_paths
 from amp_exp.results.contract import OneLineParser, enter, hold_output
 from amp_exp.results.files import REPORT_JSON, REPORT_MD, UntrustedFile, read_json
@@ -43,9 +44,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--familywise",
-        action="store_true",
-        help="Holm across the report's comparisons, a family per claim at 2.5%% each "
-        "(report.familywise)",
+        choices=FAMILYWISE,
+        default=DEFAULT_FAMILYWISE,
+        help="holm (default): Holm across the report's comparisons, a family per claim at 2.5%% "
+        "each; none: each comparison at its own level (report.familywise)",
     )
     parser.add_argument(
         "--force",

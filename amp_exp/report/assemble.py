@@ -9,14 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows, tolerance_for
-from amp_exp.report.evidence import cell_key, gather, trial_speedup
+from amp_exp.report.decision import DEFAULT_FAMILYWISE
+from amp_exp.report.evidence import cell_key, fixed_level, gather, trial_speedup
+from amp_exp.report.failures import troubles
 from amp_exp.report.learned import mark_comparisons, mark_learned
 from amp_exp.report.markdown import write_report
 from amp_exp.report.predicted import predicted_speedups
 from amp_exp.report.recommend import recommendations
 from amp_exp.report.runs import find_runs
-from amp_exp.report.sequential import read_plan
-from amp_exp.report.stats import CONFIDENCE
+from amp_exp.report.sequential import Plan, plan_of, read_plan
 from amp_exp.report.verdicts import verdicts
 from amp_exp.results.files import PREDICTED_JSON, SPEED_JSON, UntrustedFile, read_json
 
@@ -65,11 +66,12 @@ def assemble(
     dirs: list[Path],
     out_dir: Path,
     tolerance: float | None = None,
-    familywise: bool = False,
-    confidence: float = CONFIDENCE,
+    familywise: str = DEFAULT_FAMILYWISE,
+    plan: Plan | None = None,
 ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """The report of the runs under ``dirs`` (no plots yet) and each run's metrics rows; the
-    verdicts' intervals at ``confidence`` (an evidence sweep's looks, report/sequential.py)."""
+    verdicts' levels those of an evidence sweep's ``plan`` at each look (report/sequential.py),
+    else 2.5% per side."""
     runs = find_runs(dirs)
     assign_settings(runs)
     rows = comparison_rows(runs, out_dir)
@@ -84,7 +86,10 @@ def assemble(
             # from generic kernels, which may say the opposite, is not repeated beside it.
             row["health"]["hardware_advice"] = []
     mark_learned(rows, metrics)
-    cells, comparisons = gather(rows, metrics, tolerance, trials, familywise, confidence)
+    for row in rows:
+        row["troubles"] = troubles(row, metrics.get(row["run"], []))
+    alpha = fixed_level if plan is None else plan.alpha
+    cells, comparisons = gather(rows, metrics, tolerance, trials, familywise, alpha)
     predictions = read_entries(dirs, PREDICTED_JSON, "predictions")
     for found in comparisons:
         found["predicted"] = predicted_speedups(
@@ -95,7 +100,8 @@ def assemble(
         "recommendations": recommendations(rows, comparisons),
         "tolerance": tolerance,
         "familywise": familywise,
-        "confidence": confidence,
+        # The verdicts' interval level where all share one (null: an evidence sweep's looks').
+        "confidence": shared_level(comparisons),
         "baseline_precision": BASELINE,
         "verdicts": verdicts(rows, comparisons),
         "comparisons": comparisons,
@@ -108,18 +114,32 @@ def assemble(
     return report, metrics
 
 
+def shared_level(comparisons: list[dict[str, Any]]) -> float | None:
+    levels = {c["confidence"] for c in comparisons if c["confidence"] is not None}
+    return 0.95 if not levels else (levels.pop() if len(levels) == 1 else None)
+
+
 def build_report(
-    dirs: list[Path], out_dir: Path, tolerance: float | None = None, familywise: bool = False
+    dirs: list[Path],
+    out_dir: Path,
+    tolerance: float | None = None,
+    familywise: str = DEFAULT_FAMILYWISE,
 ) -> dict[str, Any]:
     """Write report.md, report.json and the plots for the runs under ``dirs``; return the report.
 
     ``tolerance`` is in the unit of the task's quality metric; None takes each task's default.
-    ``familywise`` applies Holm across the report's comparisons (report.familywise). An evidence
-    sweep's directory (its evidence.json) is judged at the level of its looks, and says so."""
+    ``familywise``: Holm across the report's comparisons (``holm``) or each at its own level
+    (``none``; report.familywise). An evidence sweep's directory (its evidence.json) is judged at
+    the levels of its looks, and says so."""
     plans = [plan for plan in map(read_plan, dirs) if plan is not None]
-    confidence = min((plan["confidence"] for plan in plans), default=CONFIDENCE)
-    report, metrics = assemble(dirs, out_dir, tolerance, familywise, confidence)
+    # Over several sweeps' directories the strictest plan judges all (its levels are lower).
+    plan = min(map(plan_of, plans), key=lambda p: p.alpha(p.max_seeds, None), default=None)
+    report, metrics = assemble(dirs, out_dir, tolerance, familywise, plan)
     report["evidence_sweep"] = plans[0] if len(plans) == 1 else None
+    if report["evidence_sweep"] is not None:
+        # Runs the sweep's last look never saw: judged by the plan's levels, never at 95%.
+        recorded = report["evidence_sweep"]["jobs"]
+        report["evidence_sweep"]["runs_after_last_look"] = max(0, len(report["runs"]) - recorded)
     rows = report["runs"]
     out_dir.mkdir(parents=True, exist_ok=True)
     # The table is on disk before any plot is tried.

@@ -13,11 +13,11 @@ the last 10% of steps (report/curves.py); and the speedup of the interleaved spe
 from __future__ import annotations
 
 import math
-import statistics
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-from amp_exp.report import curves, stats
+from amp_exp.report import curves, decision, stats
 from amp_exp.report.compare import BASELINE, tolerance_for
 from amp_exp.report.failures import PRECISION_FAILURES, failure
 from amp_exp.report.stats import Verdict
@@ -39,14 +39,16 @@ QUALITY_KEYS = (
     "p_worse",
     "p_better",
     "p_not_worse",
-    "verdict",
-    "unadjusted_verdict",
+    "higher_is_better",
     "identical",
     "eval_examples",
     "floor",
     "min_seeds_to_match",
-    "seeds_to_settle",
 )
+# The claims and their p-values' keys, where the report shows them (report/decision.py's).
+CLAIM_P = decision.CLAIM_P
+# How a speedup without a speed trial is labelled wherever it is shown.
+JOB_SPEEDUP_SOURCE = "paired per-seed throughput ratios"
 # The largest eval set whose accuracies are read as counts (eval_examples).
 MAX_EVAL_EXAMPLES = 10**6
 # The verdicts on the seeds themselves, highest precedence first: they override the statistics.
@@ -136,6 +138,10 @@ def cell_summary(key: CellKey, rows: list[Row]) -> dict[str, Any]:
     if measured:
         estimate = (stats.geometric_interval if log_scale else stats.mean_interval)(values)
     model, setting, label = key
+    summary = estimate_dict(estimate) or {"mean": None, "ci95": None}
+    if summary["ci95"] is not None and is_fraction(declared):
+        # An accuracy is a share of the eval set: its interval ends where the share can.
+        summary["ci95"] = [max(0.0, summary["ci95"][0]), min(1.0, summary["ci95"][1])]
     return {
         "model": model,
         "setting": setting,
@@ -147,8 +153,13 @@ def cell_summary(key: CellKey, rows: list[Row]) -> dict[str, Any]:
         "metric": None if declared is None else declared["quality"],
         # A loss or perplexity is summarised as a geometric mean: its interval stays positive.
         "scale": "log" if log_scale else "linear",
-        **(estimate_dict(estimate) or {"mean": None, "ci95": None}),
+        **summary,
     }
+
+
+def is_fraction(declared: dict[str, Any] | None) -> bool:
+    """Whether the quality metric is a share in [0, 1] (judged in points: an accuracy)."""
+    return declared is not None and declared["tolerance_unit"] == ToleranceUnit.points.value
 
 
 def on_log_scale(declared: dict[str, Any] | None, values: list[float]) -> bool:
@@ -181,14 +192,16 @@ def quality_evidence(
     paired: list[Row],
     fp32_rows: list[Row],
     tolerance: float | None,
-    confidence: float = stats.CONFIDENCE,
-) -> dict[str, Any]:
-    """The paired difference of the quality metric against fp32, and its verdict by the rule
-    with the interval at ``confidence``; for accuracy the spread is floored at one eval example."""
+    alpha: Callable[[int, str], float],
+) -> tuple[dict[str, Any], stats.PairedDifference | None]:
+    """The paired difference of the quality metric against fp32 with its interval at the level
+    ``alpha(n, unit)`` of its look (one-sided; an interval at 1 - 2 alpha), and the statistics
+    the decision reads (report/decision.py); for accuracy the spread is floored at one eval
+    example."""
     measured = [row for row in paired if row["quality_delta"] is not None]
     declared = next((row["quality_metric"] for row in measured), None)
     if declared is None:
-        return {"n": 0, "deltas": {}, **dict.fromkeys(QUALITY_KEYS)}
+        return {"n": 0, "deltas": {}, **dict.fromkeys(QUALITY_KEYS)}, None
     limit = float(tolerance_for(measured[0], tolerance))
     higher = declared["higher_is_better"]
     examples = floor = None
@@ -198,8 +211,8 @@ def quality_evidence(
         examples = eval_examples(values)
         floor = None if examples is None else 100 / examples
     deltas = [row["quality_delta"] for row in measured]
+    confidence = 1 - 2 * alpha(len(deltas), declared["tolerance_unit"])
     difference = stats.paired_difference(deltas, limit, higher, floor or 0.0, confidence)
-    verdict = stats.verdict(difference, limit, higher)
     estimate = difference.estimate
     return {
         "n": estimate.n,
@@ -207,9 +220,10 @@ def quality_evidence(
         "metric_label": metric_label(declared),
         "unit": declared["tolerance_unit"],
         "tolerance": limit,
+        "higher_is_better": higher,
         "delta_mean": estimate.mean,
         "delta_ci95": None if estimate.ci95 is None else list(estimate.ci95),
-        # The interval's level: 95%, or an evidence sweep's stricter one per look.
+        # The interval's level: 95%, or an evidence sweep's stricter one at its look.
         "confidence": confidence,
         "sd": estimate.sd,
         "deltas": {str(row["seed"]): row["quality_delta"] for row in measured},
@@ -217,20 +231,13 @@ def quality_evidence(
         "p_worse": difference.p_worse,
         "p_better": difference.p_better,
         "p_not_worse": difference.p_not_worse,
-        "verdict": verdict.value,
-        "unadjusted_verdict": verdict.value,
         "identical": difference.identical,
         "eval_examples": examples,
         "floor": floor,
         "min_seeds_to_match": (
             None if floor is None else stats.min_seeds_to_match(floor, limit, confidence)
         ),
-        "seeds_to_settle": (
-            stats.seeds_to_settle(estimate, limit, higher, floor or 0.0, floor or 0.0, confidence)
-            if verdict is Verdict.inconclusive and not difference.identical
-            else None
-        ),
-    }
+    }, difference
 
 
 def curve_of(metrics: dict[str, list], run: str) -> curves.Curve:
@@ -264,6 +271,23 @@ def trial_speedup(trials: list[dict[str, Any]], key: CellKey) -> dict[str, Any] 
     return None
 
 
+def job_speedup(paired: list[Row]) -> dict[str, Any] | None:
+    """For runs no speed trial timed: the geometric mean of the paired per-seed throughput ratios
+    (each seed's run against its fp32 run) and its 95% interval, labelled as such; no interval
+    from one seed."""
+    ratios = [row["speedup"] for row in paired if row["speedup"] is not None and row["speedup"] > 0]
+    if not ratios:
+        return None
+    found = stats.geometric_interval(ratios)
+    return {
+        "ratio": found.mean,
+        "ci": None if found.ci95 is None else list(found.ci95),
+        "confidence": stats.CONFIDENCE,
+        "n": found.n,
+        "source": JOB_SPEEDUP_SOURCE,
+    }
+
+
 def comparison(
     key: CellKey,
     rows: list[Row],
@@ -271,15 +295,15 @@ def comparison(
     metrics: dict[str, list],
     tolerance: float | None,
     trials: list[dict[str, Any]],
-    confidence: float = stats.CONFIDENCE,
-) -> dict[str, Any] | None:
-    """A precision against fp32 over every seed both attempted; None when fp32 attempted none
-    of them."""
+    alpha: Callable[[int, str], float],
+) -> tuple[dict[str, Any], decision.Evidence] | None:
+    """A precision against fp32 over every seed both attempted, and what its verdict is decided
+    from; None when fp32 attempted none of them."""
     paired, failed, attempted, seed_verdict = seed_account(rows, fp32_rows, metrics)
     if not attempted:
         return None
     model, setting, label = key
-    job_speedups = [row["speedup"] for row in paired if row["speedup"] is not None]
+    quality, difference = quality_evidence(paired, fp32_rows, tolerance, alpha)
     found = {
         "model": model,
         "precision": rows[0]["precision"],
@@ -288,47 +312,49 @@ def comparison(
         "setting": setting,
         "n_attempted": attempted,
         "failed_seeds": failed,
-        **quality_evidence(paired, fp32_rows, tolerance, confidence),
+        **quality,
         **loss_evidence(paired, metrics),
         "speedup": trial_speedup(trials, key),
-        "job_speedup": statistics.median(job_speedups) if job_speedups else None,
+        "job_speedup": job_speedup(paired),
         "contended": any(row["contended"] for row in [*paired, *fp32_rows]),
+        "seed_verdict": None if seed_verdict is None else seed_verdict.value,
     }
-    found["seed_verdict"] = None if seed_verdict is None else seed_verdict.value
-    if seed_verdict is not None:
-        found["verdict"] = seed_verdict.value
     # The statistics of the seeds that survived hold only on the condition that they did.
     found["conditional_on_survival"] = bool(failed) and found["delta_ci95"] is not None
-    matched = found["verdict"] == Verdict.matches.value
+    evidence = decision.Evidence(
+        difference,
+        tuple(found["deltas"].values()),
+        found["tolerance"],
+        bool(found.get("higher_is_better")),
+        seed_verdict,
+        alpha(found["n"], found["unit"]) if found["unit"] else stats.ONE_SIDED,
+    )
+    return found, evidence
+
+
+def store(found: dict[str, Any], decided: decision.Decision) -> None:
+    """The decision's verdict into its comparison (the one place a comparison gets one), and
+    what follows from it: the failure-rate bound beside ``matches``, the seeds to plan for an
+    open verdict."""
+    verdict = decided.verdict
+    found["verdict"] = None if verdict is None else verdict.value
+    found["unadjusted_verdict"] = None if decided.unadjusted is None else decided.unadjusted.value
+    found["withheld"] = decided.withheld
+    matched = verdict is Verdict.matches
     found["failure_rate_bound"] = stats.failure_rate_bound(found["n"]) if matched else None
-    return found
+    found["seeds_to_settle"] = None
+    if verdict is Verdict.inconclusive and found["sd"] is not None and not found["identical"]:
+        estimate = stats.Estimate(found["n"], found["delta_mean"], None, found["sd"])
+        floor = found["floor"] or 0.0
+        higher = found["higher_is_better"]
+        found["seeds_to_settle"] = stats.seeds_to_settle(
+            estimate, found["tolerance"], higher, floor, floor, found["confidence"]
+        )
 
 
-# The claims the rule makes, each with the key of the p-value that makes it: Holm's families,
-# and the p-value shown beside a verdict (never the test of no difference).
-CLAIM_P = {
-    Verdict.matches.value: "p_equivalence",
-    Verdict.not_worse.value: "p_not_worse",
-    Verdict.worse.value: "p_worse",
-    Verdict.better.value: "p_better",
-}
-
-
-def adjust_familywise(
-    comparisons: list[dict[str, Any]], confidence: float = stats.CONFIDENCE
-) -> None:
-    """Holm across the report's comparisons, a family per claim (``CLAIM_P``), each at 2.5% (an
-    evidence sweep's level per look at ``confidence``): every comparison the rule judged is
-    tested, and a claim whose hypothesis Holm does not reject becomes ``inconclusive``. The
-    intervals stay unadjusted."""
-    # A comparison its seeds decided (unstable, incomplete, ...) makes no statistical claim.
-    judged = [c for c in comparisons if c["p_equivalence"] is not None and not c["seed_verdict"]]
-    for claim, key in CLAIM_P.items():
-        rejected = stats.holm([c[key] for c in judged], (1 - confidence) / 2)
-        for found, kept in zip(judged, rejected, strict=True):
-            if found["verdict"] == claim and not kept:
-                found["verdict"] = Verdict.inconclusive.value
-                found["failure_rate_bound"] = None
+def fixed_level(n: int, unit: str) -> float:
+    """A report over a fixed sweep: every claim at 2.5% per side."""
+    return stats.ONE_SIDED
 
 
 def gather(
@@ -336,24 +362,25 @@ def gather(
     metrics: dict[str, list],
     tolerance: float | None,
     trials: list[dict[str, Any]],
-    familywise: bool = False,
-    confidence: float = stats.CONFIDENCE,
+    familywise: str = decision.DEFAULT_FAMILYWISE,
+    alpha: Callable[[int, str], float] = fixed_level,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(cells, comparisons) of the report's rows; ``metrics`` holds each run's metrics.jsonl
     rows by the row's ``run``, ``trials`` the speed trials of speed.json files; ``familywise``
-    applies Holm across the comparisons; ``confidence`` is the level of the verdicts' intervals
-    (an evidence sweep's per look, report/sequential.py)."""
+    is the family rule (report/decision.py); ``alpha(n, unit)`` the one-sided level of a claim
+    on n seeds (an evidence sweep's at its look, report/sequential.py)."""
     cells = group_cells(rows)
     summaries = [cell_summary(key, cell) for key, cell in cells.items()]
-    comparisons = []
+    found = []
     for key, cell in cells.items():
         model, setting, label = key
         if label == BASELINE:
             continue
         fp32_rows = cells.get((model, setting, BASELINE), [])
-        found = comparison(key, cell, fp32_rows, metrics, tolerance, trials, confidence)
-        if found is not None:
-            comparisons.append(found)
-    if familywise:
-        adjust_familywise(comparisons, confidence)
-    return summaries, comparisons
+        compared = comparison(key, cell, fp32_rows, metrics, tolerance, trials, alpha)
+        if compared is not None:
+            found.append(compared)
+    decisions = decision.decide([evidence for _, evidence in found], familywise)
+    for (comparison_found, _), decided in zip(found, decisions, strict=True):
+        store(comparison_found, decided)
+    return summaries, [comparison_found for comparison_found, _ in found]

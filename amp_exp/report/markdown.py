@@ -16,6 +16,7 @@ from amp_exp.report.compare import (
 )
 from amp_exp.report.escape import md_text
 from amp_exp.report.evidence import CLAIM_P
+from amp_exp.report.failures import SKIPPED_SHARE
 from amp_exp.report.learned import DROP, FLOOR_FACTOR
 from amp_exp.report.predicted import PREDICTED_NOTE, prediction_columns, show_prediction
 from amp_exp.report.recommend import recommendation_lines
@@ -49,11 +50,15 @@ EVIDENCE_NOTE = (
     "the last 10% of training, paired seed by seed. Trial speedup: the geometric mean over AB/BA "
     "rounds of a speed trial, with a t interval on the log ratios (docs/sweeps.md)."
 )
-FAMILYWISE_NOTE = (
-    " With `report.familywise=true`, Holm's step-down procedure runs across this report's "
-    "comparisons, a family per claim (matches, not_worse, worse, better), each at 2.5%; a claim "
-    "that fails its adjusted threshold is `inconclusive`. The intervals shown are unadjusted."
-)
+FAMILYWISE_NOTE = {
+    "holm": " With `report.familywise=holm` (the default), Holm's step-down procedure runs across "
+    "this report's comparisons, a family per claim (matches, not_worse, worse, better), each at "
+    "2.5%; a claim that fails its adjusted threshold is `inconclusive`. The intervals shown are "
+    "unadjusted.",
+    "none": " With `report.familywise=none`, each verdict holds at its own level and nothing "
+    "corrects across this report's comparisons: with several, the chance that one claim is "
+    "false is larger than 2.5%.",
+}
 MFU_NOTE = "MFU: achieved TFLOP/s over the GPU's dense peak (summary.json's mfu_peak_source). "
 MEMORY_NOTE = (
     "Memory vs fp32: act. is the bytes autograd kept for backward in the audited step, counted "
@@ -112,7 +117,9 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     }
     with_setting = any(cell["setting"] for cell in report["cells"])
     header = ["model", *(["setting"] * with_setting), "precision", "n", "metric"]
-    level = show_level(report.get("confidence", 0.95))
+    # An evidence sweep's comparisons are each at their look's level (the section below).
+    shared = report.get("confidence", 0.95)
+    level = "look's" if shared is None else show_level(shared)
     header += ["mean [95% CI]", f"Δ vs {BASELINE} [{level} CI]", "p of the claim", "verdict"]
     trials = [trial_interval(c["speedup"]) for c in report["comparisons"] if c.get("speedup")]
     trial_level = trial_levels(trials)
@@ -171,13 +178,15 @@ def tolerance_sentence(report: dict[str, Any]) -> str:
 
 def health_line(row: dict[str, Any]) -> str:
     health = row["health"]
-    failed = health["failed_checks"]
-    parts = [
-        "checks FAILED: "
-        + md_text("; ".join(f"{name} ({', '.join(who) or '?'})" for name, who in failed.items()))
-        if failed
-        else "checks passed"
-    ]
+    failed = [f"{name} ({', '.join(who) or '?'})" for name, who in health["failed_checks"].items()]
+    # A diverged loss or many skipped steps fail the run whatever its diagnostics found.
+    trouble = row.get("troubles") or {}
+    if trouble.get("diverged"):
+        failed.append(f"diverged: {trouble['diverged']}")
+    share = trouble.get("skipped_share")
+    if share is not None and share > SKIPPED_SHARE:
+        failed.append(f"skipped {share:.0%} of its steps")
+    parts = ["checks FAILED: " + md_text("; ".join(failed)) if failed else "checks passed"]
     overflow = health["first_overflow"]
     if overflow:
         where = md_text(", ".join(overflow["parameters"]) or "no parameter found")
@@ -276,7 +285,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         *evidence_table(report),
         "",
         EVIDENCE_NOTE
-        + (FAMILYWISE_NOTE if report["familywise"] else "")
+        + FAMILYWISE_NOTE[report["familywise"]]
         + (PREDICTED_NOTE if prediction_columns(report["comparisons"]) else ""),
         "",
         *evidence_sweep_section(report.get("evidence_sweep")),

@@ -2,15 +2,17 @@
 verdicts (report/evidence.py) and the speeds, and why.
 
 The rule (README "How to decide"):
-- the fastest precision whose verdict is ``matches`` or ``not_worse`` and that never failed a
-  seed, where it is faster than fp32;
-- fp32 on this device when no lower precision is faster, or the faster ones are worse or
-  unstable;
+- the fastest precision whose verdict is ``better``, ``matches`` or ``not_worse`` and that never
+  failed a seed, where an interval shows it faster than fp32: the speed trial's, or for runs no
+  trial timed, the interval of the paired per-seed throughput ratios (never a median);
+- fp32 on this device when no interval shows a lower precision faster, or the faster ones are
+  worse or unstable;
 - not decided yet, with what would decide it, while the verdict of a faster one is open, or
   while fp32 itself did not learn on a seed (report/learned.py).
 
 When two qualify, they are compared on speed, then loss scaling, skipped steps and memory, and
-the reason says why one wins. The verdict rules are not restated here; this reads their names.
+the reason says why one wins. The verdicts are report/decision.py's: this reads their names,
+so the recommendation and the verdict lines always say the same.
 """
 
 from __future__ import annotations
@@ -20,14 +22,20 @@ from typing import Any
 from amp_exp.report.compare import BASELINE, subject
 from amp_exp.report.escape import md_text
 from amp_exp.report.learned import FIX
+from amp_exp.report.shown import show_level
 from amp_exp.report.speedup import trial_interval
+from amp_exp.report.verdicts import CONTINUE, VERDICT_WORDS
 
 Row = dict[str, Any]
-QUALIFYING = ("matches", "not_worse")
+# How a run ends when it was stopped from outside (a signal, a kill): its sweep can go on.
+INTERRUPTED = ("killed", "stopped")
+RESUME = (
+    "the sweep was interrupted before every run completed, so this rests on the runs that did: "
+    "resume it with the same command, its hydra.sweep.dir and resume=auto"
+)
+QUALIFYING = ("better", "matches", "not_worse")
 # Verdicts more data could still change: a faster precision with one of them leaves it open.
 OPEN = ("inconclusive", "single_seed", "incomplete", None)
-# Without a speed trial, jobs timed one after another must differ by more than their noise.
-JOB_MARGIN = 0.05
 GPU_LINE = (
     "On a GPU the speeds change (bf16 and fp16 run on tensor cores, often 2-3x fp32, fp16 with "
     "loss scaling): `python -m amp_exp.predict` with these runs' overrides estimates each "
@@ -36,18 +44,35 @@ GPU_LINE = (
 
 
 def speed(comparison: dict[str, Any]) -> tuple[float | None, bool]:
-    """(its speed against fp32's, whether it is measurably faster): the speed trial's ratio,
-    faster when its interval lies above 1; else the jobs' own, by more than ``JOB_MARGIN``."""
+    """(its speed against fp32's, whether an interval shows it faster): the speed trial's, and a
+    trial whose rounds trend (the machine's speed drifted under it) shows nothing; else the
+    interval of the paired per-seed throughput ratios. No interval (one seed), no claim."""
     trial = comparison.get("speedup")
     if trial is not None:
-        return trial["ratio"], trial_interval(trial)[0] > 1
-    ratio = comparison.get("job_speedup")
-    return ratio, ratio is not None and ratio > 1 + JOB_MARGIN
+        trending = (trial.get("trend") or {}).get("flag", False)
+        return trial["ratio"], trial_interval(trial)[0] > 1 and not trending
+    jobs = comparison.get("job_speedup")
+    if jobs is None:
+        return None, False
+    return jobs["ratio"], jobs["ci"] is not None and jobs["ci"][0] > 1
 
 
 def shown_speed(comparison: dict[str, Any]) -> str:
+    """Its speed, with the interval that establishes it and where that interval comes from."""
     ratio, _ = speed(comparison)
-    return "speed not measured" if ratio is None else f"{ratio:.2f}x {BASELINE}'s speed"
+    if ratio is None:
+        return "speed not measured"
+    trial, jobs = comparison.get("speedup"), comparison.get("job_speedup")
+    if trial is not None:
+        low, high, level = trial_interval(trial)
+        trend = "; its rounds trend" if (trial.get("trend") or {}).get("flag") else ""
+        where = f"speed trial, {show_level(level)} CI {low:.2f}x to {high:.2f}x{trend}"
+    elif jobs["ci"] is not None:
+        low, high = jobs["ci"]
+        where = f"{jobs['source']}, {show_level(jobs['confidence'])} CI {low:.2f}x to {high:.2f}x"
+    else:
+        where = "one seed's throughput, no interval"
+    return f"{ratio:.2f}x {BASELINE}'s speed ({where})"
 
 
 def costs(comparison: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
@@ -112,12 +137,12 @@ def to_decide(comparison: dict[str, Any]) -> str:
     if verdict == "single_seed":
         return f"{label}: one seed measures no noise; sweep seed=0,1,2"
     if verdict == "incomplete":
-        return f"{label}: a seed was killed; rerun it"
+        return f"{label}: a seed was killed or stopped before it completed"
     if verdict is None:
         return f"{label}: no eval metric to compare"
     needed = comparison.get("seeds_to_settle")
     more = f"about {needed} seeds would settle it" if needed else "many more seeds are needed"
-    return f"{label}: inconclusive, {more}"
+    return f"{label}: inconclusive, {more}; {CONTINUE}"
 
 
 def evidence(comparison: dict[str, Any]) -> dict[str, Any]:
@@ -147,8 +172,7 @@ def recommend_group(found: list[dict[str, Any]]) -> tuple[str | None, str]:
         winner = ranked[0]
         if len(ranked) > 1 and overlap(ranked[0], ranked[1]):
             winner = min(ranked[:2], key=lambda c: cost_key(c["costs"]))
-        reason = f"{winner['label']} {winner['verdict'].replace('_', ' ')} {BASELINE} at "
-        reason += shown_speed(winner)
+        reason = f"{winner['label']} {VERDICT_WORDS[winner['verdict']]} at {shown_speed(winner)}"
         others = [c for c in ranked if c is not winner]
         if others:
             reason += f"; {why_wins(winner, others[0], overlap(winner, others[0]))}"
@@ -160,7 +184,7 @@ def recommend_group(found: list[dict[str, Any]]) -> tuple[str | None, str]:
         return None, "; ".join(to_decide(c) for c in undecided)
     if not faster:
         speeds = ", ".join(f"{c['label']} {shown_speed(c)}" for c in found)
-        return BASELINE, f"no lower precision is faster ({speeds})"
+        return BASELINE, f"no interval shows a lower precision faster ({speeds})"
     judged = ", ".join(
         f"{c['label']} is {c['verdict']}" + (" (a seed failed)" if c["failed_seeds"] else "")
         for c in faster
@@ -179,6 +203,9 @@ def recommendations(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[
             if (c["model"], c["setting"]) == (model, setting)
         ]
         precision, reason = recommend_group(group)
+        ended = [r for r in rows if (r["model"], r["setting"]) == (model, setting)]
+        if any(row["status"] in INTERRUPTED for row in ended):
+            reason += f"; {RESUME}"
         found.append(
             {
                 "model": model,

@@ -3,14 +3,16 @@
 Every cell (a model, a setting and a precision) runs ``evidence.min_seeds`` seeds; then, at each
 look, a cell whose verdict against fp32 is still open gets its next seed, with its fp32 pair, and
 a decided cell stays frozen, until ``evidence.max_seeds``. The verdicts are the report's own
-(report/evidence.py, report/stats.py), at a stricter level: Bonferroni over the planned looks,
-L = max_seeds - min_seeds + 1 (n = min_seeds .. max_seeds), each look's interval at
-1 - 0.05 / L, so 0.025 / L per side. By the union bound a false claim on either side, over every
-look a cell may take, stays below 2.5% whatever the looks find (simulated: tests/
-test_evidence_sweeper.py). L is the number planned, never the looks a cell took; a resumed sweep
-keeps the recorded L and may not raise max_seeds, which would add looks the level did not pay
-for. Accuracy cells look first at 3 seeds: with the spread floored at one eval example, 2 cannot
-decide; they plan L looks all the same, which only makes them stricter.
+(report/decision.py), each claim at the one-sided level of its look: group-sequential boundaries
+for the paired t-statistic, O'Brien-Fleming-like (strict early, close to 2.5% at the last look:
+0.04%, 0.34%, 0.94% and 1.79% at n = 2..5), calibrated by simulation so that a true difference
+on the tolerance crosses some look's boundary 2.5% of the time (scripts/calibrate_rules.py writes
+them and their simulated rates to calibration.json; docs/sweeps.md compares them with
+Bonferroni's). The looks are planned, n = min_seeds .. max_seeds, never the looks a cell took;
+a resumed sweep keeps the recorded levels and may not raise max_seeds, which would add looks the
+levels did not pay for. Accuracy cells look first at 3 seeds (with the spread floored at one
+eval example, 2 cannot decide), and their boundaries are calibrated for looks from 3, so no
+level is spent on a look that cannot decide.
 
 Plain data in and out: the sweeper (hydra_plugins/_amp_exp_evidence.py) launches the jobs and
 writes evidence.json through ``record``; the report reads it back (``read_plan``).
@@ -24,10 +26,11 @@ from typing import Any
 
 from amp_exp.config.adaptive import EvidenceConfig
 from amp_exp.config.commands import check_resumed_plan
-from amp_exp.errors import first_line
+from amp_exp.errors import ConfigError, first_line
+from amp_exp.report.calibration import calibration
 from amp_exp.report.compare import BASELINE
 from amp_exp.report.runs import NUMBER, Nullable, conforms
-from amp_exp.report.stats import CONFIDENCE, Verdict
+from amp_exp.report.stats import Verdict
 from amp_exp.results.files import EVIDENCE_JSON, UntrustedFile, damaged, read_json, write_json
 from amp_exp.tasks.metrics import ToleranceUnit
 
@@ -37,31 +40,64 @@ OPEN = {Verdict.inconclusive.value, Verdict.not_worse.value, Verdict.single_seed
 ACCURACY_FIRST_LOOK = 3
 # The design an evidence sweep is measured against: every cell 3 seeds (MLPerf's least).
 FIXED_SEEDS = 3
-RULE = "Bonferroni over the planned looks"
+RULE = "group-sequential, O'Brien-Fleming-like levels calibrated by simulation"
+
+
+def boundaries(first: int, last: int) -> dict[str, float]:
+    """The calibrated one-sided level of each look n = first .. last, by n."""
+    found = calibration()["boundaries"].get(f"{first}-{last}")
+    if found is None:
+        planned = sorted(calibration()["boundaries"], key=lambda key: int(key.split("-")[1]))
+        raise ConfigError(
+            f"evidence.min_seeds={first} evidence.max_seeds={last}: no calibrated boundaries for "
+            f"that plan; min_seeds and max_seeds within {planned[0]} .. {planned[-1]}"
+        )
+    return {str(n): alpha for n, alpha in zip(found["looks"], found["alphas"], strict=True)}
 
 
 @dataclass(frozen=True)
 class Plan:
     min_seeds: int
     max_seeds: int
-    # Planned, n = min_seeds .. max_seeds; recorded, so that a resumed sweep keeps it.
-    looks: int
+    # Each look's one-sided level by n: cells that look from min_seeds, and accuracy cells
+    # (from ``ACCURACY_FIRST_LOOK``). Recorded, so that a resumed sweep keeps them.
+    levels: dict[str, float]
+    accuracy_levels: dict[str, float]
 
     @classmethod
     def of(cls, min_seeds: int, max_seeds: int) -> Plan:
-        return cls(min_seeds, max_seeds, max_seeds - min_seeds + 1)
+        first = min(max(min_seeds, ACCURACY_FIRST_LOOK), max_seeds)
+        return cls(
+            min_seeds, max_seeds, boundaries(min_seeds, max_seeds), boundaries(first, max_seeds)
+        )
 
     @property
-    def confidence(self) -> float:
-        """Each look's interval level: 1 - 0.05 / L (98.75% at L = 4)."""
-        return 1 - (1 - CONFIDENCE) / self.looks
+    def looks(self) -> int:
+        return len(self.levels)
+
+    def alpha(self, n: int, unit: str | None) -> float:
+        """The one-sided level of a claim on ``n`` seeds: its look's; below the first look (no
+        look: a report read early) the first's, beyond the last planned the last's."""
+        table = self.accuracy_levels if unit == ToleranceUnit.points.value else self.levels
+        looks = sorted(table, key=int)
+        n = min(max(n, int(looks[0])), int(looks[-1]))
+        return table[str(n)]
+
+    def shown(self) -> str:
+        """The levels as the sweeper's log and the report state them."""
+        return ", ".join(f"{float(a):.2%} at n={n}" for n, a in self.levels.items())
 
 
 # What ``record`` writes into evidence.json, by field (report/runs.py ``conforms``).
 EVIDENCE_KINDS = {
-    "plan": {"min_seeds": int, "max_seeds": int, "looks": int},
+    "plan": {
+        "min_seeds": int,
+        "max_seeds": int,
+        # A sweep planned by an earlier rule lacks them: ``start`` says so.
+        "levels": Nullable({str: NUMBER}),
+        "accuracy_levels": Nullable({str: NUMBER}),
+    },
     "rule": str,
-    "confidence": NUMBER,
     "looks": [{str: {"n": int, "verdict": str, "open": bool}}],
     "seeds": {str: int},
     "jobs": int,
@@ -96,9 +132,20 @@ def start(sweep_dir: Path, min_seeds: int, max_seeds: int) -> Plan:
     if recorded is None:
         return planned
     check_resumed_plan(EvidenceConfig(min_seeds, max_seeds), recorded.get("plan"))
-    before = Plan(**recorded["plan"])
-    # A lower max_seeds takes fewer looks than were paid for: valid, and the level stays.
-    return Plan(before.min_seeds, max_seeds, before.looks)
+    try:
+        before = Plan(**recorded["plan"])
+    except TypeError:
+        raise ConfigError(
+            f"{sweep_dir / EVIDENCE_JSON}: this sweep was planned under an earlier stopping rule "
+            "whose levels it does not record; start a new sweep (another hydra.sweep.dir)"
+        ) from None
+    # A lower max_seeds takes fewer looks than were paid for: valid, and the levels stay.
+    return Plan(before.min_seeds, max_seeds, before.levels, before.accuracy_levels)
+
+
+def plan_of(recorded: dict[str, Any]) -> Plan:
+    """The plan an evidence.json recorded."""
+    return Plan(**recorded["plan"])
 
 
 def still_open(comparison: dict[str, Any], plan: Plan) -> bool:
@@ -159,7 +206,6 @@ def record(
     found = {
         "plan": asdict(plan),
         "rule": RULE,
-        "confidence": plan.confidence,
         "looks": looks,
         "seeds": {cell: len(s) for cell, s in seeds.items()},
         "jobs": sum(len(s) for s in seeds.values()),

@@ -22,11 +22,13 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         "",
         f"Seeds were added only where a verdict was still open: every cell ran "
         f"{plan['min_seeds']} seeds, then each cell not yet decided (and its {BASELINE} pair) one "
-        f"more per look, up to {plan['max_seeds']}; a decided cell stayed frozen. {rule}: "
-        f"L = {plan['looks']} looks planned, each interval at {show_level(sweep['confidence'])} "
-        f"(1 - 0.05/{plan['looks']}), so a false claim stays below 2.5% per side however the "
-        "looks fell; the intervals above are those adjusted ones, not 95%.",
+        f"more per look, up to {plan['max_seeds']}; a decided cell stayed frozen. {sweep['rule']}: "
+        f"each claim at its look's one-sided level ({levels_shown(plan['levels'])}; accuracy "
+        f"cells, which look first at 3 seeds: {levels_shown(plan['accuracy_levels'])}), so a "
+        "false claim stays below 2.5% per side however the looks fell (simulated: docs/sweeps.md);"
+        " the intervals above are at those levels (1 - 2 x the level), not 95%.",
         "",
+        *after_last_look(sweep),
         "| cell | seeds | verdict at each look, until decided |",
         "|---|---|---|",
     ]
@@ -48,6 +50,24 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         "",
     ]
     return lines
+
+
+def after_last_look(sweep: dict[str, Any]) -> list[str]:
+    """Runs added to the sweep's directory after its last look, said, with the rule they get."""
+    added = sweep.get("runs_after_last_look") or 0
+    if not added:
+        return []
+    return [
+        f"{added} run{'' if added == 1 else 's'} joined this directory after the sweep's last "
+        "look: the verdicts above still use the plan's levels (a cell past max_seeds its last "
+        "look's), never 95%, and a claim there was not planned for: continue the sweep "
+        "(`resume=auto`) rather than add runs by hand.",
+        "",
+    ]
+
+
+def levels_shown(levels: dict[str, float]) -> str:
+    return ", ".join(f"{show_level(level)} at n = {n}" for n, level in levels.items())
 
 
 def judged_looks(sweep: dict[str, Any], cell: str) -> list[dict[str, Any]]:

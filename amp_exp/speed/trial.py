@@ -15,10 +15,10 @@ model that fits twice fits the trial.
 Round k's ratio is fp32's time per applied step over the precision's, both of round k: the
 round's median step (a neighbour's burst during one step does not move it) times the steps over
 the steps applied, so a skipped fp16 step, which is cheaper, costs its time without counting
-as progress. The speedup is their geometric mean with a t interval on the log scale
-(speed/ratio.py); beside it, the ratio of the total times per applied step, which is what the
-wall clock sees. The trial's engines are its own: no run's weights, files or random numbers are
-touched, and nothing is saved.
+as progress. The speedup is their geometric mean, order-adjusted, with an interval on the log
+scale that holds under autocorrelated rounds (speed/ratio.py); beside it, the ratio of the total
+times per applied step, which is what the wall clock sees. The trial's engines are its own: no
+run's weights, files or random numbers are touched, and nothing is saved.
 """
 
 from __future__ import annotations
