@@ -22,7 +22,7 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         "",
         f"Seeds were added only where a verdict was still open: every cell ran "
         f"{plan['min_seeds']} seeds, then each cell not yet decided (and its {BASELINE} pair) one "
-        f"more per look, up to {plan['max_seeds']}; a decided cell stayed frozen. {sweep['rule']}: "
+        f"more per look, up to {plan['max_seeds']}; a decided cell stayed frozen. {rule}: "
         f"each claim at its look's one-sided level ({levels_shown(plan['levels'])}; accuracy "
         f"cells, which look first at 3 seeds: {levels_shown(plan['accuracy_levels'])}), so a "
         "false claim stays below 2.5% per side however the looks fell (simulated: docs/sweeps.md);"
