@@ -44,8 +44,12 @@ class HFModel(nn.Module):
             if type(module).__name__.endswith(FP32_CLASS_SUFFIXES) or kept & set(name.split(".")):
                 module.keep_in_fp32 = True
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.hf(**{self.input_name: inputs}, **self.call_kwargs).logits
+    def forward(self, inputs: torch.Tensor | None = None, **named: torch.Tensor) -> torch.Tensor:
+        """One tensor of inputs, or the dict of a transformers batch by keyword
+        (``input_ids``, ``attention_mask``, ...)."""
+        if inputs is not None:
+            named[self.input_name] = inputs
+        return self.hf(**named, **self.call_kwargs).logits
 
 
 def build_hf_model(cfg: HFModelConfig, task: TaskName, facts: dict[str, Any]) -> HFModel:
