@@ -85,16 +85,28 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     """``F.scaled_dot_product_attention`` as a GPU runs it, one fused flash kernel each way. On
     the meta device it would decompose into the math path (bmm, softmax, bmm), whose T x T
     scores a GPU never writes to memory. Grouped-query keys and values are repeated to the
-    query's heads first, as the math path does."""
+    query's heads first, as the math path does. The flash kernel takes [batch, heads, length,
+    width]; SDPA takes any leading dimensions (a single head's [batch, length, width] too), so
+    they are folded into those four and the output unfolded."""
     if attn_mask is not None:
         return SDPA(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
+    shape = (*query.shape[:-1], value.shape[-1])
+    query, key, value = (four_dimensional(t) for t in (query, key, value))
     if kwargs.pop("enable_gqa", False) or key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeat, dim=-3)
         value = value.repeat_interleave(repeat, dim=-3)
     return aten._scaled_dot_product_flash_attention(
         query, key, value, dropout_p, is_causal, False, scale=kwargs.get("scale")
-    )[0]
+    )[0].reshape(shape)
+
+
+def four_dimensional(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as [batch, heads, length, width]: leading dimensions folded into the batch,
+    missing ones added in front."""
+    while tensor.dim() < 4:
+        tensor = tensor.unsqueeze(0)
+    return tensor.reshape(-1, *tensor.shape[-3:])
 
 
 @dataclass(frozen=True)

@@ -475,13 +475,15 @@ class TorchEncoderLM(nn.Module):
     """A causal LM of torch's own ``nn.TransformerEncoder``: its attention is an
     ``nn.MultiheadAttention``, which computes through ``F.multi_head_attention_forward``."""
 
-    def __init__(self, vocab_size: int, seq_len: int, width: int, batch_first: bool) -> None:
+    def __init__(
+        self, vocab_size: int, seq_len: int, width: int, batch_first: bool, dropout: float
+    ) -> None:
         super().__init__()
         self.batch_first = batch_first
         self.embed = nn.Embedding(vocab_size, width)
         self.position = nn.Embedding(seq_len, width)
         layer = nn.TransformerEncoderLayer(
-            width, 2, 2 * width, dropout=0.1, batch_first=batch_first
+            width, 2, 2 * width, dropout=dropout, batch_first=batch_first
         )
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(width, vocab_size)
@@ -496,9 +498,9 @@ class TorchEncoderLM(nn.Module):
 
 
 def make_torch_encoder_lm(
-    vocab_size: int, seq_len: int, width: int = 16, batch_first: bool = True
+    vocab_size: int, seq_len: int, width: int = 16, batch_first: bool = True, dropout: float = 0.1
 ) -> nn.Module:
-    return TorchEncoderLM(vocab_size, seq_len, width, batch_first)
+    return TorchEncoderLM(vocab_size, seq_len, width, batch_first, dropout)
 
 
 class MultiheadAttentionLM(nn.Module):
