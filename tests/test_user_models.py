@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from amp_exp.config.validate import validate
 from amp_exp.errors import ConfigError
+from amp_exp.predict.predict import predict
 from amp_exp.predict.trace import fused_attention, trace_step
 from amp_exp.run import train
 from amp_exp.sensitivity.command import run_sensitivity
@@ -153,8 +154,7 @@ ATTENTION_MODELS = {
     "hf_gpt2_eager": ([*TINY_HF_GPT2, "model.attn_implementation=eager"], "GPT2Attention"),
     "hf_gpt2_sdpa": ([*TINY_HF_GPT2, "model.attn_implementation=sdpa"], "GPT2Attention"),
 }
-TINY_TOKEN_RUN = [
-    *FAST_TRAINER,
+TINY_TOKEN_DATA = [
     "dataset=synthetic_tokens",
     "dataset.vocab_size=16",
     "dataset.train_size=16",
@@ -162,6 +162,7 @@ TINY_TOKEN_RUN = [
     "dataset.batch_size=4",
     "dataset.seq_len=8",
 ]
+TINY_TOKEN_RUN = [*FAST_TRAINER, *TINY_TOKEN_DATA]
 
 
 @pytest.mark.parametrize("model", ATTENTION_MODELS.values(), ids=ATTENTION_MODELS)
@@ -269,3 +270,49 @@ def test_fp16_sensitivity_of_a_healthy_gpt2_flags_no_dropout(compose_cfg, tmp_pa
 def test_only_a_value_above_the_formats_largest_is_said_to_exceed_it(value, said) -> None:
     fault = OpFault("attn", "bmm", "forward", value, "float16", 65504.0)
     assert fault.text().startswith(f"attn: {said}")
+
+
+# --- predict takes what training takes ---------------------------------------------------------
+
+
+def test_predict_builds_a_save_pretrained_folder_from_its_config(tmp_path) -> None:
+    """model.path=DIR failed in predict: transformers refuses from_pretrained on the meta
+    device. The folder's trace is its model type's with the same config."""
+    tiny_gpt2(vocab_size=32).save_pretrained(tmp_path / "gpt2")
+    common = (*TINY_TOKEN_RUN, "dataset.vocab_size=32", "predict.devices=[h100]")
+    by_folder = trace_step(validate(composed((*common, "model=hf", f"model.path={tmp_path}/gpt2"))))
+    by_type = trace_step(validate(composed((*common, *TINY_HF_GPT2))))
+    assert by_folder.parameters == by_type.parameters
+    assert [op.flops for op in by_folder.ops] == [op.flops for op in by_type.ops]
+
+
+PREDICTED_RUNS = {
+    "dict_samples_custom_model": [
+        *TOKEN_DICTS,
+        "model=custom",
+        f"model._target_={HELPERS}.make_transformers_gpt2",
+    ],
+    "dict_samples_hf_model": [*TOKEN_DICTS, *TINY_HF_GPT2],
+    "tuple_inputs": [
+        "dataset=custom",
+        f"dataset._target_={HELPERS}.make_pairs_of_inputs",
+        "task=classification",
+        "dataset.num_classes=3",
+        "dataset.batch_size=16",
+        "model=custom",
+        f"model._target_={HELPERS}.make_two_inputs",
+    ],
+    "hf_activation_checkpointing": [
+        *TINY_TOKEN_DATA,
+        *TINY_HF_GPT2,
+        "trainer.activation_checkpointing=true",
+    ],
+    "hf_two_ranks": [*TINY_TOKEN_DATA, *TINY_HF_GPT2, "predict.world_size=2"],
+}
+
+
+@pytest.mark.parametrize("overrides", PREDICTED_RUNS.values(), ids=PREDICTED_RUNS)
+def test_predict_runs_on_what_training_takes(overrides) -> None:
+    found = predict(validate(composed((*FAST_TRAINER, *overrides, "predict.devices=[h100]"))))
+    rows = found["devices"]["h100"]["precisions"]
+    assert rows["bf16"]["step_time_s"] > 0 and found["model"]["flops_per_step"] > 0

@@ -236,6 +236,16 @@ def unpacked_sequences() -> Iterator[None]:
         yield
 
 
+def unpadded(batch: tuple[Any, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    """A batch of dict inputs without its ``attention_mask``: which tokens are padding is a
+    question of values, which meta tensors do not have (transformers reads them to choose its
+    mask). The trace costs every sequence at its full length, as flash attention runs it."""
+    inputs, targets = batch
+    if isinstance(inputs, dict):
+        inputs = {key: value for key, value in inputs.items() if key != "attention_mask"}
+    return inputs, targets
+
+
 def trace_step(cfg: RunConfig) -> StepTrace:
     """The forward and backward of one batch of ``cfg``'s run, op by op."""
     model, task, batch = meta_model(cfg)
@@ -269,7 +279,7 @@ def trace_step(cfg: RunConfig) -> StepTrace:
         return tensor
 
     params = {id(p) for p in model.parameters()}
-    inputs = task.to_device(batch)
+    inputs = unpadded(task.to_device(batch))
     with (
         unpacked_sequences(),
         tracker,

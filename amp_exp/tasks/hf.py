@@ -79,8 +79,11 @@ def build_hf_model(cfg: HFModelConfig, task: TaskName, facts: dict[str, Any]) ->
     where = f"model.path={cfg.path}" if cfg.path else f"model.name={cfg.name}"
     # Its progress bar for loading a few local files would only clutter the run's log.
     transformers.utils.logging.disable_progress_bar()
+    # On the meta device (predict's trace) there is no storage to load weights into: a folder's
+    # config alone builds the model (transformers refuses from_pretrained there).
+    weightless = torch.get_default_device().type == "meta"
     try:
-        if cfg.path is None:
+        if cfg.path is None or weightless:
             model = auto.from_config(config, **attention)
         else:
             model = auto.from_pretrained(cfg.path, config=config, **hf.FOLDER_ONLY, **attention)
