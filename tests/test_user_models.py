@@ -3,6 +3,7 @@ attention through functional calls (issue 44)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -316,3 +317,69 @@ def test_predict_runs_on_what_training_takes(overrides) -> None:
     found = predict(validate(composed((*FAST_TRAINER, *overrides, "predict.devices=[h100]"))))
     rows = found["devices"]["h100"]["precisions"]
     assert rows["bf16"]["step_time_s"] > 0 and found["model"]["flops_per_step"] > 0
+
+
+# --- fp8 converts transformers' Conv1D as it converts nn.Linear --------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_float8_conv1d_computes_what_float8_linear_does_with_the_weight_transposed(recipe):
+    """GPT-2's Conv1D (x @ W + b, W stored [in, out]) is a Linear with its weight transposed:
+    converted, its outputs and gradients are the Float8Linear's, bit for bit, and it keeps its
+    own parameters (the optimizer's and checkpoints' layout)."""
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from transformers.pytorch_utils import Conv1D
+
+    from amp_exp.training.precision_modes import float8_conv1d
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(config, emulate=True)
+    conv = Conv1D(48, 32)
+    torch.nn.init.normal_(conv.bias)
+    linear = torch.nn.Linear(32, 48)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        linear.bias.copy_(conv.bias)
+    weight = conv.weight
+    converted = float8_conv1d(conv, config)
+    assert converted.weight is weight and converted.weight.shape == (32, 48)
+    reference = convert_to_float8_training(torch.nn.Sequential(linear), config=config)[0]
+    x = torch.randn(2, 5, 32)
+    got, expected = converted(x), reference(x)
+    assert torch.equal(got, expected)
+    got.square().sum().backward()
+    expected.square().sum().backward()
+    assert torch.equal(converted.weight.grad, reference.weight.grad.t())
+
+
+@pytest.mark.slow
+def test_emulated_fp8_converts_gpt2s_conv1d_layers_and_trains(compose_cfg, tmp_path) -> None:
+    """Before, fp8 on a transformers GPT-2 converted none of its Conv1D layers."""
+    pytest.importorskip("torchao")
+    gpt2 = [*TINY_HF_GPT2[:2], "+model.config.n_layer=1", "+model.config.n_embd=32"]
+    gpt2 += ["+model.config.n_head=2", "+model.config.n_positions=8"]
+    cfg = validate(
+        compose_cfg(*TINY_TOKEN_RUN, *gpt2, "precision=fp8", "precision.emulate=true", fast=False)
+    )
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "completed"
+    converted = summary["precision_details"]["converted_linears"]
+    assert {"hf.transformer.h.0.attn.c_attn", "hf.transformer.h.0.mlp.c_proj"} <= set(converted)
+
+
+def test_predict_counts_gpt2s_conv1d_layers_as_fp8s_and_refuses_fp8_with_none() -> None:
+    """fp8 on GPT-2 was predicted exactly equal to bf16, none of its Conv1D layers converted."""
+    gpt2 = [*TINY_HF_GPT2[:2], "+model.config.n_layer=1", "+model.config.n_embd=32"]
+    gpt2 += ["+model.config.n_head=2", "+model.config.n_positions=8"]
+    rows = predict(validate(composed((*TINY_TOKEN_RUN, *gpt2, "predict.devices=[h100]"))))[
+        "devices"
+    ]["h100"]["precisions"]
+    assert rows["fp8"]["fp8_linears"] == 4
+    assert rows["fp8"]["step_time_s"] != rows["bf16"]["step_time_s"]
+    # n_embd=24: no Conv1D has both dimensions multiples of 16.
+    narrow = [*gpt2[:3], "+model.config.n_embd=24", *gpt2[4:]]
+    rows = predict(validate(composed((*TINY_TOKEN_RUN, *narrow, "predict.devices=[h100]"))))[
+        "devices"
+    ]["h100"]["precisions"]
+    assert rows["fp8"] == {"unavailable": "fp8 converts no linear layer of this model"}

@@ -260,6 +260,9 @@ def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str
     if why is not None:
         return {"unavailable": why}
     run = setting(cfg, trace, precision)
+    if run.spec.engaged.converted_dtypes and not run.fp8_linears:
+        # As training refuses it: no matmul would run in the format.
+        return {"unavailable": f"{precision} converts no linear layer of this model"}
     shards = cfg.predict.world_size
     costs = traced_costs(trace, run, device)
     extra = [

@@ -39,7 +39,7 @@ from amp_exp.config.schema import RunConfig
 from amp_exp.tasks.blocks import checkpoint_blocks, model_blocks
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_data, build_model, make_task
-from amp_exp.training.precision_modes import keeps_fp32
+from amp_exp.training.precision_modes import is_linear, keeps_fp32
 
 aten = torch.ops.aten
 # Ops that move no data: views, metadata, and the allocations the next op writes into.
@@ -117,7 +117,8 @@ class Op:
     read: int  # floating-point elements read
     written: int
     mnk: tuple[int, int, int] | None = None
-    # The fully qualified name of the nn.Linear the matmul belongs to, if any.
+    # The fully qualified name of the linear layer (precision_modes.is_linear) the matmul
+    # belongs to, if any.
     linear: str | None = None
     # Runs in fp32 under every precision: the task's loss (outside the model), norm layers.
     fp32: bool = False
@@ -133,7 +134,7 @@ class StepTrace:
     # precision's activation dtype, and in fp32 (the loss, norm layers).
     saved_elements: int
     saved_fp32_elements: int
-    # The elements of each nn.Linear's weight, by name (fp8's layers and autocast's casts).
+    # The elements of each linear layer's weight, by name (fp8's layers and autocast's casts).
     linear_weights: dict[str, int]
     batch_size: int
     units_per_sample: int
@@ -262,7 +263,7 @@ def trace_step(cfg: RunConfig) -> StepTrace:
     # ModuleTracker's names: the root's class name, then the path below it.
     root = type(model).__name__
     names = {module: (f"{root}.{n}" if n else root) for n, module in model.named_modules()}
-    linears = {names[m]: n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = {names[m]: n for n, m in model.named_modules() if is_linear(m)}
     # Autocast runs batch norm in its input's dtype (it is on no autocast list): only the other
     # kept layers (LayerNorm, RMSNorm, ...) compute in fp32 under every precision.
     fp32_modules = {
@@ -299,9 +300,7 @@ def trace_step(cfg: RunConfig) -> StepTrace:
         parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         saved_elements=sum(n for n, fp32 in activations if not fp32) + sum(block_inputs),
         saved_fp32_elements=sum(n for n, fp32 in activations if fp32),
-        linear_weights={
-            n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear)
-        },
+        linear_weights={n: m.weight.numel() for n, m in model.named_modules() if is_linear(m)},
         batch_size=task.batch_samples(inputs),
         units_per_sample=task.units_per_sample,
         unit=task.unit,
