@@ -382,4 +382,75 @@ def test_predict_counts_gpt2s_conv1d_layers_as_fp8s_and_refuses_fp8_with_none() 
     rows = predict(validate(composed((*TINY_TOKEN_RUN, *narrow, "predict.devices=[h100]"))))[
         "devices"
     ]["h100"]["precisions"]
-    assert rows["fp8"] == {"unavailable": "fp8 converts no linear layer of this model"}
+    assert rows["fp8"]["why"] == "fp8 converts no linear layer of this model"
+    assert rows["fp8"]["step_time_s"] is None and rows["fp8"]["speedup_vs_bf16"] is None
+
+
+# --- predict says only what it can know ---------------------------------------------------------
+
+TINY_GPT_RUN = [*FAST_TRAINER, "model=gpt_tiny", "dataset=synthetic_tokens"]
+
+
+def predicted(*overrides: str) -> dict:
+    return predict(validate(composed((*TINY_GPT_RUN, *overrides))))["devices"]
+
+
+def test_block_scaled_formats_have_no_hardware_on_hopper_and_are_predicted_on_blackwell():
+    """mxfp8, mxfp4 and nvfp4 got step times on an H100 and H200, which have no MX hardware
+    (missing_math checked only fp8's peak)."""
+    found = predicted("predict.devices=[h100,h200,b200]", "predict.precisions=[mxfp8,mxfp4,nvfp4]")
+    for device in ("h100", "h200"):
+        for precision in ("mxfp8", "mxfp4", "nvfp4"):
+            record = found[device]["precisions"][precision]
+            assert record["supported"] is False and record["step_time_s"] is None
+            assert record["speedup_vs_bf16"] is None and record["speedup_vs_fp32"] is None
+            assert record["why"].startswith("no hardware support: ")
+    assert found["b200"]["precisions"]["mxfp8"]["step_time_s"] > 0
+
+
+def test_a_run_that_does_not_fit_gets_no_step_time_and_says_how_much_it_needs() -> None:
+    """A model that could not fit got a step time and throughput (max batch 0 only in JSON)."""
+    # 2 layers of width 32768: 26 billion parameters, 16 bytes each with AdamW.
+    found = predicted("predict.devices=[h100]", "model.d_model=32768", "model.n_head=256")
+    record = found["h100"]["precisions"]["bf16"]
+    assert record["fits"] is False and record["supported"] is True
+    assert record["step_time_s"] is None and record["tokens_per_s"] is None
+    assert record["why"].startswith("does not fit: needs ") and record["why"].endswith(
+        " GB of 72 GB (90% of 80 GB)"
+    )
+
+
+def test_fp8_under_fsdp2_is_labelled_as_what_amp_exp_does_not_train() -> None:
+    record = predicted("predict.devices=[h100]", "predict.world_size=2")["h100"]["precisions"]
+    assert "amp_exp trains fp8 under ddp only" in record["fp8"]["caveat"]
+    assert record["bf16"]["caveat"] is None
+
+
+def test_the_rowwise_recipe_costs_more_casts_than_tensorwise() -> None:
+    """fp8_recipe did not change the prediction."""
+    times = {
+        recipe: predicted("predict.devices=[h100]", f"precision.fp8_recipe={recipe}")["h100"][
+            "precisions"
+        ]["fp8"]["casts_s"]
+        for recipe in ("tensorwise", "rowwise")
+    }
+    assert times["rowwise"] > times["tensorwise"]
+
+
+def test_each_record_gives_the_share_of_matmul_flops_its_format_covers() -> None:
+    """fp8 converts gpt_tiny's linears but its output head (precision.fp8_skip): below 1."""
+    rows = predicted("predict.devices=[h100]")["h100"]["precisions"]
+    assert rows["bf16"]["format_flop_share"] == 1.0
+    assert 0.3 < rows["fp8"]["format_flop_share"] < 1.0
+
+
+def test_fp8_leaves_multihead_attentions_out_proj_which_it_never_calls_as_a_layer() -> None:
+    """Converted, out_proj would hold a Float8Linear whose forward never runs: its matmul
+    would stay bf16 under fp8's name (the audit's "converted linear without a float8 matmul")."""
+    from helpers.user_code import make_torch_encoder_lm
+
+    from amp_exp.training.precision_modes import plan_fp8
+
+    plan = plan_fp8(make_torch_encoder_lm(16, 8, width=32), skip=[])
+    assert "encoder.layers.0.self_attn.out_proj" in plan.skipped
+    assert "encoder.layers.0.linear1" in plan.converted

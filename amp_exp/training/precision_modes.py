@@ -138,8 +138,18 @@ def plan_fp8(
 
         too_small = _auto_filter_for_recipe(skip_small_for, filter_fqns=[])
     plan = LinearConversion(emulated=False)
+    # nn.MultiheadAttention multiplies by its out_proj's weight in F.multi_head_attention_forward,
+    # never calling the layer: converted, it would run in bf16 under fp8's name.
+    functional = {
+        f"{name}.out_proj" if name else "out_proj"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.MultiheadAttention)
+    }
     for name, module in model.named_modules():
         if not is_linear(module):
+            continue
+        if name in functional:
+            plan.skipped[name] = "nn.MultiheadAttention's, which it never calls as a layer"
             continue
         in_features, out_features = linear_features(module)
         shape = f"{in_features}x{out_features}"
