@@ -19,7 +19,13 @@ from amp_exp.sensitivity.command import run_sensitivity
 from amp_exp.sensitivity.ranges import OpFault
 from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.training.audit.matmuls import flops_by_module
+from amp_exp.training.precision_modes import float8_conv1d, plan_fp8
 from helpers.runs import FAST_TRAINER, composed
+from helpers.user_code import (
+    make_multihead_attention_lm,
+    make_token_dicts,
+    make_torch_encoder_lm,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,8 +60,6 @@ def test_dict_labels_are_shifted_so_the_loss_is_transformers_own_loss() -> None:
     """A dict's labels sit at their own token (transformers' convention): taken as next tokens
     unshifted, the model would learn to copy its input, and the loss would differ from the
     model's own; -100 (padding) is not predicted."""
-    from helpers.user_code import make_token_dicts
-
     train_split, _ = make_token_dicts(0)
     batch = torch.utils.data.default_collate(train_split[:4])
     task = LanguageModelTask(torch.device("cpu"), 8, 16)
@@ -201,8 +205,6 @@ def test_sensitivity_measures_attention_that_computes_through_functional_calls(
 def test_the_audit_gives_multihead_attention_its_own_flops_forward_and_backward() -> None:
     """nn.MultiheadAttention multiplies by out_proj's weight through a functional call: its
     FLOPs are the attention module's, never out_proj's, and none go to the parent."""
-    from helpers.user_code import make_multihead_attention_lm
-
     model = make_multihead_attention_lm(16, 8)
     tokens = torch.randint(16, (4, 8))
 
@@ -331,8 +333,6 @@ def test_a_float8_conv1d_computes_what_float8_linear_does_with_the_weight_transp
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from transformers.pytorch_utils import Conv1D
 
-    from amp_exp.training.precision_modes import float8_conv1d
-
     config = Float8LinearConfig.from_recipe_name(recipe)
     config = dataclasses.replace(config, emulate=True)
     conv = Conv1D(48, 32)
@@ -447,10 +447,24 @@ def test_each_record_gives_the_share_of_matmul_flops_its_format_covers() -> None
 def test_fp8_leaves_multihead_attentions_out_proj_which_it_never_calls_as_a_layer() -> None:
     """Converted, out_proj would hold a Float8Linear whose forward never runs: its matmul
     would stay bf16 under fp8's name (the audit's "converted linear without a float8 matmul")."""
-    from helpers.user_code import make_torch_encoder_lm
-
-    from amp_exp.training.precision_modes import plan_fp8
-
     plan = plan_fp8(make_torch_encoder_lm(16, 8, width=32), skip=[])
     assert "encoder.layers.0.self_attn.out_proj" in plan.skipped
     assert "encoder.layers.0.linear1" in plan.converted
+
+
+def test_sensitivity_takes_dict_samples(compose_cfg, tmp_path) -> None:
+    """Each module is rerun on the inputs recorded by keyword (input_ids, attention_mask)."""
+    cfg = validate(
+        compose_cfg(
+            *FAST_TRAINER,
+            *TINY_HF_GPT2,
+            *TOKEN_DICTS,
+            "precision=bf16",
+            "sensitivity.precisions=[bf16]",
+            "sensitivity.batches=1",
+            fast=False,
+        )
+    )
+    report = run_sensitivity(cfg, tmp_path)
+    assert report["loss"]["bf16"]["finite"] is True
+    assert "hf.transformer.h.0.attn" in {m["name"] for m in report["modules"]}
