@@ -19,6 +19,7 @@ from amp_exp.sensitivity.command import run_sensitivity
 from amp_exp.sensitivity.ranges import OpFault
 from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.training.audit.matmuls import flops_by_module
+from amp_exp.training.microscaling.convert import plan as block_scaled_plan
 from amp_exp.training.precision_modes import float8_conv1d, plan_fp8
 from helpers.runs import FAST_TRAINER, composed
 from helpers.user_code import (
@@ -468,3 +469,12 @@ def test_sensitivity_takes_dict_samples(compose_cfg, tmp_path) -> None:
     report = run_sensitivity(cfg, tmp_path)
     assert report["loss"]["bf16"]["finite"] is True
     assert "hf.transformer.h.0.attn" in {m["name"] for m in report["modules"]}
+
+
+def test_block_scaled_formats_leave_gpt2s_conv1d_layers_and_say_why() -> None:
+    """fp8's plan takes Conv1D layers; the block-scaled layers are built on nn.Linear's weight,
+    so their plan must not hand them one (it would build a layer of the wrong shape)."""
+    model = tiny_gpt2(n_embd=32)
+    chosen = block_scaled_plan(model, skip=["lm_head"], keep_fp32=[], bf16_last_blocks=0)
+    assert chosen.converted == []
+    assert chosen.skipped["transformer.h.0.attn.c_attn"].startswith("a transformers Conv1D")
