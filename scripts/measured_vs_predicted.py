@@ -61,7 +61,7 @@ def paired_rows(cells: list[dict], name: str, flags: tuple[str, ...], rate: str)
                 "predicted_speedup": ratio(predicted_rate, (base.get("predicted") or {}).get(rate)),
                 "note": cell.get("error")
                 or predicted.get("error")
-                or predicted.get("unavailable")
+                or predicted.get("why")
                 or "",
             }
         )

@@ -163,17 +163,6 @@ def test_a_text_model_classifies_the_users_token_sequences(hf_cfg, tmp_path):
     assert summary["status"] == "completed" and summary["eval_acc"] is not None
 
 
-def test_a_transformers_model_as_a_custom_model_is_pointed_to_model_hf(hf_cfg):
-    custom = ["model=custom", "model._target_=helpers.user_code.make_transformers_gpt2"]
-    cfg = hf_cfg(*custom, *TINY_TOKENS, "dataset.seq_len=8", "precision=fp32")
-    with pytest.raises(ConfigError) as refused:
-        build_workload(cfg, ON_CPU)
-    assert str(refused.value).endswith(
-        "returns CausalLMOutputWithCrossAttentions, not a tensor of logits [8, 8, vocab_size>=32]"
-        "; for a transformers model use model=hf (docs/hf.md)"
-    )
-
-
 @pytest.mark.slow
 def test_two_ranks_train_the_llama_sharded_under_fsdp2(tmp_path):
     torchrun(

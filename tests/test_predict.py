@@ -177,9 +177,10 @@ def test_fsdp2_shards_the_state_and_pays_for_its_collectives(tiny_trace) -> None
 
 def test_a_device_without_fp8_is_not_predicted_for_it(tiny_trace) -> None:
     cfg, trace = tiny_trace
-    assert row(predict_trace(cfg, trace), "fp8", "a100") == {
-        "unavailable": "A100 has no fp8 Tensor Cores"
-    }
+    found = row(predict_trace(cfg, trace), "fp8", "a100")
+    assert found["supported"] is False and found["fits"] is True
+    assert found["why"] == "no hardware support: A100 has no fp8 Tensor Cores"
+    assert found["step_time_s"] is None and found["speedup_vs_bf16"] is None
 
 
 def test_the_device_table_holds_dense_figures_with_their_sources() -> None:

@@ -27,6 +27,9 @@ class Device:
     hbm_tb_per_s: float | None = None
     memory_gb: float | None = None
     memory_source: str | None = None
+    # Tensor Cores that multiply block-scaled formats (MXFP8, MXFP4, NVFP4) with their scales:
+    # Blackwell's fifth generation; Hopper's multiply fp8 with one scale per tensor only.
+    block_scaled: bool = False
 
 
 H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet, SXM column"
@@ -118,6 +121,7 @@ DEVICES: tuple[Device, ...] = (
         hbm_tb_per_s=8.0,
         memory_gb=180,
         memory_source=f"{B200_SHEET}: 1,440 GB HBM3e at 64 TB/s",
+        block_scaled=True,
     ),
 )
 

@@ -52,8 +52,8 @@ def write_prediction(cfg: RunConfig, output_dir: Path) -> None:
     write_json(output_dir / PREDICT_JSON, {**found, "config": plain_run_config(cfg)})
     for key, device in found["devices"].items():
         for precision, row in device["precisions"].items():
-            if "unavailable" in row:
-                log.info("%s %s: not predicted: %s", key, precision, row["unavailable"])
+            if row["why"]:
+                log.info("%s %s: not predicted: %s", key, precision, row["why"])
                 continue
             log.info(
                 "%s %s: %.4g s a step, %.3gx bf16, %.3gx fp32, max batch %d",

@@ -18,8 +18,8 @@ def device_table(unit: str, rows: dict[str, dict]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for precision, row in rows.items():
-        if "unavailable" in row:
-            lines.append(f"| {precision} | {row['unavailable']} |" + " |" * 8)
+        if row["why"]:
+            lines.append(f"| {precision} | {row['why']} |" + " |" * 8)
             continue
         shares = row["bound_share"]
         split = " / ".join(
@@ -33,6 +33,18 @@ def device_table(unit: str, rows: dict[str, dict]) -> list[str]:
             f"{row['casts_s']:.3g} | {static:.3g} | {memory['activations'] / GB:.3g} | "
             f"{row['max_batch']} |"
         )
+    return lines
+
+
+def notes(rows: dict[str, dict]) -> list[str]:
+    """Each precision's caveat, and the share of the matmul FLOPs its format covers."""
+    lines = []
+    for precision, row in rows.items():
+        share = row["format_flop_share"]
+        covered = "" if share is None else f"its format covers {share:.0%} of the matmul FLOPs"
+        said = "; ".join(part for part in (covered, row["caveat"]) if part)
+        if said:
+            lines.append(f"- {precision}: {said}")
     return lines
 
 
@@ -62,6 +74,7 @@ def prediction_markdown(found: dict[str, Any]) -> str:
     for key, device in found["devices"].items():
         lines += ["", f"## {device['label']} ({key})", ""]
         lines += device_table(unit, device["precisions"])
+        lines += ["", *notes(device["precisions"])]
         lines += ["", "Costliest ops:", "", *top_ops_lines(device["precisions"])]
         lines += ["", "Sources: " + "; ".join(s for s in device["sources"] if s)]
     lines += ["", "## Assumptions", "", *(f"- {a}" for a in found["assumptions"]), ""]

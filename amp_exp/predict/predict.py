@@ -24,7 +24,8 @@ def precisions_of(cfg: RunConfig) -> list[str]:
 
 
 def speedup(baseline: dict, found: dict) -> float | None:
-    if "step_time_s" not in baseline or "step_time_s" not in found:
+    """None where either has no step time (not supported, not fitting, not trainable)."""
+    if baseline["step_time_s"] is None or found["step_time_s"] is None:
         return None
     return baseline["step_time_s"] / found["step_time_s"]
 
@@ -36,9 +37,8 @@ def predict_trace(cfg: RunConfig, trace: StepTrace) -> dict[str, Any]:
         device = PREDICTABLE[key]
         rows = {p: predict_one(cfg, trace, device, p) for p in precisions_of(cfg)}
         for found in rows.values():
-            if "step_time_s" in found:
-                found["speedup_vs_bf16"] = speedup(rows["bf16"], found)
-                found["speedup_vs_fp32"] = speedup(rows["fp32"], found)
+            found["speedup_vs_bf16"] = speedup(rows["bf16"], found)
+            found["speedup_vs_fp32"] = speedup(rows["fp32"], found)
         devices[key] = {
             "label": device.label,
             "tflops": device.tflops,

@@ -14,6 +14,11 @@ precision's row of the precision table (config/precisions.py) says what changes:
   matmul (an amax pass, then a scaled cast per use);
 - the optimizer reads and writes every parameter, gradient and state element once per step
   (and GradScaler's unscale every gradient once more).
+
+A record gives a step time only where the device has the precision's math in hardware
+(``supported``), the run fits in its memory (``fits``) and the runner can train it; elsewhere
+``why`` says which, and the times are null. fp8 at world_size > 1 is predicted as FSDP2 runs it
+(torchtitan's float8), which amp_exp's fp8 (DDP only) does not: its record says so (``caveat``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 
 from amp_exp.config.devices import Device
 from amp_exp.config.precisions import DType, PrecisionSpec, spec_of
-from amp_exp.config.schema import AdamWConfig, RunConfig
+from amp_exp.config.schema import AdamWConfig, Fp8Recipe, RunConfig, Strategy
 from amp_exp.predict.trace import Op, StepTrace
 from amp_exp.training.flops import peak_math
 from amp_exp.training.precision_modes import plan_fp8
@@ -68,6 +73,10 @@ ASSUMPTIONS = (
     "world_size > 1: FSDP2 shards weights, gradients and optimizer state; each step all-gathers "
     "the parameters twice (forward, backward) and reduce-scatters the gradients at "
     "predict.interconnect_gb_per_s, with (world_size - 1) / world_size of the bytes on the wire",
+    "fp8's tensorwise recipe scales each operand of a converted linear once (one amax pass, a "
+    "cast per matmul it feeds); the rowwise recipes scale each per row along the axis each matmul "
+    "reduces over, so each operand takes an amax pass and a cast per matmul, and each matmul "
+    "reads its per-row scales; rowwise_with_gw_hp is costed as rowwise",
 )
 
 
@@ -118,13 +127,49 @@ def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
 
 
 def missing_math(device: Device, precision: str, tf32: bool) -> str | None:
-    """Why ``device`` cannot run ``precision``'s matmuls, or None."""
+    """Why ``device`` cannot run ``precision``'s matmuls in hardware, or None: a block-scaled
+    format needs block-scaled Tensor Cores, whatever the peak of its element type."""
+    block_scaled = any(d.block_scaled for d in spec_of(precision).engaged.matmul_dtypes)
+    if block_scaled and not device.block_scaled:
+        return f"{device.label} has no block-scaled (MX) Tensor Cores"
     needed = peak_math(precision, tf32)
     if needed == "tf32" and "tf32" not in device.tflops:
         needed = "fp32"
     if needed in device.tflops:
         return None
     return f"{device.label} has no {needed} Tensor Cores"
+
+
+def refusal(run: Setting) -> str | None:
+    """Why the runner would not train this precision on this model, or None."""
+    if run.spec.engaged.converted_dtypes and not run.fp8_linears:
+        # As training refuses it: no matmul would run in the format.
+        return f"{run.spec.name} converts no linear layer of this model"
+    return None
+
+
+def caveat(cfg: RunConfig, run: Setting) -> str | None:
+    """What the prediction stands for that the runner cannot start, or None."""
+    if cfg.predict.world_size > 1 and Strategy.fsdp2 not in run.spec.strategies:
+        allowed = ", ".join(sorted(s.value for s in run.spec.strategies))
+        return (
+            f"predicted under FSDP2, as torchtitan runs it; amp_exp trains {run.spec.name} "
+            f"under {allowed} only"
+        )
+    return None
+
+
+def format_flop_share(trace: StepTrace, run: Setting) -> float | None:
+    """The share of the step's matmul FLOPs that run in the precision's matmul format: the
+    converted linears' under fp8 (and the block-scaled formats), else all but those in fp32."""
+    total = sum(op.flops for op in trace.ops)
+    if not total:
+        return None
+    if run.spec.engaged.converted_dtypes:
+        covered = sum(op.flops for op in trace.ops if op.linear in run.fp8_linears)
+    else:
+        covered = sum(op.flops for op in trace.ops if not op.fp32)
+    return covered / total
 
 
 def label(op: Op) -> str:
@@ -163,12 +208,15 @@ def cast_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None:
     return memory_op("autocast casts", elements * (4 + low), device, kernels)
 
 
-def quantize_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None:
-    """fp8's dynamic scaling of each converted linear, torchao's tensorwise recipe: its input X
-    (M x K), weight W (N x K, from the fp32 master) and output gradient dY (M x N) each take an
-    amax pass, then a scaled cast to fp8 for each of the two matmuls it feeds."""
+def quantize_cost(trace: StepTrace, run: Setting, device: Device, recipe: Fp8Recipe) -> Cost | None:
+    """fp8's dynamic scaling of each converted linear: its input X (M x K), weight W (N x K,
+    from the fp32 master) and output gradient dY (M x N) each feed two matmuls. Tensorwise: one
+    amax pass, then a scaled cast for each matmul. Rowwise: each matmul reduces over another
+    axis, so an amax pass and a cast for each, and each matmul reads the fp32 scales of its
+    operands' rows."""
     if not run.fp8_linears:
         return None
+    rowwise = recipe is not Fp8Recipe.tensorwise
     nbytes = 0.0
     kernels = 0
     seen = set()
@@ -177,9 +225,14 @@ def quantize_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None
             continue
         seen.add(op.linear)
         m, n, k = op.mnk
-        for numel, source in ((m * k, run.act_bytes), (n * k, 4), (m * n, run.act_bytes)):
-            nbytes += numel * (3 * source + 2)
-            kernels += 3
+        operands = (((m, k), run.act_bytes), ((n, k), 4), ((m, n), run.act_bytes))
+        for (rows, columns), source in operands:
+            numel = rows * columns
+            amax_passes = 2 if rowwise else 1
+            nbytes += numel * (amax_passes * source + 2 * (source + 1))
+            kernels += amax_passes + 2
+            if rowwise:
+                nbytes += 2 * 4 * (rows + columns)  # a scale per row, each way, read by a matmul
     return memory_op("fp8 quantization", nbytes, device, kernels)
 
 
@@ -255,16 +308,44 @@ def top_ops(costs: list[Cost], count: int = 5) -> list[dict]:
 
 
 def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str) -> dict:
-    """One device and precision: the step's time, what bounds it, its memory and largest batch."""
-    why = missing_math(device, precision, cfg.trainer.tf32)
-    if why is not None:
-        return {"unavailable": why}
+    """One device and precision: whether it is supported, fits and would train (``why`` not),
+    then the step's time, what bounds it, its memory and largest batch; the times are null
+    where it would not run."""
     run = setting(cfg, trace, precision)
     shards = cfg.predict.world_size
+    memory = memory_bytes(cfg, trace, run, shards)
+    needed, usable = sum(memory.values()), USABLE_MEMORY * device.memory_gb * 1e9
+    unsupported = missing_math(device, precision, cfg.trainer.tf32)
+    fits = needed <= usable
+    why = (
+        (unsupported and f"no hardware support: {unsupported}")
+        or (
+            not fits
+            and f"does not fit: needs {needed / 1e9:.3g} GB of {usable / 1e9:.3g} GB "
+            f"({USABLE_MEMORY:.0%} of {device.memory_gb:g} GB)"
+        )
+        or refusal(run)
+    )
+    record = {
+        "supported": unsupported is None,
+        "fits": fits,
+        "why": why or None,
+        "caveat": caveat(cfg, run),
+        "format_flop_share": format_flop_share(trace, run),
+        "memory_bytes": memory,
+        "max_batch": max_batch(memory, trace.batch_size, device),
+        "fp8_linears": len(run.fp8_linears),
+        "step_time_s": None,
+        "samples_per_s": None,
+        # tokens_per_s for a language model (samples_per_s again for images, 1 unit a sample).
+        f"{trace.unit}_per_s": None,
+    }
+    if why:
+        return record
     costs = traced_costs(trace, run, device)
     extra = [
         cast_cost(trace, run, device),
-        quantize_cost(trace, run, device),
+        quantize_cost(trace, run, device, cfg.precision.fp8_recipe),
         optimizer_cost(cfg, trace, run, device, shards),
         comm_cost(cfg, trace, run),
     ]
@@ -273,20 +354,15 @@ def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str
     by_bound = defaultdict(float)
     for cost in costs:
         by_bound[cost.bound] += cost.seconds
-    memory = memory_bytes(cfg, trace, run, shards)
     samples = trace.batch_size / step
     return {
+        **record,
         "step_time_s": step,
         "samples_per_s": samples,
-        # tokens_per_s for a language model (samples_per_s again for images, 1 unit a sample).
         f"{trace.unit}_per_s": samples * trace.units_per_sample,
         "bound_share": {bound: seconds / step for bound, seconds in sorted(by_bound.items())},
         "casts_s": sum(
             c.seconds for c in costs if c.name in {"autocast casts", "fp8 quantization"}
         ),
         "top_ops": top_ops(costs),
-        "memory_bytes": memory,
-        "fits": sum(memory.values()) <= USABLE_MEMORY * device.memory_gb * 1e9,
-        "max_batch": max_batch(memory, trace.batch_size, device),
-        "fp8_linears": len(run.fp8_linears),
     }

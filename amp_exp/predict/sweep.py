@@ -44,13 +44,15 @@ def predict_group(
             label: predict_one(cfg, trace, device, cfg.precision.name)
             for label, cfg in configs.items()
         }
-        for row in rows.values():
-            if "step_time_s" in row:
-                row["speedup_vs_fp32"] = speedup(rows[BASELINE], row)
         found[key] = {
             "label": device.label,
             "precisions": {
-                label: {k: row.get(k) for k in ("step_time_s", "speedup_vs_fp32", "unavailable")}
+                label: {
+                    "step_time_s": row["step_time_s"],
+                    "speedup_vs_fp32": speedup(rows[BASELINE], row),
+                    # The report's word for why there is no prediction.
+                    "unavailable": row["why"],
+                }
                 for label, row in rows.items()
             },
         }

@@ -39,7 +39,7 @@ from amp_exp.config.schema import RunConfig
 from amp_exp.tasks.blocks import checkpoint_blocks, model_blocks
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_data, build_model, make_task
-from amp_exp.training.precision_modes import keeps_fp32
+from amp_exp.training.precision_modes import is_linear, keeps_fp32
 
 aten = torch.ops.aten
 # Ops that move no data: views, metadata, and the allocations the next op writes into.
@@ -85,16 +85,28 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     """``F.scaled_dot_product_attention`` as a GPU runs it, one fused flash kernel each way. On
     the meta device it would decompose into the math path (bmm, softmax, bmm), whose T x T
     scores a GPU never writes to memory. Grouped-query keys and values are repeated to the
-    query's heads first, as the math path does."""
+    query's heads first, as the math path does. The flash kernel takes [batch, heads, length,
+    width]; SDPA takes any leading dimensions (a single head's [batch, length, width] too), so
+    they are folded into those four and the output unfolded."""
     if attn_mask is not None:
         return SDPA(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
+    shape = (*query.shape[:-1], value.shape[-1])
+    query, key, value = (four_dimensional(t) for t in (query, key, value))
     if kwargs.pop("enable_gqa", False) or key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeat, dim=-3)
         value = value.repeat_interleave(repeat, dim=-3)
     return aten._scaled_dot_product_flash_attention(
         query, key, value, dropout_p, is_causal, False, scale=kwargs.get("scale")
-    )[0]
+    )[0].reshape(shape)
+
+
+def four_dimensional(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as [batch, heads, length, width]: leading dimensions folded into the batch,
+    missing ones added in front."""
+    while tensor.dim() < 4:
+        tensor = tensor.unsqueeze(0)
+    return tensor.reshape(-1, *tensor.shape[-3:])
 
 
 @dataclass(frozen=True)
@@ -105,7 +117,8 @@ class Op:
     read: int  # floating-point elements read
     written: int
     mnk: tuple[int, int, int] | None = None
-    # The fully qualified name of the nn.Linear the matmul belongs to, if any.
+    # The fully qualified name of the linear layer (precision_modes.is_linear) the matmul
+    # belongs to, if any.
     linear: str | None = None
     # Runs in fp32 under every precision: the task's loss (outside the model), norm layers.
     fp32: bool = False
@@ -121,7 +134,7 @@ class StepTrace:
     # precision's activation dtype, and in fp32 (the loss, norm layers).
     saved_elements: int
     saved_fp32_elements: int
-    # The elements of each nn.Linear's weight, by name (fp8's layers and autocast's casts).
+    # The elements of each linear layer's weight, by name (fp8's layers and autocast's casts).
     linear_weights: dict[str, int]
     batch_size: int
     units_per_sample: int
@@ -224,6 +237,16 @@ def unpacked_sequences() -> Iterator[None]:
         yield
 
 
+def unpadded(batch: tuple[Any, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    """A batch of dict inputs without its ``attention_mask``: which tokens are padding is a
+    question of values, which meta tensors do not have (transformers reads them to choose its
+    mask). The trace costs every sequence at its full length, as flash attention runs it."""
+    inputs, targets = batch
+    if isinstance(inputs, dict):
+        inputs = {key: value for key, value in inputs.items() if key != "attention_mask"}
+    return inputs, targets
+
+
 def trace_step(cfg: RunConfig) -> StepTrace:
     """The forward and backward of one batch of ``cfg``'s run, op by op."""
     model, task, batch = meta_model(cfg)
@@ -240,7 +263,7 @@ def trace_step(cfg: RunConfig) -> StepTrace:
     # ModuleTracker's names: the root's class name, then the path below it.
     root = type(model).__name__
     names = {module: (f"{root}.{n}" if n else root) for n, module in model.named_modules()}
-    linears = {names[m]: n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = {names[m]: n for n, m in model.named_modules() if is_linear(m)}
     # Autocast runs batch norm in its input's dtype (it is on no autocast list): only the other
     # kept layers (LayerNorm, RMSNorm, ...) compute in fp32 under every precision.
     fp32_modules = {
@@ -257,7 +280,7 @@ def trace_step(cfg: RunConfig) -> StepTrace:
         return tensor
 
     params = {id(p) for p in model.parameters()}
-    inputs = task.to_device(batch)
+    inputs = unpadded(task.to_device(batch))
     with (
         unpacked_sequences(),
         tracker,
@@ -277,9 +300,7 @@ def trace_step(cfg: RunConfig) -> StepTrace:
         parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         saved_elements=sum(n for n, fp32 in activations if not fp32) + sum(block_inputs),
         saved_fp32_elements=sum(n for n, fp32 in activations if fp32),
-        linear_weights={
-            n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear)
-        },
+        linear_weights={n: m.weight.numel() for n, m in model.named_modules() if is_linear(m)},
         batch_size=task.batch_samples(inputs),
         units_per_sample=task.units_per_sample,
         unit=task.unit,

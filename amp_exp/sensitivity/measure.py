@@ -46,8 +46,14 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from amp_exp.config.precisions import DType
-from amp_exp.sensitivity.ranges import OpFault, OpRangeWatch
-from amp_exp.sensitivity.reference import ModuleCall, Reference, seeded, true_fp32
+from amp_exp.sensitivity.ranges import OpFault, OpRangeWatch, subnormal
+from amp_exp.sensitivity.reference import (
+    ModuleCall,
+    Reference,
+    measured_output,
+    seeded,
+    true_fp32,
+)
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.training.precision import PrecisionPolicy
 
@@ -96,8 +102,8 @@ class RangeShare:
 
     @classmethod
     def of(cls, fmt: DType) -> RangeShare:
-        info = torch.finfo(torch.float32 if fmt.block_scaled else fmt.torch)
-        return cls(largest=info.max, smallest=info.smallest_normal * info.eps)
+        dtype = torch.float32 if fmt.block_scaled else fmt.torch
+        return cls(largest=torch.finfo(dtype).max, smallest=subnormal(dtype))
 
     def add(self, values: torch.Tensor) -> None:
         magnitude = values.detach().abs()
@@ -264,12 +270,12 @@ def measure_module(
         # The reference's backward comes before the rounding, which writes to its parameters.
         seeded(seed + call.batch)
         with true_fp32():
-            expected = reference(*fresh(call.args), **fresh(call.kwargs))
+            expected = measured_output(reference(*fresh(call.args), **fresh(call.kwargs)))
             expected_grads = _gradients(expected, wrt, call.grad_output) if backward else None
         floor_inputs = rounded(inputs, dtype)
         seeded(seed + call.batch)
         with true_fp32(), rounded_parameters(reference, dtype):
-            floor = reference(*fresh(floor_inputs[0]), **fresh(floor_inputs[1]))
+            floor = measured_output(reference(*fresh(floor_inputs[0]), **fresh(floor_inputs[1])))
             if backward:
                 floor_wrt = _differentiable(reference, floor_inputs)
                 floor_grads = _gradients(floor, floor_wrt, rounded(scaled, dtype) / grad_scale)
@@ -279,7 +285,7 @@ def measure_module(
         watch = OpRangeWatch(target, name)
         seeded(seed + call.batch)
         with watch, policy.autocast():
-            got = target(*fresh(call.args), **fresh(call.kwargs))
+            got = measured_output(target(*fresh(call.args), **fresh(call.kwargs)))
         error.output.add(expected, got.float())
         error.output_floor.add(expected, floor)
         error.activations.add(expected)

@@ -8,6 +8,12 @@ plain function in an attention module's forward. An op overflowed when a low-pre
 with its floating inputs in fp32, and if that result is finite, its largest magnitude is what
 the format could not hold. Ops that make an inf on purpose (a mask filled with -inf) make it in
 fp32 too, and are not counted.
+
+Only values an op computed are read: an allocation (``empty_like``, which dropout fills with its
+mask afterwards) returns whatever the memory held, and is never checked. A fault is said to
+exceed the format only where its fp32 value lies above the format's largest; one below the
+format's smallest subnormal is an underflow, and one in between overflowed inside the op (an
+intermediate the output does not show).
 """
 
 from __future__ import annotations
@@ -22,6 +28,19 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from amp_exp.config.precisions import DType
 from amp_exp.training.audit.modules import FORWARD, OUTSIDE, ModuleOps
+
+aten = torch.ops.aten
+# Ops that return memory they have not written: their output is whatever it held before.
+ALLOCATIONS = frozenset(
+    {
+        aten.empty,
+        aten.empty_like,
+        aten.new_empty,
+        aten.new_empty_strided,
+        aten.empty_strided,
+        aten.empty_permuted,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -38,7 +57,19 @@ class OpFault:
     def text(self) -> str:
         where = self.module if self.phase == FORWARD else f"{self.module} ({self.phase})"
         fmt = DType(self.dtype).short
-        return f"{where}: {self.op} output {self.value:.1e} exceeds {fmt}'s {self.limit:g}"
+        found = f"{where}: {self.op} output {self.value:.1e}"
+        if self.value > self.limit:
+            return f"{found} exceeds {fmt}'s {self.limit:g}"
+        smallest = subnormal(DType(self.dtype).torch)
+        if self.value < smallest:
+            return f"{found} underflows {fmt}'s smallest {smallest:.1e}"
+        return f"{found} is within {fmt}'s range, but not finite in {fmt}: it overflowed inside"
+
+
+def subnormal(dtype: torch.dtype) -> float:
+    """The smallest positive value ``dtype`` holds."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps
 
 
 def _low_precision(tensor: object) -> bool:
@@ -91,7 +122,7 @@ class OpRangeWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.fault is None:
+        if self.fault is None and func._overloadpacket not in ALLOCATIONS:
             self._check(func, args, kwargs, out)
         return out
 

@@ -9,10 +9,16 @@ modules before it.
 Measured is every module but the model itself: those that own parameters (linears,
 convolutions, embeddings, norms) and those that only compute (an attention core, a softmax, an
 activation, a norm without weights, a block, a user's module whose forward is plain functions).
+A module that returns a tuple is measured by its first floating tensor: ``nn.MultiheadAttention``
+and transformers' attention classes return (output, attention weights or None), and compute
+through functional calls (``F.multi_head_attention_forward``, ``F.scaled_dot_product_attention``)
+that no child module sees, so their own boundary is the only place their math is measured.
 An input that needed a gradient in the reference is recorded as needing one, so that a module's
 error in backward covers the gradients it hands back to its inputs, not only its parameters'.
-FLOPs come from ``torch.utils.flop_counter``, forward and backward of the first batch, for every
-module (containers include their children).
+FLOPs are the precision audit's (training/audit/matmuls.py: ``torch.utils.flop_counter``'s
+formulas, the CPU's fused attention included), forward and backward of the first batch, each op
+the module's whose forward ran it, in the backward too (torch's ``ModuleTracker`` loses some of
+an attention module's backward to its parent); a container's include its children's.
 
 The reference is true fp32: TF32 is off while it runs (``true_fp32``), whatever
 ``trainer.tf32`` says for the run, since TF32's 10-bit mantissa would hide most of fp16's error
@@ -28,12 +34,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from amp_exp.tasks.base import Batch, Task
-
-# FlopCounterMode's key for the whole program.
-GLOBAL_FLOPS = "Global"
+from amp_exp.training.audit.matmuls import MatmulFlops, MatmulRecorder
 
 
 @dataclass
@@ -45,6 +48,7 @@ class ModuleCall:
     batch: int
     # dLoss/dOutput; None where the output got no gradient (or is not a tensor).
     grad_output: torch.Tensor | None = None
+    # Whether the output holds a floating tensor to measure (``measured_output``).
     output_is_tensor: bool = True
 
 
@@ -79,6 +83,16 @@ def true_fp32() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
+def measured_output(output: Any) -> torch.Tensor | None:
+    """What a module's output is measured by: the output, or a tuple's first floating tensor
+    (an attention module's output before its weights)."""
+    if isinstance(output, (tuple, list)):
+        output = next(
+            (o for o in output if isinstance(o, torch.Tensor) and o.is_floating_point()), None
+        )
+    return output if isinstance(output, torch.Tensor) else None
+
+
 def measured_modules(model: nn.Module) -> list[str]:
     """Every module, in definition order; never the root (the end-to-end loss is its)."""
     return [name for name, _ in model.named_modules() if name]
@@ -110,7 +124,8 @@ def _recording_hooks(model: nn.Module, names: list[str], calls: dict, batch: int
 
         def after(module, args, kwargs, output, name=name):
             call = calls[name][-1]
-            if not isinstance(output, torch.Tensor):
+            output = measured_output(output)
+            if output is None:
                 call.output_is_tensor = False
             elif output.requires_grad:
 
@@ -125,21 +140,14 @@ def _recording_hooks(model: nn.Module, names: list[str], calls: dict, batch: int
     return handles
 
 
-def module_flops(counter: FlopCounterMode, model: nn.Module) -> dict[str, int]:
-    """FlopCounterMode's per-module counts by ``named_modules`` name ("" for the model).
-
-    It names modules by the root's class name and their path from it (``GPT.blocks.0``), and
-    counts the whole program under ``Global``.
-    """
-    root = type(model).__name__
-    flops = {"": 0}
-    for key, by_op in counter.get_flop_counts().items():
-        total = int(sum(by_op.values()))
-        if key == GLOBAL_FLOPS:
-            flops[""] = total
-        elif key.startswith(root + "."):
-            flops[key.removeprefix(root + ".")] = total
-    return flops
+def module_flops(flops: MatmulFlops, names: Sequence[str]) -> dict[str, int]:
+    """The matmul FLOPs of each module of ``names`` and of the modules inside it; "" is the
+    whole program (the loss's included)."""
+    own = {module: sum(dtypes.values()) for module, dtypes in flops.by_module().items()}
+    found = {"": flops.total}
+    for name in names:
+        found[name] = sum(f for m, f in own.items() if m == name or m.startswith(name + "."))
+    return found
 
 
 def capture_reference(
@@ -157,18 +165,18 @@ def capture_reference(
     model.train()
     for index, batch in enumerate(batches):
         handles = _recording_hooks(model, names, calls, index)
-        counter = FlopCounterMode(display=False) if index == 0 else None
+        recorder = MatmulRecorder(model, model) if index == 0 else None
         try:
             seeded(seed + index)
-            with true_fp32(), counter or contextlib.nullcontext():
+            with true_fp32(), recorder or contextlib.nullcontext():
                 loss = task.loss(model, batch)
                 loss.backward()
         finally:
             for handle in handles:
                 handle.remove()
         losses.append(float(loss.detach()))
-        if counter is not None:
-            flops = module_flops(counter, model)
+        if recorder is not None:
+            flops = module_flops(recorder.flops, names)
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         for buffer, saved in zip(model.buffers(), buffers, strict=True):

@@ -1,4 +1,7 @@
-"""Image classification: cross-entropy on class logits, accuracy from the arg-max."""
+"""Classification: cross-entropy on class logits, accuracy from the arg-max.
+
+A batch is (inputs, labels): the inputs an image tensor, or any inputs tasks/inputs.py takes.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from amp_exp.tasks.inputs import Inputs, call, each_tensor, primary, split
 from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 
-
-def transformers_hint(outputs: object) -> str:
-    """Where a model's output is a transformers ModelOutput: amp_exp trains those as model=hf."""
-    if type(outputs).__module__.startswith("transformers."):
-        return "; for a transformers model use model=hf (docs/hf.md)"
-    return ""
+Batch = tuple[Inputs, torch.Tensor]
 
 
 class ClassificationTask:
@@ -33,21 +32,26 @@ class ClassificationTask:
         self.num_classes = num_classes
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
-    def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]):
-        images, labels = batch
-        images = images.to(self.device, non_blocking=True, memory_format=self.memory_format)
-        return images, labels.to(self.device, non_blocking=True)
+    def to_device(self, batch) -> Batch:
+        inputs, labels = split(batch)
 
-    def batch_samples(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        def moved(tensor: torch.Tensor) -> torch.Tensor:
+            # channels_last is a layout of images: 4-D tensors only.
+            layout = self.memory_format if tensor.dim() == 4 else torch.preserve_format
+            return tensor.to(self.device, non_blocking=True, memory_format=layout)
+
+        return each_tensor(inputs, moved), labels.to(self.device, non_blocking=True)
+
+    def batch_samples(self, batch: Batch) -> int:
         return batch[1].shape[0]
 
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        images, labels = batch
-        return F.cross_entropy(model(images), labels)
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        inputs, labels = batch
+        return F.cross_entropy(call(model, inputs), labels)
 
-    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        images, labels = batch
-        logits = model(images)
+    def eval_sums(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        inputs, labels = batch
+        logits = call(model, inputs)
         # Summed in fp32 from float logits: a half-precision sum over a batch loses digits.
         loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
         correct = (logits.argmax(dim=1) == labels).sum()
@@ -60,22 +64,18 @@ class ClassificationTask:
             return {"eval_loss": None, "eval_acc": None}
         return {"eval_loss": loss_sum / count, "eval_acc": correct / count}
 
-    def output_problem(
-        self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
-    ) -> str | None:
-        images, labels = batch
-        problem = self.label_problem(labels, images.shape[0])
+    def output_problem(self, model: nn.Module, batch: Batch) -> str | None:
+        inputs, labels = batch
+        samples = primary(inputs).shape[0]
+        problem = self.label_problem(labels, samples)
         if problem:
             return problem
-        outputs = model(images)
-        expected = f"[{images.shape[0]}, {self.num_classes}]"
+        outputs = call(model, inputs)
+        expected = f"[{samples}, {self.num_classes}]"
         if not isinstance(outputs, torch.Tensor):
             # torchvision's googlenet and inception_v3 return auxiliary logits while training.
-            return (
-                f"returns {type(outputs).__name__}, not a tensor of class logits {expected}"
-                f"{transformers_hint(outputs)}"
-            )
-        if tuple(outputs.shape) != (images.shape[0], self.num_classes):
+            return f"returns {type(outputs).__name__}, not a tensor of class logits {expected}"
+        if tuple(outputs.shape) != (samples, self.num_classes):
             return f"returns logits of shape {list(outputs.shape)}, expected {expected}"
         return None
 

@@ -21,6 +21,7 @@ from amp_exp.config.models import CustomModelConfig
 from amp_exp.config.schema import TaskName
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.tasks.base import DataBundle
+from amp_exp.tasks.inputs import primary, split
 from amp_exp.tasks.sampling import Placement, dataset_loaders
 
 
@@ -80,11 +81,12 @@ def build_custom_data(
         raise ConfigError(f"{where} returned {type(splits).__name__}, not (train, eval) datasets")
     train, held_out = splits
     try:
-        inputs, _ = train[0]
-        shape = tuple(torch.as_tensor(inputs).shape)
+        inputs, _ = split(train[0])
+        shape = tuple(torch.as_tensor(primary(inputs)).shape)
     except Exception as error:
         raise ConfigError(
-            f"{where}: its first training sample is not an (input, target) pair: {describe(error)}"
+            f"{where}: its first training sample is not an (inputs, target) pair or a dict with "
+            f"its target under 'labels': {describe(error)}"
         ) from None
     if task is TaskName.classification:
         facts = {"input_shape": shape, "num_classes": cfg.num_classes}

@@ -44,8 +44,12 @@ class HFModel(nn.Module):
             if type(module).__name__.endswith(FP32_CLASS_SUFFIXES) or kept & set(name.split(".")):
                 module.keep_in_fp32 = True
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.hf(**{self.input_name: inputs}, **self.call_kwargs).logits
+    def forward(self, inputs: torch.Tensor | None = None, **named: torch.Tensor) -> torch.Tensor:
+        """One tensor of inputs, or the dict of a transformers batch by keyword
+        (``input_ids``, ``attention_mask``, ...)."""
+        if inputs is not None:
+            named[self.input_name] = inputs
+        return self.hf(**named, **self.call_kwargs).logits
 
 
 def build_hf_model(cfg: HFModelConfig, task: TaskName, facts: dict[str, Any]) -> HFModel:
@@ -75,8 +79,11 @@ def build_hf_model(cfg: HFModelConfig, task: TaskName, facts: dict[str, Any]) ->
     where = f"model.path={cfg.path}" if cfg.path else f"model.name={cfg.name}"
     # Its progress bar for loading a few local files would only clutter the run's log.
     transformers.utils.logging.disable_progress_bar()
+    # On the meta device (predict's trace) there is no storage to load weights into: a folder's
+    # config alone builds the model (transformers refuses from_pretrained there).
+    weightless = torch.get_default_device().type == "meta"
     try:
-        if cfg.path is None:
+        if cfg.path is None or weightless:
             model = auto.from_config(config, **attention)
         else:
             model = auto.from_pretrained(cfg.path, config=config, **hf.FOLDER_ONLY, **attention)

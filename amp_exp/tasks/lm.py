@@ -1,6 +1,12 @@
 """Next-token prediction: cross-entropy over the vocabulary at every position, and perplexity.
 
 Throughput counts tokens: a sample is one sequence of ``seq_len`` predicted tokens.
+
+A batch is (inputs, targets): the token ids, or any inputs tasks/inputs.py takes whose primary
+input holds them. Targets given beside the inputs are the next tokens, position by position;
+a dict's ``labels`` follow transformers' convention instead, each at its own token's position,
+shifted here as transformers' loss shifts them. A target of -100 (transformers' padding label)
+is not predicted.
 """
 
 from __future__ import annotations
@@ -11,10 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_exp.tasks.classification import transformers_hint
+from amp_exp.tasks.inputs import (
+    Inputs,
+    call,
+    each_tensor,
+    labelled_in_dict,
+    primary,
+    split,
+    with_primary,
+)
 from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[Inputs, torch.Tensor]
+# A target that is not predicted: cross-entropy's default ignore_index, transformers' padding.
+IGNORED = -100
 
 # Rows of a batch the causal check changes, each after its own cut: in eval mode rows do not
 # mix, so four cuts spread from the first to the second-to-last position cost two forward passes
@@ -44,30 +60,35 @@ class LanguageModelTask:
         self.units_per_sample = seq_len
         self.vocab_size = vocab_size
 
-    def to_device(self, batch: Batch) -> Batch:
+    def to_device(self, batch) -> Batch:
+        inputs, targets = split(batch)
+        inputs = each_tensor(inputs, lambda t: t.to(self.device, non_blocking=True))
         # Token data may be stored as int32 (half the memory); embeddings and cross-entropy
         # index with int64.
-        inputs, targets = batch
-        return (
-            inputs.to(self.device, non_blocking=True).long(),
-            targets.to(self.device, non_blocking=True).long(),
-        )
+        inputs = with_primary(inputs, primary(inputs).long())
+        targets = targets.to(self.device, non_blocking=True).long()
+        if labelled_in_dict(batch):
+            # transformers' labels sit at their own token: the last position predicts none.
+            targets = F.pad(targets[:, 1:], (0, 1), value=IGNORED)
+        return inputs, targets
 
     def batch_samples(self, batch: Batch) -> int:
-        return batch[0].shape[0]
+        return batch[1].shape[0]
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         inputs, targets = batch
         # fp32 logits: under autocast they come out of the head in fp16/bf16, and the loss is a
         # log-softmax over the whole vocabulary, whose small probabilities low precision loses.
-        logits = model(inputs).float()
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        logits = call(model, inputs).float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORED)
 
     def eval_sums(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         inputs, targets = batch
-        logits = model(inputs).float()
-        loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-        count = torch.tensor(targets.numel(), device=targets.device)
+        logits = call(model, inputs).float()
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORED, reduction="sum"
+        )
+        count = (targets != IGNORED).sum()
         return torch.stack([loss_sum.double(), count.double()])
 
     def eval_metrics(self, totals: list[float]) -> dict[str, float | None]:
@@ -83,18 +104,16 @@ class LanguageModelTask:
 
     def output_problem(self, model: nn.Module, batch: Batch) -> str | None:
         inputs, targets = batch
-        problem = self.token_problem(inputs, targets)
+        tokens = primary(inputs)
+        problem = self.token_problem(tokens, targets)
         if problem:
             return problem
-        outputs = model(inputs)
-        expected = f"[{inputs.shape[0]}, {inputs.shape[1]}, vocab_size>={self.vocab_size}]"
+        outputs = call(model, inputs)
+        expected = f"[{tokens.shape[0]}, {tokens.shape[1]}, vocab_size>={self.vocab_size}]"
         if not isinstance(outputs, torch.Tensor):
-            return (
-                f"returns {type(outputs).__name__}, not a tensor of logits {expected}"
-                f"{transformers_hint(outputs)}"
-            )
+            return f"returns {type(outputs).__name__}, not a tensor of logits {expected}"
         shape = tuple(outputs.shape)
-        if len(shape) != 3 or shape[:2] != tuple(inputs.shape) or shape[2] < self.vocab_size:
+        if len(shape) != 3 or shape[:2] != tuple(tokens.shape) or shape[2] < self.vocab_size:
             return f"returns logits of shape {list(shape)}, expected {expected}"
         return None
 
@@ -103,14 +122,16 @@ class LanguageModelTask:
         or None: a language model that sees later tokens reads the targets it is trained on
         (they are its inputs shifted by one), and its loss means nothing. The caller runs it
         in eval mode, without gradients."""
-        inputs = batch[0][:CAUSAL_CHECK_ROWS]
-        rows, length = inputs.shape
+        inputs = each_tensor(batch[0], lambda t: t[:CAUSAL_CHECK_ROWS])
+        tokens = primary(inputs)
+        rows, length = tokens.shape
         if length < 2:  # no later token to change
             return None
-        cuts = torch.arange(rows, device=inputs.device) * (length - 2) // max(rows - 1, 1)
-        later = torch.arange(length, device=inputs.device) > cuts[:, None]
-        changed = torch.where(later, (inputs + 1) % self.vocab_size, inputs)
-        before, after = model(inputs).float(), model(changed).float()
+        cuts = torch.arange(rows, device=tokens.device) * (length - 2) // max(rows - 1, 1)
+        later = torch.arange(length, device=tokens.device) > cuts[:, None]
+        changed = torch.where(later, (tokens + 1) % self.vocab_size, tokens)
+        before = call(model, inputs).float()
+        after = call(model, with_primary(inputs, changed)).float()
         # Per row: the largest change in any logit at or before its cut.
         moved = (before - after).abs().amax(dim=-1).masked_fill(later, 0).amax(dim=-1)
         leaks = (moved > CAUSAL_TOLERANCE * before.abs().amax(dim=(1, 2))).tolist()
@@ -129,7 +150,9 @@ class LanguageModelTask:
                 f"its inputs {list(inputs.shape)} and targets {list(targets.shape)} are not "
                 "[batch, seq_len] sequences of one shape"
             )
-        for name, ids in (("inputs", inputs), ("targets", targets)):
+        for name, ids in (("inputs", inputs), ("targets", targets[targets != IGNORED])):
+            if not ids.numel():
+                continue
             low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= self.vocab_size:
                 return (

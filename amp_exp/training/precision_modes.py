@@ -11,14 +11,19 @@ PyTorch does run BatchNorm in bf16; keeping it fp32 is the safer of two working 
 The model takes float inputs in bf16 and hands back fp32 outputs, so the loss is computed from
 fp32 logits (cross-entropy's log-sum-exp over many classes loses digits in bf16).
 
-``convert_to_fp8`` swaps the eligible ``nn.Linear`` layers for torchao's ``Float8Linear``; the
-rest of the model runs under bf16 autocast, as in ``precision=bf16``.
+``convert_to_fp8`` swaps the eligible linear layers for torchao's ``Float8Linear``; the rest of
+the model runs under bf16 autocast, as in ``precision=bf16``. A linear layer is an ``nn.Linear``
+or transformers' ``Conv1D`` (GPT-2's: x @ W + b with W stored [in, out], a Linear with its weight
+transposed), which becomes a ``Float8Linear`` that takes that weight as it is stored, so its
+parameter, its name and its layout stay what the optimizer and checkpoints know.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -84,6 +89,27 @@ def to_bf16_true(model: nn.Module, keep_fp32: Sequence[str] = ()) -> nn.Module:
     return model
 
 
+def conv1d_class() -> type[nn.Module] | None:
+    """transformers' ``Conv1D``, where transformers is loaded (only its models hold one)."""
+    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    conv1d = conv1d_class()
+    return conv1d is not None and isinstance(module, conv1d)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A layer whose matmul fp8 converts: an ``nn.Linear`` or a transformers ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def linear_features(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a linear layer (``is_linear``)."""
+    rows, columns = module.weight.shape
+    return (rows, columns) if is_conv1d(module) else (columns, rows)
+
+
 @dataclass
 class LinearConversion:
     """Which linear layers run their matmuls in fp8 or a block-scaled format, and why the others
@@ -112,10 +138,20 @@ def plan_fp8(
 
         too_small = _auto_filter_for_recipe(skip_small_for, filter_fqns=[])
     plan = LinearConversion(emulated=False)
+    # nn.MultiheadAttention multiplies by its out_proj's weight in F.multi_head_attention_forward,
+    # never calling the layer: converted, it would run in bf16 under fp8's name.
+    functional = {
+        f"{name}.out_proj" if name else "out_proj"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.MultiheadAttention)
+    }
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not is_linear(module):
             continue
-        out_features, in_features = module.weight.shape
+        if name in functional:
+            plan.skipped[name] = "nn.MultiheadAttention's, which it never calls as a layer"
+            continue
+        in_features, out_features = linear_features(module)
         shape = f"{in_features}x{out_features}"
         named = [pattern for pattern in skip if fnmatch.fnmatchcase(name, pattern)]
         if is_within(name, keep_fp32):
@@ -124,7 +160,7 @@ def plan_fp8(
             plan.skipped[name] = f"precision.fp8_skip: {named[0]}"
         elif in_features % FP8_DIM_MULTIPLE or out_features % FP8_DIM_MULTIPLE:
             plan.skipped[name] = f"{shape} not multiples of {FP8_DIM_MULTIPLE}"
-        elif too_small is not None and not too_small(module, name):
+        elif too_small is not None and not too_small(as_linear_shape(module), name):
             plan.skipped[name] = f"{shape} below torchao's {skip_small_for} size thresholds"
         else:
             plan.converted.append(name)
@@ -148,8 +184,51 @@ def convert_to_fp8(
         model, module_filter_fn=lambda _, name: name in chosen, config=config
     )
     for name in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layer = getattr(parent, child)
+        if is_conv1d(layer):
+            setattr(parent, child, float8_conv1d(layer, config))
+    for name in chosen:
         model.get_submodule(name).register_forward_pre_hook(_cast_to_cpu_autocast)
     return model, plan
+
+
+def as_linear_shape(module: nn.Module) -> nn.Module:
+    """``module`` as torchao's size filters take it: an ``nn.Linear`` (on the meta device, for
+    its shape alone) where it is a ``Conv1D``."""
+    if not is_conv1d(module):
+        return module
+    return nn.Linear(*linear_features(module), device="meta")
+
+
+@functools.cache
+def float8_conv1d_class() -> type[nn.Module]:
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    class Float8Conv1D(Float8Linear):
+        """``Float8Linear`` holding a ``Conv1D``'s weight as stored, [in, out]: the operand
+        ``Float8Linear.forward`` makes of its own [out, in] weight by transposing it."""
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            # As Float8Linear.forward (torchao 0.18), with the weight untransposed.
+            if torch.is_autocast_enabled():
+                input = input.to(torch.get_autocast_gpu_dtype())
+            output = matmul_with_hp_or_float8_args.apply(
+                input, self.weight, self.linear_mm_config, self.config
+            )
+            return output if self.bias is None else output + self.bias.to(output.dtype)
+
+    return Float8Conv1D
+
+
+def float8_conv1d(conv: nn.Module, config) -> nn.Module:
+    """A ``Float8Conv1D`` holding ``conv``'s own parameters, built on the meta device so nothing
+    is initialised twice."""
+    with torch.device("meta"):
+        layer = float8_conv1d_class()(*linear_features(conv), bias=False, config=config)
+    layer.weight, layer.bias = conv.weight, conv.bias
+    return layer
 
 
 def _cast_to_cpu_autocast(module: nn.Module, args: tuple) -> tuple:

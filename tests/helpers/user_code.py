@@ -418,3 +418,154 @@ def make_transformers_gpt2(vocab_size: int) -> nn.Module:
 
     config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=vocab_size)
     return AutoModelForCausalLM.from_config(config)
+
+
+# --- data and models as Hugging Face users and others write them ----------------------------
+
+
+def make_token_dicts(seed: int, vocab_size: int = 16, seq_len: int = 8, size: int = 64):
+    """(train, eval) of counting sequences as a transformers dataset holds them: dicts of
+    ``input_ids``, ``attention_mask`` (the last two positions of every other one padding) and
+    ``labels`` at each token's own position, -100 where padded."""
+    generator = torch.Generator().manual_seed(seed)
+    splits = []
+    for count in (size, size // 2):
+        starts = torch.randint(vocab_size, (count, 1), generator=generator)
+        ids = (starts + torch.arange(seq_len)) % vocab_size
+        mask = torch.ones_like(ids)
+        mask[::2, -2:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        splits.append(
+            [
+                {"input_ids": i, "attention_mask": m, "labels": lab}
+                for i, m, lab in zip(ids, mask, labels, strict=True)
+            ]
+        )
+    return tuple(splits)
+
+
+def make_unlabelled_token_dicts(seed: int):
+    """make_token_dicts without their labels: no target anywhere."""
+    return tuple(
+        [{"input_ids": sample["input_ids"]} for sample in split] for split in make_token_dicts(seed)
+    )
+
+
+def make_token_class_dicts(seed: int, vocab_size: int = 16, seq_len: int = 8, size: int = 64):
+    """make_token_labels as dicts: ``input_ids``, ``attention_mask`` and a class ``labels``."""
+    return tuple(
+        [
+            {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "labels": label}
+            for tokens, label in split
+        ]
+        for split in make_token_labels(seed, vocab_size, seq_len, size)
+    )
+
+
+class TwoInputs(nn.Module):
+    """A classifier of two inputs, called as ``model(points, scale)``."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, num_classes)
+
+    def forward(self, points: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.linear(points * scale[:, None])
+
+
+def make_two_inputs(num_classes: int) -> nn.Module:
+    return TwoInputs(num_classes)
+
+
+def make_pairs_of_inputs(seed: int):
+    """make_labelled_vectors whose inputs are a tuple (points, a per-sample scale)."""
+    return tuple(
+        [((points, torch.tensor(1.0 + i % 3)), label) for i, (points, label) in enumerate(split)]
+        for split in make_labelled_vectors(seed)
+    )
+
+
+class TorchEncoderLM(nn.Module):
+    """A causal LM of torch's own ``nn.TransformerEncoder``: its attention is an
+    ``nn.MultiheadAttention``, which computes through ``F.multi_head_attention_forward``."""
+
+    def __init__(
+        self, vocab_size: int, seq_len: int, width: int, batch_first: bool, dropout: float
+    ) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Embedding(vocab_size, width)
+        self.position = nn.Embedding(seq_len, width)
+        layer = nn.TransformerEncoderLayer(
+            width, 2, 2 * width, dropout=dropout, batch_first=batch_first
+        )
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        x = self.embed(tokens) + self.position(torch.arange(length, device=tokens.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
+        x = x if self.batch_first else x.transpose(0, 1)
+        x = self.encoder(x, mask=mask, is_causal=True)
+        return self.head(x if self.batch_first else x.transpose(0, 1))
+
+
+def make_torch_encoder_lm(
+    vocab_size: int, seq_len: int, width: int = 16, batch_first: bool = True, dropout: float = 0.1
+) -> nn.Module:
+    return TorchEncoderLM(vocab_size, seq_len, width, batch_first, dropout)
+
+
+class MultiheadAttentionLM(nn.Module):
+    """A causal LM calling ``nn.MultiheadAttention`` directly, with or without its weights."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int, need_weights: bool) -> None:
+        super().__init__()
+        self.need_weights = need_weights
+        self.embed = nn.Embedding(vocab_size, width)
+        self.position = nn.Embedding(seq_len, width)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        x = self.embed(tokens) + self.position(torch.arange(length, device=tokens.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
+        attended, _ = self.attn(x, x, x, attn_mask=mask, need_weights=self.need_weights)
+        return self.head(x + attended)
+
+
+def make_multihead_attention_lm(
+    vocab_size: int, seq_len: int, width: int = 16, need_weights: bool = False
+) -> nn.Module:
+    return MultiheadAttentionLM(vocab_size, seq_len, width, need_weights)
+
+
+class SdpaBlock(nn.Module):
+    """Self-attention written with ``F.scaled_dot_product_attention`` in the module's forward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (2, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).flatten(2)
+
+
+class SdpaLM(nn.Module):
+    def __init__(self, vocab_size: int, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.attn = SdpaBlock(width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        return self.head(x + self.attn(x))
+
+
+def make_sdpa_lm(vocab_size: int, width: int = 16) -> nn.Module:
+    return SdpaLM(vocab_size, width)

@@ -2,7 +2,9 @@
 
 The layers are those fp8 converts (``precision_modes.plan_fp8``: by name and shape, outside
 ``precision.keep_fp32``), less, for NVFP4's recipe, every linear inside the last N of the model's
-blocks (NVIDIA keeps the last blocks in bf16). Emulated, each becomes a ``MicroscalingLinear``.
+blocks (NVIDIA keeps the last blocks in bf16), and less transformers' ``Conv1D`` layers, which fp8
+converts but the block-scaled layers here (built on ``nn.Linear``'s [out, in] weight) do not.
+Emulated, each becomes a ``MicroscalingLinear``.
 With torchao's kernels (MXFP8 on compute capability 10.0+), each becomes torchao's own
 ``MXFP8Linear``, which casts and multiplies on the GPU.
 """
@@ -16,7 +18,7 @@ from torch import nn
 from amp_exp.tasks.blocks import model_blocks
 from amp_exp.training.keep_fp32 import is_within
 from amp_exp.training.microscaling.linear import MicroscalingLinear, Recipe, swap_linears
-from amp_exp.training.precision_modes import LinearConversion, plan_fp8
+from amp_exp.training.precision_modes import LinearConversion, is_conv1d, plan_fp8
 
 
 def plan(
@@ -32,7 +34,9 @@ def plan(
             names = {id(module): name for name, module in model.named_modules()}
             last = [names[id(block)] for block in list(blocks)[-bf16_last_blocks:]]
     for name in fp8.converted:
-        if is_within(name, last):
+        if is_conv1d(model.get_submodule(name)):
+            chosen.skipped[name] = "a transformers Conv1D, which block-scaled formats leave alone"
+        elif is_within(name, last):
             chosen.skipped[name] = f"in one of the last {bf16_last_blocks} blocks"
         else:
             chosen.converted.append(name)
