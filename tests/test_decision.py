@@ -28,7 +28,9 @@ def verdict_key(node: ast.AST) -> bool:
 
 def copies_a_verdict(value: ast.AST) -> bool:
     """A value read from a verdict another module decided: x["verdict"] or x.verdict (or None
-    where there is none)."""
+    where there is none); or the kind a reader checks a recorded verdict against (``str``)."""
+    if isinstance(value, ast.Name):
+        return value.id == "str"
     if isinstance(value, ast.IfExp):
         return all(copies_a_verdict(v) for v in (value.body, value.orelse))
     if isinstance(value, ast.Constant):

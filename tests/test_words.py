@@ -40,7 +40,11 @@ def test_a_run_that_skipped_a_large_share_of_its_steps_is_not_checks_passed(
     tmp_path: Path,
 ) -> None:
     write_run(tmp_path / "a", "tiny_cnn", "fp32", 1000.0, 0.8)
-    summary = write_run(tmp_path / "b", "tiny_cnn", "fp16", 1000.0, 0.8, skipped_steps=37)
+    # Its metrics.jsonl logs all 100 steps: a shorter one would be listed as damaged instead.
+    losses = [2.0 / step for step in range(1, 101)]
+    summary = write_run(
+        tmp_path / "b", "tiny_cnn", "fp16", 1000.0, 0.8, skipped_steps=37, losses=losses
+    )
     summary["steps"] = 100
     (tmp_path / "b" / "summary.json").write_text(json.dumps(summary))
     build_report([tmp_path], tmp_path)

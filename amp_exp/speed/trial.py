@@ -42,7 +42,7 @@ from amp_exp.report.speedup import trial_interval
 from amp_exp.report.verdicts import rounds_phrase
 from amp_exp.results.contract import Stopped
 from amp_exp.runtime.hardware import device_name, resolve_device
-from amp_exp.speed.ratio import LOOK_EVERY, TRIAL_CONFIDENCE, looks, narrow, speedup
+from amp_exp.speed.ratio import LOOK_EVERY, MIN_ROUNDS, TRIAL_CONFIDENCE, looks, narrow, speedup
 from amp_exp.training.timing import StepClock, time_steps, warm_up
 
 
@@ -168,10 +168,6 @@ def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfi
         found["stopped_by"] = stopped
         found["speedup"]["stopped_by"] = stopped.received.name
     return found
-
-
-# A speedup's interval needs two rounds' spread (speed/ratio.py).
-MIN_ROUNDS = 2
 
 
 class TrialStopped(Stopped):
