@@ -27,6 +27,10 @@ class Device:
     hbm_tb_per_s: float | None = None
     memory_gb: float | None = None
     memory_source: str | None = None
+    # Streaming multiprocessors: how many GEMM tiles run at once (the roofline's wave
+    # quantization, predict/roofline.py), with where the count is published.
+    sms: int | None = None
+    sms_source: str | None = None
 
 
 H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet, SXM column"
@@ -56,6 +60,8 @@ DEVICES: tuple[Device, ...] = (
         hbm_tb_per_s=2.039,
         memory_gb=80,
         memory_source="NVIDIA A100 datasheet, A100 80GB SXM: 80 GB HBM2e at 2,039 GB/s",
+        sms=108,
+        sms_source="NVIDIA A100 Tensor Core GPU architecture whitepaper: 108 SMs",
     ),
     Device(
         ("A10G",),
@@ -96,6 +102,8 @@ DEVICES: tuple[Device, ...] = (
         hbm_tb_per_s=3.35,
         memory_gb=80,
         memory_source=f"{H100_SHEET}: 80 GB HBM3 at 3.35 TB/s",
+        sms=132,
+        sms_source="NVIDIA H100 Tensor Core GPU architecture whitepaper: 132 SMs (SXM5)",
     ),
     Device(
         ("H200",),
@@ -107,6 +115,8 @@ DEVICES: tuple[Device, ...] = (
         hbm_tb_per_s=4.8,
         memory_gb=141,
         memory_source="NVIDIA H200 datasheet, SXM: 141 GB HBM3e at 4.8 TB/s",
+        sms=132,
+        sms_source="the H100 SXM5's GH100 configuration (H200 changes the memory only)",
     ),
     Device(
         ("B200",),
@@ -118,6 +128,8 @@ DEVICES: tuple[Device, ...] = (
         hbm_tb_per_s=8.0,
         memory_gb=180,
         memory_source=f"{B200_SHEET}: 1,440 GB HBM3e at 64 TB/s",
+        sms=148,
+        sms_source="cudaGetDeviceProperties on a B200, quoted in pytorch/ao PR 4002",
     ),
 )
 

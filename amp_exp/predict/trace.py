@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ FREE = {
     aten.clone,
 }
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+CONVOLUTIONS = {aten.convolution, aten.convolution_backward}
 FLASH_FORWARD = aten._scaled_dot_product_flash_attention
 FLASH = {
     aten._scaled_dot_product_flash_attention,
@@ -135,8 +137,19 @@ def _floats(values: Any) -> Iterator[torch.Tensor]:
             yield value
 
 
-def _mnk(func: Any, args: tuple, out: torch.Tensor) -> tuple[int, int, int] | None:
-    """A GEMM's M, N, K (batched: M counts every batch's rows)."""
+def _mnk(func: Any, args: tuple, out: Any) -> tuple[int, int, int] | None:
+    """A GEMM's M, N, K (batched: M counts every batch's rows). A convolution's are those of
+    its implicit GEMM, per group (M: every output pixel of every group; N: output channels; K:
+    input channels times the kernel's taps); its backward is costed at its forward's shape."""
+    packet = func._overloadpacket
+    if packet in CONVOLUTIONS:
+        # convolution(input, weight, ..., groups); convolution_backward(grad_output, input,
+        # weight, ..., groups, output_mask).
+        forward = packet is aten.convolution
+        output, weight = (out, args[1]) if forward else (args[0], args[2])
+        groups = args[8] if forward else args[9]
+        channels = weight.shape[0]
+        return output.numel() // channels * groups, channels // groups, math.prod(weight.shape[1:])
     if func._overloadpacket not in GEMMS:
         return None
     first = args[1] if func._overloadpacket in {aten.addmm, aten.baddbmm} else args[0]
