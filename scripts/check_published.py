@@ -77,11 +77,17 @@ def main() -> None:
     start = time.perf_counter()
     traces: dict = {}
     found: list[Comparison] = []
+    failed: list[str] = []
     for row in published_rows():
         if args.only and row["name"] not in args.only:
             continue
-        found += comparisons(row, predicted_rates(row, traces))
+        print(f"{row['name']} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+        try:
+            found += comparisons(row, predicted_rates(row, traces))
+        except Exception as error:  # a row that cannot be predicted is reported, not skipped
+            failed.append(f"- {row['name']}: not predicted: {type(error).__name__}: {error}")
     print("\n".join(table(found)))
+    print("\n".join(failed))
     print()
     print("\n".join(summary_lines(found)))
     print(f"\n{len(traces)} settings traced in {time.perf_counter() - start:.0f} s")

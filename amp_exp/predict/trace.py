@@ -186,7 +186,9 @@ class OpRecorder(TorchDispatchMode):
         parents = self.tracker.parents
         formula = flop_registry.get(packet)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
-        if packet in FLASH and args[4 if packet is FLASH_FORWARD else 11]:
+        causal = 4 if packet is FLASH_FORWARD else 11
+        # The dispatcher drops trailing arguments left at their defaults (is_causal=False).
+        if packet in FLASH and len(args) > causal and args[causal]:
             flops /= 2  # causal: flash skips the masked half (the formula counts it)
         linear = next((self.linears[p] for p in parents if p in self.linears), None)
         loss, fp32 = self.where()
