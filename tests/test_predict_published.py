@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 
@@ -52,7 +53,7 @@ def test_the_efficiency_grows_with_k_and_with_the_size_of_a_square_gemm() -> Non
     along_k = [gemm_efficiency(4096, 4096, k, H100_SMS) for k in (64, 128, 512, 4096, 16384)]
     assert along_k == sorted(along_k) and along_k[0] < along_k[-1]
     squares = [gemm_efficiency(n, n, n, H100_SMS) for n in (128, 256, 512, 1024, 2048, 8192)]
-    assert squares == sorted(squares) and squares[0] < 0.01 < 0.7 < squares[-1]
+    assert squares == sorted(squares) and squares[0] < 0.05 < 0.7 < squares[-1]
 
 
 def test_a_convolution_is_traced_as_its_implicit_gemm() -> None:
@@ -68,6 +69,25 @@ def test_a_convolution_is_traced_as_its_implicit_gemm() -> None:
         assert 2 * m * n * k == op.flops
         assert k % 9 == 0
     assert all(op.mnk for op in backward)
+
+
+def test_a_depthwise_convolution_backward_counts_its_own_flops() -> None:
+    """MobileNet-V3's depthwise convolutions: each gradient is one GEMM of the forward's shape
+    (2MNK FLOPs), not torch's formula's ungrouped count (C times as many, which put EfficientNet
+    on an A100 at a fifth of its published speed). Caught: the formula's count kept."""
+    trace = trace_step(
+        config(
+            "model=torchvision",
+            "model.name=mobilenet_v3_small",
+            "dataset=synthetic",
+            "dataset.image_size=32",
+            "dataset.batch_size=4",
+        )
+    )
+    backward = [op for op in trace.ops if op.name == "convolution_backward"]
+    assert any(op.mnk[1] == 1 for op in backward)  # a depthwise one: one channel per group
+    for op in backward:
+        assert op.flops in {2 * math.prod(op.mnk), 4 * math.prod(op.mnk)}, op
 
 
 def test_fp8_is_predicted_compiled_as_auto_runs_it_and_its_casts_fuse() -> None:

@@ -42,10 +42,13 @@ from amp_exp.training.precision_modes import plan_fp8
 LARGE_GEMM_EFFICIENCY = 0.78
 ATTENTION_EFFICIENCY = 0.5
 MEMORY_EFFICIENCY = 0.8
-# The output tile one SM computes at a time, and one step of its main loop along K: 128 x 128 x
-# 64, typical of cuBLAS's and CUTLASS's Tensor Core kernels on Ampere and Hopper; assumed for
-# every device and dtype.
-TILE_M, TILE_N, TILE_K = 128, 128, 64
+# The output tiles one SM computes one at a time, and one step of the main loop along K: 128 x
+# 128 x 64 is typical of cuBLAS's and CUTLASS's Tensor Core kernels on Ampere and Hopper, and the
+# libraries carry narrower tiles for narrow outputs (a convolution's 24 output channels). The
+# roofline takes whichever tile loses least to padding and waves, each at the large-GEMM
+# efficiency (optimistic for the small ones); assumed for every device and dtype.
+TILES = ((128, 128), (128, 64), (64, 128), (64, 64), (128, 32), (32, 128))
+TILE_K = 64
 # cuBLAS splits K across SMs when the output has fewer tiles than the device has SMs, each split
 # at least this many steps of the main loop deep.
 SPLIT_K_MIN_STEPS = 4
@@ -69,8 +72,9 @@ ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_a
 
 ASSUMPTIONS = (
     f"a large GEMM at {LARGE_GEMM_EFFICIENCY:.0%} of the dense datasheet peak, less by shape: "
-    f"{TILE_M}x{TILE_N} output tiles, one per SM at a time (the last wave's idle SMs and the "
-    f"tiles' padding past M and N are lost), K in steps of {TILE_K} with one step's fill, K split "
+    "output tiles of 128x128 down to 32x128, whichever loses least, one per SM at a time (the "
+    "last wave's idle SMs and the tiles' padding past M and N are lost), K in steps of "
+    f"{TILE_K} with one step's fill, K split "
     "across idle SMs when the tiles are fewer than the SMs; a convolution as its implicit GEMM; "
     f"narrower than {MMA_WIDTH} in N or K on the CUDA cores; fused attention at "
     f"{ATTENTION_EFFICIENCY:.0%}, memory-bound ops at {MEMORY_EFFICIENCY:.0%} of HBM bandwidth, "
@@ -103,14 +107,20 @@ class Cost:
 
 def gemm_efficiency(m: int, n: int, k: int, sms: int) -> float:
     """The share of the dense peak a GEMM with an M x N output and depth K reaches on a device
-    with ``sms`` SMs: the large-GEMM efficiency, times the SMs' occupancy over the waves of tiles
-    (after splitting K where the tiles are too few), times the share of each tile inside M x N,
-    times the main loop's share of each split (one step of fill)."""
-    tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
+    with ``sms`` SMs, with the tile that loses least: the large-GEMM efficiency, times the SMs'
+    occupancy over the waves of tiles (after splitting K where the tiles are too few), times the
+    share of each tile inside M x N, times the main loop's share of each split (one step of
+    fill)."""
+    return max(tile_efficiency(m, n, k, sms, tile) for tile in TILES)
+
+
+def tile_efficiency(m: int, n: int, k: int, sms: int, tile: tuple[int, int]) -> float:
+    rows, columns = math.ceil(m / tile[0]), math.ceil(n / tile[1])
+    tiles = rows * columns
     splits = max(1, min(sms // tiles, k // (SPLIT_K_MIN_STEPS * TILE_K)))
     work = tiles * splits
     occupancy = work / (math.ceil(work / sms) * sms)
-    padding = m * n / (math.ceil(m / TILE_M) * TILE_M * math.ceil(n / TILE_N) * TILE_N)
+    padding = m * n / (rows * tile[0] * columns * tile[1])
     depth = k / splits
     return LARGE_GEMM_EFFICIENCY * occupancy * padding * depth / (depth + TILE_K)
 

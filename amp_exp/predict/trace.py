@@ -190,6 +190,11 @@ class OpRecorder(TorchDispatchMode):
         # The dispatcher drops trailing arguments left at their defaults (is_causal=False).
         if packet in FLASH and len(args) > causal and args[causal]:
             flops /= 2  # causal: flash skips the masked half (the formula counts it)
+        mnk = _mnk(func, args, out) if flops else None
+        if packet is aten.convolution_backward and mnk:
+            # torch's formula counts a grouped convolution's gradients as if ungrouped (a
+            # depthwise one's C times over): one forward-shaped GEMM per gradient output_mask asks.
+            flops = 2.0 * math.prod(mnk) * sum(args[10][:2])
         linear = next((self.linears[p] for p in parents if p in self.linears), None)
         loss, fp32 = self.where()
         self.ops.append(
@@ -199,7 +204,7 @@ class OpRecorder(TorchDispatchMode):
                 flops=flops,
                 read=sum(t.numel() for t in _floats((args, kwargs))),
                 written=sum(t.numel() for t in _floats(out)),
-                mnk=_mnk(func, args, out) if flops else None,
+                mnk=mnk,
                 linear=linear if flops else None,
                 fp32=fp32,
                 loss=loss,
