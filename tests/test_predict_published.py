@@ -19,7 +19,7 @@ from amp_exp.predict.published import (
     fitted_rows,
     published_rows,
 )
-from amp_exp.predict.roofline import LARGE_GEMM_EFFICIENCY, gemm_efficiency
+from amp_exp.predict.roofline import LARGE_GEMM_DEFAULT, gemm_efficiency
 from amp_exp.predict.trace import trace_step
 from helpers.runs import FAST_TRAINER, composed
 
@@ -36,13 +36,14 @@ def test_small_and_skinny_gemms_reach_less_of_the_peak_than_large_ones() -> None
     costed like an 8192-cube), or a K of 64 (a ResNet 1x1 convolution's) costed like a K of
     4096."""
     large = gemm_efficiency(8192, 8192, 8192, H100_SMS)
-    assert 0.7 < large <= LARGE_GEMM_EFFICIENCY
+    assert 0.6 < large <= LARGE_GEMM_DEFAULT
+    assert gemm_efficiency(8192, 8192, 8192, H100_SMS, "fp8") > large  # torchao's 78% vs 69%
     assert gemm_efficiency(256, 256, 256, H100_SMS) < large / 5
     assert gemm_efficiency(65536, 64, 64, H100_SMS) < 0.6 * large
     # A skinny output with a long K (a weight gradient of a narrow layer) splits K across idle
     # SMs: better than one wave of its own 36 tiles, still short of a large GEMM.
     split = gemm_efficiency(768, 768, 65536, H100_SMS)
-    assert 36 / H100_SMS * LARGE_GEMM_EFFICIENCY < split < large
+    assert 36 / H100_SMS * LARGE_GEMM_DEFAULT < split < large
 
 
 def test_the_efficiency_grows_with_k_and_with_the_size_of_a_square_gemm() -> None:
@@ -53,7 +54,7 @@ def test_the_efficiency_grows_with_k_and_with_the_size_of_a_square_gemm() -> Non
     along_k = [gemm_efficiency(4096, 4096, k, H100_SMS) for k in (64, 128, 512, 4096, 16384)]
     assert along_k == sorted(along_k) and along_k[0] < along_k[-1]
     squares = [gemm_efficiency(n, n, n, H100_SMS) for n in (128, 256, 512, 1024, 2048, 8192)]
-    assert squares == sorted(squares) and squares[0] < 0.05 < 0.7 < squares[-1]
+    assert squares == sorted(squares) and squares[0] < 0.05 < 0.6 < squares[-1]
 
 
 def test_a_convolution_is_traced_as_its_implicit_gemm() -> None:
