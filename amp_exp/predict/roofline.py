@@ -36,12 +36,13 @@ from amp_exp.training.precision_modes import plan_fp8
 
 # A large, well-shaped GEMM reaches this share of the dense datasheet peak: torchao's float8
 # roofline (torchao/testing/training/roofline_utils.py, "based on experimental observation with
-# sample large inputs" on an H100) takes 69% in bf16 and 78% in fp8; assumed for every device,
-# and for fp16 and TF32 as for bf16. Smaller and skinnier GEMMs reach less (gemm_efficiency).
-# Flash attention reaches about half its peak (FlashAttention-2 on H100: 50-60% forward),
-# elementwise and reduction kernels about 80% of HBM bandwidth.
-LARGE_GEMM_EFFICIENCY = {"fp8": 0.78}
-LARGE_GEMM_DEFAULT = 0.69
+# sample large inputs" on an H100) took 78% for bf16 and fp8 alike; assumed for every device,
+# dtype and math. A later version of that file takes 69% for bf16 and 78% for fp8; with those,
+# or with 69% for both, the rows of published.json not held out put fp8's speedups 9-15% high
+# (median), against 3% with 78% for both (docs/hardware.md). Smaller and skinnier GEMMs reach
+# less (gemm_efficiency). Flash attention reaches about half its peak (FlashAttention-2 on
+# H100: 50-60% forward), elementwise and reduction kernels about 80% of HBM bandwidth.
+LARGE_GEMM_EFFICIENCY = 0.78
 ATTENTION_EFFICIENCY = 0.5
 MEMORY_EFFICIENCY = 0.8
 # The output tiles one SM computes one at a time, and one step of the main loop along K: 128 x
@@ -73,8 +74,7 @@ BYTES = {
 ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
 
 ASSUMPTIONS = (
-    f"a large GEMM at {LARGE_GEMM_DEFAULT:.0%} of the dense datasheet peak "
-    f"({LARGE_GEMM_EFFICIENCY['fp8']:.0%} in fp8), less by shape: "
+    f"a large GEMM at {LARGE_GEMM_EFFICIENCY:.0%} of the dense datasheet peak, less by shape: "
     "output tiles of 128x128 down to 32x128, whichever loses least, one per SM at a time (the "
     "last wave's idle SMs and the tiles' padding past M and N are lost), K in steps of "
     f"{TILE_K} with one step's fill, K split "
@@ -108,18 +108,13 @@ class Cost:
     bound: str  # "compute", "memory" or "launch" (or "network" for communication)
 
 
-def large_gemm_efficiency(math_name: str) -> float:
-    return LARGE_GEMM_EFFICIENCY.get(math_name, LARGE_GEMM_DEFAULT)
-
-
-def gemm_efficiency(m: int, n: int, k: int, sms: int, math_name: str = "bf16") -> float:
+def gemm_efficiency(m: int, n: int, k: int, sms: int) -> float:
     """The share of the dense peak a GEMM with an M x N output and depth K reaches on a device
     with ``sms`` SMs, with the tile that loses least: the large-GEMM efficiency, times the SMs'
     occupancy over the waves of tiles (after splitting K where the tiles are too few), times the
     share of each tile inside M x N, times the main loop's share of each split (one step of
     fill)."""
-    best = max(tile_efficiency(m, n, k, sms, tile) for tile in TILES)
-    return large_gemm_efficiency(math_name) * best
+    return max(tile_efficiency(m, n, k, sms, tile) for tile in TILES)
 
 
 def tile_efficiency(m: int, n: int, k: int, sms: int, tile: tuple[int, int]) -> float:
@@ -130,21 +125,20 @@ def tile_efficiency(m: int, n: int, k: int, sms: int, tile: tuple[int, int]) -> 
     occupancy = work / (math.ceil(work / sms) * sms)
     padding = m * n / (rows * tile[0] * columns * tile[1])
     depth = k / splits
-    return occupancy * padding * depth / (depth + TILE_K)
+    return LARGE_GEMM_EFFICIENCY * occupancy * padding * depth / (depth + TILE_K)
 
 
-def op_cost(op: Op, nbytes: float, math_name: str, device: Device) -> Cost:
+def op_cost(op: Op, nbytes: float, tflops: float, device: Device) -> Cost:
     """One traced op: its FLOPs at the efficiency of its kind and shape, its bytes at the HBM's,
     whichever is slower, plus a launch."""
-    tflops = device.tflops[math_name] * 1e12
     if op.name in ATTENTION:
-        compute = op.flops / (tflops * ATTENTION_EFFICIENCY)
+        compute = op.flops / (tflops * 1e12 * ATTENTION_EFFICIENCY)
     elif op.mnk and min(op.mnk[1], op.mnk[2]) < MMA_WIDTH:
-        compute = op.flops / (device.tflops["fp32"] * 1e12 * LARGE_GEMM_DEFAULT)
+        compute = op.flops / (device.tflops["fp32"] * 1e12 * LARGE_GEMM_EFFICIENCY)
     elif op.mnk:
-        compute = op.flops / (tflops * gemm_efficiency(*op.mnk, device.sms, math_name))
+        compute = op.flops / (tflops * 1e12 * gemm_efficiency(*op.mnk, device.sms))
     else:
-        compute = op.flops / (tflops * large_gemm_efficiency(math_name))
+        compute = op.flops / (tflops * 1e12 * LARGE_GEMM_EFFICIENCY)
     memory = nbytes / (device.hbm_tb_per_s * 1e12 * MEMORY_EFFICIENCY)
     busy = max(compute, memory)
     bound = "compute" if compute >= memory else "memory"
@@ -230,7 +224,7 @@ def traced_costs(trace: StepTrace, run: Setting, device: Device) -> list[Cost]:
             chain.append(op)
             continue
         math_name = run.spec.peak_math if op.linear in run.fp8_linears else run.matmul_math
-        costs.append(op_cost(op, sum(op_bytes(op, run)), math_name, device))
+        costs.append(op_cost(op, sum(op_bytes(op, run)), device.tflops[math_name], device))
     if chain:
         costs.append(fused(chain, run, device))
     return costs
@@ -260,10 +254,9 @@ def cast_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None:
 def quantize_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None:
     """fp8's dynamic scaling of each converted linear, torchao's tensorwise recipe: its input X
     (M x K), weight W (N x K, from the fp32 master) and output gradient dY (M x N) each take an
-    amax pass, then a scaled cast to fp8 for each of the two matmuls it feeds. Compiled, as
-    torchao's roofline models it (roofline_utils.py, fusion modelling on): the two casts are one
-    kernel that reads the operand once and writes both, and the amax of X and dY fuses into the
-    op that produced them (W's, read from the fp32 master, stays a pass of its own)."""
+    amax pass, then a scaled cast to fp8 for each of the two matmuls it feeds; compiled, the two
+    casts are one kernel that reads the operand once and writes both."""
+    reads, kernels_each = (2, 2) if run.compiled else (3, 3)
     if not run.fp8_linears:
         return None
     nbytes = 0.0
@@ -274,12 +267,9 @@ def quantize_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None
             continue
         seen.add(op.linear)
         m, n, k = op.mnk
-        # (elements, bytes each at the source, produced by an op a compiled amax can fuse into)
-        operands = ((m * k, run.act_bytes, True), (n * k, 4, False), (m * n, run.act_bytes, True))
-        for numel, source, produced in operands:
-            reads = 3 if not run.compiled else 1 if produced else 2
+        for numel, source in ((m * k, run.act_bytes), (n * k, 4), (m * n, run.act_bytes)):
             nbytes += numel * (reads * source + 2)
-            kernels += reads
+            kernels += kernels_each
     return memory_op("fp8 quantization", nbytes, device, kernels)
 
 
