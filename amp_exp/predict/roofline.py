@@ -37,9 +37,10 @@ from amp_exp.training.precision_modes import plan_fp8
 # A large, well-shaped GEMM reaches this share of the dense datasheet peak: torchao's float8
 # roofline (torchao/testing/training/roofline_utils.py, "based on experimental observation with
 # sample large inputs" on an H100) took 78% for bf16 and fp8 alike; assumed for every device,
-# dtype and math. A later version of that file takes 69% for bf16 and 78% for fp8; with those,
-# or with 69% for both, the rows of published.json not held out put fp8's speedups 9-15% high
-# (median), against 3% with 78% for both (docs/hardware.md). Smaller and skinnier GEMMs reach
+# dtype and math. Another version of that file takes 69% for bf16 and 78% for fp8 and fuses
+# fp8's amax into the operand's producer; with those, or with 69% for both and that fusion, the
+# rows of published.json not held out put fp8's speedups 15% or 9% high (median), against 3%
+# with neither (docs/hardware.md). Smaller and skinnier GEMMs reach
 # less (gemm_efficiency). Flash attention reaches about half its peak (FlashAttention-2 on
 # H100: 50-60% forward), elementwise and reduction kernels about 80% of HBM bandwidth.
 LARGE_GEMM_EFFICIENCY = 0.78
