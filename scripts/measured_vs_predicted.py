@@ -59,10 +59,7 @@ def paired_rows(cells: list[dict], name: str, flags: tuple[str, ...], rate: str)
                 "measured_over_predicted": ratio(measured_rate, predicted_rate),
                 "measured_speedup": ratio(measured_rate, base.get(rate)),
                 "predicted_speedup": ratio(predicted_rate, (base.get("predicted") or {}).get(rate)),
-                "note": cell.get("error")
-                or predicted.get("error")
-                or predicted.get("why")
-                or "",
+                "note": cell.get("error") or predicted.get("error") or predicted.get("why") or "",
             }
         )
     return rows

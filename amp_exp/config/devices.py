@@ -30,6 +30,10 @@ class Device:
     # Tensor Cores that multiply block-scaled formats (MXFP8, MXFP4, NVFP4) with their scales:
     # Blackwell's fifth generation; Hopper's multiply fp8 with one scale per tensor only.
     block_scaled: bool = False
+    # Streaming multiprocessors: how many GEMM tiles run at once (the roofline's wave
+    # quantization, predict/roofline.py), with where the count is published.
+    sms: int | None = None
+    sms_source: str | None = None
 
 
 H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet, SXM column"
@@ -59,6 +63,8 @@ DEVICES: tuple[Device, ...] = (
         hbm_tb_per_s=2.039,
         memory_gb=80,
         memory_source="NVIDIA A100 datasheet, A100 80GB SXM: 80 GB HBM2e at 2,039 GB/s",
+        sms=108,
+        sms_source="NVIDIA A100 Tensor Core GPU architecture whitepaper: 108 SMs",
     ),
     Device(
         ("A10G",),
@@ -99,6 +105,8 @@ DEVICES: tuple[Device, ...] = (
         hbm_tb_per_s=3.35,
         memory_gb=80,
         memory_source=f"{H100_SHEET}: 80 GB HBM3 at 3.35 TB/s",
+        sms=132,
+        sms_source="NVIDIA H100 Tensor Core GPU architecture whitepaper: 132 SMs (SXM5)",
     ),
     Device(
         ("H200",),
@@ -110,6 +118,8 @@ DEVICES: tuple[Device, ...] = (
         hbm_tb_per_s=4.8,
         memory_gb=141,
         memory_source="NVIDIA H200 datasheet, SXM: 141 GB HBM3e at 4.8 TB/s",
+        sms=132,
+        sms_source="the H100 SXM5's GH100 configuration (H200 changes the memory only)",
     ),
     Device(
         ("B200",),
@@ -122,6 +132,8 @@ DEVICES: tuple[Device, ...] = (
         memory_gb=180,
         memory_source=f"{B200_SHEET}: 1,440 GB HBM3e at 64 TB/s",
         block_scaled=True,
+        sms=148,
+        sms_source="cudaGetDeviceProperties on a B200, quoted in pytorch/ao PR 4002",
     ),
 )
 

@@ -3,8 +3,6 @@ then the roofline (predict/roofline.py) per pair, with speedups over bf16 and fp
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from amp_exp.config.devices import PREDICTABLE
@@ -15,7 +13,6 @@ from amp_exp.predict.trace import StepTrace, trace_step
 
 # The speedups' baselines: fp32, and bf16, the usual mixed precision.
 BASELINES = (REFERENCE, "bf16")
-PUBLISHED = Path(__file__).with_name("published.json")
 
 
 def precisions_of(cfg: RunConfig) -> list[str]:
@@ -65,12 +62,3 @@ def predict_trace(cfg: RunConfig, trace: StepTrace) -> dict[str, Any]:
 
 def predict(cfg: RunConfig) -> dict[str, Any]:
     return predict_trace(cfg, trace_step(cfg))
-
-
-def anchors() -> list[dict[str, Any]]:
-    """The published speedups of published.json, each with its band (published +- margin)."""
-    found = json.loads(PUBLISHED.read_text())["anchors"]
-    for anchor in found:
-        margin = anchor["margin"]
-        anchor["band"] = [anchor["published"] * (1 - margin), anchor["published"] * (1 + margin)]
-    return found

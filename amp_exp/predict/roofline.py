@@ -1,8 +1,12 @@
 """A traced step's cost on a named device in each precision: a roofline, op by op.
 
 Each op takes max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency)) plus one
-kernel launch; the step is the sum (no overlap of ops, nor of communication with compute). The
-precision's row of the precision table (config/precisions.py) says what changes:
+kernel launch; the step is the sum (no overlap of ops, nor of communication with compute). A
+GEMM's efficiency depends on its shape (gemm_efficiency: wave quantization over the device's SMs,
+tile padding, the main loop's fill), a convolution's on its implicit GEMM's. A run the runner
+compiles (trainer.compile=true, or auto for a precision that needs it on CUDA: fp8) fuses each
+run of memory-bound ops into one kernel, and fp8's casts with them. The precision's row of the
+precision table (config/precisions.py) says what changes:
 
 - matmuls run at the dense peak of ``peak_math`` (training/flops.py: fp32 as TF32 when allowed);
   under fp8 the converted linears' three matmuls (forward, input and weight gradient) run at the
@@ -23,11 +27,11 @@ A record gives a step time only where the device has the precision's math in har
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+from amp_exp.config.adaptive import COMPILE_AUTO
 from amp_exp.config.devices import Device
 from amp_exp.config.precisions import DType, PrecisionSpec, spec_of
 from amp_exp.config.schema import AdamWConfig, Fp8Recipe, RunConfig, Strategy
@@ -35,13 +39,31 @@ from amp_exp.predict.trace import Op, StepTrace
 from amp_exp.training.flops import peak_math
 from amp_exp.training.precision_modes import plan_fp8
 
-# One efficiency per op class, the fraction of the datasheet figure a kernel reaches: large
-# cuBLAS GEMMs reach about 70% of dense peak on H100 in bf16 and fp8 alike (torchao's float8
-# roofline and NVIDIA's published GEMM sweeps), flash attention about half its peak (FlashAttention
-# -2 on H100: 50-60% forward), elementwise and reduction kernels about 80% of HBM bandwidth.
-MATMUL_EFFICIENCY = 0.7
+# A large, well-shaped GEMM reaches this share of the dense datasheet peak: torchao's float8
+# roofline (torchao/testing/training/roofline_utils.py, "based on experimental observation with
+# sample large inputs" on an H100) took 78% for bf16 and fp8 alike; assumed for every device,
+# dtype and math. Another version of that file takes 69% for bf16 and 78% for fp8 and fuses
+# fp8's amax into the operand's producer; with those, or with 69% for both and that fusion, the
+# rows of published.json not held out put fp8's speedups 15% or 9% high (median), against 3%
+# with neither (docs/hardware.md). Smaller and skinnier GEMMs reach
+# less (gemm_efficiency). Flash attention reaches about half its peak (FlashAttention-2 on
+# H100: 50-60% forward), elementwise and reduction kernels about 80% of HBM bandwidth.
+LARGE_GEMM_EFFICIENCY = 0.78
 ATTENTION_EFFICIENCY = 0.5
 MEMORY_EFFICIENCY = 0.8
+# The output tiles one SM computes one at a time, and one step of the main loop along K: 128 x
+# 128 x 64 is typical of cuBLAS's and CUTLASS's Tensor Core kernels on Ampere and Hopper, and the
+# libraries carry narrower tiles for narrow outputs (a convolution's 24 output channels). The
+# roofline takes whichever tile loses least to padding and waves, each at the large-GEMM
+# efficiency (optimistic for the small ones); assumed for every device and dtype.
+TILES = ((128, 128), (128, 64), (64, 128), (64, 64), (128, 32), (32, 128))
+TILE_K = 64
+# cuBLAS splits K across SMs when the output has fewer tiles than the device has SMs, each split
+# at least this many steps of the main loop deep.
+SPLIT_K_MIN_STEPS = 4
+# A GEMM narrower than one Tensor Core instruction in N or K (depthwise and narrow grouped
+# convolutions) runs on the CUDA cores, at the fp32 peak.
+MMA_WIDTH = 16
 # A kernel launch and its tail, in eager PyTorch: the floor under every op, which a tiny model's
 # step is made of.
 KERNEL_OVERHEAD_S = 5e-6
@@ -58,11 +80,20 @@ BYTES = {
 ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
 
 ASSUMPTIONS = (
-    f"matmuls at {MATMUL_EFFICIENCY:.0%} of the dense datasheet peak, fused attention at "
+    f"a large GEMM at {LARGE_GEMM_EFFICIENCY:.0%} of the dense datasheet peak, less by shape: "
+    "output tiles of 128x128 down to 32x128, whichever loses least, one per SM at a time (the "
+    "last wave's idle SMs and the tiles' padding past M and N are lost), K in steps of "
+    f"{TILE_K} with one step's fill, K split "
+    "across idle SMs when the tiles are fewer than the SMs; a convolution as its implicit GEMM; "
+    f"narrower than {MMA_WIDTH} in N or K on the CUDA cores; fused attention at "
     f"{ATTENTION_EFFICIENCY:.0%}, memory-bound ops at {MEMORY_EFFICIENCY:.0%} of HBM bandwidth, "
     f"{KERNEL_OVERHEAD_S * 1e6:g} us launch overhead per kernel",
-    "eager execution: every aten op reads its inputs from and writes its outputs to HBM (no "
-    "fusion by torch.compile), ops and communication do not overlap",
+    "eager (trainer.compile=false, or auto for a precision that runs eagerly): every aten op "
+    "reads its inputs from and writes its outputs to HBM; compiled (trainer.compile=true, or auto "
+    "for fp8 on CUDA): each run of memory-bound ops between two matmuls is one kernel that reads "
+    "the first op's inputs and writes every op's outputs, the norms' and the loss's fp32 casts "
+    "fuse into it, and fp8's two casts of an operand are one kernel; ops and communication do "
+    "not overlap",
     "activations saved for the backward in the compute dtype (fp32 in the loss and norms); fp8 "
     "saves them in bf16 as torchao's Float8Linear does",
     "trainer.activation_checkpointing=true: each block recomputes its forward in the backward "
@@ -87,15 +118,43 @@ class Cost:
     bound: str  # "compute", "memory" or "launch" (or "network" for communication)
 
 
-def op_cost(name: str, flops: float, nbytes: float, tflops: float, device: Device) -> Cost:
-    efficiency = ATTENTION_EFFICIENCY if name in ATTENTION else MATMUL_EFFICIENCY
-    compute = flops / (tflops * 1e12 * efficiency) if flops else 0.0
+def gemm_efficiency(m: int, n: int, k: int, sms: int) -> float:
+    """The share of the dense peak a GEMM with an M x N output and depth K reaches on a device
+    with ``sms`` SMs, with the tile that loses least: the large-GEMM efficiency, times the SMs'
+    occupancy over the waves of tiles (after splitting K where the tiles are too few), times the
+    share of each tile inside M x N, times the main loop's share of each split (one step of
+    fill)."""
+    return max(tile_efficiency(m, n, k, sms, tile) for tile in TILES)
+
+
+def tile_efficiency(m: int, n: int, k: int, sms: int, tile: tuple[int, int]) -> float:
+    rows, columns = math.ceil(m / tile[0]), math.ceil(n / tile[1])
+    tiles = rows * columns
+    splits = max(1, min(sms // tiles, k // (SPLIT_K_MIN_STEPS * TILE_K)))
+    work = tiles * splits
+    occupancy = work / (math.ceil(work / sms) * sms)
+    padding = m * n / (rows * tile[0] * columns * tile[1])
+    depth = k / splits
+    return LARGE_GEMM_EFFICIENCY * occupancy * padding * depth / (depth + TILE_K)
+
+
+def op_cost(op: Op, nbytes: float, tflops: float, device: Device) -> Cost:
+    """One traced op: its FLOPs at the efficiency of its kind and shape, its bytes at the HBM's,
+    whichever is slower, plus a launch."""
+    if op.name in ATTENTION:
+        compute = op.flops / (tflops * 1e12 * ATTENTION_EFFICIENCY)
+    elif op.mnk and min(op.mnk[1], op.mnk[2]) < MMA_WIDTH:
+        compute = op.flops / (device.tflops["fp32"] * 1e12 * LARGE_GEMM_EFFICIENCY)
+    elif op.mnk:
+        compute = op.flops / (tflops * 1e12 * gemm_efficiency(*op.mnk, device.sms))
+    else:
+        compute = op.flops / (tflops * 1e12 * LARGE_GEMM_EFFICIENCY)
     memory = nbytes / (device.hbm_tb_per_s * 1e12 * MEMORY_EFFICIENCY)
     busy = max(compute, memory)
     bound = "compute" if compute >= memory else "memory"
     if busy < KERNEL_OVERHEAD_S:
         bound = "launch"
-    return Cost(name, busy + KERNEL_OVERHEAD_S, bound)
+    return Cost(label(op), busy + KERNEL_OVERHEAD_S, bound)
 
 
 def memory_op(name: str, nbytes: float, device: Device, kernels: int = 1) -> Cost:
@@ -111,6 +170,8 @@ class Setting:
     matmul_math: str  # the peak most matmuls run at
     fp8_linears: frozenset[str]
     act_bytes: int
+    # The runner compiles it (build.compiles, on a CUDA device): memory-bound ops fuse.
+    compiled: bool
 
 
 def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
@@ -123,7 +184,9 @@ def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
         plan = plan_fp8(trace.model, cfg.precision.fp8_skip, skip_small, cfg.precision.keep_fp32)
         fp8_linears = frozenset(plan.converted)
         math_name = spec.compute_dtype.short
-    return Setting(spec, math_name, fp8_linears, BYTES[spec.compute_dtype])
+    choice = cfg.trainer.compile
+    compiled = spec.compile_on_cuda if choice == COMPILE_AUTO else bool(choice)
+    return Setting(spec, math_name, fp8_linears, BYTES[spec.compute_dtype], compiled)
 
 
 def missing_math(device: Device, precision: str, tf32: bool) -> str | None:
@@ -178,17 +241,38 @@ def label(op: Op) -> str:
     return f"{op.name} {op.phase}{shape}"
 
 
+def op_bytes(op: Op, run: Setting) -> tuple[float, float]:
+    """The bytes an op reads and writes in the precision: 1-byte operands for fp8's matmuls, fp32
+    in the loss and the norms, the activation dtype elsewhere."""
+    if op.linear in run.fp8_linears:
+        return op.read, op.written
+    width = 4 if op.fp32 else run.act_bytes
+    return op.read * width, op.written * width
+
+
+def fused(ops: list[Op], run: Setting, device: Device) -> Cost:
+    """A compiled run of memory-bound ops as one kernel: it reads what the first op reads and
+    writes every op's output (the intermediates a later op or the backward may need)."""
+    read = op_bytes(ops[0], run)[0]
+    written = sum(op_bytes(op, run)[1] for op in ops)
+    return memory_op(f"fused from {ops[0].name} {ops[0].phase}", read + written, device)
+
+
 def traced_costs(trace: StepTrace, run: Setting, device: Device) -> list[Cost]:
-    costs = []
+    costs: list[Cost] = []
+    chain: list[Op] = []
     for op in trace.ops:
-        elements = op.read + op.written
-        if op.linear in run.fp8_linears:
-            tflops, nbytes = device.tflops[run.spec.peak_math], elements  # 1-byte operands
-        else:
-            tflops = device.tflops[run.matmul_math]
-            nbytes = elements * (4 if op.fp32 else run.act_bytes)
-        cost = op_cost(op.name, op.flops, nbytes, tflops, device)
-        costs.append(dataclasses.replace(cost, name=label(op)))
+        fusable = run.compiled and not op.flops
+        if chain and not (fusable and op.phase == chain[0].phase):
+            costs.append(fused(chain, run, device))
+            chain = []
+        if fusable:
+            chain.append(op)
+            continue
+        math_name = run.spec.peak_math if op.linear in run.fp8_linears else run.matmul_math
+        costs.append(op_cost(op, sum(op_bytes(op, run)), device.tflops[math_name], device))
+    if chain:
+        costs.append(fused(chain, run, device))
     return costs
 
 
@@ -201,8 +285,13 @@ def cast_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None:
         return None
     low = run.act_bytes
     weights = sum(n for name, n in trace.linear_weights.items() if name not in run.fp8_linears)
-    norms = [op.written for op in trace.ops if op.fp32 and not op.loss and op.phase == "forward"]
-    logits = next((op.read for op in trace.ops if op.loss), 0)
+    # Compiled, the activations' casts fuse into the norms and the loss (traced_costs).
+    norms = [
+        op.written
+        for op in trace.ops
+        if op.fp32 and not op.loss and op.phase == "forward" and not run.compiled
+    ]
+    logits = 0 if run.compiled else next((op.read for op in trace.ops if op.loss), 0)
     elements = 2 * (weights + sum(norms) + logits)
     kernels = 2 * (len(trace.linear_weights) - len(run.fp8_linears) + len(norms) + 1)
     return memory_op("autocast casts", elements * (4 + low), device, kernels)
@@ -213,7 +302,9 @@ def quantize_cost(trace: StepTrace, run: Setting, device: Device, recipe: Fp8Rec
     from the fp32 master) and output gradient dY (M x N) each feed two matmuls. Tensorwise: one
     amax pass, then a scaled cast for each matmul. Rowwise: each matmul reduces over another
     axis, so an amax pass and a cast for each, and each matmul reads the fp32 scales of its
-    operands' rows."""
+    operands' rows. Compiled, the two casts are one kernel that reads the operand once and
+    writes both."""
+    cast_reads, cast_kernels = (1, 1) if run.compiled else (2, 2)
     if not run.fp8_linears:
         return None
     rowwise = recipe is not Fp8Recipe.tensorwise
@@ -227,10 +318,10 @@ def quantize_cost(trace: StepTrace, run: Setting, device: Device, recipe: Fp8Rec
         m, n, k = op.mnk
         operands = (((m, k), run.act_bytes), ((n, k), 4), ((m, n), run.act_bytes))
         for (rows, columns), source in operands:
-            numel = rows * columns
             amax_passes = 2 if rowwise else 1
-            nbytes += numel * (amax_passes * source + 2 * (source + 1))
-            kernels += amax_passes + 2
+            # Each pass reads the operand; the casts write one fp8 byte per element per matmul.
+            nbytes += rows * columns * ((amax_passes + cast_reads) * source + 2)
+            kernels += amax_passes + cast_kernels
             if rowwise:
                 nbytes += 2 * 4 * (rows + columns)  # a scale per row, each way, read by a matmul
     return memory_op("fp8 quantization", nbytes, device, kernels)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ FREE = {
     aten.clone,
 }
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+CONVOLUTIONS = {aten.convolution, aten.convolution_backward}
 FLASH_FORWARD = aten._scaled_dot_product_flash_attention
 FLASH = {
     aten._scaled_dot_product_flash_attention,
@@ -148,8 +150,19 @@ def _floats(values: Any) -> Iterator[torch.Tensor]:
             yield value
 
 
-def _mnk(func: Any, args: tuple, out: torch.Tensor) -> tuple[int, int, int] | None:
-    """A GEMM's M, N, K (batched: M counts every batch's rows)."""
+def _mnk(func: Any, args: tuple, out: Any) -> tuple[int, int, int] | None:
+    """A GEMM's M, N, K (batched: M counts every batch's rows). A convolution's are those of
+    its implicit GEMM, per group (M: every output pixel of every group; N: output channels; K:
+    input channels times the kernel's taps); its backward is costed at its forward's shape."""
+    packet = func._overloadpacket
+    if packet in CONVOLUTIONS:
+        # convolution(input, weight, ..., groups); convolution_backward(grad_output, input,
+        # weight, ..., groups, output_mask).
+        forward = packet is aten.convolution
+        output, weight = (out, args[1]) if forward else (args[0], args[2])
+        groups = args[8] if forward else args[9]
+        channels = weight.shape[0]
+        return output.numel() // channels * groups, channels // groups, math.prod(weight.shape[1:])
     if func._overloadpacket not in GEMMS:
         return None
     first = args[1] if func._overloadpacket in {aten.addmm, aten.baddbmm} else args[0]
@@ -186,8 +199,15 @@ class OpRecorder(TorchDispatchMode):
         parents = self.tracker.parents
         formula = flop_registry.get(packet)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
-        if packet in FLASH and args[4 if packet is FLASH_FORWARD else 11]:
+        causal = 4 if packet is FLASH_FORWARD else 11
+        # The dispatcher drops trailing arguments left at their defaults (is_causal=False).
+        if packet in FLASH and len(args) > causal and args[causal]:
             flops /= 2  # causal: flash skips the masked half (the formula counts it)
+        mnk = _mnk(func, args, out) if flops else None
+        if packet is aten.convolution_backward and mnk:
+            # torch's formula counts a grouped convolution's gradients as if ungrouped (a
+            # depthwise one's C times over): one forward-shaped GEMM per gradient output_mask asks.
+            flops = 2.0 * math.prod(mnk) * sum(args[10][:2])
         linear = next((self.linears[p] for p in parents if p in self.linears), None)
         loss, fp32 = self.where()
         self.ops.append(
@@ -197,7 +217,7 @@ class OpRecorder(TorchDispatchMode):
                 flops=flops,
                 read=sum(t.numel() for t in _floats((args, kwargs))),
                 written=sum(t.numel() for t in _floats(out)),
-                mnk=_mnk(func, args, out) if flops else None,
+                mnk=mnk,
                 linear=linear if flops else None,
                 fp32=fp32,
                 loss=loss,

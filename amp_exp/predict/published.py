@@ -1,0 +1,96 @@
+"""The published training figures of published.json, and how far predictions lie from them.
+
+Each row is one published setting: the overrides that describe it to ``python -m amp_exp.predict``,
+the measured throughput per precision (and a published speedup where the source gives only that),
+and, for the rows set aside before the roofline was last changed, the date they were held out.
+Errors are reported separately for throughput and for speedups, and for the held-out rows apart
+from the rest: a row held out is never used to tune the roofline, so its error is the honest one.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PUBLISHED = Path(__file__).with_name("published.json")
+
+
+def published_rows(path: Path = PUBLISHED) -> list[dict[str, Any]]:
+    """published.json's rows, each with its published speedup (from its two measured figures
+    where it has them) and, where it states a margin, the band a prediction must stay in."""
+    rows = json.loads(path.read_text())["rows"]
+    for row in rows:
+        measured = row.get("measured") or {}
+        if "baseline" in row and {row["baseline"], row["precision"]} <= set(measured):
+            row["published"] = measured[row["precision"]] / measured[row["baseline"]]
+        if "margin" in row:
+            low, high = 1 - row["margin"], 1 + row["margin"]
+            row["band"] = [row["published"] * low, row["published"] * high]
+    return rows
+
+
+def fitted_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows a change to the roofline may be tuned against: every row not held out."""
+    return [row for row in rows if "held_out" not in row]
+
+
+def row_overrides(row: dict[str, Any], precision: str) -> list[str]:
+    """The overrides that predict ``precision`` in the row's setting on its device, with the
+    row's batch for that precision where the source trained each precision at its own."""
+    batch = row.get("batch", {}).get(precision)
+    return [
+        *row["overrides"],
+        *([f"dataset.batch_size={batch}"] if batch else []),
+        f"predict.devices=[{row['device']}]",
+        f"predict.precisions=[{precision}]",
+    ]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    row: str
+    kind: str  # "throughput" or "speedup"
+    what: str  # the precision, or "fp8 over bf16"
+    published: float
+    predicted: float
+    held_out: bool
+
+    @property
+    def error(self) -> float:
+        """Signed relative error: +0.3 is predicted 30% above the published figure."""
+        return self.predicted / self.published - 1
+
+
+def comparisons(row: dict[str, Any], predicted: dict[str, float]) -> list[Comparison]:
+    """A row's throughputs and speedup beside ``predicted`` (throughput per precision, in the
+    row's unit; a precision missing from it was not predicted)."""
+    held = "held_out" in row
+    found = [
+        Comparison(row["name"], "throughput", precision, value, predicted[precision], held)
+        for precision, value in (row.get("measured") or {}).items()
+        if precision in predicted
+    ]
+    baseline, precision = row.get("baseline"), row.get("precision")
+    if baseline in predicted and precision in predicted and "published" in row:
+        speedup = predicted[precision] / predicted[baseline]
+        what = f"{precision} over {baseline}"
+        found.append(Comparison(row["name"], "speedup", what, row["published"], speedup, held))
+    return found
+
+
+def error_summary(found: list[Comparison]) -> dict[tuple[str, bool], dict[str, float]]:
+    """Per (kind, held out): the count, median and worst absolute relative error."""
+    summary = {}
+    for kind in ("throughput", "speedup"):
+        for held in (False, True):
+            errors = [abs(c.error) for c in found if c.kind == kind and c.held_out == held]
+            if errors:
+                summary[kind, held] = {
+                    "n": len(errors),
+                    "median": statistics.median(errors),
+                    "worst": max(errors),
+                }
+    return summary

@@ -1,0 +1,97 @@
+"""python -m amp_exp.predict against every published figure of amp_exp/predict/published.json:
+each row's setting predicted on its device, its throughputs and its speedup beside the published
+ones, then the median and worst error of throughput and of speedups, the held-out rows apart
+(docs/hardware.md). Each distinct setting is traced once, in this process.
+
+    python scripts/check_published.py [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from amp_exp.config.preflight import run_config  # noqa: E402
+from amp_exp.predict.predict import predict_trace  # noqa: E402
+from amp_exp.predict.published import (  # noqa: E402
+    Comparison,
+    comparisons,
+    error_summary,
+    published_rows,
+    row_overrides,
+)
+from amp_exp.predict.trace import trace_step  # noqa: E402
+
+
+def predicted_rates(row: dict, traces: dict) -> dict[str, float]:
+    """The row's throughput per precision, predicted on its device; traces are shared between
+    rows and precisions with the same setting (a trace does not depend on the precision)."""
+    wanted = [*(row.get("measured") or {}), row.get("baseline"), row.get("precision")]
+    precisions = dict.fromkeys(wanted)
+    rates = {}
+    for precision in filter(None, precisions):
+        overrides = row_overrides(row, precision)
+        cfg = run_config(overrides)
+        key = tuple(o for o in overrides if not o.startswith("predict."))
+        if key not in traces:
+            traces[key] = trace_step(cfg)
+        found = predict_trace(cfg, traces[key])["devices"][row["device"]]["precisions"]
+        if row["per_s"] in found[precision]:
+            rates[precision] = found[precision][row["per_s"]]
+    return rates
+
+
+def table(found: list[Comparison]) -> list[str]:
+    lines = [
+        "| row | held out | figure | published | predicted | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in found:
+        shown = (lambda v: f"{v:.2f}x") if c.kind == "speedup" else (lambda v: f"{v:,.0f}")
+        lines.append(
+            f"| {c.row} | {'yes' if c.held_out else 'no'} | {c.kind} {c.what} | "
+            f"{shown(c.published)} | {shown(c.predicted)} | {c.error:+.0%} |"
+        )
+    return lines
+
+
+def summary_lines(found: list[Comparison]) -> list[str]:
+    lines = ["| figure | rows | n | median error | worst error |", "|---|---|---|---|---|"]
+    for (kind, held), stats in error_summary(found).items():
+        lines.append(
+            f"| {kind} | {'held out' if held else 'not held out'} | {stats['n']} | "
+            f"{stats['median']:.0%} | {stats['worst']:.0%} |"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="row names (default: every row)")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    traces: dict = {}
+    found: list[Comparison] = []
+    failed: list[str] = []
+    for row in published_rows():
+        if args.only and row["name"] not in args.only:
+            continue
+        print(f"{row['name']} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+        try:
+            found += comparisons(row, predicted_rates(row, traces))
+        except Exception as error:  # a row that cannot be predicted is reported, not skipped
+            failed.append(f"- {row['name']}: not predicted: {type(error).__name__}: {error}")
+    print("\n".join(table(found)))
+    print("\n".join(failed))
+    print()
+    print("\n".join(summary_lines(found)))
+    print(f"\n{len(traces)} settings traced in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
