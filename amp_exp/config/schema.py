@@ -239,6 +239,10 @@ class DiagnosticsConfig:
     audit: bool = True
     # The step audited; null = the first timed step, after trainer.timing_warmup_steps.
     audit_step: int | None = None
+    # At each log step, a "signals" row of what predicts a late failure (per-block activation
+    # range and kurtosis, attention and output logits, update ratios: training/signals.py),
+    # which `python -m amp_exp.forecast` extrapolates; nothing is measured on other steps.
+    signals: bool = True
 
 
 # --- Weights & Biases ----------------------------------------------------------------------------
