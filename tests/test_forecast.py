@@ -183,3 +183,36 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup, argv, says) -
     assert main([str(run_dir), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err
+
+
+def test_the_report_gives_each_precision_its_forecast_and_names_the_crossing_run(tmp_path) -> None:
+    """Two precisions of one model: the one whose activations grow toward e4m3's range is said
+    to cross on its run, the flat one to hold; an unfinished run is left out."""
+    from amp_exp.report.forecasts import forecast_section, long_run_forecasts
+    from amp_exp.report.runs import Run
+
+    rng = np.random.default_rng(4)
+    steps = np.arange(LOG_EVERY, 260, LOG_EVERY, dtype=float)
+    growing_rows = rows_of({"act_absmax/blocks.0": growing(steps, rng, 1.0, 0.008, 0.05)}, steps)
+    flat_rows = rows_of({"act_absmax/blocks.0": growing(steps, rng, 1.0, 0.0, 0.05)}, steps)
+
+    def run(name: str, precision: str, rows: list[dict], status: str = "completed") -> Run:
+        summary = {"status": status, "model": "gpt_tiny", "precision": precision}
+        return Run(tmp_path / name, summary, rows)
+
+    runs = [
+        run("fp8", "fp8", growing_rows),
+        run("bf16", "bf16", flat_rows),
+        run("killed", "bf16", growing_rows, status="failed"),
+    ]
+    forecasts = long_run_forecasts(runs, tmp_path, 2500)
+    by_label = {group["label"].split()[0]: group["runs"] for group in forecasts}
+    assert [r["run"] for r in by_label["bf16"]] == ["bf16"]
+    assert by_label["bf16"][0]["first_crossing"] is None
+    assert by_label["fp8"][0]["first_crossing"]["signal"] == "act_absmax"
+    text = "\n".join(forecast_section(forecasts))
+    assert (
+        "**gpt_tiny, fp8 (tensorwise)** to 2,500 steps: a limit is forecast to be crossed on 1 of 1"
+        in text
+    )
+    assert "**gpt_tiny, bf16** to 2,500 steps: no limit is forecast" in text

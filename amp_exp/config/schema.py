@@ -301,6 +301,9 @@ class ReportConfig:
     # GPUs of config/devices.py (h100, ...) whose roofline speedups (amp_exp.predict) the
     # report shows beside the measured ones, labelled as predicted.
     predict: list[str] = field(default_factory=list)
+    # The planned length each precision's long-run signals are forecast to (amp_exp.forecast);
+    # null = 10 times each run's steps.
+    forecast_steps: int | None = None
 
 
 @dataclass

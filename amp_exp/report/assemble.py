@@ -11,6 +11,7 @@ from typing import Any
 
 from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows, tolerance_for
 from amp_exp.report.evidence import cell_key, gather, trial_speedup
+from amp_exp.report.forecasts import long_run_forecasts
 from amp_exp.report.learned import mark_comparisons, mark_learned
 from amp_exp.report.markdown import write_report
 from amp_exp.report.predicted import predicted_speedups
@@ -66,6 +67,7 @@ def assemble(
     tolerance: float | None = None,
     familywise: bool = False,
     confidence: float = CONFIDENCE,
+    forecast_steps: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """The report of the runs under ``dirs`` (no plots yet) and each run's metrics rows; the
     verdicts' intervals at ``confidence`` (an evidence sweep's looks, report/sequential.py)."""
@@ -100,6 +102,7 @@ def assemble(
         "comparisons": comparisons,
         "cells": cells,
         "speed_trials": trials,
+        "forecasts": long_run_forecasts(runs, out_dir, forecast_steps),
         "runs": rows,
         "plots": [],
         "plot_errors": {},
@@ -108,16 +111,21 @@ def assemble(
 
 
 def build_report(
-    dirs: list[Path], out_dir: Path, tolerance: float | None = None, familywise: bool = False
+    dirs: list[Path],
+    out_dir: Path,
+    tolerance: float | None = None,
+    familywise: bool = False,
+    forecast_steps: int | None = None,
 ) -> dict[str, Any]:
     """Write report.md, report.json and the plots for the runs under ``dirs``; return the report.
 
     ``tolerance`` is in the unit of the task's quality metric; None takes each task's default.
     ``familywise`` applies Holm across the report's comparisons (report.familywise). An evidence
-    sweep's directory (its evidence.json) is judged at the level of its looks, and says so."""
+    sweep's directory (its evidence.json) is judged at the level of its looks, and says so.
+    ``forecast_steps``: the length the runs' signals are forecast to (None: 10x each run's)."""
     plans = [plan for plan in map(read_plan, dirs) if plan is not None]
     confidence = min((plan["confidence"] for plan in plans), default=CONFIDENCE)
-    report, metrics = assemble(dirs, out_dir, tolerance, familywise, confidence)
+    report, metrics = assemble(dirs, out_dir, tolerance, familywise, confidence, forecast_steps)
     report["evidence_sweep"] = plans[0] if len(plans) == 1 else None
     rows = report["runs"]
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from amp_exp.report.compare import (
     tolerance_for,
 )
 from amp_exp.report.evidence import CLAIM_P
+from amp_exp.report.forecasts import forecast_section
 from amp_exp.report.learned import DROP, FLOOR_FACTOR
 from amp_exp.report.predicted import PREDICTED_NOTE, prediction_columns, show_prediction
 from amp_exp.report.recommend import recommendation_lines
@@ -262,6 +263,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         + (PREDICTED_NOTE if prediction_columns(report["comparisons"]) else ""),
         "",
         *evidence_sweep_section(report.get("evidence_sweep")),
+        *forecast_section(report.get("forecasts") or []),
         "## Runs",
         "",
         *markdown_table(rows),
