@@ -167,10 +167,10 @@ class _AttentionLogits(TorchFunctionMode):
                 for name in ("attn_mask", "is_causal", "scale", "enable_gqa")
                 if name in kwargs
             }
-            if len(args) > 3:
-                options["attn_mask"] = args[3]
-            if len(args) > 5:
-                options["is_causal"] = args[5]
+            # SDPA's positional order: query, key, value, attn_mask, dropout_p, is_causal, scale.
+            for index, name in ((3, "attn_mask"), (5, "is_causal"), (6, "scale")):
+                if len(args) > index:
+                    options[name] = args[index]
             with torch.no_grad():
                 largest = attention_logit_max(query.detach(), key.detach(), **options)
                 self.stats[ATTN] = torch.maximum(self.stats[ATTN], largest.double())
