@@ -239,9 +239,7 @@ class DiagnosticsConfig:
     audit: bool = True
     # The step audited; null = the first timed step, after trainer.timing_warmup_steps.
     audit_step: int | None = None
-    # At each log step, a "signals" row of what predicts a late failure (per-block activation
-    # range and kurtosis, attention and output logits, update ratios: training/signals.py),
-    # which `python -m amp_exp.forecast` extrapolates; nothing is measured on other steps.
+    # A "signals" row at each log step for `python -m amp_exp.forecast` (training/signals.py).
     signals: bool = True
 
 
@@ -301,8 +299,7 @@ class ReportConfig:
     # GPUs of config/devices.py (h100, ...) whose roofline speedups (amp_exp.predict) the
     # report shows beside the measured ones, labelled as predicted.
     predict: list[str] = field(default_factory=list)
-    # The planned length each precision's long-run signals are forecast to (amp_exp.forecast);
-    # null = 10 times each run's steps.
+    # The length each precision's signals are forecast to (amp_exp.forecast); null = 10x a run's.
     forecast_steps: int | None = None
 
 
