@@ -7,8 +7,10 @@ Each round builds the same run twice in this process, with the signals on and wi
 imports are not timed), alternating which goes first (AB, BA, ...), so a machine that speeds up
 or slows down over the rounds weighs on both alike. The cost is the median over rounds of each
 round's relative difference. On a shared CPU that difference is mostly noise, so the script also
-times the collector's own work in the timed runs (arming, the weights copy and update norms, the
-read; the forward hooks run inside the forward and are in the A/B figure only).
+times the collector's own methods in the timed runs (arming, the weights copy and update norms,
+the read), and the whole extra cost of a logged step, forward hooks and attention recomputation
+included: single steps with and without the collector armed, alternating, the median extra over
+the median step, spread over ``trainer.log_every`` steps.
 """
 
 from __future__ import annotations
@@ -50,9 +52,39 @@ def train_s(overrides: list[str]) -> float:
     return time.perf_counter() - started
 
 
+def log_step_cost(overrides: list[str], pairs: int) -> dict[str, float]:
+    """The extra time of an armed step over a plain one, as a share of log_every plain steps."""
+    import torch
+
+    cfg = run_config([*FIXED, *overrides])
+    engine = build(cfg).engine
+    batches = engine.train_batches()
+    loss = torch.zeros((), device=engine.device)
+    plain, armed = [], []
+    for index in range(2 * pairs + 2):
+        arm = index % 2 == 1
+        started = time.perf_counter()
+        if arm:
+            engine.signals.arm()
+        engine.train_step(batches, loss, want_grad_norm=True)
+        if arm:
+            engine.signals.collect()
+        if index >= 2:  # the first pair warms up
+            (armed if arm else plain).append(time.perf_counter() - started)
+    extra = statistics.median(a - p for a, p in zip(armed, plain, strict=True))
+    step = statistics.median(plain)
+    return {
+        "step_s": step,
+        "armed_extra_s": extra,
+        "log_every": cfg.trainer.log_every,
+        "per_step_share": extra / (step * cfg.trainer.log_every),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--pairs", type=int, default=30)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     spent = instrument()
@@ -62,6 +94,8 @@ def main() -> None:
         for side in order:
             extra = ["diagnostics.signals=false"] if side == "off" else []
             times[side].append(train_s([*args.overrides, *extra]))
+        # Each round as it ends: on a busy machine the last rounds may never come.
+        print(json.dumps({"round": round_, **{k: v[-1] for k, v in times.items()}}), flush=True)
     costs = [on / off - 1 for on, off in zip(times["on"], times["off"], strict=True)]
     result = {
         "overrides": args.overrides,
@@ -70,6 +104,7 @@ def main() -> None:
         "collector_s": spent["s"],
         "collector_share": spent["s"] / sum(times["on"]),
         **{f"{side}_train_s": values for side, values in times.items()},
+        "log_step": log_step_cost(args.overrides, args.pairs),
     }
     print(json.dumps(result, indent=2))
 

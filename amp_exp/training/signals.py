@@ -19,18 +19,16 @@ a ResNet, by its top-level children that hold parameters):
 Per model: ``logit_mean`` and ``logit_max`` of its output (output-logit drift, Wortsman et al.).
 The gradient norm, the loss scale and the skipped steps are in the train row already.
 
-Cost: nothing on steps that are not logged. ``arm()`` registers the forward hooks for one step
-and ``collect()`` removes them, so other steps run without a hook (and a compiled model keeps
-its graph); the statistics stay on the device until ``collect()`` reads them in one host read.
+Cost: nothing on unlogged steps, which run without a hook (``arm()`` registers them for one
+step, ``collect()`` removes them and reads the statistics, kept on the device, in one host read).
 Under torch.distributed every rank measures its own batch: the largest values are taken over
 the ranks (all_reduce MAX) and the moments summed (SUM), so the figures describe the global
 batch; weights are summed only where they are sharded (FSDP2's DTensors), as under DDP every
 rank holds them whole.
 
-The collector knows no engine, task or trainer: ``attach(model)``, then per logged step
-``arm()``, the forward and backward, ``before_update()``, the optimizer step, ``after_update()``
-and ``collect()``. The engine drives it through ``SignalsCallback``; other trainers' callbacks
-can drive it the same way.
+The collector knows no engine or trainer: ``attach(model)``, then per logged step ``arm()``, the
+forward and backward, ``before_update()``, the optimizer step, ``after_update()``, ``collect()``
+(the engine through ``SignalsCallback``; other trainers' callbacks alike).
 """
 
 from __future__ import annotations
@@ -56,6 +54,8 @@ from amp_exp.training.precision import Gradients
 # with MAX), then the element count and the first four power sums (reduced with SUM).
 ABSMAX, ATTN, COUNT, S1, S2, S3, S4 = range(7)
 SUMS = 7 - COUNT
+# The most attention scores recomputed at once (64 MiB in fp32).
+SCORES_HELD = 2**24
 # The model's output logits: largest (MAX), then count and sum (SUM).
 LOGIT_MAX, LOGIT_COUNT, LOGIT_SUM = range(3)
 
@@ -93,8 +93,7 @@ class Limits:
 
 
 def signal_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The units the signals are kept per: the model's blocks, or its top-level children that
-    hold parameters (a ResNet's stem, stages and head)."""
+    """The model's blocks, or its top-level children with parameters (a ResNet's stages)."""
     names = {id(module): name for name, module in model.named_modules()}
     blocks = model_blocks(model)
     if blocks is not None:
@@ -107,8 +106,7 @@ def signal_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
-    """The tensor a module returned: itself, a Hugging Face output's ``logits``, or the first of
-    a tuple (a Hugging Face layer returns its hidden states first)."""
+    """A module's output tensor: itself, a Hugging Face output's ``logits``, or a tuple's first."""
     if isinstance(output, torch.Tensor):
         return output
     logits = getattr(output, "logits", None)
@@ -128,20 +126,24 @@ def attention_logit_max(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """The largest logit ``F.scaled_dot_product_attention`` computes inside its kernel: the
-    scaled QKᵀ, plus a float mask, over the positions a mask lets through. One sample at a
-    time, so only one sample's T x T scores are ever held."""
+    scaled QKᵀ, plus a float mask, over the positions a mask lets through. A few samples at a
+    time, so at most ``SCORES_HELD`` scores are held at once."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+    rows, cols = query.shape[-2], key.shape[-2]
+    keep = torch.ones(rows, cols, dtype=torch.bool, device=query.device).tril()
+    per_sample = query[:1].numel() // query.shape[-1] * cols
+    chunk = max(1, SCORES_HELD // max(per_sample, 1))
     largest = torch.full((), -math.inf, device=query.device)
-    for index in range(query.shape[0]):
-        scores = (query[index].float() @ key[index].float().transpose(-2, -1)) * scale
+    for start in range(0, query.shape[0], chunk):
+        part = slice(start, start + chunk)
+        scores = (query[part].float() @ key[part].float().transpose(-2, -1)) * scale
         if is_causal:
-            rows, cols = scores.shape[-2:]
-            keep = torch.ones(rows, cols, dtype=torch.bool, device=scores.device).tril()
             scores = scores.masked_fill(~keep, -math.inf)
         if attn_mask is not None:
-            mask = attn_mask[index] if attn_mask.dim() == query.dim() else attn_mask
+            per_sample_mask = attn_mask.dim() == query.dim() and attn_mask.shape[0] > 1
+            mask = attn_mask[part] if per_sample_mask else attn_mask
             if mask.dtype == torch.bool:
                 scores = scores.masked_fill(~mask, -math.inf)
             else:
@@ -151,8 +153,7 @@ def attention_logit_max(
 
 
 class _AttentionLogits(TorchFunctionMode):
-    """Active inside one block's forward on a logged step: each fused attention call also
-    records its largest logit into the block's statistics."""
+    """Inside one block's forward on a logged step: each SDPA call also records its max logit."""
 
     def __init__(self, stats: torch.Tensor) -> None:
         super().__init__()
@@ -284,8 +285,7 @@ class SignalCollector:
         ]
 
     def after_update(self) -> None:
-        """The optimizer stepped: each block's squared update and squared weight norms, kept on
-        the device (summed over the ranks where the weights are sharded)."""
+        """The optimizer stepped: each block's squared update and weight norms, on the device."""
         if not self.armed or self._before is None:
             return
         sums = []
