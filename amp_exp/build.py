@@ -39,6 +39,7 @@ from amp_exp.training.meters import Meter
 from amp_exp.training.optim import build_optimizer, build_scheduler
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.rng import seed_everything
+from amp_exp.training.signals import Limits, SignalCollector, SignalsCallback
 from amp_exp.training.skips import SkipMonitor
 
 log = logging.getLogger("amp_exp")
@@ -164,6 +165,9 @@ def build(
         distributed=distributed,
         meter=meter(cfg, workload, resolved.precision, device, worker.world_size, hardware),
     )
+    if cfg.diagnostics.signals:
+        engine.signals = SignalCollector(Limits.of(policy.spec)).attach(model)
+        engine.callbacks.add(SignalsCallback(engine.signals))
     return Built(
         device,
         resolved,

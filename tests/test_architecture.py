@@ -26,6 +26,8 @@ LAYERS = [
     ("amp_exp.tasks",),
     ("amp_exp.training",),
     ("amp_exp.results",),
+    # Reads a run's rows as the report does; the report shows its forecasts.
+    ("amp_exp.forecast",),
     ("amp_exp.report",),
     # Entry points and the composition root; the speed trial builds runs as training does, and
     # the prediction builds their models on the meta device.

@@ -104,6 +104,7 @@ HELP_COMMANDS = [
     "amp_exp.sensitivity",
     "amp_exp.doctor",
     "amp_exp.predict",
+    "amp_exp.forecast",
 ]
 
 

@@ -64,9 +64,27 @@ def test_host_reads_depend_only_on_log_intervals(run_cfg, monkeypatch, precision
     short = host_reads(run_cfg, monkeypatch, 6, 3, *overrides)
     long = host_reads(run_cfg, monkeypatch, 24, 12, *overrides)
     assert short == long
-    # Per log interval: the loss, the grad norm, the skip record and, in fp16, the scale; then
-    # eval's two reads.
-    assert 0 < sum(short.values()) <= 2 * 4 + 2 + 4
+    # Per log interval: the loss, the grad norm, the skip record, the signals (training/signals.py)
+    # and, in fp16, the scale; then eval's two reads.
+    assert 0 < sum(short.values()) <= 2 * 5 + 2 + 4
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_long_run_signals_cost_one_read_per_log_interval(
+    run_cfg, monkeypatch, precision
+) -> None:
+    """training/signals.py reads the device once per log step and never between: a hook left
+    armed, or a read per step, would make the extra reads grow with the steps."""
+
+    def extra_reads(steps: int, log_every: int) -> int:
+        overrides = (f"precision={precision}", FUSED)
+        on = host_reads(run_cfg, monkeypatch, steps, log_every, *overrides)
+        off = host_reads(
+            run_cfg, monkeypatch, steps, log_every, *overrides, "diagnostics.signals=false"
+        )
+        return sum(on.values()) - sum(off.values())
+
+    assert extra_reads(6, 3) == extra_reads(24, 12) == 2  # one per log step
 
 
 @pytest.mark.parametrize("action", ["skip", "stop"])

@@ -44,6 +44,10 @@ COMMANDS = {
         "predict one training step's time on GPUs that are not here, from one traced step",
         "[group=option] [key=value] ... ['predict.devices=[h100,b200]']",
     ),
+    "amp_exp.forecast": (
+        "forecast a run's long-run signals to a planned length: the first limit crossed, and when",
+        "RUN_DIR [--steps N]",
+    ),
 }
 # The Hydra job name of each Hydra command (conf/config.yaml names training's "train").
 JOB_COMMANDS = {"train": "amp_exp", "speed": "amp_exp.speed"}

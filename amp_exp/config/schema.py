@@ -239,6 +239,8 @@ class DiagnosticsConfig:
     audit: bool = True
     # The step audited; null = the first timed step, after trainer.timing_warmup_steps.
     audit_step: int | None = None
+    # A "signals" row at each log step for `python -m amp_exp.forecast` (training/signals.py).
+    signals: bool = True
 
 
 # --- Weights & Biases ----------------------------------------------------------------------------
@@ -301,6 +303,8 @@ class ReportConfig:
     # GPUs of config/devices.py (h100, ...) whose roofline speedups (amp_exp.predict) the
     # report shows beside the measured ones, labelled as predicted.
     predict: list[str] = field(default_factory=list)
+    # The length each precision's signals are forecast to (amp_exp.forecast); null = 10x a run's.
+    forecast_steps: int | None = None
 
 
 @dataclass

@@ -79,6 +79,7 @@ _POSITIVE_OR_NULL = (
     "trainer.eval_batches",
     "precision.clip_grad_norm",
     "wandb.log_every",
+    "report.forecast_steps",
 )
 
 

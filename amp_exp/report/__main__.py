@@ -50,6 +50,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "each; none: each comparison at its own level (report.familywise)",
     )
     parser.add_argument(
+        "--forecast-steps",
+        type=int,
+        help="the planned length each precision's long-run signals are forecast to "
+        "(report.forecast_steps; default: 10 times each run's steps)",
+    )
+    parser.add_argument(
         "--force",
         action="store_true",
         help="replace a report there that covers runs this one leaves out",
@@ -67,6 +73,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="seconds to wait for the W&B server (default: %(default)s)",
     )
     args = parser.parse_args(argv)
+    if args.forecast_steps is not None and args.forecast_steps <= 0:
+        parser.error(f"--forecast-steps must be a positive number; got {args.forecast_steps}")
     # The sweep config's report.tolerance refuses the same values (config/validate.py).
     if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance >= 0):
         parser.error(f"--tolerance must be a finite number, 0 or more; got {args.tolerance}")
@@ -117,7 +125,9 @@ def run(argv: list[str] | None) -> int:
     out_dir = where_to_write(args.dirs, out_dir.resolve(), args.force)
     try:
         with hold_output(out_dir):
-            report = build_report(args.dirs, out_dir, args.tolerance, args.familywise)
+            report = build_report(
+                args.dirs, out_dir, args.tolerance, args.familywise, args.forecast_steps
+            )
     except RuntimeFault as error:  # report.md cannot be written there: read-only, or full
         raise RuntimeFault(f"{error}; write it elsewhere with --out DIR") from None
     except RunDirectoryBusy as busy:  # its advice is a run's (hydra.run.dir=...)

@@ -12,6 +12,7 @@ from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows, t
 from amp_exp.report.decision import DEFAULT_FAMILYWISE
 from amp_exp.report.evidence import cell_key, fixed_level, gather, trial_speedup
 from amp_exp.report.failures import troubles
+from amp_exp.report.forecasts import long_run_forecasts
 from amp_exp.report.learned import mark_comparisons, mark_learned
 from amp_exp.report.markdown import write_report
 from amp_exp.report.predicted import predicted_speedups
@@ -68,6 +69,7 @@ def assemble(
     tolerance: float | None = None,
     familywise: str = DEFAULT_FAMILYWISE,
     plan: Plan | None = None,
+    forecast_steps: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """The report of the runs under ``dirs`` (no plots yet) and each run's metrics rows; the
     verdicts' levels those of an evidence sweep's ``plan`` at each look (report/sequential.py),
@@ -107,6 +109,7 @@ def assemble(
         "comparisons": comparisons,
         "cells": cells,
         "speed_trials": trials,
+        "forecasts": long_run_forecasts(runs, out_dir, forecast_steps),
         "runs": rows,
         "plots": [],
         "plot_errors": {},
@@ -124,17 +127,19 @@ def build_report(
     out_dir: Path,
     tolerance: float | None = None,
     familywise: str = DEFAULT_FAMILYWISE,
+    forecast_steps: int | None = None,
 ) -> dict[str, Any]:
     """Write report.md, report.json and the plots for the runs under ``dirs``; return the report.
 
     ``tolerance`` is in the unit of the task's quality metric; None takes each task's default.
     ``familywise``: Holm across the report's comparisons (``holm``) or each at its own level
     (``none``; report.familywise). An evidence sweep's directory (its evidence.json) is judged at
-    the levels of its looks, and says so."""
+    the levels of its looks, and says so. ``forecast_steps``: the length the runs' signals are
+    forecast to (None: 10x each run's)."""
     plans = [plan for plan in map(read_plan, dirs) if plan is not None]
     # Over several sweeps' directories the strictest plan judges all (its levels are lower).
     plan = min(map(plan_of, plans), key=lambda p: p.alpha(p.max_seeds, None), default=None)
-    report, metrics = assemble(dirs, out_dir, tolerance, familywise, plan)
+    report, metrics = assemble(dirs, out_dir, tolerance, familywise, plan, forecast_steps)
     report["evidence_sweep"] = plans[0] if len(plans) == 1 else None
     if report["evidence_sweep"] is not None:
         # Runs the sweep's last look never saw: judged by the plan's levels, never at 95%.

@@ -54,6 +54,7 @@ class SweepReport(Callback):
             speed_trial=config.report.speed_trial,
             familywise=config.report.familywise,
             predict=list(config.report.predict),
+            forecast_steps=config.report.forecast_steps,
         )
         launcher = str(config.hydra.launcher.get("_target_", ""))
         if self.settings.speed_trial and launcher.endswith("SlurmLauncher"):
@@ -130,6 +131,7 @@ class SweepReport(Callback):
                 self.sweep_dir,
                 self.settings.tolerance,
                 self.settings.familywise,
+                self.settings.forecast_steps,
             )
         except Exception as error:
             # The report is a by-product: it never turns a finished sweep into a failed one.

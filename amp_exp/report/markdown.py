@@ -17,6 +17,7 @@ from amp_exp.report.compare import (
 from amp_exp.report.escape import md_text
 from amp_exp.report.evidence import CLAIM_P
 from amp_exp.report.failures import SKIPPED_SHARE
+from amp_exp.report.forecasts import forecast_section
 from amp_exp.report.learned import DROP, FLOOR_FACTOR
 from amp_exp.report.predicted import PREDICTED_NOTE, prediction_columns, show_prediction
 from amp_exp.report.recommend import recommendation_lines
@@ -289,6 +290,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         + (PREDICTED_NOTE if prediction_columns(report["comparisons"]) else ""),
         "",
         *evidence_sweep_section(report.get("evidence_sweep")),
+        *forecast_section(report.get("forecasts") or []),
         "## Runs",
         "",
         *markdown_table(rows),

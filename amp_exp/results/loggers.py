@@ -1,7 +1,8 @@
 """Where metric rows go: the console and metrics.jsonl (the source of truth for reports).
 
 A logger has ``log(row)`` and ``close()``. Rows hold plain Python numbers only; loggers never
-touch tensors. Every row names its kind (``train``, ``eval``, ``diagnostics``) in ``row["kind"]``.
+touch tensors. Every row names its kind (``train``, ``eval``, ``diagnostics``, ``signals``) in
+``row["kind"]``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from amp_exp.tasks.metrics import TaskMetrics
 
 log = logging.getLogger("amp_exp")
 
-TRAIN, EVAL, DIAGNOSTICS = "train", "eval", "diagnostics"
+TRAIN, EVAL, DIAGNOSTICS, SIGNALS = "train", "eval", "diagnostics", "signals"
 
 
 class Logger(Protocol):
@@ -151,6 +152,8 @@ class ConsoleLogger:
         if row["kind"] == EVAL:
             log.info("eval @ step %d: %s", row["step"], describe_eval(row, self.metrics))
             return
+        if row["kind"] == SIGNALS:
+            return  # dozens of figures per row: metrics.jsonl and `amp_exp.forecast` read them
         if row["kind"] == DIAGNOSTICS:
             # An fp16 run has a scale to report against; another precision's row is hypothetical.
             head, scaled = (

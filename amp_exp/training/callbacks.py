@@ -26,7 +26,8 @@ from amp_exp.training.precision import Gradients
 # audit goes first: it records what the step computed before anything else reads or changes it.
 # The diagnostics read the weights only after the update, rounding included, has put them in
 # place: a stale-weight check of unrounded fp32 stand-ins would count every weight as moved.
-ORDER = ("audit", "diagnostics")
+# The long-run signals (training/signals.py) only read, so they go last.
+ORDER = ("audit", "diagnostics", "signals")
 
 
 class StepCallback:

@@ -39,6 +39,7 @@ from amp_exp.training.meters import (
 )
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.rng import own_rng_state, restore_rng_state, rng_state
+from amp_exp.training.signals import SignalCollector
 from amp_exp.training.skip_record import SkipRecord
 from amp_exp.training.skips import SkipMonitor
 
@@ -94,6 +95,9 @@ class Engine:
         # Called before each step with the step and this attempt's first timed step; the
         # context it returns wraps that step (training/audit/step.py audits one this way).
         self.step_instrument: StepInstrument = lambda step, first_timed_step: NO_INSTRUMENT
+        # The long-run signals (training/signals.py): armed before each log step, read into a
+        # "signals" row after its train row; None measures nothing.
+        self.signals: SignalCollector | None = None
 
     @property
     def total_steps(self) -> int:
@@ -333,6 +337,8 @@ class Engine:
             throughput.start(progress.samples, progress.step)
         for step in range(first_step, plan.total_steps + 1):
             is_log_step = plan.is_log_step(step)
+            if is_log_step and self.signals is not None:
+                self.signals.arm()
             with self.step_instrument(step, first_step + warmup_steps):
                 grad_norm = self.train_step(batches, interval_loss, want_grad_norm=is_log_step)
             if step == first_step - 1 + warmup_steps:
@@ -343,6 +349,8 @@ class Engine:
                 row = self.log_row(interval_loss, grad_norm, throughput.lap(progress.samples, step))
                 scale = row["scale"]
                 emit(row)
+                if self.signals is not None:
+                    emit({"kind": "signals", "step": step, **self.signals.collect()})
                 interval_loss.zero_()
                 progress.interval_steps = 0
             if plan.is_eval_step(step):

@@ -1,0 +1,179 @@
+"""Does the forecast from a quarter of a run name the limit the whole run crosses? And do healthy
+runs, forecast to 4x and 10x their length, stay quiet? (docs/forecast.md reports its output.)
+
+    python scripts/validate_forecast.py --steps 200 --log-every 5 --out validation.json
+
+A quarter of the run must hold at least 6 log points (fit.MIN_POINTS), or every short forecast
+is "unforecastable": 200 steps logged every 5 give 10.
+
+Every case trains gpt_tiny (shrunk) with a constant learning rate (scheduler=none), so the run of
+a quarter of the steps is, bit for bit, the first quarter of the full run (same seed, same
+batches, same updates): the script trains the full run once and forecasts from its first
+quarter's rows to the full length, then checks the forecast against what the full run did (the
+first log step whose signal crossed the limit).
+
+Cases:
+- ``lr_*``: real runs at a normal and at high learning rates, watching the attention logits
+  (Wortsman et al. 2023 reproduce attention-logit growth in small models at high rates).
+- ``planted``: block 0's output multiplied by exp(rate * step), so its largest activation grows
+  steadily toward fp16's 65504 (the signals are measured against fp16's range while the run
+  trains in fp32: fp16 on this CPU is 20-140x slower).
+- ``fp16_scale``: a tiny model in fp16 at a high learning rate with a short growth interval,
+  watching the loss scale (a real drift, if there is one: fp16 is slow here, so it is tiny).
+- every run that crosses nothing is a healthy run: forecast from all of it to 4x and 10x its
+  length, where any crossing is a false alarm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from amp_exp.build import build
+from amp_exp.config.precisions import plugin_of
+from amp_exp.config.preflight import run_config
+from amp_exp.forecast.forecast import forecast_run
+from amp_exp.tasks.blocks import model_blocks
+from amp_exp.training.signals import Limits
+
+SMALL = [
+    "model=gpt_tiny",
+    "dataset=synthetic_tokens",
+    "model.d_model=32",
+    "model.seq_len=16",
+    "dataset.batch_size=16",
+    "optimizer=adamw",
+    "scheduler=none",
+    "trainer.device=cpu",
+    "trainer.eval_every=null",
+    "checkpoint.every_steps=null",
+    "wandb.mode=disabled",
+    "diagnostics.audit=false",
+]
+
+
+def plant_growth(model: torch.nn.Module, rate: float) -> None:
+    """Block 0's output times exp(rate * training forwards so far): a steady, known growth."""
+    block = model_blocks(model)[0]
+    count = {"n": 0}
+
+    def grow(module, args, output):
+        if module.training:
+            count["n"] += 1
+        return output * math.exp(rate * count["n"])
+
+    block.register_forward_hook(grow)
+
+
+def train(steps: int, overrides: list[str], planted_rate: float | None) -> list[dict]:
+    built = build(run_config([*SMALL, f"trainer.max_steps={steps}", *overrides]))
+    if planted_rate is not None:
+        plant_growth(built.model, planted_rate)
+        built.engine.signals.limits = Limits.of(plugin_of("fp16").spec)
+    rows: list[dict] = []
+    built.engine.fit(rows.append)
+    return rows
+
+
+def first_crossed(rows: list[dict]) -> dict | None:
+    """The first log step at which a limited signal was past its limit in the run itself (the
+    loss scale's floor: the default precision.min_scale, 1)."""
+    for row in sorted(rows, key=lambda r: r["step"]):
+        if row["kind"] == "train" and row.get("scale") is not None and row["scale"] < 1.0:
+            return {"step": row["step"], "signal": "scale", "module": None}
+        if row["kind"] != "signals":
+            continue
+        for key, value in row.items():
+            signal, _, module = key.partition("/")
+            limit = {"act_absmax": row["format_max"], "attn_logit_max": row["attn_logit_limit"]}
+            if signal in limit and value is not None and value >= limit[signal]:
+                return {"step": row["step"], "signal": signal, "module": module}
+    return None
+
+
+def case(name: str, steps: int, overrides: list[str], planted_rate: float | None = None) -> dict:
+    started = time.perf_counter()
+    rows = train(steps, overrides, planted_rate)
+    quarter = [row for row in rows if row["step"] <= steps // 4]
+    short = forecast_run(quarter, steps)["first_crossing"]
+    actual = first_crossed(rows)
+    result = {
+        "case": name,
+        "overrides": overrides,
+        "steps": steps,
+        "train_s": time.perf_counter() - started,
+        "full_run_crossed": actual,
+        "quarter_forecast": short,
+    }
+    if actual is not None:
+        # The same signal (the module may differ where several cross at one log step), and the
+        # full run's crossing step inside the forecast's interval.
+        result["hit"] = (
+            short is not None
+            and short["signal"] == actual["signal"]
+            and short["interval"][0] <= actual["step"] <= (short["interval"][1] or math.inf)
+        )
+        result["seen_at_step"] = steps // 4
+    else:
+        result["false_alarm_quarter"] = short is not None
+        result["false_alarms_full"] = {
+            f"{k}x": forecast_run(rows, k * steps)["first_crossing"] for k in (4, 10)
+        }
+    max_attn = max(
+        (
+            v
+            for r in rows
+            if r["kind"] == "signals"
+            for k, v in r.items()
+            if k.startswith("attn_logit_max/") and v is not None
+        ),
+        default=None,
+    )
+    result["max_attention_logit"] = max_attn
+    scales = [r["scale"] for r in rows if r["kind"] == "train" and r.get("scale") is not None]
+    result["loss_scale_first_last_min"] = [scales[0], scales[-1], min(scales)] if scales else None
+    print(json.dumps(result), flush=True)
+    return result
+
+
+FP16_SCALE = [
+    "precision=fp16",
+    "model.d_model=16",
+    "dataset.batch_size=8",
+    "optimizer.lr=3e-2",
+    "precision.growth_interval=20",
+    "precision.init_scale=1048576",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--cases", nargs="*", help="run only these cases (default: all)")
+    args = parser.parse_args()
+    steps = args.steps
+    # exp(rate * 3/4 of the steps) times an activation near 3: 65504 at about 75% of the run.
+    planted_rate = math.log(65504 / 3) / (0.75 * steps)
+    cases = [
+        ("lr_1e-3_seed0", ["optimizer.lr=1e-3", "seed=0"], None),
+        ("lr_1e-3_seed1", ["optimizer.lr=1e-3", "seed=1"], None),
+        ("lr_3e-2", ["optimizer.lr=3e-2"], None),
+        ("planted", ["optimizer.lr=1e-3"], planted_rate),
+        ("fp16_scale", FP16_SCALE, None),
+    ]
+    cases = [c for c in cases if not args.cases or c[0] in args.cases]
+    logging = [f"trainer.log_every={args.log_every}"]
+    results = [case(name, steps, [*overrides, *logging], rate) for name, overrides, rate in cases]
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as out:
+            json.dump(results, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()

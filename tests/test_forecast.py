@@ -1,0 +1,218 @@
+"""The long-run forecast (amp_exp/forecast/) on synthetic signals, whose true trend is known.
+
+The statistical rules are checked by simulation at the rates they state, with a three-standard-
+error binomial margin: a crossing interval at level 1 - alpha covers the true crossing step at
+least that often; a run whose signals are all flat raises a false alarm at most alpha of the
+time; a changepoint is found and the later regime extrapolated. Each simulation runs in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from amp_exp.forecast.__main__ import FORECAST_JSON, FORECAST_MD, main
+from amp_exp.forecast.fit import MIN_POINTS
+from amp_exp.forecast.forecast import ALPHA, forecast_run
+
+FORMAT_MAX = 448.0
+LOG_EVERY = 10
+
+
+def margin(rate: float, repetitions: int) -> float:
+    return 3 * math.sqrt(rate * (1 - rate) / repetitions)
+
+
+def rows_of(series: dict[str, np.ndarray], steps: np.ndarray, scale=None) -> list[dict]:
+    """metrics.jsonl rows: a train row and a signals row per log step."""
+    rows = []
+    for index, step in enumerate(steps):
+        rows.append(
+            {
+                "kind": "train",
+                "step": int(step),
+                "lr": 0.01,
+                "grad_norm": 1.0,
+                "scale": None if scale is None else float(scale[index]),
+                "skipped_steps": 0,
+            }
+        )
+        signals = {"kind": "signals", "step": int(step), "format": "fp8_e4m3fn"}
+        signals |= {"format_max": FORMAT_MAX, "attn_logit_limit": 1e9}
+        signals |= {key: float(values[index]) for key, values in series.items()}
+        rows.append(signals)
+    return rows
+
+
+def growing(steps: np.ndarray, rng, start: float, rate: float, noise: float) -> np.ndarray:
+    """Log-linear growth ``start * exp(rate * step)`` with log-normal noise."""
+    return start * np.exp(rate * steps + noise * rng.standard_normal(len(steps)))
+
+
+def test_the_crossing_interval_covers_the_true_crossing_at_its_stated_rate() -> None:
+    """An activation growing log-linearly, observed over a quarter of the steps it takes to
+    reach e4m3's 448: the interval (1 - ALPHA) holds the true crossing at least that often (an
+    interval ignoring the slope's error would miss it about half the time), and the crossing is
+    named whenever it is forecast at all."""
+    rng = np.random.default_rng(0)
+    steps = np.arange(LOG_EVERY, 260, LOG_EVERY, dtype=float)
+    start, rate = 1.0, math.log(FORMAT_MAX) / 1000  # crosses at step 1000
+    repetitions, covered, named = 300, 0, 0
+    for _ in range(repetitions):
+        rows = rows_of({"act_absmax/blocks.0": growing(steps, rng, start, rate, 0.1)}, steps)
+        first = forecast_run(rows, 2000)["first_crossing"]
+        if first is None:
+            continue
+        named += 1
+        assert (first["signal"], first["module"]) == ("act_absmax", "blocks.0")
+        low, high = first["interval"]
+        covered += low <= 1000 <= high
+    assert named >= 0.95 * repetitions
+    assert covered / repetitions >= 1 - ALPHA - margin(1 - ALPHA, repetitions)
+
+
+def test_flat_signals_raise_a_false_alarm_at_most_at_the_stated_rate() -> None:
+    """Eight flat, noisy limited signals (four blocks' activations and attention logits):
+    family-wise, a run alarms at most ALPHA of the time (without the Bonferroni split it would
+    be near 8 x ALPHA / 2)."""
+    rng = np.random.default_rng(1)
+    steps = np.arange(LOG_EVERY, 260, LOG_EVERY, dtype=float)
+    repetitions, alarms = 300, 0
+    for _ in range(repetitions):
+        series = {}
+        for block in range(4):
+            series[f"act_absmax/blocks.{block}"] = growing(steps, rng, 100.0, 0.0, 0.2)
+            series[f"attn_logit_max/blocks.{block}"] = 5 + rng.standard_normal(len(steps))
+        rows = rows_of(series, steps)
+        for row in rows:
+            row["attn_logit_limit"] = 12.0
+        alarms += forecast_run(rows, 2600)["first_crossing"] is not None
+    assert alarms / repetitions <= ALPHA + margin(ALPHA, repetitions)
+
+
+def test_after_a_changepoint_the_later_regime_is_extrapolated() -> None:
+    """Flat for 150 steps, then growing to cross at step 1000: the fit starts after the break
+    (a fit over the whole run would put the crossing far later), and the interval covers it at
+    the stated rate."""
+    rng = np.random.default_rng(2)
+    steps = np.arange(LOG_EVERY, 310, LOG_EVERY, dtype=float)
+    rate = math.log(FORMAT_MAX / 2.0) / (1000 - 150)
+    truth = 2.0 * np.exp(rate * np.clip(steps - 150, 0, None))
+    repetitions, covered, from_break = 200, 0, 0
+    for _ in range(repetitions):
+        values = truth * np.exp(0.05 * rng.standard_normal(len(steps)))
+        forecast = forecast_run(rows_of({"act_absmax/blocks.0": values}, steps), 3000)
+        fitted = next(s for s in forecast["signals"] if s["signal"] == "act_absmax")
+        from_break += fitted["fit_from_step"] >= 120
+        first = forecast["first_crossing"]
+        covered += first is not None and first["interval"][0] <= 1000 <= first["interval"][1]
+    assert from_break >= 0.9 * repetitions
+    assert covered / repetitions >= 1 - ALPHA - margin(1 - ALPHA, repetitions)
+
+
+def test_a_falling_loss_scale_is_forecast_to_reach_the_floor() -> None:
+    """fp16's scale halving every 40 steps from 2^16 reaches min_scale 1 near step 640."""
+    steps = np.arange(LOG_EVERY, 170, LOG_EVERY, dtype=float)
+    scale = 2.0 ** (16 - np.floor(steps / 40))
+    forecast = forecast_run(rows_of({}, steps, scale=scale), 2000, min_scale=1.0)
+    first = forecast["first_crossing"]
+    assert first["signal"] == "scale" and first["limit"] == "precision.min_scale"
+    assert first["interval"][0] <= 640 <= first["interval"][1]
+
+
+def test_too_few_log_points_are_unforecastable_never_extrapolated() -> None:
+    """A steep trend over MIN_POINTS - 1 points: no crossing, and the signal is named."""
+    steps = np.arange(1, MIN_POINTS, dtype=float) * LOG_EVERY
+    rows = rows_of({"act_absmax/blocks.0": 2.0**steps}, steps)
+    forecast = forecast_run(rows, 10_000)
+    assert forecast["first_crossing"] is None
+    assert "act_absmax/blocks.0" in forecast["unforecastable"]
+    (signal,) = [s for s in forecast["signals"] if s["signal"] == "act_absmax"]
+    assert signal["status"] == "unforecastable" and "forecast" not in signal
+
+
+def write_run(run_dir, rows) -> None:
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_the_command_writes_its_files_beside_the_run_and_a_rerun_replaces_them(tmp_path) -> None:
+    """forecast.json holds first_crossing in the stated shape; a second forecast to another
+    length replaces the first; the run's own files are untouched."""
+    rng = np.random.default_rng(3)
+    steps = np.arange(LOG_EVERY, 260, LOG_EVERY, dtype=float)
+    rows = rows_of({"act_absmax/blocks.0": growing(steps, rng, 1.0, 0.006, 0.05)}, steps)
+    run_dir = tmp_path / "run"
+    write_run(run_dir, rows)
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    assert main([str(run_dir), "--steps", "5000"]) == 0
+    first = json.loads((run_dir / FORECAST_JSON).read_text())["first_crossing"]
+    assert set(first) >= {"step", "interval", "signal", "module", "limit"}
+    assert (run_dir / FORECAST_MD).read_text().startswith("# Forecast of run to 5,000 steps")
+    assert main([str(run_dir), "--steps", "600"]) == 0
+    forecast = json.loads((run_dir / FORECAST_JSON).read_text())
+    assert forecast["planned_steps"] == 600 and forecast["first_crossing"] is None
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+
+
+@pytest.mark.parametrize(
+    ("setup", "argv", "says"),
+    [
+        ("none", ["--steps", "500"], "no metrics.jsonl"),
+        ("run", ["--steps", "100"], "not beyond the run's 250 steps"),
+        ("link", ["--steps", "500"], "no metrics.jsonl"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup, argv, says) -> None:
+    """A directory without metrics.jsonl, a planned length not beyond the run, and a
+    metrics.jsonl that is a link (a run directory's files are data, read where they are)."""
+    steps = np.arange(LOG_EVERY, 260, LOG_EVERY, dtype=float)
+    rows = rows_of({"act_absmax/blocks.0": np.ones(len(steps))}, steps)
+    run_dir = tmp_path / "run"
+    if setup == "none":
+        run_dir.mkdir()
+    else:
+        write_run(run_dir, rows)
+    if setup == "link":
+        target = tmp_path / "elsewhere.jsonl"
+        (run_dir / "metrics.jsonl").rename(target)
+        (run_dir / "metrics.jsonl").symlink_to(target)
+    assert main([str(run_dir), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err
+
+
+def test_the_report_gives_each_precision_its_forecast_and_names_the_crossing_run(tmp_path) -> None:
+    """Two precisions of one model: the one whose activations grow toward e4m3's range is said
+    to cross on its run, the flat one to hold; an unfinished run is left out."""
+    from amp_exp.report.forecasts import forecast_section, long_run_forecasts
+    from amp_exp.report.runs import Run
+
+    rng = np.random.default_rng(4)
+    steps = np.arange(LOG_EVERY, 260, LOG_EVERY, dtype=float)
+    growing_rows = rows_of({"act_absmax/blocks.0": growing(steps, rng, 1.0, 0.008, 0.05)}, steps)
+    flat_rows = rows_of({"act_absmax/blocks.0": growing(steps, rng, 1.0, 0.0, 0.05)}, steps)
+
+    def run(name: str, precision: str, rows: list[dict], status: str = "completed") -> Run:
+        summary = {"status": status, "model": "gpt_tiny", "precision": precision}
+        return Run(tmp_path / name, summary, rows)
+
+    runs = [
+        run("fp8", "fp8", growing_rows),
+        run("bf16", "bf16", flat_rows),
+        run("killed", "bf16", growing_rows, status="failed"),
+    ]
+    forecasts = long_run_forecasts(runs, tmp_path, 2500)
+    by_label = {group["label"].split()[0]: group["runs"] for group in forecasts}
+    assert [r["run"] for r in by_label["bf16"]] == ["bf16"]
+    assert by_label["bf16"][0]["first_crossing"] is None
+    assert by_label["fp8"][0]["first_crossing"]["signal"] == "act_absmax"
+    text = "\n".join(forecast_section(forecasts))
+    assert (
+        "**gpt_tiny, fp8 (tensorwise)** to 2,500 steps: a limit is forecast to be crossed on 1 of 1"
+        in text
+    )
+    assert "**gpt_tiny, bf16** to 2,500 steps: no limit is forecast" in text

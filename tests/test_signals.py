@@ -1,0 +1,204 @@
+"""The long-run signals (training/signals.py): each figure equals the one computed by hand, the
+hooks exist only on armed steps, and a run writes a signals row at every log step."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import scipy.stats
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from amp_exp.config.precisions import plugin_of
+from amp_exp.config.validate import validate
+from amp_exp.run import build
+from amp_exp.training.signals import Limits, SignalCollector, attention_logit_max
+from helpers.runs import FAST_LM
+from helpers.torchrun import torchrun
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, time, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + y.transpose(1, 2).reshape(batch, time, width)
+
+
+class Tiny(nn.Module):
+    def __init__(self, width: int = 8, heads: int = 2, layers: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Attention(width, heads) for _ in range(layers))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def spec_of(name: str):
+    return plugin_of(name).spec
+
+
+def fp16_collector(model: nn.Module) -> SignalCollector:
+    return SignalCollector(Limits.of(spec_of("fp16"))).attach(model)
+
+
+def test_limits_come_from_the_precisions_formats() -> None:
+    """fp16 reads 65504, fp8's converted linears e4m3's 448, bf16 its own range: a wrong
+    format (the compute dtype for fp8) would make fp8's activations look 146x safer."""
+    assert Limits.of(spec_of("fp16")).format_max == 65504.0
+    assert Limits.of(spec_of("fp8")).format_max == 448.0
+    assert Limits.of(spec_of("bf16")).format_max == torch.finfo(torch.bfloat16).max
+    # A key scored 0 gets weight exp(-limit): fp16's smallest subnormal, 2^-24.
+    assert Limits.of(spec_of("fp16")).attn_logit_limit == pytest.approx(24 * math.log(2))
+
+
+def test_attention_logit_max_is_the_largest_unmasked_scaled_score() -> None:
+    """Against the T x T scores built by hand; a causal mask leaves the future out (a missing
+    mask would report a larger, never-used score)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(3, 2, 6, 4), torch.randn(3, 2, 6, 4)
+    k[:, :, -1] *= 50  # the last key scores highest, and only the last query may see it
+    scores = q @ k.transpose(-2, -1) / 2.0
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    expected = scores.masked_fill(~causal, -math.inf).amax()
+    assert attention_logit_max(q, k, is_causal=True).item() == pytest.approx(expected.item())
+    assert attention_logit_max(q, k).item() == pytest.approx(scores.amax().item())
+
+
+def test_an_armed_step_measures_each_block_as_computed_by_hand() -> None:
+    """Absmax, kurtosis (scipy's Pearson kurtosis), attention logits, output logits and the
+    update ratio of one armed step, against the same figures computed from the tensors."""
+    torch.manual_seed(0)
+    model = Tiny()
+    collector = fp16_collector(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 6, 8)
+    outputs, scores = [], []
+    with torch.no_grad():
+        h = x
+        for block in model.blocks:
+            q, k, _ = block.qkv(h).split(8, dim=2)
+            q, k = (t.view(4, 6, 2, 4).transpose(1, 2) for t in (q, k))
+            scores.append(attention_logit_max(q, k, is_causal=True).item())
+            h = block(h)
+            outputs.append(h.flatten().double())
+        logits = model.head(h)
+    before = [p.detach().clone() for p in model.blocks[0].parameters()]
+
+    collector.arm()
+    model(x).sum().backward()
+    collector.before_update()
+    optimizer.step()
+    collector.after_update()
+    row = collector.collect()
+
+    for index, output in enumerate(outputs):
+        name = f"blocks.{index}"
+        assert row[f"act_absmax/{name}"] == pytest.approx(output.abs().max().item())
+        assert row[f"act_range_frac/{name}"] == pytest.approx(output.abs().max().item() / 65504)
+        assert row[f"act_kurtosis/{name}"] == pytest.approx(
+            scipy.stats.kurtosis(output.numpy(), fisher=False), rel=1e-6
+        )
+        assert row[f"attn_logit_max/{name}"] == pytest.approx(scores[index], rel=1e-5)
+    assert row["logit_max"] == pytest.approx(logits.max().item(), rel=1e-6)
+    assert row["logit_mean"] == pytest.approx(logits.mean().item(), rel=1e-6)
+    after = list(model.blocks[0].parameters())
+    update = math.sqrt(
+        sum((a - b).square().sum().item() for a, b in zip(after, before, strict=True))
+    )
+    weight = math.sqrt(sum(b.square().sum().item() for b in before))
+    assert row["update_ratio/blocks.0"] == pytest.approx(update / weight, rel=1e-6)
+    assert row["format"] == "fp16" and row["format_max"] == 65504.0
+
+
+def test_hooks_exist_only_between_arm_and_collect() -> None:
+    """Unarmed steps run without a hook (and measure nothing); a hook left behind would cost
+    every step."""
+    model = Tiny()
+    collector = fp16_collector(model)
+    modules = [model, *model.blocks]
+    collector.arm()
+    assert all(m._forward_hooks for m in modules)
+    model(torch.randn(2, 3, 8))
+    collector.collect()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    model(torch.randn(2, 3, 8))
+    collector.arm()
+    row = collector.collect()
+    assert row["act_absmax/blocks.0"] is None and row["logit_max"] is None
+
+
+def test_micro_batches_of_one_step_are_pooled() -> None:
+    """Two forwards of an armed step (gradient accumulation) count as one batch of both: the
+    largest of both, the kurtosis of both together, not of the last."""
+    torch.manual_seed(1)
+    model = Tiny(layers=1)
+    collector = fp16_collector(model)
+    small, large = torch.randn(2, 4, 8), 30 * torch.randn(2, 4, 8)
+    with torch.no_grad():
+        both = torch.cat([model.blocks[0](small), model.blocks[0](large)]).flatten().double()
+    collector.arm()
+    model(small)
+    model(large)
+    row = collector.collect()
+    assert row["act_absmax/blocks.0"] == pytest.approx(both.abs().max().item())
+    assert row["act_kurtosis/blocks.0"] == pytest.approx(
+        scipy.stats.kurtosis(both.numpy(), fisher=False), rel=1e-6
+    )
+
+
+def test_a_model_without_blocks_is_measured_by_its_children_with_weights() -> None:
+    """A ResNet-like model: its stages, not its parameterless activations."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    collector = fp16_collector(model)
+    assert [name for name, _ in collector.blocks] == ["0", "2"]
+
+
+def lm_run(compose_cfg, *overrides: str):
+    return build(validate(compose_cfg(*FAST_LM, *overrides, fast=False)))
+
+
+def test_a_run_writes_a_signals_row_after_each_train_row(compose_cfg) -> None:
+    """gpt_tiny: one signals row per log step, none between; each block measured."""
+    built = lm_run(compose_cfg, "trainer.max_steps=4", "trainer.log_every=2")
+    rows: list[dict] = []
+    built.engine.fit(rows.append)
+    signals = [row for row in rows if row["kind"] == "signals"]
+    assert [row["step"] for row in signals] == [2, 4]
+    for row in signals:
+        for block in ("blocks.0", "blocks.1"):
+            assert row[f"act_absmax/{block}"] > 0
+            assert row[f"attn_logit_max/{block}"] is not None
+            assert row[f"update_ratio/{block}"] > 0
+        assert row["logit_max"] is not None
+
+
+def test_signals_can_be_turned_off(compose_cfg) -> None:
+    built = lm_run(compose_cfg, "diagnostics.signals=false")
+    rows: list[dict] = []
+    built.engine.fit(rows.append)
+    assert not [row for row in rows if row["kind"] == "signals"]
+
+
+@pytest.mark.slow
+def test_two_ranks_report_the_signals_of_their_pooled_batches(tmp_path) -> None:
+    """Over gloo, each rank's row holds the largest value and the kurtosis of both ranks' batches
+    together: an unreduced rank 0 would report its own batch, ten times smaller."""
+    torchrun(str(Path(__file__).with_name("signals_worker.py")), str(tmp_path))
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for key, value in result["expected"].items():
+            assert result["row"][key] == pytest.approx(value, rel=1e-6), (rank, key)
