@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "amp_exp"
-MAX_LINES = 400
 # Lowest first. A module may import from its own layer or a lower one. The config schema, the
 # precision table and the errors are leaves every layer may use; the rest of config/ composes and
 # checks configs, with the resolvers and launchers composing needs, and sits below the runtime.
@@ -129,10 +128,11 @@ def test_the_schema_and_the_errors_are_leaves() -> None:
     assert graph["amp_exp.config.precisions"] == {"amp_exp.config.schema", "amp_exp.errors"}
 
 
-def test_every_module_is_short_and_says_its_job() -> None:
+def test_every_module_says_its_job() -> None:
+    """One idea per module (README's Layout), said in its docstring; no line count, which split
+    one idea over several files."""
     for name, path in modules().items():
         text = path.read_text()
-        assert len(text.splitlines()) <= MAX_LINES, f"{name} has over {MAX_LINES} lines"
         if text.strip() and path.name != "__init__.py":
             assert ast.get_docstring(ast.parse(text)), f"{name} has no module docstring"
 
