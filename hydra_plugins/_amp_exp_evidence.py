@@ -121,6 +121,7 @@ class EvidenceSweeper(Sweeper):
 
     def cells(self, arguments: list[str]) -> list[Cell]:
         """Every combination of the swept values, each a cell; the seeds are the sweeper's."""
+        from amp_exp.config.precisions import REFERENCE
         from amp_exp.errors import ConfigError
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
@@ -141,10 +142,10 @@ class EvidenceSweeper(Sweeper):
                     "(evidence.min_seeds, evidence.max_seeds); leave seed out"
                 )
         (combinations,) = BasicSweeper.split_arguments(overrides, None)
-        if not any(o.startswith("precision=fp32") for c in combinations for o in c):
+        if not any(o.startswith(f"precision={REFERENCE}") for c in combinations for o in c):
             raise ConfigError(
-                "hydra/sweeper=evidence compares each precision with fp32: sweep "
-                "precision=fp32,... (e.g. precision=fp32,bf16)"
+                f"hydra/sweeper=evidence compares each precision with {REFERENCE}: sweep "
+                f"precision={REFERENCE},... (e.g. precision={REFERENCE},bf16)"
             )
         return [tuple(c) for c in combinations]
 
