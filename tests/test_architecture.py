@@ -236,3 +236,20 @@ def test_paths_cited_in_configs_docs_and_code_exist() -> None:
 def test_the_top_level_holds_few_modules() -> None:
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 6, top
+
+
+def test_the_architecture_page_describes_every_room_of_the_map() -> None:
+    """docs/architecture.md is drawn from ``LAYERS``: a room added to the map and not to the
+    page (or a page that lost one) fails here."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    rooms = {
+        prefix.split(".")[1] if prefix.startswith("amp_exp.") else prefix
+        for layer in LAYERS
+        for prefix in layer
+    }
+    missing = [
+        room
+        for room in sorted(rooms)
+        if f"`{room}/`" not in page and f"`{room}.py`" not in page and f"{room}.py" not in page
+    ]
+    assert not missing, missing
