@@ -8,11 +8,14 @@ import logging
 import shlex
 import signal
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import hydra
 from hydra._internal.utils import run_and_report
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -20,7 +23,7 @@ from amp_exp.config.launch import worker_rank
 from amp_exp.config.plain import plain_run_config, to_plain_dict
 from amp_exp.config.precisions import REFERENCE
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
-from amp_exp.config.store import register_configs
+from amp_exp.config.store import SUBMITIT_PLUGIN, register_configs
 from amp_exp.config.validate import validate
 from amp_exp.errors import (
     EXPECTED_ERRORS,
@@ -41,9 +44,49 @@ log = logging.getLogger("amp_exp")
 # requeues the job instead (amp_exp/runtime/signals.py).
 
 
+# What each look of an evidence sweep runs: the report's verdicts, recorded, naming the next
+# seeds. Named for Hydra to build, as conf/config.yaml names the sweep report's speed trial: the
+# report is imported only when an evidence sweep starts.
+EVIDENCE_LOOKS = {"_target_": "amp_exp.report.assemble.EvidenceLooks", "_partial_": True}
+
+
+def register_plugins() -> None:
+    """``hydra/sweeper=evidence`` (seeds only where a verdict is open), ``hydra/sweeper=basic``
+    replaced by Hydra's own whose resumed jobs find their own directories
+    (results/placement.py), and, when the optional plugin is installed,
+    ``hydra/launcher=submitit_slurm|submitit_local|node``, whose requeued jobs resume.
+
+    Hydra's plugin discovery executes every ``hydra_plugins`` module, even one imported before
+    (hydra 1.3 on Python 3.10+), replacing the basic sweeper's class and config entry, and the
+    submitit plugin's ``config`` module stores its own entries under our launchers' names: so
+    discover the plugins first (once per process), then import and register ours over them (a
+    sweeper built on the basic sweeper's class from before discovery is no longer its subclass)."""
+    plugins = Plugins.instance()
+    from hydra_plugins._amp_exp_evidence import (
+        EvidenceSweeper,
+        EvidenceSweeperConf,
+        PlacedSweeper,
+        PlacedSweeperConf,
+    )
+
+    entries = {
+        ("hydra/sweeper", "evidence"): (EvidenceSweeper, EvidenceSweeperConf(looks=EVIDENCE_LOOKS)),
+        ("hydra/sweeper", "basic"): (PlacedSweeper, PlacedSweeperConf),
+    }
+    if find_spec(SUBMITIT_PLUGIN) is not None:
+        from hydra_plugins._amp_exp_submitit import LAUNCHERS
+
+        entries |= {("hydra/launcher", name): found for name, found in LAUNCHERS.items()}
+    store = ConfigStore.instance()
+    for (group, name), (plugin, node) in entries.items():
+        plugins.register(plugin)
+        store.store(group=group, name=name, node=node, provider="amp_exp")
+
+
 # At import, not in main(): a submitit job unpickles hydra_main and composes its config without
 # ever calling main().
 register_configs()
+register_plugins()
 quiet_unactionable()
 
 

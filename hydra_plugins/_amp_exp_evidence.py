@@ -16,16 +16,18 @@ again, any other (killed, stopped) is. Nothing a job directory holds becomes an 
 overrides come from the sweep's command line and config alone.
 
 Hydra instantiates a sweeper only from a class in the ``hydra_plugins`` package; the leading
-underscore keeps its plugin discovery from importing this module (and amp_exp's report) in
-every Hydra process. ``amp_exp.config.store`` registers it.
+underscore keeps its plugin discovery from importing this module in every Hydra process. The
+entry point (``amp_exp.__main__``) registers it and hands in the looks (``Looks``), the report's
+verdicts: this module runs jobs and never reads a result itself.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper, BasicSweeperConf
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -45,6 +47,8 @@ class EvidenceSweeperConf:
     _target_: str = "hydra_plugins._amp_exp_evidence.EvidenceSweeper"
     # What to sweep, as the basic sweeper's params (a preset's precision: fp32,bf16,...).
     params: dict[str, str] | None = None
+    # A ``Looks`` factory, as a ``_target_`` with ``_partial_: true``: the entry point names it.
+    looks: Any = None
 
 
 @dataclass
@@ -79,10 +83,28 @@ def placement_of(config: DictConfig, hydra_context: HydraContext) -> Any:
     return Placement(Path(config.hydra.sweep.dir), compose)
 
 
+class Looks(Protocol):
+    """What the sweeper asks at each look; built with ``sweep_dir``, ``min_seeds``, ``max_seeds``,
+    ``tolerance`` and ``familywise`` (amp_exp/report/assemble.py ``EvidenceLooks``)."""
+
+    # The seeds every cell runs before the first look: the plan's (a resumed sweep's recorded).
+    min_seeds: int
+
+    def shown(self) -> str:
+        """The plan, as the sweep's log states it."""
+
+    def look(self, cell_of_run: dict[str, Cell]) -> dict[Cell, int]:
+        """Judge the jobs so far (each run directory's name and the cell it belongs to), record
+        the look, and return the next seed of each cell still open."""
+
+
 class EvidenceSweeper(Sweeper):
-    def __init__(self, params: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, params: dict[str, str] | None = None, looks: Callable[..., Looks] | None = None
+    ) -> None:
         super().__init__()
         self.params = params or {}
+        self.looks = looks
         self.config: DictConfig | None = None
         self.launcher: Any = None
         self.hydra_context: HydraContext | None = None
@@ -99,6 +121,7 @@ class EvidenceSweeper(Sweeper):
 
     def cells(self, arguments: list[str]) -> list[Cell]:
         """Every combination of the swept values, each a cell; the seeds are the sweeper's."""
+        from amp_exp.config.precisions import REFERENCE
         from amp_exp.errors import ConfigError
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
@@ -119,39 +142,34 @@ class EvidenceSweeper(Sweeper):
                     "(evidence.min_seeds, evidence.max_seeds); leave seed out"
                 )
         (combinations,) = BasicSweeper.split_arguments(overrides, None)
-        if not any(o.startswith("precision=fp32") for c in combinations for o in c):
+        if not any(o.startswith(f"precision={REFERENCE}") for c in combinations for o in c):
             raise ConfigError(
-                "hydra/sweeper=evidence compares each precision with fp32: sweep "
-                "precision=fp32,... (e.g. precision=fp32,bf16)"
+                f"hydra/sweeper=evidence compares each precision with {REFERENCE}: sweep "
+                f"precision={REFERENCE},... (e.g. precision={REFERENCE},bf16)"
             )
         return [tuple(c) for c in combinations]
 
     def sweep(self, arguments: list[str]) -> list[list[JobReturn]]:
-        from amp_exp.report import sequential
-        from amp_exp.report.assemble import assemble
-
         cfg = self.config
         sweep_dir = Path(cfg.hydra.sweep.dir)
         cells = self.cells(arguments)
         # The pre-flight refused a resume that raises max_seeds (results/claim.py).
-        plan = sequential.start(sweep_dir, cfg.evidence.min_seeds, cfg.evidence.max_seeds)
+        looks = self.looks(
+            sweep_dir=sweep_dir,
+            min_seeds=cfg.evidence.min_seeds,
+            max_seeds=cfg.evidence.max_seeds,
+            tolerance=cfg.report.tolerance,
+            familywise=cfg.report.familywise,
+        )
         placement = placement_of(cfg, self.hydra_context)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
-        log.info(
-            "evidence sweep: %d cells, %d to %d seeds, %d looks planned, one-sided levels %s",
-            len(cells),
-            plan.min_seeds,
-            plan.max_seeds,
-            plan.looks,
-            plan.shown(),
-        )
-        wanted = {cell: list(range(plan.min_seeds)) for cell in cells}
+        log.info("evidence sweep: %d cells, %s", len(cells), looks.shown())
+        wanted = {cell: list(range(looks.min_seeds)) for cell in cells}
         returns: list[list[JobReturn]] = []
-        looks: list[dict[str, Any]] = []
         # Each job's directory (its name in the report) and the cell it belongs to.
         cell_of_run: dict[str, Cell] = {}
-        job_idx = 0
+        job_idx, n_looks = 0, 0
         while wanted:
             batch = []
             for cell, seeds in wanted.items():
@@ -163,17 +181,9 @@ class EvidenceSweeper(Sweeper):
             if batch:
                 returns.append(list(self.launcher.launch(batch, initial_job_idx=job_idx)))
                 job_idx += len(batch)
-            report, _ = assemble(
-                [sweep_dir / name for name in cell_of_run],
-                sweep_dir,
-                cfg.report.tolerance,
-                cfg.report.familywise,
-                plan,
-            )
-            sequential.record(sweep_dir, plan, report, looks)
-            found = sequential.next_seeds(report, cell_of_run, plan)
-            wanted = {cell: [seed] for cell, seed in found.items()}
-            log.info("evidence sweep, look %d: %d more jobs", len(looks), len(wanted))
+            wanted = {cell: [seed] for cell, seed in looks.look(cell_of_run).items()}
+            n_looks += 1
+            log.info("evidence sweep, look %d: %d more jobs", n_looks, len(wanted))
         # As Hydra's basic sweeper: a failed job fails the sweep, once every look has run.
         for results in returns:
             for result in results:

@@ -1,9 +1,18 @@
 """amp_exp's submitit launchers: the plugin's, with a requeue that resumes.
 
+``hydra/launcher=submitit_slurm|submitit_local`` are Hydra's submitit launchers with amp_exp's
+classes, whose requeued jobs resume. When SLURM (or submitit's local controller) warns a job with
+SIGUSR2 before its time limit or on preemption, the run saves a checkpoint and hands the signal to
+submitit (``runtime.signals``), which calls the launcher's ``checkpoint`` hook and requeues what it
+returns. amp_exp's hook adds ``resume=auto``, so the requeued job continues from its own
+checkpoint in its own output directory (the master config, resolver cache included, travels with
+the job, so the timestamp in ``hydra.sweep.dir`` resolves to the same directory).
+
 Hydra instantiates a launcher only from a class defined in the ``hydra_plugins`` package, so the
-classes live here, with their behaviour; ``amp_exp.config.store`` registers them. This module
-imports nothing from amp_exp at import time. The leading underscore keeps Hydra's plugin
-discovery from importing it (which would fail without the optional hydra-submitit-launcher).
+classes live here, with their behaviour and their config nodes (``LAUNCHERS``); the entry point
+(``amp_exp.__main__``) registers them when the optional plugin is installed. This module imports
+nothing from amp_exp at import time. The leading underscore keeps Hydra's plugin discovery from
+importing it (which would fail without the optional hydra-submitit-launcher).
 """
 
 from __future__ import annotations
@@ -14,11 +23,13 @@ import queue
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 
 RESUME_KEY = "resume"
 LAUNCHERS_MODULE = "hydra_plugins._amp_exp_submitit"
@@ -152,3 +163,39 @@ class NodeLauncher(LocalLauncher):
                 for i, overrides in enumerate(job_overrides)
             ]
             return [future.result() for future in futures]
+
+
+@dataclass
+class SlurmConf(SlurmQueueConf):
+    _target_: str = f"{LAUNCHERS_MODULE}.SlurmLauncher"
+
+
+@dataclass
+class LocalConf(LocalQueueConf):
+    _target_: str = f"{LAUNCHERS_MODULE}.LocalLauncher"
+    # submitit's LocalExecutor takes these two, with these defaults; the plugin's
+    # LocalQueueConf leaves them out. SIGUSR2 comes this many seconds before timeout_min...
+    signal_delay_s: int = 30
+    # ...and a job is requeued at most this many times after timing out.
+    max_num_timeout: int = 3
+
+
+@dataclass
+class NodeConf(LocalConf):
+    _target_: str = f"{LAUNCHERS_MODULE}.NodeLauncher"
+    # Jobs at once: null = one per GPU (all of them), or 1 on a CPU node; never more than
+    # the GPUs. The rest are queued.
+    n_jobs: int | None = None
+    # null = torch.cuda.device_count(); 0 runs the jobs on the CPU.
+    gpus: int | None = None
+    # A CPU job's threads (OMP_NUM_THREADS); null = the cores over n_jobs.
+    threads_per_job: int | None = None
+
+
+# ``hydra/launcher=<name>``: each launcher's class and config node, registered by the entry point
+# in place of the optional plugin's entries of the same names.
+LAUNCHERS = {
+    "submitit_slurm": (SlurmLauncher, SlurmConf),
+    "submitit_local": (LocalLauncher, LocalConf),
+    "node": (NodeLauncher, NodeConf),
+}

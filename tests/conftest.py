@@ -16,6 +16,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
+from amp_exp.__main__ import register_plugins
 from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
@@ -43,6 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _registered_schemas() -> None:
     register_configs()
+    register_plugins()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -29,8 +29,8 @@ from amp_exp.config.store import register_configs
 from amp_exp.config.validate import validate
 from amp_exp.runtime.fsdp import local, whole
 from amp_exp.tasks import workload
+from amp_exp.training.engine import Engine
 from amp_exp.training.meters import Throughput
-from amp_exp.training.precision import PrecisionPolicy
 from helpers.matmul_dtypes import linear_dtypes
 from helpers.runs import (
     inf_loss_at,
@@ -55,13 +55,14 @@ def die_at_call(n: int):
     return loss_fn
 
 
-def inf_in_own_shard_at(policy: PrecisionPolicy, step: int, inject: bool, seen: dict) -> None:
+def inf_in_own_shard_at(engine: Engine, step: int, inject: bool, seen: dict) -> None:
     """At optimizer step ``step``, after the gradients are reduced and before the scaler checks
     them, put an inf into this rank's shard of the first gradient (if ``inject``). ``seen`` gets
     what the rank saw then: whether its own shards were all finite."""
-    real_unscale_and_clip, calls = policy.unscale_and_clip, 0
+    policy, parameters = engine.policy, engine.parameters
+    real_unscale, calls = policy.unscale, 0
 
-    def unscale_and_clip_with_inf(optimizer, parameters, want_grad_norm):
+    def unscale_with_inf(optimizer):
         nonlocal calls
         calls += 1
         if calls == step:
@@ -70,9 +71,9 @@ def inf_in_own_shard_at(policy: PrecisionPolicy, step: int, inject: bool, seen: 
             seen["shard_finite"] = all(
                 bool(torch.isfinite(local(p.grad)).all()) for p in parameters if p.grad is not None
             )
-        return real_unscale_and_clip(optimizer, parameters, want_grad_norm)
+        return real_unscale(optimizer)
 
-    policy.unscale_and_clip = unscale_and_clip_with_inf
+    policy.unscale = unscale_with_inf
 
 
 def main() -> None:
@@ -122,7 +123,7 @@ def main() -> None:
     def build_with_faults(*build_args, **build_kwargs):
         built = real_build(*build_args, **build_kwargs)
         if args.inf_in_shard_at is not None:
-            inf_in_own_shard_at(built.engine.policy, args.inf_in_shard_at, rank == 1, final)
+            inf_in_own_shard_at(built.engine, args.inf_in_shard_at, rank == 1, final)
         if args.linear_dtypes:
             final["linear_dtypes"] = recording.enter_context(linear_dtypes(built.model))
         return built

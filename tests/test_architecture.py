@@ -6,10 +6,14 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "amp_exp"
-# Lowest first. A module may import from its own layer or a lower one. The config schema, the
-# precision table and the errors are leaves every layer may use; the rest of config/ composes and
-# checks configs, with the resolvers and launchers composing needs, and sits below the runtime.
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "amp_exp"
+# The code whose imports are checked: the package and the Hydra plugins it registers.
+PACKAGES = (PACKAGE, ROOT / "hydra_plugins")
+# The map of the house (docs/architecture.md draws it). Lowest first. A module may import from its
+# own layer or a lower one. The config schema, the precision table and the errors are leaves every
+# layer may use; the rest of config/ composes and checks configs, with the resolvers composing
+# needs, and sits below the runtime.
 LAYERS = [
     (
         "amp_exp.errors",
@@ -27,6 +31,10 @@ LAYERS = [
     ("amp_exp.results",),
     # Reads a run's rows as the report does; the report shows its forecasts.
     ("amp_exp.forecast",),
+    # The sweepers and launchers Hydra instantiates: they launch jobs and place them
+    # (results/placement.py); the entry point registers them and hands the evidence sweeper the
+    # report's looks, so they sit below the report and never read it.
+    ("hydra_plugins",),
     ("amp_exp.report",),
     # Entry points and the composition root; the speed trial builds runs as training does, and
     # the prediction builds their models on the meta device.
@@ -44,12 +52,14 @@ LAYERS = [
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+    return {
+        module_name(path): path for package in PACKAGES for path in sorted(package.rglob("*.py"))
+    }
 
 
 def imports_of(path: Path, known: set[str]) -> set[str]:
@@ -102,15 +112,41 @@ def test_no_module_imports_a_module_that_imports_it_back() -> None:
     assert not cycles, "\n".join(cycles)
 
 
-def test_imports_point_down_the_layers() -> None:
-    upward = [
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of ``graph`` that runs up the layers."""
+    return [
         f"{module} imports {imported}"
-        for module, imported_modules in import_graph().items()
+        for module, imported_modules in graph.items()
         if module != "amp_exp"
         for imported in imported_modules
         if imported != "amp_exp" and layer_of(imported) > layer_of(module)
     ]
-    assert not upward, "\n".join(upward)
+
+
+def test_imports_point_down_the_layers() -> None:
+    found = upward(import_graph())
+    assert not found, "\n".join(found)
+
+
+def test_a_plugin_reading_the_report_or_config_registering_a_plugin_runs_up() -> None:
+    """The two imports that once ran back up: the evidence sweeper importing the report's
+    internals, and config/store.py importing the plugins to register them."""
+    planted = {
+        "hydra_plugins._amp_exp_evidence": {"amp_exp.report.assemble", "amp_exp.results.files"},
+        "amp_exp.config.store": {"hydra_plugins._amp_exp_submitit"},
+        "amp_exp.__main__": {"hydra_plugins._amp_exp_evidence"},
+    }
+    assert upward(planted) == [
+        "hydra_plugins._amp_exp_evidence imports amp_exp.report.assemble",
+        "amp_exp.config.store imports hydra_plugins._amp_exp_submitit",
+    ]
+
+
+def test_the_plugins_are_checked_and_registered_only_by_the_entry_point() -> None:
+    graph = import_graph()
+    assert {"hydra_plugins._amp_exp_evidence", "hydra_plugins._amp_exp_submitit"} <= set(graph)
+    importers = {m for m, uses in graph.items() if any(i.startswith("hydra_plugins") for i in uses)}
+    assert importers == {"amp_exp.__main__"}
 
 
 def test_the_schema_and_the_errors_are_leaves() -> None:
@@ -202,3 +238,20 @@ def test_paths_cited_in_configs_docs_and_code_exist() -> None:
 def test_the_top_level_holds_few_modules() -> None:
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 6, top
+
+
+def test_the_architecture_page_describes_every_room_of_the_map() -> None:
+    """docs/architecture.md is drawn from ``LAYERS``: a room added to the map and not to the
+    page (or a page that lost one) fails here."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    rooms = {
+        prefix.split(".")[1] if prefix.startswith("amp_exp.") else prefix
+        for layer in LAYERS
+        for prefix in layer
+    }
+    missing = [
+        room
+        for room in sorted(rooms)
+        if f"`{room}/`" not in page and f"`{room}.py`" not in page and f"{room}.py" not in page
+    ]
+    assert not missing, missing

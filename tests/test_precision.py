@@ -27,8 +27,11 @@ def tiny_setup(precision: str, fused: bool = False, **knobs):
 
 
 def step(policy: PrecisionPolicy, optimizer, model, want_grad_norm: bool = False) -> Gradients:
-    gradients = policy.unscale_and_clip(optimizer, list(model.parameters()), want_grad_norm)
-    policy.update(optimizer, gradients.found_inf)
+    """The optimizer's end of Engine.train_step: unscale -> clip -> step -> update."""
+    policy.unscale(optimizer)
+    gradients = policy.clip(list(model.parameters()), want_grad_norm)
+    policy.step(optimizer, gradients.found_inf)
+    policy.update()
     return gradients
 
 
@@ -37,7 +40,7 @@ def forward_backward(model, policy, loss_factor: float = 1.0) -> torch.Tensor:
     with policy.autocast():
         logits = model(inputs)
         loss = nn.functional.cross_entropy(logits, targets) * loss_factor
-    policy.backward(loss)
+    policy.backward(policy.scaled(loss))
     return logits
 
 

@@ -145,8 +145,9 @@ ALLOWED_LISTS = {
     ("config/schema.py", "PredictConfig"),
 }
 PACKAGE = Path(__file__).resolve().parent.parent / "amp_exp"
-# Datasheet peaks by math ("bf16", "tf32", "fp8" TFLOP/s), named like precisions but none.
-NOT_PRECISIONS = {"config/devices.py"}
+# Datasheet peaks by math ("bf16", "tf32", "fp8" TFLOP/s), named like precisions but none, and
+# what reads a peak among them (a run's, the roofline's).
+NOT_PRECISIONS = {"config/devices.py", "training/flops.py", "predict/roofline.py"}
 
 
 def copies_in(source: str, known: set[str]) -> list[tuple[str, int]]:
@@ -195,3 +196,60 @@ def test_the_copy_search_finds_the_copies_it_replaced() -> None:
     assert copies_in('if p in ("bf16", "bf16_true"):\n    pass\n', known) == [("", 1)]
     assert copies_in('class S:\n    x = ["fp32", "fp8"]\n', known) == [("S", 2)]
     assert copies_in('if p == "fp8":\n    pass\n', known) == []
+
+
+def names_a_precision(node: ast.AST, known: set[str]) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in known
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(
+        names_a_precision(item, known) for item in node.elts
+    )
+
+
+def branches_in(source: str, known: set[str]) -> list[int]:
+    """The lines that branch on a precision's name written out: a comparison with it
+    (``p == "fp16"``, ``p in ("fp32", None)``) or a lookup by it (``rows["fp32"]``,
+    ``d.get("fp32")``). The reference is the registry's ``REFERENCE``; anything else a precision
+    is or does is its plugin's fact (``spec.grad_scaler``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.Subscript):
+            operands = [node.slice]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            operands = node.args[:1] if node.func.attr == "get" else []
+        else:
+            continue
+        if any(names_a_precision(operand, known) for operand in operands):
+            found.append(node.lineno)
+    return found
+
+
+def test_no_module_but_the_plugins_branches_on_a_precision_s_name() -> None:
+    known = set(MODES)
+    roots = (PACKAGE, PACKAGE.parent / "hydra_plugins")
+    branches = [
+        f"{where}:{line}"
+        for root in roots
+        for path in sorted(root.rglob("*.py"))
+        if not (where := path.relative_to(root.parent).as_posix()).startswith(
+            "amp_exp/training/precisions/"
+        )
+        and where.removeprefix("amp_exp/") not in NOT_PRECISIONS
+        for line in branches_in(path.read_text(), known)
+    ]
+    assert not branches, branches
+
+
+def test_the_branch_search_finds_a_planted_branch_on_a_name() -> None:
+    known = set(MODES)
+    planted = (
+        'fp16 = row["precision"] == "fp16"\n'
+        'if label != "fp32":\n    pass\n'
+        'x = p in (None, "fp32")\n'
+        'base = fastest.get("fp32")\n'
+        'loss = report["loss"]["fp32"]\n'
+    )
+    assert sorted(branches_in(planted, known)) == [1, 2, 4, 5, 6]
+    assert branches_in("if p == REFERENCE or spec.grad_scaler:\n    pass\n", known) == []

@@ -23,9 +23,8 @@ from helpers.runs import FAST, TINY, read_jsonl, run_cli
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
-from amp_exp.config.store import launcher_confs
 from amp_exp.runtime.signals import StopRequest
-from hydra_plugins._amp_exp_submitit import with_resume
+from hydra_plugins._amp_exp_submitit import LocalConf, with_resume
 
 slow = pytest.mark.slow
 TESTS_DIR = Path(__file__).resolve().parent
@@ -80,7 +79,7 @@ def test_a_job_slurm_requeued_by_itself_resumes_too(monkeypatch) -> None:
 
 
 def test_our_launchers_replace_the_plugins_entries() -> None:
-    # Plugin discovery has run (register_configs runs it first); it must not have the last word.
+    # Plugin discovery has run (register_plugins runs it first); it must not have the last word.
     Plugins.instance()
     for name, target in (
         ("submitit_local", f"{LAUNCHERS}.LocalLauncher"),
@@ -91,8 +90,8 @@ def test_our_launchers_replace_the_plugins_entries() -> None:
         assert Plugins.instance().class_name_to_class[target].__module__ == LAUNCHERS
     local = launcher_cfg("submitit_local")
     assert (local.signal_delay_s, local.max_num_timeout) == (
-        launcher_confs()["submitit_local"].signal_delay_s,
-        launcher_confs()["submitit_local"].max_num_timeout,
+        LocalConf.signal_delay_s,
+        LocalConf.max_num_timeout,
     )
     preset = launcher_cfg("slurm")
     assert preset.max_num_timeout > 0 and preset.gpus_per_node == 1

@@ -34,8 +34,8 @@ def predict_trace(cfg: RunConfig, trace: StepTrace) -> dict[str, Any]:
         device = PREDICTABLE[key]
         rows = {p: predict_one(cfg, trace, device, p) for p in precisions_of(cfg)}
         for found in rows.values():
-            found["speedup_vs_bf16"] = speedup(rows["bf16"], found)
-            found["speedup_vs_fp32"] = speedup(rows["fp32"], found)
+            for baseline in BASELINES:
+                found[f"speedup_vs_{baseline}"] = speedup(rows[baseline], found)
         devices[key] = {
             "label": device.label,
             "tflops": device.tflops,

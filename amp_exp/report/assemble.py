@@ -1,5 +1,5 @@
 """build_report: find the runs, compare them, weigh the evidence, and write report.md,
-report.json and the plots."""
+report.json and the plots; and the evidence sweeper's looks, the same report at each look."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from amp_exp.report import sequential
 from amp_exp.report.compare import BASELINE, assign_settings, comparison_rows, tolerance_for
 from amp_exp.report.decision import DEFAULT_FAMILYWISE
 from amp_exp.report.evidence import cell_key, fixed_level, gather, trial_speedup
@@ -115,6 +116,38 @@ def assemble(
         "plot_errors": {},
     }
     return report, metrics
+
+
+class EvidenceLooks:
+    """The evidence sweeper's looks (hydra_plugins/_amp_exp_evidence.py ``Looks``; the entry
+    point hands this class in): each builds the report's verdicts from the jobs so far at the
+    plan's level, records them in evidence.json and names the next seed of each open cell."""
+
+    def __init__(
+        self,
+        sweep_dir: Path,
+        min_seeds: int,
+        max_seeds: int,
+        tolerance: float | None,
+        familywise: str,
+    ) -> None:
+        self.sweep_dir, self.tolerance, self.familywise = sweep_dir, tolerance, familywise
+        self.plan = sequential.start(sweep_dir, min_seeds, max_seeds)
+        self.min_seeds = self.plan.min_seeds
+        self.looks: list[dict[str, Any]] = []
+
+    def shown(self) -> str:
+        plan = self.plan
+        return (
+            f"{plan.min_seeds} to {plan.max_seeds} seeds, {plan.looks} looks planned, "
+            f"one-sided levels {plan.shown()}"
+        )
+
+    def look(self, cell_of_run: dict[str, tuple[str, ...]]) -> dict[tuple[str, ...], int]:
+        dirs = [self.sweep_dir / name for name in cell_of_run]
+        report, _ = assemble(dirs, self.sweep_dir, self.tolerance, self.familywise, self.plan)
+        sequential.record(self.sweep_dir, self.plan, report, self.looks)
+        return sequential.next_seeds(report, cell_of_run, self.plan)
 
 
 def shared_level(comparisons: list[dict[str, Any]]) -> float | None:

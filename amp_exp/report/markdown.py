@@ -21,6 +21,7 @@ from amp_exp.report.forecasts import forecast_section
 from amp_exp.report.learned import DROP, FLOOR_FACTOR
 from amp_exp.report.predicted import PREDICTED_NOTE, prediction_columns, show_prediction
 from amp_exp.report.recommend import recommendation_lines
+from amp_exp.report.runs import report_plugin
 from amp_exp.report.runs_table import (
     markdown_table,
     md_table,
@@ -194,8 +195,9 @@ def health_line(row: dict[str, Any]) -> str:
         loss = "finite" if overflow["loss_finite"] else "non-finite"
         parts.append(f"first overflow at step {overflow['step']} (loss {loss}; {where})")
     # fp16's figures, measured in every run: in another precision they say what fp16 would do,
-    # and a loss scale is fp16's alone.
-    fp16 = row["precision"] == "fp16"
+    # and a loss scale is for a precision that trains with a GradScaler (its plugin's fact).
+    plugin = report_plugin(row["precision"])
+    fp16 = plugin is not None and plugin.spec.grad_scaler
     lost = health["underflow_frac_scaled"]
     if lost is not None and fp16:
         parts.append(f"{lost:.2%} of gradients lost to fp16 underflow")

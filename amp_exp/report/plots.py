@@ -16,6 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from amp_exp.report import curves
+from amp_exp.report.compare import BASELINE
 from amp_exp.report.runs import report_plugin
 from amp_exp.report.speedup import trial_interval, trial_levels
 
@@ -125,7 +126,7 @@ def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
         for setting in dict.fromkeys(row["setting"] for row in panel):
             fp32 = [
                 curves.train_curve(metrics.get(r["run"], []))
-                for r in cells.get((model, setting, "fp32"), [])
+                for r in cells.get((model, setting, BASELINE), [])
                 if r["status"] == "completed"
             ]
             fp32_band = curves.band([curve for curve in fp32 if curve])
@@ -135,7 +136,7 @@ def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
                     steps,
                     [fp32_band[s][0] for s in steps],
                     [fp32_band[s][1] for s in steps],
-                    color=precision_color("fp32"),
+                    color=precision_color(BASELINE),
                     alpha=0.25,
                     linewidth=0,
                     label=f"fp32 band ({len(fp32)} seeds){f', {setting}' if setting else ''}",
@@ -225,7 +226,7 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
             curves.train_curve(metrics.get(row["baseline"], [])),
         )
         finite = {step: value for step, value in gap.items() if math.isfinite(value)}
-        if finite and row["label"] != "fp32":
+        if finite and row["label"] != BASELINE:
             pairs.setdefault((row["model"], row["setting"], row["label"]), []).append(finite)
         declared = row["quality_metric"]
         if declared is not None and declared["tolerance_unit"] == "relative":
@@ -270,7 +271,7 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
                     linewidth=0.9,
                     label=name if sign == 1 else None,
                 )
-        ax.axhline(0, color=precision_color("fp32"), linewidth=0.8)
+        ax.axhline(0, color=precision_color(BASELINE), linewidth=0.8)
         ax.yaxis.set_major_formatter(lambda value, _: f"{value:+.2%}")
         ax.set(title=model, xlabel="step", ylabel="training-loss gap vs fp32, paired by seed")
         ax.grid(alpha=0.3)
@@ -369,7 +370,8 @@ def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
         ax.bar_label(
             drawn, labels=[f"{m:.2f}x" for m in medians], label_type="center", fontsize="small"
         )
-        ax.axhline(1.0, color=precision_color("fp32"), linewidth=1, linestyle="--", label="fp32")
+        baseline = precision_color(BASELINE)
+        ax.axhline(1.0, color=baseline, linewidth=1, linestyle="--", label=BASELINE)
         ax.set_xticks(
             range(len(bars)),
             [_label(row, with_model=False).replace(" ", "\n") for row in bars],

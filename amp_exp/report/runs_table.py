@@ -8,6 +8,7 @@ import io
 from collections.abc import Callable
 from typing import Any
 
+from amp_exp.config.precisions import DType
 from amp_exp.report.compare import BASELINE, NOT_ENGAGED, subject
 from amp_exp.report.escape import md_text
 from amp_exp.report.speedup import speedup_cell
@@ -70,7 +71,7 @@ def precision_cell(row: dict[str, Any]) -> str:
     parts = [f"{row['world_size']} ranks"] if (row["world_size"] or 1) > 1 else []
     parts += ["fsdp2"] if row["strategy"] == "fsdp2" else []
     for what, key in (("params", "param_dtype"), ("reduce", "reduce_dtype")):
-        if row[key] not in (None, "fp32"):
+        if row[key] not in (None, DType.float32.short):
             parts.append(f"{what} {md_text(row[key])}")
     return shown(row) + (f" [{', '.join(parts)}]" if parts else "")
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from amp_exp.config.precisions import REFERENCE
 from amp_exp.runtime.atomic import atomic_write
 
 # No kernel or training step is timed faster than a microsecond, and no precision runs 1000 times
@@ -41,7 +42,7 @@ def ratio_spread(baseline: Sequence[float], candidate: Sequence[float]) -> float
     return max(figure / typical, typical / figure) - 1
 
 
-def implausible_times(ms: Mapping[str, Any], baseline: str = "fp32") -> str | None:
+def implausible_times(ms: Mapping[str, Any], baseline: str = REFERENCE) -> str | None:
     """Why cached times (milliseconds, by precision) cannot be measurements, or None if they
     can: each must be a finite number of at least ``MIN_PLAUSIBLE_MS``, within
     ``PLAUSIBLE_RATIO`` of the baseline's."""

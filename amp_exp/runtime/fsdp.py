@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from amp_exp.config.precisions import SHORT_NAMES, spec_of
+from amp_exp.config.precisions import SHORT_NAMES, DType, spec_of
 from amp_exp.config.schema import ReduceDtype
 from amp_exp.errors import ConfigError
 
@@ -54,7 +54,7 @@ class ShardingDtypes:
 
     @property
     def casts_params(self) -> bool:
-        return self.param != "fp32"
+        return self.param != DType.float32.short
 
     def policy(self, output_fp32: bool = False) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy(

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
-from amp_exp.config.precisions import spec_of
+from amp_exp.config.precisions import REFERENCE, spec_of
 from amp_exp.runtime.cache import (
     WIDE_SPREAD,
     cache_dir,
@@ -96,7 +96,7 @@ def device_key(device: torch.device) -> str:
 
 def precision_label(device: torch.device, precision: str) -> str:
     """The precision as measured: fp32 matmuls on CUDA run on TF32 Tensor Cores when allowed."""
-    if precision == "fp32" and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+    if precision == REFERENCE and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
         return "fp32+tf32"
     return precision
 
@@ -218,7 +218,7 @@ def measure(
                     fastest[precision][name].append(turn)
             rounds += 1
     # Without fp32 in the same rounds, a precision's spread is that of its own rounds.
-    baseline = fastest.get("fp32")
+    baseline = fastest.get(REFERENCE)
     return {
         p: {
             name: KernelTime(

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from amp_exp.config.plain import plain_run_config
+from amp_exp.config.precisions import REFERENCE
 from amp_exp.config.schema import RunConfig
 from amp_exp.results.files import SENSITIVITY_JSON, write_json, write_text
 from amp_exp.sensitivity.measure import SLACK_DB, ModuleError, ranking
@@ -100,7 +101,7 @@ def sensitivity_report(
         # What fp16's gradients are scaled by, as the GradScaler starts (precision.init_scale).
         "fp16_grad_scale": cfg.precision.init_scale,
         "loss": {
-            "fp32": mean(reference.losses),
+            REFERENCE: mean(reference.losses),
             **{
                 p: loss_error(losses, reference.losses, fault)
                 for p, (_, losses, fault) in measured.items()
@@ -162,7 +163,7 @@ def markdown(report: dict[str, Any], show: int) -> str:
         "| precision | end-to-end loss | fp32 loss | relative error | first op out of range |",
         "|---|---|---|---|---|",
     ]
-    fp32_loss = report["loss"]["fp32"]
+    fp32_loss = report["loss"][REFERENCE]
     for precision in report["precisions"]:
         loss = report["loss"][precision]
         error = "non-finite" if not loss["finite"] else format_share(loss["rel_error"])

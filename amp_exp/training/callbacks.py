@@ -2,7 +2,8 @@
 
 The engine runs every step in this sequence (``Engine.train_step``):
 
-    forward + loss -> backward -> unscale_ -> clip -> AFTER_CLIP -> update -> AFTER_STEP
+    forward + loss -> scale -> backward -> unscale -> clip -> AFTER_CLIP -> step -> update
+    -> AFTER_STEP
 
 - ``after_clip`` sees the gradients as the optimizer will use them: unscaled, clipped and reduced
   over the ranks, with what the step found of them (``Gradients``: the norm, and whether the

@@ -181,25 +181,36 @@ class Engine:
     def train_step(
         self, batches: Iterator[Any], interval_loss: torch.Tensor, want_grad_norm: bool
     ) -> torch.Tensor | None:
-        """One optimizer step over ``grad_accum_steps`` micro-batches, in the sequence that
-        training/callbacks.py states; returns the gradient norm (on the device) or None."""
-        accum = self.plan.grad_accum_steps
+        """One optimizer step over ``grad_accum_steps`` micro-batches: the AMP sequence, top to
+        bottom. Each comment names what the precision's plugin does there (its hooks:
+        training/precisions/base.py); the GradScaler's three (scale, unscale, update) are fp16's
+        alone and pass through elsewhere. The step callbacks run where training/callbacks.py
+        states. Returns the gradient norm (on the device) or None."""
+        policy, accum = self.policy, self.plan.grad_accum_steps
         progress = self.progress
         step = progress.step + 1
         for micro_batch in range(accum):
             batch = self.task.to_device(next(batches))
             with self._gradient_sync(micro_batch):
-                with self.policy.autocast():
+                # autocast: the forward and the loss in the plugin's ``forward_context``.
+                with policy.autocast():
                     loss = self.task.loss(self.model, batch)
                     if accum > 1:
-                        # k micro-batches then sum to one batch k times larger.
+                        # [accumulate] k micro-batches then sum to one batch k times larger.
                         loss = loss / accum
-                self.policy.backward(loss)
+                # scale (the GradScaler), then backward: the plugin's ``backward``.
+                policy.backward(policy.scaled(loss))
             interval_loss += loss.detach()
             progress.samples += self.task.batch_samples(batch) * self.world_size
-        gradients = self.policy.unscale_and_clip(self.optimizer, self.parameters, want_grad_norm)
+        # unscale (the GradScaler): clipping thresholds refer to true gradients.
+        policy.unscale(self.optimizer)
+        # clip, and find on the device whether this step must skip (non-finite gradients).
+        gradients = policy.clip(self.parameters, want_grad_norm)
         self.callbacks.after_clip(step, gradients)
-        self.policy.update(self.optimizer, gradients.found_inf)
+        # step, skipped on the device if non-finite: the plugin's ``optimizer_step``.
+        policy.step(self.optimizer, gradients.found_inf)
+        # update (the GradScaler): its scale backs off after a skip, grows after a finite run.
+        policy.update()
         self.callbacks.after_step(step)
         if gradients.found_inf is not None:
             # Every earlier step since the last read was applied, so its loss was finite: the
@@ -208,7 +219,8 @@ class Engine:
         progress.step = step
         progress.interval_steps += 1
         if self.scheduler is not None:
-            # As if the step was applied: read_skips takes back the steps that were not.
+            # scheduler: as if the step was applied; read_skips takes back the steps that were
+            # not (the host learns of them only at the next log step).
             with warnings.catch_warnings():
                 # Of a skipped first step PyTorch warns that the schedule loses its first value;
                 # taken back, it does not.

@@ -1,13 +1,13 @@
 """PrecisionPolicy: which precision runs, and the AMP sequence every training step follows.
 
 One code path serves every precision. The GradScaler exists only for fp16 (bf16 keeps fp32's
-exponent range, so its gradients do not underflow); everything else is the same call sequence:
-autocast forward and loss -> scaled backward -> unscale_ -> clip -> step -> update. A step with
-non-finite gradients is skipped on the device where the optimizer allows it (fused kernels take
-``found_inf``), so no step reads the device; the engine learns of skips at log steps.
-What differs between precisions is their plugin's (training/precisions/: the model's
-conversion, the forward context, backward, the optimizer step, their own state); the policy
-drives it around the sequence they share.
+exponent range, so its gradients do not underflow); everything else is the same call sequence,
+which ``Engine.train_step`` (training/engine.py) reads top to bottom: autocast forward and loss
+-> scale -> backward -> unscale -> clip -> step -> update. A step with non-finite gradients is
+skipped on the device where the optimizer allows it (fused kernels take ``found_inf``), so no
+step reads the device; the engine learns of skips at log steps. What differs between precisions
+is their plugin's (training/precisions/: the model's conversion, the forward context, backward,
+the optimizer step, their own state); the policy's pieces of the step call it.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ class PluginContext:
 
 
 class PrecisionPolicy:
-    """Autocast context, GradScaler and the backward/unscale/clip/step/update sequence."""
+    """Autocast context, GradScaler and the pieces of the AMP step: scale, backward, unscale,
+    clip, step, update."""
 
     def __init__(
         self,
@@ -173,24 +174,30 @@ class PrecisionPolicy:
             own = self.plugin.summary()
         return {"keep_fp32_modules": self.kept_fp32, "precision_facts": facts, **own}
 
-    def backward(self, loss: torch.Tensor) -> None:
-        with PluginHook(self.plugin, "backward"):
-            self.plugin.backward(loss if self.scaler is None else self.scaler.scale(loss))
+    # --- the AMP step's pieces, in the order Engine.train_step calls them -----------------------
 
-    def unscale_and_clip(
-        self,
-        optimizer: torch.optim.Optimizer,
-        parameters: list[torch.nn.Parameter],
-        want_grad_norm: bool,
-    ) -> Gradients:
-        """Unscale and clip the gradients, and find on the device whether the step must skip.
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the backward starts from: fp16's multiplied by the GradScaler's scale, so
+        that small gradients do not underflow; any other precision's as it is."""
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The plugin's ``backward`` of the (already scaled) loss."""
+        with PluginHook(self.plugin, "backward"):
+            self.plugin.backward(loss)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide fp16's gradients by the scale in place (the GradScaler notes any inf or NaN
+        for its step): clipping thresholds refer to true gradients."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def clip(self, parameters: list[torch.nn.Parameter], want_grad_norm: bool) -> Gradients:
+        """Clip the gradients, and find on the device whether the step must skip.
 
         The gradient norm is computed when clipping needs it, when the caller asks for it (at
         log intervals), or when non-finite gradients must be found; it stays on the device.
         """
-        if self.scaler is not None:
-            # Clipping thresholds refer to true gradients, so unscale before measuring them.
-            self.scaler.unscale_(optimizer)
         skips = self.scaler is not None or self.guard_nonfinite
         if not (skips or want_grad_norm or self.clip_grad_norm is not None):
             return Gradients()
@@ -212,35 +219,42 @@ class PrecisionPolicy:
         )
         return Gradients(total, (~torch.isfinite(total)).float(), ~torch.isfinite(nonfinite))
 
-    def update(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
         """Step the optimizer, or skip the step where ``found_inf`` is 1, without a host read
         where the optimizer can skip on the device.
 
-        A fused optimizer takes ``found_inf`` into its kernel, as it does from a GradScaler.
-        Any other optimizer must be told on the host whether to step: one read per step, the
-        price of ``trainer.on_nonfinite`` with a non-fused optimizer (and, inside GradScaler,
-        of fp16 with one).
+        fp16's GradScaler skips by what its ``unscale`` found. A fused optimizer takes
+        ``found_inf`` into its kernel, as it does from a GradScaler. Any other optimizer must be
+        told on the host whether to step: one read per step, the price of
+        ``trainer.on_nonfinite`` with a non-fused optimizer (and, inside GradScaler, of fp16
+        with one).
         """
         if self.scaler is not None:
             self.scaler.step(optimizer)
-            self.scaler.update()
         elif found_inf is None:
-            self._step(optimizer)
+            self._optimizer_step(optimizer)
         elif getattr(optimizer, "_step_supports_amp_scaling", False):
             optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
             try:
-                self._step(optimizer)
+                self._optimizer_step(optimizer)
             finally:
                 del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
         elif not found_inf:
-            self._step(optimizer)
+            self._optimizer_step(optimizer)
 
-    def _step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The plugin's ``optimizer_step``, or the stochastic rounding's, which replaces it."""
         if self.rounding is None:
             with PluginHook(self.plugin, "optimizer_step"):
                 self.plugin.optimizer_step(optimizer)
         else:
             self.rounding.step(optimizer)
+
+    def update(self) -> None:
+        """fp16's GradScaler backs its scale off after a skipped step and grows it after
+        ``growth_interval`` finite ones; on the device, no read."""
+        if self.scaler is not None:
+            self.scaler.update()
 
     def scale(self) -> float | None:
         """The current loss scale; reads the device, so call it only at log intervals."""
