@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from amp_exp.training.auto_precision import CACHE_FILE as AUTO_CACHE_FILE
 from amp_exp.training.diagnostics import FP16_MAX, gradient_ranges, largest_safe_scale
 from helpers.probes import capability_with, inject_probe, timing_at
 from helpers.runs import TINY, read_jsonl
-from helpers.warm_python import python_m
 
 CPU = torch.device("cpu")
 fp32, bf16, fp16 = "fp32", "bf16", "fp16"
@@ -280,15 +278,16 @@ def test_model_with_the_custom_function_trains_in_fp16(run_cfg, tmp_path) -> Non
     assert [name for name, p in initial.items() if torch.equal(p, trained[name])] == []
 
 
-def doctor(*args: str) -> subprocess.CompletedProcess:
-    result = python_m("amp_exp.doctor", "--device=cpu", *args, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result
+def doctor(capsys, *args: str) -> str:
+    """What ``python -m amp_exp.doctor --device=cpu ARGS`` prints, run in this process (its
+    entry point and exit status: tests/test_cli.py, tests/test_contract.py)."""
+    assert amp_exp.doctor.main(["--device=cpu", *args]) == 0
+    return capsys.readouterr().out
 
 
-def test_doctor_prints_the_measured_table_facts_verdicts_and_recommendation() -> None:
+def test_doctor_prints_the_measured_table_facts_verdicts_and_recommendation(capsys) -> None:
     # The session's probe (conftest): bf16 runs at 0.05x and fp16 at 0.02x fp32's speed.
-    lines = doctor().stdout.splitlines()
+    lines = doctor(capsys).splitlines()
     assert lines[0].startswith("device: cpu (")
     assert lines[1].startswith("measured: forward+backward")
     assert lines[2].split() == ["matmul", "conv", "attention", "vs", "fp32"]
@@ -305,8 +304,8 @@ def test_doctor_prints_the_measured_table_facts_verdicts_and_recommendation() ->
     assert lines[-1].startswith("recommendation: precision=fp32: no low precision is 5% faster")
 
 
-def test_doctor_json_holds_the_measurements_and_the_recommendation() -> None:
-    found = json.loads(doctor("--json").stdout)
+def test_doctor_json_holds_the_measurements_and_the_recommendation(capsys) -> None:
+    found = json.loads(doctor(capsys, "--json"))
     assert set(found["measured"]) == {"fp32", "bf16", "fp16"}
     assert found["measured"]["fp16"]["relative_speed"] == pytest.approx(0.02)
     assert found["measured"]["fp32"]["tflops"] == pytest.approx(1.0)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_workload
 from helpers.runs import FAST_TRAINER, TINY_TOKENS
 from helpers.torchrun import torchrun
+from helpers.warm_python import python_m
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -216,12 +215,9 @@ def test_a_tokenizer_folder_that_asks_to_run_its_code_is_refused_with_no_prompt(
         "dataset.tokenizer=hf",
         f"dataset.tokenizer_path={folder}",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp", *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
-        input="y\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
+    # "y" on stdin, as a user at the prompt would answer it.
+    result = python_m(
+        "amp_exp", *overrides, f"hydra.run.dir={tmp_path / 'run'}", input="y\n", timeout=120
     )
     assert result.returncode == 2, result.stderr[-2000:]
     [line] = result.stderr.strip().splitlines()

@@ -1,8 +1,8 @@
 """Numbers that stay right on several ranks: two gloo ranks under torchrun against one process.
 
 One precision is one computation under every strategy; the diagnostics describe the whole model
-under DDP and FSDP2 alike; gradient accumulation under DDP equals a larger batch; each rank
-resumes its own random generators; a preempted job stops within STOP_CHECK_STEPS steps.
+under DDP and FSDP2 alike; gradient accumulation under DDP equals a larger batch. Each rank's
+own generators at a resume: tests/test_ranks_resume.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import torch
 
 import amp_exp.run as run
 from amp_exp.config.validate import validate
-from amp_exp.training.loop import STOP_CHECK_STEPS
-from helpers.runs import FAST_LM, FAST_TRAINER, composed, read_jsonl
+from helpers.runs import FAST_TRAINER, composed
 from helpers.torchrun import assert_bitwise_equal, run_worker
 
 pytestmark = pytest.mark.slow
@@ -128,43 +127,3 @@ def test_gradient_accumulation_under_ddp_equals_one_batch_twice_as_large(runs) -
 def build_initial_weights() -> dict[str, torch.Tensor]:
     cfg = validate(copy.deepcopy(composed((*GPT, *ONE_PROCESS, "precision=bf16"))))
     return {name: value.clone() for name, value in run.build(cfg).model.state_dict().items()}
-
-
-# --- each rank's own generators, and a stop that does not wait for a log step -----------------
-
-# Dropout and stochastic rounding draw from the generators; a log step only at the end.
-DROPOUT_RUN = [
-    *FAST_LM,
-    "model.dropout=0.1",
-    "precision=bf16_true",
-    "trainer.max_steps=16",
-    "trainer.log_every=1000",
-    "scheduler=none",
-]
-
-
-def test_a_preempted_dropout_run_in_bf16_true_resumes_bit_exact_with_identical_replicas(
-    tmp_path,
-) -> None:
-    """SIGTERM reaches rank 1 in step 3; with log_every=1000 the ranks still agree to stop at the
-    first stop check, step STOP_CHECK_STEPS. Each rank saved and restores its own generators,
-    so the resumed run draws the dropout masks and rounding bits an uninterrupted run draws."""
-    straight = run_worker(tmp_path / "straight", *DROPOUT_RUN)
-    interrupted = tmp_path / "interrupted"
-    stopped = run_worker(interrupted, "--signal-at", "3", "--stop-signal", "SIGTERM", *DROPOUT_RUN)
-    for state in stopped.values():
-        summary = state["summary"]
-        assert (summary["status"], summary["stop_signal"]) == ("stopped", "SIGTERM")
-        assert summary["steps"] == STOP_CHECK_STEPS
-    checkpoint = torch.load(interrupted / "checkpoints" / "last.pt", weights_only=True)
-    assert len(checkpoint["rng"]) == 2
-
-    resumed = run_worker(interrupted, *DROPOUT_RUN, "resume=auto")
-    assert resumed[0]["summary"]["steps"] == 16
-    assert resumed[0]["summary"]["replicas_identical"] is True
-    assert_bitwise_equal(resumed[0]["model"], resumed[1]["model"])
-    assert_bitwise_equal(resumed[0]["model"], straight[0]["model"])
-    assert resumed[0]["summary"]["final_loss"] == straight[0]["summary"]["final_loss"]
-    assert [row["step"] for row in read_jsonl(interrupted / "metrics.jsonl") if "loss" in row] == [
-        16
-    ]

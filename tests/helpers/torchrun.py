@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from helpers.runs import FAST, TINY
 from helpers.warm_python import python_m
 
 # One rank of a torchrun test job (tests/test_ddp.py, tests/test_fsdp.py), and how to start two.
@@ -17,6 +18,12 @@ WORKER = Path(__file__).resolve().parent.parent / "ddp_worker.py"
 
 TORCHRUN_TWO_RANKS = ["--standalone", "--nproc_per_node=2"]
 TWO_RANKS = [sys.executable, "-m", "torch.distributed.run", *TORCHRUN_TWO_RANKS]
+
+# Two ranks of 32 each draw from 256 training samples: 4 steps per epoch, so 8 steps cross one.
+DDP_RUN = [*FAST, "trainer.max_steps=8", "trainer.log_every=2", "scheduler=none"]
+
+# Two ranks of 16 each draw from 256 training samples: 8 steps per epoch.
+FSDP_RUN = [*FAST, *TINY, "trainer.strategy=fsdp2", "scheduler=none"]
 
 
 def torchrun(

@@ -61,7 +61,7 @@ def _become_the_command(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     for fd, path, flags in (
-        (0, os.devnull, os.O_RDONLY),
+        (0, request["stdin"], os.O_RDONLY),
         (1, request["stdout"], os.O_WRONLY),
         (2, request["stderr"], os.O_WRONLY),
     ):
@@ -154,9 +154,12 @@ def python_m(
     cwd: Path | str | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 300,
+    input: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """What ``subprocess.run([python, "-m", module, *args], capture_output=True, text=True)``
-    returns, from a forked warm interpreter; raises ``subprocess.TimeoutExpired`` as it would."""
+    """What ``subprocess.run([python, "-m", module, *args], capture_output=True, text=True,
+    input=input)`` returns, from a forked warm interpreter; raises
+    ``subprocess.TimeoutExpired`` as it would. Without ``input`` the command reads an empty
+    stdin."""
     global _server
     if _server is None or _server.process.poll() is not None:
         _server = _Server()
@@ -164,6 +167,10 @@ def python_m(
         out, err = Path(streams, "stdout"), Path(streams, "stderr")
         out.touch()
         err.touch()
+        stdin = os.devnull
+        if input is not None:
+            stdin = Path(streams, "stdin")
+            stdin.write_text(input)
         returncode = _server.run(
             {
                 "module": module,
@@ -172,6 +179,7 @@ def python_m(
                 "env": dict(os.environ if env is None else env),
                 "stdout": str(out),
                 "stderr": str(err),
+                "stdin": str(stdin),
                 "timeout": timeout,
             }
         )

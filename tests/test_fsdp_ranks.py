@@ -1,0 +1,127 @@
+"""FSDP2 jobs whose ranks see different things: a block-scaled format quantizing gathered
+weights, an inf in one rank's shard, a rank that dies. Apart from tests/test_fsdp.py so that
+pytest-xdist gives the two files two workers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers.runs import FAST, FAST_TRAINER
+from helpers.torchrun import FSDP_RUN, TORCHRUN_TWO_RANKS, run_worker, torchrun
+from helpers.warm_python import python_m
+
+pytestmark = pytest.mark.slow
+
+
+# gpt_tiny at its own width (64: two MX blocks per row), two ranks of 4 sequences, 4 steps.
+MICROSCALING_RUN = [
+    *FAST_TRAINER,
+    "model=gpt_tiny",
+    "dataset=synthetic_tokens",
+    "dataset.train_size=64",
+    "dataset.eval_size=16",
+    "dataset.batch_size=4",
+    "scheduler=none",
+    "precision.emulate=true",
+]
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "nvfp4"])
+def test_a_block_scaled_format_sharded_over_two_ranks_trains_as_ddp_does(precision, tmp_path):
+    """Each converted linear quantizes the whole weight its all-gather brings in, while the
+    optimizer steps each rank's fp32 shard: the sharded run engages as the DDP run does (same
+    formats, same modules) and ends at its loss. Were a rank to quantize only its own shard,
+    nvfp4's per-tensor scale would come from half the weight and its loss would drift (mxfp8's
+    32-blocks happen to fit these shards); were the master weights left whole, each rank's
+    optimizer would hold all of them."""
+    torchrun(
+        "-m",
+        "amp_exp",
+        "-m",
+        f"hydra.sweep.dir={tmp_path}",
+        *MICROSCALING_RUN,
+        f"precision={precision}",
+        "trainer.strategy=ddp,fsdp2",
+        "report.speed_trial=false",
+        timeout=400,
+    )
+    ddp, fsdp = (json.loads((tmp_path / job / "summary.json").read_text()) for job in "01")
+    assert (ddp["strategy"], fsdp["strategy"], fsdp["world_size"]) == ("ddp", "fsdp2", 2)
+    audit = fsdp["precision_audit"]
+    assert audit["engaged"] is True, audit["shortfalls"]
+    assert audit["modules"] == ddp["precision_audit"]["modules"]
+    assert audit["flops_by_dtype"] == ddp["precision_audit"]["flops_by_dtype"]
+    # Each rank's optimizer holds half of the fp32 master weights DDP's holds whole.
+    assert audit["state"]["weights"] == {
+        "float32": ddp["precision_audit"]["state"]["weights"]["float32"] // 2
+    }
+    assert (
+        fsdp["precision_details"]["converted_linears"]
+        == (ddp["precision_details"]["converted_linears"])
+    )
+    assert fsdp["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-4)
+
+
+def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path):
+    """After the reduce-scatter rank 1 puts an inf into its own shard of a gradient; rank 0's
+    shards are all finite. DTensor's inf check takes the MAX of the ranks' flags, so both
+    GradScalers skip step 2 and halve the scale, and both name the parameter."""
+    ranks = run_worker(tmp_path, "--inf-in-shard-at", "2", *FSDP_RUN, "precision=fp16")
+
+    assert [ranks[rank]["shard_finite"] for rank in (0, 1)] == [True, False]
+    for state in ranks.values():
+        assert state["summary"]["skipped_steps"] == 1
+        overflow = state["summary"]["first_overflow"]
+        assert (overflow["step"], overflow["parameters"]) == (2, ["features.0.weight"])
+        assert overflow["loss_finite"] is True
+    assert ranks[0]["scale"] == ranks[1]["scale"] == 65536.0 / 2
+    assert ranks[0]["summary"]["replicas_identical"] is True
+
+
+def test_a_rank_that_dies_is_named_in_one_line_and_in_the_summary(tmp_path):
+    """SIGKILL rank 1 mid-run: rank 0's collective fails with gloo's "Connection closed by peer";
+    rank 0 stops with one line that names the rank it lost, and exit status 4 (unless torchrun's
+    agent, which stops every worker once one has died, SIGTERMs it first), no traceback."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    tests = str(Path(__file__).resolve().parent)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    result = python_m(
+        "torch.distributed.run",
+        *TORCHRUN_TWO_RANKS,
+        "--redirects=3",
+        f"--log-dir={logs}",
+        "-m",
+        "amp_exp",
+        *FAST,
+        "dataset.image_size=8",
+        "dataset.batch_size=16",
+        "trainer.strategy=fsdp2",
+        "model=custom",
+        "model._target_=helpers.user_code.make_mortal",
+        "trainer.max_steps=8",
+        f"hydra.run.dir={run_dir}",
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode != 0
+    lost = "lost rank 1 (pid "
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith(f"RuntimeFault: {lost}")
+    assert summary["error"].endswith(
+        "of 2: its process died, so the run cannot go on; resume=auto continues from the last "
+        "checkpoint"
+    )
+    [error] = [line for line in (run_dir / "train.log").read_text().splitlines() if "ERROR" in line]
+    assert lost in error
+    [rank0_err] = logs.rglob("attempt_0/0/stderr.log")
+    assert "Traceback" not in rank0_err.read_text()
+    rank0 = result.stderr.split("rank      : 0 (local_rank: 0)")[1].splitlines()[1]
+    assert rank0.split(":")[1].split()[0] in ("4", "-15"), rank0
