@@ -314,10 +314,13 @@ class SensitivityConfig:
     show: int = 10
     # Search for modules to keep in fp32 until the first precision trains: at most max_trials
     # sets, each proven by the report's verdict on verify_seeds seeds against fp32's (fp16's
-    # growth interval cut so its scale grows); tolerance as report.tolerance, null = the task's.
+    # growth interval cut so its scale grows), a seed more while the verdict is open, up to
+    # max_verify_seeds (the evidence sweeper's rule); tolerance as report.tolerance, null = the
+    # task's.
     repair: bool = False
     max_trials: int = 6
     verify_seeds: int = 3
+    max_verify_seeds: int = 5
     verify_steps: int = 40
     verify_growth_interval: int = 10
     tolerance: float | None = None
