@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -300,26 +299,27 @@ TRIAL = [
 
 
 def test_sigterm_stops_the_trial_keeping_the_whole_rounds_it_timed(run_cfg, monkeypatch):
-    """Caught: the trial's measurements lost to SIGTERM's default action. The 7th side is the
-    4th round's first: 3 whole rounds are kept, and the pair after it is not timed."""
+    """Caught: the trial's measurements lost to SIGTERM's default action. The 9th side is the
+    5th round's first: 4 whole rounds (the fewest a speedup is fitted to) are kept, and the pair
+    after it is not timed."""
     from amp_exp.speed.__main__ import candidates
     from amp_exp.speed.trial import TrialStopped, run_trial, trial_markdown
 
     cfg = run_cfg(*TRIAL, "speed.precisions=[bf16,bf16_true]")
-    signal_at_round(monkeypatch, 7)
+    signal_at_round(monkeypatch, 9)
     with pytest.raises(TrialStopped) as stopped, stop_on_signals():
         run_trial(candidates(cfg), cfg.speed)
     assert stopped.value.received == signal.SIGTERM
     trial = stopped.value.trial
     assert trial["stopped_by"] == "SIGTERM"
     pair = trial["pairs"]["bf16"]
-    assert len(pair["order"]) == 3
-    assert [len(times) for times in pair["ms_per_step"].values()] == [3, 3]
+    assert len(pair["order"]) == 4
+    assert [len(times) for times in pair["ms_per_step"].values()] == [4, 4]
     speedup = trial["speedup"]["bf16"]
-    assert (speedup["rounds"], speedup["stopped_by"]) == (3, "SIGTERM")
+    assert (speedup["rounds"], speedup["stopped_by"]) == (4, "SIGTERM")
     assert trial["not_timed"] == {"bf16_true": "stopped by SIGTERM before its turn"}
     assert "**Partial: SIGTERM stopped this trial.**" in trial_markdown([trial])
-    assert "3 AB/BA rounds; partial: stopped by SIGTERM" in trial_markdown([trial])
+    assert "4 AB/BA rounds; partial: stopped by SIGTERM" in trial_markdown([trial])
 
 
 def test_sigterm_in_a_sweeps_trial_writes_its_report_then_stops_the_sweep(
@@ -335,12 +335,12 @@ def test_sigterm_in_a_sweeps_trial_writes_its_report_then_stops_the_sweep(
         train(run_cfg(*TRIAL, "trainer.max_steps=2", f"precision={precision}"), tmp_path / str(job))
     callback = SweepReport(speed_trial=time_sweep)
     sweep_start(callback, tmp_path, "hydra._internal.core_plugins.basic_launcher.BasicLauncher")
-    signal_at_round(monkeypatch, 7)
+    signal_at_round(monkeypatch, 9)
     with pytest.raises(TrialStopped):
         callback.build()
     (trial,) = json.loads((tmp_path / SPEED_JSON).read_text())["trials"]
-    assert trial["stopped_by"] == "SIGTERM" and trial["speedup"]["bf16"]["rounds"] == 3
-    assert "3 AB/BA rounds; partial: stopped by SIGTERM" in (tmp_path / "report.md").read_text()
+    assert trial["stopped_by"] == "SIGTERM" and trial["speedup"]["bf16"]["rounds"] == 4
+    assert "4 AB/BA rounds; partial: stopped by SIGTERM" in (tmp_path / "report.md").read_text()
     # The handler of the trial is gone: the sweep's process has its own back.
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
@@ -368,8 +368,8 @@ def test_a_sweep_sigtermed_in_its_speed_trial_exits_143_with_its_report(tmp_path
     output = []
     for line in sweep_run.stdout:
         output.append(line)
-        if "interleaved" in line:
-            time.sleep(5)  # into its rounds
+        # A progress line with an interval: the trial is 4 rounds or more into its rounds.
+        if "] so far" in line:
             sweep_run.send_signal(signal.SIGTERM)
             break
     output += sweep_run.stdout.readlines()

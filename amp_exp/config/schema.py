@@ -312,11 +312,8 @@ class SensitivityConfig:
     # Training batches measured, each against its own fp32 reference; modules listed per precision.
     batches: int = 2
     show: int = 10
-    # Search for modules to keep in fp32 until the first precision trains: at most max_trials
-    # sets, each proven by the report's verdict on verify_seeds seeds against fp32's (fp16's
-    # growth interval cut so its scale grows), a seed more while the verdict is open, up to
-    # max_verify_seeds (the evidence sweeper's rule); tolerance as report.tolerance, null = the
-    # task's.
+    # Search for the modules to keep in fp32 (at most max_trials sets), each proven by the report's
+    # verdict on verify_seeds .. max_verify_seeds seeds (docs/precision.md); null tolerance: task's.
     repair: bool = False
     max_trials: int = 6
     verify_seeds: int = 3
