@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -301,7 +300,8 @@ TRIAL = [
 
 def test_sigterm_stops_the_trial_keeping_the_whole_rounds_it_timed(run_cfg, monkeypatch):
     """Caught: the trial's measurements lost to SIGTERM's default action. The 9th side is the
-    5th round's first: 4 whole rounds are kept, and the pair after it is not timed."""
+    5th round's first: 4 whole rounds (the fewest a speedup is fitted to) are kept, and the pair
+    after it is not timed."""
     from amp_exp.speed.__main__ import candidates
     from amp_exp.speed.trial import TrialStopped, run_trial, trial_markdown
 
@@ -368,8 +368,8 @@ def test_a_sweep_sigtermed_in_its_speed_trial_exits_143_with_its_report(tmp_path
     output = []
     for line in sweep_run.stdout:
         output.append(line)
-        if "interleaved" in line:
-            time.sleep(5)  # into its rounds
+        # A progress line with an interval: the trial is 4 rounds or more into its rounds.
+        if "] so far" in line:
             sweep_run.send_signal(signal.SIGTERM)
             break
     output += sweep_run.stdout.readlines()

@@ -11,6 +11,8 @@ import torch
 
 import amp_exp.doctor
 import amp_exp.runtime.probe
+import amp_exp.speed.rounds
+from amp_exp.config.adaptive import SpeedStopping
 from amp_exp.run import build, train
 from amp_exp.runtime.cache import read_entries, write_entries
 from amp_exp.tasks.vision_models import l2_normalize_function
@@ -278,44 +280,124 @@ def test_model_with_the_custom_function_trains_in_fp16(run_cfg, tmp_path) -> Non
     assert [name for name, p in initial.items() if torch.equal(p, trained[name])] == []
 
 
-def doctor(capsys, *args: str) -> str:
-    """What ``python -m amp_exp.doctor --device=cpu ARGS`` prints, run in this process (its
-    entry point and exit status: tests/test_cli.py, tests/test_contract.py)."""
-    assert amp_exp.doctor.main(["--device=cpu", *args]) == 0
-    return capsys.readouterr().out
+def trial_at(ratio: float, low: float, high: float, trend: bool = False) -> dict:
+    """A speed trial's speedup as speed/ratio.py's ``Speedup.as_dict`` records it."""
+    return {
+        "ratio": ratio,
+        "rounds": 10,
+        "ci": [low, high],
+        "confidence": 0.975,
+        "total_time_ratio": ratio,
+        "trend": {
+            "spearman_rho": 0.9 if trend else 0.0,
+            "p_value": 0.001 if trend else 0.9,
+            "flag": trend,
+        },
+        "carry_over": 1.0,
+    }
 
 
-def test_doctor_prints_the_measured_table_facts_verdicts_and_recommendation(capsys) -> None:
-    # The session's probe (conftest): bf16 runs at 0.05x and fp16 at 0.02x fp32's speed.
-    lines = doctor(capsys).splitlines()
+@pytest.fixture
+def trials(monkeypatch) -> dict:
+    """The doctor's speed trials, as if measured: bf16 established slower, fp16 undecided."""
+    found = {"bf16": trial_at(0.5, 0.45, 0.55), "fp16": trial_at(0.9, 0.6, 1.3)}
+    monkeypatch.setattr(amp_exp.doctor, "speed_trials", lambda device, precisions: found)
+    return found
+
+
+def test_doctor_prints_the_probes_table_then_the_trials_intervals_and_recommendation(
+    trials, capsys
+) -> None:
+    """Caught: the doctor's own speed figure (the probe's ratio of fastest rounds, "bf16 1.47x")
+    beside the trial's, or a verdict line without the trial's interval."""
+    amp_exp.doctor.main(["--device=cpu"])
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("device: cpu (")
-    assert lines[1].startswith("measured: forward+backward")
-    assert lines[2].split() == ["matmul", "conv", "attention", "vs", "fp32"]
-    assert lines[3].split()[0] == "fp32" and lines[3].endswith(" 1x")
-    assert lines[4].split()[0] == "bf16" and lines[4].endswith(" 0.05x")
+    assert lines[1].startswith("probe: forward+backward")
+    assert lines[2].split() == ["matmul", "conv", "attention"]  # no "vs fp32" column
+    assert lines[3].split()[0] == "fp32" and not lines[3].endswith("x")
     assert lines[6].startswith("facts: CPU instructions for bf16/fp16: ")
-    assert "fp16: slow: about 50x slower than fp32; left out of precision=auto" in lines
+    assert lines[7] == "fp32: the baseline"
+    assert lines[8] == (
+        "bf16: slower than fp32 by the speed trial on the probe's kernels: 0.50x [0.45x, 0.55x] "
+        "(97.5% CI, 10 AB/BA rounds), total time 0.50x"
+    )
+    assert lines[9].startswith("fp16: not established faster or slower than fp32 by the speed ")
+    assert "0.90x [0.60x, 1.30x] (97.5% CI, 10 AB/BA rounds)" in lines[9]
     # The precisions the probe does not time: what the CPU lacks for each, from its own check.
     lacking = {line.split(":")[0]: line for line in lines[-5:-1]}
     assert list(lacking) == ["fp8", "mxfp8", "mxfp4", "nvfp4"]
     assert "compute capability 10.0+ (Blackwell)" in lacking["mxfp8"]
     assert "no MXFP4 or NVFP4 training kernels" in lacking["nvfp4"]
     assert all("add precision.emulate=true" in line for line in lacking.values())
-    assert lines[-1].startswith("recommendation: precision=fp32: no low precision is 5% faster")
+    assert lines[-1] == (
+        "recommendation: precision=fp32: no lower precision's interval lies above fp32's speed "
+        "(bf16 0.50x [0.45, 0.55], fp16 0.90x [0.60, 1.30])"
+    )
 
 
-def test_doctor_json_holds_the_measurements_and_the_recommendation(capsys) -> None:
-    found = json.loads(doctor(capsys, "--json"))
+def test_doctor_json_holds_the_kernels_the_trials_and_the_recommendation(trials, capsys) -> None:
+    amp_exp.doctor.main(["--device=cpu", "--json"])
+    found = json.loads(capsys.readouterr().out)
     assert set(found["measured"]) == {"fp32", "bf16", "fp16"}
-    assert found["measured"]["fp16"]["relative_speed"] == pytest.approx(0.02)
+    assert "relative_speed" not in found["measured"]["fp16"]
     assert found["measured"]["fp32"]["tflops"] == pytest.approx(1.0)
+    assert found["trial"] == trials
+    assert found["verdicts"]["bf16"].startswith("slower than fp32 by the speed trial")
     assert found["recommended"] == "fp32"
-    assert found["reason"].startswith("no low precision is 5% faster than fp32")
+    assert found["reason"].startswith("no lower precision's interval lies above fp32's speed")
     assert set(found["not_probed"]) == {"fp8", "mxfp8", "mxfp4", "nvfp4"}
 
 
+@pytest.mark.parametrize(
+    ("trials", "recommended"),
+    [
+        # A median above 1 is no claim: only an interval wholly above 1 is.
+        ({"bf16": trial_at(1.3, 0.9, 1.8)}, "fp32"),
+        ({"bf16": trial_at(1.3, 1.1, 1.5), "fp16": trial_at(2.0, 1.7, 2.3)}, "fp16"),
+        # Overlapping intervals: bf16 needs no loss scaling.
+        ({"bf16": trial_at(1.5, 1.2, 1.8), "fp16": trial_at(1.6, 1.3, 1.9)}, "bf16"),
+        # A trend blocks the claim, however far above 1 the interval lies.
+        ({"bf16": trial_at(2.0, 1.8, 2.2, trend=True)}, "fp32"),
+    ],
+)
+def test_the_doctor_recommends_only_what_a_trials_interval_shows_faster(
+    trials, recommended
+) -> None:
+    assert amp_exp.doctor.trial_recommendation(trials)[0] == recommended
+
+
+def test_the_doctors_trial_is_the_speed_trials_rounds_with_their_interval(
+    monkeypatch, capsys, caplog
+) -> None:
+    """Caught: the doctor timing by its own method (fastest round) instead of the speed trial's
+    AB/BA rounds and interval (amp_exp/speed/rounds.py), or no progress line per round."""
+    small = amp_exp.runtime.probe.Shapes(16, (1, 2, 4), (1, 4, 8, 1))
+    real = amp_exp.runtime.probe.kernel_pass
+    monkeypatch.setattr(amp_exp.doctor, "kernel_pass", lambda d, p: real(d, p, small))
+    monkeypatch.setattr(amp_exp.doctor, "TRIAL", SpeedStopping(rounds=4, max_rounds=4))
+    monkeypatch.setattr(amp_exp.doctor, "TRIAL_WARMUP_STEPS", 0)
+    monkeypatch.setattr(amp_exp.speed.rounds, "PROGRESS_EVERY_S", 0.0)
+    played = []
+    real_play = amp_exp.doctor.play
+    monkeypatch.setattr(
+        amp_exp.doctor, "play", lambda *a, **k: played.append(a[1]) or real_play(*a, **k)
+    )
+    with caplog.at_level("INFO", logger="amp_exp"):
+        amp_exp.doctor.main(["--device=cpu", "--json"])
+    found = json.loads(capsys.readouterr().out)
+    assert played == ["bf16", "fp16"]
+    for precision in ("bf16", "fp16"):
+        trial = found["trial"][precision]
+        assert trial["rounds"] == 4 and trial["confidence"] == 0.975
+        assert found["verdicts"][precision] == amp_exp.doctor.trial_verdict(trial)
+        assert "(97.5% CI, 4 AB/BA rounds), total time" in found["verdicts"][precision]
+    rounds = [r.message for r in caplog.records if r.message.startswith("speed bf16 vs fp32")]
+    assert len(rounds) == 4
+
+
 def test_doctor_refresh_measures_again_and_forgets_autos_choices(
-    monkeypatch, tmp_path, capsys
+    monkeypatch, tmp_path, capsys, trials
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     inject_probe({"fp32": 1.0, "bf16": 0.5, "fp16": 0.5})
@@ -328,10 +410,11 @@ def test_doctor_refresh_measures_again_and_forgets_autos_choices(
 
     monkeypatch.setattr(amp_exp.runtime.probe, "measure", fake_measure)
     amp_exp.doctor.main(["--device=cpu", "--json"])
-    assert measured == [] and json.loads(capsys.readouterr().out)["recommended"] == "fp32"
+    bf16 = json.loads(capsys.readouterr().out)["measured"]["bf16"]
+    assert measured == [] and bf16["tflops"] == pytest.approx(0.5)
     amp_exp.doctor.main(["--device=cpu", "--json", "--refresh"])
     assert measured == [["fp32", "bf16", "fp16"]]
-    assert json.loads(capsys.readouterr().out)["recommended"] == "bf16"
+    assert json.loads(capsys.readouterr().out)["measured"]["bf16"]["tflops"] == pytest.approx(2.0)
     assert read_entries(AUTO_CACHE_FILE) == {}
     amp_exp.doctor.main(["--device=cpu", "--json"])
     assert len(measured) == 1  # the new measurement is cached

@@ -673,3 +673,22 @@ def test_peak_memory_png_stacks_saved_activations_and_state_by_precision_not_pro
     )
     labels = [text.get_text() for text in ax.texts]
     assert "200.00\n0.50x" in labels and "10.00\n1.00x" in labels
+
+
+def test_throughput_png_labels_the_speed_trials_figure_or_says_none_was_measured(
+    tmp_path: Path,
+) -> None:
+    """Caught: throughput.png labelling each bar with its job's samples/s over fp32's ("4.22x"),
+    a second speed answer beside the trial's."""
+    for job, precision, samples in (("0", "fp32", 1000.0), ("1", "bf16", 4220.0)):
+        write_run(tmp_path / job, "tiny_cnn", precision, samples, 0.8)
+    rows = build_report([tmp_path], tmp_path, tolerance=0.5)["runs"]
+
+    def labels() -> list[str]:
+        (ax,) = [ax for ax in plots.throughput_bars(rows, {}).axes if ax.get_visible()]
+        return [text.get_text() for text in ax.texts]
+
+    assert labels() == ["1,000", "4,220\nspeedup not\nmeasured (no trial)"]
+    bf16 = next(row for row in rows if row["label"] == "bf16")
+    bf16["trial_speedup"] = {"ratio": 1.5, "ci": [1.2, 1.8], "confidence": 0.975}
+    assert labels() == ["1,000", "4,220\ntrial 1.50x [1.20, 1.80]"]

@@ -15,8 +15,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import amp_exp.speed.rounds as rounds_module
 import amp_exp.speed.trial as trial_module
 import amp_exp.training.timing as timing
+from amp_exp.config.adaptive import SpeedStopping
 from amp_exp.config.schema import ReportConfig
 from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
@@ -59,13 +61,45 @@ def test_warm_up_ends_when_two_window_medians_agree_and_at_its_cap(monkeypatch) 
 
 
 def test_rounds_alternate_ab_and_ba_so_each_side_leads_in_half() -> None:
-    orders = trial_module.round_orders("bf16", 6)
+    orders = rounds_module.round_orders("bf16", 6)
     assert orders[:2] == [("fp32", "bf16"), ("bf16", "fp32")]
     assert [order[0] for order in orders].count("fp32") == 3 and len(set(orders[2:])) == 2
 
 
+def test_every_round_logs_the_running_ratio_and_from_four_rounds_its_interval(caplog) -> None:
+    """Caught: a trial of minutes silent until its end, or a progress line whose figure is not
+    the trial's own (speed/ratio.py's interval of the rounds so far)."""
+    times = iter([1.0, 0.5, 0.52, 1.02, 1.01, 0.49, 0.5, 0.98, 1.0, 0.51, 0.5, 1.0] * 2)
+
+    class Clock:
+        def __init__(self, device) -> None: ...
+
+        def start(self) -> None: ...
+
+        def lap(self) -> None: ...
+
+        def seconds(self) -> list[float]:
+            return [next(times)]
+
+    sides = {"fp32": rounds_module.Side(lambda: None), "bf16": rounds_module.Side(lambda: None)}
+    stopping = SpeedStopping(rounds=6, max_rounds=6)
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level("INFO", logger="amp_exp"):
+        patch.setattr(rounds_module, "StepClock", Clock)
+        patch.setattr(rounds_module, "PROGRESS_EVERY_S", 0.0)  # as if each round took long
+        patch.setattr(rounds_module, "warm_up", lambda step, device, steps: (0, True))
+        orders, _, stopped = rounds_module.play(sides, "bf16", torch.device("cpu"), stopping, 1, 0)
+    lines = [r.message for r in caplog.records if r.message.startswith("speed bf16 vs fp32")]
+    assert len(orders) == 6 and stopped is None and len(lines) == 6
+    assert lines[0] == "speed bf16 vs fp32, round 1/6: 2.00x so far (no interval before 4 rounds)"
+    found = rounds_module.pair_speedup(sides, "bf16").as_dict()
+    low, high = found["ci"]
+    assert lines[-1] == (
+        f"speed bf16 vs fp32, round 6/6: {found['ratio']:.2f}x [{low:.2f}, {high:.2f}] so far"
+    )
+
+
 def test_a_skipped_step_costs_its_time_and_counts_as_no_progress() -> None:
-    side = trial_module.Side(built=None, step=None, seconds=[[1.0, 1.0, 1.0, 5.0]], skipped=[2])
+    side = rounds_module.Side(step=None, seconds=[[1.0, 1.0, 1.0, 5.0]], skipped=[2])
     assert side.per_applied_step() == [2.0]  # median 1 s x 4 steps / 2 applied, not 1.0
     assert side.total_per_applied_step() == 4.0  # 8 s of wall clock over 2 applied steps
     side.skipped = [4]
@@ -132,7 +166,7 @@ def test_each_pair_runs_in_its_recorded_order_and_no_more_than_two_runs_are_aliv
     offset = 0
     for label in ("bf16", "bf16_true"):
         pair = result["pairs"][label]
-        assert pair["order"] == [list(order) for order in trial_module.round_orders(label, 6)]
+        assert pair["order"] == [list(order) for order in rounds_module.round_orders(label, 6)]
         # fp32 warmed up, then the candidate, then the rounds.
         warm = pair["warmup_steps"]
         expected = ["fp32"] * warm["fp32"] + [label] * warm[label]

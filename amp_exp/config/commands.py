@@ -66,6 +66,11 @@ def validate_sensitivity(
         "one seed measures no noise, so no verdict can verify a repair",
     )
     require(
+        sensitivity.max_verify_seeds >= sensitivity.verify_seeds,
+        f"sensitivity.max_verify_seeds={sensitivity.max_verify_seeds} must be at least "
+        f"sensitivity.verify_seeds={sensitivity.verify_seeds}",
+    )
+    require(
         sensitivity.verify_steps >= 2 * sensitivity.verify_growth_interval,
         f"sensitivity.verify_steps={sensitivity.verify_steps} must be at least twice "
         f"sensitivity.verify_growth_interval={sensitivity.verify_growth_interval}, so that fp16's "

@@ -316,12 +316,12 @@ class SensitivityConfig:
     # Training batches measured, each against its own fp32 reference; modules listed per precision.
     batches: int = 2
     show: int = 10
-    # Search for modules to keep in fp32 until the first precision trains: at most max_trials
-    # sets, each proven by the report's verdict on verify_seeds seeds against fp32's (fp16's
-    # growth interval cut so its scale grows); tolerance as report.tolerance, null = the task's.
+    # Search for the modules to keep in fp32 (at most max_trials sets), each proven by the report's
+    # verdict on verify_seeds .. max_verify_seeds seeds (docs/precision.md); null tolerance: task's.
     repair: bool = False
     max_trials: int = 6
     verify_seeds: int = 3
+    max_verify_seeds: int = 5
     verify_steps: int = 40
     verify_growth_interval: int = 10
     tolerance: float | None = None

@@ -32,4 +32,3 @@ def register_configs() -> None:
             store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=schema)
     store.store(group=f"{SCHEMA_GROUP}/sensitivity", name="sensitivity", node=SensitivityConfig)
     store.store(group=f"{SCHEMA_GROUP}/predict", name="predict", node=PredictConfig)
-

@@ -18,7 +18,8 @@ from matplotlib.figure import Figure
 from amp_exp.report import curves
 from amp_exp.report.compare import BASELINE
 from amp_exp.report.runs import report_plugin
-from amp_exp.report.speedup import trial_interval, trial_levels
+from amp_exp.report.shown import ratio_of
+from amp_exp.report.speedup import bar_speed, trial_interval, trial_levels
 
 Rows = list[dict[str, Any]]
 Metrics = dict[str, list[dict[str, Any]]]
@@ -280,10 +281,10 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
 
 
 def _bars(
-    rows: Rows, segments: list[tuple[str, str, str]], unit: float, ylabel: str, fmt: str
+    rows: Rows, segments: list[tuple[str, Callable, str]], unit: float, ylabel: str, fmt: str
 ) -> Figure | None:
-    """A panel per model with a bar per completed row: its ``segments`` ((value key, ratio key,
-    legend), from the bottom up) stacked, each labelled with its value and its ratio to fp32."""
+    """A panel per model with a bar per completed row: its ``segments`` ((value key, its ratio's
+    text by row, legend), from the bottom up) stacked, each labelled with value and ratio."""
     shown = [row for row in rows if row["status"] == "completed" and row[segments[0][0]]]
     models = list(dict.fromkeys(row["model"] for row in shown))
     if not models:
@@ -292,7 +293,7 @@ def _bars(
     for ax, model in zip(axes, models, strict=True):
         bars = [row for row in shown if row["model"] == model]
         bottom = [0.0] * len(bars)
-        for layer, (key, ratio_key, legend) in enumerate(segments):
+        for layer, (key, ratio_text, legend) in enumerate(segments):
             values = [(row[key] or 0) / unit for row in bars]
             drawn = ax.bar(
                 range(len(bars)),
@@ -304,7 +305,7 @@ def _bars(
                 label=legend,
             )
             labels = [
-                format(value, fmt) + ("" if row[ratio_key] is None else f"\n{row[ratio_key]:.2f}x")
+                format(value, fmt) + ("" if (text := ratio_text(row)) is None else f"\n{text}")
                 for value, row in zip(values, bars, strict=True)
             ]
             ax.bar_label(drawn, labels=labels, label_type="center", fontsize="small")
@@ -323,8 +324,8 @@ def _bars(
 
 
 def throughput_bars(rows: Rows, metrics: Metrics) -> Figure | None:
-    segments = [("samples_per_s", "speedup", "samples/s")]
-    return _bars(rows, segments, 1, "training samples/s (x fp32)", ",.0f")
+    segments = [("samples_per_s", bar_speed, "samples/s")]
+    return _bars(rows, segments, 1, "training samples/s (speedup: the speed trial's)", ",.0f")
 
 
 def memory_bars(rows: Rows, metrics: Metrics) -> Figure | None:
@@ -337,8 +338,8 @@ def memory_bars(rows: Rows, metrics: Metrics) -> Figure | None:
         for cell in _cells(rows).values()
     ]
     segments = [
-        ("saved_activation_bytes", "activation_ratio", "saved activations"),
-        ("state_bytes", "state_ratio", "weights + optimizer state"),
+        ("saved_activation_bytes", ratio_of("activation_ratio"), "saved activations"),
+        ("state_bytes", ratio_of("state_ratio"), "weights + optimizer state"),
     ]
     return _bars(firsts, segments, 2**20, "MiB (x fp32)", ",.2f")
 

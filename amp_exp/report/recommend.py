@@ -23,7 +23,7 @@ from amp_exp.report.compare import BASELINE, subject
 from amp_exp.report.escape import md_text
 from amp_exp.report.learned import FIX
 from amp_exp.report.shown import show_level
-from amp_exp.report.speedup import trial_interval
+from amp_exp.report.speedup import established, trial_interval
 from amp_exp.report.verdicts import CONTINUE, VERDICT_WORDS
 
 Row = dict[str, Any]
@@ -49,8 +49,7 @@ def speed(comparison: dict[str, Any]) -> tuple[float | None, bool]:
     interval of the paired per-seed throughput ratios. No interval (one seed), no claim."""
     trial = comparison.get("speedup")
     if trial is not None:
-        trending = (trial.get("trend") or {}).get("flag", False)
-        return trial["ratio"], trial_interval(trial)[0] > 1 and not trending
+        return trial["ratio"], established(trial) == "faster"
     jobs = comparison.get("job_speedup")
     if jobs is None:
         return None, False

@@ -43,14 +43,20 @@ FIXED_SEEDS = 3
 RULE = "group-sequential, O'Brien-Fleming-like levels calibrated by simulation"
 
 
-def boundaries(first: int, last: int) -> dict[str, float]:
+# The settings that plan the looks: the evidence sweeper's, unless a command names its own.
+PLAN_SETTINGS = ("evidence.min_seeds", "evidence.max_seeds")
+
+
+def boundaries(
+    first: int, last: int, settings: tuple[str, str] = PLAN_SETTINGS
+) -> dict[str, float]:
     """The calibrated one-sided level of each look n = first .. last, by n."""
     found = calibration()["boundaries"].get(f"{first}-{last}")
     if found is None:
         planned = sorted(calibration()["boundaries"], key=lambda key: int(key.split("-")[1]))
         raise ConfigError(
-            f"evidence.min_seeds={first} evidence.max_seeds={last}: no calibrated boundaries for "
-            f"that plan; min_seeds and max_seeds within {planned[0]} .. {planned[-1]}"
+            f"{settings[0]}={first} {settings[1]}={last}: no calibrated boundaries for "
+            f"that plan; the two within {planned[0]} .. {planned[-1]}"
         )
     return {str(n): alpha for n, alpha in zip(found["looks"], found["alphas"], strict=True)}
 
@@ -65,10 +71,14 @@ class Plan:
     accuracy_levels: dict[str, float]
 
     @classmethod
-    def of(cls, min_seeds: int, max_seeds: int) -> Plan:
+    def of(cls, min_seeds: int, max_seeds: int, settings: tuple[str, str] = PLAN_SETTINGS) -> Plan:
+        """``settings``: the names of min_seeds and max_seeds in the command that plans."""
         first = min(max(min_seeds, ACCURACY_FIRST_LOOK), max_seeds)
         return cls(
-            min_seeds, max_seeds, boundaries(min_seeds, max_seeds), boundaries(first, max_seeds)
+            min_seeds,
+            max_seeds,
+            boundaries(min_seeds, max_seeds, settings),
+            boundaries(first, max_seeds, settings),
         )
 
     @property

@@ -3,6 +3,9 @@ at the decimals their width needs, a tolerance. One place, so every table and se
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from amp_exp.tasks.metrics import ToleranceUnit
 
 
@@ -41,3 +44,8 @@ def show_interval(interval: list[float], unit: ToleranceUnit) -> str:
 
 def show_tolerance(tolerance: float, unit: ToleranceUnit) -> str:
     return f"±{tolerance:g} points" if unit is ToleranceUnit.points else f"±{tolerance:.2%}"
+
+
+def ratio_of(key: str) -> Callable[[dict[str, Any]], str | None]:
+    """A row's ratio to fp32 under ``key`` as a bar's label shows it: 0.50x, or None."""
+    return lambda row: None if row[key] is None else f"{row[key]:.2f}x"

@@ -180,6 +180,22 @@ def _forward_backward(
     return time.perf_counter() - tick
 
 
+def kernel_pass(
+    device: torch.device, precision: str, shapes: Shapes | None = None
+) -> Callable[[], None]:
+    """One forward (under the precision's autocast) and backward of each of the probe's
+    kernels: the step the doctor's speed trial times (amp_exp/doctor.py)."""
+    kernels = _kernels(shapes or SHAPES[device.type], device)
+
+    def step() -> None:
+        for forward, leaves, _ in kernels.values():
+            with _autocast(device, precision):
+                out = forward()
+            torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    return step
+
+
 def measure(
     device: torch.device,
     precisions: Iterable[str],

@@ -31,6 +31,7 @@ from amp_exp.sensitivity.results import (
     write_repair,
     write_sensitivity,
 )
+from amp_exp.sensitivity.verify import verification_plan
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_workload
 from amp_exp.training.capability import check_request
@@ -86,6 +87,8 @@ def run_sensitivity(cfg: RunConfig, output_dir: Path) -> dict[str, Any]:
     finished = finished_before(cfg, output_dir)
     if finished is not None:
         return finished
+    if settings.repair:
+        verification_plan(cfg)  # an uncalibrated plan stops here, before anything is measured
     precisions = target_precisions(settings, cfg.precision.name)
     device = resolve_device(cfg.trainer.device)
     for precision in precisions:

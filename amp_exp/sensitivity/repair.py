@@ -2,7 +2,11 @@
 
 Each candidate set is a trial: ``sensitivity.verify_seeds`` seeds in the target precision,
 judged against the same seeds of fp32 (trained once, shared by every trial) by the sweep
-report's paired verdict (sensitivity/verify.py). A set passes only on ``matches``.
+report's paired verdict (sensitivity/verify.py). A set passes only on ``matches``. A trial whose
+seeds all train but whose verdict is still open is settled before the search moves on: it gets
+one seed more at a time (fp32 too, where it has not run it), up to
+``sensitivity.max_verify_seeds``, under the evidence sweeper's sequential rule
+(report/sequential.py): an undecided set needs more evidence, not a larger set.
 
 The search: the modules as given first (``precision.keep_fp32``, possibly none); then the
 ranking's most sensitive 1, 2, 4, ... modules added until a set passes; then each added module,
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,7 @@ from amp_exp.config.plain import flatten_config, plain_run_config
 from amp_exp.config.precisions import REFERENCE, spec_of
 from amp_exp.config.schema import RunConfig
 from amp_exp.errors import RunRefused
+from amp_exp.report.sequential import OPEN, RULE, Plan, still_open
 from amp_exp.report.stats import Verdict
 from amp_exp.results.files import read_json, write_json
 from amp_exp.sensitivity.reference import Reference
@@ -37,6 +43,7 @@ from amp_exp.sensitivity.verify import (
     judge,
     judge_reference,
     train_seeds,
+    verification_plan,
     verify_seeds,
 )
 from amp_exp.training.keep_fp32 import is_within, outermost
@@ -72,6 +79,7 @@ class Search:
     def __init__(self, cfg: RunConfig, precision: str, verify_dir: Path, reference: Trial) -> None:
         self.cfg, self.precision, self.verify_dir = cfg, precision, verify_dir
         self.reference = reference
+        self.plan = verification_plan(cfg)
         self.trials: list[Trial] = []
         while (found := Trial.load(trial_dir(verify_dir, len(self.trials) + 1))) is not None:
             self.trials.append(found)
@@ -104,14 +112,37 @@ class Search:
             override_line(keep) if keep else "nothing kept in fp32",
             self.cfg.sensitivity.verify_seeds,
         )
-        trial = train_seeds(self.cfg, self.precision, keep, trial_dir(self.verify_dir, number))
-        judge(trial, self.reference, self.cfg.sensitivity.tolerance)
+        trial = self.settle(
+            Trial(self.precision, list(keep), str(trial_dir(self.verify_dir, number)))
+        )
         trial.save()
         verdict = "passed" if trial.passed else "failed"
         log.info("repair trial %d: %s: %s", number, verdict, trial.why)
         self.trials.append(trial)
         self.tried[key] = trial
         return trial.passed
+
+    def settle(self, trial: Trial) -> Trial:
+        """Train and judge the trial look by look, as the evidence sweeper does a cell: a seed
+        more (and fp32's of it) while the verdict is open, until it is decided or
+        max_verify_seeds is reached."""
+        count = self.plan.min_seeds
+        while True:
+            seeds = verify_seeds(self.cfg, count)
+            self.reference = extend_reference(self.cfg, self.reference, seeds)
+            train_seeds(self.cfg, trial, seeds)
+            comparison = judge(trial, self.reference, self.cfg.sensitivity.tolerance, self.plan)
+            if not self.reference.passed or not still_open(comparison, self.plan):
+                return trial
+            log.info(
+                "repair: %s on %d seeds is %s at the look's level (%.2f%% one-sided); "
+                "one seed more, as the sequential rule allows",
+                self.precision,
+                comparison["n_attempted"],
+                trial.verdict,
+                100 * trial.looks[-1]["level"],
+            )
+            count += 1
 
 
 def search(run: Search, given: list[str], candidates: list[str]) -> tuple[list[str] | None, str]:
@@ -215,9 +246,45 @@ def fp32_reference(cfg: RunConfig, verify_dir: Path) -> Trial:
         log.info("repair: the fp32 reference (recorded before): %s", recorded.why)
         return recorded
     log.info("repair: the fp32 reference, %d seeds", cfg.sensitivity.verify_seeds)
-    reference = judge_reference(train_seeds(cfg, REFERENCE, [], verify_dir / REFERENCE_DIR))
+    reference = Trial(REFERENCE, [], str(verify_dir / REFERENCE_DIR))
+    return extend_reference(cfg, reference, verify_seeds(cfg))
+
+
+def extend_reference(cfg: RunConfig, reference: Trial, seeds: list[int]) -> Trial:
+    """fp32's reference with every seed of ``seeds`` trained, recorded again when it grew."""
+    ran = {seed["seed"] for seed in reference.seeds}
+    if set(seeds) <= ran:
+        return reference
+    if ran:
+        log.info("repair: the fp32 reference, seed(s) %s added", sorted(set(seeds) - ran))
+    reference = judge_reference(train_seeds(cfg, reference, seeds))
     reference.save()
     return reference
+
+
+def settled_by(trial: Trial | None) -> dict[str, Any] | None:
+    """The look that settled a trial's verdict (its last): seeds, verdict, one-sided level
+    (None where a failed seed forced the verdict)."""
+    if trial is None or not trial.looks:
+        return None
+    return {"look": len(trial.looks), **trial.looks[-1]}
+
+
+def settled_phrase(settled: dict[str, Any], plan: Plan) -> str:
+    """How the sequential rule ended the trial: decided at a look, or still open at the last;
+    nothing where a failed seed decided it."""
+    if settled["level"] is None:
+        return ""
+    at = (
+        f"{settled['seeds']} seeds, the one-sided level {settled['level']:.2%} of look "
+        f"{settled['look']}"
+    )
+    if settled["seeds"] >= plan.max_seeds and settled["verdict"] in OPEN:
+        return (
+            f"; still {settled['verdict']} on {at}, the last sensitivity.max_verify_seeds "
+            "allows: raise it for more evidence"
+        )
+    return f" ({settled['verdict']} on {at} of the sequential rule)"
 
 
 def repair(
@@ -231,13 +298,16 @@ def repair(
     """repair.json's content. ``candidates``: the ranked modules, most sensitive first."""
     settings = cfg.sensitivity
     log.info(
-        "repair: searching which modules keep %s training, at most %d trials of %d seeds x %d "
-        "steps (growth interval %d), each judged against fp32's seeds by the report's verdict",
+        "repair: searching which modules keep %s training, at most %d trials of %d to %d seeds "
+        "x %d steps (growth interval %d), each judged against fp32's seeds by the report's "
+        "verdict, a seed more while it is open (%s)",
         precision,
         settings.max_trials,
         settings.verify_seeds,
+        settings.max_verify_seeds,
         settings.verify_steps,
         settings.verify_growth_interval,
+        RULE,
     )
     verify_dir = output_dir / VERIFY_DIR
     plan = {
@@ -262,6 +332,9 @@ def repair(
             f"no set was verified: the {precision} runs of the last set tried train, but "
             f"the verdict on them is {final.verdict}, not matches (see why)"
         ) + ("; raise sensitivity.max_trials to search further" if run.trials_left <= 0 else "")
+    settled = settled_by(final)
+    if settled is not None:
+        conclusion += settled_phrase(settled, run.plan)
     # A sliver's override is in repair.json; the line recommends the precision instead.
     shown = f": {override_line(keep)}" if keep and not sliver else ""
     log.info("repair: %s%s", conclusion, shown)
@@ -279,9 +352,14 @@ def repair(
         "override": override_line(keep) if keep else None,
         "low_precision_flop_share": None if kept_share is None else 1 - kept_share,
         "conclusion": conclusion,
+        # The look of the sequential rule that decided the verdict above.
+        "settled_by": settled,
         "criteria": {
             "rule": "the sweep report's paired verdict against fp32 is matches (docs/sweeps.md)",
+            "sequential": {"rule": RULE, **asdict(run.plan)},
+            # The first look's seeds; an open verdict adds one at a time up to max_seeds.
             "seeds": verify_seeds(cfg),
+            "max_seeds": settings.max_verify_seeds,
             "steps": settings.verify_steps,
             "growth_interval": settings.verify_growth_interval,
             # As the verdict resolved it: sensitivity.tolerance, or the task's default.

@@ -1,12 +1,19 @@
-"""Verifying one set of modules kept in fp32: ``sensitivity.verify_seeds`` seeds trained in the
-target precision, judged against fp32's seeds by the sweep report's own paired verdict
-(report/evidence.py's comparison, by report/stats.py's rule, worded by report/verdicts.py).
+"""Verifying one set of modules kept in fp32: its seeds trained in the target precision, judged
+against fp32's seeds by the sweep report's own paired verdict (report/evidence.py's comparison,
+by report/decision.py's rule, worded by report/verdicts.py).
 
-A set passes only when that verdict is ``matches``: the 95% interval of the paired differences
-of the task's quality metric (eval loss, relative, for a language model) lies inside the
-tolerance, and no seed failed (a failed seed makes the verdict ``unstable``, which overrides the
-statistics). Each run is ``sensitivity.verify_steps`` long with fp16's growth interval cut to
+A set passes only when that verdict is ``matches``: the interval of the paired differences of the
+task's quality metric (eval loss, relative, for a language model) lies inside the tolerance, and
+no seed failed (a failed seed makes the verdict ``unstable``, which overrides the statistics).
+Each run is ``sensitivity.verify_steps`` long with fp16's growth interval cut to
 ``sensitivity.verify_growth_interval``, so that the loss scale grows and late overflows happen.
+
+Seeds are added as the evidence sweeper adds them, by its rule (report/sequential.py): the first
+look at ``sensitivity.verify_seeds``, then, while the verdict is open (every seed trained without
+a fault, but nothing is decided), one seed more, up to ``sensitivity.max_verify_seeds``; every
+look's interval is at the plan's calibrated level for that look, so that looking again does not
+raise the rate of false ``matches``. An undecided set gets more evidence before the search calls
+it failed.
 
 Each seed trains in its own directory, ``<trial>/seed_<n>``, with the same engine as any run
 (``run.train``). A seed whose directory already holds a completed run (a resumed search) is read,
@@ -31,6 +38,7 @@ from amp_exp.errors import NumericalFault
 from amp_exp.report.compare import comparison_rows
 from amp_exp.report.evidence import gather
 from amp_exp.report.runs import find_runs
+from amp_exp.report.sequential import Plan
 from amp_exp.report.stats import Verdict
 from amp_exp.report.verdicts import quality_phrase
 from amp_exp.results.contract import Stopped
@@ -73,6 +81,8 @@ class Trial:
     why: str = ""
     # The tolerance the verdict used, in the unit of the task's quality metric.
     tolerance: dict[str, Any] | None = None
+    # Each look of the sequential rule: its seeds, verdict and one-sided level; the last settled.
+    looks: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def load(cls, trial_dir: Path) -> Trial | None:
@@ -90,8 +100,21 @@ class Trial:
         write_json(Path(self.run_dir) / TRIAL_FILE, vars(self))
 
 
-def verify_seeds(cfg: RunConfig) -> list[int]:
-    return [cfg.seed + offset for offset in range(cfg.sensitivity.verify_seeds)]
+def verify_seeds(cfg: RunConfig, count: int | None = None) -> list[int]:
+    """The seeds of a look at ``count`` seeds (the first look's, ``verify_seeds``, by default)."""
+    count = cfg.sensitivity.verify_seeds if count is None else count
+    return [cfg.seed + offset for offset in range(count)]
+
+
+def verification_plan(cfg: RunConfig) -> Plan:
+    """The evidence sweeper's plan for looks at verify_seeds .. max_verify_seeds seeds; one
+    without calibrated levels stops the command in one line (exit 2)."""
+    settings = cfg.sensitivity
+    return Plan.of(
+        settings.verify_seeds,
+        settings.max_verify_seeds,
+        ("sensitivity.verify_seeds", "sensitivity.max_verify_seeds"),
+    )
 
 
 def verification_config(cfg: RunConfig, precision: str, keep: list[str], seed: int) -> RunConfig:
@@ -167,13 +190,16 @@ def train_seed(cfg: RunConfig, run_dir: Path) -> SeedRun:
     return seed_record(cfg.seed, run_dir, summary)
 
 
-def train_seeds(cfg: RunConfig, precision: str, keep: list[str], trial_dir: Path) -> Trial:
-    """The seeds of one configuration, not yet judged. After a seed that failed, the rest are
-    not run: every attempted seed counts, so the verdict is ``unstable`` whatever they do."""
-    trial = Trial(precision, list(keep), str(trial_dir))
-    for seed in verify_seeds(cfg):
-        run = verification_config(cfg, precision, keep, seed)
-        found = train_seed(run, trial_dir / f"seed_{seed}")
+def train_seeds(cfg: RunConfig, trial: Trial, seeds: list[int]) -> Trial:
+    """Train those of ``seeds`` the trial has not run yet (it stays unjudged). After a seed that
+    failed, the rest are not run: every attempted seed counts, so the verdict is ``unstable``
+    whatever they do."""
+    ran = {seed["seed"] for seed in trial.seeds}
+    if any(seed["status"] != Status.completed.value for seed in trial.seeds):
+        return trial
+    for seed in [seed for seed in seeds if seed not in ran]:
+        run = verification_config(cfg, trial.precision, trial.keep_fp32, seed)
+        found = train_seed(run, Path(trial.run_dir) / f"seed_{seed}")
         trial.seeds.append(vars(found))
         if found.status != Status.completed.value:
             trial.why = f"seed {seed} {found.why or f'ended {found.status}'}"
@@ -181,22 +207,29 @@ def train_seeds(cfg: RunConfig, precision: str, keep: list[str], trial_dir: Path
     return trial
 
 
-def paired_comparison(reference_dir: Path, trial_dir: Path, tolerance: float | None) -> dict:
-    """The report's comparison of the trial's seeds against fp32's (report/evidence.py)."""
+def paired_comparison(
+    reference_dir: Path, trial_dir: Path, tolerance: float | None, plan: Plan
+) -> dict:
+    """The report's comparison of the trial's seeds against fp32's (report/evidence.py), at the
+    level of the plan's look at as many seeds (fp32 may have run more: only pairs count)."""
     runs = find_runs([reference_dir, trial_dir])
     # No report.assign_settings: the runs differ in precision, the set kept and the seed alone,
     # and precision.keep_fp32 would make fp32 a setting of its own with nothing to pair.
     rows = comparison_rows(runs, trial_dir.parent)
     metrics = {os.path.relpath(run.path, trial_dir.parent): run.metrics for run in runs}
-    _, comparisons = gather(rows, metrics, tolerance, trials=[])
+    _, comparisons = gather(rows, metrics, tolerance, trials=[], alpha=plan.alpha)
     (comparison,) = comparisons
     return comparison
 
 
-def judge(trial: Trial, reference: Trial, tolerance: float | None) -> dict[str, Any]:
-    """Set the trial's verdict, ``passed`` and why; returns the report's comparison."""
-    comparison = paired_comparison(Path(reference.run_dir), Path(trial.run_dir), tolerance)
-    trial.verdict = comparison["verdict"]
+def judge(trial: Trial, reference: Trial, tolerance: float | None, plan: Plan) -> dict[str, Any]:
+    """Set the trial's verdict, ``passed`` and why, and record the look; returns the report's
+    comparison."""
+    comparison = paired_comparison(Path(reference.run_dir), Path(trial.run_dir), tolerance, plan)
+    trial.verdict, n = comparison["verdict"], comparison["n_attempted"]
+    # A verdict its seeds forced (a failed seed: unstable) is no claim at a level.
+    level = None if comparison["seed_verdict"] else plan.alpha(n, comparison["unit"])
+    trial.looks.append({"seeds": n, "verdict": trial.verdict, "level": level})
     trial.passed = trial.verdict == Verdict.matches.value
     trial.why = quality_phrase(comparison)
     trial.tolerance = {

@@ -28,10 +28,8 @@ import gc
 import math
 import statistics
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from amp_exp.build import Built, build, global_batch_size
@@ -42,8 +40,8 @@ from amp_exp.report.speedup import trial_interval
 from amp_exp.report.verdicts import rounds_phrase
 from amp_exp.results.contract import Stopped
 from amp_exp.runtime.hardware import device_name, resolve_device
-from amp_exp.speed.ratio import LOOK_EVERY, MIN_ROUNDS, TRIAL_CONFIDENCE, looks, narrow, speedup
-from amp_exp.training.timing import StepClock, time_steps, warm_up
+from amp_exp.speed.ratio import LOOK_EVERY, MIN_ROUNDS, TRIAL_CONFIDENCE
+from amp_exp.speed.rounds import Side, pair_speedup, play
 
 
 def training_step(built: Built) -> Callable[[], object]:
@@ -56,48 +54,15 @@ def training_step(built: Built) -> Callable[[], object]:
     return lambda: engine.train_step(batches, interval_loss, want_grad_norm=False)
 
 
-@dataclass
-class Side:
-    """One run of a pair: one step of it, and what its warm-up and rounds measured."""
+def engine_skips(built: Built) -> Callable[[], int]:
+    """The run's skipped steps so far, read from the device (one host read, between rounds)."""
+    engine = built.engine
 
-    built: Built
-    step: Callable[[], object]
-    warmup_steps: int = 0
-    steady: bool = False
-    # Each round's step times, and how many of its steps the device skipped.
-    seconds: list[list[float]] = field(default_factory=list)
-    skipped: list[int] = field(default_factory=list)
-
-    def warm(self, max_steps: int) -> None:
-        self.warmup_steps, self.steady = warm_up(self.step, self.built.device, max_steps)
-        self.built.engine.read_skips()
-
-    def time_round(self, clock: StepClock, steps: int) -> None:
-        engine = self.built.engine
-        before = engine.progress.skipped_steps
-        self.seconds.append(time_steps(self.step, clock, steps))
-        # After the clock stopped: the one host read of the skips is not timed.
+    def skips() -> int:
         engine.read_skips()
-        self.skipped.append(engine.progress.skipped_steps - before)
+        return engine.progress.skipped_steps
 
-    def per_applied_step(self) -> list[float]:
-        """Each round's median step times its steps over its applied steps, in seconds."""
-        return [
-            statistics.median(steps) * len(steps) / (len(steps) - skipped)
-            if skipped < len(steps)
-            else float("inf")
-            for steps, skipped in zip(self.seconds, self.skipped, strict=True)
-        ]
-
-    def total_per_applied_step(self) -> float:
-        applied = sum(len(steps) for steps in self.seconds) - sum(self.skipped)
-        return sum(map(sum, self.seconds)) / applied if applied else float("inf")
-
-
-def round_orders(candidate: str, rounds: int) -> list[tuple[str, str]]:
-    """AB, BA, AB, ...: each side first in exactly half of an even number of rounds."""
-    pair = (BASELINE, candidate)
-    return [pair if r % 2 == 0 else pair[::-1] for r in range(rounds)]
+    return skips
 
 
 def free(device: torch.device) -> None:
@@ -114,32 +79,15 @@ def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfi
     built = build(cfg)
     if not built.engine.policy.timed:
         return {"not_timed": "emulated fp8 is not timed"}
-    sides = {label: Side(built, training_step(built))}
+    sides = {label: Side(training_step(built), engine_skips(built))}
     built = build(baseline)
-    sides = {BASELINE: Side(built, training_step(built)), **sides}
-    for side in sides.values():
-        side.warm(speed.max_warmup_steps)
-    clock = StepClock(built.device)
-    orders: list[tuple[str, str]] = []
-    reached = False
-    stopped: Stopped | None = None
-    try:
-        for rounds in looks(speed.rounds, speed.max_rounds):
-            for order in round_orders(label, rounds)[len(orders) :]:
-                for key in order:
-                    sides[key].time_round(clock, speed.steps)
-                orders.append(order)
-            ratios = np.divide(sides[BASELINE].per_applied_step(), sides[label].per_applied_step())
-            reached = bool(narrow(np.log(ratios), speed.target_halfwidth))
-            if reached:
-                break
-    except Stopped as stop:
-        stopped = stop
-        if len(orders) < MIN_ROUNDS:
-            return {"not_timed": stopped_phrase(stop, len(orders)), "stopped_by": stop}
-        # The rounds done are what was measured; a round cut short is no round.
-        for side in sides.values():
-            del side.seconds[len(orders) :], side.skipped[len(orders) :]
+    sides = {BASELINE: Side(training_step(built), engine_skips(built)), **sides}
+    orders, reached, stopped = play(
+        sides, label, built.device, speed, speed.steps, speed.max_warmup_steps
+    )
+    # The model of the rounds (a level, an order term, a spread) needs MIN_ROUNDS of them.
+    if stopped is not None and len(orders) < MIN_ROUNDS:
+        return {"not_timed": stopped_phrase(stopped, len(orders)), "stopped_by": stopped}
     found = {
         "order": [list(order) for order in orders],
         "warmup_steps": {key: side.warmup_steps for key, side in sides.items()},
@@ -155,11 +103,7 @@ def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfi
             key: 1e3 * side.total_per_applied_step() for key, side in sides.items()
         },
         "speedup": {
-            **speedup(
-                sides[BASELINE].per_applied_step(),
-                sides[label].per_applied_step(),
-                sides[BASELINE].total_per_applied_step() / sides[label].total_per_applied_step(),
-            ).as_dict(),
+            **pair_speedup(sides, label).as_dict(),
             # False: speed.max_rounds ended the trial before its interval was narrow enough.
             "target_reached": reached,
         },

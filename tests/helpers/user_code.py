@@ -141,6 +141,32 @@ def make_planted_overflow(input_shape: tuple[int, ...], num_classes: int) -> nn.
     return PlantedOverflow(input_shape, num_classes)
 
 
+class OverflowingLinear(nn.Module):
+    """A small MLP whose one narrow Linear, ``blowup``, breaks fp16: its weights are so large
+    that its activations reach about 1e5, beyond fp16's 65504, and the LayerNorm after it brings
+    them back to 1. ``trunk`` before it holds most of the FLOPs, so keeping ``blowup`` alone in
+    fp32 leaves most of the model in fp16."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 32) -> None:
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.trunk = nn.Linear(math.prod(input_shape), width)
+        self.act = nn.ReLU()
+        self.blowup = nn.Linear(width, 8)
+        self.norm = nn.LayerNorm(8, elementwise_affine=False)
+        self.head = nn.Linear(8, num_classes)
+        with torch.no_grad():
+            self.blowup.weight.mul_(3e5)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        hidden = self.act(self.trunk(self.flatten(images)))
+        return self.head(self.norm(self.blowup(hidden)))
+
+
+def make_overflowing_linear(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return OverflowingLinear(input_shape, num_classes)
+
+
 def scaled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float = 1e3):
     """Causal attention that scales q and k far up before their product and the scores back down
     after it: the same numbers as plain attention in fp32 and bf16 (fp32's range), but the
