@@ -18,6 +18,7 @@ from typing import Any
 from amp_exp.config.precisions import register
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.results.files import JOB_CONFIG, METRICS_FILE, SUMMARY_FILE
+from amp_exp.results.format import OtherFormatVersion, check_version
 from amp_exp.results.loggers import read_rows
 from amp_exp.results.summary import Status, make_summary
 
@@ -168,6 +169,7 @@ def read_summary(path: Path) -> dict[str, Any]:
     summary = json.loads((path / SUMMARY_FILE).read_bytes().decode("utf-8"))
     if not isinstance(summary, dict):
         raise ValueError(f"it holds a JSON {type(summary).__name__}, not an object")
+    check_version(summary, path / SUMMARY_FILE)
     statuses = [status.value for status in Status]
     if summary.get("status") not in statuses:
         raise ValueError(
@@ -202,6 +204,8 @@ def load_run(path: Path) -> Run:
         summary = read_summary(path)
     except FileNotFoundError:
         summary = killed_summary(path)
+    except OtherFormatVersion:
+        raise  # not a broken run: a format this report cannot judge, refused in one line
     except (OSError, ValueError) as error:
         # UnicodeDecodeError and json.JSONDecodeError are ValueErrors too.
         reason = first_line(str(error)) or type(error).__name__
