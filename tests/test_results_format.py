@@ -95,7 +95,8 @@ def test_a_summary_from_before_the_version_field_reads_as_version_1(engine_copy)
     summary = json.loads((engine_copy / "summary.json").read_text())
     del summary[VERSION_KEY]
     (engine_copy / "summary.json").write_text(json.dumps(summary))
-    assert run_problems(engine_copy) == [f"summary.json (top): '{VERSION_KEY}' is a required property"]
+    missing = f"summary.json (top): '{VERSION_KEY}' is a required property"
+    assert run_problems(engine_copy) == [missing]
 
 
 @pytest.mark.slow
