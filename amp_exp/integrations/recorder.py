@@ -104,7 +104,8 @@ class Recorder:
                 f"{', '.join(names())}"
             )
         self.run_dir = Path(run_dir).expanduser().resolve()
-        self.model, self.optimizer, self.facts, self.scaler = model, optimizer, facts, scaler
+        self.model, self.facts, self.scaler = model, facts, scaler
+        self.optimizer = unwrapped_optimizer(optimizer)
         self.task, self.declared = task_metrics(facts.task)
         self.device = next(model.parameters()).device
         self.warmup_steps = max(
@@ -415,7 +416,8 @@ class Interval:
         progress.consecutive_skips += 1
         self.longest_run = max(self.longest_run, progress.consecutive_skips)
         if not self.skipped:
-            self.first_skipped, self.first_skipped_loss = progress.step, loss
+            self.first_skipped = progress.step
+            self.first_skipped_loss = loss.detach() if torch.is_tensor(loss) else loss
         self.skipped += 1
 
     def mean_loss(self) -> float:
@@ -432,6 +434,14 @@ class Interval:
             longest_run=self.longest_run,
             carried_run=min(self.carried_run, self.longest_run),
         )
+
+
+def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a trainer's wrapper (Accelerate's ``AcceleratedOptimizer``
+    holds it as ``optimizer``): its step hooks are the ones that fire."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def plain(values: dict[str, Any]) -> dict[str, Any]:
