@@ -36,22 +36,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import names, spec_of
+from amp_exp.config.precisions import names
 from amp_exp.errors import ConfigError, NumericalFault, RunRefused, first_line
+from amp_exp.integrations.audited_step import AuditedStep
+from amp_exp.integrations.interval import Interval
 from amp_exp.integrations.metric_names import looked_for, task_metrics, task_names
 from amp_exp.results.claim import hold_directory, holdings
 from amp_exp.results.files import METRICS_FILE, SUMMARY_FILE, write_json
 from amp_exp.results.loggers import EVAL, TRAIN, JsonlLogger, read_rows
 from amp_exp.results.summary import Status, make_summary
 from amp_exp.runtime.hardware import device_name
-from amp_exp.training.audit import dtypes
-from amp_exp.training.audit.matmuls import MatmulRecorder, dtype_name
-from amp_exp.training.audit.saved import SavedActivations
-from amp_exp.training.audit.step import audit_record, verdict_of
-from amp_exp.training.audit.verdict import warning_text
+from amp_exp.training.audit.matmuls import dtype_name
 from amp_exp.training.loop import Progress
 from amp_exp.training.meters import Throughput, peak_memory_bytes, state_bytes
-from amp_exp.training.skip_record import SkippedSteps
 from amp_exp.training.skips import SkipMonitor
 
 log = logging.getLogger("amp_exp")
@@ -121,7 +118,7 @@ class Recorder:
         self.unmapped: set[str] = set()
         self._held = contextlib.ExitStack()
         self._hooks: list[Any] = []
-        self._auditing: tuple[MatmulRecorder, SavedActivations] | None = None
+        self._auditing: AuditedStep | None = None
         self._applied = self._applied_before = 0
         self._interval = Interval()
         self._first_batch: int | None = None
@@ -184,11 +181,7 @@ class Recorder:
     def begin_step(self) -> None:
         """Before the forward of the next optimizer step: the audit starts at its step."""
         if self.audit is None and self._auditing is None and self._next_step == self.warmup_steps:
-            recorder = MatmulRecorder(self.model, self.model)
-            saved = SavedActivations(stopped=lambda: recorder.backward_started)
-            recorder.__enter__()
-            saved.__enter__()
-            self._auditing = (recorder, saved)
+            self._auditing = AuditedStep(self.model, self.optimizer, self.facts.precision).begin()
 
     def end_step(
         self, loss: Any, samples: int, grad_norm: Any = None, epoch: int | None = None
@@ -210,7 +203,6 @@ class Recorder:
             self._grad_norm = grad_norm
         if progress.step == self.warmup_steps:
             self._end_audit()
-        if progress.step == self.warmup_steps:
             self._timing_from = time.perf_counter()
             self.throughput.start(progress.samples, progress.step)
         if progress.step % self.facts.log_every == 0:
@@ -258,29 +250,9 @@ class Recorder:
         }
 
     def _end_audit(self) -> None:
-        if self._auditing is None:
-            return
-        recorder, saved = self._auditing
-        saved.__exit__(None, None, None)
-        recorder.__exit__(None, None, None)
-        self._auditing = None
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        figures = {
-            "flops": recorder.flops.as_rows(),
-            "saved_activation_bytes": saved.summary(),
-            "state": {
-                "weights": dtypes.bytes_by_dtype(self.model.parameters()),
-                "grads": dtypes.bytes_by_dtype(grads) if grads else None,
-                "optimizer_state": dtypes.bytes_by_dtype(dtypes.optimizer_tensors(self.optimizer)),
-            },
-            "weight_elements": dtypes.parameter_elements(self.model),
-            "communication": None,
-            "ranks": 1,
-        }
-        precision = self.facts.precision
-        self.audit = audit_record(self.progress.step, spec_of(precision), figures)
-        if self.audit["engaged"] is False:
-            log.warning("%s", warning_text(precision, verdict_of(self.audit)))
+        if self._auditing is not None:
+            self.audit = self._auditing.end(self.progress.step)
+            self._auditing = None
 
     def _log_train_row(self) -> None:
         """The log step: the one place the device is read (the loss, the scale, the clock)."""
@@ -390,50 +362,6 @@ class Recorder:
             return f"{self.facts.how}; no training forward was seen"
         ran = f"autocast {seen['dtype']}" if seen["enabled"] else "no autocast"
         return f"{self.facts.how}; {ran}, {seen['weights']} weights in the first forward"
-
-
-@dataclass
-class Interval:
-    """The steps since the last log step: the loss summed on the device, the skipped steps."""
-
-    carried_run: int = 0
-    steps: int = 0
-    loss_sum: Any = 0.0
-    skipped: int = 0
-    first_skipped: int = 0
-    first_skipped_loss: Any = None
-    longest_run: int = 0
-
-    def add(self, progress: Progress, loss: Any, skipped: bool) -> None:
-        self.steps += 1
-        if self.steps == 1 and not skipped:
-            self.carried_run = 0  # the run of skips before the interval ended with it
-        self.loss_sum = self.loss_sum + (loss.detach().float() if torch.is_tensor(loss) else loss)
-        if not skipped:
-            progress.consecutive_skips = 0
-            return
-        progress.skipped_steps += 1
-        progress.consecutive_skips += 1
-        self.longest_run = max(self.longest_run, progress.consecutive_skips)
-        if not self.skipped:
-            self.first_skipped = progress.step
-            self.first_skipped_loss = loss.detach() if torch.is_tensor(loss) else loss
-        self.skipped += 1
-
-    def mean_loss(self) -> float:
-        return float(self.loss_sum) / self.steps
-
-    def skipped_steps(self, progress: Progress) -> SkippedSteps:
-        loss = self.first_skipped_loss
-        return SkippedSteps(
-            count=self.skipped,
-            first_step=self.first_skipped,
-            loss_finite=bool(math.isfinite(float(loss))) if loss is not None else True,
-            nonfinite=[],
-            run=progress.consecutive_skips,
-            longest_run=self.longest_run,
-            carried_run=min(self.carried_run, self.longest_run),
-        )
 
 
 def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer:
