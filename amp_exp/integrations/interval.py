@@ -20,6 +20,7 @@ class Interval:
 
     carried_run: int = 0
     steps: int = 0
+    losses: int = 0
     loss_sum: Any = 0.0
     skipped: int = 0
     first_skipped: int = 0
@@ -30,7 +31,11 @@ class Interval:
         self.steps += 1
         if self.steps == 1 and not skipped:
             self.carried_run = 0  # the run of skips before the interval ended with it
-        self.loss_sum = self.loss_sum + (loss.detach().float() if torch.is_tensor(loss) else loss)
+        if loss is not None:  # a trainer that hands no loss over (a custom compute_loss)
+            self.losses += 1
+            self.loss_sum = self.loss_sum + (
+                loss.detach().float() if torch.is_tensor(loss) else loss
+            )
         if not skipped:
             progress.consecutive_skips = 0
             return
@@ -42,8 +47,8 @@ class Interval:
             self.first_skipped_loss = loss.detach() if torch.is_tensor(loss) else loss
         self.skipped += 1
 
-    def mean_loss(self) -> float:
-        return float(self.loss_sum) / self.steps
+    def mean_loss(self) -> float | None:
+        return float(self.loss_sum) / self.losses if self.losses else None
 
     def skipped_steps(self, progress: Progress) -> SkippedSteps:
         loss = self.first_skipped_loss

@@ -69,9 +69,11 @@ class RunFacts:
     trainer: str
     # The trainer's precision flags as set; they make the precision, not a setting of the run.
     flags: dict[str, Any] = field(default_factory=dict)
-    # The trainer's resolved configuration, less its paths, names and precision flags: a value
-    # that differs between runs of a model becomes part of their setting in the report.
+    # What of the trainer's configuration changes what it trains (no paths, names or precision
+    # flags): a value that differs between runs of a model becomes part of their setting.
     config: dict[str, Any] = field(default_factory=dict)
+    # The trainer's whole resolved configuration, as recorded (precision_details).
+    resolved: dict[str, Any] = field(default_factory=dict)
     log_every: int = 10
     # Steps left out of the throughput clock; the last of them is audited. None: one log interval.
     warmup_steps: int | None = None
@@ -116,6 +118,8 @@ class Recorder:
         self.audit: dict[str, Any] | None = None
         self.autocast: dict[str, Any] | None = None
         self.unmapped: set[str] = set()
+        # What ended the run, once it ended with a fault: a reopened record keeps it.
+        self.error: BaseException | None = None
         self._held = contextlib.ExitStack()
         self._hooks: list[Any] = []
         self._auditing: AuditedStep | None = None
@@ -148,14 +152,21 @@ class Recorder:
         self._logger = JsonlLogger(metrics, append=self.facts.resume)
         self._hooks = [
             self.optimizer.register_step_post_hook(self._applied_one),
-            self.model.register_forward_pre_hook(self._see_autocast),
+            *self._autocast_hooks(),
         ]
+        return self
+
+    def reopen(self) -> Recorder:
+        """A closed record open again, for an evaluation after training (``trainer.evaluate()``
+        once ``train()`` returned); ``close`` then rewrites the summary with it."""
+        hold_directory(self.run_dir, lambda: None, self._held)
+        self._logger = JsonlLogger(self.run_dir / METRICS_FILE, append=True)
         return self
 
     def close(self, error: BaseException | None = None) -> dict[str, Any]:
         """Write summary.json (failed, with ``error``'s line, if it ended with one) and let the
         directory go; returns the summary. A fault the last log step finds is raised after."""
-        found = None
+        found, error = None, error or self.error
         try:
             self._end_audit()
             if error is None and self._interval.steps:
@@ -165,6 +176,7 @@ class Recorder:
         finally:
             for hook in self._hooks:
                 hook.remove()
+        self.error = error
         try:
             summary = self._summary(error)
             write_json(self.run_dir / SUMMARY_FILE, summary)
@@ -186,9 +198,10 @@ class Recorder:
     def end_step(
         self, loss: Any, samples: int, grad_norm: Any = None, epoch: int | None = None
     ) -> None:
-        """After an optimizer step (taken or skipped): ``loss`` (a tensor stays on the device),
-        the samples it trained on, the gradient norm where known. Raises ``NumericalFault`` when
-        the loss scale collapsed or the loss went non-finite (read at log steps only)."""
+        """After an optimizer step (taken or skipped): ``loss`` (a tensor stays on the device;
+        None if the trainer hands none over), the samples it trained on, the gradient norm where
+        known. Raises ``NumericalFault`` when the loss scale collapsed or the loss went
+        non-finite (read at log steps only)."""
         progress = self.progress
         progress.step += 1
         progress.samples += samples
@@ -207,6 +220,13 @@ class Recorder:
             self.throughput.start(progress.samples, progress.step)
         if progress.step % self.facts.log_every == 0:
             self._log_train_row()
+
+    def note_grad_norm(self) -> None:
+        """Before the optimizer steps, the gradients' total norm, computed (on the device, never
+        read here) only when the step is a log step: a trainer's callbacks call this."""
+        if self._next_step % self.facts.log_every == 0:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
 
     def eval(self, metrics: dict[str, Any]) -> dict[str, float]:
         """An evaluation's metrics, under the task's names; its time is left out of the clock."""
@@ -237,6 +257,13 @@ class Recorder:
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
 
+    def _autocast_hooks(self) -> list[Any]:
+        """Forward pre-hooks on the model's children (the model itself if it has none): a
+        trainer may wrap the model's own forward in autocast (Accelerate does), so the model's
+        pre-hook runs outside it, and its children's inside."""
+        children = list(self.model.children()) or [self.model]
+        return [child.register_forward_pre_hook(self._see_autocast) for child in children]
+
     def _see_autocast(self, module: nn.Module, args: Any) -> None:
         """The autocast the first training forward runs under: what the trainer really set."""
         if not module.training or self.autocast is not None:
@@ -246,7 +273,7 @@ class Recorder:
         self.autocast = {
             "enabled": on,
             "dtype": dtype_name(torch.get_autocast_dtype(kind)) if on else None,
-            "weights": dtype_name(next(module.parameters()).dtype),
+            "weights": dtype_name(next(self.model.parameters()).dtype),
         }
 
     def _end_audit(self) -> None:
@@ -284,7 +311,7 @@ class Recorder:
             self.monitor.on_skipped_steps(
                 progress, self.facts.precision, scale, interval.skipped_steps(progress)
             )
-        elif scale is None and not math.isfinite(loss):
+        elif scale is None and loss is not None and not math.isfinite(loss):
             raise NumericalFault(
                 f"the loss went non-finite by step {progress.step} in {self.facts.precision}: "
                 "the run diverged. Try a lower learning rate or gradient clipping"
@@ -350,6 +377,7 @@ class Recorder:
                 "trainer": facts.trainer,
                 "flags": facts.flags,
                 "autocast": self.autocast,
+                "trainer_config": facts.resolved,
                 "log_every": facts.log_every,
                 "warmup_steps": self.warmup_steps,
             },
