@@ -33,7 +33,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from amp_exp.errors import ConfigError, NumericalFault, first_line
-from amp_exp.integrations.recorder import Recorder, RunFacts, plain
+from amp_exp.integrations.facts import RunFacts, plain
+from amp_exp.integrations.recorder import Recorder
 
 log = logging.getLogger("amp_exp")
 

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.integrations.recorder import Recorder, RunFacts
+from amp_exp.integrations.facts import RunFacts
+from amp_exp.integrations.recorder import Recorder
 
 
 class RecordHandle:

@@ -29,7 +29,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from amp_exp.errors import NumericalFault, first_line
-from amp_exp.integrations.recorder import Recorder, RunFacts, plain
+from amp_exp.integrations.facts import RunFacts, plain
+from amp_exp.integrations.recorder import Recorder
 
 log = logging.getLogger("amp_exp")
 
