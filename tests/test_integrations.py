@@ -244,3 +244,191 @@ def test_a_report_judges_plain_loops_paired_by_model_and_seed(tmp_path) -> None:
     bf16 = [row for row in report["runs"] if row["precision"] == "bf16"]
     assert len(bf16) == 2 and all(row["baseline"] is not None for row in bf16)
     assert all(row["setting"] == "" for row in report["runs"])
+
+
+# The real trainers, on tiny models: two seeds of fp32 and bf16 each, in-process.
+SEEDS = (0, 1)
+
+
+def hf_trainer_run(run_dir: Path, precision: str, seed: int) -> None:
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+    from amp_exp.integrations.transformers import AmpExpCallback
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=2, max_position_embeddings=16,
+    )  # fmt: skip
+    model = BertForSequenceClassification(config)
+    ids = torch.randint(0, 32, (32, 8), generator=torch.Generator().manual_seed(1))
+    rows = [{"input_ids": i, "labels": int(i[0] < 16)} for i in ids]
+    args = TrainingArguments(
+        str(run_dir), max_steps=4, per_device_train_batch_size=8, logging_steps=2,
+        bf16=precision == "bf16", use_cpu=True, report_to=[], eval_strategy="steps",
+        eval_steps=4, save_strategy="no", seed=seed, learning_rate=1e-3, disable_tqdm=True,
+    )  # fmt: skip
+
+    def accuracy(prediction) -> dict:
+        return {
+            "accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())
+        }
+
+    trainer = Trainer(
+        model=model, args=args, train_dataset=rows, eval_dataset=rows[:16],
+        compute_metrics=accuracy, callbacks=[AmpExpCallback()],
+    )  # fmt: skip
+    trainer.train()
+
+
+class TinyLightningNet:
+    """A LightningModule class, built when lightning is imported."""
+
+    @staticmethod
+    def make(inf_at: set[int] = frozenset()):
+        import lightning as L
+
+        class Net(L.LightningModule):
+            def __init__(self, lr: float = 0.5) -> None:
+                super().__init__()
+                self.save_hyperparameters()
+                self.net = tiny_model(torch.initial_seed() % 2**31)
+
+            def forward(self, x):
+                return self.net(x)
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                loss = F.cross_entropy(self(x), y)
+                return loss * float("inf") if self.global_step + 1 in inf_at else loss
+
+            def validation_step(self, batch, batch_idx):
+                x, y = batch
+                logits = self(x)
+                self.log("val_loss", F.cross_entropy(logits, y))
+                self.log("val_acc", (logits.argmax(1) == y).float().mean())
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+        return Net()
+
+
+def lightning_run(run_dir: Path, precision: str, seed: int, **trainer_args) -> None:
+    import lightning as L
+
+    from amp_exp.integrations.lightning import AmpExpCallback
+
+    L.seed_everything(seed, verbose=False)
+    x, y = data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    inf_at = trainer_args.pop("inf_at", set())
+    if "plugins" not in trainer_args:  # a precision plugin given is the precision
+        trainer_args["precision"] = precision
+    trainer = L.Trainer(
+        max_steps=4, accelerator="cpu", log_every_n_steps=2,
+        val_check_interval=4, default_root_dir=str(run_dir), enable_progress_bar=False,
+        enable_model_summary=False, logger=False, enable_checkpointing=False,
+        callbacks=[AmpExpCallback()], **trainer_args,
+    )  # fmt: skip
+    trainer.fit(TinyLightningNet.make(inf_at), loader, loader)
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hf_runs")
+    for precision in ("fp32", "bf16"):
+        for seed in SEEDS:
+            hf_trainer_run(root / f"{precision}_{seed}", precision, seed)
+    return root
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lightning_runs")
+    for precision, flag in (("fp32", "32-true"), ("bf16", "bf16-mixed")):
+        for seed in SEEDS:
+            lightning_run(root / f"{precision}_{seed}", flag, seed)
+    return root
+
+
+def summaries(root: Path) -> dict[str, dict]:
+    return {
+        path.parent.parent.name: json.loads(path.read_text())
+        for path in sorted(root.glob("*/amp_exp/summary.json"))
+    }
+
+
+@pytest.mark.slow
+def test_the_hf_trainer_records_into_output_dir_amp_exp_in_the_results_format(hf_runs) -> None:
+    found = summaries(hf_runs)
+    assert sorted(found) == ["bf16_0", "bf16_1", "fp32_0", "fp32_1"]
+    for name, summary in found.items():
+        assert run_problems(hf_runs / name / "amp_exp") == [], name
+        assert summary["status"] == "completed" and summary["steps"] == 4
+        assert summary["eval_acc"] is not None  # compute_metrics' eval_accuracy, mapped
+        assert summary["precision_audit"]["engaged"] is True
+    bf16 = found["bf16_0"]
+    assert bf16["precision"] == "bf16" and "bf16=True" in bf16["precision_reason"]
+    assert "autocast bfloat16" in bf16["precision_reason"]
+    assert found["fp32_0"]["precision"] == "fp32"
+    assert bf16["model"] == found["fp32_0"]["model"] == "bert"
+
+
+@pytest.mark.slow
+def test_a_finished_hf_record_is_refused_in_a_reused_output_dir(hf_runs, tmp_path) -> None:
+    import shutil
+
+    shutil.copytree(hf_runs / "fp32_0", tmp_path / "run")
+    with pytest.raises(RunRefused, match="pass resume=True"):
+        hf_trainer_run(tmp_path / "run", "fp32", 0)
+
+
+@pytest.mark.slow
+def test_lightning_records_its_precision_string_and_val_metrics(lightning_runs) -> None:
+    found = summaries(lightning_runs)
+    assert sorted(found) == ["bf16_0", "bf16_1", "fp32_0", "fp32_1"]
+    for name, summary in found.items():
+        assert run_problems(lightning_runs / name / "amp_exp") == [], name
+        assert summary["eval_acc"] is not None and summary["eval_loss"] is not None
+        assert summary["seed"] == int(name[-1])
+    assert "precision='bf16-mixed'" in found["bf16_0"]["precision_reason"]
+    assert found["bf16_0"]["precision_audit"]["flops_by_dtype"] == {"bfloat16": 1.0}
+    assert found["fp32_0"]["precision_audit"]["flops_by_dtype"] == {"float32": 1.0}
+
+
+@pytest.mark.slow
+def test_lightnings_own_fp16_scaler_gives_the_scale_and_the_skipped_steps(tmp_path) -> None:
+    """A Lightning MixedPrecision plugin with a CPU GradScaler: the step it skipped is counted."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    lightning_run(tmp_path, "", 0, plugins=[plugin], inf_at={3})
+    summary = json.loads((tmp_path / "amp_exp" / "summary.json").read_text())
+    assert summary["precision"] == "fp16"
+    assert summary["skipped_steps"] == 1 and summary["loss_scale"] == 2.0**15
+    assert summary["precision_audit"]["flops_by_dtype"] == {"float16": 1.0}
+
+
+@pytest.mark.slow
+def test_the_report_judges_each_trainers_runs_paired_by_model_and_seed(
+    hf_runs, lightning_runs, tmp_path
+) -> None:
+    """Given as directories, from two trainers at once: each bf16 run against the fp32 run of
+    its own model and seed, one verdict per model."""
+    report = build_report([hf_runs, lightning_runs], tmp_path)
+    bf16 = [row for row in report["runs"] if row["precision"] == "bf16"]
+    assert sorted(row["model"] for row in bf16) == ["Net", "Net", "bert", "bert"]
+    for row in bf16:
+        baseline = next(r for r in report["runs"] if r["run"] == row["baseline"])
+        assert (baseline["model"], baseline["seed"]) == (row["model"], row["seed"])
+    result = subprocess.run(
+        [sys.executable, "-m", "amp_exp.report", str(hf_runs), str(lightning_runs)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (
+        "Recommendation" in (hf_runs / "report.md").read_text()
+        if (hf_runs / "report.md").exists()
+        else True
+    )
