@@ -259,15 +259,15 @@ def test_a_rerun_of_one_seed_is_no_replicate_and_a_missing_pair_is_named(tmp_pat
     )
 
 
-def test_runs_that_never_evaluated_are_compared_on_speed_and_loss_alone(tmp_path: Path) -> None:
+def test_runs_that_never_evaluated_are_compared_on_speed_and_loss_naming_the_metric(
+    tmp_path: Path,
+) -> None:
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, None)
     write_run(tmp_path / "1", "tiny_cnn", "bf16", 1000.0, None)
     report = build_report([tmp_path], tmp_path)
     (comparison,) = report["comparisons"]
     assert (comparison["n"], comparison["verdict"], comparison["delta_mean"]) == (0, None, None)
-    assert report["verdicts"][0].startswith(
-        "tiny_cnn: bf16 against fp32: no eval metric to compare;"
-    )
+    assert report["verdicts"][0].startswith("tiny_cnn: bf16 against fp32: no eval_acc to compare;")
     assert "| tiny_cnn | bf16 | 0 | - | - | - | - | - |" in (tmp_path / "report.md").read_text()
 
 

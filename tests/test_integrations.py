@@ -47,10 +47,12 @@ def plain_loop(
     steps: int = 8,
     inf_at: set[int] = frozenset(),
     init_scale: float = 2.0**16,
+    accuracy_as: str = "val_acc",
     **record_args,
 ):
     """A plain loop recorded with ``amp_exp.record``: autocast as ``precision`` says (unless
-    ``autocast`` is off), a GradScaler for fp16, an overflowing loss at the steps ``inf_at``."""
+    ``autocast`` is off), a GradScaler for fp16, an overflowing loss at the steps ``inf_at``,
+    the accuracy reported as ``accuracy_as``."""
     model, (x, y) = tiny_model(seed), data()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     dtype = AUTOCAST.get(precision)
@@ -80,9 +82,8 @@ def plain_loop(
             run.step(loss, batch_size=len(x))
         with torch.no_grad():
             logits = model(x)
-            run.eval(
-                val_loss=F.cross_entropy(logits, y), val_acc=(logits.argmax(1) == y).float().mean()
-            )
+            accuracy = (logits.argmax(1) == y).float().mean()
+            run.eval(val_loss=F.cross_entropy(logits, y), **{accuracy_as: accuracy})
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -220,6 +221,25 @@ def test_a_missing_quality_metric_is_named(tmp_path, caplog) -> None:
         run.eval(val_f1=0.5, val_loss=1.0)
     assert "no eval_acc was recorded (looked for eval_acc, eval_accuracy, val_acc" in caplog.text
     assert "got val_f1" in caplog.text
+
+
+def test_the_report_says_a_loop_whose_bf16_never_engaged_did_not_engage(tmp_path) -> None:
+    for seed in (0, 1):
+        plain_loop(tmp_path / f"fp32_{seed}", "fp32", seed)
+        plain_loop(tmp_path / f"bf16_{seed}", "bf16", seed, autocast=False)
+    report = build_report([tmp_path], tmp_path)
+    (comparison,) = report["comparisons"]
+    assert comparison["verdict"] == "not_engaged"
+    assert "did not engage" in report["verdicts"][0]
+
+
+def test_the_report_names_the_metric_a_loop_never_recorded(tmp_path) -> None:
+    """An accuracy under a name no alias knows (``val_top1``): the verdict names eval_acc."""
+    for precision in ("fp32", "bf16"):
+        for seed in (0, 1):
+            plain_loop(tmp_path / f"{precision}_{seed}", precision, seed, accuracy_as="val_top1")
+    report = build_report([tmp_path], tmp_path)
+    assert "tiny_mlp: bf16 against fp32: no eval_acc to compare" in report["verdicts"][0]
 
 
 def test_importing_amp_exp_imports_neither_transformers_nor_lightning_nor_torch() -> None:
@@ -423,12 +443,10 @@ def test_the_report_judges_each_trainers_runs_paired_by_model_and_seed(
         baseline = next(r for r in report["runs"] if r["run"] == row["baseline"])
         assert (baseline["model"], baseline["seed"]) == (row["model"], row["seed"])
     result = subprocess.run(
-        [sys.executable, "-m", "amp_exp.report", str(hf_runs), str(lightning_runs)],
+        [sys.executable, "-m", "amp_exp.report", str(hf_runs), str(lightning_runs), "--out",
+         str(tmp_path / "printed")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    assert (
-        "Recommendation" in (hf_runs / "report.md").read_text()
-        if (hf_runs / "report.md").exists()
-        else True
-    )
+    verdicts = [line for line in result.stdout.splitlines() if " against fp32" in line]
+    assert sorted(line.split(":")[0] for line in verdicts) == ["Net", "bert"]
