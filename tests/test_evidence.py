@@ -259,9 +259,7 @@ def test_a_rerun_of_one_seed_is_no_replicate_and_a_missing_pair_is_named(tmp_pat
     )
 
 
-def test_runs_that_never_evaluated_are_compared_on_speed_and_loss_naming_the_metric(
-    tmp_path: Path,
-) -> None:
+def test_runs_that_never_evaluated_are_compared_on_speed_and_loss_alone(tmp_path: Path) -> None:
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, None)
     write_run(tmp_path / "1", "tiny_cnn", "bf16", 1000.0, None)
     report = build_report([tmp_path], tmp_path)
