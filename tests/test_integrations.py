@@ -142,6 +142,8 @@ def test_a_finished_record_is_refused_unless_resumed(tmp_path) -> None:
     summary = plain_loop(tmp_path, "bf16", steps=2, resume=True)
     assert summary["status"] == "completed"
     assert [row["step"] for row in rows(tmp_path, "train")] == [2, 4]
+    # The resumed attempt warms up and audits in its own steps, past the first attempt's.
+    assert summary["precision_audit"]["step"] == 4
 
 
 def test_the_recorder_reads_the_device_only_at_log_steps(tmp_path, monkeypatch) -> None:

@@ -26,6 +26,7 @@ refused, and one holding a finished record takes only ``resume=True``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -161,7 +162,7 @@ class Recorder:
 
     def begin_step(self) -> None:
         """Before the forward of the next optimizer step: the audit starts at its step."""
-        if self.audit is None and self._auditing is None and self._next_step == self.warmup_steps:
+        if self.audit is None and self._auditing is None and self._next_step == self._warm_until:
             self._auditing = AuditedStep(self.model, self.optimizer, self.facts.precision).begin()
 
     def end_step(
@@ -172,6 +173,7 @@ class Recorder:
         known. Raises ``NumericalFault`` when the loss scale collapsed or the loss went
         non-finite (read at log steps only)."""
         progress = self.progress
+        warm_until = self._warm_until  # fixed before this attempt's first step counts
         progress.step += 1
         progress.samples += samples
         if epoch is not None:
@@ -183,7 +185,7 @@ class Recorder:
         self._interval.add(progress, loss, skipped and self._scaling())
         if grad_norm is not None:
             self._grad_norm = grad_norm
-        if progress.step == self.warmup_steps:
+        if progress.step == warm_until:
             self._end_audit()
             self._timing_from = time.perf_counter()
             self.throughput.start(progress.samples, progress.step)
@@ -215,6 +217,12 @@ class Recorder:
         """Leave out of throughput the time since the last log step (an evaluation ran in it)."""
         if self.throughput.started:
             self.throughput.start(self.progress.samples, self.progress.step)
+
+    @functools.cached_property
+    def _warm_until(self) -> int:
+        """The last warm-up step (the audited one): ``warmup_steps`` into this attempt, which a
+        resumed run starts past its earlier steps."""
+        return self.progress.step + self.warmup_steps
 
     @property
     def _next_step(self) -> int:
