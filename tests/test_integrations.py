@@ -244,6 +244,7 @@ def test_the_report_names_the_metric_a_loop_never_recorded(tmp_path) -> None:
     assert "tiny_mlp: bf16 against fp32: no eval_acc to compare" in report["verdicts"][0]
 
 
+@pytest.mark.slow
 def test_importing_amp_exp_imports_neither_transformers_nor_lightning_nor_torch() -> None:
     code = (
         "import sys, amp_exp; "
