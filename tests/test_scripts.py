@@ -168,3 +168,15 @@ def test_the_hf_trainer_benchmark_times_both_sides_by_both_clocks() -> None:
     assert row["steps_timed_per_side"] == 2
     for clock in ("wall", "cpu"):
         assert row[clock]["amp_exp_tokens_per_s"] > 0 and row[clock]["hf_trainer_tokens_per_s"] > 0
+
+
+def test_bench_integrations_smoke_prints_a_row_per_trainer(monkeypatch, capsys) -> None:
+    """Both arms of each round train and record; the figures themselves don't matter here."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_integrations
+
+    bench_integrations.main(
+        ["--trainers", "lightning", "--rounds", "2", "--steps", "6", "--warmup", "2"]
+    )
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| lightning")]
+    assert len(rows) == 1 and rows[0].count("|") == 7
