@@ -273,7 +273,9 @@ def test_a_report_judges_plain_loops_paired_by_model_and_seed(tmp_path) -> None:
 SEEDS = (0, 1)
 
 
-def hf_trainer_run(run_dir: Path, precision: str, seed: int) -> None:
+def hf_trainer_run(run_dir: Path, precision: str, seed: int, evaluate_after: bool = False) -> None:
+    """The Trainer evaluating at its last step, or (``evaluate_after``) only in an
+    ``evaluate()`` after ``train()``."""
     from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
     from amp_exp.integrations.transformers import AmpExpCallback
@@ -288,7 +290,8 @@ def hf_trainer_run(run_dir: Path, precision: str, seed: int) -> None:
     rows = [{"input_ids": i, "labels": int(i[0] < 16)} for i in ids]
     args = TrainingArguments(
         str(run_dir), max_steps=4, per_device_train_batch_size=8, logging_steps=2,
-        bf16=precision == "bf16", use_cpu=True, report_to=[], eval_strategy="steps",
+        bf16=precision == "bf16", use_cpu=True, report_to=[],
+        eval_strategy="no" if evaluate_after else "steps",
         eval_steps=4, save_strategy="no", seed=seed, learning_rate=1e-3, disable_tqdm=True,
     )  # fmt: skip
 
@@ -302,6 +305,8 @@ def hf_trainer_run(run_dir: Path, precision: str, seed: int) -> None:
         compute_metrics=accuracy, callbacks=[AmpExpCallback()],
     )  # fmt: skip
     trainer.train()
+    if evaluate_after:
+        trainer.evaluate()
 
 
 class TinyLightningNet:
@@ -405,6 +410,15 @@ def test_a_finished_hf_record_is_refused_in_a_reused_output_dir(hf_runs, tmp_pat
     shutil.copytree(hf_runs / "fp32_0", tmp_path / "run")
     with pytest.raises(RunRefused, match="pass resume=True"):
         hf_trainer_run(tmp_path / "run", "fp32", 0)
+
+
+@pytest.mark.slow
+def test_an_hf_evaluate_after_train_reaches_the_closed_record(tmp_path) -> None:
+    hf_trainer_run(tmp_path, "bf16", 0, evaluate_after=True)
+    summary = json.loads((tmp_path / "amp_exp" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["eval_acc"] is not None
+    assert [row["step"] for row in rows(tmp_path / "amp_exp", "eval")] == [4]
+    assert run_problems(tmp_path / "amp_exp") == []
 
 
 @pytest.mark.slow
