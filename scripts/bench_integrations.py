@@ -40,14 +40,14 @@ def step_times(record: list[float]):
     return HFTimes(), LightningTimes()
 
 
-def hf_round(steps: int, recorded: bool, out: Path, precision: str) -> list[float]:
+def hf_round(steps: int, recorded: bool, out: Path, precision: str, size: int) -> list[float]:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from amp_exp.integrations.transformers import AmpExpCallback
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=50257, n_positions=128, n_embd=128, n_layer=4, n_head=4)
-    tokens = torch.randint(0, 50257, (16 * steps, 128), generator=torch.Generator().manual_seed(0))
+    config = GPT2Config(vocab_size=50257, n_positions=size, n_embd=128, n_layer=4, n_head=4)
+    tokens = torch.randint(0, 50257, (16 * steps, size), generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": t, "labels": t} for t in tokens]
     times: list[float] = []
     timer, _ = step_times(times)
@@ -67,7 +67,9 @@ def hf_round(steps: int, recorded: bool, out: Path, precision: str) -> list[floa
     return times
 
 
-def lightning_round(steps: int, recorded: bool, out: Path, precision: str) -> list[float]:
+def lightning_round(
+    steps: int, recorded: bool, out: Path, precision: str, size: int
+) -> list[float]:
     import lightning as L
     import torch.nn.functional as F
     import torchvision
@@ -87,7 +89,7 @@ def lightning_round(steps: int, recorded: bool, out: Path, precision: str) -> li
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     L.seed_everything(0, verbose=False)
-    images = torch.randn(32 * steps, 3, 64, 64)
+    images = torch.randn(32 * steps, 3, size, size)
     labels = torch.randint(0, 10, (32 * steps,))
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(images, labels), batch_size=32
@@ -110,6 +112,8 @@ def lightning_round(steps: int, recorded: bool, out: Path, precision: str) -> li
 
 
 ROUNDS = {"hf": hf_round, "lightning": lightning_round}
+# The sequence length (GPT-2) and image size (ResNet-18) of a step.
+SIZES = {"hf": 128, "lightning": 64}
 
 
 def median_step(times: list[float], warmup: int) -> float:
@@ -117,7 +121,9 @@ def median_step(times: list[float], warmup: int) -> float:
     return statistics.median(gaps[warmup:])
 
 
-def bench(trainer: str, rounds: int, steps: int, warmup: int, precision: str) -> dict:
+def bench(
+    trainer: str, rounds: int, steps: int, warmup: int, precision: str, size: int | None = None
+) -> dict:
     """Per round: the median step time without and with the callback, and the overhead."""
     run_round = ROUNDS[trainer]
     figures = []
@@ -127,7 +133,8 @@ def bench(trainer: str, rounds: int, steps: int, warmup: int, precision: str) ->
             medians = {}
             for recorded in order:
                 out = Path(scratch) / f"{trainer}_{number}_{int(recorded)}"
-                medians[recorded] = median_step(run_round(steps, recorded, out, precision), warmup)
+                times = run_round(steps, recorded, out, precision, size or SIZES[trainer])
+                medians[recorded] = median_step(times, warmup)
             figures.append(
                 {
                     "without_s": medians[False],
@@ -162,11 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of each median")
+    parser.add_argument(
+        "--size", type=int, help="sequence length or image size (default: 128 and 64)"
+    )
     args = parser.parse_args(argv)
     print("| trainer | precision | rounds | step (without) | overhead (median) | range |")
     print("|---|---|---|---|---|---|")
     for trainer in args.trainers:
-        result = bench(trainer, args.rounds, args.steps, args.warmup, args.precision)
+        result = bench(trainer, args.rounds, args.steps, args.warmup, args.precision, args.size)
         print(markdown_row(result), flush=True)
 
 

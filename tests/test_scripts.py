@@ -175,8 +175,7 @@ def test_bench_integrations_smoke_prints_a_row_per_trainer(monkeypatch, capsys) 
     monkeypatch.syspath_prepend(str(SCRIPTS))
     import bench_integrations
 
-    bench_integrations.main(
-        ["--trainers", "lightning", "--rounds", "2", "--steps", "6", "--warmup", "2"]
-    )
+    smoke = ["--rounds", "2", "--steps", "5", "--warmup", "2", "--size", "16"]
+    bench_integrations.main(["--trainers", "lightning", *smoke, "--precision", "fp32"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| lightning")]
     assert len(rows) == 1 and rows[0].count("|") == 7
