@@ -68,11 +68,9 @@ def precision_of(args: Any, weights_dtype: Any) -> str:
 
 
 def task_of(model: Any) -> str:
-    return (
-        "lm"
-        if any(word in type(model).__name__ for word in LANGUAGE_MODEL_WORDS)
-        else ("classification")
-    )
+    """lm for a model that predicts tokens (judged on the eval loss), else classification."""
+    language_model = any(word in type(model).__name__ for word in LANGUAGE_MODEL_WORDS)
+    return "lm" if language_model else "classification"
 
 
 def model_name(model: Any) -> str:
