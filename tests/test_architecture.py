@@ -48,6 +48,8 @@ LAYERS = [
     ),
     # It verifies its repairs with real runs (amp_exp.run), so it sits above the composition root.
     ("amp_exp.sensitivity",),
+    # Other trainers' runs, recorded with the audit and written in the results format.
+    ("amp_exp.integrations",),
 ]
 
 

@@ -269,9 +269,7 @@ def test_runs_that_never_evaluated_are_compared_on_speed_and_loss_alone(tmp_path
     report = build_report([tmp_path], tmp_path)
     (comparison,) = report["comparisons"]
     assert (comparison["n"], comparison["verdict"], comparison["delta_mean"]) == (0, None, None)
-    assert report["verdicts"][0].startswith(
-        "tiny_cnn: bf16 against fp32: no eval metric to compare;"
-    )
+    assert report["verdicts"][0].startswith("tiny_cnn: bf16 against fp32: no eval_acc to compare;")
     assert "| tiny_cnn | bf16 | 0 | - | - | - | - | - |" in (tmp_path / "report.md").read_text()
 
 

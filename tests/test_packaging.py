@@ -21,5 +21,9 @@ def test_the_wheel_carries_every_config_and_the_launcher_classes(tmp_path: Path)
     assert "amp_exp/conf/config.yaml" in configs
     assert configs <= names
     assert "hydra_plugins/_amp_exp_submitit.py" in names
+    # The results format's schemas: an installed amp_exp validates and reads results with them.
+    schemas = {f"amp_exp/results/schema/{p.name}" for p in REPO.glob("amp_exp/results/schema/*")}
+    assert "amp_exp/results/schema/summary.v1.json" in schemas
+    assert schemas <= names
     # In a checkout the package's conf/ is the repository's, so edits there take effect.
     assert CONF_DIR.resolve() == REPO / "conf"

@@ -122,3 +122,14 @@ def test_bench_audit_times_the_audited_step_against_the_others(monkeypatch) -> N
     assert figures["audited_step"] == 2
     assert figures["audited_step_s"] > 0 and figures["median_step_s"] > 0
     assert figures["wall_s"] > figures["audited_step_s"]
+
+
+def test_bench_integrations_smoke_prints_a_row_per_trainer(monkeypatch, capsys) -> None:
+    """Both arms of each round train and record; the figures themselves don't matter here."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_integrations
+
+    smoke = ["--rounds", "2", "--steps", "5", "--warmup", "2", "--size", "16"]
+    bench_integrations.main(["--trainers", "lightning", *smoke, "--precision", "fp32"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| lightning")]
+    assert len(rows) == 1 and rows[0].count("|") == 7

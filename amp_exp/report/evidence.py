@@ -201,7 +201,9 @@ def quality_evidence(
     measured = [row for row in paired if row["quality_delta"] is not None]
     declared = next((row["quality_metric"] for row in measured), None)
     if declared is None:
-        return {"n": 0, "deltas": {}, **dict.fromkeys(QUALITY_KEYS)}, None
+        # Named all the same, from any declaration: which metric the runs did not record.
+        named = next((r["quality_metric"]["quality"] for r in paired if r["quality_metric"]), None)
+        return {"n": 0, "deltas": {}, **dict.fromkeys(QUALITY_KEYS), "metric": named}, None
     limit = float(tolerance_for(measured[0], tolerance))
     higher = declared["higher_is_better"]
     examples = floor = None

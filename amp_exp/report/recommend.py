@@ -138,7 +138,7 @@ def to_decide(comparison: dict[str, Any]) -> str:
     if verdict == "incomplete":
         return f"{label}: a seed was killed or stopped before it completed"
     if verdict is None:
-        return f"{label}: no eval metric to compare"
+        return f"{label}: no {comparison.get('metric') or 'eval metric'} to compare"
     needed = comparison.get("seeds_to_settle")
     more = f"about {needed} seeds would settle it" if needed else "many more seeds are needed"
     return f"{label}: inconclusive, {more}; {CONTINUE}"

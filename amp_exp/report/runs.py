@@ -32,6 +32,7 @@ from amp_exp.results.files import (
     read_data,
     read_json,
 )
+from amp_exp.results.format import OtherFormatVersion, check_version
 from amp_exp.results.loggers import TRAIN, parse_rows
 from amp_exp.results.recorded import job_config
 from amp_exp.results.summary import Status, make_summary
@@ -179,6 +180,7 @@ def read_summary(path: Path) -> dict[str, Any]:
     summary = read_json(path / SUMMARY_FILE)
     if not isinstance(summary, dict):
         raise ValueError(f"it holds a JSON {type(summary).__name__}, not an object")
+    check_version(summary, path / SUMMARY_FILE)
     statuses = [status.value for status in Status]
     if summary.get("status") not in statuses:
         raise ValueError(
@@ -213,7 +215,9 @@ def load_run(path: Path) -> Run:
         summary = read_summary(path)
     except FileNotFoundError:
         summary = killed_summary(path)
-    except UntrustedFile:
+    except (UntrustedFile, OtherFormatVersion):
+        # Not a broken run: a file amp_exp cannot have written, or a format this report cannot
+        # judge; either is refused in one line.
         raise
     except (OSError, ValueError) as error:
         # UnicodeDecodeError and json.JSONDecodeError are ValueErrors too.

@@ -186,7 +186,8 @@ def quality_phrase(comparison: dict[str, Any]) -> str:
     """The verdict on the quality metric, with the numbers behind it (report/stats.py's rules)."""
     label, verdict = comparison["label"], comparison["verdict"]
     if verdict is None:
-        return f"{label} against {BASELINE}: no eval metric to compare"
+        missing = comparison.get("metric") or "eval metric"
+        return f"{label} against {BASELINE}: no {missing} to compare"
     if verdict == "single_seed":
         unit = ToleranceUnit(comparison["unit"])
         return (

@@ -20,6 +20,7 @@ from amp_exp.results.files import (
     read_json,
     write_json,
 )
+from amp_exp.results.format import FORMAT_VERSION, VERSION_KEY
 from amp_exp.results.provenance import git_sha
 
 log = logging.getLogger("amp_exp")
@@ -37,8 +38,10 @@ class Status(str, Enum):
     damaged = "damaged"
 
 
-# Every key of summary.json, in the order written.
+# Every key of summary.json, in the order written (results/schema/summary.v1.json types each).
 FIELDS = (
+    # The results format's version (results/format.py): a reader of another one refuses it.
+    VERSION_KEY,
     "status",
     "error",
     "stop_signal",
@@ -177,7 +180,7 @@ def make_summary(
             git_sha=git_sha(),
         )
     summary.update(values)
-    summary.update(status=Status(status).value, config=config)
+    summary.update(status=Status(status).value, config=config, **{VERSION_KEY: FORMAT_VERSION})
     return summary
 
 

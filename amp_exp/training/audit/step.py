@@ -27,11 +27,13 @@ from typing import Any
 
 import torch
 
+from amp_exp.config.precisions import PrecisionSpec
 from amp_exp.runtime.distributed import unwrap
 from amp_exp.training.audit import dtypes
 from amp_exp.training.audit.matmuls import PHASES, RECOMPUTE, MatmulFlops, MatmulRecorder
 from amp_exp.training.audit.saved import SavedActivations
 from amp_exp.training.audit.verdict import (
+    Verdict,
     higher_precision_modules,
     judge,
     kept_fp32_share,
@@ -135,52 +137,21 @@ class PrecisionAudit:
     def _recorded(self, step: int, figures: dict[str, Any]) -> dict[str, Any]:
         engine = self.engine
         policy = engine.policy
-        recorded = MatmulFlops.from_rows(figures["flops"])
-        # Shares and verdicts are those of the step's own forward and backward: activation
-        # checkpointing's recompute repeats forward matmuls in the same dtypes, and counting it
-        # would make the shares of one configuration differ with checkpointing on and off.
-        flops = recorded.without_phase(RECOMPUTE)
-        converted = policy.plugin.converted_linears()
         kept = policy.kept_fp32
-        verdict = judge(policy.spec, flops, figures["weight_elements"], converted, kept)
-        kept_share = kept_fp32_share(flops, kept) if kept else None
+        record = audit_record(
+            step, policy.spec, figures, policy.plugin.converted_linears(), kept, self.eager
+        )
+        record["tf32"] = TF32_NOTE if self._tf32(record["flops_by_dtype"]) else None
         is_main = engine.distributed is None or engine.distributed.is_main
-        by_dtype = flops.by_dtype()
         if is_main:
-            line = described(step, share_by_dtype(by_dtype), figures, kept_share)
+            kept_share = record["keep_fp32_flop_share"]
+            line = described(step, record["flops_by_dtype"], figures, kept_share)
             log.info("%s%s", line, " (an eager step of the compiled run)" if self.eager else "")
-        if verdict.engaged is False and is_main:
-            log.warning("%s", warning_text(policy.precision, verdict))
-        return {
-            "step": step,
-            # The run trains compiled, and this step ran eagerly (before compilation by default).
-            "eager_step_of_compiled_run": self.eager,
-            "ranks": figures["ranks"],
-            "engaged": verdict.engaged,
-            "shortfalls": verdict.shortfalls,
-            "responsible": verdict.responsible,
-            # Forward and backward; the recompute's are under "recompute".
-            "matmul_flops": flops.total,
-            "flops_by_dtype": share_by_dtype(by_dtype),
-            **{
-                phase: {
-                    "matmul_flops": sum(recorded.by_dtype(phase).values()),
-                    "flops_by_dtype": share_by_dtype(recorded.by_dtype(phase)),
-                }
-                for phase in PHASES
-            },
-            "higher_precision_modules": higher_precision_modules(policy.spec, flops),
-            # The share of matmul FLOPs inside the modules precision.keep_fp32 kept (None when
-            # it keeps none); the verdict judges the rest.
-            "keep_fp32_flop_share": kept_share,
-            "modules": flops.by_module(),
-            "tf32": TF32_NOTE if self._tf32(by_dtype) else None,
-            "saved_activation_bytes": figures["saved_activation_bytes"],
-            "state": figures["state"],
-            "communication": figures["communication"],
-        }
+        if record["engaged"] is False and is_main:
+            log.warning("%s", warning_text(policy.precision, verdict_of(record)))
+        return record
 
-    def _tf32(self, by_dtype: dict[str, int]) -> bool:
+    def _tf32(self, by_dtype: dict[str, float]) -> bool:
         device = self.engine.device
         return (
             device.type == "cuda"
@@ -191,6 +162,58 @@ class PrecisionAudit:
 
     def summary(self) -> dict[str, Any] | None:
         return self.result
+
+
+def audit_record(
+    step: int,
+    spec: PrecisionSpec,
+    figures: dict[str, Any],
+    converted: list[str] | None = None,
+    kept: list[str] | tuple[str, ...] = (),
+    eager: bool = False,
+) -> dict[str, Any]:
+    """summary.json's ``precision_audit``: the audited step's figures (its matmul FLOPs as rows,
+    weight elements, saved bytes, state, communication, ranks) judged against ``spec``. Every
+    writer of the results format records its audit through this (the engine, amp_exp.record and
+    the trainer callbacks)."""
+    recorded = MatmulFlops.from_rows(figures["flops"])
+    # Shares and verdicts are those of the step's own forward and backward: activation
+    # checkpointing's recompute repeats forward matmuls in the same dtypes, and counting it
+    # would make the shares of one configuration differ with checkpointing on and off.
+    flops = recorded.without_phase(RECOMPUTE)
+    verdict = judge(spec, flops, figures["weight_elements"], converted, list(kept))
+    return {
+        "step": step,
+        # The run trains compiled, and this step ran eagerly (before compilation by default).
+        "eager_step_of_compiled_run": eager,
+        "ranks": figures["ranks"],
+        "engaged": verdict.engaged,
+        "shortfalls": verdict.shortfalls,
+        "responsible": verdict.responsible,
+        # Forward and backward; the recompute's are under "recompute".
+        "matmul_flops": flops.total,
+        "flops_by_dtype": share_by_dtype(flops.by_dtype()),
+        **{
+            phase: {
+                "matmul_flops": sum(recorded.by_dtype(phase).values()),
+                "flops_by_dtype": share_by_dtype(recorded.by_dtype(phase)),
+            }
+            for phase in PHASES
+        },
+        "higher_precision_modules": higher_precision_modules(spec, flops),
+        # The share of matmul FLOPs inside the modules precision.keep_fp32 kept (None when
+        # it keeps none); the verdict judges the rest.
+        "keep_fp32_flop_share": kept_fp32_share(flops, list(kept)) if kept else None,
+        "modules": flops.by_module(),
+        "tf32": None,
+        "saved_activation_bytes": figures["saved_activation_bytes"],
+        "state": figures["state"],
+        "communication": figures["communication"],
+    }
+
+
+def verdict_of(record: dict[str, Any]) -> Verdict:
+    return Verdict(record["engaged"], record["shortfalls"], record["responsible"])
 
 
 def shares(fractions: dict[str, float]) -> str:
