@@ -166,7 +166,9 @@ def build(
         meter=meter(cfg, workload, resolved.precision, device, worker.world_size, hardware),
     )
     if cfg.diagnostics.signals:
-        engine.signals = SignalCollector(Limits.of(policy.spec)).attach(model)
+        engine.signals = SignalCollector(Limits.of(policy.spec)).attach(
+            model, activations=not compiled
+        )
         engine.callbacks.add(SignalsCallback(engine.signals))
     return Built(
         device,

@@ -19,6 +19,7 @@ from amp_exp.config.schema import PrecisionConfig
 from amp_exp.forecast.forecast import forecast_run
 from amp_exp.forecast.markdown import crossing_sentence
 from amp_exp.report.compare import variant_label
+from amp_exp.report.escape import md_text
 from amp_exp.report.runs import Run
 
 # The planned length, as a multiple of each run's, where report.forecast_steps is null.
@@ -85,11 +86,10 @@ def forecast_section(forecasts: list[dict[str, Any]]) -> list[str]:
             if crossing
             else f"no limit is forecast to be crossed on any of its {len(runs)} run(s)"
         )
-        lines.append(
-            f"- **{subject}, {group['label']}** to {', '.join(f'{p:,}' for p in planned)} "
-            f"steps: {verdict}."
-        )
-        lines += [f"  - {r['run']}: {r['sentence']}" for r in runs]
+        lengths = ", ".join(f"{p:,}" for p in planned)
+        who = f"{md_text(subject)}, {md_text(group['label'])}"
+        lines.append(f"- **{who}** to {lengths} steps: {verdict}.")
+        lines += [f"  - {md_text(r['run'])}: {md_text(r['sentence'])}" for r in runs]
     lines += [
         "",
         "Each run's signals (per-block activation range and kurtosis, attention and output "

@@ -86,7 +86,7 @@ def read_metrics(path: Path, summary: dict[str, Any]) -> tuple[list[dict[str, An
         return rows, None
     if data is None:
         return rows, f"its {METRICS_FILE} is missing"
-    if not data.endswith(b"\n"):
+    if data and not data.endswith(b"\n"):  # an empty file has no line to cut
         return rows, f"its {METRICS_FILE} ends in a line cut short"
     steps = summary.get("steps") or 0
     logged = max((row["step"] for row in rows if row["kind"] == TRAIN), default=0)

@@ -187,6 +187,7 @@ class SignalCollector:
         self.model: nn.Module | None = None
         self.device = torch.device("cpu")
         self.armed = False
+        self.activations = True
         self._handles: list[RemovableHandle] = []
         self._modes: dict[int, _AttentionLogits] = {}
         self._block_stats: list[torch.Tensor | None] = []
@@ -194,9 +195,13 @@ class SignalCollector:
         self._before: list[list[torch.Tensor]] | None = None
         self._updates: torch.Tensor | None = None
 
-    def attach(self, model: nn.Module) -> SignalCollector:
-        """Measure ``model`` (the module inside any DDP or compile wrapper)."""
+    def attach(self, model: nn.Module, activations: bool = True) -> SignalCollector:
+        """Measure ``model`` (the module inside any DDP or compile wrapper). ``activations``
+        False measures the updates alone: a hook on a compiled model's modules breaks its graph
+        (and recompiles it) at every log step, so a compiled run leaves its activation and logit
+        signals unmeasured (None) rather than pay that."""
         self.model = model
+        self.activations = activations
         self.blocks = signal_blocks(model)
         first = next(model.parameters(), None)
         self.device = torch.device("cpu") if first is None else local(first).device
@@ -214,6 +219,8 @@ class SignalCollector:
         self._block_stats = [None] * len(self.blocks)
         self._logit_stats = None
         self._before, self._updates = None, None
+        if not self.activations:
+            return
         for index, (_, block) in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._entering(index)))
             self._handles.append(
