@@ -80,15 +80,25 @@ def test_the_rounds_a_trial_takes_depend_on_how_noisy_its_ratios_are(run_cfg, mo
     reached, +- 40% run to max_rounds and say so; every look keeps AB/BA balanced."""
     rng = np.random.default_rng(1)
     spread = {"sd": 0.01}
+    # The steps trial.py times for fp32, known by the run each was built from.
+    fp32_steps = set()
+    real_step = trial_module.training_step
+
+    def tagged_step(built):
+        step = real_step(built)
+        if built.engine.policy.precision == "fp32":
+            fp32_steps.add(id(step))
+        return step
 
     def fake_round(side, clock, steps) -> None:
-        fp32 = side.built.engine.policy.precision == "fp32"
+        fp32 = id(side.step) in fp32_steps
         noise = math.exp(rng.normal(0, spread["sd"])) if fp32 else 1.0
         side.seconds.append([(2.0 * noise if fp32 else 1.0)] * steps)
         side.skipped.append(0)
 
+    monkeypatch.setattr(trial_module, "training_step", tagged_step)
     monkeypatch.setattr(trial_module.Side, "time_round", fake_round)
-    monkeypatch.setattr(trial_module.Side, "warm", lambda side, max_steps: None)
+    monkeypatch.setattr(trial_module.Side, "warm", lambda side, device, max_steps: None)
     cfg = run_cfg(*TINY, "speed.precisions=[bf16]", "speed.max_rounds=30", "speed.steps=1")
     quick = trial_module.run_trial(candidates(cfg), cfg.speed)
     assert quick["speedup"]["bf16"]["rounds"] == 10
