@@ -147,7 +147,8 @@ def test_a_finished_record_is_refused_unless_resumed(tmp_path) -> None:
 
 
 def test_the_recorder_reads_the_device_only_at_log_steps(tmp_path, monkeypatch) -> None:
-    """Host reads inside ``step``: none at the steps between log steps."""
+    """Host reads over the whole step (the forward and the optimizer step, where the signals'
+    hooks run, and ``step``): none at the steps between log steps."""
     model, (x, y) = tiny_model(0), data()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reads = []
@@ -156,18 +157,57 @@ def test_the_recorder_reads_the_device_only_at_log_steps(tmp_path, monkeypatch) 
         task="classification", log_every=4,
     ) as run:  # fmt: skip
         for _ in range(12):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
             with monkeypatch.context() as patch:
                 counts = count_host_reads(patch)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
                 run.step(loss, batch_size=len(x))
             reads.append(sum(counts.values()))
     between = [count for step, count in enumerate(reads, start=1) if step % 4]
     assert between == [0] * 9
     assert all(reads[step - 1] > 0 for step in (4, 8, 12))
+
+
+def test_a_plain_loop_logs_the_engines_long_run_signals_at_each_log_step(tmp_path) -> None:
+    """A signals row after each train row, measured on that step: every block's activations
+    against bf16's range and its update ratio (a collector armed after the forward, or read
+    without the optimizer's hooks, would leave them None)."""
+    plain_loop(tmp_path, "bf16", steps=6)
+    assert run_problems(tmp_path) == []
+    signals = rows(tmp_path, "signals")
+    assert [row["step"] for row in signals] == [row["step"] for row in rows(tmp_path, "train")]
+    for row in signals:
+        assert row["format"] == "bf16" and row["format_max"] == torch.finfo(torch.bfloat16).max
+        for block in ("0", "2"):
+            assert row[f"act_absmax/{block}"] > 0 and row[f"act_kurtosis/{block}"] > 0
+            assert row[f"act_range_frac/{block}"] == row[f"act_absmax/{block}"] / row["format_max"]
+            assert 0 < row[f"update_ratio/{block}"] < 1
+        assert row["logit_max"] is not None and row["logit_mean"] is not None
+
+
+def test_a_step_the_scaler_skipped_measures_no_update(tmp_path) -> None:
+    """An fp16 log step whose gradients overflowed: optimizer.step never ran, so no update
+    ratio (a collector fed by the loop's call, not the optimizer's, would report one)."""
+    plain_loop(tmp_path, "fp16", inf_at={2}, steps=4)
+    by_step = {row["step"]: row for row in rows(tmp_path, "signals")}
+    assert by_step[2]["update_ratio/0"] is None and by_step[4]["update_ratio/0"] > 0
+    assert by_step[2]["format"] == "fp16"
+
+
+def test_the_forecast_runs_on_a_directory_recorded_by_record(tmp_path) -> None:
+    """``python -m amp_exp.forecast`` reads a plain loop's signals as it reads the engine's:
+    each block's signal is fitted or named unforecastable, none missing."""
+    from amp_exp.forecast.__main__ import main
+
+    plain_loop(tmp_path, "bf16", steps=12)
+    assert main([str(tmp_path), "--steps", "120"]) == 0
+    forecast = json.loads((tmp_path / "forecast.json").read_text())
+    assert forecast["planned_steps"] == 120
+    named = json.dumps(forecast)
+    assert "act_absmax" in named and "update_ratio" in named
 
 
 def test_an_accelerate_loop_is_recorded_through_record(tmp_path) -> None:
@@ -380,6 +420,18 @@ def lightning_runs(tmp_path_factory) -> Path:
     return root
 
 
+def assert_signals_at_each_log_step(run_dir: Path) -> None:
+    """A trainer's record holds a signals row at each train row's step, with every block's
+    update ratio measured (None: the optimizer's hooks never saw the update)."""
+    signals = rows(run_dir, "signals")
+    assert signals
+    assert [row["step"] for row in signals] == [row["step"] for row in rows(run_dir, "train")]
+    for row in signals:
+        ratios = [value for key, value in row.items() if key.startswith("update_ratio/")]
+        assert ratios and all(value is not None and value > 0 for value in ratios), row
+        assert row["logit_max"] is not None
+
+
 def summaries(root: Path) -> dict[str, dict]:
     return {
         path.parent.parent.name: json.loads(path.read_text())
@@ -393,6 +445,7 @@ def test_the_hf_trainer_records_into_output_dir_amp_exp_in_the_results_format(hf
     assert sorted(found) == ["bf16_0", "bf16_1", "fp32_0", "fp32_1"]
     for name, summary in found.items():
         assert run_problems(hf_runs / name / "amp_exp") == [], name
+        assert_signals_at_each_log_step(hf_runs / name / "amp_exp")
         assert summary["status"] == "completed" and summary["steps"] == 4
         assert summary["eval_acc"] is not None  # compute_metrics' eval_accuracy, mapped
         assert summary["precision_audit"]["engaged"] is True
@@ -427,6 +480,7 @@ def test_lightning_records_its_precision_string_and_val_metrics(lightning_runs) 
     assert sorted(found) == ["bf16_0", "bf16_1", "fp32_0", "fp32_1"]
     for name, summary in found.items():
         assert run_problems(lightning_runs / name / "amp_exp") == [], name
+        assert_signals_at_each_log_step(lightning_runs / name / "amp_exp")
         assert summary["eval_acc"] is not None and summary["eval_loss"] is not None
         assert summary["seed"] == int(name[-1])
     assert "precision='bf16-mixed'" in found["bf16_0"]["precision_reason"]

@@ -16,8 +16,13 @@ It records what the engine records, from the trainer's own state:
   non-finite loss without a scaler are a ``NumericalFault``: the run ends failed, its summary says
   why.
 - **Throughput** (training/meters.Throughput) from the end of warm-up, evaluation left out.
-- **No host sync per step:** the loss is summed on the device and read, with the loss scale and
-  the clock, only at log steps.
+- **The long-run signals** (training/signals.py, what ``python -m amp_exp.forecast`` reads): the
+  collector is armed before the forward of each step that will be a log step, sees the weights
+  around the update through optimizer step pre- and post-hooks (every trainer calls
+  ``optimizer.step()``, so one place serves them all, and a step the scaler skipped measures no
+  update), and is read into a ``signals`` row after the train row, as the engine writes it.
+- **No host sync per step:** the loss is summed on the device and read, with the loss scale, the
+  clock and the signals, only at log steps.
 
 The directory is claimed as amp_exp's runs claim theirs (results/claim.py): a directory in use is
 refused, and one holding a finished record takes only ``resume=True``.
@@ -36,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import names
+from amp_exp.config.precisions import names, spec_of
 from amp_exp.errors import ConfigError, NumericalFault, RunRefused, first_line
 from amp_exp.integrations.audited_step import AuditedStep
 from amp_exp.integrations.facts import RunFacts, plain, unwrapped_optimizer
@@ -50,6 +55,7 @@ from amp_exp.runtime.hardware import device_name
 from amp_exp.training.audit.matmuls import dtype_name
 from amp_exp.training.loop import Progress
 from amp_exp.training.meters import Throughput, peak_memory_bytes, state_bytes
+from amp_exp.training.signals import Limits, SignalCollector, distributed
 from amp_exp.training.skips import SkipMonitor
 
 log = logging.getLogger("amp_exp")
@@ -99,6 +105,20 @@ class Recorder:
         self._grad_norm: Any = None
         self._started = self._timing_from = time.perf_counter()
         self._logger: JsonlLogger | None = None
+        self.signals = self._collector(model)
+        # The step the signals are armed for: a log step the run may end before.
+        self._signals_step: int | None = None
+
+    def _collector(self, model: nn.Module) -> SignalCollector | None:
+        """The signals' collector; none under several ranks, as only rank zero records and
+        the collector's reduction across ranks would wait on the others. A compiled model is
+        measured through the module it wraps, its updates alone: a hook on its modules would
+        break its graph at every log step (as the engine's compiled runs)."""
+        if distributed():
+            return None
+        inner = getattr(model, "_orig_mod", model)
+        collector = SignalCollector(Limits.of(spec_of(self.facts.precision)))
+        return collector.attach(inner, activations=inner is model)
 
     # The run's life.
 
@@ -124,6 +144,11 @@ class Recorder:
             self.optimizer.register_step_post_hook(self._applied_one),
             *self._autocast_hooks(),
         ]
+        if self.signals is not None:
+            self._hooks += [
+                self.optimizer.register_step_pre_hook(self._before_update),
+                self.optimizer.register_step_post_hook(self._after_update),
+            ]
         return self
 
     def reopen(self) -> Recorder:
@@ -146,6 +171,8 @@ class Recorder:
         finally:
             for hook in self._hooks:
                 hook.remove()
+            if self.signals is not None:
+                self.signals.disarm()
         self.error = error
         try:
             summary = self._summary(error)
@@ -164,6 +191,11 @@ class Recorder:
         """Before the forward of the next optimizer step: the audit starts at its step."""
         if self.audit is None and self._auditing is None and self._next_step == self._warm_until:
             self._auditing = AuditedStep(self.model, self.optimizer, self.facts.precision).begin()
+        # A trainer may call this twice for one step; the signals are armed once.
+        step = self._next_step
+        if self.signals is not None and step != self._signals_step and self._is_log_step(step):
+            self.signals.arm()
+            self._signals_step = step
 
     def end_step(
         self, loss: Any, samples: int, grad_norm: Any = None, epoch: int | None = None
@@ -189,13 +221,13 @@ class Recorder:
             self._end_audit()
             self._timing_from = time.perf_counter()
             self.throughput.start(progress.samples, progress.step)
-        if progress.step % self.facts.log_every == 0:
+        if self._is_log_step(progress.step):
             self._log_train_row()
 
     def note_grad_norm(self) -> None:
         """Before the optimizer steps, the gradients' total norm, computed (on the device, never
         read here) only when the step is a log step: a trainer's callbacks call this."""
-        if self._next_step % self.facts.log_every == 0:
+        if self._is_log_step(self._next_step):
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
 
@@ -228,8 +260,17 @@ class Recorder:
     def _next_step(self) -> int:
         return self.progress.step + 1
 
+    def _is_log_step(self, step: int) -> bool:
+        return step % self.facts.log_every == 0 or step == self.facts.total_steps
+
     def _applied_one(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._applied += 1
+
+    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.signals.before_update()
+
+    def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.signals.after_update()
 
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
@@ -283,6 +324,7 @@ class Recorder:
                 "peak_mem_bytes": peak_memory_bytes(self.device),
             }
         )
+        self._log_signals()
         self._interval = Interval(carried_run=progress.consecutive_skips)
         if interval.skipped:
             self.monitor.on_skipped_steps(
@@ -293,6 +335,17 @@ class Recorder:
                 f"the loss went non-finite by step {progress.step} in {self.facts.precision}: "
                 "the run diverged. Try a lower learning rate or gradient clipping"
             )
+
+    def _log_signals(self) -> None:
+        """The signals row of a step they were armed for, after its train row (the engine's
+        order); a step the run ended before leaves them disarmed, unread."""
+        if self.signals is None or not self.signals.armed:
+            return
+        if self._signals_step != self.progress.step:
+            self.signals.disarm()
+            return
+        assert self._logger is not None
+        self._logger.log({"kind": "signals", "step": self.progress.step, **self.signals.collect()})
 
     def _summary(self, error: BaseException | None) -> dict[str, Any]:
         facts, progress = self.facts, self.progress

@@ -327,7 +327,7 @@ class SignalCollector:
         sums = [table[:, COUNT:].flatten(), logits[LOGIT_COUNT:]]
         sharded = _sharded(self.blocks)
         sums = torch.cat([*sums, updates.flatten()] if sharded else sums)
-        if _distributed():
+        if distributed():
             dist.all_reduce(largest, op=dist.ReduceOp.MAX)
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         read = torch.cat([largest, sums] if sharded else [largest, sums, updates.flatten()])
@@ -382,7 +382,8 @@ class SignalCollector:
         self.armed = False
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
+    """Whether there are other ranks to reduce over."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
