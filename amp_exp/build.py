@@ -16,6 +16,8 @@ from amp_exp.config.adaptive import COMPILE_AUTO
 from amp_exp.config.launch import ALONE
 from amp_exp.config.precisions import DType
 from amp_exp.config.schema import NonFiniteAction, RunConfig
+from amp_exp.doctor import pass_trials, trial_recommendation
+from amp_exp.report.verdicts import show_speedup
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
@@ -23,7 +25,7 @@ from amp_exp.tasks.blocks import checkpoint_blocks, compile_blocks, model_blocks
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import Workload, build_workload
 from amp_exp.training.audit.step import PrecisionAudit
-from amp_exp.training.auto_precision import resolve_precision
+from amp_exp.training.auto_precision import Found, SpeedTrial, resolve_precision
 from amp_exp.training.capability import (
     ResolvedPrecision,
     capability_of,
@@ -43,6 +45,23 @@ from amp_exp.training.signals import Limits, SignalCollector, SignalsCallback
 from amp_exp.training.skips import SkipMonitor
 
 log = logging.getLogger("amp_exp")
+
+
+def auto_pick(found: dict[str, Found]) -> tuple[str, str]:
+    """precision=auto's choice from its trial: the doctor's recommendation (a lower precision
+    only where the trial's interval lies wholly above fp32's speed and its rounds do not trend,
+    report/speedup.py's ``established``), each trial's figure and interval quoted."""
+    chosen, why = trial_recommendation(found)
+    shown = [
+        f"{p} {show_speedup(f)}" if "ratio" in f else f"{p} not measured ({f['not_measured']})"
+        for p, f in found.items()
+    ]
+    return chosen, f"{'; '.join(shown)}; {why}"
+
+
+# How precision=auto times and decides: the doctor's short trial (the speed trial's AB/BA rounds)
+# and its rule, handed to training/, which sits below them.
+AUTO_TRIAL = SpeedTrial(pass_trials, auto_pick)
 
 
 @dataclass
@@ -115,7 +134,7 @@ def build(
     # As soon as the model exists: a pattern that matches nothing stops the run before
     # precision=auto's timing or anything else is spent on it.
     keep_fp32 = match_keep_fp32(workload.model, cfg.precision.keep_fp32)
-    resolved = kept or resolve_precision(cfg, capability, workload, distributed)
+    resolved = kept or resolve_precision(cfg, capability, workload, AUTO_TRIAL, distributed)
     shards = distributed is not None and distributed.shards
     dtypes = None
     if distributed is not None:

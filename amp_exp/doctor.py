@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -25,12 +26,12 @@ from amp_exp.config.precisions import REFERENCE, probed_low, spec_of
 from amp_exp.config.schema import DeviceChoice, TrainerConfig
 from amp_exp.report.compare import BASELINE
 from amp_exp.report.speedup import established, speedup_cell, trial_interval
+from amp_exp.report.verdicts import show_speedup
 from amp_exp.results.contract import OneLineParser, enter
 from amp_exp.runtime.cache import cache_dir, forget
 from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.runtime.probe import CACHE_FILE, KERNELS, kernel_pass
 from amp_exp.speed.rounds import Side, pair_speedup, play
-from amp_exp.speed.trial import show_speedup
 from amp_exp.training.auto_precision import CACHE_FILE as AUTO_CACHE_FILE
 from amp_exp.training.capability import (
     CPU_FLAGS_OF_INTEREST,
@@ -50,12 +51,20 @@ TRIAL_WARMUP_STEPS = 10
 def speed_trials(device: torch.device, precisions: list[str]) -> dict[str, dict[str, Any]]:
     """Each precision's speedup over fp32 on the probe's kernels, as speed.json records one
     (speed/ratio.py's ``Speedup.as_dict``), or why it was not measured."""
+    return pass_trials({p: kernel_pass(device, p) for p in [BASELINE, *precisions]}, device)
+
+
+def pass_trials(
+    passes: Mapping[str, Callable[[], object]], device: torch.device
+) -> dict[str, dict[str, Any]]:
+    """Each low precision's speedup over fp32 in the doctor's trial, each pass (fp32's among
+    them) one step of its side: the probe's kernels here, a run's model for precision=auto
+    (amp_exp/build.py)."""
     found: dict[str, dict[str, Any]] = {}
-    for precision in precisions:
-        sides = {
-            BASELINE: Side(kernel_pass(device, BASELINE)),
-            precision: Side(kernel_pass(device, precision)),
-        }
+    for precision, step in passes.items():
+        if precision == BASELINE:
+            continue
+        sides = {BASELINE: Side(passes[BASELINE]), precision: Side(step)}
         _, _, stopped = play(sides, precision, device, TRIAL, TRIAL_STEPS, TRIAL_WARMUP_STEPS)
         if stopped is not None:
             raise stopped

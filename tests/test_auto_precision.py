@@ -1,4 +1,5 @@
-"""precision=auto times the run's own model, leaves no trace, caches its choice, and agrees
+"""precision=auto times the run's own model by the speed trial's rounds, picks a lower precision
+only where the trial's interval establishes it faster, leaves no trace, caches the trial, and agrees
 across ranks."""
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+import amp_exp.doctor
+import amp_exp.speed.rounds
 import amp_exp.training.auto_precision as auto_precision
+from amp_exp.build import AUTO_TRIAL
+from amp_exp.config.adaptive import SpeedStopping
 from amp_exp.config.precisions import auto_candidates
 from amp_exp.results.checkpoint import load_newest_valid
 from amp_exp.run import build, train
@@ -24,11 +29,15 @@ from amp_exp.training.auto_precision import choose, resolve_precision, time_cand
 from amp_exp.training.capability import Capability
 from helpers.probes import capability_with, inject_probe, timing_at
 from helpers.runs import TINY
+from test_diagnostics import trial_at
 
 CPU = torch.device("cpu")
 fp32, bf16, fp16 = "fp32", "bf16", "fp16"
 # bf16 as fast as fp32 by the probe: worth a trial. fp16 50x slower: left out.
 PLAUSIBLE_BF16 = {"fp32": 1.0, "bf16": 1.0, "fp16": 0.02}
+# Trials whose interval lies wholly above 1, and one whose interval reaches below it.
+FASTER = trial_at(2.0, 1.8, 2.2)
+SLOWER = trial_at(0.5, 0.45, 0.55)
 
 
 @pytest.fixture
@@ -36,17 +45,19 @@ def own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-def with_times(monkeypatch, seconds: dict[str, float], spread: float = 0.1) -> list[list[str]]:
-    """Run the real trial (and its side effects), but report ``seconds`` as its result, each
-    low precision's passes spread ``spread`` in their ratio to fp32's."""
-    real = auto_precision.time_candidates
+def with_trial(monkeypatch, found: dict[str, dict]) -> list[list[str]]:
+    """Run each candidate's real pass once (its autocast, its gradients, the no-trace guard), but
+    report ``found`` (each low precision's speedup) as the trial's result."""
     trials = []
 
-    def timed(model, task, batch, candidates):
-        real(model, task, batch, candidates)
+    def once(passes, device):
+        for step in passes.values():
+            step()
+        return {p: found[p] for p in passes if p != fp32}
+
+    def timed(model, task, batch, candidates, measure):
         trials.append(list(candidates))
-        spreads = {p: 0.0 if p == fp32 else spread for p in candidates}
-        return {p: seconds[p] for p in candidates}, spreads
+        return time_candidates(model, task, batch, candidates, once)
 
     monkeypatch.setattr(auto_precision, "time_candidates", timed)
     return trials
@@ -68,7 +79,7 @@ def test_the_trial_leaves_weights_gradients_buffers_mode_and_rng_untouched(
     model.eval()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    resolved = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), workload)
+    resolved = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), workload, AUTO_TRIAL)
     assert resolved.precision in (fp32, bf16)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
@@ -108,121 +119,137 @@ class SleepyModel(nn.Module):
 
 
 def test_time_candidates_times_each_candidate_forward_and_backward() -> None:
-    """Each candidate's time covers its forward and its backward, under its own autocast."""
+    """Each candidate's pass covers its forward and its backward, under its own autocast."""
     _, batch = small_workload()
     task = ClassificationTask(CPU, num_classes=4)
-    seconds, spread = time_candidates(SleepyModel(), task, batch, [fp32, bf16])
-    assert set(seconds) == {fp32, bf16} and spread["fp32"] == 0
-    # Only lower bounds: a loaded machine may stretch any sleep. A time that left out the
+    seconds = {}
+
+    def measure(passes, device):
+        for precision, step in passes.items():
+            tick = time.perf_counter()
+            step()
+            seconds[precision] = time.perf_counter() - tick
+        return {}
+
+    assert time_candidates(SleepyModel(), task, batch, [fp32, bf16], measure) == {}
+    # Only lower bounds: a loaded machine may stretch any sleep. A pass that left out the
     # backward, or ran bf16's pass without autocast, would fall short of these.
     assert seconds[fp32] >= sum(SLEEPS[fp32])
     assert seconds[bf16] >= sum(SLEEPS[bf16])
 
 
-def test_auto_picks_the_fastest_and_quotes_the_measured_times(
+def test_auto_times_by_the_speed_trials_rounds_and_quotes_their_interval(
+    run_cfg, own_cache, monkeypatch, caplog
+) -> None:
+    """Caught: auto timing by its own fastest pass instead of the speed trial's AB/BA rounds
+    (speed/rounds.py's ``play``), or a reason without the trial's interval and its level."""
+    monkeypatch.setattr(amp_exp.doctor, "TRIAL", SpeedStopping(rounds=4, max_rounds=4))
+    monkeypatch.setattr(amp_exp.doctor, "TRIAL_WARMUP_STEPS", 0)
+    monkeypatch.setattr(amp_exp.speed.rounds, "PROGRESS_EVERY_S", 0.0)
+    played = []
+    real_play = amp_exp.doctor.play
+    monkeypatch.setattr(
+        amp_exp.doctor, "play", lambda *a, **k: played.append(a[1]) or real_play(*a, **k)
+    )
+    with caplog.at_level("INFO", logger="amp_exp"):
+        resolved = choose(
+            run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], AUTO_TRIAL
+        )
+    assert played == [bf16]
+    assert "(97.5% CI, 4 AB/BA rounds), total time" in resolved.reason
+    assert resolved.reason.startswith(f"auto: {resolved.precision} by the speed trial")
+    rounds = [r.message for r in caplog.records if r.message.startswith("speed bf16 vs fp32")]
+    assert len(rounds) == 4
+
+
+def test_auto_picks_a_precision_its_trial_establishes_faster_and_quotes_the_figure(
     run_cfg, own_cache, monkeypatch
 ) -> None:
-    trials = with_times(monkeypatch, {fp32: 0.0123, bf16: 0.0101})
-    workload, _ = small_workload()
-    resolved = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), workload)
+    trials = with_trial(monkeypatch, {bf16: trial_at(1.22, 1.10, 1.35)})
+    resolved = choose(
+        run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], AUTO_TRIAL
+    )
     assert trials == [[fp32, bf16]]
     assert resolved.precision == bf16
     assert resolved.reason == (
-        "auto: bf16; this model's forward+backward (fastest of 3 passes, spread 10%): "
-        "fp32 12.3 ms, "
-        "bf16 10.1 ms; bf16 runs 1.22x fp32's speed; "
+        "auto: bf16 by the speed trial on this model's forward+backward: "
+        "bf16 1.22x [1.10x, 1.35x] (97.5% CI, 10 AB/BA rounds), total time 1.22x; "
+        "bf16 runs 1.22x [1.10, 1.35] fp32's speed, its interval above 1; "
         "the probe measured fp16 about 50x slower than fp32"
     )
 
 
-def test_a_low_precision_less_than_5_percent_faster_leaves_fp32(
-    run_cfg, own_cache, monkeypatch
+@pytest.mark.parametrize(
+    "found",
+    [
+        # A faster median whose interval reaches below 1: not established.
+        trial_at(1.30, 0.98, 1.70),
+        # An interval above 1 from rounds that trend: the machine drifted under it.
+        trial_at(2.0, 1.8, 2.2, trend=True),
+        {"not_measured": "every round gave the same ratio: the clock measured no spread"},
+    ],
+    ids=["interval-reaches-below-1", "trend", "not-measured"],
+)
+def test_auto_keeps_fp32_unless_the_trials_interval_lies_above_1(
+    run_cfg, own_cache, monkeypatch, found
 ) -> None:
-    with_times(monkeypatch, {fp32: 0.0100, bf16: 0.0097})
-    workload, _ = small_workload()
-    resolved = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), workload)
+    """Caught: auto picking a lower precision by its median (1.30x here) or by an interval the
+    trial's rule does not accept (report/speedup.py's ``established``)."""
+    with_trial(monkeypatch, {bf16: found})
+    resolved = choose(
+        run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], AUTO_TRIAL
+    )
     assert resolved.precision == fp32
-    assert "no low precision is 5% faster than fp32 (bf16 1.03x fp32's speed)" in resolved.reason
+    assert "no lower precision's interval lies above fp32's speed" in resolved.reason
 
 
-def test_the_choice_is_cached_so_a_second_run_times_nothing(
-    run_cfg, own_cache, monkeypatch
-) -> None:
-    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
+def test_the_trial_is_cached_so_a_second_run_times_nothing(run_cfg, own_cache, monkeypatch) -> None:
+    trials = with_trial(monkeypatch, {bf16: FASTER})
     cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
-    first = choose(cfg, capability, small_workload()[0])
-    again = choose(cfg, capability, small_workload()[0])
+    first = choose(cfg, capability, small_workload()[0], AUTO_TRIAL)
+    again = choose(cfg, capability, small_workload()[0], AUTO_TRIAL)
     assert len(trials) == 1
     assert first.precision == again.precision == bf16
-    assert (
-        "(fastest of 3 passes, spread 10%, cached from an earlier run): fp32 20 ms, bf16 10 ms"
-        in again.reason
+    assert again.reason.startswith(
+        "auto: bf16 by the speed trial on this model's forward+backward, cached from an earlier "
+        "run: bf16 2.00x [1.80x, 2.20x]"
     )
-    # Another model is another choice.
-    choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0])
+    # Another model is another trial.
+    choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0], AUTO_TRIAL)
     assert len(trials) == 2
 
 
-def test_the_spread_is_how_far_the_figure_lies_from_its_typical_pass(monkeypatch) -> None:
-    """The fastest passes (10 and 5 ms) say 2x fp32's speed; passes 2 and 3 ran bf16 beside
-    fp32 at 1x: the figure lies 100% from its typical pass."""
-    passes = {fp32: [[0.010], [0.010], [0.012]], bf16: [[0.005], [0.010], [0.012]]}
-    monkeypatch.setattr(auto_precision, "interleave", lambda *args: passes)
-    workload, batch = small_workload()
-    seconds, spread = time_candidates(workload.model, workload.task, batch, [fp32, bf16])
-    assert seconds == {fp32: 0.010, bf16: 0.005}
-    assert spread == {"fp32": 0.0, "bf16": pytest.approx(1.0)}
-    # One pass that a neighbour slowed (bf16's 30 ms) leaves the figure and the typical pass.
-    passes = {fp32: [[0.010], [0.010], [0.012]], bf16: [[0.005], [0.030], [0.006]]}
-    assert time_candidates(workload.model, workload.task, batch, [fp32, bf16])[1]["bf16"] == 0
-
-
-def test_a_cached_choice_whose_passes_spread_wide_is_timed_again(
-    run_cfg, own_cache, monkeypatch, caplog
+@pytest.mark.parametrize(
+    "field, value",
+    [("ratio", -5.5), ("ratio", float("nan")), ("ratio", "10"), ("ci", [3.0, 1.0]), ("trend", 1)],
+)
+def test_cached_speedups_that_cannot_be_the_trials_are_timed_again(
+    run_cfg, own_cache, monkeypatch, caplog, field, value
 ) -> None:
-    """A cached 5.14x fp32's speed chose bf16 where a fresh measurement said 2.07x."""
-    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01}, spread=0.6)
+    trials = with_trial(monkeypatch, {bf16: SLOWER})
     cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
-    first = choose(cfg, capability, small_workload()[0])
-    assert "spread 60%" in first.reason
-    with caplog.at_level(logging.INFO, logger="amp_exp"):
-        again = choose(cfg, capability, small_workload()[0])
-    assert len(trials) == 2 and "cached from an earlier run" not in again.reason
-    assert "lie 60% from their typical pass, more than 25%; timing again" in caplog.text
-    # Within 25%, the cached times stand.
-    with_times(monkeypatch, {fp32: 0.02, bf16: 0.01}, spread=0.2)
-    choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0])
-    assert (
-        "cached from an earlier run"
-        in choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0]).reason
-    )
-
-
-@pytest.mark.parametrize("bf16_ms", [-5.5, 0, 1e-9, float("nan"), "10"])
-def test_cached_times_that_cannot_be_measurements_are_timed_again(
-    run_cfg, own_cache, monkeypatch, caplog, bf16_ms
-) -> None:
-    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.025})
-    cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
-    choose(cfg, capability, small_workload()[0])
+    choose(cfg, capability, small_workload()[0], AUTO_TRIAL)
     entries = read_entries(auto_precision.CACHE_FILE)
     [entry] = entries.values()
-    entry["ms"]["bf16"] = bf16_ms
+    entry["bf16"][field] = value
     (cache_dir() / auto_precision.CACHE_FILE).write_text(json.dumps(entries))
     with caplog.at_level(logging.WARNING):
-        again = choose(cfg, capability, small_workload()[0])
+        again = choose(cfg, capability, small_workload()[0], AUTO_TRIAL)
     assert len(trials) == 2 and again.precision == fp32
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert "holds times for this model that are no measurement (bf16 took " in warning
+    assert "holds speedups for this model that are no measurement (bf16" in warning
     assert "cached from an earlier run" not in again.reason
 
 
 def test_where_the_probe_rules_every_low_precision_out_fp32_needs_no_trial(
     run_cfg, monkeypatch
 ) -> None:
-    trials = with_times(monkeypatch, {})
+    trials = with_trial(monkeypatch, {})
     resolved = choose(
-        run_cfg(*TINY), capability_with({"fp32": 1, "bf16": 0.1, "fp16": 0.02}), small_workload()[0]
+        run_cfg(*TINY),
+        capability_with({"fp32": 1, "bf16": 0.1, "fp16": 0.02}),
+        small_workload()[0],
+        AUTO_TRIAL,
     )
     assert trials == [] and resolved.precision == fp32
     assert resolved.reason == (
@@ -244,14 +271,16 @@ class OneOfTwoRanks:
 def test_under_torchrun_rank_0_decides_and_the_others_take_its_choice(
     run_cfg, own_cache, monkeypatch
 ) -> None:
-    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
+    trials = with_trial(monkeypatch, {bf16: FASTER})
     cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
     bf16_index = auto_candidates().index(bf16)
     other = resolve_precision(
-        cfg, capability, small_workload()[0], OneOfTwoRanks(False, bf16_index)
+        cfg, capability, small_workload()[0], AUTO_TRIAL, OneOfTwoRanks(False, bf16_index)
     )
     assert trials == [] and other.precision == bf16
-    main = resolve_precision(cfg, capability, small_workload()[0], OneOfTwoRanks(True, -1))
+    main = resolve_precision(
+        cfg, capability, small_workload()[0], AUTO_TRIAL, OneOfTwoRanks(True, -1)
+    )
     assert trials == [[fp32, bf16]] and main.precision == bf16
 
 
@@ -259,14 +288,14 @@ def test_auto_trains_bit_identically_to_the_precision_it_chose_requested(
     run_cfg, tmp_path, own_cache, monkeypatch
 ) -> None:
     inject_probe(PLAUSIBLE_BF16)
-    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
+    trials = with_trial(monkeypatch, {bf16: FASTER})
     # tiny_cnn has BatchNorm: a trial that left its statistics changed would show here.
     overrides = (*TINY, "trainer.max_steps=3", "trainer.eval_every=null")
     auto = train(run_cfg(*overrides), tmp_path / "auto")
     direct = train(run_cfg(*overrides, "precision=bf16"), tmp_path / "bf16")
     assert trials == [[fp32, bf16]]
     assert auto["precision"] == direct["precision"] == "bf16"
-    assert "fp32 20 ms, bf16 10 ms" in auto["precision_reason"]
+    assert "bf16 2.00x [1.80x, 2.20x] (97.5% CI" in auto["precision_reason"]
     assert auto["final_loss"] == direct["final_loss"]
     auto_state = load_newest_valid(tmp_path / "auto")[1]
     direct_state = load_newest_valid(tmp_path / "bf16")[1]
@@ -279,12 +308,14 @@ def test_a_bf16_the_run_timed_faster_gets_no_probe_warning_that_it_is_slower(
     run_cfg, own_cache, monkeypatch
 ) -> None:
     """The probe's kernels put bf16 1.19x slower than fp32, yet this model ran faster in bf16:
-    auto picks bf16 on the model's own timing, and the probe's advice would contradict it (run.py
+    auto picks bf16 on the model's own trial, and the probe's advice would contradict it (run.py
     logs the advice a build returns, once per sweep)."""
     inject_probe({"fp32": 1.0, "bf16": 0.84, "fp16": 0.02})
-    with_times(monkeypatch, {fp32: 0.0257, bf16: 0.01})
+    with_trial(monkeypatch, {bf16: trial_at(2.57, 2.3, 2.8)})
     auto = build(run_cfg(*TINY))
-    assert auto.resolved.precision == bf16 and "2.57x fp32's speed" in auto.resolved.reason
+    assert auto.resolved.precision == bf16 and "2.57x [2.30, 2.80] fp32's speed" in (
+        auto.resolved.reason
+    )
     assert auto.hardware["advice"] == []
     # Asked for by name, bf16 was never timed on this model: the probe's advice stands.
     requested = build(run_cfg(*TINY, "precision=bf16"))
@@ -295,11 +326,13 @@ def test_a_bf16_the_run_timed_faster_gets_no_probe_warning_that_it_is_slower(
 
 def test_a_requested_variant_is_named_in_the_reason(run_cfg) -> None:
     workload, capability = small_workload()[0], capability_with(PLAUSIBLE_BF16)
-    nearest = resolve_precision(run_cfg("precision=bf16_true_nearest"), capability, workload)
+    nearest = resolve_precision(
+        run_cfg("precision=bf16_true_nearest"), capability, workload, AUTO_TRIAL
+    )
     assert nearest.reason == (
         "requested: precision=bf16_true_nearest (bf16_true, precision.stochastic_rounding=false)"
     )
-    plain = resolve_precision(run_cfg("precision=bf16_true"), capability, workload)
+    plain = resolve_precision(run_cfg("precision=bf16_true"), capability, workload, AUTO_TRIAL)
     assert plain.reason == "requested: precision=bf16_true"
 
 
@@ -308,15 +341,16 @@ def test_a_resumed_auto_run_keeps_its_precision_whatever_the_timings_say_now(
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     inject_probe(PLAUSIBLE_BF16)
-    with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
+    with_trial(monkeypatch, {bf16: FASTER})
     overrides = (*TINY, "trainer.eval_every=null", "checkpoint.every_steps=2")
     first = train(run_cfg(*overrides, "trainer.max_steps=2"), tmp_path / "run")
     assert first["precision"] == "bf16"
     # Another timing cache, in which fp32 is the faster: a fresh decision would train fp32.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other_cache"))
     inject_probe(PLAUSIBLE_BF16)
-    trials = with_times(monkeypatch, {fp32: 0.001, bf16: 0.01})
-    assert choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0]).precision
+    trials = with_trial(monkeypatch, {bf16: SLOWER})
+    fresh = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], AUTO_TRIAL)
+    assert fresh.precision == fp32
     assert trials.pop() == [fp32, bf16]
 
     resumed = train(run_cfg(*overrides, "trainer.max_steps=4", "resume=auto"), tmp_path / "run")
@@ -339,6 +373,6 @@ def test_auto_rules_out_by_the_probes_kernels_of_the_models_kind(
         "cpu", "test cpu", {}, {fp32: timing_at(1.0), bf16: slow_conv}, key="test cpu"
     )
     assert capability.trial_candidates() == [fp32]  # all kernels: ruled out
-    trials = with_times(monkeypatch, {fp32: 0.02, bf16: 0.01})
-    assert choose(run_cfg(*TINY), capability, small_workload()[0]).precision == bf16
+    trials = with_trial(monkeypatch, {bf16: FASTER})
+    assert choose(run_cfg(*TINY), capability, small_workload()[0], AUTO_TRIAL).precision == bf16
     assert trials == [[fp32, bf16]]

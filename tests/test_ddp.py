@@ -101,7 +101,7 @@ def test_under_torchrun_rank_0_times_the_model_and_every_rank_trains_its_choice(
     ranks = run_worker(tmp_path, *DDP_RUN, *TINY, "precision=auto")
     chosen = ranks[0]["summary"]["precision"]
     assert ranks[0]["summary"]["precision_reason"].startswith(
-        f"auto: {chosen}; this model's forward+backward"
+        f"auto: {chosen} by the speed trial on this model's forward+backward"
     )
     assert ranks[1]["summary"]["precision"] == chosen
     assert ranks[1]["summary"]["precision_reason"] == "auto: as rank 0 chose"

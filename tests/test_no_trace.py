@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from amp_exp.build import AUTO_TRIAL
 from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.workload import check_output_fits
@@ -79,5 +80,7 @@ def test_the_auto_precision_trial_leaves_no_trace_by_itself() -> None:
     model = model_with_state()
     model.eval()
     before = snapshot(model)
-    time_candidates(model, ClassificationTask(CPU, num_classes=4), batch(), ["fp32"])
+    time_candidates(
+        model, ClassificationTask(CPU, num_classes=4), batch(), ["fp32"], AUTO_TRIAL.measure
+    )
     assert_unchanged(model, before)

@@ -21,8 +21,9 @@ from amp_exp.run import build, train
 from amp_exp.sensitivity.command import run_sensitivity
 from helpers.probes import inject_probe
 from helpers.runs import FAST_LM
-from test_auto_precision import with_times
+from test_auto_precision import with_trial
 from test_checkpoint import MODES, assert_resume_is_exact
+from test_diagnostics import trial_at
 
 NAME = "halfway"
 TARGET = "halfway_precision.Halfway"
@@ -142,7 +143,7 @@ def test_sensitivity_ranks_its_modules(plugin_package, compose_cfg, tmp_path) ->
 
 def test_precision_auto_times_it_and_can_choose_it(plugin_package, run_cfg, monkeypatch) -> None:
     inject_probe({"fp32": 1.0, "bf16": 0.02, "fp16": 0.02, NAME: 1.5})
-    trials = with_times(monkeypatch, {"fp32": 0.03, NAME: 0.01})
+    trials = with_trial(monkeypatch, {NAME: trial_at(3.0, 2.5, 3.5)})
     built = build(run_cfg(*MODES, f"precision._target_={TARGET}"))
     assert trials == [["fp32", NAME]]
     assert built.resolved.precision == NAME

@@ -28,26 +28,12 @@ from amp_exp.results.files import SPEED_JSON, SPEED_MD
 from amp_exp.speed.__main__ import candidates
 from amp_exp.speed.ratio import speedup
 from amp_exp.speed.sweep import stand_in
-from amp_exp.training.timing import interleave
 from helpers.runs import TINY
 from helpers.warm_python import python_m
 from test_report import write_run
 
 # Long enough steps that the clock's resolution and Python's overhead are small beside them.
 TRIAL = [*TINY, "model.width=16", "dataset.image_size=16", "dataset.batch_size=32"]
-
-
-def test_interleave_runs_candidates_in_turns_after_their_warm_up() -> None:
-    calls = []
-    seconds = interleave(
-        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
-        device=__import__("torch").device("cpu"),
-        steps=2,
-        rounds=3,
-        warmup_steps=1,
-    )
-    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
-    assert [[len(steps) for steps in rounds] for rounds in seconds.values()] == [[2] * 3] * 2
 
 
 def test_warm_up_ends_when_two_window_medians_agree_and_at_its_cap(monkeypatch) -> None:

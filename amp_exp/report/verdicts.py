@@ -52,6 +52,20 @@ def rounds_phrase(found: dict[str, Any]) -> str:
     return f"{found['rounds']} AB/BA rounds" + ("; target not reached" if reached is False else "")
 
 
+def show_speedup(found: dict[str, Any]) -> str:
+    """1.52x [1.40x, 1.65x] (97.5% CI, 20 AB/BA rounds), total time 1.48x"""
+    low, high, level = trial_interval(found)
+    trend = found["trend"]
+    flag = (
+        f"; TREND over rounds (Spearman rho {trend['spearman_rho']:+.2f}, p {trend['p_value']:.2g})"
+    )
+    return (
+        f"{found['ratio']:.2f}x [{low:.2f}x, {high:.2f}x] ({show_level(level)} CI, "
+        f"{rounds_phrase(found)}), "
+        f"total time {found['total_time_ratio']:.2f}x" + (flag if trend["flag"] else "")
+    )
+
+
 def speed_phrase(comparison: dict[str, Any], emulated: bool) -> str:
     """The interleaved trial's speedup and its interval; else the interval of the paired per-seed
     throughput ratios, labelled as such (report/evidence.py's job_speedup)."""

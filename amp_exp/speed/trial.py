@@ -36,8 +36,7 @@ from amp_exp.build import Built, build, global_batch_size
 from amp_exp.config.schema import RunConfig, SpeedConfig
 from amp_exp.report.compare import BASELINE, subject
 from amp_exp.report.shown import show_level
-from amp_exp.report.speedup import trial_interval
-from amp_exp.report.verdicts import rounds_phrase
+from amp_exp.report.verdicts import show_speedup
 from amp_exp.results.contract import Stopped
 from amp_exp.runtime.hardware import device_name, resolve_device
 from amp_exp.speed.ratio import LOOK_EVERY, MIN_ROUNDS, TRIAL_CONFIDENCE
@@ -200,20 +199,6 @@ def run_trial(
         trial["stopped_by"] = stopped.received.name
         raise TrialStopped(stopped, trial)
     return trial
-
-
-def show_speedup(found: dict[str, Any]) -> str:
-    """1.52x [1.40x, 1.65x] (97.5% CI, 20 AB/BA rounds), total time 1.48x"""
-    low, high, level = trial_interval(found)
-    trend = found["trend"]
-    flag = (
-        f"; TREND over rounds (Spearman rho {trend['spearman_rho']:+.2f}, p {trend['p_value']:.2g})"
-    )
-    return (
-        f"{found['ratio']:.2f}x [{low:.2f}x, {high:.2f}x] ({show_level(level)} CI, "
-        f"{rounds_phrase(found)}), "
-        f"total time {found['total_time_ratio']:.2f}x" + (flag if trend["flag"] else "")
-    )
 
 
 def trial_markdown(trials: list[dict[str, Any]]) -> str:

@@ -1,16 +1,20 @@
-"""precision=auto: time the run's own model in each plausible precision and train in the fastest.
+"""precision=auto: time the run's own model in each plausible precision by the speed trial's
+method, and train in a lower precision only where the trial establishes it faster than fp32.
 
-Before training, a few forward+backward passes of the built model on one real batch run under
-each candidate's autocast: fp32, and each low precision that the probe's kernels of the model's
-kind do not rule out (``Capability.trial_candidates``, ``capability.kernels_of``). The
-candidates take turns (training/timing.py) and each keeps its fastest pass;
-``capability.pick_fastest`` names the winner. The trial leaves no trace: gradients come from
-``torch.autograd.grad``, so no ``.grad`` is written and no optimizer steps, and the model's buffers
-(BatchNorm statistics) and every random number generator are restored (``runtime.no_trace``).
-The run is then bit-identical to the same run with the chosen precision requested.
+Before training, the built model's forward+backward pass on one real batch runs under each
+candidate's autocast: fp32, and each low precision that the probe's kernels of the model's kind
+do not rule out (``Capability.trial_candidates``, ``capability.kernels_of``). How the passes are
+timed and what the timings establish is the speed trial's one method and rule (AB/BA rounds, their
+interval, faster only where it lies wholly above 1 and the rounds do not trend), which sit above
+this layer: the composition root hands them in as a ``SpeedTrial`` (amp_exp/build.py). The trial
+leaves no trace: gradients come from ``torch.autograd.grad``, so no ``.grad`` is written and no
+optimizer steps, and the model's buffers (BatchNorm statistics) and every random number generator
+are restored (``runtime.no_trace``). The run is then bit-identical to the same run with the chosen
+precision requested.
 
-The choice is cached per model config, batch shape, device and torch version, so a second run
-costs nothing. Under torchrun, rank 0 decides and the other ranks take its choice.
+The trial's speedups are cached per model config, batch shape, device and torch version, so a
+second run (a sweep's other jobs) times nothing. Under torchrun, rank 0 decides and the other ranks
+take its choice.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,33 +31,40 @@ from torch import nn
 
 from amp_exp.config.precisions import AUTO, REFERENCE, auto_candidates, plugin_of
 from amp_exp.config.schema import PrecisionConfig, RunConfig
-from amp_exp.runtime.cache import (
-    WIDE_SPREAD,
-    cache_dir,
-    implausible_times,
-    ratio_spread,
-    read_entries,
-    write_entries,
-)
+from amp_exp.runtime.cache import cache_dir, read_entries, write_entries
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
-from amp_exp.training.capability import Capability, ResolvedPrecision, kernels_of, pick_fastest
+from amp_exp.training.capability import Capability, ResolvedPrecision, kernels_of
 from amp_exp.training.precision import PrecisionPolicy
-from amp_exp.training.timing import interleave
 
 log = logging.getLogger("amp_exp")
 
 CACHE_FILE = "auto_precision.json"
-# Timed passes per candidate, after one untimed warm-up pass each.
-PASSES = 3
+
+# A low precision's speedup over fp32 as speed.json records one (speed/ratio.py's
+# ``Speedup.as_dict``: ratio, ci, confidence, rounds, trend, ...), or {"not_measured": why}.
+Found = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedTrial:
+    """The speed trial's method and rule, as precision=auto uses them."""
+
+    # Each low precision's speedup over fp32 from the candidates' passes (fp32's included),
+    # each a callable that runs one forward+backward, timed in the trial's rounds.
+    measure: Callable[[Mapping[str, Callable[[], object]], torch.device], dict[str, Found]]
+    # The precision the speedups establish as the one to train in (fp32 where none is
+    # established faster), and why, the trial's figures and intervals quoted.
+    pick: Callable[[dict[str, Found]], tuple[str, str]]
 
 
 def resolve_precision(
     cfg: RunConfig,
     capability: Capability,
     workload: Workload,
+    trial: SpeedTrial,
     distributed: Distributed | None = None,
 ) -> ResolvedPrecision:
     """The precision the run trains in, and why; precision=auto is decided here."""
@@ -60,8 +72,8 @@ def resolve_precision(
     if requested != AUTO:
         return ResolvedPrecision(requested, f"requested: precision={variant_name(cfg.precision)}")
     if distributed is None:
-        return choose(cfg, capability, workload)
-    resolved = choose(cfg, capability, workload) if distributed.is_main else None
+        return choose(cfg, capability, workload, trial)
+    resolved = choose(cfg, capability, workload, trial) if distributed.is_main else None
     # The largest of rank 0's choice and the others' -1 is rank 0's choice.
     index = int(
         distributed.max(-1 if resolved is None else auto_candidates().index(resolved.precision))
@@ -74,8 +86,10 @@ def variant_name(precision: PrecisionConfig) -> str:
     return plugin_of(precision.name).variant_name(precision)
 
 
-def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> ResolvedPrecision:
-    """Time the candidates (or reuse the cached times) and pick the fastest."""
+def choose(
+    cfg: RunConfig, capability: Capability, workload: Workload, trial: SpeedTrial
+) -> ResolvedPrecision:
+    """Time the candidates by the speed trial (or reuse its cached speedups), pick by its rule."""
     kernels = kernels_of(workload.model)
     candidates = capability.trial_candidates(kernels)
     left_out = capability.left_out(kernels)
@@ -85,57 +99,57 @@ def choose(cfg: RunConfig, capability: Capability, workload: Workload) -> Resolv
     with leaves_no_trace(workload.model):
         batch = workload.task.to_device(next(iter(workload.data.train)))
         key = choice_key(cfg, capability, workload.channels_last, candidates, batch)
-        cached = cached_ms(key, candidates)
-        if cached is not None:
-            ms, spread = cached
-            seconds = {p: ms[p] / 1e3 for p in candidates}
-        else:
-            seconds, spread = time_candidates(workload.model, workload.task, batch, candidates)
-            ms = {p: s * 1e3 for p, s in seconds.items()}
-            write_entries(CACHE_FILE, {key: {"ms": ms, "spread": spread}})
-    chosen, why = pick_fastest(seconds)
-    source = f"fastest of {PASSES} passes, spread {max(spread.values()):.0%}"
-    if cached is not None:
+        found = cached_speedups(key, candidates)
+        cached = found is not None
+        if found is None:
+            found = time_candidates(workload.model, workload.task, batch, candidates, trial.measure)
+            write_entries(CACHE_FILE, {key: found})
+    chosen, why = trial.pick(found)
+    source = "the speed trial on this model's forward+backward"
+    if cached:
         source += ", cached from an earlier run"
-    listed = ", ".join(f"{p} {milliseconds(s)}" for p, s in seconds.items())
-    reason = f"auto: {chosen}; this model's forward+backward ({source}): {listed}; {why}"
+    reason = f"auto: {chosen} by {source}: {why}"
     return ResolvedPrecision(chosen, reason + (f"; {left_out}" if left_out else ""), True)
 
 
-def cached_ms(
-    key: str, candidates: Sequence[str]
-) -> tuple[dict[str, float], dict[str, float]] | None:
-    """The candidates' times cached under ``key`` by an earlier run and their spreads; None when
-    there are none, when they cannot be measurements (then with a warning), or when a spread is
-    wider than ``WIDE_SPREAD``: they are timed again."""
-    try:
-        entry = read_entries(CACHE_FILE)[key]
-        ms = {p: entry["ms"][p] for p in candidates}
-        spread = {p: float(entry["spread"][p]) for p in candidates}
-    except (KeyError, TypeError, ValueError):
+def cached_speedups(key: str, candidates: Sequence[str]) -> dict[str, Found] | None:
+    """The low candidates' speedups cached under ``key`` by an earlier run; None when there are
+    none, or when one cannot be a measurement (then with a warning): they are timed again."""
+    entry = read_entries(CACHE_FILE).get(key)
+    if not isinstance(entry, dict):
         return None
-    why = implausible_times(ms)
+    try:
+        found = {p: entry[p] for p in candidates if p != REFERENCE}
+    except KeyError:
+        # An entry of an amp_exp that timed by fastest passes: no trial's figure to reuse.
+        return None
+    why = implausible_speedup(found)
     if why:
         log.warning(
-            "%s holds times for this model that are no measurement (%s); timing again",
+            "%s holds speedups for this model that are no measurement (%s); timing again",
             cache_dir() / CACHE_FILE,
             why,
         )
         return None
-    if max(spread.values()) > WIDE_SPREAD:
-        log.info(
-            "precision=auto: the cached speeds of this model lie %.0f%% from their typical "
-            "pass, more than %.0f%%; timing again",
-            100 * max(spread.values()),
-            100 * WIDE_SPREAD,
-        )
-        return None
-    return ms, spread
+    return found
 
 
-def milliseconds(seconds: float) -> str:
-    ms = seconds * 1e3
-    return f"{ms:.3g} ms" if ms < 100 else f"{ms:.0f} ms"
+def implausible_speedup(found: Mapping[str, Any]) -> str | None:
+    """Why cached speedups cannot be the trial's, or None: each is why it was not measured, or a
+    ratio inside an interval of positive finite numbers at a level between 0 and 1."""
+    for precision, speedup in found.items():
+        if isinstance(speedup, dict) and isinstance(speedup.get("not_measured"), str):
+            continue
+        try:
+            low, high = (float(x) for x in speedup["ci"])
+            ratio, level = float(speedup["ratio"]), float(speedup["confidence"])
+            trend = speedup["trend"]["flag"]
+        except (KeyError, TypeError, ValueError):
+            return f"{precision}'s entry is no speed trial's"
+        positive = all(math.isfinite(x) and x > 0 for x in (low, ratio, high))
+        if not (positive and low <= ratio <= high and 0 < level < 1 and isinstance(trend, bool)):
+            return f"{precision} {ratio!r}x [{low!r}, {high!r}] at {level!r}, trend {trend!r}"
+    return None
 
 
 def choice_key(
@@ -171,10 +185,14 @@ def batch_shapes(batch: Batch) -> Any:
 
 
 def time_candidates(
-    model: nn.Module, task: Task, batch: Batch, candidates: Sequence[str]
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Each candidate's fastest forward+backward of ``model`` on ``batch``, in seconds, and the
-    spread: how far its speed figure lies from its typical pass (``runtime.cache.ratio_spread``).
+    model: nn.Module,
+    task: Task,
+    batch: Batch,
+    candidates: Sequence[str],
+    measure: Callable[[Mapping[str, Callable[[], object]], torch.device], dict[str, Found]],
+) -> dict[str, Found]:
+    """Each low candidate's speedup over fp32 on ``model``'s forward+backward on ``batch``, each
+    pass under its candidate's autocast, as ``measure`` (the speed trial's rounds) finds it.
 
     Leaves no trace: no ``.grad`` written, and generators, buffers and modes restored.
     """
@@ -192,10 +210,4 @@ def time_candidates(
 
     with leaves_no_trace(model):
         model.train()
-        # In turns, so that a load spike slows one pass of each candidate, not all of one.
-        seconds = interleave(
-            {p: pass_of(policy) for p, policy in policies.items()}, device, 1, PASSES
-        )
-    passes = {p: [steps[0] for steps in rounds] for p, rounds in seconds.items()}
-    spread = {p: ratio_spread(passes[REFERENCE], times) for p, times in passes.items()}
-    return {p: min(times) for p, times in passes.items()}, spread
+        return measure({p: pass_of(policy) for p, policy in policies.items()}, device)

@@ -3,10 +3,10 @@
 Timed one after another, two jobs on a shared machine measure whatever the neighbours were doing
 during each (the same bf16 job timed 2.95x and 1.18x fp32 on two seeds of one sweep). Here the
 candidates take turns instead, so a load spike slows one round of each candidate rather than all
-of one, and candidate k of round r is compared with the baseline of the same round.
-``interleave`` runs the candidates in the same order every round after a fixed warm-up
-(precision=auto's few passes); the speed trial (amp_exp/speed/trial.py) runs its own pairs in
-AB/BA order through ``time_steps``, after ``warm_up`` has run each until its step time settled.
+of one, and candidate k of round r is compared with the baseline of the same round. The speed
+trial's rounds (amp_exp/speed/rounds.py; the speed trial, the doctor and precision=auto play them)
+run each pair in AB/BA order through ``time_steps``, after ``warm_up`` has run each side until its
+step time settled.
 
 Every step is timed on its own, so a round can be summarized by its median step, which a
 neighbour's burst does not move (scripts/bench_parity.py reads median step times too). On CUDA
@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Hashable, Mapping
-from typing import TypeVar
+from collections.abc import Callable
 
 import torch
 
 from amp_exp.config.commands import SPEED_WARMUP_WINDOW
 from amp_exp.training.meters import synchronize
 
-Key = TypeVar("Key", bound=Hashable)
 # Warm-up is over when the median steps of two consecutive windows agree within this, relative.
 STEADY = 0.05
 
@@ -96,26 +94,3 @@ def warm_up(
             return ran, True
         previous = median
     return ran, False
-
-
-def interleave(
-    steppers: Mapping[Key, Callable[[], object]],
-    device: torch.device,
-    steps: int,
-    rounds: int,
-    warmup_steps: int = 1,
-) -> dict[Key, list[list[float]]]:
-    """Seconds of each step of each candidate in each round: ``{key: [[round 1's steps], ...]}``.
-
-    ``steppers`` maps each candidate to a callable that runs one step of it; they run in the
-    mapping's order within every round.
-    """
-    for step in steppers.values():
-        for _ in range(warmup_steps):
-            step()
-    clock = StepClock(device)
-    seconds: dict[Key, list[list[float]]] = {key: [] for key in steppers}
-    for _ in range(rounds):
-        for key, step in steppers.items():
-            seconds[key].append(time_steps(step, clock, steps))
-    return seconds
