@@ -12,11 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-import amp_exp.doctor
-import amp_exp.speed.rounds
 import amp_exp.training.auto_precision as auto_precision
 from amp_exp.build import AUTO_TRIAL
-from amp_exp.config.adaptive import SpeedStopping
 from amp_exp.config.precisions import auto_candidates
 from amp_exp.results.checkpoint import load_newest_valid
 from amp_exp.run import build, train
@@ -27,7 +24,7 @@ from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.workload import Workload
 from amp_exp.training.auto_precision import choose, resolve_precision, time_candidates
 from amp_exp.training.capability import Capability
-from helpers.probes import capability_with, inject_probe, timing_at
+from helpers.probes import capability_with, inject_probe, short_trials, timing_at
 from helpers.runs import TINY
 from test_diagnostics import trial_at
 
@@ -143,14 +140,7 @@ def test_auto_times_by_the_speed_trials_rounds_and_quotes_their_interval(
 ) -> None:
     """Caught: auto timing by its own fastest pass instead of the speed trial's AB/BA rounds
     (speed/rounds.py's ``play``), or a reason without the trial's interval and its level."""
-    monkeypatch.setattr(amp_exp.doctor, "TRIAL", SpeedStopping(rounds=4, max_rounds=4))
-    monkeypatch.setattr(amp_exp.doctor, "TRIAL_WARMUP_STEPS", 0)
-    monkeypatch.setattr(amp_exp.speed.rounds, "PROGRESS_EVERY_S", 0.0)
-    played = []
-    real_play = amp_exp.doctor.play
-    monkeypatch.setattr(
-        amp_exp.doctor, "play", lambda *a, **k: played.append(a[1]) or real_play(*a, **k)
-    )
+    played = short_trials(monkeypatch)
     with caplog.at_level("INFO", logger="amp_exp"):
         resolved = choose(
             run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], AUTO_TRIAL

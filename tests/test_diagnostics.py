@@ -12,13 +12,12 @@ import torch
 import amp_exp.doctor
 import amp_exp.runtime.probe
 import amp_exp.speed.rounds
-from amp_exp.config.adaptive import SpeedStopping
 from amp_exp.run import build, train
 from amp_exp.runtime.cache import read_entries, write_entries
 from amp_exp.tasks.vision_models import l2_normalize_function
 from amp_exp.training.auto_precision import CACHE_FILE as AUTO_CACHE_FILE
 from amp_exp.training.diagnostics import FP16_MAX, gradient_ranges, largest_safe_scale
-from helpers.probes import capability_with, inject_probe, timing_at
+from helpers.probes import capability_with, inject_probe, short_trials, timing_at
 from helpers.runs import TINY, read_jsonl
 
 CPU = torch.device("cpu")
@@ -375,14 +374,7 @@ def test_the_doctors_trial_is_the_speed_trials_rounds_with_their_interval(
     small = amp_exp.runtime.probe.Shapes(16, (1, 2, 4), (1, 4, 8, 1))
     real = amp_exp.runtime.probe.kernel_pass
     monkeypatch.setattr(amp_exp.doctor, "kernel_pass", lambda d, p: real(d, p, small))
-    monkeypatch.setattr(amp_exp.doctor, "TRIAL", SpeedStopping(rounds=4, max_rounds=4))
-    monkeypatch.setattr(amp_exp.doctor, "TRIAL_WARMUP_STEPS", 0)
-    monkeypatch.setattr(amp_exp.speed.rounds, "PROGRESS_EVERY_S", 0.0)
-    played = []
-    real_play = amp_exp.doctor.play
-    monkeypatch.setattr(
-        amp_exp.doctor, "play", lambda *a, **k: played.append(a[1]) or real_play(*a, **k)
-    )
+    played = short_trials(monkeypatch)
     with caplog.at_level("INFO", logger="amp_exp"):
         amp_exp.doctor.main(["--device=cpu", "--json"])
     found = json.loads(capsys.readouterr().out)

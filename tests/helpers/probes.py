@@ -22,3 +22,21 @@ def capability_with(speeds: dict[str, float], device: str = "cpu", **facts) -> C
     """A device's capability as if the probe measured ``speeds`` (relative to fp32's)."""
     measured = {p: timing_at(speed) for p, speed in speeds.items()}
     return Capability(device, f"test {device}", facts, measured, key=f"test {device}")
+
+
+def short_trials(monkeypatch) -> list:
+    """The doctor's (and auto's) speed trials shrunk to 4 rounds with no warm-up and a progress
+    line every round; returns the list of the precisions ``play`` timed, in order."""
+    import amp_exp.doctor
+    import amp_exp.speed.rounds
+    from amp_exp.config.adaptive import SpeedStopping
+
+    monkeypatch.setattr(amp_exp.doctor, "TRIAL", SpeedStopping(rounds=4, max_rounds=4))
+    monkeypatch.setattr(amp_exp.doctor, "TRIAL_WARMUP_STEPS", 0)
+    monkeypatch.setattr(amp_exp.speed.rounds, "PROGRESS_EVERY_S", 0.0)
+    played = []
+    real_play = amp_exp.doctor.play
+    monkeypatch.setattr(
+        amp_exp.doctor, "play", lambda *a, **k: played.append(a[1]) or real_play(*a, **k)
+    )
+    return played
