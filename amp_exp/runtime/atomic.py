@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from amp_exp.errors import RuntimeFault
+
 # Temporary files are named ".<target>.<random>.tmp"; a save killed mid-write leaves one behind.
 TMP_SUFFIX = ".tmp"
 
@@ -24,6 +26,10 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], durable: bool =
     ``durable`` also fsyncs the file and the rename, for results; a cache needs only the rename.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    # A planted link in the directory's place would carry the write elsewhere (mkdir accepts a
+    # link to a directory); the rename below guards only the last component.
+    if path.parent.is_symlink():
+        raise RuntimeFault(f"{path.parent} is a link; amp_exp never writes through one")
     # mkstemp creates a new file (O_EXCL, O_NOFOLLOW): never one planted under its random name;
     # the rename then replaces a link at ``path`` itself, never what it points at.
     handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
@@ -45,7 +51,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], durable: bool =
 
 
 def fsync_directory(path: Path) -> None:
-    directory = os.open(path, os.O_RDONLY)
+    directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.fsync(directory)
     finally:
