@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from amp_exp.capability.cache import cache_dir, read_entries, write_entries
-from amp_exp.capability.device import Capability, Found, kernels_of, recommend
+from amp_exp.capability.device import THE_MODEL, Capability, Found, kernels_of, recommend
 from amp_exp.config.precisions import (
     AUTO,
     REFERENCE,
@@ -101,7 +101,7 @@ def choose(
             found = time_candidates(workload.model, workload.task, batch, candidates, measure)
             write_entries(CACHE_FILE, {key: found})
     chosen, why = pick(found)
-    source = "the speed trial on this model's forward+backward"
+    source = f"the speed trial on {THE_MODEL}"
     if cached:
         source += ", cached from an earlier run"
     reason = f"auto: {chosen} by {source}: {why}"

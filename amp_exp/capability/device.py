@@ -123,13 +123,18 @@ def kernels_of(model: nn.Module) -> tuple[str, ...]:
 Found = Mapping[str, Any]
 
 
-def trial_verdict(found: Found) -> str:
+# What a speed trial timed: the doctor's trial the probe's kernels, precision=auto's the model.
+PROBE_KERNELS = "the probe's kernels"
+THE_MODEL = "this model's forward+backward"
+
+
+def trial_verdict(found: Found, timed: str = PROBE_KERNELS) -> str:
     """faster than fp32 by the speed trial on the probe's kernels: 1.47x [1.30x, 1.66x] (97.5%
     CI, 10 AB/BA rounds), total time 1.45x"""
     if "not_measured" in found:
         return f"speed not measured: {found['not_measured']}"
     claim = established(found) or "not established faster or slower"
-    return f"{claim} than fp32 by the speed trial on the probe's kernels: {show_speedup(found)}"
+    return f"{claim} than fp32 by the speed trial on {timed}: {show_speedup(found)}"
 
 
 def recommend(trials: Mapping[str, Found]) -> tuple[str, str]:
@@ -190,7 +195,7 @@ class Capability:
             not self.supports(precision) or self.relative_speed(precision, kernels) * RULED_OUT <= 1
         )
 
-    def verdicts(self, trials: Mapping[str, Found]) -> dict[str, str]:
+    def verdicts(self, trials: Mapping[str, Found], timed: str = PROBE_KERNELS) -> dict[str, str]:
         """fp32 and each probed low precision: its speed trial's verdict, or why it has none.
         The probe speaks only of what it rules out, never of a precision being faster."""
         found = {REFERENCE: "the baseline"}
@@ -201,7 +206,7 @@ class Capability:
                     "8.0+)"
                 )
             elif precision in trials:
-                found[precision] = trial_verdict(trials[precision])
+                found[precision] = trial_verdict(trials[precision], timed)
             else:
                 found[precision] = "speed not measured: no speed trial here" + (
                     f"; the probe ran it about {times(1 / self.relative_speed(precision))} slower "
@@ -257,8 +262,9 @@ class Capability:
             f"precision={self.recommendation(trials)[0]}"
         ]
 
-    def as_dict(self, trials: Mapping[str, Found]) -> dict[str, Any]:
-        """What ``python -m amp_exp.doctor --json`` prints, ``trials`` its speed trials."""
+    def as_dict(self, trials: Mapping[str, Found], timed: str = PROBE_KERNELS) -> dict[str, Any]:
+        """What ``python -m amp_exp.doctor --json`` prints, ``trials`` its speed trials on
+        ``timed``."""
         recommended, reason = self.recommendation(trials)
         return {
             "device": self.device,
@@ -271,7 +277,7 @@ class Capability:
                 }
                 for p, timing in self.measured.items()
             },
-            "verdicts": self.verdicts(trials),
+            "verdicts": self.verdicts(trials, timed),
             "recommended": recommended,
             "reason": reason,
         }
@@ -283,7 +289,7 @@ class Capability:
         precision), and the measured peak in its precision."""
         probed = spec_of(resolved.precision).probed_as
         return {
-            **self.as_dict(resolved.speedups),
+            **self.as_dict(resolved.speedups, THE_MODEL),
             "advice": []
             if resolved.timed_on_model
             else self.advice(resolved.precision, kernels, resolved.speedups),
