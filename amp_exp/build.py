@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from amp_exp.capability.auto import resolve_precision
+from amp_exp.capability.device import capability_of, check_request, kernels_of
 from amp_exp.config.adaptive import COMPILE_AUTO
 from amp_exp.config.launch import ALONE
-from amp_exp.config.precisions import DType
+from amp_exp.config.precisions import DType, ResolvedPrecision
 from amp_exp.config.schema import NonFiniteAction, RunConfig
-from amp_exp.doctor import pass_trials, trial_recommendation
-from amp_exp.report.verdicts import show_speedup
+from amp_exp.doctor import pass_trials
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
@@ -25,13 +26,6 @@ from amp_exp.tasks.blocks import checkpoint_blocks, compile_blocks, model_blocks
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import Workload, build_workload
 from amp_exp.training.audit.step import PrecisionAudit
-from amp_exp.training.auto_precision import Found, SpeedTrial, resolve_precision
-from amp_exp.training.capability import (
-    ResolvedPrecision,
-    capability_of,
-    check_request,
-    kernels_of,
-)
 from amp_exp.training.diagnostics import Diagnostics
 from amp_exp.training.engine import Engine
 from amp_exp.training.flops import peak_tflops
@@ -45,23 +39,6 @@ from amp_exp.training.signals import Limits, SignalCollector, SignalsCallback
 from amp_exp.training.skips import SkipMonitor
 
 log = logging.getLogger("amp_exp")
-
-
-def auto_pick(found: dict[str, Found]) -> tuple[str, str]:
-    """precision=auto's choice from its trial: the doctor's recommendation (a lower precision
-    only where the trial's interval lies wholly above fp32's speed and its rounds do not trend,
-    report/speedup.py's ``established``), each trial's figure and interval quoted."""
-    chosen, why = trial_recommendation(found)
-    shown = [
-        f"{p} {show_speedup(f)}" if "ratio" in f else f"{p} not measured ({f['not_measured']})"
-        for p, f in found.items()
-    ]
-    return chosen, f"{'; '.join(shown)}; {why}"
-
-
-# How precision=auto times and decides: the doctor's short trial (the speed trial's AB/BA rounds)
-# and its rule, handed to training/, which sits below them.
-AUTO_TRIAL = SpeedTrial(pass_trials, auto_pick)
 
 
 @dataclass
@@ -134,7 +111,7 @@ def build(
     # As soon as the model exists: a pattern that matches nothing stops the run before
     # precision=auto's timing or anything else is spent on it.
     keep_fp32 = match_keep_fp32(workload.model, cfg.precision.keep_fp32)
-    resolved = kept or resolve_precision(cfg, capability, workload, AUTO_TRIAL, distributed)
+    resolved = kept or resolve_precision(cfg, capability, workload, pass_trials, distributed)
     shards = distributed is not None and distributed.shards
     dtypes = None
     if distributed is not None:
@@ -166,9 +143,7 @@ def build(
     if compiled and not shards:
         # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
         trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
-    hardware = capability.summary(
-        resolved.precision, resolved.timed_on_model, kernels_of(workload.model)
-    )
+    hardware = capability.summary(resolved, kernels_of(workload.model))
     engine = Engine(
         trained,
         workload.task,

@@ -1,13 +1,13 @@
 """``python -m amp_exp.doctor``: what each precision measures on this machine, and what to use.
 
-Prints the probe's table (runtime.probe: each kernel's time and rate, the peak a run's MFU is
+Prints the probe's table (capability.probe: each kernel's time and rate, the peak a run's MFU is
 read against) and the device's facts; then each low precision's speed against fp32, measured by
 the speed trial's own method (amp_exp/speed/rounds.py: AB/BA rounds, each a forward+backward of
 the probe's kernels, the interval of speed/ratio.py) and judged by the report's one rule
 (report/speedup.py's ``established``): a precision is called faster only where its interval lies
 above fp32's speed. The recommendation follows from the same intervals. What the device lacks for
 the precisions the probe does not time (fp8, mxfp8, mxfp4, nvfp4) comes from
-``training.capability``. ``--json`` prints it all as JSON; ``--refresh`` measures the probe again
+``capability/device.py``. ``--json`` prints it all as JSON; ``--refresh`` measures the probe again
 instead of reading the cache, and forgets precision=auto's cached choices.
 """
 
@@ -21,24 +21,22 @@ from typing import Any
 
 import torch
 
-from amp_exp.config.adaptive import SpeedStopping
-from amp_exp.config.precisions import REFERENCE, probed_low, spec_of
-from amp_exp.config.schema import DeviceChoice, TrainerConfig
-from amp_exp.report.compare import BASELINE
-from amp_exp.report.speedup import established, speedup_cell, trial_interval
-from amp_exp.report.verdicts import show_speedup
-from amp_exp.results.contract import OneLineParser, enter
-from amp_exp.runtime.cache import cache_dir, forget
-from amp_exp.runtime.hardware import configure_backends, resolve_device
-from amp_exp.runtime.probe import CACHE_FILE, KERNELS, kernel_pass
-from amp_exp.speed.rounds import Side, pair_speedup, play
-from amp_exp.training.auto_precision import CACHE_FILE as AUTO_CACHE_FILE
-from amp_exp.training.capability import (
+from amp_exp.capability.auto import CACHE_FILE as AUTO_CACHE_FILE
+from amp_exp.capability.cache import cache_dir, forget
+from amp_exp.capability.device import (
     CPU_FLAGS_OF_INTEREST,
     Capability,
     capability_of,
     unprobed_verdicts,
 )
+from amp_exp.capability.probe import CACHE_FILE, KERNELS, kernel_pass
+from amp_exp.config.adaptive import SpeedStopping
+from amp_exp.config.precisions import probed_low
+from amp_exp.config.schema import DeviceChoice, TrainerConfig
+from amp_exp.report.compare import BASELINE
+from amp_exp.results.contract import OneLineParser, enter
+from amp_exp.runtime.hardware import configure_backends, resolve_device
+from amp_exp.speed.rounds import Side, pair_speedup, play
 
 # The doctor's trial: the speed trial's own stopping rule and defaults (10 rounds, then a look
 # every 10 up to 20, stopping once the interval is within 5% either way), one step a round: a
@@ -75,38 +73,6 @@ def pass_trials(
     return found
 
 
-def trial_verdict(found: dict[str, Any]) -> str:
-    """faster than fp32 by the speed trial on the probe's kernels: 1.47x [1.30x, 1.66x] (97.5%
-    CI, 10 AB/BA rounds), total time 1.45x"""
-    if "not_measured" in found:
-        return f"speed not measured: {found['not_measured']}"
-    claim = established(found) or "not established faster or slower"
-    return f"{claim} than fp32 by the speed trial on the probe's kernels: {show_speedup(found)}"
-
-
-def trial_recommendation(found: dict[str, dict[str, Any]]) -> tuple[str, str]:
-    """The precision whose trial establishes the largest speedup, and why; on overlapping
-    intervals one that needs no loss scaling (bf16) before one that does (fp16)."""
-    faster = {p: f for p, f in found.items() if "ratio" in f and established(f) == "faster"}
-    measured = ", ".join(f"{p} {speedup_cell(f)}" for p, f in found.items() if "ratio" in f)
-    if not faster:
-        return REFERENCE, (
-            f"no lower precision's interval lies above fp32's speed ({measured or 'none measured'})"
-        )
-    best = max(faster, key=lambda p: faster[p]["ratio"])
-    low = trial_interval(faster[best])[0]
-    plain = [
-        p
-        for p in faster
-        if not spec_of(p).grad_scaler and p != best and trial_interval(faster[p])[1] >= low
-    ]
-    chosen = plain[0] if spec_of(best).grad_scaler and plain else best
-    why = f"{chosen} runs {speedup_cell(faster[chosen])} fp32's speed, its interval above 1"
-    if chosen != best:
-        why += f"; {best}'s interval overlaps it, and {chosen} needs no loss scaling"
-    return chosen, why
-
-
 def table(capability: Capability) -> list[str]:
     """One row per precision: each kernel's time and rate (its speed is the trial's)."""
     rows = [["", *KERNELS]]
@@ -140,42 +106,20 @@ def report(
     lines.append(f"probe: forward+backward, fastest round (cache: {cache_dir() / CACHE_FILE})")
     lines += ["  " + row for row in table(capability)]
     lines.append(f"facts: {facts(capability)}")
-    for precision, verdict in verdicts(capability, trials).items():
+    for precision, verdict in {**capability.verdicts(trials), **unprobed_verdicts(device)}.items():
         lines.append(f"{precision}: {verdict}")
-    for precision, verdict in unprobed_verdicts(device).items():
-        lines.append(f"{precision}: {verdict}")
-    recommended, reason = trial_recommendation(trials)
+    recommended, reason = capability.recommendation(trials)
     lines.append(f"recommendation: precision={recommended}: {reason}")
     return lines
-
-
-def verdicts(capability: Capability, trials: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """fp32 and each probed low precision: its trial's verdict, or why it has none."""
-    found = {REFERENCE: "the baseline"}
-    for precision in probed_low():
-        found[precision] = (
-            trial_verdict(trials[precision])
-            if precision in trials
-            else capability.verdict(precision)
-        )
-    return found
 
 
 def as_json(
     capability: Capability, device: torch.device, trials: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """The probe's kernel times and rates, the trials, the verdicts and the recommendation."""
-    found = capability.as_dict()
-    for entry in found["measured"].values():
-        # The trial's speedup is the one speed answer; the probe's ratio of fastest rounds is not.
-        del entry["relative_speed"]
-    recommended, reason = trial_recommendation(trials)
     return {
-        **found,
+        **capability.as_dict(trials),
         "trial": trials,
-        "verdicts": verdicts(capability, trials),
-        "recommended": recommended,
-        "reason": reason,
         "not_probed": unprobed_verdicts(device),
     }
 

@@ -12,18 +12,18 @@ import pytest
 import torch
 from torch import nn
 
-import amp_exp.training.auto_precision as auto_precision
-from amp_exp.build import AUTO_TRIAL
+import amp_exp.capability.auto as auto_precision
+from amp_exp.capability.auto import choose, resolve_precision, time_candidates
+from amp_exp.capability.cache import cache_dir, read_entries
+from amp_exp.capability.device import Capability
+from amp_exp.capability.probe import KernelTime
 from amp_exp.config.precisions import auto_candidates
+from amp_exp.doctor import pass_trials
 from amp_exp.results.checkpoint import load_newest_valid
 from amp_exp.run import build, train
-from amp_exp.runtime.cache import cache_dir, read_entries
-from amp_exp.runtime.probe import KernelTime
 from amp_exp.tasks.base import DataBundle
 from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.workload import Workload
-from amp_exp.training.auto_precision import choose, resolve_precision, time_candidates
-from amp_exp.training.capability import Capability
 from helpers.probes import capability_with, inject_probe, short_trials, timing_at
 from helpers.runs import TINY
 from test_diagnostics import trial_at
@@ -76,7 +76,7 @@ def test_the_trial_leaves_weights_gradients_buffers_mode_and_rng_untouched(
     model.eval()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    resolved = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), workload, AUTO_TRIAL)
+    resolved = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), workload, pass_trials)
     assert resolved.precision in (fp32, bf16)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
@@ -143,7 +143,7 @@ def test_auto_times_by_the_speed_trials_rounds_and_quotes_their_interval(
     played = short_trials(monkeypatch)
     with caplog.at_level("INFO", logger="amp_exp"):
         resolved = choose(
-            run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], AUTO_TRIAL
+            run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], pass_trials
         )
     assert played == [bf16]
     assert "(97.5% CI, 4 AB/BA rounds), total time" in resolved.reason
@@ -157,7 +157,7 @@ def test_auto_picks_a_precision_its_trial_establishes_faster_and_quotes_the_figu
 ) -> None:
     trials = with_trial(monkeypatch, {bf16: trial_at(1.22, 1.10, 1.35)})
     resolved = choose(
-        run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], AUTO_TRIAL
+        run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], pass_trials
     )
     assert trials == [[fp32, bf16]]
     assert resolved.precision == bf16
@@ -187,7 +187,7 @@ def test_auto_keeps_fp32_unless_the_trials_interval_lies_above_1(
     trial's rule does not accept (report/speedup.py's ``established``)."""
     with_trial(monkeypatch, {bf16: found})
     resolved = choose(
-        run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], AUTO_TRIAL
+        run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], pass_trials
     )
     assert resolved.precision == fp32
     assert "no lower precision's interval lies above fp32's speed" in resolved.reason
@@ -196,8 +196,8 @@ def test_auto_keeps_fp32_unless_the_trials_interval_lies_above_1(
 def test_the_trial_is_cached_so_a_second_run_times_nothing(run_cfg, own_cache, monkeypatch) -> None:
     trials = with_trial(monkeypatch, {bf16: FASTER})
     cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
-    first = choose(cfg, capability, small_workload()[0], AUTO_TRIAL)
-    again = choose(cfg, capability, small_workload()[0], AUTO_TRIAL)
+    first = choose(cfg, capability, small_workload()[0], pass_trials)
+    again = choose(cfg, capability, small_workload()[0], pass_trials)
     assert len(trials) == 1
     assert first.precision == again.precision == bf16
     assert again.reason.startswith(
@@ -205,7 +205,7 @@ def test_the_trial_is_cached_so_a_second_run_times_nothing(run_cfg, own_cache, m
         "run: bf16 2.00x [1.80x, 2.20x]"
     )
     # Another model is another trial.
-    choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0], AUTO_TRIAL)
+    choose(run_cfg(*TINY, "model.width=8"), capability, small_workload()[0], pass_trials)
     assert len(trials) == 2
 
 
@@ -218,13 +218,13 @@ def test_cached_speedups_that_cannot_be_the_trials_are_timed_again(
 ) -> None:
     trials = with_trial(monkeypatch, {bf16: SLOWER})
     cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
-    choose(cfg, capability, small_workload()[0], AUTO_TRIAL)
+    choose(cfg, capability, small_workload()[0], pass_trials)
     entries = read_entries(auto_precision.CACHE_FILE)
     [entry] = entries.values()
     entry["bf16"][field] = value
     (cache_dir() / auto_precision.CACHE_FILE).write_text(json.dumps(entries))
     with caplog.at_level(logging.WARNING):
-        again = choose(cfg, capability, small_workload()[0], AUTO_TRIAL)
+        again = choose(cfg, capability, small_workload()[0], pass_trials)
     assert len(trials) == 2 and again.precision == fp32
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "holds speedups for this model that are no measurement (bf16" in warning
@@ -239,7 +239,7 @@ def test_where_the_probe_rules_every_low_precision_out_fp32_needs_no_trial(
         run_cfg(*TINY),
         capability_with({"fp32": 1, "bf16": 0.1, "fp16": 0.02}),
         small_workload()[0],
-        AUTO_TRIAL,
+        pass_trials,
     )
     assert trials == [] and resolved.precision == fp32
     assert resolved.reason == (
@@ -265,11 +265,11 @@ def test_under_torchrun_rank_0_decides_and_the_others_take_its_choice(
     cfg, capability = run_cfg(*TINY), capability_with(PLAUSIBLE_BF16)
     bf16_index = auto_candidates().index(bf16)
     other = resolve_precision(
-        cfg, capability, small_workload()[0], AUTO_TRIAL, OneOfTwoRanks(False, bf16_index)
+        cfg, capability, small_workload()[0], pass_trials, OneOfTwoRanks(False, bf16_index)
     )
     assert trials == [] and other.precision == bf16
     main = resolve_precision(
-        cfg, capability, small_workload()[0], AUTO_TRIAL, OneOfTwoRanks(True, -1)
+        cfg, capability, small_workload()[0], pass_trials, OneOfTwoRanks(True, -1)
     )
     assert trials == [[fp32, bf16]] and main.precision == bf16
 
@@ -317,12 +317,12 @@ def test_a_bf16_the_run_timed_faster_gets_no_probe_warning_that_it_is_slower(
 def test_a_requested_variant_is_named_in_the_reason(run_cfg) -> None:
     workload, capability = small_workload()[0], capability_with(PLAUSIBLE_BF16)
     nearest = resolve_precision(
-        run_cfg("precision=bf16_true_nearest"), capability, workload, AUTO_TRIAL
+        run_cfg("precision=bf16_true_nearest"), capability, workload, pass_trials
     )
     assert nearest.reason == (
         "requested: precision=bf16_true_nearest (bf16_true, precision.stochastic_rounding=false)"
     )
-    plain = resolve_precision(run_cfg("precision=bf16_true"), capability, workload, AUTO_TRIAL)
+    plain = resolve_precision(run_cfg("precision=bf16_true"), capability, workload, pass_trials)
     assert plain.reason == "requested: precision=bf16_true"
 
 
@@ -339,7 +339,9 @@ def test_a_resumed_auto_run_keeps_its_precision_whatever_the_timings_say_now(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other_cache"))
     inject_probe(PLAUSIBLE_BF16)
     trials = with_trial(monkeypatch, {bf16: SLOWER})
-    fresh = choose(run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], AUTO_TRIAL)
+    fresh = choose(
+        run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], pass_trials
+    )
     assert fresh.precision == fp32
     assert trials.pop() == [fp32, bf16]
 
@@ -364,5 +366,5 @@ def test_auto_rules_out_by_the_probes_kernels_of_the_models_kind(
     )
     assert capability.trial_candidates() == [fp32]  # all kernels: ruled out
     trials = with_trial(monkeypatch, {bf16: FASTER})
-    assert choose(run_cfg(*TINY), capability, small_workload()[0], AUTO_TRIAL).precision == bf16
+    assert choose(run_cfg(*TINY), capability, small_workload()[0], pass_trials).precision == bf16
     assert trials == [[fp32, bf16]]

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from amp_exp.build import AUTO_TRIAL
+from amp_exp.capability.auto import time_candidates
+from amp_exp.doctor import pass_trials
 from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.workload import check_output_fits
-from amp_exp.training.auto_precision import time_candidates
 
 CPU = torch.device("cpu")
 
@@ -80,7 +80,5 @@ def test_the_auto_precision_trial_leaves_no_trace_by_itself() -> None:
     model = model_with_state()
     model.eval()
     before = snapshot(model)
-    time_candidates(
-        model, ClassificationTask(CPU, num_classes=4), batch(), ["fp32"], AUTO_TRIAL.measure
-    )
+    time_candidates(model, ClassificationTask(CPU, num_classes=4), batch(), ["fp32"], pass_trials)
     assert_unchanged(model, before)

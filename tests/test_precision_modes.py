@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from amp_exp.capability.device import check_request
 from amp_exp.config.precisions import auto_candidates
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.schema import GPTConfig, PrecisionConfig
@@ -21,7 +22,6 @@ from amp_exp.results.resume_rules import config_changes
 from amp_exp.run import train
 from amp_exp.tasks.gpt import GPT
 from amp_exp.tasks.vision_models import TinyCNN
-from amp_exp.training.capability import check_request
 from amp_exp.training.precision_modes import plan_fp8, to_bf16_true
 from amp_exp.training.precisions.fp8 import require_fp8_hardware
 from amp_exp.training.stochastic_rounding import (

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from amp_exp.capability.probe import KERNELS
 from amp_exp.config import precisions
 from amp_exp.config.precisions import DType, names, plugin_of, spec_of
 from amp_exp.config.schema import PrecisionConfig, Strategy
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.fsdp import ShardingDtypes
-from amp_exp.training.capability import probed_as
 from amp_exp.training.flops import peak_math
 from amp_exp.training.precision import PrecisionPolicy
+from helpers.probes import capability_with
 
 CPU = torch.device("cpu")
 MODES = list(names())
@@ -74,7 +75,6 @@ def test_each_mode_computes_stores_and_scales_as_documented(mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_the_probe_and_the_datasheet_peak_read_the_row(mode: str) -> None:
     spec = spec_of(mode)
-    assert probed_as(mode) == spec.probed_as
     assert peak_math(mode, tf32=False) == spec.peak_math
 
 
@@ -82,7 +82,7 @@ def test_pure_bf16_reaches_the_same_datasheet_peak_as_bf16() -> None:
     # They once disagreed: the measured peak counted bf16_true as bf16, the datasheet had no
     # "bf16_true" entry, so a bf16_true run had mfu null and mfu_measured set.
     assert peak_math("bf16_true", tf32=True) == peak_math("bf16", tf32=True)
-    assert probed_as("bf16_true") == probed_as("bf16")
+    assert spec_of("bf16_true").probed_as == spec_of("bf16").probed_as
 
 
 def test_a_changed_row_changes_every_reader(monkeypatch, run_cfg) -> None:
@@ -106,7 +106,8 @@ def test_a_changed_row_changes_every_reader(monkeypatch, run_cfg) -> None:
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float16
     cast = ShardingDtypes.for_precision("bf16", None, cast_params=True)
     assert (cast.param, cast.reduce) == ("fp16", "bf16")
-    assert probed_as("bf16") == "fp16"
+    # The probe's reader: a run in bf16 is warned by fp16's kernels (0.1x fp32's speed).
+    assert capability_with({"fp32": 1, "fp16": 0.1}).advice("bf16", KERNELS, {})
     assert peak_math("bf16", tf32=False) == "fp16"
     with pytest.raises(
         ConfigError, match=r"precision=bf16 does not run with trainer\.strategy=fsdp2"

@@ -10,11 +10,10 @@ import math
 import pytest
 import torch
 
-import amp_exp.runtime.probe
-from amp_exp.config.validate import validate
-from amp_exp.run import build
-from amp_exp.runtime.cache import cache_dir, read_entries
-from amp_exp.runtime.probe import (
+import amp_exp.capability.probe
+from amp_exp.capability.cache import cache_dir, read_entries
+from amp_exp.capability.device import Capability, capability_of, kernels_of
+from amp_exp.capability.probe import (
     CACHE_FILE,
     KERNELS,
     KernelTime,
@@ -24,7 +23,8 @@ from amp_exp.runtime.probe import (
     probe,
     remember,
 )
-from amp_exp.training.capability import Capability, capability_of, kernels_of
+from amp_exp.config.validate import validate
+from amp_exp.run import build
 from helpers.probes import timing_at
 from helpers.runs import FAST, FAST_LM, TINY
 
@@ -71,7 +71,7 @@ def test_probe_measures_all_precisions_together_when_the_cache_lacks_one_or_spre
         measured.append(list(precisions))
         return {p: spread_out(timing_at(0.5), 0.3) for p in precisions}
 
-    monkeypatch.setattr(amp_exp.runtime.probe, "measure", fake_measure)
+    monkeypatch.setattr(amp_exp.capability.probe, "measure", fake_measure)
     remember(CPU, {"fp32": timing_at(1.0)})
     timings = probe(CPU, ["fp32", "bf16"])
     assert measured == [["fp32", "bf16"]] and timings["bf16"]["conv"].spread == 0.3
@@ -96,9 +96,9 @@ def test_the_spread_is_how_far_the_figure_lies_from_its_typical_round(monkeypatc
     def one_pass(device, precision, forward, leaves):
         return next(times)
 
-    monkeypatch.setattr(amp_exp.runtime.probe, "_forward_backward", one_pass)
+    monkeypatch.setattr(amp_exp.capability.probe, "_forward_backward", one_pass)
     monkeypatch.setattr(
-        amp_exp.runtime.probe, "_kernels", lambda shapes, device: {"matmul": (None, (), 1.0)}
+        amp_exp.capability.probe, "_kernels", lambda shapes, device: {"matmul": (None, (), 1.0)}
     )
     timings = measure(CPU, ["fp32", "bf16"], budget_s=0, min_rounds=4, max_rounds=4)
     assert timings["bf16"]["matmul"].spread == pytest.approx(1.0)
@@ -117,7 +117,7 @@ def test_an_unreadable_cache_is_measured_again(own_cache, monkeypatch) -> None:
     own_cache.mkdir(parents=True)
     (own_cache / CACHE_FILE).write_text("{not json")
     monkeypatch.setattr(
-        amp_exp.runtime.probe, "measure", lambda device, ps: {p: timing_at(1.0) for p in ps}
+        amp_exp.capability.probe, "measure", lambda device, ps: {p: timing_at(1.0) for p in ps}
     )
     assert set(probe(CPU, ["fp32"])) == {"fp32"}
     assert cache_key(CPU, "fp32") in read_entries(CACHE_FILE)
@@ -136,7 +136,7 @@ def test_a_gpu_without_native_bf16_is_probed_in_fp32_and_fp16_only(own_cache, mo
         "tensor_cores": True,
         "native_bf16": False,
     }
-    assert capability.recommendation()[0] == "fp16"
+    assert capability.trial_candidates() == ["fp32", "fp16"]
 
 
 def test_fp32_on_a_gpu_is_cached_apart_with_and_without_tf32(monkeypatch) -> None:
@@ -174,7 +174,7 @@ def test_cached_timings_that_cannot_be_measurements_are_measured_again(
         measured.append(list(precisions))
         return {p: timing_at(0.5) for p in precisions}
 
-    monkeypatch.setattr(amp_exp.runtime.probe, "measure", fake_measure)
+    monkeypatch.setattr(amp_exp.capability.probe, "measure", fake_measure)
     precisions = ["fp32", "bf16", "fp16"]
     remember(CPU, {p: timing_at(1.0) for p in precisions})
     entries = read_entries(CACHE_FILE)
@@ -214,7 +214,7 @@ def test_a_model_is_judged_by_the_probes_kernels_of_its_own_kind(
         "fp16": {**timing_at(1.0), "conv": KernelTime(ms=10.0, tflops=0.1)},
     }
     capability = Capability("cpu", "test cpu", {}, measured, key="test cpu")
-    advice = capability.advice("fp16", kernels)
+    advice = capability.advice("fp16", kernels, {})
     assert advice == (
         ["the probe's conv kernels ran fp16 about 10x slower than fp32 here: use precision=fp32"]
         if kernels == ("conv",)

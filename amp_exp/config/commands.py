@@ -22,8 +22,8 @@ from amp_exp.config.schema import (
 )
 from amp_exp.errors import ConfigError, require
 
-# The speed trial's warm-up ends when the median steps of two consecutive windows of this many
-# steps agree within 5% (training/timing.py).
+# The speed trial's warm-up ends when the step times of two consecutive windows of this many
+# steps show no trend (training/timing.py).
 SPEED_WARMUP_WINDOW = 5
 # The fewest rounds for the speedup's interval to be of any use (its critical value, calibrated
 # for autocorrelated rounds in speed/ratio.py, is 11 at 6 rounds and 23 at 4).

@@ -23,7 +23,8 @@ import importlib.metadata
 import pkgutil
 import sys
 import traceback
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from types import TracebackType
@@ -162,7 +163,7 @@ class PrecisionSpec:
 # The precision everything is measured against: the baseline of verdicts, the reference of
 # sensitivity and repairs, and the fallback of precision=auto.
 REFERENCE = "fp32"
-# Not a precision: the selector that times the candidates and picks one (training/auto_precision).
+# Not a precision: the selector that times the candidates and picks one (capability/auto.py).
 AUTO = "auto"
 BUILTIN_PACKAGE = "amp_exp.training.precisions"
 ENTRY_POINT_GROUP = "amp_exp.precisions"
@@ -265,7 +266,7 @@ def specs() -> list[PrecisionSpec]:
 def plugin_of(name: str) -> Any:
     """The plugin class of a resolved precision; ConfigError naming the valid ones."""
     if name == AUTO:
-        raise ValueError("resolve precision=auto first (training.auto_precision)")
+        raise ValueError("resolve precision=auto first (capability.auto)")
     # Every source, also for a built-in's name: an installed plugin that takes it is refused
     # (``_add``), never passed over because the built-in was found first.
     _all()
@@ -370,3 +371,17 @@ def _raised_in(plugin: type, trace: TracebackType | None) -> bool:
         if cls.__module__ not in (BASE_MODULE, "builtins")
     }
     return any(frame.f_code.co_filename in own for frame, _ in traceback.walk_tb(trace))
+
+
+@dataclass(frozen=True)
+class ResolvedPrecision:
+    """The precision a run trains in, and why: as requested, chosen by precision=auto
+    (capability/auto.py), or kept from a checkpoint (results/resume_rules.py)."""
+
+    precision: str
+    reason: str
+    # precision=auto timed the run's own model in this precision: that timing, not the probe's
+    # generic kernels, speaks for its speed, so the probe's warning about it is not given.
+    timed_on_model: bool = False
+    # The speed trial's speedups over fp32 that chose it (speed.json's form), by precision.
+    speedups: Mapping[str, Any] = field(default_factory=dict)

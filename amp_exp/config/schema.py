@@ -137,7 +137,7 @@ class PrecisionConfig:
     # A precision of the registry (config/precisions.py: the plugins of
     # amp_exp/training/precisions/, of installed packages, and ``_target_``'s), or auto: time the
     # model in fp32 and each candidate the device's measured speeds do not rule out; a low
-    # precision must be 5% faster than fp32 (training/auto_precision.py).
+    # precision must be established faster by the speed trial's interval (capability/auto.py).
     name: str = "auto"
     # A user's own plugin: the dotted path of its PrecisionPlugin class, registered before
     # ``name`` is looked up (docs/precision.md, "Adding a precision").

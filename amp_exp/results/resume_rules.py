@@ -22,8 +22,7 @@ import json
 from typing import Any
 
 from amp_exp.config.plain import flatten_config
-from amp_exp.config.precisions import AUTO, spec_of
-from amp_exp.training.capability import ResolvedPrecision
+from amp_exp.config.precisions import AUTO, ResolvedPrecision, spec_of
 
 # The precision's name, which may change within its family (``_family``); a sweep's cells
 # differ in it, so it is part of what a sweep's job trains.

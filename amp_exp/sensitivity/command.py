@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from amp_exp.capability.device import check_request
 from amp_exp.config.commands import target_precisions
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.schema import RunConfig
@@ -34,7 +35,6 @@ from amp_exp.sensitivity.results import (
 from amp_exp.sensitivity.verify import verification_plan
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_workload
-from amp_exp.training.capability import check_request
 from amp_exp.training.keep_fp32 import match_keep_fp32
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.rng import seed_everything

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from amp_exp.build import Built, build, global_batch_size
+from amp_exp.config.commands import SPEED_WARMUP_WINDOW
 from amp_exp.config.schema import RunConfig, SpeedConfig
 from amp_exp.report.compare import BASELINE, subject
 from amp_exp.report.shown import show_level
@@ -41,6 +42,7 @@ from amp_exp.results.contract import Stopped
 from amp_exp.runtime.hardware import device_name, resolve_device
 from amp_exp.speed.ratio import LOOK_EVERY, MIN_ROUNDS, TRIAL_CONFIDENCE
 from amp_exp.speed.rounds import Side, pair_speedup, play
+from amp_exp.training.timing import WARMUP_LEVEL
 
 
 def training_step(built: Built) -> Callable[[], object]:
@@ -187,6 +189,8 @@ def run_trial(
         "stand_in": stand_in,
         "samples_per_step": samples_per_step,
         "max_warmup_steps": speed.max_warmup_steps,
+        # Warm-up ended where the Mann-Kendall test found no trend at this level.
+        "warmup_level": WARMUP_LEVEL,
         "steps": speed.steps,
         "rounds": speed.rounds,
         "max_rounds": speed.max_rounds,
@@ -219,8 +223,10 @@ def trial_markdown(trials: list[dict[str, Any]]) -> str:
             ]
         lines += [
             f"{trial['device_name']}, {trial['samples_per_step']} samples per step: each precision "
-            f"against {BASELINE} in a pair of its own, each side warmed up until steady (at most "
-            f"{trial['max_warmup_steps']} steps), then rounds of {trial['steps']} steps each, in "
+            f"against {BASELINE} in a pair of its own, each side warmed up until its last "
+            f"{2 * SPEED_WARMUP_WINDOW} step times showed no trend (Mann-Kendall, not rejected at "
+            f"{show_level(trial['warmup_level'])}; at most {trial['max_warmup_steps']} steps), "
+            f"then rounds of {trial['steps']} steps each, in "
             f"the orders AB, BA, AB, ...: {trial['rounds']} rounds, then a look every "
             f"{LOOK_EVERY} rounds up to {trial['max_rounds']}, stopping once the "
             f"{show_level(TRIAL_CONFIDENCE)} interval of the log ratio has a half-width below "

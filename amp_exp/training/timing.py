@@ -6,7 +6,7 @@ candidates take turns instead, so a load spike slows one round of each candidate
 of one, and candidate k of round r is compared with the baseline of the same round. The speed
 trial's rounds (amp_exp/speed/rounds.py; the speed trial, the doctor and precision=auto play them)
 run each pair in AB/BA order through ``time_steps``, after ``warm_up`` has run each side until its
-step time settled.
+step times show no trend.
 
 Every step is timed on its own, so a round can be summarized by its median step, which a
 neighbour's burst does not move (scripts/bench_parity.py reads median step times too). On CUDA
@@ -17,17 +17,21 @@ round: the time is that of the work, not of its launch, and no step waits for th
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
+from scipy.stats import kendalltau
 
 from amp_exp.config.commands import SPEED_WARMUP_WINDOW
 from amp_exp.training.meters import synchronize
 
-# Warm-up is over when the median steps of two consecutive windows agree within this, relative.
-STEADY = 0.05
+# Warm-up is over at the first stretch of two windows whose step times a Mann-Kendall test
+# (Kendall's tau against the step's index, two-sided) does not find trending at this level. A
+# wrong rejection costs one more window; a missed trend biases every round after it, so the
+# level is not set lower. Exact at 10 steps: stationary times are rejected 4.9% of the time.
+WARMUP_LEVEL = 0.05
 
 
 class StepClock:
@@ -72,25 +76,31 @@ def time_steps(step: Callable[[], object], clock: StepClock, steps: int) -> list
     return clock.seconds()
 
 
+def trending(seconds: list[float], level: float = WARMUP_LEVEL) -> bool:
+    """Whether step times drift with the step (Mann-Kendall: Kendall's tau against the index)
+    at ``level``: rank-based, so one step a neighbour slowed does not make a trend."""
+    return bool(kendalltau(np.arange(len(seconds)), seconds).pvalue < level)
+
+
 def warm_up(
     step: Callable[[], object],
     device: torch.device,
     max_steps: int,
     window: int = SPEED_WARMUP_WINDOW,
-    steady: float = STEADY,
+    level: float = WARMUP_LEVEL,
 ) -> tuple[int, bool]:
-    """Run ``step`` until the median steps of two consecutive ``window``-step windows agree
-    within ``steady`` (relative), at most ``max_steps`` steps; returns (steps run, steady).
+    """Run ``step`` a ``window`` of steps at a time until the last two windows' step times show
+    no trend at ``level`` (``trending``), at most ``max_steps`` steps; returns (steps run,
+    steady). The test reads the times the clock recorded; no step waits for it.
 
     A fixed count is either too short or wasted: on a 2-core CPU the first 6 of 10 rounds of a
-    gpt_tiny trial ran 2.5-80x slower than the last 4 after a 3-step warm-up.
+    gpt_tiny trial ran 2.5-80x slower than the last 4 after a 3-step warm-up. Two window
+    medians that agreed within 5% passed a decay still under way.
     """
     clock = StepClock(device)
-    previous, ran = None, 0
-    while ran + window <= max_steps:
-        median = statistics.median(time_steps(step, clock, window))
-        ran += window
-        if previous is not None and abs(median - previous) <= steady * previous:
-            return ran, True
-        previous = median
-    return ran, False
+    seconds: list[float] = []
+    while len(seconds) + window <= max_steps:
+        seconds += time_steps(step, clock, window)
+        if len(seconds) >= 2 * window and not trending(seconds[-2 * window :], level):
+            return len(seconds), True
+    return len(seconds), False

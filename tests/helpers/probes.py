@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from amp_exp.runtime.probe import KERNELS, KernelTime, remember
-from amp_exp.training.capability import Capability
+from amp_exp.capability.device import Capability
+from amp_exp.capability.probe import KERNELS, KernelTime, remember
 
 
 def timing_at(speed: float) -> dict[str, KernelTime]:

@@ -1,10 +1,13 @@
 """What this device supports and which precision to use: the one place that decides.
 
-``precision=auto`` (training.auto_precision), the warnings a run logs and records in
-``summary.json``, and ``python -m amp_exp.doctor`` all ask a ``Capability``. Its verdicts rest on
-the probe's measurements (runtime.probe); CPU flags and CUDA compute capability are supporting
-facts. One request is refused from the facts alone, before anything is measured: bf16 on a GPU
-without native bf16.
+``precision=auto`` (capability/auto.py), the warnings a run logs and records in ``summary.json``,
+and ``python -m amp_exp.doctor`` all ask a ``Capability``. What the device runs at all comes from
+its facts (CPU flags, CUDA compute capability) and each precision's own check: bf16 on a GPU
+without native bf16 is refused before anything is measured. What is slow comes from the probe's
+kernels (capability/probe.py): a precision far slower than fp32 is left out of precision=auto and
+a run in it is warned. What is faster comes from the speed trial alone: a precision is
+recommended only where a trial's interval establishes it faster (report/speedup.py's
+``established``), and the words quote the trial's figure and interval, or say that none was run.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_exp.capability.probe import KERNELS, Timing, cache_key, probe
 from amp_exp.config.precisions import (
     AUTO,
     REFERENCE,
     PluginHook,
+    ResolvedPrecision,
     plugin_of,
     probed_low,
     spec_of,
@@ -28,24 +33,16 @@ from amp_exp.config.precisions import (
 )
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.errors import ConfigError
+from amp_exp.report.speedup import established, speedup_cell, trial_interval
+from amp_exp.report.verdicts import show_speedup
 from amp_exp.runtime.hardware import cpu_flags, device_name
-from amp_exp.runtime.probe import KERNELS, Timing, cache_key, probe
 
-# A low precision must be this much faster than the choice it would replace: timing noise and
-# the cost of a loss scaler are not worth less.
-MARGIN = 1.05
+# A run is warned when the probe's kernels ran its precision this much slower than fp32: less is
+# within the probe's noise.
+WARN_SLOWER = 1.05
 # Measured this many times slower than fp32, a precision is left out of precision=auto's trial.
 RULED_OUT = 2.0
 CPU_FLAGS_OF_INTEREST = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "amx_fp16")
-
-
-@dataclass(frozen=True)
-class ResolvedPrecision:
-    precision: str
-    reason: str
-    # precision=auto timed the run's own model in this precision: that timing, not the probe's
-    # generic kernels, speaks for its speed, so the probe's warning about it is not given.
-    timed_on_model: bool = False
 
 
 def times(factor: float) -> str:
@@ -121,35 +118,51 @@ def kernels_of(model: nn.Module) -> tuple[str, ...]:
     return ("matmul", "attention") if attention else ("matmul",)
 
 
-def probed_as(precision: str) -> str | None:
-    """The probed precision whose kernels ``precision`` runs (the precision table's)."""
-    return spec_of(precision).probed_as
+# A low precision's speedup over fp32 as speed.json records one (speed/ratio.py's
+# ``Speedup.as_dict``: ratio, ci, confidence, rounds, trend, ...), or {"not_measured": why}.
+Found = Mapping[str, Any]
 
 
-def pick_fastest(seconds: Mapping[str, float]) -> tuple[str, str]:
-    """The precision to train in, given each candidate's time (fp32's included), and why.
+# What a speed trial timed: the doctor's trial the probe's kernels, precision=auto's the model.
+PROBE_KERNELS = "the probe's kernels"
+THE_MODEL = "this model's forward+backward"
 
-    fp32 stays unless a low precision is at least ``MARGIN`` faster; fp16 replaces bf16 only by
-    the same margin, so on a near tie bf16 wins and no loss scaler is needed.
-    """
-    chosen = REFERENCE
-    for low in probed_low():
-        if low in seconds and seconds[low] * MARGIN <= seconds[chosen]:
-            chosen = low
-    fp32 = seconds[REFERENCE]
-    speeds = ", ".join(f"{p} {times(fp32 / seconds[p])}" for p in seconds if p in probed_low())
-    if chosen == REFERENCE:
-        return chosen, (
-            f"no low precision is {MARGIN - 1:.0%} faster than fp32 ({speeds} fp32's speed)"
+
+def trial_verdict(found: Found, timed: str = PROBE_KERNELS) -> str:
+    """faster than fp32 by the speed trial on the probe's kernels: 1.47x [1.30x, 1.66x] (97.5%
+    CI, 10 AB/BA rounds), total time 1.45x"""
+    if "not_measured" in found:
+        return f"speed not measured: {found['not_measured']}"
+    claim = established(found) or "not established faster or slower"
+    return f"{claim} than fp32 by the speed trial on {timed}: {show_speedup(found)}"
+
+
+def recommend(trials: Mapping[str, Found]) -> tuple[str, str]:
+    """The precision whose speed trial establishes the largest speedup over fp32, and why; on
+    overlapping intervals one that needs no loss scaling (bf16) before one that does (fp16).
+    fp32 where no trial establishes one faster, or where none was run (the words say which)."""
+    faster = {p: f for p, f in trials.items() if "ratio" in f and established(f) == "faster"}
+    measured = ", ".join(f"{p} {speedup_cell(f)}" for p, f in trials.items() if "ratio" in f)
+    if not trials:
+        return REFERENCE, (
+            "no lower precision's speed was measured by a speed trial here (python -m "
+            "amp_exp.doctor measures it)"
         )
-    why = f"{chosen} runs {times(fp32 / seconds[chosen])} fp32's speed"
-    # Faster precisions later in the tie-break order that did not win by the margin.
-    low = probed_low()
-    close = [p for p in seconds if p in low and p != chosen and seconds[p] < seconds[chosen]]
-    if close:
-        why += f", and {' and '.join(close)} is not {MARGIN - 1:.0%} faster than {chosen}"
-        if not spec_of(chosen).grad_scaler and any(spec_of(p).grad_scaler for p in close):
-            why += f" ({chosen} needs no loss scaling)"
+    if not faster:
+        return REFERENCE, (
+            f"no lower precision's interval lies above fp32's speed ({measured or 'none measured'})"
+        )
+    best = max(faster, key=lambda p: faster[p]["ratio"])
+    low = trial_interval(faster[best])[0]
+    plain = [
+        p
+        for p in faster
+        if not spec_of(p).grad_scaler and p != best and trial_interval(faster[p])[1] >= low
+    ]
+    chosen = plain[0] if spec_of(best).grad_scaler and plain else best
+    why = f"{chosen} runs {speedup_cell(faster[chosen])} fp32's speed, its interval above 1"
+    if chosen != best:
+        why += f"; {best}'s interval overlaps it, and {chosen} needs no loss scaling"
     return chosen, why
 
 
@@ -182,22 +195,36 @@ class Capability:
             not self.supports(precision) or self.relative_speed(precision, kernels) * RULED_OUT <= 1
         )
 
-    def verdict(self, precision: str) -> str:
-        if precision == REFERENCE:
-            return "the baseline"
-        if not self.supports(precision):
-            return f"not supported: {self.name} has no native {precision} (compute capability 8.0+)"
-        speed = self.relative_speed(precision)
-        if speed >= MARGIN:
-            return f"fast: {times(speed)} fp32's speed"
-        if speed * MARGIN > 1:
-            return f"no faster than fp32 (within {MARGIN - 1:.0%}): it saves memory, not time"
-        left_out = "; left out of precision=auto" if self.ruled_out(precision) else ""
-        return f"slow: about {times(1 / speed)} slower than fp32{left_out}"
+    def verdicts(self, trials: Mapping[str, Found], timed: str = PROBE_KERNELS) -> dict[str, str]:
+        """fp32 and each probed low precision: its speed trial's verdict, or why it has none.
+        The probe speaks only of what it rules out, never of a precision being faster."""
+        found = {REFERENCE: "the baseline"}
+        for precision in probed_low():
+            if not self.supports(precision):
+                found[precision] = (
+                    f"not supported: {self.name} has no native {precision} (compute capability "
+                    "8.0+)"
+                )
+            elif precision in trials:
+                found[precision] = trial_verdict(trials[precision], timed)
+            else:
+                found[precision] = "speed not measured: no speed trial here" + (
+                    f"; the probe ran it about {times(1 / self.relative_speed(precision))} slower "
+                    "than fp32, left out of precision=auto"
+                    if self.ruled_out(precision)
+                    else " (python -m amp_exp.doctor measures it)"
+                )
+        return found
 
-    def recommendation(self, kernels: Sequence[str] = KERNELS) -> tuple[str, str]:
-        seconds = {p: 1 / self.relative_speed(p, kernels) for p in self.measured}
-        return pick_fastest(seconds)
+    def recommendation(self, trials: Mapping[str, Found]) -> tuple[str, str]:
+        """The precision to train in here, and why: the speed trial's decision (``recommend``)
+        over the supported low precisions ``trials`` measured, each named where it was not."""
+        supported = [p for p in probed_low() if self.supports(p)]
+        chosen, why = recommend({p: trials[p] for p in supported if p in trials})
+        unmeasured = [p for p in supported if p not in trials]
+        if unmeasured and len(unmeasured) < len(supported):
+            why += f"; {' and '.join(unmeasured)} not measured by a speed trial"
+        return chosen, why
 
     def trial_candidates(self, kernels: Sequence[str] = KERNELS) -> list[str]:
         """What precision=auto times the run's model in: fp32 and each low precision that the
@@ -216,55 +243,58 @@ class Capability:
             unsupported.append(f"the probe measured {' and '.join(slow)} slower than fp32")
         return "; ".join(unsupported)
 
-    def advice(self, precision: str, kernels: Sequence[str] = KERNELS) -> list[str]:
+    def advice(
+        self, precision: str, kernels: Sequence[str], trials: Mapping[str, Found]
+    ) -> list[str]:
         """Warnings for a run in ``precision``: the probe's ``kernels`` (those of the run's
-        model's kind, ``kernels_of``) ran slower than fp32 here. Labelled as the probe's: a
-        speed trial of the model itself speaks for its speed, and the report then drops this."""
-        probed = probed_as(precision)
+        model's kind, ``kernels_of``) ran slower than fp32 here, and what to use instead (the
+        ``trials``' recommendation). Labelled as the probe's: a speed trial of the model itself
+        speaks for its speed, and the report then drops this."""
+        probed = spec_of(precision).probed_as
         if probed in (None, REFERENCE) or not self.supports(probed):
             return []
         speed = self.relative_speed(probed, kernels)
-        if speed * MARGIN > 1:
+        if speed * WARN_SLOWER > 1:
             return []
-        better = self.recommendation(kernels)[0]
         return [
             f"the probe's {' and '.join(kernels)} kernels ran {precision} about "
-            f"{times(1 / speed)} slower than fp32 here: use precision={better}"
+            f"{times(1 / speed)} slower than fp32 here: use "
+            f"precision={self.recommendation(trials)[0]}"
         ]
 
-    def as_dict(self) -> dict[str, Any]:
-        """What ``python -m amp_exp.doctor --json`` prints."""
-        recommended, reason = self.recommendation()
+    def as_dict(self, trials: Mapping[str, Found], timed: str = PROBE_KERNELS) -> dict[str, Any]:
+        """What ``python -m amp_exp.doctor --json`` prints, ``trials`` its speed trials on
+        ``timed``."""
+        recommended, reason = self.recommendation(trials)
         return {
             "device": self.device,
             "name": self.name,
             "facts": self.facts,
             "measured": {
                 p: {
-                    "relative_speed": self.relative_speed(p),
                     "tflops": self.tflops(p),
                     "kernels": {k: vars(t) for k, t in timing.items()},
                 }
                 for p, timing in self.measured.items()
             },
-            "verdicts": {p: self.verdict(p) for p in (REFERENCE, *probed_low())},
+            "verdicts": self.verdicts(trials, timed),
             "recommended": recommended,
             "reason": reason,
         }
 
-    def summary(
-        self, precision: str, timed_on_model: bool = False, kernels: Sequence[str] = KERNELS
-    ) -> dict[str, Any]:
-        """summary.json's ``hardware``: the doctor's findings, the advice for this run by the
+    def summary(self, resolved: ResolvedPrecision, kernels: Sequence[str] = KERNELS) -> dict:
+        """summary.json's ``hardware``: the doctor's findings from the speed trial precision=auto
+        ran on the run's model (none for a requested precision), the advice for this run by the
         probe's ``kernels`` of its model's kind (none where the run's own model was timed in its
         precision), and the measured peak in its precision."""
+        probed = spec_of(resolved.precision).probed_as
         return {
-            **self.as_dict(),
-            "advice": [] if timed_on_model else self.advice(precision, kernels),
+            **self.as_dict(resolved.speedups, THE_MODEL),
+            "advice": []
+            if resolved.timed_on_model
+            else self.advice(resolved.precision, kernels, resolved.speedups),
             "advice_kernels": list(kernels),
-            "measured_peak_tflops": (
-                self.tflops(probed) if (probed := probed_as(precision)) in self.measured else None
-            ),
+            "measured_peak_tflops": self.tflops(probed) if probed in self.measured else None,
         }
 
 

@@ -3,14 +3,15 @@ method, and train in a lower precision only where the trial establishes it faste
 
 Before training, the built model's forward+backward pass on one real batch runs under each
 candidate's autocast: fp32, and each low precision that the probe's kernels of the model's kind
-do not rule out (``Capability.trial_candidates``, ``capability.kernels_of``). How the passes are
-timed and what the timings establish is the speed trial's one method and rule (AB/BA rounds, their
-interval, faster only where it lies wholly above 1 and the rounds do not trend), which sit above
-this layer: the composition root hands them in as a ``SpeedTrial`` (amp_exp/build.py). The trial
-leaves no trace: gradients come from ``torch.autograd.grad``, so no ``.grad`` is written and no
-optimizer steps, and the model's buffers (BatchNorm statistics) and every random number generator
-are restored (``runtime.no_trace``). The run is then bit-identical to the same run with the chosen
-precision requested.
+do not rule out (``Capability.trial_candidates``, ``device.kernels_of``). The passes are timed by
+the speed trial's method (AB/BA rounds and their interval), which sits above this package: the
+composition root hands it in as ``measure`` (the doctor's ``pass_trials``, amp_exp/build.py). What
+the timings establish is the trial's one rule (``device.recommend``: faster only where the
+interval lies wholly above 1 and the rounds do not trend). The trial leaves no trace: gradients
+come from ``torch.autograd.grad``, so no ``.grad`` is written and no optimizer steps, and the
+model's buffers (BatchNorm statistics) and every random number generator are restored
+(``runtime.no_trace``). The run is then bit-identical to the same run with the chosen precision
+requested.
 
 The trial's speedups are cached per model config, batch shape, device and torch version, so a
 second run (a sweep's other jobs) times nothing. Under torchrun, rank 0 decides and the other ranks
@@ -29,42 +30,37 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import AUTO, REFERENCE, auto_candidates, plugin_of
+from amp_exp.capability.cache import cache_dir, read_entries, write_entries
+from amp_exp.capability.device import THE_MODEL, Capability, Found, kernels_of, recommend
+from amp_exp.config.precisions import (
+    AUTO,
+    REFERENCE,
+    ResolvedPrecision,
+    auto_candidates,
+    plugin_of,
+)
 from amp_exp.config.schema import PrecisionConfig, RunConfig
-from amp_exp.runtime.cache import cache_dir, read_entries, write_entries
+from amp_exp.report.verdicts import show_speedup
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
-from amp_exp.training.capability import Capability, ResolvedPrecision, kernels_of
 from amp_exp.training.precision import PrecisionPolicy
 
 log = logging.getLogger("amp_exp")
 
 CACHE_FILE = "auto_precision.json"
 
-# A low precision's speedup over fp32 as speed.json records one (speed/ratio.py's
-# ``Speedup.as_dict``: ratio, ci, confidence, rounds, trend, ...), or {"not_measured": why}.
-Found = dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeedTrial:
-    """The speed trial's method and rule, as precision=auto uses them."""
-
-    # Each low precision's speedup over fp32 from the candidates' passes (fp32's included),
-    # each a callable that runs one forward+backward, timed in the trial's rounds.
-    measure: Callable[[Mapping[str, Callable[[], object]], torch.device], dict[str, Found]]
-    # The precision the speedups establish as the one to train in (fp32 where none is
-    # established faster), and why, the trial's figures and intervals quoted.
-    pick: Callable[[dict[str, Found]], tuple[str, str]]
+# The speed trial's method: each low precision's speedup over fp32 from the candidates' passes
+# (fp32's included), each a callable that runs one forward+backward, timed in the trial's rounds.
+Measure = Callable[[Mapping[str, Callable[[], object]], torch.device], dict[str, Found]]
 
 
 def resolve_precision(
     cfg: RunConfig,
     capability: Capability,
     workload: Workload,
-    trial: SpeedTrial,
+    measure: Measure,
     distributed: Distributed | None = None,
 ) -> ResolvedPrecision:
     """The precision the run trains in, and why; precision=auto is decided here."""
@@ -72,8 +68,8 @@ def resolve_precision(
     if requested != AUTO:
         return ResolvedPrecision(requested, f"requested: precision={variant_name(cfg.precision)}")
     if distributed is None:
-        return choose(cfg, capability, workload, trial)
-    resolved = choose(cfg, capability, workload, trial) if distributed.is_main else None
+        return choose(cfg, capability, workload, measure)
+    resolved = choose(cfg, capability, workload, measure) if distributed.is_main else None
     # The largest of rank 0's choice and the others' -1 is rank 0's choice.
     index = int(
         distributed.max(-1 if resolved is None else auto_candidates().index(resolved.precision))
@@ -87,7 +83,7 @@ def variant_name(precision: PrecisionConfig) -> str:
 
 
 def choose(
-    cfg: RunConfig, capability: Capability, workload: Workload, trial: SpeedTrial
+    cfg: RunConfig, capability: Capability, workload: Workload, measure: Measure
 ) -> ResolvedPrecision:
     """Time the candidates by the speed trial (or reuse its cached speedups), pick by its rule."""
     kernels = kernels_of(workload.model)
@@ -102,14 +98,25 @@ def choose(
         found = cached_speedups(key, candidates)
         cached = found is not None
         if found is None:
-            found = time_candidates(workload.model, workload.task, batch, candidates, trial.measure)
+            found = time_candidates(workload.model, workload.task, batch, candidates, measure)
             write_entries(CACHE_FILE, {key: found})
-    chosen, why = trial.pick(found)
-    source = "the speed trial on this model's forward+backward"
+    chosen, why = pick(found)
+    source = f"the speed trial on {THE_MODEL}"
     if cached:
         source += ", cached from an earlier run"
     reason = f"auto: {chosen} by {source}: {why}"
-    return ResolvedPrecision(chosen, reason + (f"; {left_out}" if left_out else ""), True)
+    return ResolvedPrecision(chosen, reason + (f"; {left_out}" if left_out else ""), True, found)
+
+
+def pick(found: dict[str, Found]) -> tuple[str, str]:
+    """precision=auto's choice from its trial: the doctor's recommendation (``recommend``),
+    each trial's figure and interval quoted, or why it was not measured."""
+    chosen, why = recommend(found)
+    shown = [
+        f"{p} {show_speedup(f)}" if "ratio" in f else f"{p} not measured ({f['not_measured']})"
+        for p, f in found.items()
+    ]
+    return chosen, f"{'; '.join(shown)}; {why}"
 
 
 def cached_speedups(key: str, candidates: Sequence[str]) -> dict[str, Found] | None:

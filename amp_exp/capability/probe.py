@@ -7,8 +7,8 @@ layer norm) run forward and backward, the forward under the autocast the precisi
 training. The precisions take turns, round after round, and each keeps its fastest round: a load
 spike from another process then slows one round of every precision rather than all rounds of
 one. Each kernel's time carries its spread: how far its ratio to fp32's lies from the typical
-round's (``runtime.cache.ratio_spread``). Results are cached per device, torch version and
-precision (``runtime.cache``); a cache whose spread is wide is measured again, once, all
+round's (``ratio_spread``). Results are cached per device, torch version and
+precision (``capability.cache``); a cache whose spread is wide is measured again, once, all
 precisions together.
 """
 
@@ -18,29 +18,59 @@ import contextlib
 import hashlib
 import logging
 import math
+import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from amp_exp.capability.cache import cache_dir, read_entries, write_entries
 from amp_exp.config.precisions import REFERENCE, spec_of
-from amp_exp.runtime.cache import (
-    WIDE_SPREAD,
-    cache_dir,
-    implausible_times,
-    ratio_spread,
-    read_entries,
-    write_entries,
-)
 from amp_exp.runtime.hardware import cpu_flags, device_name
+from amp_exp.training.meters import synchronize
 
 log = logging.getLogger("amp_exp")
 
 CACHE_FILE = "probe.json"
 KERNELS = ("matmul", "conv", "attention")
+
+# No kernel or training step is timed faster than a microsecond, and no precision runs 1000 times
+# faster or slower than fp32 on one (fp16 on CPUs without its kernels: 20-140x slower).
+MIN_PLAUSIBLE_MS = 1e-3
+PLAUSIBLE_RATIO = 1e3
+# A cached speed whose figure lies further than this from its typical round (``ratio_spread``)
+# is measured again rather than reused: a default run once chose bf16 at a cached 5.14x fp32's
+# speed that a fresh measurement put at 2.07x.
+WIDE_SPREAD = 0.25
+
+
+def ratio_spread(baseline: Sequence[float], candidate: Sequence[float]) -> float:
+    """How far the speed figure, the baseline's fastest round over the candidate's, lies from
+    the median of the rounds' own ratios (each round timed both sides in turn): 0.3 when either
+    is 1.3 times the other. One round that a neighbour slowed moves neither; fastest rounds that
+    caught the two sides at different moments of a loaded machine move the figure alone."""
+    figure = min(baseline) / min(candidate)
+    typical = statistics.median(b / c for b, c in zip(baseline, candidate, strict=True))
+    return max(figure / typical, typical / figure) - 1
+
+
+def implausible_times(ms: Mapping[str, Any], baseline: str = REFERENCE) -> str | None:
+    """Why cached times (milliseconds, by precision) cannot be measurements, or None if they
+    can: each must be a finite number of at least ``MIN_PLAUSIBLE_MS``, within
+    ``PLAUSIBLE_RATIO`` of the baseline's."""
+    for name, value in ms.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value >= MIN_PLAUSIBLE_MS):
+            return f"{name} took {value!r} ms"
+    base = ms.get(baseline)
+    for name, value in ms.items():
+        if base and not 1 / PLAUSIBLE_RATIO <= value / base <= PLAUSIBLE_RATIO:
+            return f"{name} took {value / base:.3g}x {baseline}'s time"
+    return None
 
 
 @dataclass(frozen=True)
@@ -105,11 +135,6 @@ def cache_key(device: torch.device, precision: str) -> str:
     return f"{device_key(device)} | {precision_label(device, precision)}"
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _kernels(
     shapes: Shapes, device: torch.device
 ) -> dict[str, tuple[Callable[[], torch.Tensor], tuple[torch.Tensor, ...], float]]:
@@ -171,12 +196,12 @@ def _forward_backward(
     leaves: tuple[torch.Tensor, ...],
 ) -> float:
     """Seconds for one forward (under the precision's autocast, as in training) and backward."""
-    _synchronize(device)
+    synchronize(device)
     tick = time.perf_counter()
     with _autocast(device, precision):
         out = forward()
     torch.autograd.grad(out, leaves, torch.ones_like(out))
-    _synchronize(device)
+    synchronize(device)
     return time.perf_counter() - tick
 
 
@@ -266,7 +291,7 @@ def remember(device: torch.device, timings: dict[str, Timing], again: bool = Fal
 
 
 def stale_timings(found: dict[str, Timing]) -> str | None:
-    """Why cached timings cannot be measurements (runtime.cache.implausible_times, kernel by
+    """Why cached timings cannot be measurements (``implausible_times``, kernel by
     kernel, and a rate that is no positive number), or None."""
     for kernel in KERNELS:
         why = implausible_times({p: timing[kernel].ms for p, timing in found.items()})
