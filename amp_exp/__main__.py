@@ -23,7 +23,7 @@ from amp_exp.config.plain import plain_run_config, to_plain_dict
 from amp_exp.config.precisions import REFERENCE
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
 from amp_exp.config.store import SUBMITIT_PLUGIN, register_configs
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import (
     EXPECTED_ERRORS,
     WRITES_NOTHING,

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from amp_exp.config.preflight import check_overrides
 from amp_exp.config.schema import CompileMode, DeviceChoice, ReduceDtype, Strategy
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.results.resume_rules import data_position
 from amp_exp.run import build, train

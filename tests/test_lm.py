@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from amp_exp.config.models import GPTConfig
 from amp_exp.config.preflight import check_overrides
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
 from amp_exp.results.dashboard import wandb_metrics

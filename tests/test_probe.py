@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import amp_exp.runtime.probe
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.run import build
 from amp_exp.runtime.cache import cache_dir, read_entries
 from amp_exp.runtime.probe import (

@@ -23,7 +23,7 @@ from amp_exp.config.plain import plain_run_config
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import register_configs
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.predict.markdown import prediction_markdown
 from amp_exp.predict.predict import predict
 from amp_exp.results import contract

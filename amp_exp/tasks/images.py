@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
-from amp_exp.config.checks import check_image_folder, image_folder_splits
+from amp_exp.config.cross_checks import check_image_folder, image_folder_splits
 from amp_exp.config.datasets import DatasetName, ImageDatasetConfig
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.runtime.launch import WorkerRank
