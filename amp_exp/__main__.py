@@ -19,12 +19,11 @@ from hydra.core.plugins import Plugins
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from amp_exp.config.launch import worker_rank
 from amp_exp.config.plain import plain_run_config, to_plain_dict
 from amp_exp.config.precisions import REFERENCE
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME, check_overrides
 from amp_exp.config.store import SUBMITIT_PLUGIN, register_configs
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import (
     EXPECTED_ERRORS,
     WRITES_NOTHING,
@@ -34,6 +33,7 @@ from amp_exp.errors import (
 from amp_exp.results.claim import FollowRank0, claim
 from amp_exp.results.contract import enter
 from amp_exp.results.sweep import sweep_job
+from amp_exp.runtime.launch import worker_rank
 from amp_exp.runtime.quiet import quiet_unactionable
 
 log = logging.getLogger("amp_exp")

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from amp_exp.__main__ import register_plugins
 from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import register_configs
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.tasks import workload
 from helpers.probes import inject_probe
 from helpers.runs import FAST, OFFLINE_SWEEP_LRS, composed, overriding_loss, run_cli

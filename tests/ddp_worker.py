@@ -26,7 +26,7 @@ import amp_exp.build
 import amp_exp.run as run
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.store import register_configs
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.runtime.fsdp import local, whole
 from amp_exp.tasks import workload
 from amp_exp.training.engine import Engine

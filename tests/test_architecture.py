@@ -11,14 +11,15 @@ PACKAGE = ROOT / "amp_exp"
 # The code whose imports are checked: the package and the Hydra plugins it registers.
 PACKAGES = (PACKAGE, ROOT / "hydra_plugins")
 # The map of the house (docs/architecture.md draws it). Lowest first. A module may import from its
-# own layer or a lower one. The config schema, the precision table and the errors are leaves every
-# layer may use; the rest of config/ composes and checks configs, with the resolvers composing
-# needs, and sits below the runtime.
+# own layer or a lower one. The config schema, the precision and device tables, the worker's rank
+# (its resolvers compose the run directory) and the errors are leaves every layer may use; the
+# rest of config/ composes and checks configs, and sits below the runtime.
 LAYERS = [
     (
         "amp_exp.errors",
         "amp_exp.config.schema",
-        "amp_exp.config.devices",
+        "amp_exp.predict.devices",
+        "amp_exp.runtime.launch",
         "amp_exp.config.datasets",
         "amp_exp.config.models",
         "amp_exp.config.adaptive",
@@ -160,6 +161,8 @@ def test_the_schema_and_the_errors_are_leaves() -> None:
     assert graph["amp_exp.config.datasets"] == set()
     assert graph["amp_exp.config.models"] == set()
     assert graph["amp_exp.config.adaptive"] == set()
+    assert graph["amp_exp.predict.devices"] == set()
+    assert graph["amp_exp.runtime.launch"] == {"amp_exp.errors"}
     assert graph["amp_exp.config.schema"] == {
         "amp_exp.config.adaptive",
         "amp_exp.config.datasets",

@@ -37,7 +37,7 @@ def did_not_engage(caplog) -> list[str]:
 def test_gpt_tiny_in_bf16_runs_most_matmul_flops_in_bfloat16_and_names_the_rest(
     compose_cfg, tmp_path
 ) -> None:
-    from amp_exp.config.validate import validate
+    from amp_exp.config.values import validate
 
     summary = train(validate(compose_cfg(*FAST_LM, "precision=bf16", fast=False)), tmp_path)
     audit = summary["precision_audit"]
@@ -244,7 +244,7 @@ def test_with_gradient_accumulation_the_saved_bytes_are_those_of_one_forward(run
 
 
 def test_an_audit_step_below_1_is_refused_in_one_line(compose_cfg) -> None:
-    from amp_exp.config.validate import validate
+    from amp_exp.config.values import validate
 
     with pytest.raises(ConfigError, match=r"^diagnostics.audit_step must be 1 or more, or null"):
         validate(compose_cfg("diagnostics.audit_step=0"))
@@ -284,7 +284,7 @@ GPT_MATMUL_MODULES = {
 
 
 def gpt_audit(compose_cfg, tmp_path, *overrides: str) -> dict:
-    from amp_exp.config.validate import validate
+    from amp_exp.config.values import validate
 
     run_dir = tmp_path / "-".join(o.split("=")[0] for o in overrides)
     cfg = validate(compose_cfg(*FAST_LM, *overrides, "model.dropout=0.1", fast=False))
@@ -346,6 +346,6 @@ def test_two_fsdp2_ranks_count_each_module_as_one_rank_does_times_two(compose_cf
 
 
 def validate_lm(compose_cfg, *overrides: str):
-    from amp_exp.config.validate import validate
+    from amp_exp.config.values import validate
 
     return validate(compose_cfg(*overrides, fast=False))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_exp.config.checks import IMAGE_EXTENSIONS, TORCHVISION_DATA_DIRS
+from amp_exp.config.cross_checks import IMAGE_EXTENSIONS, TORCHVISION_DATA_DIRS
 from amp_exp.config.datasets import DatasetName
 from amp_exp.config.preflight import CONF_DIR, check_overrides
 from amp_exp.errors import ConfigError, RuntimeFault
@@ -146,7 +146,7 @@ def test_preflight_names_a_read_only_output_file_system(workspace, monkeypatch) 
     def read_only(**kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr("amp_exp.config.checks.tempfile.mkdtemp", read_only)
+    monkeypatch.setattr("amp_exp.config.cross_checks.tempfile.mkdtemp", read_only)
     with pytest.raises(ConfigError) as raised:
         check_overrides([f"hydra.run.dir={workspace}/archive/run"])
     assert str(raised.value) == (

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_workload, check_causal

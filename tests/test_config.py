@@ -13,7 +13,7 @@ from amp_exp.config.models import TinyCNNConfig, TorchvisionModelConfig
 from amp_exp.config.plain import plain_run_config, run_config_from_plain
 from amp_exp.config.preflight import CONF_DIR, check_overrides
 from amp_exp.config.schema import SCHEMAS, AdamWConfig, SGDConfig
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from helpers.warm_python import python_m
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from amp_exp.config.preflight import check_overrides
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError, RuntimeFault
 from amp_exp.run import build, train
 from amp_exp.tasks.custom import accepted

@@ -160,7 +160,7 @@ def test_tflops_and_mfu_are_per_device_and_tokens_per_second_global(
     clock that ticks a second per reading (so both time alike) and a faked peak of 1 TFLOP/s. The
     global tokens/s are the same; TFLOP/s and MFU, per device, halve."""
     import amp_exp.build
-    from amp_exp.config.validate import validate
+    from amp_exp.config.values import validate
     from amp_exp.run import train
     from amp_exp.training.meters import Throughput
 

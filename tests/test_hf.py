@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from amp_exp.config import hf
 from amp_exp.config.preflight import check_overrides
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group

@@ -8,7 +8,7 @@ import torch
 
 from amp_exp.build import build
 from amp_exp.config.schema import DeviceChoice, Strategy
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
 from amp_exp.runtime.distributed import process_group

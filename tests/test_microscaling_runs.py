@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
 from helpers.runs import FAST_LM, run_cli

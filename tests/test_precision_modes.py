@@ -15,7 +15,7 @@ from amp_exp.capability.device import check_request
 from amp_exp.config.precisions import auto_candidates
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.schema import GPTConfig, PrecisionConfig
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
 from amp_exp.results.resume_rules import config_changes

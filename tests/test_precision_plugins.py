@@ -133,7 +133,7 @@ def test_the_report_orders_labels_and_colours_it_from_its_facts(
 
 
 def test_sensitivity_ranks_its_modules(plugin_package, compose_cfg, tmp_path) -> None:
-    from amp_exp.config.validate import validate
+    from amp_exp.config.values import validate
 
     overrides = [*FAST_LM, *PLUGIN, f"sensitivity.precisions=[{NAME}]", "sensitivity.batches=1"]
     report = run_sensitivity(validate(compose_cfg(*overrides, fast=False)), tmp_path)

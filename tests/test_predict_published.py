@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from amp_exp.config.devices import PREDICTABLE
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
+from amp_exp.predict.devices import PREDICTABLE
 from amp_exp.predict.predict import predict_trace
 from amp_exp.predict.published import (
     comparisons,

@@ -23,7 +23,7 @@ from amp_exp.capability.probe import (
     probe,
     remember,
 )
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.run import build
 from helpers.probes import timing_at
 from helpers.runs import FAST, FAST_LM, TINY

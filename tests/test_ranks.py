@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import amp_exp.run as run
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from helpers.runs import FAST_TRAINER, composed
 from helpers.torchrun import assert_bitwise_equal, run_worker
 

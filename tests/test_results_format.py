@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.results.format import (
     FORMAT_VERSION,

@@ -20,7 +20,7 @@ import torch
 
 from amp_exp.config.precisions import DType
 from amp_exp.config.store import register_configs
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError, RunRefused
 from amp_exp.report.sequential import Plan
 from amp_exp.report.verdicts import VERDICT_WORDS

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_exp.config.precisions import plugin_of
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.run import build
 from amp_exp.training.signals import Limits, SignalCollector, attention_logit_max
 from helpers.runs import FAST_LM

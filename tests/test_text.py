@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
 from amp_exp.tasks.sampling import Placement

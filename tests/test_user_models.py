@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.predict.predict import predict
 from amp_exp.predict.trace import fused_attention, trace_step

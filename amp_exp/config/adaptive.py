@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 # trainer.compile's value besides true and false: compile on CUDA where the precision's row says
 # it needs compiling to be fast (config/precisions.py's compile_on_cuda: fp8), eager elsewhere.
-# The field is typed Any (a bool or this, checked in config/validate.py): OmegaConf 2.3's Union
+# The field is typed Any (a bool or this, checked in config/values.py): OmegaConf 2.3's Union
 # nodes fail Hydra's merge.
 COMPILE_AUTO = "auto"
 

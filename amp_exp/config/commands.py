@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 from amp_exp.config.adaptive import EvidenceConfig
-from amp_exp.config.devices import PREDICTABLE
 from amp_exp.config.precision_checks import validate_precision
 from amp_exp.config.precisions import AUTO, names, plugin_of, register, specs
 from amp_exp.config.schema import (
@@ -21,6 +20,7 @@ from amp_exp.config.schema import (
     TrainerConfig,
 )
 from amp_exp.errors import ConfigError, require
+from amp_exp.predict.devices import PREDICTABLE
 
 # The speed trial's warm-up ends when the step times of two consecutive windows of this many
 # steps show no trend (training/timing.py).

@@ -3,8 +3,9 @@
 Hydra reports a bad value with a multi-line message and, in a sweep, only when the job that uses
 it starts. Composing each override value here first means ``precision=fp8`` or a typo in job 7 of
 a sweep fails at once, with one line that names the valid choices, before any model is built.
-Each composed job then gets the checks that need no training (config/checks.py), and the run or
-sweep directory is checked for being one Hydra can create. What it found (``Launch``) tells the
+Each composed job is then validated (config/values.py) and given the checks that need no
+training (config/cross_checks.py), and the run or sweep directory is checked for being one Hydra
+can create. What it found (``Launch``) tells the
 entry point which directory the command will write to, so that it can claim it before Hydra
 writes anything there (results/claim.py). A single run's composed config comes with it
 (``ComposedRun``), for the job to start from: composed once, not three times.
@@ -43,10 +44,10 @@ from hydra.types import HydraContext, RunMode, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
 
-from amp_exp.config.checks import check_job, check_output_dir
+from amp_exp.config.cross_checks import check_job, check_output_dir
 from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import SUBMITIT_PLUGIN, register_configs
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError, first_line
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent

@@ -2,7 +2,7 @@
 a GPU not at hand, from a roofline of one traced step (amp_exp/predict/roofline.py).
 
 Composed by Hydra exactly as a run (``model=... dataset=... trainer.*``, the same checks before
-anything is built), plus ``predict.*``: the devices of config/devices.py's table, the precisions
+anything is built), plus ``predict.*``: the devices of predict/devices.py's table, the precisions
 (fp32 and bf16, the speedups' baselines, always among them), the GPUs the batch is spread over
 and their interconnect. The model is built on the meta device, so nothing is allocated: Llama-3
 8B predicts on a laptop. Writes predict.md and predict.json into its run directory:
@@ -23,7 +23,7 @@ from amp_exp.config.plain import plain_run_config
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import register_configs
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.predict.markdown import prediction_markdown
 from amp_exp.predict.predict import predict
 from amp_exp.results import contract

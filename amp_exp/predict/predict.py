@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_exp.config.devices import PREDICTABLE
 from amp_exp.config.precisions import REFERENCE
 from amp_exp.config.schema import RunConfig
+from amp_exp.predict.devices import PREDICTABLE
 from amp_exp.predict.roofline import ASSUMPTIONS, predict_one
 from amp_exp.predict.trace import StepTrace, trace_step
 

@@ -32,9 +32,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from amp_exp.config.adaptive import COMPILE_AUTO
-from amp_exp.config.devices import Device
 from amp_exp.config.precisions import DType, PrecisionSpec, spec_of
 from amp_exp.config.schema import AdamWConfig, Fp8Recipe, RunConfig, Strategy
+from amp_exp.predict.devices import Device
 from amp_exp.predict.trace import Op, StepTrace
 from amp_exp.training.flops import peak_math
 from amp_exp.training.precision_modes import plan_fp8

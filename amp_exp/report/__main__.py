@@ -75,7 +75,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.forecast_steps is not None and args.forecast_steps <= 0:
         parser.error(f"--forecast-steps must be a positive number; got {args.forecast_steps}")
-    # The sweep config's report.tolerance refuses the same values (config/validate.py).
+    # The sweep config's report.tolerance refuses the same values (config/values.py).
     if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance >= 0):
         parser.error(f"--tolerance must be a finite number, 0 or more; got {args.tolerance}")
     if not (math.isfinite(args.wandb_timeout) and args.wandb_timeout > 0):

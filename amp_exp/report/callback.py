@@ -14,10 +14,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from amp_exp.config.launch import worker_rank
 from amp_exp.config.schema import ReportConfig
 from amp_exp.results.contract import Stopped, stop_on_signals
 from amp_exp.results.sweep import named_code
+from amp_exp.runtime.launch import worker_rank
 
 log = logging.getLogger("amp_exp")
 

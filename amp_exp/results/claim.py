@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.config.commands import check_resumed_plan
-from amp_exp.config.launch import FAILED, rank0_decides, worker_rank
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.preflight import Launch
 from amp_exp.config.schema import RunConfig
@@ -53,6 +52,7 @@ from amp_exp.results.lock import (
 from amp_exp.results.recorded import job_config
 from amp_exp.results.resume_rules import config_changes, trained_values
 from amp_exp.results.summary import completed_summary
+from amp_exp.runtime.launch import FAILED, rank0_decides, worker_rank
 
 # Less free space than this and Hydra cannot even write the job's config files before the run
 # starts (about 10 KB), let alone its metrics, summary and checkpoints.

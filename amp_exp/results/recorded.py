@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from amp_exp.config.pairing import dataset_task
+from amp_exp.config.cross_checks import dataset_task
 from amp_exp.config.plain import plain_run_config, typed_config
 from amp_exp.results.files import JOB_CONFIG, read_data
 

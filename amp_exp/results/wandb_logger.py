@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from amp_exp.config.checks import resolve_mode
+from amp_exp.config.cross_checks import resolve_mode
 from amp_exp.config.schema import RunConfig, WandbConfig, WandbMode
 from amp_exp.errors import first_line
 from amp_exp.results.dashboard import (

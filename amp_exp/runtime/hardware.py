@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from amp_exp.config.checks import require_cuda
+from amp_exp.config.cross_checks import require_cuda
 from amp_exp.config.schema import DeviceChoice
 from amp_exp.errors import ConfigError
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.store import register_configs
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.results import contract
 
 # Ahead of the user's overrides, which win over them as any later override does.

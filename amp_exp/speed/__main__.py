@@ -23,7 +23,7 @@ from amp_exp.config.precisions import REFERENCE
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import register_configs
-from amp_exp.config.validate import validate
+from amp_exp.config.values import validate
 from amp_exp.results import contract
 from amp_exp.results.files import SPEED_JSON, SPEED_MD, write_json, write_text
 from amp_exp.speed.trial import run_trial, show_speedup, trial_markdown

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from amp_exp.config.pairing import no_blocks
+from amp_exp.config.cross_checks import no_blocks
 from amp_exp.config.schema import CompileMode
 
 

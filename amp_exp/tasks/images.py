@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
-from amp_exp.config.checks import check_image_folder, image_folder_splits
+from amp_exp.config.cross_checks import check_image_folder, image_folder_splits
 from amp_exp.config.datasets import DatasetName, ImageDatasetConfig
-from amp_exp.config.launch import WorkerRank
 from amp_exp.errors import ConfigError, first_line
+from amp_exp.runtime.launch import WorkerRank
 from amp_exp.tasks.base import DataBundle
 from amp_exp.tasks.sampling import (
     DeviceTensorLoader,

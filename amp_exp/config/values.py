@@ -1,9 +1,10 @@
-"""Checks a type alone cannot express (ranges, cross-field rules), and the typed ``RunConfig``.
+"""Each value on its own, and the typed ``RunConfig``.
 
 ``validate`` turns a composed config into a ``RunConfig`` or raises ``ConfigError`` with one line
-that names the key and the valid choices. Nothing here imports torch: a bad value is rejected
-before anything heavy loads. What a job needs beyond its config (data on disk, a device, the
-environment) is checked in ``config/checks.py``.
+that names the key and the valid choices. Here a value is refused that is wrong whatever the
+others say: an unknown key, a number out of its range, a name no library knows. Then the values
+that must agree with each other, the model and the data are checked (config/cross_checks.py).
+Nothing here imports torch: a bad value is rejected before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from amp_exp.config.commands import (
     validate_devices,
     validate_evidence,
     validate_predict,
-    validate_sensitivity,
     validate_speed,
 )
+from amp_exp.config.cross_checks import check_agreement
 from amp_exp.config.datasets import (
     TOKEN_DATASETS,
     CustomDatasetConfig,
     DatasetConfig,
-    DatasetName,
     ImageDatasetConfig,
     SyntheticTokensConfig,
     TextDatasetConfig,
@@ -43,18 +43,12 @@ from amp_exp.config.models import (
     TinyCNNConfig,
     TorchvisionModelConfig,
 )
-from amp_exp.config.pairing import check_pairing
-from amp_exp.config.precision_checks import validate_precision
 from amp_exp.config.schema import (
     FAMILYWISE,
     SCHEMAS,
     WANDB_TAG_MAX_CHARS,
     AdamWConfig,
-    OptimizerConfig,
     RunConfig,
-    SchedulerConfig,
-    Strategy,
-    TrainerConfig,
     WandbConfig,
 )
 from amp_exp.errors import ConfigError, first_line, require
@@ -71,7 +65,20 @@ _POSITIVE = (
     "precision.growth_interval",
     "wandb.init_timeout",
     "report.wandb_timeout",
+    "optimizer.lr",
 )
+# The sizes a section has by its type.
+_POSITIVE_BY_TYPE = {
+    ImageDatasetConfig: (
+        "dataset.num_classes",
+        "dataset.image_size",
+        "dataset.channels",
+        "dataset.train_size",
+        "dataset.eval_size",
+    ),
+    SyntheticTokensConfig: ("dataset.train_size", "dataset.eval_size"),
+    GPTConfig: ("model.n_layer", "model.n_head", "model.d_model", "model.seq_len"),
+}
 _POSITIVE_OR_NULL = (
     "dataset.eval_batch_size",
     "trainer.max_steps",
@@ -99,6 +106,13 @@ def validate(cfg: DictConfig) -> RunConfig:
     )
     _reject_unknown_keys(cfg)
     run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    check_values(run)
+    run.task = check_agreement(run)
+    return run
+
+
+def check_values(run: RunConfig) -> None:
+    """``ConfigError`` on the first value that is wrong on its own."""
     # inf and NaN pass every range check below (or fail it with a misleading message), and an
     # infinite learning rate or loss scale makes every step non-finite: the run would skip them
     # all and report success.
@@ -112,17 +126,14 @@ def validate(cfg: DictConfig) -> RunConfig:
         f"resume={run.resume!r} is empty; use resume=null (start fresh), resume=auto, or the path "
         "of a run directory or checkpoint",
     )
-    for key in _POSITIVE:
+    by_type = (_POSITIVE_BY_TYPE.get(type(section), ()) for section in (run.dataset, run.model))
+    for key in (*_POSITIVE, *(key for keys in by_type for key in keys)):
         value = attrgetter(key)(run)
         require(value > 0, f"{key}={value} must be positive")
     for key in _POSITIVE_OR_NULL:
         value = attrgetter(key)(run)
         require(value is None or value > 0, f"{key}={value} must be positive or null")
-    _validate_dataset(run.dataset)
-    require(
-        run.trainer.max_steps is not None or run.trainer.epochs is not None,
-        "set trainer.max_steps or trainer.epochs (both are null, so the run would never end)",
-    )
+    _check_dataset(run.dataset)
     require(
         run.trainer.eval_every is None or run.trainer.eval_every >= 0,
         "trainer.eval_every must be 0 (only at the end), a positive step interval, or null (never)",
@@ -156,21 +167,21 @@ def validate(cfg: DictConfig) -> RunConfig:
     validate_devices("report.predict", run.report.predict)
     validate_speed(run.speed)
     validate_evidence(run.evidence)
-    validate_precision(run.precision, run.trainer)
-    validate_sensitivity(run.sensitivity, run.precision, run.trainer)
     validate_predict(run.predict)
-    require(
-        not (run.trainer.channels_last and run.trainer.strategy is Strategy.fsdp2),
-        "trainer.channels_last=true cannot run with trainer.strategy=fsdp2, which shards only "
-        "contiguous parameters (channels_last convolution weights are not); leave it null",
-    )
-    _validate_optimizer(run.optimizer, run.trainer)
-    _validate_scheduler(run.scheduler)
-    _validate_model(run.model)
-    _validate_synthetic_sizes(run)
-    run.task = check_pairing(run)
-    _validate_wandb(run.wandb, run.trainer)
-    return run
+    optimizer, scheduler = run.optimizer, run.scheduler
+    require(optimizer.weight_decay >= 0, "optimizer.weight_decay must be 0 or more")
+    if isinstance(optimizer, AdamWConfig):
+        require(
+            len(optimizer.betas) == 2 and all(0 <= b < 1 for b in optimizer.betas),
+            "optimizer.betas must be two numbers in [0, 1)",
+        )
+    else:
+        require(0 <= optimizer.momentum < 1, "optimizer.momentum must lie in [0, 1)")
+    require(scheduler.warmup_steps >= 0, "scheduler.warmup_steps must be 0 or more")
+    require(0 <= scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio must lie in [0, 1]")
+    require(0 < scheduler.pct_start < 1, "scheduler.pct_start must lie strictly between 0 and 1")
+    _check_model(run.model)
+    _check_wandb(run.wandb)
 
 
 def _floats(node: Any, key: str = "") -> Iterator[tuple[str, float]]:
@@ -206,44 +217,8 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
         )
 
 
-def _validate_optimizer(optimizer: OptimizerConfig, trainer: TrainerConfig) -> None:
-    require(optimizer.lr > 0, f"optimizer.lr={optimizer.lr} must be positive")
-    require(optimizer.weight_decay >= 0, "optimizer.weight_decay must be 0 or more")
-    if isinstance(optimizer, AdamWConfig):
-        require(
-            len(optimizer.betas) == 2 and all(0 <= b < 1 for b in optimizer.betas),
-            "optimizer.betas must be two numbers in [0, 1)",
-        )
-    else:
-        require(0 <= optimizer.momentum < 1, "optimizer.momentum must lie in [0, 1)")
-        require(
-            not optimizer.nesterov or optimizer.momentum > 0,
-            "optimizer.nesterov=true needs optimizer.momentum > 0",
-        )
-        require(
-            not (optimizer.fused and trainer.strategy is Strategy.fsdp2),
-            "optimizer.fused=true cannot run with trainer.strategy=fsdp2: FSDP2's DTensors have "
-            "no fused SGD kernel; leave it null",
-        )
-
-
-def _validate_scheduler(scheduler: SchedulerConfig) -> None:
-    require(scheduler.warmup_steps >= 0, "scheduler.warmup_steps must be 0 or more")
-    require(0 <= scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio must lie in [0, 1]")
-    require(0 < scheduler.pct_start < 1, "scheduler.pct_start must lie strictly between 0 and 1")
-
-
-def _check_positive(section: object, prefix: str, *keys: str) -> None:
-    for key in keys:
-        value = getattr(section, key)
-        require(value > 0, f"{prefix}.{key}={value} must be positive")
-
-
-def _validate_dataset(dataset: DatasetConfig) -> None:
+def _check_dataset(dataset: DatasetConfig) -> None:
     if isinstance(dataset, ImageDatasetConfig):
-        _check_positive(
-            dataset, "dataset", "num_classes", "image_size", "channels", "train_size", "eval_size"
-        )
         require(dataset.noise_std >= 0, "dataset.noise_std must be 0 or more")
     if isinstance(dataset, (ImageDatasetConfig, CustomDatasetConfig)):
         require(dataset.num_workers >= 0, "dataset.num_workers must be 0 or more")
@@ -258,7 +233,6 @@ def _validate_dataset(dataset: DatasetConfig) -> None:
             f"dataset.seq_len={dataset.seq_len} must be positive or null",
         )
     if isinstance(dataset, SyntheticTokensConfig):
-        _check_positive(dataset, "dataset", "train_size", "eval_size")
         require(dataset.vocab_size >= 2, "dataset.vocab_size must be 2 or more")
         require(
             0 < dataset.branching <= dataset.vocab_size,
@@ -292,14 +266,13 @@ def _check_target(section: str, target: str) -> None:
     require(callable(found), f"{section}._target_={target} is not callable")
 
 
-def _validate_model(model: ModelConfig) -> None:
+def _check_model(model: ModelConfig) -> None:
     if isinstance(model, TinyCNNConfig):
         require(model.width > 0, "model.width must be a positive integer")
     elif isinstance(model, MLPConfig):
         require(model.hidden_dim > 0, "model.hidden_dim must be a positive integer")
         require(model.depth >= 0, "model.depth must be 0 or more")
     elif isinstance(model, GPTConfig):
-        _check_positive(model, "model", "n_layer", "n_head", "d_model", "seq_len")
         require(
             model.d_model % model.n_head == 0,
             f"model.d_model={model.d_model} must be a multiple of model.n_head={model.n_head}",
@@ -310,10 +283,17 @@ def _validate_model(model: ModelConfig) -> None:
         )
         require(0 <= model.dropout < 1, "model.dropout must lie in [0, 1)")
     elif isinstance(model, TimmModelConfig):
-        _validate_timm(model)
+        try:
+            import timm
+        except ImportError:
+            raise ConfigError("model=timm needs timm: pip install 'amp_exp[timm]'") from None
+        require(
+            timm.is_model(model.name),
+            f"model.name={model.name!r} is not a timm model; timm.list_models() lists them",
+        )
     elif isinstance(model, CustomModelConfig):
         _check_target("model", model._target_)
-    elif isinstance(model, TorchvisionModelConfig):  # hf models: config/hf.py, from pairing
+    elif isinstance(model, TorchvisionModelConfig):  # hf models: config/hf.py, from the pairing
         names = torchvision_model_names()
         require(
             model.name in names,
@@ -322,41 +302,7 @@ def _validate_model(model: ModelConfig) -> None:
         )
 
 
-def _validate_synthetic_sizes(run: RunConfig) -> None:
-    """Synthetic data has its sizes in the config, so a batch or an accumulation window longer
-    than an epoch is caught here rather than when the job builds its data (DDP ranks, which
-    share the epoch, are checked then)."""
-    dataset, accum = run.dataset, run.trainer.grad_accum_steps
-    synthetic_images = (
-        isinstance(dataset, ImageDatasetConfig) and dataset.name is DatasetName.synthetic
-    )
-    if not (synthetic_images or isinstance(dataset, SyntheticTokensConfig)):
-        return
-    require(
-        dataset.batch_size <= dataset.train_size,
-        f"dataset.batch_size={dataset.batch_size} exceeds dataset.train_size={dataset.train_size}",
-    )
-    batches = dataset.train_size // dataset.batch_size
-    require(
-        accum <= batches,
-        f"an epoch has {batches} batches (dataset.train_size={dataset.train_size} / "
-        f"dataset.batch_size={dataset.batch_size}), fewer than trainer.grad_accum_steps={accum}; "
-        "lower it or the batch size",
-    )
-
-
-def _validate_timm(model: TimmModelConfig) -> None:
-    try:
-        import timm
-    except ImportError:
-        raise ConfigError("model=timm needs timm: pip install 'amp_exp[timm]'") from None
-    require(
-        timm.is_model(model.name),
-        f"model.name={model.name!r} is not a timm model; timm.list_models() lists them",
-    )
-
-
-def _validate_wandb(wandb: WandbConfig, trainer: TrainerConfig) -> None:
+def _check_wandb(wandb: WandbConfig) -> None:
     require(bool(wandb.project.strip()), "wandb.project must not be empty")
     forbidden = sorted(set(WANDB_PROJECT_FORBIDDEN) & set(wandb.project))
     require(
@@ -365,11 +311,6 @@ def _validate_wandb(wandb: WandbConfig, trainer: TrainerConfig) -> None:
         f"{WANDB_PROJECT_MAX_CHARS} characters and none of {' '.join(WANDB_PROJECT_FORBIDDEN)}",
     )
     require(wandb.finish_timeout >= 0, "wandb.finish_timeout must be 0 (wait for all) or more")
-    require(
-        wandb.log_every is None or wandb.log_every % trainer.log_every == 0,
-        f"wandb.log_every={wandb.log_every} must be a multiple of "
-        f"trainer.log_every={trainer.log_every}, the interval at which metrics are read",
-    )
     long_tags = [tag for tag in wandb.tags if len(tag) > WANDB_TAG_MAX_CHARS]
     require(
         not long_tags,
