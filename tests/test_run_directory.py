@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from amp_exp.errors import NumericalFault, RunRefused, RuntimeFault
-from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock, holder_of
-from amp_exp.results.resume_rules import config_changes
+from amp_exp.results.ownership import RunDirectoryBusy, RunDirectoryLock, holder_of
+from amp_exp.results.resume import config_changes
 from amp_exp.results.summary import record_failure
 from amp_exp.run import train
 from helpers.runs import FAST, TINY, read_jsonl, signal_self_at_call
@@ -46,7 +46,7 @@ def take_lock_elsewhere(directory: Path) -> subprocess.CompletedProcess:
             sys.executable,
             "-c",
             "from pathlib import Path; "
-            "from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock\n"
+            "from amp_exp.results.ownership import RunDirectoryBusy, RunDirectoryLock\n"
             f"try:\n    RunDirectoryLock(Path({str(directory)!r})).__enter__(); print('taken')\n"
             "except RunDirectoryBusy as busy:\n    print(busy)",
         ],
@@ -73,7 +73,7 @@ def test_the_lock_dies_with_its_process(tmp_path) -> None:
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; "
-            "from amp_exp.results.lock import RunDirectoryLock; "
+            "from amp_exp.results.ownership import RunDirectoryLock; "
             f"lock = RunDirectoryLock(Path({str(tmp_path)!r})).__enter__(); "
             "print('held', flush=True); time.sleep(60)",
         ],

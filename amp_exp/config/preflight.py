@@ -6,7 +6,7 @@ a sweep fails at once, with one line that names the valid choices, before any mo
 Each composed job then gets the checks that need no training (config/checks.py), and the run or
 sweep directory is checked for being one Hydra can create. What it found (``Launch``) tells the
 entry point which directory the command will write to, so that it can claim it before Hydra
-writes anything there (results/claim.py). A single run's composed config comes with it
+writes anything there (results/ownership.py). A single run's composed config comes with it
 (``ComposedRun``), for the job to start from: composed once, not three times.
 """
 
