@@ -92,17 +92,16 @@ def enter(command: str, body: Callable[[], int | None], signals: bool = True) ->
     quiet_unactionable()
     try:
         with stop_on_signals() if signals else contextlib.nullcontext():
-            status = body() or 0
+            return body() or 0
     except Stopped as stopped:
-        print(f"{command}: stopped by {stopped.received.name}", file=sys.stderr)
-        status = 128 + stopped.received
+        received = stopped.received
     except KeyboardInterrupt:  # Python's own SIGINT handler, where no other was installed
-        print(f"{command}: stopped by SIGINT", file=sys.stderr)
-        status = 128 + signal.SIGINT
+        received = signal.SIGINT
     except EXPECTED_ERRORS as error:
         print(f"{command}: error: {error}", file=sys.stderr)
-        status = error.exit_status
-    return status
+        return error.exit_status
+    print(f"{command}: stopped by {received.name}", file=sys.stderr)
+    return 128 + received
 
 
 @contextlib.contextmanager
@@ -116,11 +115,6 @@ def user_code_cannot_exit() -> Iterator[None]:
             f"the run's model or data code raised SystemExit({escaped.code!r}); amp_exp stopped "
             "the run: remove the sys.exit() call from it"
         ) from None
-
-
-def take_force_flag(argv: list[str]) -> tuple[list[str], bool]:
-    """``argv`` without ``--force``, and whether it was there (a Hydra command's own flag)."""
-    return [a for a in argv if a != FORCE_FLAG], FORCE_FLAG in argv
 
 
 def start(
@@ -139,7 +133,9 @@ def start(
     (it decides what is left to do there)."""
 
     def body() -> None:
-        argv, force = take_force_flag(sys.argv[1:])
+        # --force is the command's own flag, never a Hydra override.
+        argv = [arg for arg in sys.argv[1:] if arg != FORCE_FLAG]
+        force = FORCE_FLAG in sys.argv[1:]
         if {"-m", "--multirun"} & set(argv):
             raise ConfigError(multirun_refusal)
         if single_process is not None and os.environ.get("WORLD_SIZE", "1") != "1":
@@ -150,8 +146,7 @@ def start(
             hydra_main()
             return
         resumes = resumable and launch.jobs[0].resume == "auto"
-        output_dir = Path(launch.output_dir.value)
-        with claim_directory(command, output_dir, force, resumable, resumes):
+        with claim_directory(command, Path(launch.output_dir.value), force, resumable, resumes):
             hydra_main()
 
     sys.exit(enter(command, body))
