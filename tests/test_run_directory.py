@@ -401,3 +401,23 @@ def umask():
     previous = os.umask(0o022)
     yield 0o022
     os.umask(previous)
+
+
+@pytest.mark.slow
+def test_the_directory_claim_does_not_import_the_engine_or_fsdp() -> None:
+    """Every command's pre-flight claims its directory by results/ownership.py's rules, which
+    read resume.py's; the engine and torch.distributed.fsdp (a second or more of start-up) come
+    in only to restore a run, so an import of either at module level fails here."""
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, amp_exp.results.ownership; "
+            "print(sorted(m for m in sys.modules if m == 'amp_exp.training.engine' "
+            "or m.startswith('torch.distributed.fsdp')))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert loaded.stdout.strip() == "[]"
