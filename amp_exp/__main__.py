@@ -30,8 +30,8 @@ from amp_exp.errors import (
     NumericalFault,
     RuntimeFault,
 )
-from amp_exp.results.claim import FollowRank0, claim
 from amp_exp.results.contract import enter
+from amp_exp.results.ownership import FollowRank0, claim
 from amp_exp.results.sweep import sweep_job
 from amp_exp.runtime.launch import worker_rank
 from amp_exp.runtime.quiet import quiet_unactionable
@@ -141,7 +141,7 @@ def with_sensitivity_hint(fault: NumericalFault, overrides: list[str]) -> Numeri
 
 def main() -> None:
     """Pre-flight, then the command's directory claimed, then Hydra: a command refused at any
-    of the first two steps has written nothing (results/claim.py)."""
+    of the first two steps has written nothing (results/ownership.py)."""
     # What is imported by now (torch, Hydra: some 300,000 objects) lives as long as the process:
     # kept out of the garbage collector's later full passes, each of which would walk it all
     # again (0.15 s of CPU apiece on this project's machine; a few come before the first step).

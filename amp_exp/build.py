@@ -98,7 +98,7 @@ def build(
     distributed: Distributed | None = None,
     kept: ResolvedPrecision | None = None,
 ) -> Built:
-    """``kept``: the precision a resumed run keeps (results.resume_rules.kept_precision), in place
+    """``kept``: the precision a resumed run keeps (results.resume.kept_precision), in place
     of deciding precision=auto again."""
     device = distributed.device if distributed else resolve_device(cfg.trainer.device)
     check_request(cfg.precision.name, device, cfg.precision)

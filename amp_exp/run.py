@@ -25,20 +25,16 @@ from amp_exp.results.checkpoint import (
     ShardedCheckpointer,
     checkpoint_dir,
 )
-from amp_exp.results.claim import (
-    check_directory,
-)
 from amp_exp.results.contract import user_code_cannot_exit
 from amp_exp.results.files import METRICS_FILE, SUMMARY_FILE, write_json
-from amp_exp.results.lock import RunDirectoryLock
 from amp_exp.results.loggers import (
     ConsoleLogger,
     JsonlLogger,
     Logger,
     describe_eval,
 )
-from amp_exp.results.resume import find_checkpoint, resume
-from amp_exp.results.resume_rules import kept_precision
+from amp_exp.results.ownership import RunDirectoryLock, check_directory
+from amp_exp.results.resume import find_checkpoint, kept_precision, resume
 from amp_exp.results.summary import Status, completed_summary, make_summary
 from amp_exp.results.sweep import SweepJob
 from amp_exp.results.wandb_logger import open_wandb_logger

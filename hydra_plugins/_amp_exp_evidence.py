@@ -153,7 +153,7 @@ class EvidenceSweeper(Sweeper):
         cfg = self.config
         sweep_dir = Path(cfg.hydra.sweep.dir)
         cells = self.cells(arguments)
-        # The pre-flight refused a resume that raises max_seeds (results/claim.py).
+        # The pre-flight refused a resume that raises max_seeds (results/ownership.py).
         looks = self.looks(
             sweep_dir=sweep_dir,
             min_seeds=cfg.evidence.min_seeds,

@@ -117,7 +117,7 @@ def main() -> None:
                 wall, cpu = time_to_line(*clocks[name], args.threads)
                 walls[name].append(wall)
                 cpus[name].append(cpu)
-            # A completed run's directory takes only a resume (results/claim.py): every round
+            # A completed run's directory takes only a resume (results/ownership.py): every round
             # starts fresh runs.
             for run_dir in Path(tmp).iterdir():
                 shutil.rmtree(run_dir)

@@ -277,10 +277,10 @@ def statvfs_with_free(free_bytes: int):
 
 
 def test_preflight_refuses_a_directory_without_room_for_a_run(workspace, monkeypatch) -> None:
-    from amp_exp.results.claim import claim
+    from amp_exp.results.ownership import claim
 
     launch = check_overrides(["hydra.run.dir=runs/new"])
-    monkeypatch.setattr("amp_exp.results.claim.os.statvfs", statvfs_with_free(24 * 1024))
+    monkeypatch.setattr("amp_exp.results.ownership.os.statvfs", statvfs_with_free(24 * 1024))
     with pytest.raises(RuntimeFault) as raised, claim(launch):
         pass
     assert str(raised.value) == (

@@ -125,7 +125,7 @@ def test_a_report_into_a_directory_in_use_is_refused_with_exit_2(tmp_path, capsy
     out = tmp_path / "out"
     out.mkdir()
     holds = (
-        "import sys, time; from pathlib import Path; from amp_exp.results.lock import "
+        "import sys, time; from pathlib import Path; from amp_exp.results.ownership import "
         "RunDirectoryLock; RunDirectoryLock(Path(sys.argv[1])).__enter__(); print('held', "
         "flush=True); time.sleep(120)"
     )

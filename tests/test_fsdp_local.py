@@ -17,7 +17,7 @@ from amp_exp.config.preflight import check_overrides
 from amp_exp.config.schema import CompileMode, DeviceChoice, ReduceDtype, Strategy
 from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
-from amp_exp.results.resume_rules import data_position
+from amp_exp.results.resume import data_position
 from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import ShardingDtypes, shard_model

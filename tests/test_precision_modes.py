@@ -18,7 +18,7 @@ from amp_exp.config.schema import GPTConfig, PrecisionConfig
 from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.report.assemble import build_report
-from amp_exp.results.resume_rules import config_changes
+from amp_exp.results.resume import config_changes
 from amp_exp.run import train
 from amp_exp.tasks.gpt import GPT
 from amp_exp.tasks.vision_models import TinyCNN
@@ -228,7 +228,7 @@ def test_bf16_true_and_fp8_checkpoints_do_not_resume_in_another_precision() -> N
         assert refused == [f'precision.name: "{saved}" -> "{current}"']
     knob = {"precision": {"name": "bf16_true", "stochastic_rounding": False}}
     assert config_changes(knob, knob)[0] == []
-    # Rounding to nearest instead is another experiment (results/resume_rules.MAY_CHANGE).
+    # Rounding to nearest instead is another experiment (results/resume.MAY_CHANGE).
     nearest = {"precision": {"name": "bf16_true", "stochastic_rounding": True}}
     assert config_changes(knob, nearest)[0] == ["precision.stochastic_rounding: false -> true"]
 

@@ -30,7 +30,7 @@ from amp_exp.config.schema import SchedulerConfig, SchedulerName
 from amp_exp.errors import ConfigError, RunRefused
 from amp_exp.report.runs import Run
 from amp_exp.results.files import EVIDENCE_JSON, write_json
-from amp_exp.results.resume_rules import config_changes, trained_values
+from amp_exp.results.resume import config_changes, trained_values
 from amp_exp.run import train
 from amp_exp.speed.sweep import trial_config
 from amp_exp.training.optim import build_scheduler

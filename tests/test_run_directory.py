@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from amp_exp.errors import NumericalFault, RunRefused, RuntimeFault
-from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock, holder_of
-from amp_exp.results.resume_rules import config_changes
+from amp_exp.results.ownership import RunDirectoryBusy, RunDirectoryLock, holder_of
+from amp_exp.results.resume import config_changes
 from amp_exp.results.summary import record_failure
 from amp_exp.run import train
 from helpers.runs import FAST, TINY, read_jsonl, signal_self_at_call
@@ -46,7 +46,7 @@ def take_lock_elsewhere(directory: Path) -> subprocess.CompletedProcess:
             sys.executable,
             "-c",
             "from pathlib import Path; "
-            "from amp_exp.results.lock import RunDirectoryBusy, RunDirectoryLock\n"
+            "from amp_exp.results.ownership import RunDirectoryBusy, RunDirectoryLock\n"
             f"try:\n    RunDirectoryLock(Path({str(directory)!r})).__enter__(); print('taken')\n"
             "except RunDirectoryBusy as busy:\n    print(busy)",
         ],
@@ -73,7 +73,7 @@ def test_the_lock_dies_with_its_process(tmp_path) -> None:
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; "
-            "from amp_exp.results.lock import RunDirectoryLock; "
+            "from amp_exp.results.ownership import RunDirectoryLock; "
             f"lock = RunDirectoryLock(Path({str(tmp_path)!r})).__enter__(); "
             "print('held', flush=True); time.sleep(60)",
         ],
@@ -401,3 +401,23 @@ def umask():
     previous = os.umask(0o022)
     yield 0o022
     os.umask(previous)
+
+
+@pytest.mark.slow
+def test_the_directory_claim_does_not_import_the_engine_or_fsdp() -> None:
+    """Every command's pre-flight claims its directory by results/ownership.py's rules, which
+    read resume.py's; the engine and torch.distributed.fsdp (a second or more of start-up) come
+    in only to restore a run, so an import of either at module level fails here."""
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, amp_exp.results.ownership; "
+            "print(sorted(m for m in sys.modules if m == 'amp_exp.training.engine' "
+            "or m.startswith('torch.distributed.fsdp')))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert loaded.stdout.strip() == "[]"

@@ -34,8 +34,8 @@ from amp_exp.results.files import (
     read_data,
     read_json,
 )
-from amp_exp.results.lock import LOCK_FILE, RunDirectoryLock
 from amp_exp.results.loggers import JsonlLogger
+from amp_exp.results.ownership import LOCK_FILE, RunDirectoryLock
 from amp_exp.results.summary import completed_summary
 from amp_exp.results.wandb_logger import open_wandb_logger
 from helpers.fake_wandb import install_fake_wandb

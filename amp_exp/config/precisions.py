@@ -140,7 +140,7 @@ class PrecisionSpec:
     # when keeping it in fp32 is not needed (None: fp32).
     rankable: bool = False
     repair_to: str | None = None
-    # A checkpoint moves between the precisions of this family (results/resume_rules): fp32
+    # A checkpoint moves between the precisions of this family (results/resume.py): fp32
     # master weights and state, and a model they do not convert (bf16_true's bf16 weights and
     # fp8's Float8Linear layers are families of their own).
     autocast_family: bool = False
@@ -376,7 +376,7 @@ def _raised_in(plugin: type, trace: TracebackType | None) -> bool:
 @dataclass(frozen=True)
 class ResolvedPrecision:
     """The precision a run trains in, and why: as requested, chosen by precision=auto
-    (capability/auto.py), or kept from a checkpoint (results/resume_rules.py)."""
+    (capability/auto.py), or kept from a checkpoint (results/resume.py)."""
 
     precision: str
     reason: str

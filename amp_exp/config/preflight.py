@@ -7,7 +7,7 @@ Each composed job is then validated (config/values.py) and given the checks that
 training (config/cross_checks.py), and the run or sweep directory is checked for being one Hydra
 can create. What it found (``Launch``) tells the
 entry point which directory the command will write to, so that it can claim it before Hydra
-writes anything there (results/claim.py). A single run's composed config comes with it
+writes anything there (results/ownership.py). A single run's composed config comes with it
 (``ComposedRun``), for the job to start from: composed once, not three times.
 """
 

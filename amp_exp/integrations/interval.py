@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from amp_exp.training.loop import Progress
-from amp_exp.training.skip_record import SkippedSteps
+from amp_exp.training.skips import SkippedSteps
 
 
 @dataclass

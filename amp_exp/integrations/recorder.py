@@ -24,8 +24,8 @@ It records what the engine records, from the trainer's own state:
 - **No host sync per step:** the loss is summed on the device and read, with the loss scale, the
   clock and the signals, only at log steps.
 
-The directory is claimed as amp_exp's runs claim theirs (results/claim.py): a directory in use is
-refused, and one holding a finished record takes only ``resume=True``.
+The directory is claimed as amp_exp's runs claim theirs (results/ownership.py): a directory in
+use is refused, and one holding a finished record takes only ``resume=True``.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from amp_exp.integrations.audited_step import AuditedStep
 from amp_exp.integrations.facts import RunFacts, plain, unwrapped_optimizer
 from amp_exp.integrations.interval import Interval
 from amp_exp.integrations.metric_names import looked_for, task_metrics, task_names
-from amp_exp.results.claim import hold_directory, holdings
 from amp_exp.results.files import METRICS_FILE, SUMMARY_FILE, write_json
 from amp_exp.results.loggers import EVAL, TRAIN, JsonlLogger, read_rows
+from amp_exp.results.ownership import hold_directory, holdings
 from amp_exp.results.summary import Status, make_summary
 from amp_exp.runtime.hardware import device_name
 from amp_exp.training.audit.matmuls import dtype_name

@@ -20,9 +20,9 @@ from amp_exp.errors import RuntimeFault
 from amp_exp.report.assemble import build_report
 from amp_exp.report.decision import DEFAULT_FAMILYWISE
 from amp_exp.report.runs import ReportError, run_paths
-from amp_exp.results.contract import OneLineParser, enter, hold_output
+from amp_exp.results.contract import OneLineParser, enter
 from amp_exp.results.files import REPORT_JSON, REPORT_MD, UntrustedFile, read_json
-from amp_exp.results.lock import RunDirectoryBusy
+from amp_exp.results.ownership import RunDirectoryBusy, hold_output
 
 COMMAND = "amp_exp.report"
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("amp_exp")
 
-# 3: every rank's random generators, and the skipped steps not yet read (training.skip_record).
+# 3: every rank's random generators, and the skipped steps not yet read (training.skips).
 FORMAT = 3
 # step_<N>.pt, or a sharded checkpoint's step_<N>/ directory.
 STEP_FILE = re.compile(r"step_(\d+)(\.pt)?$")

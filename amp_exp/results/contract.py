@@ -1,12 +1,11 @@
 """The contract every ``python -m amp_exp.*`` command keeps, written once; each command's
-``main`` enters through ``enter``.
+``main`` enters through ``enter``. Which directory a command may write is results/ownership.py's;
+this module is how a command starts and how it ends.
 
-- **Its directory is claimed** before anything is written there (``claim_directory``; training
-  runs through results/claim.py, which holds the same rules for checkpoints and resumes). A
-  directory that holds another command's finished results is refused, and so is one holding this
-  command's own, unless ``--force`` says to replace them; a refused command writes nothing. The
-  report, which writes beside the runs it reads, holds only the directory it writes into
-  (``hold_output``); what it reads is read without a claim.
+- **Its directory is claimed** before anything is written there (``start`` claims a measuring
+  command's with ``ownership.claim_directory``; training claims its own, the report holds only
+  the directory it writes into): finished results are never replaced unless ``--force`` says so,
+  and a refused command writes nothing.
 - **Bad input is one line and exit 2** (``ConfigError``, and ``OneLineParser`` for flags), a
   numerical fault exit 3, a runtime fault exit 4 (a full disk, a dead rank), each one line on
   stderr with no traceback.
@@ -34,15 +33,12 @@ from typing import NoReturn
 
 from amp_exp.config.help import flags_help
 from amp_exp.config.preflight import check_overrides
-from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RunRefused, RuntimeFault
-from amp_exp.results.claim import hold_directory
-from amp_exp.results.finished import finished_results
+from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RuntimeFault
+from amp_exp.results.ownership import FORCE_FLAG, claim_directory
 from amp_exp.runtime.quiet import quiet_unactionable
 from amp_exp.runtime.signals import PREEMPTION_SIGNALS
 
 log = logging.getLogger("amp_exp")
-
-FORCE_FLAG = "--force"
 
 
 class Stopped(BaseException):
@@ -96,17 +92,16 @@ def enter(command: str, body: Callable[[], int | None], signals: bool = True) ->
     quiet_unactionable()
     try:
         with stop_on_signals() if signals else contextlib.nullcontext():
-            status = body() or 0
+            return body() or 0
     except Stopped as stopped:
-        print(f"{command}: stopped by {stopped.received.name}", file=sys.stderr)
-        status = 128 + stopped.received
+        received = stopped.received
     except KeyboardInterrupt:  # Python's own SIGINT handler, where no other was installed
-        print(f"{command}: stopped by SIGINT", file=sys.stderr)
-        status = 128 + signal.SIGINT
+        received = signal.SIGINT
     except EXPECTED_ERRORS as error:
         print(f"{command}: error: {error}", file=sys.stderr)
-        status = error.exit_status
-    return status
+        return error.exit_status
+    print(f"{command}: stopped by {received.name}", file=sys.stderr)
+    return 128 + received
 
 
 @contextlib.contextmanager
@@ -120,66 +115,6 @@ def user_code_cannot_exit() -> Iterator[None]:
             f"the run's model or data code raised SystemExit({escaped.code!r}); amp_exp stopped "
             "the run: remove the sys.exit() call from it"
         ) from None
-
-
-def take_force_flag(argv: list[str]) -> tuple[list[str], bool]:
-    """``argv`` without ``--force``, and whether it was there (a Hydra command's own flag)."""
-    return [a for a in argv if a != FORCE_FLAG], FORCE_FLAG in argv
-
-
-def refusal(
-    command: str, directory: Path, force: bool, resumable: bool = False, resumes: bool = False
-) -> str | None:
-    """Why ``command`` may not write its results into ``directory``, or None. ``resumable``: the
-    command can continue its own results, and ``resumes``: it was asked to (``resume=auto``)."""
-    finished = finished_results(directory)
-    others = [held for owner, held in finished.items() if owner != command]
-    if others:
-        return (
-            f"{directory} holds {'; '.join(others)}; python -m {command} would mix its files "
-            "with them: give it its own directory (hydra.run.dir=...)"
-        )
-    if command in finished and not (force or resumes):
-        return (
-            f"{directory} holds {finished[command]}; they stay as they are: give this one its "
-            f"own directory (hydra.run.dir=...), "
-            f"{'continue them with resume=auto, ' if resumable else ''}or pass {FORCE_FLAG} to "
-            "replace them"
-        )
-    return None
-
-
-@contextlib.contextmanager
-def claim_directory(
-    command: str,
-    directory: Path,
-    force: bool = False,
-    resumable: bool = False,
-    resumes: bool = False,
-) -> Iterator[None]:
-    """Hold ``directory`` for ``command`` while the block runs, once ``refusal`` allows it; a
-    refused or busy directory raises (exit 2), a full one exit 4, with nothing in it created or
-    changed."""
-    directory = directory.expanduser().resolve()
-
-    def check() -> None:
-        why = refusal(command, directory, force, resumable, resumes)
-        if why is not None:
-            raise RunRefused(why)
-
-    with contextlib.ExitStack() as held:
-        hold_directory(directory, check, held)
-        yield
-
-
-@contextlib.contextmanager
-def hold_output(directory: Path) -> Iterator[None]:
-    """Hold ``directory`` while the block writes into it, for a command whose files go beside
-    others' results by design (the report beside its runs): only another process there refuses
-    it (exit 2). The directories it reads are not held: they may be read-only, or in use."""
-    with contextlib.ExitStack() as held:
-        hold_directory(directory.expanduser().resolve(), lambda: None, held)
-        yield
 
 
 def start(
@@ -198,7 +133,9 @@ def start(
     (it decides what is left to do there)."""
 
     def body() -> None:
-        argv, force = take_force_flag(sys.argv[1:])
+        # --force is the command's own flag, never a Hydra override.
+        argv = [arg for arg in sys.argv[1:] if arg != FORCE_FLAG]
+        force = FORCE_FLAG in sys.argv[1:]
         if {"-m", "--multirun"} & set(argv):
             raise ConfigError(multirun_refusal)
         if single_process is not None and os.environ.get("WORLD_SIZE", "1") != "1":
@@ -209,8 +146,7 @@ def start(
             hydra_main()
             return
         resumes = resumable and launch.jobs[0].resume == "auto"
-        output_dir = Path(launch.output_dir.value)
-        with claim_directory(command, output_dir, force, resumable, resumes):
+        with claim_directory(command, Path(launch.output_dir.value), force, resumable, resumes):
             hydra_main()
 
     sys.exit(enter(command, body))

@@ -4,7 +4,7 @@ the job trains.
 Hydra numbers a sweep's jobs in the order it expands them, so a sweep resumed with its values in
 another order (``precision=bf16,fp32`` after ``precision=fp32,bf16``) would send each job into
 another job's directory. A resumed sweep instead places each job by what it trains
-(``resume_rules.trained_values``: every value a resume may not change, the precision and the seed
+(``resume.trained_values``: every value a resume may not change, the precision and the seed
 included), never by its number or by launcher flags such as ``resume``: a job whose experiment a
 directory holds goes there, a new one to the next free number. A job whose directory already
 holds its completed run, asked for the same steps, is not launched again, so its files (Hydra's
@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from amp_exp.results.recorded import as_recorded, job_config
-from amp_exp.results.resume_rules import trained_values
+from amp_exp.results.resume import trained_values
 from amp_exp.results.summary import completed_summary
 
 log = logging.getLogger("amp_exp")

@@ -14,7 +14,7 @@ The engine runs every step in this sequence (``Engine.train_step``):
 
 Within a phase, callbacks run in ``ORDER``, whatever order they were added in, so no correctness
 depends on the order in which a run builds its parts. A callback runs on every step, skipped ones
-included: the host does not learn of a skip until the next log step (training/skip_record.py).
+included: the host does not learn of a skip until the next log step (training/skips.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The engine trains whatever its ``Task`` hands it and knows nothing of what that 
 I/O: rows go to ``emit`` and checkpoints to a ``CheckpointSink``. Nothing in the per-step path
 reads a device value back to the host: loss, scale and gradient norm stay on the device and are
 read only at log intervals. A step with non-finite gradients is skipped on the device, and the
-host learns of it at the next log step (training/skip_record.py); only an optimizer that cannot
+host learns of it at the next log step (training/skips.py); only an optimizer that cannot
 skip on the device makes the host decide, one read per step (training/precision.py).
 
 Under torchrun (``distributed``) every rank runs this loop on its own shard. The ranks agree on
@@ -40,8 +40,7 @@ from amp_exp.training.meters import (
 from amp_exp.training.precision import PrecisionPolicy
 from amp_exp.training.rng import own_rng_state, restore_rng_state, rng_state
 from amp_exp.training.signals import SignalCollector
-from amp_exp.training.skip_record import SkipRecord
-from amp_exp.training.skips import SkipMonitor
+from amp_exp.training.skips import SkipMonitor, SkipRecord
 
 Emit = Callable[[dict], None]
 StepInstrument = Callable[[int, int], contextlib.AbstractContextManager]

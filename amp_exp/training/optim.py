@@ -105,7 +105,7 @@ class CosineWithWarmup:
     """The cosine schedule's factor at a step: a linear warm-up, then a cosine to
     ``min_lr_ratio`` at ``total_steps``, held there after. An object, not a closure, so that
     LambdaLR keeps its fields in the checkpoint: a resumed run keeps the horizon it started with
-    whatever trainer.max_steps says now (results/resume_rules.py)."""
+    whatever trainer.max_steps says now (results/resume.py)."""
 
     total_steps: int
     warmup_steps: int
