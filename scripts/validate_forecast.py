@@ -137,6 +137,7 @@ def case(name: str, steps: int, overrides: list[str], planted_rate: float | None
     scales = [r["scale"] for r in rows if r["kind"] == "train" and r.get("scale") is not None]
     result["loss_scale_first_last_min"] = [scales[0], scales[-1], min(scales)] if scales else None
     print(json.dumps(result), flush=True)
+    result["rows"] = rows
     return result
 
 
@@ -155,6 +156,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default=None)
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--rows", default=None, help="also write each case's rows here (JSON)")
     parser.add_argument("--cases", nargs="*", help="run only these cases (default: all)")
     args = parser.parse_args()
     steps = args.steps
@@ -170,6 +172,12 @@ def main() -> None:
     cases = [c for c in cases if not args.cases or c[0] in args.cases]
     logging = [f"trainer.log_every={args.log_every}"]
     results = [case(name, steps, [*overrides, *logging], rate) for name, overrides, rate in cases]
+    if args.rows:
+        # The runs' rows, so that a change to the forecast can be checked without training again.
+        with open(args.rows, "w", encoding="utf-8") as out:
+            json.dump({result["case"]: result.pop("rows") for result in results}, out)
+    for result in results:
+        result.pop("rows", None)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as out:
             json.dump(results, out, indent=2)
