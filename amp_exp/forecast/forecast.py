@@ -162,8 +162,8 @@ def axis_of(rows: list[dict[str, Any]], planned_steps: int) -> Axis:
     steps = np.array(sorted(train), dtype=float)
     stretch = planned_steps / steps[-1]
     rates = [train[int(step)] for step in steps]
-    known = all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in rates)
-    if not known or len(steps) < 2:
+    known = all(isinstance(r, (int, float)) and math.isfinite(r) and r >= 0 for r in rates)
+    if not known or len(steps) < 2 or sum(rates) == 0:
         grid = np.concatenate([[0.0], steps])
         return Axis(AXIS_STEPS, grid, grid, stretch)
     lr = np.array([rates[0], *rates], dtype=float)
