@@ -141,6 +141,21 @@ def test_under_a_cosine_schedule_the_learning_rate_axis_forecasts_the_stretched_
     assert per_step_covered / repetitions <= 0.5
 
 
+def test_with_a_constant_rate_the_learning_rate_axis_is_the_step_axis() -> None:
+    """A constant rate makes the cumulative rate a multiple of the step, so the forecast must
+    not change with it (a wrong stretch of the planned run's axis would move the crossing)."""
+    rng = np.random.default_rng(7)
+    steps = np.arange(LOG_EVERY, 260, LOG_EVERY, dtype=float)
+    values = growing(steps, rng, 1.0, math.log(FORMAT_MAX) / 1000, 0.1)
+    by_rate = forecast_run(rows_of({"act_absmax/blocks.0": values}, steps), 2000)
+    by_step = forecast_run(rows_of({"act_absmax/blocks.0": values}, steps, lr=[None] * 25), 2000)
+    assert by_rate["axis"] != by_step["axis"]
+    # Equal to a step of the grid the crossings are looked for on (rounding may move one).
+    first, second = by_rate["first_crossing"], by_step["first_crossing"]
+    assert first["step"] == pytest.approx(second["step"], abs=2)
+    assert first["interval"] == pytest.approx(second["interval"], abs=2)
+
+
 def test_flat_signals_raise_a_false_alarm_at_most_at_the_stated_rate() -> None:
     """Eight flat, noisy limited signals (four blocks' activations and attention logits):
     family-wise, a run alarms at most ALPHA of the time (without the Bonferroni split it would
