@@ -184,7 +184,11 @@ def _trend(series: Series, axis: Axis) -> tuple[Trend, np.ndarray]:
 
 
 def _value(form: Fit, y: float | np.ndarray) -> float | np.ndarray:
-    return np.exp(y) if form.log else y
+    if not form.log:
+        return y
+    # A log form's band far out can pass any float: inf, which forecast.json writes as null.
+    with np.errstate(over="ignore"):
+        return np.exp(y)
 
 
 def _hull(forms: tuple[Fit, ...], u: float, level: float) -> tuple[float, float, float]:
