@@ -25,9 +25,10 @@ enough not to cross.
 **Limits.** A block's largest activation against the largest value of its format
 (``format_max``), its attention logits against the logit at which the softmax saturates
 (``attn_logit_limit``; both from the run's signals rows, training/signals.py), and an fp16 loss
-scale against ``precision.min_scale``, below which the run stops. Each limited signal is tested
-at ``alpha / m`` (Bonferroni over the run's m limited signals), so a run whose signals are all flat
-raises a false alarm with probability at most ``alpha``. The other signals are fitted and shown.
+scale against ``precision.min_scale``, below which the run stops. A crossing is claimed where the
+deciding line's slope differs from zero at a two-sided ``alpha / m`` toward the limit (Bonferroni
+over the run's m limited signals), so a run whose signals are all flat raises a false alarm with
+probability at most ``alpha / 2``. The other signals are fitted and shown.
 """
 
 from __future__ import annotations
@@ -252,13 +253,14 @@ def crossing(
     series: Series, trend: Trend, steps: np.ndarray, u: np.ndarray, alpha: float
 ) -> dict[str, Any] | None:
     """When the deciding line crosses the limit within the planned run (``steps``, at ``u`` on
-    the axis), if its slope heads there at level ``alpha`` (one-sided). The interval, at
+    the axis), if its slope differs from zero toward it at a two-sided ``alpha`` (as Fieller's
+    interval of the line is bounded). The interval, at
     1 - ``alpha``, is the hull of every plausible form's crossing set: from the first step the
     band of any of them reaches the limit to the first step all of them are surely past it
     (None where one is not by the planned end)."""
     limit, line = series.limit, trend.line
     assert limit is not None and line is not None
-    if line.slope_p(limit.direction) >= alpha:
+    if line.slope_p(limit.direction) >= alpha / 2:
         return None
     lows, highs = [], []
     estimate = None
