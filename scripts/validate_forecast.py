@@ -3,6 +3,9 @@ runs, forecast to 4x and 10x their length, stay quiet? (docs/forecast.md reports
 
     python scripts/validate_forecast.py --steps 200 --log-every 5 --out validation.json
 
+``--rows FILE`` also keeps each case's rows (the full run's and the quarter's), so that a change to
+the forecast can be compared on the same runs without training them again.
+
 A quarter of the run must hold at least 6 log points (fit.MIN_POINTS), or every short forecast
 is "unforecastable": 200 steps logged every 5 give 10.
 
