@@ -104,10 +104,12 @@ def test_when_growth_slows_the_interval_still_covers_the_crossing_at_its_stated_
     assert covered / repetitions >= 1 - ALPHA - margin(1 - ALPHA, repetitions)
 
 
-def cosine_rates(steps: np.ndarray, total: int, base: float = 0.01) -> np.ndarray:
+def cosine_rates(
+    steps: np.ndarray, total: int, base: float = 0.01, floor: float = 0.1
+) -> np.ndarray:
     """The learning rate at each step under the engine's cosine schedule (warm-up 20 steps,
-    down to a tenth)."""
-    schedule = CosineWithWarmup(total, 20, 0.1)
+    down to ``floor`` of the base)."""
+    schedule = CosineWithWarmup(total, 20, floor)
     return base * np.array([schedule(int(step)) for step in steps])
 
 
@@ -173,6 +175,40 @@ def test_flat_signals_raise_a_false_alarm_at_most_at_the_stated_rate() -> None:
             row["attn_logit_limit"] = 12.0
         alarms += forecast_run(rows, 2600)["first_crossing"] is not None
     assert alarms / repetitions <= ALPHA + margin(ALPHA, repetitions)
+
+
+def test_flat_signals_under_a_decay_to_zero_raise_a_false_alarm_at_most_at_the_stated_rate():
+    """Under a decay to zero, the cumulative-rate axis must not make flat noisy signals alarm
+    more than ALPHA of the time (the fear that once kept the axis out: the squeezed last log
+    steps taken as a trend)."""
+    rng = np.random.default_rng(8)
+    steps = np.arange(LOG_EVERY, 260, LOG_EVERY, dtype=float)
+    rates = cosine_rates(steps, 250, floor=0.0)
+    repetitions, alarms = 200, 0
+    for _ in range(repetitions):
+        series = {
+            f"act_absmax/blocks.{block}": growing(steps, rng, 100.0, 0.0, 0.2) for block in range(4)
+        }
+        alarms += forecast_run(rows_of(series, steps, lr=rates), 2500)["first_crossing"] is not None
+    assert alarms / repetitions <= ALPHA + margin(ALPHA, repetitions)
+
+
+def test_a_rise_at_the_end_of_a_decay_to_zero_is_not_a_regime_of_its_own() -> None:
+    """A signal flat until its last 60 steps, where the rate is almost 0, then rising by 35%:
+    in the cumulative rate those points sit at almost one value, a vertical trend, so a
+    changepoint among them alone would forecast a crossing at once (65 of 100 runs alarm when
+    a changepoint may leave them alone; 3 of 100 with the rule that it leaves a quarter of the
+    axis's span each side)."""
+    rng = np.random.default_rng(9)
+    steps = np.arange(LOG_EVERY, 260, LOG_EVERY, dtype=float)
+    rates = cosine_rates(steps, 250, floor=0.0)
+    rise = np.where(steps > 190, 0.3 * (steps - 190) / 60, 0.0)
+    repetitions, alarms = 100, 0
+    for _ in range(repetitions):
+        values = 100 * np.exp(rise + 0.05 * rng.standard_normal(len(steps)))
+        rows = rows_of({"act_absmax/blocks.0": values}, steps, lr=rates)
+        alarms += forecast_run(rows, 2500)["first_crossing"] is not None
+    assert alarms / repetitions <= 0.2
 
 
 def test_after_a_changepoint_the_later_regime_is_extrapolated() -> None:
