@@ -3,18 +3,23 @@ runs, forecast to 4x and 10x their length, stay quiet? (docs/forecast.md reports
 
     python scripts/validate_forecast.py --steps 200 --log-every 5 --out validation.json
 
+``--rows FILE`` also keeps each case's rows (the full run's and the quarter's), so that a change to
+the forecast can be compared on the same runs without training them again.
+
 A quarter of the run must hold at least 6 log points (fit.MIN_POINTS), or every short forecast
 is "unforecastable": 200 steps logged every 5 give 10.
 
-Every case trains gpt_tiny (shrunk) with a constant learning rate (scheduler=none), so the run of
+Every case trains gpt_tiny (shrunk). With a constant learning rate (scheduler=none) the run of
 a quarter of the steps is, bit for bit, the first quarter of the full run (same seed, same
 batches, same updates): the script trains the full run once and forecasts from its first
-quarter's rows to the full length, then checks the forecast against what the full run did (the
-first log step whose signal crossed the limit).
+quarter's rows to the full length. The ``*_cosine`` cases (warm-up and cosine decay over the
+run's length) train the quarter as a run of its own, whose schedule the forecast stretches. Each
+forecast is checked against what the full run did (the first log step whose signal crossed the
+limit).
 
 Cases:
-- ``lr_*``: real runs at a normal and at high learning rates, watching the attention logits
-  (Wortsman et al. 2023 reproduce attention-logit growth in small models at high rates).
+- ``lr_*``: real runs at a normal and at high learning rates (and seeds), watching the attention
+  logits (Wortsman et al. 2023 reproduce attention-logit growth in small models at high rates).
 - ``planted``: block 0's output multiplied by exp(rate * step), so its largest activation grows
   steadily toward fp16's 65504 (the signals are measured against fp16's range while the run
   trains in fp32: fp16 on this CPU is 20-140x slower).
@@ -47,7 +52,6 @@ SMALL = [
     "model.seq_len=16",
     "dataset.batch_size=16",
     "optimizer=adamw",
-    "scheduler=none",
     "trainer.device=cpu",
     "trainer.eval_every=null",
     "checkpoint.every_steps=null",
@@ -70,7 +74,8 @@ def plant_growth(model: torch.nn.Module, rate: float) -> None:
 
 
 def train(steps: int, overrides: list[str], planted_rate: float | None) -> list[dict]:
-    built = build(run_config([*SMALL, f"trainer.max_steps={steps}", *overrides]))
+    schedule = [] if COSINE in overrides else ["scheduler=none"]
+    built = build(run_config([*SMALL, *schedule, f"trainer.max_steps={steps}", *overrides]))
     if planted_rate is not None:
         plant_growth(built.model, planted_rate)
         built.engine.signals.limits = Limits.of(plugin_of("fp16").spec)
@@ -98,7 +103,12 @@ def first_crossed(rows: list[dict]) -> dict | None:
 def case(name: str, steps: int, overrides: list[str], planted_rate: float | None = None) -> dict:
     started = time.perf_counter()
     rows = train(steps, overrides, planted_rate)
-    quarter = [row for row in rows if row["step"] <= steps // 4]
+    if COSINE in overrides:
+        # A schedule over the run's length: the short run is its own run, whose schedule the
+        # forecast stretches to the full length.
+        quarter = train(steps // 4, overrides, planted_rate)
+    else:
+        quarter = [row for row in rows if row["step"] <= steps // 4]
     short = forecast_run(quarter, steps)["first_crossing"]
     actual = first_crossed(rows)
     result = {
@@ -137,9 +147,11 @@ def case(name: str, steps: int, overrides: list[str], planted_rate: float | None
     scales = [r["scale"] for r in rows if r["kind"] == "train" and r.get("scale") is not None]
     result["loss_scale_first_last_min"] = [scales[0], scales[-1], min(scales)] if scales else None
     print(json.dumps(result), flush=True)
+    result["rows"] = {"full": rows, "quarter": quarter}
     return result
 
 
+LR_HIGH, LR_LOW, COSINE = "optimizer.lr=3e-2", "optimizer.lr=1e-3", "scheduler=cosine"
 FP16_SCALE = [
     "precision=fp16",
     "model.d_model=16",
@@ -155,6 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default=None)
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--rows", default=None, help="also write each case's rows here (JSON)")
     parser.add_argument("--cases", nargs="*", help="run only these cases (default: all)")
     args = parser.parse_args()
     steps = args.steps
@@ -163,13 +176,27 @@ def main() -> None:
     cases = [
         ("lr_1e-3_seed0", ["optimizer.lr=1e-3", "seed=0"], None),
         ("lr_1e-3_seed1", ["optimizer.lr=1e-3", "seed=1"], None),
-        ("lr_3e-2", ["optimizer.lr=3e-2"], None),
-        ("planted", ["optimizer.lr=1e-3"], planted_rate),
+        ("lr_3e-2", [LR_HIGH], None),
+        ("planted", [LR_LOW], planted_rate),
+        # More seeds and rates of the same two, for a measured coverage of the interval.
+        *((f"lr_3e-2_seed{seed}", [LR_HIGH, f"seed={seed}"], None) for seed in (1, 2, 3)),
+        ("lr_2e-2", ["optimizer.lr=2e-2"], None),
+        ("lr_5e-2", ["optimizer.lr=5e-2"], None),
+        *((f"planted_seed{seed}", [LR_LOW, f"seed={seed}"], planted_rate) for seed in (1, 2)),
+        # Warm-up and cosine decay: the forecast's axis is the cumulative learning rate.
+        ("lr_3e-2_cosine", [LR_HIGH, COSINE], None),
+        ("planted_cosine", [LR_LOW, COSINE], planted_rate),
         ("fp16_scale", FP16_SCALE, None),
     ]
     cases = [c for c in cases if not args.cases or c[0] in args.cases]
     logging = [f"trainer.log_every={args.log_every}"]
     results = [case(name, steps, [*overrides, *logging], rate) for name, overrides, rate in cases]
+    if args.rows:
+        # The runs' rows, so that a change to the forecast can be checked without training again.
+        with open(args.rows, "w", encoding="utf-8") as out:
+            json.dump({result["case"]: result.pop("rows") for result in results}, out)
+    for result in results:
+        result.pop("rows", None)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as out:
             json.dump(results, out, indent=2)

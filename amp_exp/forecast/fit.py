@@ -1,19 +1,25 @@
-"""One signal's trend: a straight line in log space (log-linear growth) fitted by least squares
-after a changepoint test, its forecast with a prediction interval, and the point where it meets
-a limit with a confidence interval (Fieller's).
+"""One signal's trend: least-squares fits of a few growth forms over a time axis, after a
+changepoint test, with their bands and where each meets a limit.
 
+- **Forms.** In the signal's own space or in log space (growth by factors), each of: a line in
+  the axis ``u``, a power law (a line in log ``u``) and a quadratic (a line whose slope drifts
+  steadily: growth that speeds up or slows down). ``AIC`` compares them on the values, the log
+  forms' likelihoods with their Jacobian, so forms fitted in different spaces are comparable.
 - **Changepoint.** A run's signals often move fast early (warm-up, the first steps of a loss
   scale) and settle into a slower trend; extrapolating the whole run would carry the early
-  slope forward. Every break that leaves ``MIN_POINTS`` on both sides is tested with a Chow
-  F-test (two lines against one); the smallest p-value, Bonferroni-corrected over the breaks
-  tried, below ``CHANGEPOINT_ALPHA`` keeps only the points after it.
+  slope forward. Every break that leaves ``MIN_POINTS`` and a quarter of the axis's span on each
+  side is tested with a Chow F-test (two lines against one); the smallest p-value,
+  Bonferroni-corrected over the breaks tried, below ``CHANGEPOINT_ALPHA`` keeps only the points
+  after it. (The span matters where the axis is the cumulative learning rate: at the end of a
+  decay to zero many log steps sit at almost one value of it, and a few drifting points there
+  would make a vertical trend.)
 - **Autocorrelation.** Training signals are not independent from one log step to the next. The
   residuals' lag-1 autocorrelation rho (0 or more) widens every interval by sqrt((1+rho)/(1-rho))
   and cuts the degrees of freedom to the effective sample size, the AR(1) correction.
-- **Crossing.** Where the trend ``a + b x`` meets the limit ``L``: the set of x where L lies
-  inside the trend's pointwise confidence band. At the true crossing ``(a + b x - L) / se`` is
-  t-distributed, so the set covers it at the stated level (Fieller 1954). The set is a bounded
-  interval only when the slope is significantly non-zero; otherwise no crossing is claimed.
+- **Crossing.** Where a form's trend meets the limit ``L``: the set of axis values where L lies
+  inside the trend's pointwise confidence band. At the true crossing ``(trend - L) / se`` is
+  t-distributed, so the set covers it at the stated level (Fieller 1954, here on a grid so that
+  every form is treated alike).
 - **Too few points** (fewer than ``MIN_POINTS`` usable values) are ``unforecastable``: nothing is
   extrapolated from them.
 """
@@ -25,9 +31,15 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.linalg
 import scipy.stats
 
 MIN_POINTS = 6
+CHANGEPOINT_ALPHA = 0.01
+MAX_AUTOCORRELATION = 0.9
+# The least share of the axis's span a changepoint leaves on either side of it.
+MIN_SPAN = 0.25
+SHAPES = ("line", "power", "quadratic")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -36,94 +48,116 @@ def _t_quantile(q: float, dof: float) -> float:
     return float(scipy.stats.t.ppf(q, dof))
 
 
-CHANGEPOINT_ALPHA = 0.01
-MAX_AUTOCORRELATION = 0.9
-
-
 @dataclass(frozen=True)
-class Line:
-    """A least-squares line through (x, y) with what its intervals need."""
+class Fit:
+    """A least-squares fit of one form with what its bands need. The design is in ``z``, the
+    axis centred and scaled over the fitted points (the quadratic's columns stay comparable), or
+    log ``u`` for the power law."""
 
-    intercept: float
-    slope: float
-    x_mean: float
-    sxx: float
+    shape: str
+    log: bool
+    coefficients: np.ndarray
+    # The coefficients' covariance, times the AR(1) inflation.
+    covariance: np.ndarray
+    centre: float
+    scale: float
     n: int
-    # The residual variance, times the AR(1) inflation.
-    variance: float
     dof: float
     autocorrelation: float
     residual_sd: float
+    aic: float
 
-    def at(self, x: float | np.ndarray) -> float | np.ndarray:
-        return self.intercept + self.slope * np.asarray(x, dtype=float)
+    def design(self, u: np.ndarray) -> np.ndarray:
+        u = np.atleast_1d(np.asarray(u, dtype=float))
+        if self.shape == "power":
+            return np.column_stack([np.ones_like(u), np.log(u)])
+        z = (u - self.centre) / self.scale
+        columns = [np.ones_like(z), z] + ([z * z] if self.shape == "quadratic" else [])
+        return np.column_stack(columns)
 
-    def _spread(self, x: float, extra: float) -> float:
-        return math.sqrt(self.variance * (extra + 1 / self.n + (x - self.x_mean) ** 2 / self.sxx))
+    @property
+    def slope(self) -> float:
+        """The trend's slope per unit of the axis at the centre of the fitted points (per unit of
+        log ``u`` for the power law)."""
+        return float(self.coefficients[1]) / (1.0 if self.shape == "power" else self.scale)
+
+    @property
+    def intercept(self) -> float:
+        """The trend at u = 0 (log u = 0 for the power law)."""
+        return float(self.at(np.array([1.0 if self.shape == "power" else 0.0]))[0])
+
+    def at(self, u: np.ndarray) -> np.ndarray:
+        return self.design(u) @ self.coefficients
 
     def t(self, level: float) -> float:
         return _t_quantile(0.5 + level / 2, self.dof)
 
-    def prediction(self, x: float, level: float) -> tuple[float, float, float]:
-        """The trend at ``x`` and the interval a new observation there falls in."""
-        centre = float(self.at(x))
-        half = self.t(level) * self._spread(x, 1.0)
-        return centre, centre - half, centre + half
+    def _trend_variance(self, u: np.ndarray) -> np.ndarray:
+        design = self.design(u)
+        return np.einsum("ij,jk,ik->i", design, self.covariance, design)
 
-    def confidence(self, x: float, level: float) -> tuple[float, float]:
-        """The interval the trend itself at ``x`` lies in."""
-        centre = float(self.at(x))
-        half = self.t(level) * self._spread(x, 0.0)
+    def confidence(self, u: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+        """The band the trend itself at each ``u`` lies in."""
+        centre, half = self.at(u), self.t(level) * np.sqrt(self._trend_variance(u))
         return centre - half, centre + half
+
+    def prediction(self, u: float, level: float) -> tuple[float, float, float]:
+        """The trend at ``u`` and the interval a new observation there falls in."""
+        noise = self.residual_sd**2 * (1 + self.autocorrelation) / (1 - self.autocorrelation)
+        centre = float(self.at(np.array([u]))[0])
+        half = self.t(level) * math.sqrt(float(self._trend_variance(np.array([u]))[0]) + noise)
+        return centre, centre - half, centre + half
 
     def slope_p(self, towards: float) -> float:
         """One-sided p-value that the slope is 0 against it moving ``towards`` (+1 or -1)."""
-        se = math.sqrt(self.variance / self.sxx)
+        se = math.sqrt(self.covariance[1, 1])
         if se == 0:
-            return 0.0 if self.slope * towards > 0 else 1.0
-        return float(scipy.stats.t.sf(towards * self.slope / se, self.dof))
+            return 0.0 if self.coefficients[1] * towards > 0 else 1.0
+        return float(scipy.stats.t.sf(towards * self.coefficients[1] / se, self.dof))
 
-    def crossing(self, limit: float, level: float) -> tuple[float, float, float] | None:
-        """Where the trend meets ``limit`` and Fieller's interval of it, or None where the
-        interval is unbounded (a slope not significantly different from zero at ``level``)."""
-        if self.slope == 0:
-            return None
-        g = self.t(level) ** 2 * self.variance
-        d = float(self.at(self.x_mean)) - limit
-        # (d + b u)^2 <= g (1/n + u^2/Sxx), u = x - x_mean: a quadratic in u.
-        a = self.slope**2 - g / self.sxx
-        b = 2 * d * self.slope
-        c = d**2 - g / self.n
-        discriminant = b * b - 4 * a * c
-        if a <= 0 or discriminant < 0:
-            return None
-        root = math.sqrt(discriminant)
-        low, high = sorted(((-b - root) / (2 * a), (-b + root) / (2 * a)))
-        estimate = self.x_mean - d / self.slope
-        return estimate, self.x_mean + low, self.x_mean + high
+    def crossing(
+        self, u: np.ndarray, limit: float, direction: int, level: float
+    ) -> tuple[int | None, int | None, int | None]:
+        """Indices into the increasing grid ``u``: where the trend first reaches ``limit``
+        (crossed from below for ``direction`` +1, from above for -1), where the band's near edge
+        first does (the earliest crossing the band allows) and where its far edge does (past
+        which the limit is surely crossed); None where it does not within the grid."""
+        low, high = self.confidence(u, level)
+        near, far = (high, low) if direction > 0 else (-low, -high)
+        reached = [direction * self.at(u) >= direction * limit, near >= direction * limit]
+        reached.append(far >= direction * limit)
+        return tuple(int(np.argmax(r)) if r.any() else None for r in reached)
 
 
-def least_squares(x: np.ndarray, y: np.ndarray) -> Line:
-    n = len(x)
-    result = scipy.stats.linregress(x, y)
-    residuals = y - (result.intercept + result.slope * x)
+def fit_form(shape: str, log: bool, u: np.ndarray, values: np.ndarray) -> Fit:
+    """The least-squares fit of ``values`` (positive where ``log``) in one form over ``u``."""
+    y = np.log(values) if log else values
+    centre, scale = float(u.mean()), float(np.ptp(u) / 2) or 1.0
+    probe = Fit(shape, log, np.zeros(0), np.zeros((0, 0)), centre, scale, 0, 1, 0, 0, 0)
+    design = probe.design(u)
+    n, k = design.shape
+    coefficients, _, _, _ = scipy.linalg.lstsq(design, y)
+    residuals = y - design @ coefficients
     rss = float(residuals @ residuals)
-    rho = 0.0
-    if n > 2 and rss > 0:
-        rho = float(residuals[1:] @ residuals[:-1]) / rss
+    rho = float(residuals[1:] @ residuals[:-1]) / rss if n > 2 and rss > 0 else 0.0
     rho = min(max(rho, 0.0), MAX_AUTOCORRELATION)
     inflation = (1 + rho) / (1 - rho)
-    dof = max(n / inflation - 2, 1.0)
-    return Line(
-        intercept=float(result.intercept),
-        slope=float(result.slope),
-        x_mean=float(x.mean()),
-        sxx=float(((x - x.mean()) ** 2).sum()),
+    variance = rss / max(n - k, 1)
+    covariance = variance * inflation * scipy.linalg.pinv(design.T @ design)
+    # The Gaussian likelihood of the values: a log form's carries its Jacobian, -sum(log y).
+    log_likelihood = -n / 2 * math.log(max(rss, 1e-300) / n) - (float(y.sum()) if log else 0.0)
+    return Fit(
+        shape=shape,
+        log=log,
+        coefficients=coefficients,
+        covariance=covariance,
+        centre=centre,
+        scale=scale,
         n=n,
-        variance=rss / max(n - 2, 1) * inflation,
-        dof=dof,
+        dof=max(n / inflation - k, 1.0),
         autocorrelation=rho,
-        residual_sd=math.sqrt(rss / max(n - 2, 1)),
+        residual_sd=math.sqrt(variance),
+        aic=2 * k - 2 * log_likelihood,
     )
 
 
@@ -138,7 +172,12 @@ def changepoint(x: np.ndarray, y: np.ndarray) -> tuple[int | None, float | None]
     """The index the later regime starts at, or None, and the Bonferroni-corrected p-value of
     the best break (None where the series is too short to try one)."""
     n = len(x)
-    breaks = range(MIN_POINTS, n - MIN_POINTS + 1)
+    span = MIN_SPAN * (x[-1] - x[0])
+    breaks = [
+        k
+        for k in range(MIN_POINTS, n - MIN_POINTS + 1)
+        if x[k - 1] - x[0] >= span and x[-1] - x[k] >= span
+    ]
     if not breaks or n <= 4:
         return None, None
     whole = rss(x, y)
@@ -156,26 +195,50 @@ def changepoint(x: np.ndarray, y: np.ndarray) -> tuple[int | None, float | None]
     return (best if corrected < CHANGEPOINT_ALPHA else None), corrected
 
 
+def grows_by_factors(u: np.ndarray, values: np.ndarray) -> bool:
+    """Whether log-linear growth is the likelier model of all the points than a straight line
+    (the same number of parameters, so the AIC's pick). Over all the points, each model with one
+    line: a changepoint found in one form only would compare them on different spans."""
+    return fit_form("line", True, u, values).aic <= fit_form("line", False, u, values).aic
+
+
 @dataclass(frozen=True)
 class Trend:
-    """A signal's fitted trend, or why it has none."""
+    """A signal's fitted trend, or why it has none: ``line``, the form that decides (a line, in
+    log space where that fits better), and ``forms``, every form still plausible beside it
+    (the line included), whose hull is the crossing's interval."""
 
-    line: Line | None
-    # The number of usable points, and the index of the first one the line is fitted to.
+    line: Fit | None
+    # The number of usable points, and the index of the first one the fits start at.
     points: int
     start: int = 0
     changepoint_p: float | None = None
     unforecastable: str | None = None
+    forms: tuple[Fit, ...] = ()
 
 
-def fit_trend(x: np.ndarray, y: np.ndarray) -> Trend:
-    """The trend of ``y`` (already in the space it grows linearly in) over ``x``, fitted after
-    the changepoint, if one is found; ``x`` and ``y`` hold only usable points."""
-    n = len(x)
+# A form is kept beside the best while its likelihood is at least this share of the best's
+# (Akaike's relative likelihood, exp(-dAIC/2)): a form the data all but rule out widens nothing.
+PLAUSIBLE = 0.05
+
+
+def fit_trend(u: np.ndarray, values: np.ndarray, log: bool, try_log: bool) -> Trend:
+    """The trend of ``values`` over ``u`` (only usable points), fitted after the changepoint
+    found in the deciding line's space (log where ``log``); ``try_log``: the log forms are
+    candidates too (the values are positive and may grow by factors)."""
+    n = len(u)
     if n < MIN_POINTS:
         return Trend(None, n, unforecastable=f"{n} usable log points, fewer than {MIN_POINTS}")
-    if np.ptp(x) == 0:
+    if np.ptp(u) == 0:
         return Trend(None, n, unforecastable="every point is at the same place on the time axis")
-    start, p = changepoint(x, y)
+    start, p = changepoint(u, np.log(values) if log else values)
     start = start or 0
-    return Trend(least_squares(x[start:], y[start:]), n, start, p)
+    u, values = u[start:], values[start:]
+    line = fit_form("line", log, u, values)
+    spaces = (False, True) if try_log else (False,)
+    shapes = [s for s in SHAPES if s != "power" or u[0] > 0]
+    forms = [fit_form(shape, space, u, values) for space in spaces for shape in shapes]
+    best = min(form.aic for form in forms)
+    plausible = [f for f in forms if math.exp((best - f.aic) / 2) >= PLAUSIBLE]
+    others = [f for f in plausible if (f.shape, f.log) != ("line", log)]
+    return Trend(line, n, start, p, forms=(line, *others))

@@ -1,24 +1,34 @@
 """A run's signals forecast to the planned length, and the first limit one is forecast to cross.
 
 **The planned run** is this run's own schedule stretched to N steps: at step n it has the learning
-rate this run had at step n·T/N (T: the run's last logged step). **The time axis** is the step:
-the trend per step of this run's last regime (after a changepoint) is taken to go on for the
-planned run's steps. That is exact for a constant learning rate; under a stretched decaying
-schedule each planned step moves the weights less than a step of this run's decay did, so the
-forecast errs early rather than late. (The cumulative learning rate was tried as the axis and
-dropped: at the end of a decay to zero it compresses the last steps into an instant, and any
-drift there becomes a vertical trend.)
+rate this run had at step n·T/N (T: the run's last logged step). **The time axis** is the
+cumulative learning rate (the sum of the rate over steps, from the train rows' ``lr``) where every
+train row has one: the weights, and the logits and activations they make, move in proportion to
+the rate, so a warm-up or a decay bends a signal's per-step trend but not its trend in this axis.
+At planned step n the axis is N/T times this run's at step n·T/N (each stretched step lasts N/T of
+this run's). Without the rate the axis is the step, and the trend per step is taken to go on.
 
-**The trend's form** is chosen per signal, over all its points: log-linear growth (a factor per
-step) or a straight line, whichever is the likelier model of the values (the Gaussian likelihood
-of each, the log model's with its Jacobian; the same number of parameters, so the AIC's pick).
+**The deciding trend** is chosen per signal over all its points: log-linear growth (a factor per
+unit of the axis) or a straight line, whichever is the likelier model of the values (the AIC's
+pick: the same number of parameters). Its slope decides whether a limit is forecast to be crossed
+and its centre gives the step.
+
+**The interval** is the hull over every form the data leave plausible (fit.py: line, power law and
+quadratic, each in the signal's own and in log space, kept while their relative likelihood is at
+least ``fit.PLAUSIBLE``). One form's interval holds only the noise around that form; on real runs
+the error of assuming the form goes on dominates (growth that slows is forecast early with an
+interval that misses). The quadratic, a trend whose rate drifts steadily, is always plausible
+beside its line; its band widens with the square of the horizon, so from a short run the
+interval's far end is often past the planned end: the data cannot rule out that growth slows
+enough not to cross.
 
 **Limits.** A block's largest activation against the largest value of its format
 (``format_max``), its attention logits against the logit at which the softmax saturates
 (``attn_logit_limit``; both from the run's signals rows, training/signals.py), and an fp16 loss
-scale against ``precision.min_scale``, below which the run stops. Each limited signal is tested
-at ``alpha / m`` (Bonferroni over the run's m limited signals), so a run whose signals are all flat
-raises a false alarm with probability at most ``alpha``. The other signals are fitted and shown.
+scale against ``precision.min_scale``, below which the run stops. A crossing is claimed where the
+deciding line's slope differs from zero at a two-sided ``alpha / m`` toward the limit (Bonferroni
+over the run's m limited signals), so a run whose signals are all flat raises a false alarm with
+probability at most ``alpha / 2``. The other signals are fitted and shown.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from amp_exp.config.schema import PrecisionConfig
-from amp_exp.forecast.fit import MIN_POINTS, Line, Trend, fit_trend, rss
+from amp_exp.forecast.fit import MIN_POINTS, Fit, Trend, fit_trend, grows_by_factors
 
 LEVEL = 0.95
 ALPHA = 0.05
@@ -40,7 +50,13 @@ PLAN = (
     "this run's schedule stretched to {steps} steps: at step n, the learning rate this run had "
     "at step n*{observed}/{steps}"
 )
-AXIS = "optimizer steps (the per-step trend of the run's last regime taken to go on)"
+AXIS_LR = (
+    "the cumulative learning rate (the sum of the learning rate over steps, from the train rows' "
+    "lr); the planned run's at step n is N/T times this run's at step n*T/N"
+)
+AXIS_STEPS = "optimizer steps (the train rows carry no learning rate to sum)"
+# The planned steps each crossing is looked for at.
+GRID = 2001
 
 
 @dataclass(frozen=True)
@@ -117,45 +133,77 @@ def series_of(rows: list[dict[str, Any]], min_scale: float) -> list[Series]:
     return out
 
 
-def _grows_by_factors(x: np.ndarray, values: np.ndarray) -> bool:
-    """Whether log-linear growth is the likelier model of all the points than a straight line:
-    the Gaussian log-likelihood of each (the log model's with its Jacobian, -sum(log y)), with
-    the same number of parameters, so the AIC's pick. Over all the points, each model with one
-    line: a changepoint found in one form only would compare them on different spans."""
-    logs = np.log(values)
-    n = len(x)
-    error_straight = rss(x, values) / n
-    error_growth = rss(x, logs) / n
-    if error_straight == 0 or error_growth == 0:
-        return error_growth == 0
-    straight_ll = -n / 2 * math.log(error_straight)
-    growth_ll = -n / 2 * math.log(error_growth) - float(logs.sum())
-    return growth_ll >= straight_ll
+@dataclass(frozen=True)
+class Axis:
+    """The fits' time axis: where each step of this run, and of the planned run, lies on it."""
+
+    text: str
+    # This run's steps (0 first) and the axis's value at each; between them, linear.
+    steps: np.ndarray
+    values: np.ndarray
+    # The planned run's length over this run's.
+    stretch: float
+
+    def observed(self, steps: np.ndarray) -> np.ndarray:
+        return np.interp(steps, self.steps, self.values)
+
+    def planned(self, steps: np.ndarray) -> np.ndarray:
+        """At planned step n the stretched schedule has run as this run had at n / stretch, each
+        step of it ``stretch`` times as long: the axis (a sum over steps) is stretch times this
+        run's there."""
+        return self.stretch * np.interp(np.asarray(steps) / self.stretch, self.steps, self.values)
 
 
-def _trend(series: Series) -> tuple[Trend, bool, np.ndarray]:
-    """The signal's trend in the form that fits it better (log-linear or straight), whether that
-    is log, and the steps of its usable points."""
+def axis_of(rows: list[dict[str, Any]], planned_steps: int) -> Axis:
+    """The cumulative learning rate where every train row has one (growth of weights and logits
+    scales with it, so a warm-up or a decay bends the per-step trend but not this one); else the
+    step. The rate between two log steps is taken to move linearly (the trapezoid rule), and
+    before the first log step to be the first one's."""
+    train = {row["step"]: row.get("lr") for row in rows if row["kind"] == "train"}
+    steps = np.array(sorted(train), dtype=float)
+    stretch = planned_steps / steps[-1]
+    rates = [train[int(step)] for step in steps]
+    known = all(isinstance(r, (int, float)) and math.isfinite(r) and r >= 0 for r in rates)
+    if not known or len(steps) < 2 or sum(rates) == 0:
+        grid = np.concatenate([[0.0], steps])
+        return Axis(AXIS_STEPS, grid, grid, stretch)
+    lr = np.array([rates[0], *rates], dtype=float)
+    grid = np.concatenate([[0.0], steps])
+    cumulative = np.concatenate([[0.0], np.cumsum(np.diff(grid) * (lr[1:] + lr[:-1]) / 2)])
+    return Axis(AXIS_LR, grid, cumulative, stretch)
+
+
+def _trend(series: Series, axis: Axis) -> tuple[Trend, np.ndarray]:
+    """The signal's trend (in log space where that fits better and the values allow) and the
+    steps of its usable points."""
     finite = np.isfinite(series.values)
-    x, values = series.steps[finite], series.values[finite]
-    log = (
-        series.log
-        and len(x) >= MIN_POINTS
-        and bool((values > 0).all())
-        and _grows_by_factors(x, values)
-    )
-    return fit_trend(x, np.log(values) if log else values), log, x
+    steps, values = series.steps[finite], series.values[finite]
+    u = axis.observed(steps)
+    try_log = series.log and len(u) >= MIN_POINTS and bool((values > 0).all())
+    log = try_log and grows_by_factors(u, values)
+    return fit_trend(u, values, log, try_log), steps
+
+
+def _value(form: Fit, y: float | np.ndarray) -> float | np.ndarray:
+    if not form.log:
+        return y
+    # A log form's band far out can pass any float: inf, which forecast.json writes as null.
+    with np.errstate(over="ignore"):
+        return np.exp(y)
+
+
+def _hull(forms: tuple[Fit, ...], u: float, level: float) -> tuple[float, float, float]:
+    """The deciding line's forecast at ``u`` and the hull of every plausible form's prediction
+    interval there, in the signal's own units."""
+    intervals = [[float(_value(f, v)) for v in f.prediction(u, level)] for f in forms]
+    return intervals[0][0], min(i[1] for i in intervals), max(i[2] for i in intervals)
 
 
 def forecast_series(
-    series: Series, planned_steps: int, level: float, alpha: float
+    series: Series, planned_steps: int, level: float, alpha: float, axis: Axis
 ) -> dict[str, Any]:
     """One signal's fit, forecast at the planned end, and crossing (if forecast) as data."""
-    trend, log, x = _trend(series)
-
-    def value(y: float) -> float:
-        return math.exp(y) if log else y
-
+    trend, steps = _trend(series, axis)
     out: dict[str, Any] = {
         "signal": series.signal,
         "module": series.module,
@@ -172,53 +220,67 @@ def forecast_series(
     if trend.line is None:
         return {**out, "status": "unforecastable", "reason": trend.unforecastable}
     line = trend.line
-    centre, low, high = line.prediction(planned_steps, level)
+    end = float(axis.planned(np.array([planned_steps]))[0])
+    centre, low, high = _hull(trend.forms, end, level)
     band = []
-    for step in np.linspace(x[trend.start], planned_steps, 40):
-        band.append([float(step), *(value(v) for v in line.prediction(float(step), level))])
+    for step in np.linspace(steps[trend.start], planned_steps, 40):
+        u = float(axis.planned(np.array([step]))[0])
+        band.append([float(step), *_hull(trend.forms, u, level)])
     out |= {
         "status": "fitted",
-        "space": "log" if log else "linear",
-        "fit_from_step": float(x[trend.start]),
+        "space": "log" if line.log else "linear",
+        "fit_from_step": float(steps[trend.start]),
         "changepoint_p": trend.changepoint_p,
         "slope": line.slope,
         "intercept": line.intercept,
         "residual_sd": line.residual_sd,
         "residual_autocorrelation": line.autocorrelation,
-        "forecast": {
-            "step": planned_steps,
-            "value": value(centre),
-            "interval": [value(low), value(high)],
-        },
+        "forms": [
+            {"shape": f.shape, "space": "log" if f.log else "linear", "aic": f.aic}
+            for f in trend.forms
+        ],
+        "forecast": {"step": planned_steps, "value": centre, "interval": [low, high]},
         "band": band,
         "crossing": None,
     }
     if series.limit is not None:
-        out["crossing"] = crossing(series, line, log, planned_steps, alpha)
+        grid = np.linspace(steps[trend.start], planned_steps, GRID)
+        out["crossing"] = crossing(series, trend, grid, axis.planned(grid), alpha)
     return out
 
 
 def crossing(
-    series: Series, line: Line, log: bool, planned_steps: int, alpha: float
+    series: Series, trend: Trend, steps: np.ndarray, u: np.ndarray, alpha: float
 ) -> dict[str, Any] | None:
-    """When the trend crosses the limit within the planned run, if its slope heads there at
-    level ``alpha`` (one-sided); the interval at 1 - ``alpha``, its end None where the interval
-    runs on past every step (``Line.crossing``)."""
-    limit = series.limit
-    assert limit is not None
-    if limit.value <= 0 and log:
+    """When the deciding line crosses the limit within the planned run (``steps``, at ``u`` on
+    the axis), if its slope differs from zero toward it at a two-sided ``alpha`` (as Fieller's
+    interval of the line is bounded). The interval, at
+    1 - ``alpha``, is the hull of every plausible form's crossing set: from the first step the
+    band of any of them reaches the limit to the first step all of them are surely past it
+    (None where one is not by the planned end)."""
+    limit, line = series.limit, trend.line
+    assert limit is not None and line is not None
+    if line.slope_p(limit.direction) >= alpha / 2:
         return None
-    if line.slope_p(limit.direction) >= alpha:
-        return None
-    found = line.crossing(math.log(limit.value) if log else limit.value, 1 - alpha)
-    if found is None:
-        return None
-    estimate, low, high = (max(step, 0.0) for step in found)
-    if estimate > planned_steps:
+    lows, highs = [], []
+    estimate = None
+    for form in trend.forms:
+        if form.log and limit.value <= 0:
+            continue
+        value = math.log(limit.value) if form.log else limit.value
+        centre, near, far = form.crossing(u, value, limit.direction, 1 - alpha)
+        if form is line:
+            if centre is None:
+                return None
+            estimate = float(steps[centre])
+        if near is not None:
+            lows.append(float(steps[near]))
+        highs.append(None if far is None else float(steps[far]))
+    if estimate is None:
         return None
     return {
         "step": estimate,
-        "interval": [low, high],
+        "interval": [min(lows), None if None in highs else max(highs)],
         "signal": series.signal,
         "module": series.module,
         "limit": limit.name,
@@ -235,17 +297,18 @@ def forecast_run(
 ) -> dict[str, Any]:
     """The run's forecast to ``planned_steps``: every signal's fit, and the first crossing."""
     observed = max(row["step"] for row in rows if row["kind"] == "train")
+    axis = axis_of(rows, planned_steps)
     all_series = series_of(rows, min_scale)
     limited = [s for s in all_series if s.limit is not None]
     each_alpha = alpha / max(len(limited), 1)
-    signals = [forecast_series(s, planned_steps, level, each_alpha) for s in all_series]
+    signals = [forecast_series(s, planned_steps, level, each_alpha, axis) for s in all_series]
     crossings = [s["crossing"] for s in signals if s.get("crossing")]
     first = min(crossings, key=lambda c: c["step"], default=None)
     return {
         "observed_steps": observed,
         "planned_steps": planned_steps,
         "plan": PLAN.format(steps=planned_steps, observed=observed),
-        "axis": AXIS,
+        "axis": axis.text,
         "level": level,
         "familywise_alpha": alpha,
         "first_crossing": first,

@@ -42,9 +42,14 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
         "",
         f"- Observed: {forecast['observed_steps']:,} steps. The planned run is {forecast['plan']}.",
         f"- Time axis of the fits: {forecast['axis']}.",
-        f"- Forecast intervals: {forecast['level']:.0%} prediction intervals. A crossing is "
-        f"claimed only where the signal's trend heads to its limit at a family-wise "
-        f"{forecast['familywise_alpha']:.0%} level (Bonferroni over the limited signals).",
+        f"- Forecast intervals: {forecast['level']:.0%} prediction intervals, the hull over "
+        "every growth form the points leave plausible (line, power law, quadratic; in the "
+        "signal's own and in log space). A crossing is claimed only where the signal's trend "
+        f"heads to its limit at a family-wise {forecast['familywise_alpha']:.0%} level "
+        "(Bonferroni over the limited signals); its interval, the same hull of each form's "
+        f"crossing set, covers the crossing at {1 - forecast['familywise_alpha']:.0%} or more "
+        "if one of the forms holds; 'beyond the plan' as its end means a form that slows "
+        "enough not to cross by the planned end is still plausible.",
         "",
         "| signal | module | points | fit from step | slope | residual sd | forecast at end "
         "| interval | limit | crossing |",
