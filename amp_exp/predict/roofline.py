@@ -398,6 +398,18 @@ def top_ops(costs: list[Cost], count: int = 5) -> list[dict]:
     ]
 
 
+def step_costs(cfg: RunConfig, trace: StepTrace, run: Setting, device: Device) -> list[Cost]:
+    """Every cost of one step: the traced ops, then the casts, fp8's quantization, the
+    optimizer and FSDP2's collectives. It does not ask whether the run fits (predict_one does)."""
+    extra = [
+        cast_cost(trace, run, device),
+        quantize_cost(trace, run, device, cfg.precision.fp8_recipe),
+        optimizer_cost(cfg, trace, run, device, cfg.predict.world_size),
+        comm_cost(cfg, trace, run),
+    ]
+    return traced_costs(trace, run, device) + [c for c in extra if c is not None]
+
+
 def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str) -> dict:
     """One device and precision: whether it is supported, fits and would train (``why`` not),
     then the step's time, what bounds it, its memory and largest batch; the times are null
@@ -433,14 +445,7 @@ def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str
     }
     if why:
         return record
-    costs = traced_costs(trace, run, device)
-    extra = [
-        cast_cost(trace, run, device),
-        quantize_cost(trace, run, device, cfg.precision.fp8_recipe),
-        optimizer_cost(cfg, trace, run, device, shards),
-        comm_cost(cfg, trace, run),
-    ]
-    costs += [c for c in extra if c is not None]
+    costs = step_costs(cfg, trace, run, device)
     step = sum(c.seconds for c in costs)
     by_bound = defaultdict(float)
     for cost in costs:
