@@ -105,9 +105,12 @@ ASSUMPTIONS = (
     "the parameters twice (forward, backward) and reduce-scatters the gradients at "
     "predict.interconnect_gb_per_s, with (world_size - 1) / world_size of the bytes on the wire",
     "fp8's tensorwise recipe scales each operand of a converted linear once (one amax pass, a "
-    "cast per matmul it feeds); the rowwise recipes scale each per row along the axis each matmul "
-    "reduces over, so each operand takes an amax pass and a cast per matmul, and each matmul "
-    "reads its per-row scales; rowwise_with_gw_hp is costed as rowwise",
+    "cast per matmul it feeds); rowwise scales each per row along the axis each matmul "
+    "reduces over, so each operand takes an amax pass and a cast per matmul, each matmul "
+    "reads its per-row scales, and the backward's GEMMs (cuBLAS's tensorwise kernel) are "
+    "rescaled after, a pass over each output (compiled: the weight gradient's only); "
+    "rowwise_with_gw_hp computes the weight gradient in bf16 from unscaled operands, so X and "
+    "dY are cast once and that GEMM runs at the bf16 peak",
 )
 
 
@@ -172,6 +175,9 @@ class Setting:
     act_bytes: int
     # The runner compiles it (build.compiles, on a CUDA device): memory-bound ops fuse.
     compiled: bool
+    recipe: Fp8Recipe
+    # Each converted linear's forward GEMM: M (tokens or pixels), N (outputs), K (inputs).
+    linear_shapes: dict[str, tuple[int, int, int]]
 
 
 def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
@@ -186,7 +192,40 @@ def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
         math_name = spec.compute_dtype.short
     choice = cfg.trainer.compile
     compiled = spec.compile_on_cuda if choice == COMPILE_AUTO else bool(choice)
-    return Setting(spec, math_name, fp8_linears, BYTES[spec.compute_dtype], compiled)
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for op in trace.ops:
+        if op.linear in fp8_linears and op.phase == "forward":
+            shapes.setdefault(op.linear, op.mnk)
+    return Setting(
+        spec,
+        math_name,
+        fp8_linears,
+        BYTES[spec.compute_dtype],
+        compiled,
+        cfg.precision.fp8_recipe,
+        shapes,
+    )
+
+
+def gemm_role(op: Op, forward: tuple[int, int, int]) -> str:
+    """Which of a linear's three GEMMs ``op`` is, by its shape beside the forward's (M, N, K):
+    the output (the forward, or its recomputation under checkpointing), the input gradient
+    (reduces over N) or the weight gradient (reduces over the M tokens). Where M equals N the
+    two gradients have one shape; the tie goes to the input gradient."""
+    if op.phase == "forward" or op.mnk == forward:
+        return "output"
+    return "grad_weight" if op.mnk[2] == forward[0] != forward[1] else "grad_input"
+
+
+def in_fp8(op: Op, run: Setting) -> bool:
+    """Whether a matmul runs in the converted format: every GEMM of a converted linear, but
+    rowwise_with_gw_hp's weight gradient, which torchao computes in the high precision from
+    the unscaled input and output gradient."""
+    if op.linear not in run.fp8_linears:
+        return False
+    if run.recipe is not Fp8Recipe.rowwise_with_gw_hp:
+        return True
+    return gemm_role(op, run.linear_shapes[op.linear]) != "grad_weight"
 
 
 def missing_math(device: Device, precision: str, tf32: bool) -> str | None:
@@ -242,10 +281,11 @@ def label(op: Op) -> str:
 
 
 def op_bytes(op: Op, run: Setting) -> tuple[float, float]:
-    """The bytes an op reads and writes in the precision: 1-byte operands for fp8's matmuls, fp32
-    in the loss and the norms, the activation dtype elsewhere."""
-    if op.linear in run.fp8_linears:
-        return op.read, op.written
+    """The bytes an op reads and writes in the precision: 1-byte operands for fp8's matmuls
+    (their output in the activation dtype), fp32 in the loss and the norms, the activation dtype
+    elsewhere."""
+    if in_fp8(op, run):
+        return op.read, op.written * run.act_bytes
     width = 4 if op.fp32 else run.act_bytes
     return op.read * width, op.written * width
 
@@ -269,7 +309,7 @@ def traced_costs(trace: StepTrace, run: Setting, device: Device) -> list[Cost]:
         if fusable:
             chain.append(op)
             continue
-        math_name = run.spec.peak_math if op.linear in run.fp8_linears else run.matmul_math
+        math_name = run.spec.peak_math if in_fp8(op, run) else run.matmul_math
         costs.append(op_cost(op, sum(op_bytes(op, run)), device.tflops[math_name], device))
     if chain:
         costs.append(fused(chain, run, device))
@@ -297,33 +337,48 @@ def cast_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None:
     return memory_op("autocast casts", elements * (4 + low), device, kernels)
 
 
+# Per recipe, for a converted linear's input X, weight W and output gradient dY: (amax passes,
+# scaled casts), as torchao's Float8LinearConfig.from_recipe_name sets them up. Tensorwise: one
+# scale per tensor, so one amax and a cast per matmul the operand feeds. Rowwise: each matmul
+# reduces over another axis, so an amax and a cast per matmul. rowwise_with_gw_hp: the weight
+# gradient takes X and dY unscaled in the high precision, so each is scaled once (for the
+# forward and the input gradient), and W twice (rowwise for the forward, tensorwise for the
+# input gradient).
+SCALINGS = {
+    Fp8Recipe.tensorwise: ((1, 2), (1, 2), (1, 2)),
+    Fp8Recipe.rowwise: ((2, 2), (2, 2), (2, 2)),
+    Fp8Recipe.rowwise_with_gw_hp: ((1, 1), (2, 2), (1, 1)),
+}
+
+
 def quantize_cost(trace: StepTrace, run: Setting, device: Device, recipe: Fp8Recipe) -> Cost | None:
-    """fp8's dynamic scaling of each converted linear: its input X (M x K), weight W (N x K,
-    from the fp32 master) and output gradient dY (M x N) each feed two matmuls. Tensorwise: one
-    amax pass, then a scaled cast for each matmul. Rowwise: each matmul reduces over another
-    axis, so an amax pass and a cast for each, and each matmul reads the fp32 scales of its
-    operands' rows. Compiled, the two casts are one kernel that reads the operand once and
-    writes both."""
-    cast_reads, cast_kernels = (1, 1) if run.compiled else (2, 2)
+    """fp8's dynamic scaling of each converted linear (SCALINGS): each amax pass and each cast
+    reads the operand (X and dY in the activation dtype, W from the fp32 master), each cast
+    writes one fp8 byte per element; compiled, an operand's casts are one kernel that reads it
+    once. Under a rowwise recipe each matmul reads its operands' fp32 per-row scales, and the
+    backward's two GEMMs, which torchao runs with slow accumulation on cuBLAS's tensorwise
+    kernel (its rowwise CUTLASS kernel is slow there), are multiplied by their scales after: a
+    pass over each output. Compiled, the input gradient's multiply fuses into its consumer; the
+    weight gradient's is the backward graph's output, a pass of its own."""
     if not run.fp8_linears:
         return None
-    rowwise = recipe is not Fp8Recipe.tensorwise
+    cast_reads = 1 if run.compiled else None
     nbytes = 0.0
     kernels = 0
-    seen = set()
-    for op in trace.ops:
-        if op.linear not in run.fp8_linears or op.phase != "forward" or op.linear in seen:
-            continue
-        seen.add(op.linear)
-        m, n, k = op.mnk
+    for m, n, k in run.linear_shapes.values():
         operands = (((m, k), run.act_bytes), ((n, k), 4), ((m, n), run.act_bytes))
-        for (rows, columns), source in operands:
-            amax_passes = 2 if rowwise else 1
-            # Each pass reads the operand; the casts write one fp8 byte per element per matmul.
-            nbytes += rows * columns * ((amax_passes + cast_reads) * source + 2)
-            kernels += amax_passes + cast_kernels
-            if rowwise:
-                nbytes += 2 * 4 * (rows + columns)  # a scale per row, each way, read by a matmul
+        for ((rows, columns), source), (amax_passes, casts) in zip(
+            operands, SCALINGS[recipe], strict=True
+        ):
+            reads = amax_passes + (cast_reads or casts)
+            nbytes += rows * columns * (reads * source + casts)
+            kernels += amax_passes + (1 if run.compiled else casts)
+            if recipe is not Fp8Recipe.tensorwise:
+                nbytes += casts * 4 * (rows + columns)  # a scale per row, read by each matmul
+        if recipe is Fp8Recipe.rowwise:
+            rescaled = [(n, k)] if run.compiled else [(m, k), (n, k)]
+            nbytes += sum(2 * rows * columns * run.act_bytes for rows, columns in rescaled)
+            kernels += len(rescaled)
     return memory_op("fp8 quantization", nbytes, device, kernels)
 
 
