@@ -46,11 +46,21 @@ from amp_exp.training.precision_modes import plan_fp8
 # fp8's amax into the operand's producer; with those, or with 69% for both and that fusion, the
 # rows of published.json not held out put fp8's speedups 15% or 9% high (median), against 3%
 # with neither (docs/hardware.md). Smaller and skinnier GEMMs reach
-# less (gemm_efficiency). Flash attention reaches about half its peak (FlashAttention-2 on
-# H100: 50-60% forward), elementwise and reduction kernels about 80% of HBM bandwidth.
+# less (gemm_efficiency). Elementwise and reduction kernels reach about 80% of HBM bandwidth.
 LARGE_GEMM_EFFICIENCY = 0.78
-ATTENTION_EFFICIENCY = 0.5
 MEMORY_EFFICIENCY = 0.8
+# Fused attention's share of the dense peak, by device: PyTorch's SDPA flash backend is
+# FlashAttention-2, which reaches 50-73% of an A100's peak (Dao 2023, "FlashAttention-2",
+# abstract; the low end taken) and "only 35% utilization on the H100" (Shah et al. 2024,
+# "FlashAttention-3", abstract): it issues Ampere's mma instructions, none of Hopper's wgmma or
+# TMA. The H200 has the H100's SMs; the B200 is assumed alike (FA2 uses no tcgen05 either).
+ATTENTION_EFFICIENCY = {"a100": 0.5, "h100": 0.35, "h200": 0.35, "b200": 0.35}
+# Batch norm in training reduces over the whole batch before it can normalise one element, so
+# it reads its inputs twice: statistics, then normalisation; backward, a reduction over dY and
+# X, then dX from both (PyTorch's CUDA kernels: batch_norm_collect_statistics and
+# batch_norm_elemt, batch_norm_backward_reduce and batch_norm_backward_elemt). Compiled, the
+# reduction starts a new fused kernel for the same reason.
+TWO_PASS = {"native_batch_norm", "native_batch_norm_backward"}
 # The output tiles one SM computes one at a time, and one step of the main loop along K: 128 x
 # 128 x 64 is typical of cuBLAS's and CUTLASS's Tensor Core kernels on Ampere and Hopper, and the
 # libraries carry narrower tiles for narrow outputs (a convolution's 24 output channels). The
@@ -86,7 +96,10 @@ ASSUMPTIONS = (
     f"{TILE_K} with one step's fill, K split "
     "across idle SMs when the tiles are fewer than the SMs; a convolution as its implicit GEMM; "
     f"narrower than {MMA_WIDTH} in N or K on the CUDA cores; fused attention at "
-    f"{ATTENTION_EFFICIENCY:.0%}, memory-bound ops at {MEMORY_EFFICIENCY:.0%} of HBM bandwidth, "
+    "FlashAttention-2's share of the peak ("
+    + ", ".join(f"{key} {share:.0%}" for key, share in ATTENTION_EFFICIENCY.items())
+    + "), memory-bound ops "
+    f"at {MEMORY_EFFICIENCY:.0%} of HBM bandwidth, batch norm reading its inputs twice, "
     f"{KERNEL_OVERHEAD_S * 1e6:g} us launch overhead per kernel",
     "eager (trainer.compile=false, or auto for a precision that runs eagerly): every aten op "
     "reads its inputs from and writes its outputs to HBM; compiled (trainer.compile=true, or auto "
@@ -145,7 +158,7 @@ def op_cost(op: Op, nbytes: float, tflops: float, device: Device) -> Cost:
     """One traced op: its FLOPs at the efficiency of its kind and shape, its bytes at the HBM's,
     whichever is slower, plus a launch."""
     if op.name in ATTENTION:
-        compute = op.flops / (tflops * 1e12 * ATTENTION_EFFICIENCY)
+        compute = op.flops / (tflops * 1e12 * ATTENTION_EFFICIENCY[device.key])
     elif op.mnk and min(op.mnk[1], op.mnk[2]) < MMA_WIDTH:
         compute = op.flops / (device.tflops["fp32"] * 1e12 * LARGE_GEMM_EFFICIENCY)
     elif op.mnk:
@@ -287,7 +300,8 @@ def op_bytes(op: Op, run: Setting) -> tuple[float, float]:
     if in_fp8(op, run):
         return op.read, op.written * run.act_bytes
     width = 4 if op.fp32 else run.act_bytes
-    return op.read * width, op.written * width
+    passes = 2 if op.name in TWO_PASS else 1
+    return op.read * width * passes, op.written * width
 
 
 def fused(ops: list[Op], run: Setting, device: Device) -> Cost:
@@ -303,7 +317,7 @@ def traced_costs(trace: StepTrace, run: Setting, device: Device) -> list[Cost]:
     chain: list[Op] = []
     for op in trace.ops:
         fusable = run.compiled and not op.flops
-        if chain and not (fusable and op.phase == chain[0].phase):
+        if chain and not (fusable and op.phase == chain[0].phase and op.name not in TWO_PASS):
             costs.append(fused(chain, run, device))
             chain = []
         if fusable:
