@@ -20,9 +20,13 @@ from amp_exp.config.devices import PREDICTABLE  # noqa: E402
 from amp_exp.config.preflight import run_config  # noqa: E402
 from amp_exp.predict.predict import predict_trace  # noqa: E402
 from amp_exp.predict.published import (  # noqa: E402
+    INTERVAL_RATE,
+    STATED_INTERVAL,
     Comparison,
     comparisons,
+    coverage,
     error_summary,
+    interval_factor,
     published_rows,
     row_overrides,
 )
@@ -84,6 +88,25 @@ def summary_lines(found: list[Comparison]) -> list[str]:
     return lines
 
 
+def interval_lines(found: list[Comparison]) -> list[str]:
+    """Per kind: the interval factor the rows not held out give at the stated rate, the one
+    predict states, and the share of figures inside the stated one, held out and not."""
+    lines = [
+        f"| figure | derived factor at {INTERVAL_RATE:.0%} | stated factor | inside, not held out "
+        "| inside, held out |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, stated in STATED_INTERVAL.items():
+        shares = []
+        for held in (False, True):
+            inside, n = coverage(found, kind, stated, held)
+            shares.append(f"{inside} of {n} ({inside / n:.0%})" if n else "-")
+        lines.append(
+            f"| {kind} | {interval_factor(found, kind):.2f} | {stated:.2f} | {' | '.join(shares)} |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", help="row names (default: every row)")
@@ -105,6 +128,8 @@ def main() -> None:
     print("\n".join(unfitting + failed))
     print()
     print("\n".join(summary_lines(found)))
+    print()
+    print("\n".join(interval_lines(found)))
     print(f"\n{len(traces)} settings traced in {time.perf_counter() - start:.0f} s")
 
 
