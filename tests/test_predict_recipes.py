@@ -15,6 +15,7 @@ from amp_exp.predict.roofline import (
     Setting,
     gemm_role,
     in_fp8,
+    op_bytes,
     op_cost,
     quantize_cost,
     setting,
@@ -117,3 +118,21 @@ def test_each_recipe_changes_the_prediction_in_torchaos_order(wide) -> None:
     quantize = {r: quantize_cost(trace, runs(cfg, trace, r), H100, Fp8Recipe(r)) for r in steps}
     assert quantize["rowwise_with_gw_hp"].seconds < quantize["rowwise"].seconds
     assert quantize["tensorwise"].seconds < quantize["rowwise"].seconds
+
+
+def test_a_4_bit_format_moves_half_of_fp8s_bytes_per_operand(wide) -> None:
+    """NVFP4's elements are half a byte: a converted GEMM reads half the operand bytes fp8's
+    does, and each cast writes half as much (its output stays bf16 in both). Caught: every
+    converted format costed with 1-byte operands (fp4's memory-bound GEMMs and casts at fp8's
+    cost)."""
+    cfg, trace = wide
+    fp8, fp4 = setting(cfg, trace, "fp8"), setting(cfg, trace, "nvfp4")
+    assert (fp8.element_bytes, fp4.element_bytes) == (1, 0.5)
+    gemm = next(op for op in trace.ops if op.linear in fp4.fp8_linears)
+    assert op_bytes(gemm, fp4) == (gemm.read / 2, op_bytes(gemm, fp8)[1])
+    assert op_bytes(gemm, fp8) == (gemm.read, 2 * gemm.written)
+    tensorwise = Fp8Recipe.tensorwise
+    assert (
+        quantize_cost(trace, fp4, H100, tensorwise).seconds
+        < quantize_cost(trace, fp8, H100, tensorwise).seconds
+    )

@@ -123,7 +123,8 @@ ASSUMPTIONS = (
     "reads its per-row scales, and the backward's GEMMs (cuBLAS's tensorwise kernel) are "
     "rescaled after, a pass over each output (compiled: the weight gradient's only); "
     "rowwise_with_gw_hp computes the weight gradient in bf16 from unscaled operands, so X and "
-    "dY are cast once and that GEMM runs at the bf16 peak",
+    "dY are cast once and that GEMM runs at the bf16 peak; a converted GEMM reads the format's "
+    "elements (a byte, half in the 4-bit formats; block scales not counted) and writes bf16",
 )
 
 
@@ -189,6 +190,9 @@ class Setting:
     # The runner compiles it (build.compiles, on a CUDA device): memory-bound ops fuse.
     compiled: bool
     recipe: Fp8Recipe
+    # Bytes per element of a converted GEMM's operands: 1 in fp8 and MXFP8, 0.5 in the 4-bit
+    # formats (their per-block scales are not counted).
+    element_bytes: float
     # Each converted linear's forward GEMM: M (tokens or pixels), N (outputs), K (inputs).
     linear_shapes: dict[str, tuple[int, int, int]]
 
@@ -216,6 +220,7 @@ def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
         BYTES[spec.compute_dtype],
         compiled,
         cfg.precision.fp8_recipe,
+        min((d.itemsize for d in spec.engaged.converted_dtypes), default=1),
         shapes,
     )
 
@@ -294,11 +299,11 @@ def label(op: Op) -> str:
 
 
 def op_bytes(op: Op, run: Setting) -> tuple[float, float]:
-    """The bytes an op reads and writes in the precision: 1-byte operands for fp8's matmuls
-    (their output in the activation dtype), fp32 in the loss and the norms, the activation dtype
-    elsewhere."""
+    """The bytes an op reads and writes in the precision: the format's operands for converted
+    matmuls (1 byte in fp8, half in fp4; their output in the activation dtype), fp32 in the loss
+    and the norms, the activation dtype elsewhere (batch norm reading its inputs twice)."""
     if in_fp8(op, run):
-        return op.read, op.written * run.act_bytes
+        return op.read * run.element_bytes, op.written * run.act_bytes
     width = 4 if op.fp32 else run.act_bytes
     passes = 2 if op.name in TWO_PASS else 1
     return op.read * width * passes, op.written * width
@@ -368,12 +373,13 @@ SCALINGS = {
 def quantize_cost(trace: StepTrace, run: Setting, device: Device, recipe: Fp8Recipe) -> Cost | None:
     """fp8's dynamic scaling of each converted linear (SCALINGS): each amax pass and each cast
     reads the operand (X and dY in the activation dtype, W from the fp32 master), each cast
-    writes one fp8 byte per element; compiled, an operand's casts are one kernel that reads it
-    once. Under a rowwise recipe each matmul reads its operands' fp32 per-row scales, and the
-    backward's two GEMMs, which torchao runs with slow accumulation on cuBLAS's tensorwise
-    kernel (its rowwise CUTLASS kernel is slow there), are multiplied by their scales after: a
-    pass over each output. Compiled, the input gradient's multiply fuses into its consumer; the
-    weight gradient's is the backward graph's output, a pass of its own."""
+    writes the format's element (a byte in fp8, half in fp4); compiled, an operand's casts are
+    one kernel that reads it once. Under a rowwise recipe each matmul reads its operands' fp32
+    per-row scales, and the backward's two GEMMs, which torchao runs with slow accumulation on
+    cuBLAS's tensorwise kernel (its rowwise CUTLASS kernel is slow there), are multiplied by
+    their scales after: a pass over each output. Compiled, the input gradient's multiply fuses
+    into its consumer; the weight gradient's is the backward graph's output, a pass of its
+    own."""
     if not run.fp8_linears:
         return None
     cast_reads = 1 if run.compiled else None
@@ -385,7 +391,7 @@ def quantize_cost(trace: StepTrace, run: Setting, device: Device, recipe: Fp8Rec
             operands, SCALINGS[recipe], strict=True
         ):
             reads = amax_passes + (cast_reads or casts)
-            nbytes += rows * columns * (reads * source + casts)
+            nbytes += rows * columns * (reads * source + casts * run.element_bytes)
             kernels += amax_passes + (1 if run.compiled else casts)
             if recipe is not Fp8Recipe.tensorwise:
                 nbytes += casts * 4 * (rows + columns)  # a scale per row, read by each matmul
