@@ -12,6 +12,8 @@ from amp_exp.config.schema import Fp8Recipe
 from amp_exp.config.validate import validate
 from amp_exp.predict.predict import predict_trace
 from amp_exp.predict.roofline import (
+    KERNEL_OVERHEAD_S,
+    MEMORY_EFFICIENCY,
     Setting,
     gemm_role,
     in_fp8,
@@ -136,3 +138,26 @@ def test_a_4_bit_format_moves_half_of_fp8s_bytes_per_operand(wide) -> None:
         quantize_cost(trace, fp4, H100, tensorwise).seconds
         < quantize_cost(trace, fp8, H100, tensorwise).seconds
     )
+
+
+def test_a_block_scaled_format_casts_twice_without_an_amax_pass_whatever_the_recipe(wide) -> None:
+    """MXFP8 scales each 32-element block from its own amax inside the cast, along each GEMM's
+    reduction axis: two casts per operand, each reading it (compiled too, as torchao's roofline
+    takes them), no amax pass, and fp8_recipe (torchao float8's) does not apply. Caught: MXFP8
+    costed with tensorwise fp8's amax pass and fused casts, or moved by precision.fp8_recipe."""
+    cfg, trace = wide
+    mx = setting(cfg, trace, "mxfp8")
+    assert mx.block_scaled and mx.compiled
+    by_recipe = {quantize_cost(trace, mx, H100, recipe).seconds for recipe in Fp8Recipe}
+    assert len(by_recipe) == 1
+    eager = copy.deepcopy(cfg)
+    eager.trainer.compile = False
+    uncompiled = quantize_cost(trace, setting(eager, trace, "mxfp8"), H100, Fp8Recipe.tensorwise)
+    assert uncompiled.seconds == pytest.approx(by_recipe.pop())
+    # X, W and dY each read twice (in bf16, bf16 and from the fp32 master) and written twice.
+    elements = sum(m * k + m * n for m, n, k in mx.linear_shapes.values())
+    weights = sum(n * k for m, n, k in mx.linear_shapes.values())
+    nbytes = elements * (2 * 2 + 2) + weights * (2 * 4 + 2)
+    kernels = 6 * len(mx.linear_shapes)
+    expected = nbytes / (H100.hbm_tb_per_s * 1e12 * MEMORY_EFFICIENCY) + kernels * KERNEL_OVERHEAD_S
+    assert quantize_cost(trace, mx, H100, Fp8Recipe.rowwise).seconds == pytest.approx(expected)

@@ -124,7 +124,9 @@ ASSUMPTIONS = (
     "rescaled after, a pass over each output (compiled: the weight gradient's only); "
     "rowwise_with_gw_hp computes the weight gradient in bf16 from unscaled operands, so X and "
     "dY are cast once and that GEMM runs at the bf16 peak; a converted GEMM reads the format's "
-    "elements (a byte, half in the 4-bit formats; block scales not counted) and writes bf16",
+    "elements (a byte, half in the 4-bit formats; block scales not counted) and writes bf16; a "
+    "block-scaled format casts each operand twice (two kernels, no amax pass), whatever the "
+    "recipe",
 )
 
 
@@ -193,6 +195,8 @@ class Setting:
     # Bytes per element of a converted GEMM's operands: 1 in fp8 and MXFP8, 0.5 in the 4-bit
     # formats (their per-block scales are not counted).
     element_bytes: float
+    # A block-scaled format (MXFP8, MXFP4, NVFP4): scaled block by block, not by fp8_recipe.
+    block_scaled: bool
     # Each converted linear's forward GEMM: M (tokens or pixels), N (outputs), K (inputs).
     linear_shapes: dict[str, tuple[int, int, int]]
 
@@ -221,6 +225,7 @@ def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
         compiled,
         cfg.precision.fp8_recipe,
         min((d.itemsize for d in spec.engaged.converted_dtypes), default=1),
+        any(d.block_scaled for d in spec.engaged.converted_dtypes),
         shapes,
     )
 
@@ -368,10 +373,16 @@ SCALINGS = {
     Fp8Recipe.rowwise: ((2, 2), (2, 2), (2, 2)),
     Fp8Recipe.rowwise_with_gw_hp: ((1, 1), (2, 2), (1, 1)),
 }
+# A block-scaled format takes each block's scale from the block's own amax inside the cast
+# kernel (no amax pass), and casts each operand along each GEMM's reduction axis: two casts,
+# which torchao's roofline (roofline_utils.py, its MX recipes) takes as two kernels, each
+# reading the operand, compiled or not.
+BLOCK_SCALED_CASTS = ((0, 2), (0, 2), (0, 2))
 
 
 def quantize_cost(trace: StepTrace, run: Setting, device: Device, recipe: Fp8Recipe) -> Cost | None:
-    """fp8's dynamic scaling of each converted linear (SCALINGS): each amax pass and each cast
+    """The dynamic scaling of each converted linear, fp8's by its recipe (SCALINGS), a
+    block-scaled format's block by block (BLOCK_SCALED_CASTS): each amax pass and each cast
     reads the operand (X and dY in the activation dtype, W from the fp32 master), each cast
     writes the format's element (a byte in fp8, half in fp4); compiled, an operand's casts are
     one kernel that reads it once. Under a rowwise recipe each matmul reads its operands' fp32
@@ -382,20 +393,21 @@ def quantize_cost(trace: StepTrace, run: Setting, device: Device, recipe: Fp8Rec
     own."""
     if not run.fp8_linears:
         return None
-    cast_reads = 1 if run.compiled else None
+    plan = BLOCK_SCALED_CASTS if run.block_scaled else SCALINGS[recipe]
+    one_read = run.compiled and not run.block_scaled
+    per_row = recipe is not Fp8Recipe.tensorwise and not run.block_scaled
     nbytes = 0.0
     kernels = 0
     for m, n, k in run.linear_shapes.values():
         operands = (((m, k), run.act_bytes), ((n, k), 4), ((m, n), run.act_bytes))
-        for ((rows, columns), source), (amax_passes, casts) in zip(
-            operands, SCALINGS[recipe], strict=True
-        ):
-            reads = amax_passes + (cast_reads or casts)
-            nbytes += rows * columns * (reads * source + casts * run.element_bytes)
-            kernels += amax_passes + (1 if run.compiled else casts)
-            if recipe is not Fp8Recipe.tensorwise:
+        for ((rows, columns), source), (amax_passes, casts) in zip(operands, plan, strict=True):
+            cast_kernels = 1 if one_read else casts
+            nbytes += rows * columns * ((amax_passes + cast_kernels) * source)
+            nbytes += rows * columns * casts * run.element_bytes
+            kernels += amax_passes + cast_kernels
+            if per_row:
                 nbytes += casts * 4 * (rows + columns)  # a scale per row, read by each matmul
-        if recipe is Fp8Recipe.rowwise:
+        if recipe is Fp8Recipe.rowwise and not run.block_scaled:
             rescaled = [(n, k)] if run.compiled else [(m, k), (n, k)]
             nbytes += sum(2 * rows * columns * run.act_bytes for rows, columns in rescaled)
             kernels += len(rescaled)
