@@ -56,12 +56,15 @@ def write_prediction(cfg: RunConfig, output_dir: Path) -> None:
                 log.info("%s %s: not predicted: %s", key, precision, row["why"])
                 continue
             log.info(
-                "%s %s: %.4g s a step, %.3gx bf16, %.3gx fp32, max batch %d",
+                "%s %s: predicted %.4g s a step (x/÷ %.2f), %.3gx bf16, %.3gx fp32 (x/÷ %.2f), "
+                "max batch %d",
                 key,
                 precision,
                 row["step_time_s"],
+                found["interval_factors"]["throughput"],
                 row["speedup_vs_bf16"],
                 row["speedup_vs_fp32"],
+                found["interval_factors"]["speedup"],
                 row["max_batch"],
             )
     log.info("prediction: %s", output_dir / PREDICT_MD)

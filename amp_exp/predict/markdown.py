@@ -61,6 +61,17 @@ def top_ops_lines(rows: dict[str, dict]) -> list[str]:
     return lines
 
 
+def uncertainty(found: dict[str, Any]) -> str:
+    factors = found["interval_factors"]
+    return (
+        f"Every figure is predicted, not measured. A throughput P stands for [P / "
+        f"{factors['throughput']:.2f}, P x {factors['throughput']:.2f}] and a speedup S for "
+        f"[S / {factors['speedup']:.2f}, S x {factors['speedup']:.2f}]: intervals that held "
+        f"{found['interval_rate']:.0%} of the published figures the roofline was checked against "
+        "(predict.json's `interval`; docs/hardware.md, against published figures)."
+    )
+
+
 def prediction_markdown(found: dict[str, Any]) -> str:
     model = found["model"]
     unit = model["unit"]
@@ -70,6 +81,8 @@ def prediction_markdown(found: dict[str, Any]) -> str:
         f"{model['parameters']:,} parameters, batch {model['batch_size']} x "
         f"{model['units_per_sample']} {unit}, {model['flops_per_step'] / 1e12:.4g} TFLOP a step "
         f"({model['traced_ops']} traced ops), world_size {found['world_size']}.",
+        "",
+        uncertainty(found),
     ]
     for key, device in found["devices"].items():
         lines += ["", f"## {device['label']} ({key})", ""]

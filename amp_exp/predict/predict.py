@@ -8,6 +8,7 @@ from typing import Any
 from amp_exp.config.precisions import REFERENCE
 from amp_exp.config.schema import RunConfig
 from amp_exp.predict.devices import PREDICTABLE
+from amp_exp.predict.published import INTERVAL_RATE, STATED_INTERVAL
 from amp_exp.predict.roofline import ASSUMPTIONS, predict_one
 from amp_exp.predict.trace import StepTrace, trace_step
 
@@ -27,6 +28,18 @@ def speedup(baseline: dict, found: dict) -> float | None:
     return baseline["step_time_s"] / found["step_time_s"]
 
 
+def intervals(found: dict, unit: str) -> dict[str, list[float]]:
+    """Each throughput and speedup of a record as the stated interval around it
+    (published.STATED_INTERVAL): a prediction, not a measurement, and this its uncertainty."""
+    kinds = {"samples_per_s": "throughput", f"{unit}_per_s": "throughput"}
+    kinds |= {f"speedup_vs_{baseline}": "speedup" for baseline in BASELINES}
+    return {
+        key: [found[key] / STATED_INTERVAL[kind], found[key] * STATED_INTERVAL[kind]]
+        for key, kind in kinds.items()
+        if found[key] is not None
+    }
+
+
 def predict_trace(cfg: RunConfig, trace: StepTrace) -> dict[str, Any]:
     """predict.json's content for a traced step."""
     devices = {}
@@ -36,6 +49,7 @@ def predict_trace(cfg: RunConfig, trace: StepTrace) -> dict[str, Any]:
         for found in rows.values():
             for baseline in BASELINES:
                 found[f"speedup_vs_{baseline}"] = speedup(rows[baseline], found)
+            found["interval"] = intervals(found, trace.unit)
         devices[key] = {
             "label": device.label,
             "tflops": device.tflops,
@@ -56,6 +70,9 @@ def predict_trace(cfg: RunConfig, trace: StepTrace) -> dict[str, Any]:
         "world_size": cfg.predict.world_size,
         "interconnect_gb_per_s": cfg.predict.interconnect_gb_per_s,
         "assumptions": list(ASSUMPTIONS),
+        # The share of published figures (not held out) the stated intervals held.
+        "interval_rate": INTERVAL_RATE,
+        "interval_factors": dict(STATED_INTERVAL),
         "devices": devices,
     }
 

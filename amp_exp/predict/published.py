@@ -10,12 +10,20 @@ from the rest: a row held out is never used to tune the roofline, so its error i
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 PUBLISHED = Path(__file__).with_name("published.json")
+# The share of published figures a prediction's stated interval is meant to hold, and the
+# intervals themselves: a prediction P stands for [P / F, P x F]. F is what interval_factor
+# derives from the rows not held out (scripts/check_published.py prints it, and whether the
+# held-out rows fall inside at this rate); tests/test_predict_published.py fails when the
+# factors stated here and the script's disagree.
+INTERVAL_RATE = 0.8
+STATED_INTERVAL = {"throughput": 1.52, "speedup": 1.34}
 
 
 def published_rows(path: Path = PUBLISHED) -> list[dict[str, Any]]:
@@ -94,3 +102,23 @@ def error_summary(found: list[Comparison]) -> dict[tuple[str, bool], dict[str, f
                     "worst": max(errors),
                 }
     return summary
+
+
+def interval_factor(found: list[Comparison], kind: str, rate: float = INTERVAL_RATE) -> float:
+    """The factor F whose interval [P / F, P x F] is a distribution-free prediction interval at
+    ``rate`` for one more figure of ``kind``, from the rows not held out: the k-th smallest of
+    their |log(predicted / published)|, k = ceil(rate (n + 1)) (a new figure drawn like the n
+    falls below it with probability k / (n + 1)), the largest where n is too small for that."""
+    errors = sorted(
+        abs(math.log(c.predicted / c.published)) for c in found if c.kind == kind and not c.held_out
+    )
+    k = min(len(errors), math.ceil(rate * (len(errors) + 1)))
+    return math.exp(errors[k - 1])
+
+
+def coverage(found: list[Comparison], kind: str, factor: float, held: bool) -> tuple[int, int]:
+    """How many published figures of ``kind`` (held out or not) lie within the interval
+    [P / factor, P x factor] of their prediction P, and of how many."""
+    chosen = [c for c in found if c.kind == kind and c.held_out == held]
+    inside = sum(1 / factor <= c.predicted / c.published <= factor for c in chosen)
+    return inside, len(chosen)

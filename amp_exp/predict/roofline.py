@@ -46,11 +46,21 @@ from amp_exp.training.precision_modes import plan_fp8
 # fp8's amax into the operand's producer; with those, or with 69% for both and that fusion, the
 # rows of published.json not held out put fp8's speedups 15% or 9% high (median), against 3%
 # with neither (docs/hardware.md). Smaller and skinnier GEMMs reach
-# less (gemm_efficiency). Flash attention reaches about half its peak (FlashAttention-2 on
-# H100: 50-60% forward), elementwise and reduction kernels about 80% of HBM bandwidth.
+# less (gemm_efficiency). Elementwise and reduction kernels reach about 80% of HBM bandwidth.
 LARGE_GEMM_EFFICIENCY = 0.78
-ATTENTION_EFFICIENCY = 0.5
 MEMORY_EFFICIENCY = 0.8
+# Fused attention's share of the dense peak, by device: PyTorch's SDPA flash backend is
+# FlashAttention-2, which reaches 50-73% of an A100's peak (Dao 2023, "FlashAttention-2",
+# abstract; the low end taken) and "only 35% utilization on the H100" (Shah et al. 2024,
+# "FlashAttention-3", abstract): it issues Ampere's mma instructions, none of Hopper's wgmma or
+# TMA. The H200 has the H100's SMs; the B200 is assumed alike (FA2 uses no tcgen05 either).
+ATTENTION_EFFICIENCY = {"a100": 0.5, "h100": 0.35, "h200": 0.35, "b200": 0.35}
+# Batch norm in training reduces over the whole batch before it can normalise one element, so
+# it reads its inputs twice: statistics, then normalisation; backward, a reduction over dY and
+# X, then dX from both (PyTorch's CUDA kernels: batch_norm_collect_statistics and
+# batch_norm_elemt, batch_norm_backward_reduce and batch_norm_backward_elemt). Compiled, the
+# reduction starts a new fused kernel for the same reason.
+TWO_PASS = {"native_batch_norm", "native_batch_norm_backward"}
 # The output tiles one SM computes one at a time, and one step of the main loop along K: 128 x
 # 128 x 64 is typical of cuBLAS's and CUTLASS's Tensor Core kernels on Ampere and Hopper, and the
 # libraries carry narrower tiles for narrow outputs (a convolution's 24 output channels). The
@@ -86,7 +96,10 @@ ASSUMPTIONS = (
     f"{TILE_K} with one step's fill, K split "
     "across idle SMs when the tiles are fewer than the SMs; a convolution as its implicit GEMM; "
     f"narrower than {MMA_WIDTH} in N or K on the CUDA cores; fused attention at "
-    f"{ATTENTION_EFFICIENCY:.0%}, memory-bound ops at {MEMORY_EFFICIENCY:.0%} of HBM bandwidth, "
+    "FlashAttention-2's share of the peak ("
+    + ", ".join(f"{key} {share:.0%}" for key, share in ATTENTION_EFFICIENCY.items())
+    + "), memory-bound ops "
+    f"at {MEMORY_EFFICIENCY:.0%} of HBM bandwidth, batch norm reading its inputs twice, "
     f"{KERNEL_OVERHEAD_S * 1e6:g} us launch overhead per kernel",
     "eager (trainer.compile=false, or auto for a precision that runs eagerly): every aten op "
     "reads its inputs from and writes its outputs to HBM; compiled (trainer.compile=true, or auto "
@@ -105,9 +118,15 @@ ASSUMPTIONS = (
     "the parameters twice (forward, backward) and reduce-scatters the gradients at "
     "predict.interconnect_gb_per_s, with (world_size - 1) / world_size of the bytes on the wire",
     "fp8's tensorwise recipe scales each operand of a converted linear once (one amax pass, a "
-    "cast per matmul it feeds); the rowwise recipes scale each per row along the axis each matmul "
-    "reduces over, so each operand takes an amax pass and a cast per matmul, and each matmul "
-    "reads its per-row scales; rowwise_with_gw_hp is costed as rowwise",
+    "cast per matmul it feeds); rowwise scales each per row along the axis each matmul "
+    "reduces over, so each operand takes an amax pass and a cast per matmul, each matmul "
+    "reads its per-row scales, and the backward's GEMMs (cuBLAS's tensorwise kernel) are "
+    "rescaled after, a pass over each output (compiled: the weight gradient's only); "
+    "rowwise_with_gw_hp computes the weight gradient in bf16 from unscaled operands, so X and "
+    "dY are cast once and that GEMM runs at the bf16 peak; a converted GEMM reads the format's "
+    "elements (a byte, half in the 4-bit formats; block scales not counted) and writes bf16; a "
+    "block-scaled format casts each operand twice (two kernels, no amax pass), whatever the "
+    "recipe",
 )
 
 
@@ -142,7 +161,7 @@ def op_cost(op: Op, nbytes: float, tflops: float, device: Device) -> Cost:
     """One traced op: its FLOPs at the efficiency of its kind and shape, its bytes at the HBM's,
     whichever is slower, plus a launch."""
     if op.name in ATTENTION:
-        compute = op.flops / (tflops * 1e12 * ATTENTION_EFFICIENCY)
+        compute = op.flops / (tflops * 1e12 * ATTENTION_EFFICIENCY[device.key])
     elif op.mnk and min(op.mnk[1], op.mnk[2]) < MMA_WIDTH:
         compute = op.flops / (device.tflops["fp32"] * 1e12 * LARGE_GEMM_EFFICIENCY)
     elif op.mnk:
@@ -172,6 +191,14 @@ class Setting:
     act_bytes: int
     # The runner compiles it (build.compiles, on a CUDA device): memory-bound ops fuse.
     compiled: bool
+    recipe: Fp8Recipe
+    # Bytes per element of a converted GEMM's operands: 1 in fp8 and MXFP8, 0.5 in the 4-bit
+    # formats (their per-block scales are not counted).
+    element_bytes: float
+    # A block-scaled format (MXFP8, MXFP4, NVFP4): scaled block by block, not by fp8_recipe.
+    block_scaled: bool
+    # Each converted linear's forward GEMM: M (tokens or pixels), N (outputs), K (inputs).
+    linear_shapes: dict[str, tuple[int, int, int]]
 
 
 def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
@@ -186,7 +213,42 @@ def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
         math_name = spec.compute_dtype.short
     choice = cfg.trainer.compile
     compiled = spec.compile_on_cuda if choice == COMPILE_AUTO else bool(choice)
-    return Setting(spec, math_name, fp8_linears, BYTES[spec.compute_dtype], compiled)
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for op in trace.ops:
+        if op.linear in fp8_linears and op.phase == "forward":
+            shapes.setdefault(op.linear, op.mnk)
+    return Setting(
+        spec,
+        math_name,
+        fp8_linears,
+        BYTES[spec.compute_dtype],
+        compiled,
+        cfg.precision.fp8_recipe,
+        min((d.itemsize for d in spec.engaged.converted_dtypes), default=1),
+        any(d.block_scaled for d in spec.engaged.converted_dtypes),
+        shapes,
+    )
+
+
+def gemm_role(op: Op, forward: tuple[int, int, int]) -> str:
+    """Which of a linear's three GEMMs ``op`` is, by its shape beside the forward's (M, N, K):
+    the output (the forward, or its recomputation under checkpointing), the input gradient
+    (reduces over N) or the weight gradient (reduces over the M tokens). Where M equals N the
+    two gradients have one shape; the tie goes to the input gradient."""
+    if op.phase == "forward" or op.mnk == forward:
+        return "output"
+    return "grad_weight" if op.mnk[2] == forward[0] != forward[1] else "grad_input"
+
+
+def in_fp8(op: Op, run: Setting) -> bool:
+    """Whether a matmul runs in the converted format: every GEMM of a converted linear, but
+    rowwise_with_gw_hp's weight gradient, which torchao computes in the high precision from
+    the unscaled input and output gradient."""
+    if op.linear not in run.fp8_linears:
+        return False
+    if run.recipe is not Fp8Recipe.rowwise_with_gw_hp:
+        return True
+    return gemm_role(op, run.linear_shapes[op.linear]) != "grad_weight"
 
 
 def missing_math(device: Device, precision: str, tf32: bool) -> str | None:
@@ -242,12 +304,14 @@ def label(op: Op) -> str:
 
 
 def op_bytes(op: Op, run: Setting) -> tuple[float, float]:
-    """The bytes an op reads and writes in the precision: 1-byte operands for fp8's matmuls, fp32
-    in the loss and the norms, the activation dtype elsewhere."""
-    if op.linear in run.fp8_linears:
-        return op.read, op.written
+    """The bytes an op reads and writes in the precision: the format's operands for converted
+    matmuls (1 byte in fp8, half in fp4; their output in the activation dtype), fp32 in the loss
+    and the norms, the activation dtype elsewhere (batch norm reading its inputs twice)."""
+    if in_fp8(op, run):
+        return op.read * run.element_bytes, op.written * run.act_bytes
     width = 4 if op.fp32 else run.act_bytes
-    return op.read * width, op.written * width
+    passes = 2 if op.name in TWO_PASS else 1
+    return op.read * width * passes, op.written * width
 
 
 def fused(ops: list[Op], run: Setting, device: Device) -> Cost:
@@ -263,13 +327,13 @@ def traced_costs(trace: StepTrace, run: Setting, device: Device) -> list[Cost]:
     chain: list[Op] = []
     for op in trace.ops:
         fusable = run.compiled and not op.flops
-        if chain and not (fusable and op.phase == chain[0].phase):
+        if chain and not (fusable and op.phase == chain[0].phase and op.name not in TWO_PASS):
             costs.append(fused(chain, run, device))
             chain = []
         if fusable:
             chain.append(op)
             continue
-        math_name = run.spec.peak_math if op.linear in run.fp8_linears else run.matmul_math
+        math_name = run.spec.peak_math if in_fp8(op, run) else run.matmul_math
         costs.append(op_cost(op, sum(op_bytes(op, run)), device.tflops[math_name], device))
     if chain:
         costs.append(fused(chain, run, device))
@@ -297,33 +361,56 @@ def cast_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None:
     return memory_op("autocast casts", elements * (4 + low), device, kernels)
 
 
+# Per recipe, for a converted linear's input X, weight W and output gradient dY: (amax passes,
+# scaled casts), as torchao's Float8LinearConfig.from_recipe_name sets them up. Tensorwise: one
+# scale per tensor, so one amax and a cast per matmul the operand feeds. Rowwise: each matmul
+# reduces over another axis, so an amax and a cast per matmul. rowwise_with_gw_hp: the weight
+# gradient takes X and dY unscaled in the high precision, so each is scaled once (for the
+# forward and the input gradient), and W twice (rowwise for the forward, tensorwise for the
+# input gradient).
+SCALINGS = {
+    Fp8Recipe.tensorwise: ((1, 2), (1, 2), (1, 2)),
+    Fp8Recipe.rowwise: ((2, 2), (2, 2), (2, 2)),
+    Fp8Recipe.rowwise_with_gw_hp: ((1, 1), (2, 2), (1, 1)),
+}
+# A block-scaled format takes each block's scale from the block's own amax inside the cast
+# kernel (no amax pass), and casts each operand along each GEMM's reduction axis: two casts,
+# which torchao's roofline (roofline_utils.py, its MX recipes) takes as two kernels, each
+# reading the operand, compiled or not.
+BLOCK_SCALED_CASTS = ((0, 2), (0, 2), (0, 2))
+
+
 def quantize_cost(trace: StepTrace, run: Setting, device: Device, recipe: Fp8Recipe) -> Cost | None:
-    """fp8's dynamic scaling of each converted linear: its input X (M x K), weight W (N x K,
-    from the fp32 master) and output gradient dY (M x N) each feed two matmuls. Tensorwise: one
-    amax pass, then a scaled cast for each matmul. Rowwise: each matmul reduces over another
-    axis, so an amax pass and a cast for each, and each matmul reads the fp32 scales of its
-    operands' rows. Compiled, the two casts are one kernel that reads the operand once and
-    writes both."""
-    cast_reads, cast_kernels = (1, 1) if run.compiled else (2, 2)
+    """The dynamic scaling of each converted linear, fp8's by its recipe (SCALINGS), a
+    block-scaled format's block by block (BLOCK_SCALED_CASTS): each amax pass and each cast
+    reads the operand (X and dY in the activation dtype, W from the fp32 master), each cast
+    writes the format's element (a byte in fp8, half in fp4); compiled, an operand's casts are
+    one kernel that reads it once. Under a rowwise recipe each matmul reads its operands' fp32
+    per-row scales, and the backward's two GEMMs, which torchao runs with slow accumulation on
+    cuBLAS's tensorwise kernel (its rowwise CUTLASS kernel is slow there), are multiplied by
+    their scales after: a pass over each output. Compiled, the input gradient's multiply fuses
+    into its consumer; the weight gradient's is the backward graph's output, a pass of its
+    own."""
     if not run.fp8_linears:
         return None
-    rowwise = recipe is not Fp8Recipe.tensorwise
+    plan = BLOCK_SCALED_CASTS if run.block_scaled else SCALINGS[recipe]
+    one_read = run.compiled and not run.block_scaled
+    per_row = recipe is not Fp8Recipe.tensorwise and not run.block_scaled
     nbytes = 0.0
     kernels = 0
-    seen = set()
-    for op in trace.ops:
-        if op.linear not in run.fp8_linears or op.phase != "forward" or op.linear in seen:
-            continue
-        seen.add(op.linear)
-        m, n, k = op.mnk
+    for m, n, k in run.linear_shapes.values():
         operands = (((m, k), run.act_bytes), ((n, k), 4), ((m, n), run.act_bytes))
-        for (rows, columns), source in operands:
-            amax_passes = 2 if rowwise else 1
-            # Each pass reads the operand; the casts write one fp8 byte per element per matmul.
-            nbytes += rows * columns * ((amax_passes + cast_reads) * source + 2)
+        for ((rows, columns), source), (amax_passes, casts) in zip(operands, plan, strict=True):
+            cast_kernels = 1 if one_read else casts
+            nbytes += rows * columns * ((amax_passes + cast_kernels) * source)
+            nbytes += rows * columns * casts * run.element_bytes
             kernels += amax_passes + cast_kernels
-            if rowwise:
-                nbytes += 2 * 4 * (rows + columns)  # a scale per row, each way, read by a matmul
+            if per_row:
+                nbytes += casts * 4 * (rows + columns)  # a scale per row, read by each matmul
+        if recipe is Fp8Recipe.rowwise and not run.block_scaled:
+            rescaled = [(n, k)] if run.compiled else [(m, k), (n, k)]
+            nbytes += sum(2 * rows * columns * run.act_bytes for rows, columns in rescaled)
+            kernels += len(rescaled)
     return memory_op("fp8 quantization", nbytes, device, kernels)
 
 
@@ -398,6 +485,18 @@ def top_ops(costs: list[Cost], count: int = 5) -> list[dict]:
     ]
 
 
+def step_costs(cfg: RunConfig, trace: StepTrace, run: Setting, device: Device) -> list[Cost]:
+    """Every cost of one step: the traced ops, then the casts, fp8's quantization, the
+    optimizer and FSDP2's collectives. It does not ask whether the run fits (predict_one does)."""
+    extra = [
+        cast_cost(trace, run, device),
+        quantize_cost(trace, run, device, cfg.precision.fp8_recipe),
+        optimizer_cost(cfg, trace, run, device, cfg.predict.world_size),
+        comm_cost(cfg, trace, run),
+    ]
+    return traced_costs(trace, run, device) + [c for c in extra if c is not None]
+
+
 def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str) -> dict:
     """One device and precision: whether it is supported, fits and would train (``why`` not),
     then the step's time, what bounds it, its memory and largest batch; the times are null
@@ -433,14 +532,7 @@ def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str
     }
     if why:
         return record
-    costs = traced_costs(trace, run, device)
-    extra = [
-        cast_cost(trace, run, device),
-        quantize_cost(trace, run, device, cfg.precision.fp8_recipe),
-        optimizer_cost(cfg, trace, run, device, shards),
-        comm_cost(cfg, trace, run),
-    ]
-    costs += [c for c in extra if c is not None]
+    costs = step_costs(cfg, trace, run, device)
     step = sum(c.seconds for c in costs)
     by_bound = defaultdict(float)
     for cost in costs:
