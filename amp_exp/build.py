@@ -17,7 +17,7 @@ from amp_exp.config.launch import ALONE
 from amp_exp.config.precisions import DType
 from amp_exp.config.schema import NonFiniteAction, RunConfig
 from amp_exp.doctor import pass_trials, trial_recommendation
-from amp_exp.report.verdicts import show_speedup
+from amp_exp.report.words import show_speedup
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
@@ -50,7 +50,7 @@ log = logging.getLogger("amp_exp")
 def auto_pick(found: dict[str, Found]) -> tuple[str, str]:
     """precision=auto's choice from its trial: the doctor's recommendation (a lower precision
     only where the trial's interval lies wholly above fp32's speed and its rounds do not trend,
-    report/speedup.py's ``established``), each trial's figure and interval quoted."""
+    report/decision.py's ``established``), each trial's figure and interval quoted."""
     chosen, why = trial_recommendation(found)
     shown = [
         f"{p} {show_speedup(f)}" if "ratio" in f else f"{p} not measured ({f['not_measured']})"

@@ -4,7 +4,7 @@ Prints the probe's table (runtime.probe: each kernel's time and rate, the peak a
 read against) and the device's facts; then each low precision's speed against fp32, measured by
 the speed trial's own method (amp_exp/speed/rounds.py: AB/BA rounds, each a forward+backward of
 the probe's kernels, the interval of speed/ratio.py) and judged by the report's one rule
-(report/speedup.py's ``established``): a precision is called faster only where its interval lies
+(report/decision.py's ``established``): a precision is called faster only where its interval lies
 above fp32's speed. The recommendation follows from the same intervals. What the device lacks for
 the precisions the probe does not time (fp8, mxfp8, mxfp4, nvfp4) comes from
 ``training.capability``. ``--json`` prints it all as JSON; ``--refresh`` measures the probe again
@@ -25,8 +25,8 @@ from amp_exp.config.adaptive import SpeedStopping
 from amp_exp.config.precisions import REFERENCE, probed_low, spec_of
 from amp_exp.config.schema import DeviceChoice, TrainerConfig
 from amp_exp.report.compare import BASELINE
-from amp_exp.report.speedup import established, speedup_cell, trial_interval
-from amp_exp.report.verdicts import show_speedup
+from amp_exp.report.decision import established, trial_interval
+from amp_exp.report.words import show_speedup, speedup_cell
 from amp_exp.results.contract import OneLineParser, enter
 from amp_exp.runtime.cache import cache_dir, forget
 from amp_exp.runtime.hardware import configure_backends, resolve_device

@@ -544,7 +544,7 @@ def test_a_killed_jobs_config_is_resolved_so_it_keeps_its_fp32_partner(
 
 
 def test_only_rank_0_of_a_torchrun_sweep_writes_the_report(tmp_path: Path, monkeypatch) -> None:
-    from amp_exp.report.callback import SweepReport
+    from amp_exp.report.assemble import SweepReport
 
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     callback = SweepReport()

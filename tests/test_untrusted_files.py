@@ -16,11 +16,11 @@ import pytest
 from amp_exp.errors import EXIT_CONFIG_ERROR
 from amp_exp.report.__main__ import main
 from amp_exp.report.assemble import build_report
-from amp_exp.report.escape import md_text
 from amp_exp.report.markdown import verdict_lines
 from amp_exp.report.runs import find_runs
 from amp_exp.report.sequential import read_plan
 from amp_exp.report.wandb_report import sweep_page
+from amp_exp.report.words import md_text
 from amp_exp.results.checkpoint import (
     UnusableCheckpoints,
     load_newest_valid,

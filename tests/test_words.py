@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from amp_exp.report.assemble import build_report
-from amp_exp.report.failures import DIVERGED_GROWTH, SKIPPED_SHARE
+from amp_exp.report.compare import DIVERGED_GROWTH, SKIPPED_SHARE
 from test_report import write_failed_run, write_run
 
 FP32_ACC = [0.8125, 0.7969, 0.8047]

@@ -2,7 +2,7 @@
 
 It finds every run (a directory with summary.json) under the given directories and writes
 report.md, report.json and PNG plots; with ``--wandb`` it then saves the same comparison as a
-W&B Report and prints its URL. The Hydra callback (report/callback.py) builds the same report
+W&B Report and prints its URL. The Hydra callback (report/assemble.py) builds the same report
 when a multirun ends.
 """
 

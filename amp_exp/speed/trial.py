@@ -35,8 +35,7 @@ import torch
 from amp_exp.build import Built, build, global_batch_size
 from amp_exp.config.schema import RunConfig, SpeedConfig
 from amp_exp.report.compare import BASELINE, subject
-from amp_exp.report.shown import show_level
-from amp_exp.report.verdicts import show_speedup
+from amp_exp.report.words import show_level, show_speedup
 from amp_exp.results.contract import Stopped
 from amp_exp.runtime.hardware import device_name, resolve_device
 from amp_exp.speed.ratio import LOOK_EVERY, MIN_ROUNDS, TRIAL_CONFIDENCE
