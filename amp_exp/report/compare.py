@@ -196,6 +196,8 @@ def amp_health(summary: dict[str, Any]) -> dict[str, Any]:
             for name, check in checks.items()
             if check.get("passed") is False
         },
+        # Why no check ran (None where they did): "checks passed" would claim what nobody saw.
+        "unchecked": unchecked(summary),
         "first_overflow": summary.get("first_overflow"),
         "underflow_frac_scaled": underflow.get("underflow_frac_scaled"),
         "suggested_init_scale": summary.get("suggested_init_scale"),
@@ -204,6 +206,18 @@ def amp_health(summary: dict[str, Any]) -> dict[str, Any]:
         "skipped_linears": details_of(summary).get("skipped_linears"),
         "hardware_advice": (summary.get("hardware") or {}).get("advice", []),
     }
+
+
+def unchecked(summary: dict[str, Any]) -> str | None:
+    """Why the run's AMP checks (master weights, unscaled gradients) never ran, or None where they
+    did: a summary without diagnostics (the HF and Lightning integrations record none), or a run
+    with ``diagnostics.checks=false``, whose checks stay as they began."""
+    if not summary.get("checks"):
+        return "no diagnostics recorded"
+    diagnostics = (summary.get("config") or {}).get("diagnostics")
+    if isinstance(diagnostics, dict) and diagnostics.get("checks") is False:
+        return "diagnostics.checks=false"
+    return None
 
 
 def details_of(summary: dict[str, Any]) -> dict[str, Any]:

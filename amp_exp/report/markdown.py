@@ -198,7 +198,12 @@ def health_line(row: dict[str, Any]) -> str:
     share = trouble.get("skipped_share")
     if share is not None and share > SKIPPED_SHARE:
         failed.append(f"skipped {share:.0%} of its steps")
-    parts = ["checks FAILED: " + md_text("; ".join(failed)) if failed else "checks passed"]
+    unchecked = health["unchecked"]
+    if failed:
+        parts = ["checks FAILED: " + md_text("; ".join(failed))]
+        parts += [f"AMP checks not run ({unchecked})"] if unchecked else []
+    else:
+        parts = [f"not checked ({unchecked})" if unchecked else "checks passed"]
     overflow = health["first_overflow"]
     if overflow:
         where = md_text(", ".join(overflow["parameters"]) or "no parameter found")
