@@ -118,9 +118,7 @@ def run(argv: list[str] | None) -> int:
     # Matplotlib says so when it builds its font cache (the first plot in a fresh home): not a
     # line of this command's output, which is the report, or one error line.
     logging.getLogger("matplotlib").setLevel(logging.ERROR)
-    for directory in args.dirs:
-        if not directory.is_dir():
-            raise ReportError(f"{directory} is not a directory")
+    # A DIR that is no directory is refused in one line by run_paths, before anything is written.
     out_dir = args.out or Path(os.path.commonpath([d.resolve() for d in args.dirs]))
     out_dir = where_to_write(args.dirs, out_dir.resolve(), args.force)
     try:

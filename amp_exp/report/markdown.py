@@ -93,12 +93,11 @@ def _estimate(estimate: dict[str, Any] | None, show: Callable[[float], str]) -> 
     return show(estimate["mean"]) + ("" if ci is None else f" [{show(ci[0])}, {show(ci[1])}]")
 
 
-def relative_estimate(estimate: dict[str, Any] | None) -> str:
-    """A relative difference and its interval, at the decimals the interval needs."""
-    if estimate is None:
+def difference(mean: float | None, ci: list[float] | None, unit: ToleranceUnit) -> str:
+    """A difference and its interval, at the decimals the interval needs; "-" without one."""
+    if mean is None:
         return "-"
-    unit, ci = ToleranceUnit.relative, estimate["ci95"]
-    shown = show_delta(estimate["mean"], unit, ci)
+    shown = show_delta(mean, unit, ci)
     return shown if ci is None else f"{shown} {show_interval(ci, unit)}"
 
 
@@ -146,12 +145,9 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
         found = compared.get((cell["model"], cell["setting"], cell["label"]), {})
         metric = cell["metric"]
         mean = _estimate(cell if metric else None, number_format(formats.get(metric, ".4g")))
-        delta = "-"
-        if found.get("delta_mean") is not None:
-            unit = ToleranceUnit(found["unit"])
-            delta = show_delta(found["delta_mean"], unit, found["delta_ci95"])
-            if found["delta_ci95"] is not None:
-                delta += " " + show_interval(found["delta_ci95"], unit)
+        unit = ToleranceUnit(found.get("unit") or ToleranceUnit.relative.value)
+        delta = difference(found.get("delta_mean"), found.get("delta_ci95"), unit)
+        gap = found.get("loss_gap_rel") or {}
         p_value = claim_p(found)
         body.append(
             [
@@ -164,7 +160,7 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
                 delta,
                 "-" if p_value is None else f"{p_value:.2g}",
                 found.get("verdict") or "-",
-                relative_estimate(found.get("loss_gap_rel")),
+                difference(gap.get("mean"), gap.get("ci95"), ToleranceUnit.relative),
                 speedup_cell(found.get("speedup")),
                 *(show_prediction((found.get("predicted") or {}).get(gpu)) for gpu in gpus),
             ]
