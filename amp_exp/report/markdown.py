@@ -233,7 +233,7 @@ def health_line(row: dict[str, Any]) -> str:
 
 def run_named(row: dict[str, Any]) -> str:
     """A run in a line of report.md: its directory, model and precision."""
-    return f"`{md_text(row['run'])}` ({md_text(row['model'])} {shown(row)})"
+    return f"`{md_text(row['run'])}` ({md_text(row['model'])} {precision_shown(row)})"
 
 
 def _sentence(text: str | None) -> str:
@@ -436,7 +436,7 @@ def precision_cell(row: dict[str, Any]) -> str:
     for what, key in (("params", "param_dtype"), ("reduce", "reduce_dtype")):
         if row[key] not in (None, DType.float32.short):
             parts.append(f"{what} {md_text(row[key])}")
-    return shown(row) + (f" [{', '.join(parts)}]" if parts else "")
+    return precision_shown(row) + (f" [{', '.join(parts)}]" if parts else "")
 
 
 LEARNED_WORDS = {True: "learned", False: "DID NOT LEARN", None: "completed"}
@@ -469,7 +469,7 @@ def run_columns(rows: list[dict[str, Any]]) -> list[Column]:
     ]
 
 
-def shown(row: dict[str, Any]) -> str:
+def precision_shown(row: dict[str, Any]) -> str:
     """A run's precision as the tables show it: its label, and whether it did not engage."""
     label = md_text(row["label"])
     return f"{label} ({NOT_ENGAGED})" if row["engaged"] is False else label
