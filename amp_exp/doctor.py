@@ -4,7 +4,7 @@ Prints the probe's table (capability.probe: each kernel's time and rate, the pea
 read against) and the device's facts; then each low precision's speed against fp32, measured by
 the speed trial's own method (amp_exp/speed/rounds.py: AB/BA rounds, each a forward+backward of
 the probe's kernels, the interval of speed/ratio.py) and judged by the report's one rule
-(report/speedup.py's ``established``): a precision is called faster only where its interval lies
+(report/decision.py's ``established``): a precision is called faster only where its interval lies
 above fp32's speed. The recommendation follows from the same intervals. What the device lacks for
 the precisions the probe does not time (fp8, mxfp8, mxfp4, nvfp4) comes from
 ``capability/device.py``. ``--json`` prints it all as JSON; ``--refresh`` measures the probe again

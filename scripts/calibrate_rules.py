@@ -14,7 +14,7 @@
    autocorrelations 0 to 0.6 (with a carry-over effect) of the 97.5% quantile of
    |a - truth| / se, a and se the order-adjusted mean and its Newey-West standard error (at 98%
    for n fixed, so that the interval the trial stops on covers 97.5%).
-4. The skewness check's thresholds (report/shape.py): the 95th percentile of |G1| of n normal
+4. The skewness check's thresholds (report/stats.py): the 95th percentile of |G1| of n normal
    differences, and the false `matches` rates at the tolerance's edge for normal, skewed
    (lognormal) and heavy-tailed (t with 3 degrees of freedom) differences, with and without it.
 
@@ -33,9 +33,8 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from amp_exp.report import shape  # noqa: E402
-from amp_exp.report.calibration import NAME  # noqa: E402
-from amp_exp.report.stats import CODE, ONE_SIDED, Verdict, simulate  # noqa: E402
+from amp_exp.report import stats as rules  # noqa: E402
+from amp_exp.report.stats import CODE, NAME, ONE_SIDED, Verdict, simulate  # noqa: E402
 from amp_exp.speed import ratio  # noqa: E402
 
 PATHS = 200_000
@@ -147,7 +146,7 @@ def false_matches(rng: np.random.Generator) -> dict:
                 for sd in (0.1, 0.3, 1.0, 3.0):
                     deltas = 1.0 + sign * sd * draw((RATE_PATHS, n))
                     matched = simulate(deltas, 1.0, False) == CODE[Verdict.matches]
-                    reliable = shape.skewness(deltas) <= THRESHOLDS[str(n)]
+                    reliable = rules.skewness(deltas) <= THRESHOLDS[str(n)]
                     worst[0] = max(worst[0], float(matched.mean()))
                     worst[1] = max(worst[1], float((matched & reliable).mean()))
             found[f"{name}, n={n}"] = {"t_rule": worst[0], "with_check": worst[1]}
@@ -191,9 +190,9 @@ def speed_critical(rng: np.random.Generator) -> dict[str, float]:
 def main() -> None:
     # Each section draws from its own stream, so that one can change without moving the others.
     rng = np.random.default_rng([SEED, 1])
-    for n in range(shape.MIN_N, SHAPE_MAX_N + 1):
-        found = shape.skewness(rng.standard_normal((SHAPE_PATHS, n)))
-        THRESHOLDS[str(n)] = float(np.quantile(found, 1 - shape.WITHHOLD_RATE))
+    for n in range(rules.MIN_N, SHAPE_MAX_N + 1):
+        found = rules.skewness(rng.standard_normal((SHAPE_PATHS, n)))
+        THRESHOLDS[str(n)] = float(np.quantile(found, 1 - rules.WITHHOLD_RATE))
     boundaries = {}
     rng = np.random.default_rng([SEED, 2])
     for first in FIRST_LOOKS:
@@ -215,7 +214,7 @@ def main() -> None:
         "boundaries": boundaries,
         "compared_with_bonferroni": compared,
         "shape": {
-            "withhold_rate": shape.WITHHOLD_RATE,
+            "withhold_rate": rules.WITHHOLD_RATE,
             "paths": SHAPE_PATHS,
             "thresholds": THRESHOLDS,
             "false_matches": false_matches(np.random.default_rng([SEED, 4])),

@@ -38,7 +38,7 @@ LAYERS = [
     ("hydra_plugins",),
     ("amp_exp.report",),
     # What is fast here: the probe, its cache, the device's verdicts and precision=auto. It reads
-    # the speed trial's rule (report/speedup.py); the composition root hands it the trial's method.
+    # the speed trial's rule (report/decision.py); the composition root hands it the trial's method.
     ("amp_exp.capability",),
     # Entry points and the composition root; the speed trial builds runs as training does, and
     # the prediction builds their models on the meta device.

@@ -184,7 +184,7 @@ def test_auto_keeps_fp32_unless_the_trials_interval_lies_above_1(
     run_cfg, own_cache, monkeypatch, found
 ) -> None:
     """Caught: auto picking a lower precision by its median (1.30x here) or by an interval the
-    trial's rule does not accept (report/speedup.py's ``established``)."""
+    trial's rule does not accept (report/decision.py's ``established``)."""
     with_trial(monkeypatch, {bf16: found})
     resolved = choose(
         run_cfg(*TINY), capability_with(PLAUSIBLE_BF16), small_workload()[0], pass_trials

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from amp_exp.report import shape
-from amp_exp.report.calibration import calibration
-from amp_exp.report.stats import ONE_SIDED
+from amp_exp.report import stats as rules
+from amp_exp.report.stats import ONE_SIDED, calibration
 
 PATHS = 20_000
 # The paths scripts/calibrate_rules.py finds each plan's constant on.
@@ -57,11 +56,11 @@ def test_bonferronis_levels_would_claim_less_often_than_stated() -> None:
 @pytest.mark.parametrize("n", [3, 4, 5, 8])
 def test_the_skewness_check_withholds_its_stated_share_of_normal_differences(n: int) -> None:
     deltas = np.random.default_rng(n).standard_normal((PATHS, n))
-    flagged = float((shape.skewness(deltas) > shape.threshold(n)).mean())
-    assert abs(flagged - shape.WITHHOLD_RATE) <= margin(shape.WITHHOLD_RATE), flagged
+    flagged = float((rules.skewness(deltas) > rules.threshold(n)).mean())
+    assert abs(flagged - rules.WITHHOLD_RATE) <= margin(rules.WITHHOLD_RATE), flagged
 
 
 def test_a_visible_outlier_withholds_matches_and_two_differences_pass() -> None:
-    assert not shape.t_reliable([0.0, 0.01, 0.02, 0.01, 0.6])
-    assert shape.t_reliable([0.0, 0.01, 0.02, 0.015, 0.005])
-    assert shape.t_reliable([0.0, 5.0])
+    assert not rules.t_reliable([0.0, 0.01, 0.02, 0.01, 0.6])
+    assert rules.t_reliable([0.0, 0.01, 0.02, 0.015, 0.005])
+    assert rules.t_reliable([0.0, 5.0])

@@ -327,7 +327,7 @@ def test_sigterm_in_a_sweeps_trial_writes_its_report_then_stops_the_sweep(
 ) -> None:
     """The sweep's callback: speed.json and the report show the rounds measured, marked as
     partial, and the signal then stops the sweep (Stopped: the command exits 143)."""
-    from amp_exp.report.callback import SweepReport
+    from amp_exp.report.assemble import SweepReport
     from amp_exp.speed.sweep import time_sweep
     from amp_exp.speed.trial import TrialStopped
 

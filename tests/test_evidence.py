@@ -16,7 +16,7 @@ from amp_exp.report import stats
 from amp_exp.report.__main__ import main
 from amp_exp.report.assemble import build_report
 from amp_exp.report.decision import Evidence, decide
-from amp_exp.report.shown import show_delta, show_interval
+from amp_exp.report.words import show_delta, show_interval
 from amp_exp.results.files import SPEED_JSON
 from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.tasks.metrics import ToleranceUnit

@@ -17,9 +17,9 @@ import pytest
 
 from amp_exp.errors import ConfigError
 from amp_exp.report import sequential
-from amp_exp.report.shown import show_level
+from amp_exp.report.markdown import evidence_sweep_section
 from amp_exp.report.stats import CODE, ONE_SIDED, Verdict, simulate
-from amp_exp.report.sweep_design import evidence_sweep_section
+from amp_exp.report.words import show_level
 from amp_exp.results.files import EVIDENCE_JSON, write_json
 from helpers.runs import FAST, TINY, run_cli
 from hydra_plugins._amp_exp_evidence import EvidenceSweeper

@@ -20,6 +20,7 @@ from helpers.warm_python import python_m
 
 MiB = 2**20
 COMPUTES_IN = {"fp32": "float32", "fp16": "float16"}
+ENGINE_CHECKS = ("master_weights_fp32", "unscaled_grads_fp32_finite")
 
 
 def write_run(
@@ -54,6 +55,8 @@ def write_run(
             "saved_activation_bytes": {"total": activation_bytes},
         },
         "final_loss": final_loss,
+        # The engine's AMP checks, as training/diagnostics.py records them when none failed.
+        "checks": {name: {"passed": True, "offenders": []} for name in ENGINE_CHECKS},
         "task_metrics": ClassificationTask.metrics.as_dict(),
         "eval_acc": eval_acc,
         "skipped_steps": skipped_steps,
@@ -544,7 +547,7 @@ def test_a_killed_jobs_config_is_resolved_so_it_keeps_its_fp32_partner(
 
 
 def test_only_rank_0_of_a_torchrun_sweep_writes_the_report(tmp_path: Path, monkeypatch) -> None:
-    from amp_exp.report.callback import SweepReport
+    from amp_exp.report.assemble import SweepReport
 
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     callback = SweepReport()

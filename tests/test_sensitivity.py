@@ -23,7 +23,7 @@ from amp_exp.config.store import register_configs
 from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError, RunRefused
 from amp_exp.report.sequential import Plan
-from amp_exp.report.verdicts import VERDICT_WORDS
+from amp_exp.report.words import VERDICT_WORDS
 from amp_exp.sensitivity.command import run_sensitivity
 from amp_exp.sensitivity.measure import RangeShare, Sqnr, rounded
 from amp_exp.sensitivity.reference import true_fp32

@@ -20,8 +20,7 @@ import amp_exp.speed.trial as trial_module
 from amp_exp.config.adaptive import SpeedStopping
 from amp_exp.config.schema import ReportConfig
 from amp_exp.errors import ConfigError
-from amp_exp.report.assemble import build_report
-from amp_exp.report.callback import SweepReport
+from amp_exp.report.assemble import SweepReport, build_report
 from amp_exp.report.evidence import trial_speedup
 from amp_exp.results.files import SPEED_JSON, SPEED_MD
 from amp_exp.speed.__main__ import candidates

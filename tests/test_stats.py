@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from amp_exp.report import curves, stats
+from amp_exp.report import stats
 from amp_exp.report.stats import Verdict
 from helpers.rule import rule_verdict
 
@@ -250,14 +250,14 @@ def test_seeds_to_settle_names_an_n_at_which_the_rule_decides_four_times_in_five
 def test_the_loss_gap_averages_the_last_tenth_of_steps_relative_and_absolute() -> None:
     baseline = {step: 2.0 for step in range(10, 101, 10)}
     curve = {**baseline, 90: 2.02, 100: 2.04}
-    relative, absolute = curves.loss_gap(curve, baseline)
+    relative, absolute = stats.loss_gap(curve, baseline)
     assert relative == pytest.approx((0.01 + 0.02) / 2)
     assert absolute == pytest.approx(0.03)
-    assert curves.loss_gap({**curve, 100: float("nan")}, baseline) is None
+    assert stats.loss_gap({**curve, 100: float("nan")}, baseline) is None
 
 
 def test_the_gap_curve_is_relative_at_the_steps_both_logged() -> None:
     baseline = {1: 2.0, 2: 0.0, 3: 4.0}
     curve = {1: 2.2, 3: 3.0, 4: 1.0}
     # Step 2: fp32's loss of 0 has no relative gap; step 4: fp32 did not log it.
-    assert curves.gap_curve(curve, baseline) == pytest.approx({1: 0.1, 3: -0.25})
+    assert stats.gap_curve(curve, baseline) == pytest.approx({1: 0.1, 3: -0.25})

@@ -16,11 +16,11 @@ import pytest
 from amp_exp.errors import EXIT_CONFIG_ERROR
 from amp_exp.report.__main__ import main
 from amp_exp.report.assemble import build_report
-from amp_exp.report.escape import md_text
 from amp_exp.report.markdown import verdict_lines
 from amp_exp.report.runs import find_runs
 from amp_exp.report.sequential import read_plan
 from amp_exp.report.wandb_report import sweep_page
+from amp_exp.report.words import md_text
 from amp_exp.results.checkpoint import (
     UnusableCheckpoints,
     load_newest_valid,
@@ -373,3 +373,69 @@ def test_a_hostile_model_name_reaches_report_md_and_the_wandb_page_as_text(tmp_p
     assert page.verdicts == tuple(verdict_lines(report))
     assert all(line in report_md for line in page.verdicts + page.evidence + page.table)
     assert not any("<script>" in line for line in page.verdicts + page.evidence + page.table)
+
+
+def test_hostile_recorded_values_reach_speed_predict_and_sensitivity_md_as_text() -> None:
+    """Caught: speed.md, predict.md or sensitivity.md copying a recorded model, device,
+    precision, module, op or error text with <script> or a markdown link into the page."""
+    from amp_exp.predict.markdown import prediction_markdown
+    from amp_exp.sensitivity.results import markdown as sensitivity_markdown
+    from amp_exp.speed.ratio import speedup
+    from amp_exp.speed.trial import trial_markdown
+
+    pair = {
+        "ms_per_applied_step": {"fp32": 12.0, HOSTILE: 10.0},
+        "warmup_steps": {"fp32": 10, HOSTILE: 10},
+        "steady": {"fp32": True, HOSTILE: True},
+        "skipped_steps": {"fp32": 0, HOSTILE: 0},
+    }
+    found = speedup([1.2, 1.3, 1.1, 1.2, 1.25, 1.15], [1.0] * 6, 1.2).as_dict()
+    trial = {
+        **dict.fromkeys(("model", "setting", "device_name"), HOSTILE),
+        "stand_in": None,
+        **{"samples_per_step": 8, "max_warmup_steps": 10, "rounds": 6, "max_rounds": 6},
+        **{"target_halfwidth": 0.05, "steps": 5, "pairs": {HOSTILE: pair}},
+        **{"speedup": {HOSTILE: found}, "not_timed": {HOSTILE: HOSTILE}},
+    }
+    failed = {"model": HOSTILE, "error": HOSTILE}
+    row = {"why": HOSTILE, "format_flop_share": None, "caveat": HOSTILE}
+    model = {"unit": "tokens", "parameters": 1, "batch_size": 1, "units_per_sample": 1}
+    prediction = {
+        "model": {**model, "flops_per_step": 1e12, "traced_ops": 1},
+        "world_size": 1,
+        "devices": {HOSTILE: {"label": HOSTILE, "precisions": {HOSTILE: row}, "sources": []}},
+        "assumptions": [],
+    }
+    module = {
+        "rank": 1,
+        **dict.fromkeys(("output_sqnr_db", "output_floor_db", "grad_sqnr_db"), 30.0),
+        **{"grad_floor_db": 30.0, "output_finite": True, "grad_finite": True, "margin_db": 5.0},
+        **dict.fromkeys(
+            ("activation_overflow_frac", "gradient_overflow_frac", "gradient_underflow_frac"), 0.0
+        ),
+        "out_of_range_op": HOSTILE,
+    }
+    sensitivity = {
+        "model": HOSTILE,
+        "precisions": [HOSTILE],
+        "batches": 1,
+        "sensitive_when": "below the floor",
+        "loss": {
+            "fp32": 1.0,
+            HOSTILE: {"loss": 1.0, "finite": True, "rel_error": 0.0, "out_of_range_op": HOSTILE},
+        },
+        "modules": [{"name": HOSTILE, "type": HOSTILE, "flop_share": 1.0, HOSTILE: module}],
+        "rankings": {HOSTILE: [HOSTILE]},
+    }
+    pages = {
+        "speed.md": trial_markdown([trial, failed]),
+        "predict.md": prediction_markdown(prediction),
+        "sensitivity.md": sensitivity_markdown(sensitivity, show=5),
+    }
+    for name, page in pages.items():
+        assert "<script>" not in page, name
+        assert not re.search(r"(?<!\\)\]\(javascript:", page), name
+        assert md_text(HOSTILE) in page, name
+    assert f"| {md_text(HOSTILE)} | 12 / 10 | " in pages["speed.md"]
+    assert f"The trial failed: {md_text(HOSTILE)}" in pages["speed.md"]
+    assert f"| 1 | {md_text(HOSTILE)} | {md_text(HOSTILE)} | " in pages["sensitivity.md"]

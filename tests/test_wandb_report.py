@@ -21,8 +21,7 @@ import pytest
 from amp_exp.config.schema import ReportConfig
 from amp_exp.report import wandb_report
 from amp_exp.report.__main__ import main
-from amp_exp.report.assemble import build_report
-from amp_exp.report.callback import SweepReport
+from amp_exp.report.assemble import SweepReport, build_report
 from amp_exp.report.runs import find_runs
 from amp_exp.report.wandb_report import WandbReportError, build_page, sweep_page
 from amp_exp.results.files import REPORT_MD, WANDB_RUN_ID_FILE

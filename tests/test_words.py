@@ -1,6 +1,7 @@
-"""Words that agree with numbers: a run whose loss diverged (finite or not) or that skipped a
-large share of its steps is never "checks passed", and a diverged fp32 seed is no baseline; an
-accuracy's interval ends where a share can; an interrupted sweep says how to resume."""
+"""Words that agree with numbers: a run whose loss diverged (finite or not), that skipped a large
+share of its steps, or whose checks never ran (no diagnostics recorded) is never "checks passed",
+and a diverged fp32 seed is no baseline; an accuracy's interval ends where a share can; an
+interrupted sweep says how to resume."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from pathlib import Path
 
 from amp_exp.report.assemble import build_report
-from amp_exp.report.failures import DIVERGED_GROWTH, SKIPPED_SHARE
+from amp_exp.report.compare import DIVERGED_GROWTH, SKIPPED_SHARE
 from test_report import write_failed_run, write_run
 
 FP32_ACC = [0.8125, 0.7969, 0.8047]
@@ -31,7 +32,9 @@ def test_a_finite_but_exploded_loss_is_diverged_never_checks_passed(tmp_path: Pa
     report = build_report([tmp_path], tmp_path)
     assert DIVERGED_GROWTH * 2.0 < 4e10
     assert "checks FAILED: diverged: the loss rose from 2 to 4e+10" in health(tmp_path, "2")
-    assert "checks passed" in health(tmp_path, "0")
+    assert health(tmp_path, "0").endswith(
+        "(tiny_cnn fp32): checks passed; matmul FLOPs: float32 100%"
+    )
     (comparison,) = report["comparisons"]
     assert comparison["verdict"] == "baseline_unstable"
 
@@ -50,6 +53,48 @@ def test_a_run_that_skipped_a_large_share_of_its_steps_is_not_checks_passed(
     build_report([tmp_path], tmp_path)
     assert SKIPPED_SHARE < 0.37
     assert "checks FAILED: skipped 37% of its steps" in health(tmp_path, "b")
+
+
+def test_a_summary_without_diagnostics_is_not_checked_never_checks_passed(
+    tmp_path: Path,
+) -> None:
+    """Runs recorded by the HF and Lightning integrations carry no ``checks``: nothing checked
+    them, so calling them "checks passed" claims what nobody saw. A run of the engine with
+    diagnostics.checks=false records checks that never ran, which is no pass either."""
+    summaries = {"a": write_run(tmp_path / "a", "tiny_cnn", "fp32", 1000.0, 0.8)}
+    summaries["b"] = write_run(tmp_path / "b", "tiny_cnn", "bf16", 1000.0, 0.8)
+    summaries["c"] = write_run(tmp_path / "c", "tiny_cnn", "bf16", 1000.0, 0.8, seed=1)
+    del summaries["a"]["checks"]
+    summaries["b"]["checks"] = {}
+    summaries["c"]["config"]["diagnostics"] = {"checks": False}
+    for run, summary in summaries.items():
+        (tmp_path / run / "summary.json").write_text(json.dumps(summary))
+    report = build_report([tmp_path], tmp_path)
+    assert "checks passed" not in (tmp_path / "report.md").read_text()
+    assert "(tiny_cnn fp32): not checked (no diagnostics recorded); " in health(tmp_path, "a")
+    assert "(tiny_cnn bf16): not checked (no diagnostics recorded); " in health(tmp_path, "b")
+    assert "): not checked (diagnostics.checks=false); " in health(tmp_path, "c")
+    unchecked = {row["run"]: row["health"]["unchecked"] for row in report["runs"]}
+    assert unchecked == {
+        "a": "no diagnostics recorded",
+        "b": "no diagnostics recorded",
+        "c": "diagnostics.checks=false",
+    }
+
+
+def test_a_diverged_run_without_diagnostics_fails_and_says_its_checks_did_not_run(
+    tmp_path: Path,
+) -> None:
+    """The report's own checks (a diverged loss) still fail a run that recorded no diagnostics;
+    the line says which checks did not run rather than implying they passed."""
+    write_run(tmp_path / "a", "tiny_cnn", "fp32", 1000.0, 0.8)
+    summary = write_run(tmp_path / "b", "tiny_cnn", "bf16", 1000.0, 0.8, final_loss=4e10)
+    del summary["checks"]
+    (tmp_path / "b" / "summary.json").write_text(json.dumps(summary))
+    build_report([tmp_path], tmp_path)
+    line = health(tmp_path, "b")
+    assert "checks FAILED: diverged: the loss rose from 2 to 4e+10; " in line
+    assert "AMP checks not run (no diagnostics recorded)" in line
 
 
 def test_an_accuracy_interval_is_clipped_to_what_a_share_can_take(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from amp_exp.config.precisions import (
     plugin_of,
 )
 from amp_exp.config.schema import PrecisionConfig, RunConfig
-from amp_exp.report.verdicts import show_speedup
+from amp_exp.report.words import show_speedup
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, Task

@@ -6,7 +6,7 @@ its facts (CPU flags, CUDA compute capability) and each precision's own check: b
 without native bf16 is refused before anything is measured. What is slow comes from the probe's
 kernels (capability/probe.py): a precision far slower than fp32 is left out of precision=auto and
 a run in it is warned. What is faster comes from the speed trial alone: a precision is
-recommended only where a trial's interval establishes it faster (report/speedup.py's
+recommended only where a trial's interval establishes it faster (report/decision.py's
 ``established``), and the words quote the trial's figure and interval, or say that none was run.
 """
 
@@ -33,8 +33,8 @@ from amp_exp.config.precisions import (
 )
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.errors import ConfigError
-from amp_exp.report.speedup import established, speedup_cell, trial_interval
-from amp_exp.report.verdicts import show_speedup
+from amp_exp.report.decision import established, trial_interval
+from amp_exp.report.words import show_speedup, speedup_cell
 from amp_exp.runtime.hardware import cpu_flags, device_name
 
 # A run is warned when the probe's kernels ran its precision this much slower than fp32: less is

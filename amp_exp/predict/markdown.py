@@ -1,8 +1,12 @@
-"""predict.md: predict.json's figures as tables, one per device, with the assumptions."""
+"""predict.md: predict.json's figures as tables, one per device, with the assumptions. Names that
+come from a config or a trace (precisions, devices, ops, reasons) are written as text, never
+markup (report/words.py's md_text)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from amp_exp.report.words import md_text
 
 GB = 1e9
 
@@ -19,7 +23,7 @@ def device_table(unit: str, rows: dict[str, dict]) -> list[str]:
     ]
     for precision, row in rows.items():
         if row["why"]:
-            lines.append(f"| {precision} | {row['why']} |" + " |" * 8)
+            lines.append(f"| {md_text(precision)} | {md_text(row['why'])} |" + " |" * 8)
             continue
         shares = row["bound_share"]
         split = " / ".join(
@@ -28,7 +32,7 @@ def device_table(unit: str, rows: dict[str, dict]) -> list[str]:
         memory = row["memory_bytes"]
         static = (memory["weights"] + memory["grads"] + memory["optimizer"]) / GB
         lines.append(
-            f"| {precision} | {row['step_time_s']:.4g} | {row[f'{unit}_per_s']:,.0f} | "
+            f"| {md_text(precision)} | {row['step_time_s']:.4g} | {row[f'{unit}_per_s']:,.0f} | "
             f"{_speedup(row['speedup_vs_bf16'])} | {_speedup(row['speedup_vs_fp32'])} | {split} | "
             f"{row['casts_s']:.3g} | {static:.3g} | {memory['activations'] / GB:.3g} | "
             f"{row['max_batch']} |"
@@ -44,7 +48,7 @@ def notes(rows: dict[str, dict]) -> list[str]:
         covered = "" if share is None else f"its format covers {share:.0%} of the matmul FLOPs"
         said = "; ".join(part for part in (covered, row["caveat"]) if part)
         if said:
-            lines.append(f"- {precision}: {said}")
+            lines.append(f"- {md_text(precision)}: {md_text(said)}")
     return lines
 
 
@@ -54,10 +58,10 @@ def top_ops_lines(rows: dict[str, dict]) -> list[str]:
         if "top_ops" not in row:
             continue
         ops = "; ".join(
-            f"{op['op']} x{op['count']} {op['seconds'] * 1e3:.3g} ms ({op['bound']})"
+            f"{md_text(op['op'])} x{op['count']} {op['seconds'] * 1e3:.3g} ms ({op['bound']})"
             for op in row["top_ops"]
         )
-        lines.append(f"- {precision}: {ops}")
+        lines.append(f"- {md_text(precision)}: {ops}")
     return lines
 
 
@@ -85,7 +89,7 @@ def prediction_markdown(found: dict[str, Any]) -> str:
         uncertainty(found),
     ]
     for key, device in found["devices"].items():
-        lines += ["", f"## {device['label']} ({key})", ""]
+        lines += ["", f"## {md_text(device['label'])} ({md_text(key)})", ""]
         lines += device_table(unit, device["precisions"])
         lines += ["", *notes(device["precisions"])]
         lines += ["", "Costliest ops:", "", *top_ops_lines(device["precisions"])]

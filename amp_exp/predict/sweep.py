@@ -3,7 +3,7 @@ speed trial times, each precision's predicted speedup over fp32 on the named GPU
 sweep's predicted.json before its report is built. The report shows them beside the measured
 trial, labelled as predictions; it never mixes them with what was measured.
 
-The report callback (report/callback.py) receives ``predict_sweep`` from conf/config.yaml, as it
+The report callback (report/assemble.py) receives ``predict_sweep`` from conf/config.yaml, as it
 receives the speed trial: tracing a step builds the model (on the meta device), a layer above the
 report's.
 """

@@ -2,7 +2,7 @@
 
 It finds every run (a directory with summary.json) under the given directories and writes
 report.md, report.json and PNG plots; with ``--wandb`` it then saves the same comparison as a
-W&B Report and prints its URL. The Hydra callback (report/callback.py) builds the same report
+W&B Report and prints its URL. The Hydra callback (report/assemble.py) builds the same report
 when a multirun ends.
 """
 
@@ -118,9 +118,7 @@ def run(argv: list[str] | None) -> int:
     # Matplotlib says so when it builds its font cache (the first plot in a fresh home): not a
     # line of this command's output, which is the report, or one error line.
     logging.getLogger("matplotlib").setLevel(logging.ERROR)
-    for directory in args.dirs:
-        if not directory.is_dir():
-            raise ReportError(f"{directory} is not a directory")
+    # A DIR that is no directory is refused in one line by run_paths, before anything is written.
     out_dir = args.out or Path(os.path.commonpath([d.resolve() for d in args.dirs]))
     out_dir = where_to_write(args.dirs, out_dir.resolve(), args.force)
     try:

@@ -1,10 +1,27 @@
 """The comparison table: each run against the completed fp32 run of its model, setting and seed
-(its pair), and how the report shows a difference (report/verdicts.py writes the sentences)."""
+(its pair), grouped into cells (a model, a setting and a precision: the jobs that differ only in
+seed), and what each run's record says of it: whether it learned, and how it gave no usable
+result (report/words.py writes the sentences).
+
+Whether a run learned is the test that keeps a verdict from measuring optimization luck: when
+fp32 never left its starting plateau on a seed, that seed's difference says how lucky each
+optimization was, not what the precision did, and more seeds only average such luck. The rule
+(README "How to decide"): a run learned when its eval loss (its training loss where no eval
+loss was measured) is at most ``DROP`` times its initial loss (the first training loss it
+logged) and, where the data knows its best reachable loss (``loss_floor``, the synthetic tokens'
+entropy), at most ``FLOOR_FACTOR`` times that floor.
+
+How a run gave no usable result, by what it says about its precision: a numerical fault, a
+divergence or an out-of-memory is a finding about the precision (it cannot train this seed); a
+kill or a stop from outside is missing data (report/evidence.py's seed account).
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +57,9 @@ UNTRAINED_KEYS = {"resume", "trainer.log_every", "trainer.timing_warmup_steps"}
 # How a run ran, from its summary: part of its setting too. A 1-rank fp32 run at global batch 16
 # is no baseline for a 2-rank bf16 run at 32, whose difference would come from the batch.
 RUN_FACTS = ("world_size", "strategy", "global_batch_size")
-# A run in which at least this share of the weights did not move over the last diagnostics
-# interval has stalled.
-STALL_FRACTION = 0.5
 NOT_ENGAGED = "did not engage"
+Row = dict[str, Any]
+CellKey = tuple[str, str, str]
 
 
 def _override_value(value: Any) -> str:
@@ -100,27 +116,6 @@ def assign_settings(runs: list[Run]) -> None:
                 f"{key}={_override_value(value)}"
                 for key, value in zip([*varied, *facts], values, strict=True)
             )
-
-
-def strategy_note(rows: list[dict[str, Any]]) -> str | None:
-    """A sentence for the report when its runs ran under different strategies, None otherwise:
-    each is compared only within its own strategy, and a precision may compute in other dtypes
-    under each (FSDP2 casts the weights themselves)."""
-    seen = {
-        (row["strategy"], row["param_dtype"], row["reduce_dtype"])
-        for row in rows
-        if row["strategy"] is not None
-    }
-    if len({strategy for strategy, _, _ in seen}) < 2:
-        return None
-    described = "; ".join(
-        f"{strategy} (weights compute in {param or '-'}, gradients reduced in {reduce or '-'})"
-        for strategy, param, reduce in sorted(seen, key=str)
-    )
-    return (
-        "These runs ran under different strategies, so each is compared only with the "
-        f"{BASELINE} run of its own strategy, world size and global batch: {described}."
-    )
 
 
 def seed_of(run: Run) -> int | None:
@@ -201,6 +196,8 @@ def amp_health(summary: dict[str, Any]) -> dict[str, Any]:
             for name, check in checks.items()
             if check.get("passed") is False
         },
+        # Why no check ran (None where they did): "checks passed" would claim what nobody saw.
+        "unchecked": unchecked(summary),
         "first_overflow": summary.get("first_overflow"),
         "underflow_frac_scaled": underflow.get("underflow_frac_scaled"),
         "suggested_init_scale": summary.get("suggested_init_scale"),
@@ -209,6 +206,18 @@ def amp_health(summary: dict[str, Any]) -> dict[str, Any]:
         "skipped_linears": details_of(summary).get("skipped_linears"),
         "hardware_advice": (summary.get("hardware") or {}).get("advice", []),
     }
+
+
+def unchecked(summary: dict[str, Any]) -> str | None:
+    """Why the run's AMP checks (master weights, unscaled gradients) never ran, or None where they
+    did: a summary without diagnostics (the HF and Lightning integrations record none), or a run
+    with ``diagnostics.checks=false``, whose checks stay as they began."""
+    if not summary.get("checks"):
+        return "no diagnostics recorded"
+    diagnostics = (summary.get("config") or {}).get("diagnostics")
+    if isinstance(diagnostics, dict) and diagnostics.get("checks") is False:
+        return "diagnostics.checks=false"
+    return None
 
 
 def details_of(summary: dict[str, Any]) -> dict[str, Any]:
@@ -312,7 +321,7 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "emulated": bool(details_of(summary).get("emulated")),
         "stale_weight_frac": summary.get("stale_weight_frac"),
         "final_loss": summary.get("final_loss"),
-        # The best loss the data allows, where it knows one (report/learned.py reads it).
+        # The best loss the data allows, where it knows one (``learned`` below reads it).
         "loss_floor": summary.get("loss_floor"),
         **quality_fields(summary, base),
         "skipped_steps": summary.get("skipped_steps"),
@@ -356,17 +365,155 @@ def tolerance_for(row: dict[str, Any], tolerance: float | None) -> float | None:
     return declared["default_tolerance"]
 
 
-def describe_end(row: dict[str, Any]) -> str:
-    """How a run that did not complete ended: failed (with its error) or stopped by a signal."""
-    return f"{row['status']} ({row['error']})" if row["error"] else str(row["status"])
+def cell_key(row: Row) -> CellKey:
+    return row["model"], row["setting"], row["label"]
 
 
-def stall_phrase(row: dict[str, Any]) -> str | None:
-    """Why a run whose weights stopped moving stalled, and what to do; None if it did not."""
-    stale = row["stale_weight_frac"]
-    if stale is None or stale < STALL_FRACTION:
+def group_cells(rows: list[Row]) -> dict[CellKey, list[Row]]:
+    """The rows of each cell, in the order first seen: its seeds are the replicates."""
+    cells: dict[CellKey, list[Row]] = {}
+    for row in rows:
+        cells.setdefault(cell_key(row), []).append(row)
+    return cells
+
+
+# "Fell well below its initial loss": by at least a fifth.
+DROP = 0.8
+# "Came within a factor of the floor": a run still 1.5x above the best reachable loss has not
+# found the data's structure (a plateau at 3.6 against a floor of 1.05; AdamW reaches 1.13).
+FLOOR_FACTOR = 1.5
+# What a comparison whose fp32 run did not learn suggests: a fix of the training, never seeds.
+FIX = "lower optimizer.lr, use optimizer=adamw, or raise trainer.max_steps"
+
+
+def initial_loss(metrics: list[dict[str, Any]]) -> float | None:
+    """The first training loss the run logged (metrics.jsonl)."""
+    for row in metrics:
+        if row.get("kind", "train") == "train" and isinstance(row.get("loss"), float):
+            return row["loss"]
+    return None
+
+
+def learned(row: Row, metrics: list[dict[str, Any]]) -> tuple[bool | None, str]:
+    """(learned, why) for one run: None where it did not complete or logged no loss to judge."""
+    if row["status"] != "completed":
+        return None, "did not complete"
+    name, loss = "eval loss", row["eval"].get("eval_loss")
+    if loss is None:
+        name, loss = "final training loss", row["final_loss"]
+    start, floor = initial_loss(metrics), row.get("loss_floor")
+    if loss is None or start is None or not math.isfinite(loss):
+        return None, "no finite loss to judge"
+    shown = f"{name} {loss:.4g} from {start:.4g} at first log"
+    if loss > DROP * start:
+        return False, f"{shown}: it fell by less than {1 - DROP:.0%}"
+    if floor is not None and floor > 0 and loss > FLOOR_FACTOR * floor:
+        return False, f"{shown}, {loss / floor:.2f}x its loss_floor {floor:.4g}"
+    if floor is not None and floor > 0:
+        return True, f"{shown}, {loss / floor:.2f}x its loss_floor {floor:.4g}"
+    return True, shown
+
+
+def mark_learned(rows: list[Row], metrics: dict[str, list[dict[str, Any]]]) -> None:
+    """Set each row's ``learned`` and ``learned_reason``; ``metrics`` by the row's ``run``."""
+    for row in rows:
+        row["learned"], row["learned_reason"] = learned(row, metrics.get(row["run"], []))
+
+
+def unlearned_baselines(comparison: dict[str, Any], rows: list[Row]) -> list[Row]:
+    """The fp32 runs, paired with this comparison's seeds, that did not learn."""
+    by_run = {row["run"]: row for row in rows}
+    paired = [
+        row for row in rows if cell_key(row) == cell_key(comparison) and row["baseline"] in by_run
+    ]
+    return [
+        by_run[row["baseline"]] for row in paired if by_run[row["baseline"]]["learned"] is False
+    ]
+
+
+def mark_comparisons(comparisons: list[dict[str, Any]], rows: list[Row]) -> None:
+    """Set each comparison's ``baseline_not_learned``: the seeds whose fp32 run did not learn."""
+    for found in comparisons:
+        found["baseline_not_learned"] = [row["seed"] for row in unlearned_baselines(found, rows)]
+
+
+# A completed run whose final loss is this many times the first it logged diverged, even where
+# the loss stayed finite (fp32 at 4e10 after 37 skipped steps is no baseline).
+DIVERGED_GROWTH = 10.0
+# A run that skipped more than this share of its steps took far fewer updates than it claims.
+SKIPPED_SHARE = 0.1
+# How a seed's attempt ended when it gave no result, by what it says about the precision: a
+# finding about it (it cannot train this seed), or missing data (it was stopped from outside).
+PRECISION_FAILURES = ("numerical", "diverged", "out_of_memory")
+# Where a fault's message names the step it happened at ("at step 12", "by step 40").
+STEP_IN_MESSAGE = re.compile(r"\bstep (\d+)")
+
+
+def finite(value: float | None) -> bool:
+    return value is None or math.isfinite(value)
+
+
+def first_nonfinite_step(metrics: list[dict[str, Any]]) -> int | None:
+    """The first logged step whose loss or an eval metric is not finite (a skipped fp16 step's
+    gradient norm is inf with a finite loss: no divergence)."""
+    for row in metrics:
+        values = [v for k, v in row.items() if k == "loss" or k.startswith("eval_")]
+        if "step" in row and not all(finite(v) for v in values if isinstance(v, float)):
+            return int(row["step"])
+    return None
+
+
+def last_step(metrics: list[dict[str, Any]]) -> int | None:
+    steps = [int(row["step"]) for row in metrics if "step" in row]
+    return max(steps) if steps else None
+
+
+def failure(row: Row, metrics: dict[str, list]) -> dict[str, Any] | None:
+    """How a run gave no usable result: ``status`` (``PRECISION_FAILURES``, or the run's own
+    status: failed, killed, stopped), ``reason`` and the ``step``; None for a usable run."""
+    logged = metrics.get(row["run"], [])
+    error = row["error"] or ""
+    if row["status"] == "completed":
+        grew = loss_growth(row, logged)
+        if grew is not None:
+            return {"status": "diverged", "reason": grew, "step": None}
+        if finite(row["final_loss"]) and finite(row["quality"]):
+            return None
+        bad = row["final_loss"] if not finite(row["final_loss"]) else row["quality"]
+        return {
+            "status": "diverged",
+            "reason": f"non-finite ({bad})",
+            "step": first_nonfinite_step(logged),
+        }
+    if row["status"] == "failed" and error.startswith("NumericalFault"):
+        status = "numerical"
+    elif row["status"] == "failed" and ("OutOfMemory" in error or "out of memory" in error):
+        status = "out_of_memory"
+    else:
+        status = str(row["status"])
+    named = STEP_IN_MESSAGE.search(error)
+    step = int(named.group(1)) if named else last_step(logged)
+    return {"status": status, "reason": error or status, "step": step}
+
+
+def loss_growth(row: Row, metrics: list[dict[str, Any]]) -> str | None:
+    """Why a completed run's finite loss counts as diverged (``DIVERGED_GROWTH``), or None."""
+    first, final = initial_loss(metrics), row["final_loss"]
+    if first is None or final is None or not math.isfinite(final) or first <= 0:
         return None
-    # The precision's plugin says why, from the options that make the run's variant.
-    plugin = report_plugin(row["precision"]) or report_plugin(REFERENCE)
-    why = plugin.stall_advice(row["precision_options"])
-    return f"{stale:.0%} of weights did not move over the last interval: {why}"
+    if final <= DIVERGED_GROWTH * first:
+        return None
+    return f"the loss rose from {first:.3g} to {final:.3g}"
+
+
+def troubles(row: Row, metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """What keeps a completed run's checks from having passed, whatever its diagnostics said: a
+    diverged loss (non-finite, or ``DIVERGED_GROWTH`` times its first), and the share of its
+    steps it skipped (a trouble above ``SKIPPED_SHARE``)."""
+    diverged = None
+    if row["status"] == "completed":
+        bad = row["final_loss"] is not None and not math.isfinite(row["final_loss"])
+        diverged = f"the loss is {row['final_loss']}" if bad else loss_growth(row, metrics)
+    steps, skipped = row.get("steps"), row.get("skipped_steps")
+    share = skipped / steps if steps and skipped is not None else None
+    return {"diverged": diverged, "skipped_share": share}

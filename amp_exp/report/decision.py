@@ -1,4 +1,5 @@
-"""The one decision: each comparison's verdict against fp32, decided here and nowhere else.
+"""The one decision: each comparison's verdict against fp32, and whether a speedup is established,
+decided here and nowhere else.
 
 In: for each comparison of a report (a family), its paired differences (report/stats.py's
 ``PairedDifference``, the interval at the level of its look), the verdict its seeds force
@@ -15,18 +16,19 @@ The order, each step only ever withdrawing a claim:
    look's level (so an evidence sweep's stricter looks weigh as they were paid for): a claim Holm
    does not keep becomes ``inconclusive``;
 4. a ``matches`` whose differences are too skewed for the t interval to hold its rate
-   (report/shape.py) is withheld as ``inconclusive``.
+   (report/stats.py's ``t_reliable``) is withheld as ``inconclusive``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from amp_exp.config.schema import FAMILYWISE, ReportConfig
-from amp_exp.report import shape, stats
+from amp_exp.report import stats
 from amp_exp.report.stats import Verdict
 
 # Holm across a report's comparisons, unless report.familywise says none.
@@ -118,7 +120,30 @@ def decide(items: Sequence[Evidence], familywise: str = DEFAULT_FAMILYWISE) -> l
         verdict, withheld = unadjusted, None
         if verdict in CLAIM_P and verdict not in kept:
             verdict, withheld = Verdict.inconclusive, WITHHELD_FAMILY
-        if verdict is Verdict.matches and not shape.t_reliable(item.deltas):
+        if verdict is Verdict.matches and not stats.t_reliable(item.deltas):
             verdict, withheld = Verdict.inconclusive, WITHHELD_SHAPE
         decisions.append(Decision(verdict, unadjusted, withheld))
     return decisions
+
+
+def trial_interval(found: dict[str, Any]) -> tuple[float, float, float]:
+    """A speedup's one interval and its level: a speed trial's at the level its looks were made
+    at (speed/ratio.py), 95% in a speed.json written before the trial looked."""
+    if "ci" in found:
+        low, high = found["ci"]
+        return low, high, found["confidence"]
+    low, high = found["ci95"]
+    return low, high, 0.95
+
+
+def established(found: dict[str, Any]) -> str | None:
+    """What a speedup establishes against fp32: ``"faster"`` where its interval lies wholly
+    above 1, ``"slower"`` wholly below, None where it reaches across 1, has no interval (one
+    seed's jobs) or its rounds trend (the machine's speed drifted under the trial, which the
+    interval assumes it did not). The one rule every "faster" claim rests on: the
+    recommendation, the verdict lines, the doctor, ``precision=auto``. ``found`` is a speed
+    trial's speedup, or for runs no trial timed report/evidence.py's ``job_speedup``."""
+    if (found.get("trend") or {}).get("flag", False) or found.get("ci", ()) is None:
+        return None
+    low, high, _ = trial_interval(found)
+    return "faster" if low > 1 else "slower" if high < 1 else None

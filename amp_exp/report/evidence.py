@@ -1,5 +1,5 @@
 """The evidence behind each verdict, as report.json's ``cells`` and ``comparisons``: numbers and
-verdict names only (report/verdicts.py and report/markdown.py word them).
+verdict names only (report/words.py and report/markdown.py word them).
 
 A cell is a model, a setting and a precision: the jobs of a sweep that differ only in seed. Per
 cell: n and the mean of the task's quality metric with its 95% CI. Per precision other than
@@ -7,7 +7,7 @@ fp32, every seed it attempted counts (``seed_account``): a seed it failed numeri
 ``unstable``, one fp32 failed ``baseline_unstable``, one that was killed and never rerun
 ``incomplete``; over the seeds both completed, the paired difference against fp32 (seed s against
 seed s) with its CI, p-values and the verdict (report/stats.py), and the training-loss gap over
-the last 10% of steps (report/curves.py); and the speedup of the interleaved speed trial.
+the last 10% of steps (report/stats.py); and the speedup of the interleaved speed trial.
 """
 
 from __future__ import annotations
@@ -17,14 +17,19 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-from amp_exp.report import curves, decision, stats
-from amp_exp.report.compare import BASELINE, tolerance_for
-from amp_exp.report.failures import PRECISION_FAILURES, failure
+from amp_exp.report import decision, stats
+from amp_exp.report.compare import (
+    BASELINE,
+    PRECISION_FAILURES,
+    CellKey,
+    Row,
+    failure,
+    group_cells,
+    tolerance_for,
+)
 from amp_exp.report.stats import Verdict
 from amp_exp.tasks.metrics import ToleranceUnit
 
-Row = dict[str, Any]
-CellKey = tuple[str, str, str]
 # What a comparison says about the quality metric (null where no run measured it).
 QUALITY_KEYS = (
     "metric",
@@ -45,8 +50,6 @@ QUALITY_KEYS = (
     "floor",
     "min_seeds_to_match",
 )
-# The claims and their p-values' keys, where the report shows them (report/decision.py's).
-CLAIM_P = decision.CLAIM_P
 # How a speedup without a speed trial is labelled wherever it is shown.
 JOB_SPEEDUP_SOURCE = "paired per-seed throughput ratios"
 # The largest eval set whose accuracies are read as counts (eval_examples).
@@ -58,17 +61,6 @@ SEED_VERDICTS = (
     Verdict.unstable,
     Verdict.incomplete,
 )
-
-
-def cell_key(row: Row) -> CellKey:
-    return row["model"], row["setting"], row["label"]
-
-
-def group_cells(rows: list[Row]) -> dict[CellKey, list[Row]]:
-    cells: dict[CellKey, list[Row]] = {}
-    for row in rows:
-        cells.setdefault(cell_key(row), []).append(row)
-    return cells
 
 
 def estimate_dict(estimate: stats.Estimate | None) -> dict[str, Any] | None:
@@ -242,14 +234,14 @@ def quality_evidence(
     }, difference
 
 
-def curve_of(metrics: dict[str, list], run: str) -> curves.Curve:
-    return curves.train_curve(metrics.get(run, []))
+def curve_of(metrics: dict[str, list], run: str) -> stats.Curve:
+    return stats.train_curve(metrics.get(run, []))
 
 
 def loss_evidence(paired: list[Row], metrics: dict[str, list]) -> dict[str, Any]:
     """The loss gap against each seed's fp32 run, across seeds."""
     found = [
-        curves.loss_gap(curve_of(metrics, r["run"]), curve_of(metrics, r["baseline"]))
+        stats.loss_gap(curve_of(metrics, r["run"]), curve_of(metrics, r["baseline"]))
         for r in paired
     ]
     gaps = [gap for gap in found if gap is not None]

@@ -19,8 +19,8 @@ from amp_exp.config.schema import PrecisionConfig
 from amp_exp.forecast.forecast import forecast_run
 from amp_exp.forecast.markdown import crossing_sentence
 from amp_exp.report.compare import variant_label
-from amp_exp.report.escape import md_text
 from amp_exp.report.runs import Run
+from amp_exp.report.words import md_text
 
 # The planned length, as a multiple of each run's, where report.forecast_steps is null.
 DEFAULT_STRETCH = 10

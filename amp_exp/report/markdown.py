@@ -1,38 +1,43 @@
-"""report.md and report.json: the table, the verdicts, AMP health and the plots, as text."""
+"""report.md, report.json and runs.csv: the recommendation, the verdicts, the evidence table, the
+evidence sweep's design, the Runs table (at most 10 columns in report.md; every field in
+report.json and runs.csv), AMP health and the plots, as text. The words and numbers are
+report/words.py's; each sentence here only places them."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from amp_exp.config.precisions import DType
 from amp_exp.report.compare import (
     BASELINE,
-    describe_end,
-    strategy_note,
+    DROP,
+    FLOOR_FACTOR,
+    NOT_ENGAGED,
+    SKIPPED_SHARE,
+    subject,
     tolerance_for,
 )
-from amp_exp.report.escape import md_text
-from amp_exp.report.evidence import CLAIM_P
-from amp_exp.report.failures import SKIPPED_SHARE
+from amp_exp.report.decision import CLAIM_P, trial_interval
 from amp_exp.report.forecasts import forecast_section
-from amp_exp.report.learned import DROP, FLOOR_FACTOR
-from amp_exp.report.predicted import PREDICTED_NOTE, prediction_columns, show_prediction
 from amp_exp.report.recommend import recommendation_lines
 from amp_exp.report.runs import report_plugin
-from amp_exp.report.runs_table import (
-    markdown_table,
-    md_table,
-    number_format,
-    runs_csv,
-    shown,
+from amp_exp.report.sequential import FIXED_SEEDS
+from amp_exp.report.words import (
+    describe_end,
+    md_text,
+    show_delta,
+    show_interval,
+    show_level,
+    show_tolerance,
     speedup_cell,
+    trial_levels,
 )
-from amp_exp.report.shown import show_delta, show_interval, show_level, show_tolerance
-from amp_exp.report.speedup import trial_interval, trial_levels
-from amp_exp.report.sweep_design import evidence_sweep_section
 from amp_exp.results.files import REPORT_JSON, REPORT_MD, RUNS_CSV, json_safe, write_text
 from amp_exp.tasks.metrics import ToleranceUnit
 
@@ -68,6 +73,11 @@ MEMORY_NOTE = (
     "optimizer's state tensors at the end of training (report.json and runs.csv hold the bytes, "
     "and on CUDA the peak). "
 )
+PREDICTED_NOTE = (
+    " Predicted on a GPU: a roofline of one traced training step on that GPU's datasheet "
+    "(python -m amp_exp.predict, docs/benchmarks.md states its assumptions and its error against "
+    "published speedups); a prediction, not a measurement."
+)
 LEARNED_NOTE = (
     "Result: a completed run learned when its eval loss fell to at most {drop:.0%} of the first "
     "training loss it logged and, where the data knows its best reachable loss (loss_floor), to "
@@ -83,12 +93,11 @@ def _estimate(estimate: dict[str, Any] | None, show: Callable[[float], str]) -> 
     return show(estimate["mean"]) + ("" if ci is None else f" [{show(ci[0])}, {show(ci[1])}]")
 
 
-def relative_estimate(estimate: dict[str, Any] | None) -> str:
-    """A relative difference and its interval, at the decimals the interval needs."""
-    if estimate is None:
+def difference(mean: float | None, ci: list[float] | None, unit: ToleranceUnit) -> str:
+    """A difference and its interval, at the decimals the interval needs; "-" without one."""
+    if mean is None:
         return "-"
-    unit, ci = ToleranceUnit.relative, estimate["ci95"]
-    shown = show_delta(estimate["mean"], unit, ci)
+    shown = show_delta(mean, unit, ci)
     return shown if ci is None else f"{shown} {show_interval(ci, unit)}"
 
 
@@ -136,12 +145,9 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
         found = compared.get((cell["model"], cell["setting"], cell["label"]), {})
         metric = cell["metric"]
         mean = _estimate(cell if metric else None, number_format(formats.get(metric, ".4g")))
-        delta = "-"
-        if found.get("delta_mean") is not None:
-            unit = ToleranceUnit(found["unit"])
-            delta = show_delta(found["delta_mean"], unit, found["delta_ci95"])
-            if found["delta_ci95"] is not None:
-                delta += " " + show_interval(found["delta_ci95"], unit)
+        unit = ToleranceUnit(found.get("unit") or ToleranceUnit.relative.value)
+        delta = difference(found.get("delta_mean"), found.get("delta_ci95"), unit)
+        gap = found.get("loss_gap_rel") or {}
         p_value = claim_p(found)
         body.append(
             [
@@ -154,7 +160,7 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
                 delta,
                 "-" if p_value is None else f"{p_value:.2g}",
                 found.get("verdict") or "-",
-                relative_estimate(found.get("loss_gap_rel")),
+                difference(gap.get("mean"), gap.get("ci95"), ToleranceUnit.relative),
                 speedup_cell(found.get("speedup")),
                 *(show_prediction((found.get("predicted") or {}).get(gpu)) for gpu in gpus),
             ]
@@ -188,7 +194,12 @@ def health_line(row: dict[str, Any]) -> str:
     share = trouble.get("skipped_share")
     if share is not None and share > SKIPPED_SHARE:
         failed.append(f"skipped {share:.0%} of its steps")
-    parts = ["checks FAILED: " + md_text("; ".join(failed)) if failed else "checks passed"]
+    unchecked = health["unchecked"]
+    if failed:
+        parts = ["checks FAILED: " + md_text("; ".join(failed))]
+        parts += [f"AMP checks not run ({unchecked})"] if unchecked else []
+    else:
+        parts = [f"not checked ({unchecked})" if unchecked else "checks passed"]
     overflow = health["first_overflow"]
     if overflow:
         where = md_text(", ".join(overflow["parameters"]) or "no parameter found")
@@ -222,7 +233,7 @@ def health_line(row: dict[str, Any]) -> str:
 
 def run_named(row: dict[str, Any]) -> str:
     """A run in a line of report.md: its directory, model and precision."""
-    return f"`{md_text(row['run'])}` ({md_text(row['model'])} {shown(row)})"
+    return f"`{md_text(row['run'])}` ({md_text(row['model'])} {precision_shown(row)})"
 
 
 def _sentence(text: str | None) -> str:
@@ -330,3 +341,247 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> None:
     write_text(out_dir / REPORT_JSON, text + "\n")
     write_text(out_dir / RUNS_CSV, runs_csv(report["runs"]))
     write_text(out_dir / REPORT_MD, render_markdown(report))
+
+
+def strategy_note(rows: list[dict[str, Any]]) -> str | None:
+    """A sentence for the report when its runs ran under different strategies, None otherwise:
+    each is compared only within its own strategy, and a precision may compute in other dtypes
+    under each (FSDP2 casts the weights themselves)."""
+    seen = {
+        (row["strategy"], row["param_dtype"], row["reduce_dtype"])
+        for row in rows
+        if row["strategy"] is not None
+    }
+    if len({strategy for strategy, _, _ in seen}) < 2:
+        return None
+    described = "; ".join(
+        f"{strategy} (weights compute in {param or '-'}, gradients reduced in {reduce or '-'})"
+        for strategy, param, reduce in sorted(seen, key=str)
+    )
+    return (
+        "These runs ran under different strategies, so each is compared only with the "
+        f"{BASELINE} run of its own strategy, world size and global batch: {described}."
+    )
+
+
+def prediction_columns(comparisons: list[dict[str, Any]]) -> list[str]:
+    """The GPUs any comparison has a prediction for, in the order first seen."""
+    return list(dict.fromkeys(gpu for c in comparisons for gpu in c.get("predicted") or {}))
+
+
+def show_prediction(found: dict[str, Any] | None) -> str:
+    if not found:
+        return "-"
+    if found.get("speedup_vs_fp32") is None:
+        return f"not predicted: {md_text(found.get('unavailable') or 'no fp32 prediction')}"
+    return f"{found['speedup_vs_fp32']:.2f}x (predicted)"
+
+
+def number_format(spec: str, scale: float = 1, suffix: str = "") -> Callable[[Any], str]:
+    def show(value: Any) -> str:
+        return "-" if value is None else f"{format(value * scale, spec)}{suffix}"
+
+    return show
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def row_subject(row: dict[str, Any]) -> str:
+    return md_text(subject(row["model"], row["setting"]))
+
+
+def throughput(row: dict[str, Any]) -> str:
+    """Tokens/s for a language model, samples/s otherwise."""
+    if row["tokens_per_s"] is not None:
+        return f"{row['tokens_per_s']:,.0f} tokens/s"
+    return number_format(",.1f", suffix=" samples/s")(row["samples_per_s"])
+
+
+def speedup(row: dict[str, Any]) -> str:
+    """The one speed against fp32's: the interleaved trial's, else the jobs' own, labelled
+    (report.json keeps both: ``trial_speedup`` and ``speedup``)."""
+    if row["label"] == BASELINE:
+        return "-"  # the baseline of every speedup
+    if row["trial_speedup"] is not None:
+        return speedup_cell(row["trial_speedup"])
+    return number_format(".2f", suffix="x (jobs)")(row["speedup"])
+
+
+def memory(row: dict[str, Any]) -> str:
+    """What the precision changes in memory against fp32: saved activations, weights + state."""
+    ratios = [(row["activation_ratio"], "act."), (row["state_ratio"], "state")]
+    shown = [f"{ratio:.2f}x {what}" for ratio, what in ratios if ratio is not None]
+    return ", ".join(shown) or "-"
+
+
+def quality(row: dict[str, Any]) -> str:
+    """The task's quality metric, as its declaration formats it."""
+    declared = row["quality_metric"]
+    if declared is None or row["quality"] is None:
+        return "-"
+    fmt = next(m["fmt"] for m in declared["metrics"] if m["name"] == declared["quality"])
+    return format(row["quality"], fmt)
+
+
+def precision_cell(row: dict[str, Any]) -> str:
+    """The precision, and how it ran where that is not one process in fp32 dtypes: its ranks,
+    FSDP2, and the dtypes of FSDP2's policy."""
+    parts = [f"{row['world_size']} ranks"] if (row["world_size"] or 1) > 1 else []
+    parts += ["fsdp2"] if row["strategy"] == "fsdp2" else []
+    for what, key in (("params", "param_dtype"), ("reduce", "reduce_dtype")):
+        if row[key] not in (None, DType.float32.short):
+            parts.append(f"{what} {md_text(row[key])}")
+    return precision_shown(row) + (f" [{', '.join(parts)}]" if parts else "")
+
+
+LEARNED_WORDS = {True: "learned", False: "DID NOT LEARN", None: "completed"}
+
+
+def result(row: dict[str, Any]) -> str:
+    """How the run ended and, if it completed, whether it learned (report/compare.py)."""
+    return LEARNED_WORDS[row["learned"]] if row["status"] == "completed" else row["status"]
+
+
+def quality_header(rows: list[dict[str, Any]]) -> str:
+    names = dict.fromkeys(r["quality_metric"]["quality"] for r in rows if r["quality_metric"])
+    return " / ".join(names) or "quality"
+
+
+def run_columns(rows: list[dict[str, Any]]) -> list[Column]:
+    """report.md's Runs table, at most 10 columns (every field is in report.json and runs.csv);
+    a new column is one more entry here."""
+    seeds = [("seed", lambda row: _text(row["seed"]))] if len({r["seed"] for r in rows}) > 1 else []
+    return [
+        ("run", lambda row: md_text(row["run"])),
+        ("model", row_subject),
+        ("precision", precision_cell),
+        *seeds,
+        ("result", result),
+        ("throughput", throughput),
+        (f"speedup vs {BASELINE}", speedup),
+        (f"memory vs {BASELINE}", memory),
+        (quality_header(rows), quality),
+    ]
+
+
+def precision_shown(row: dict[str, Any]) -> str:
+    """A run's precision as the tables show it: its label, and whether it did not engage."""
+    label = md_text(row["label"])
+    return f"{label} ({NOT_ENGAGED})" if row["engaged"] is False else label
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
+    columns = run_columns(rows)
+    return md_table(
+        [header for header, _ in columns], [[show(row) for _, show in columns] for row in rows]
+    )
+
+
+def runs_csv(rows: list[dict[str, Any]]) -> str:
+    """Every scalar field of every run (the report.json rows), one run a line: what the Runs
+    table leaves out, for a spreadsheet."""
+    scalars = (
+        key
+        for row in rows
+        for key, value in row.items()
+        if key != "trial_speedup" and not isinstance(value, dict | list)
+    )
+    fields = [*dict.fromkeys(scalars), "trial_speedup"]
+    fields += [f"eval.{name}" for name in dict.fromkeys(n for row in rows for n in row["eval"])]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(fields)
+    for row in rows:
+        values = {**row, **{f"eval.{name}": value for name, value in row["eval"].items()}}
+        trial = row["trial_speedup"]
+        values["trial_speedup"] = None if trial is None else trial["ratio"]
+        writer.writerow(["" if values.get(key) is None else values[key] for key in fields])
+    return out.getvalue()
+
+
+def md_table(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
+
+
+def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
+    """An evidence sweep's design (report/sequential.py): its rule and level, the seeds each
+    cell used and the look it was decided at, and what a fixed 3-seed design would have spent."""
+    if sweep is None:
+        return []
+    plan, rule = sweep["plan"], md_text(sweep["rule"])
+    lines = [
+        "## Evidence sweep",
+        "",
+        f"Seeds were added only where a verdict was still open: every cell ran "
+        f"{plan['min_seeds']} seeds, then each cell not yet decided (and its {BASELINE} pair) one "
+        f"more per look, up to {plan['max_seeds']}; a decided cell stayed frozen. {rule}: "
+        f"each claim at its look's one-sided level ({levels_shown(plan['levels'])}; accuracy "
+        f"cells, which look first at 3 seeds: {levels_shown(plan['accuracy_levels'])}), so a "
+        "false claim stays below 2.5% per side however the looks fell (simulated: docs/sweeps.md);"
+        " the intervals above are at those levels (1 - 2 x the level), not 95%.",
+        "",
+        *after_last_look(sweep),
+        "| cell | seeds | verdict at each look, until decided |",
+        "|---|---|---|",
+    ]
+    for cell, seeds in sweep["seeds"].items():
+        shown = ", ".join(
+            f"n={look['n']} {md_text(look['verdict'])}" for look in judged_looks(sweep, cell)
+        )
+        model, setting, label = cell.split("|")
+        named = md_text(f"{subject(model, setting)} {label}")
+        lines.append(f"| {named} | {seeds} | {shown or '-'} |")
+    steps = sweep["steps_per_job"]
+    cost = f", {sweep['steps']:,} steps" if steps else ""
+    fixed = f", {sweep['fixed_jobs'] * steps:,} steps" if steps else ""
+    lines += [
+        "",
+        f"Spent: {sweep['jobs']} jobs{cost}. A fixed design of {FIXED_SEEDS} seeds per cell "
+        f"would have spent {sweep['fixed_jobs']} jobs{fixed}, and {plan['max_seeds']} seeds per "
+        f"cell {plan['max_seeds'] * len(sweep['seeds'])} jobs.",
+        "",
+    ]
+    return lines
+
+
+def after_last_look(sweep: dict[str, Any]) -> list[str]:
+    """Runs added to the sweep's directory after its last look, said, with the rule they get."""
+    added = sweep.get("runs_after_last_look") or 0
+    if not added:
+        return []
+    return [
+        f"{added} run{'' if added == 1 else 's'} joined this directory after the sweep's last "
+        "look: the verdicts above still use the plan's levels (a cell past max_seeds its last "
+        "look's), never 95%, and a claim there was not planned for: continue the sweep "
+        "(`resume=auto`) rather than add runs by hand.",
+        "",
+    ]
+
+
+def levels_shown(levels: dict[str, float]) -> str:
+    return ", ".join(f"{show_level(level)} at n = {n}" for n, level in levels.items())
+
+
+def judged_looks(sweep: dict[str, Any], cell: str) -> list[dict[str, Any]]:
+    """The looks at ``cell`` that judged new evidence: a frozen cell's later looks repeat its
+    verdict on the same seeds, and would read as more judgements. A cell that Holm's
+    adjustment (report.familywise) reopened keeps the looks that followed."""
+    looks: list[dict[str, Any]] = []
+    for look in sweep["looks"]:
+        found = look.get(cell)
+        if found is not None and (
+            not looks
+            or (found["n"], found["verdict"])
+            != (
+                looks[-1]["n"],
+                looks[-1]["verdict"],
+            )
+        ):
+            looks.append(found)
+    return looks

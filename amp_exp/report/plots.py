@@ -1,8 +1,9 @@
 """The report's figures, drawn on matplotlib's Agg canvas: no display and no pyplot state.
 
 Every plot takes the report's table rows and the metrics.jsonl rows of each run (keyed by the
-row's ``run``) and returns a Figure, or None when it has nothing to show. Only report.py imports
-this module, so nothing else pays for importing matplotlib.
+row's ``run``) and returns a Figure, or None when it has nothing to show. It is imported only
+where a picture is drawn (report/assemble.py, the sensitivity report), so nothing else pays for
+importing matplotlib.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from amp_exp.report import curves
-from amp_exp.report.compare import BASELINE
+from amp_exp.report import stats
+from amp_exp.report.compare import BASELINE, group_cells
+from amp_exp.report.decision import trial_interval
 from amp_exp.report.runs import report_plugin
-from amp_exp.report.shown import ratio_of
-from amp_exp.report.speedup import bar_speed, trial_interval, trial_levels
+from amp_exp.report.words import speedup_cell, trial_levels
 
 Rows = list[dict[str, Any]]
 Metrics = dict[str, list[dict[str, Any]]]
@@ -62,14 +63,6 @@ def _model_panels(models: list[str], panel_size: tuple[float, float]) -> tuple[F
     return figure, axes[: len(models)]
 
 
-def _cells(rows: Rows) -> dict[tuple[str, str, str], Rows]:
-    """The rows of each model, setting and precision: one cell, its seeds the replicates."""
-    cells: dict[tuple[str, str, str], Rows] = {}
-    for row in rows:
-        cells.setdefault((row["model"], row["setting"], row["label"]), []).append(row)
-    return cells
-
-
 def _cell_label(row: dict[str, Any], seeds: int) -> str:
     label = _label(row, with_model=False)
     return f"{label}, mean of {seeds} seeds" if seeds > 1 else label
@@ -80,7 +73,7 @@ def _draw_cell(ax: Any, cell: Rows, metrics: Metrics) -> None:
     dashed. A picture only: the paired loss gap (loss_gap.png, the verdicts) is the evidence."""
     color = precision_color(cell[0]["precision"])
     done = [
-        curves.train_curve(metrics.get(r["run"], [])) for r in cell if r["status"] == "completed"
+        stats.train_curve(metrics.get(r["run"], [])) for r in cell if r["status"] == "completed"
     ]
     done = [curve for curve in done if curve]
     for row in cell:
@@ -97,7 +90,7 @@ def _draw_cell(ax: Any, cell: Rows, metrics: Metrics) -> None:
             )
     if not done:
         return
-    mean = curves.mean_curve(done)
+    mean = stats.mean_curve(done)
     steps = sorted(mean)
     ax.plot(
         steps,
@@ -117,7 +110,7 @@ def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
     if not models:
         return None
     figure, axes = _model_panels(models, (5.2, 3.8))
-    cells = _cells(shown)
+    cells = group_cells(shown)
     for ax, model in zip(axes, models, strict=True):
         panel = [row for row in shown if row["model"] == model]
         losses = [p["loss"] for row in panel for p in _train_rows(metrics, row) if p["loss"] > 0]
@@ -126,11 +119,11 @@ def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
             ax.set_yscale("log")
         for setting in dict.fromkeys(row["setting"] for row in panel):
             fp32 = [
-                curves.train_curve(metrics.get(r["run"], []))
+                stats.train_curve(metrics.get(r["run"], []))
                 for r in cells.get((model, setting, BASELINE), [])
                 if r["status"] == "completed"
             ]
-            fp32_band = curves.band([curve for curve in fp32 if curve])
+            fp32_band = stats.band([curve for curve in fp32 if curve])
             if fp32_band:
                 steps = sorted(fp32_band)
                 ax.fill_between(
@@ -217,14 +210,14 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
     """The paired training-loss gap against fp32 at each logged step, one panel per model: each
     precision's mean gap over its seeds, the band of its seeds' gaps (lowest to highest) and the
     lines it is read against. A picture, not a test: the verdicts rest on the final 10%."""
-    pairs: dict[tuple[str, str, str], list[curves.Curve]] = {}
+    pairs: dict[tuple[str, str, str], list[stats.Curve]] = {}
     tolerance_of: dict[str, float] = {}
     for row in rows:
         if row["status"] != "completed" or row["baseline"] is None:
             continue
-        gap = curves.gap_curve(
-            curves.train_curve(metrics.get(row["run"], [])),
-            curves.train_curve(metrics.get(row["baseline"], [])),
+        gap = stats.gap_curve(
+            stats.train_curve(metrics.get(row["run"], [])),
+            stats.train_curve(metrics.get(row["baseline"], [])),
         )
         finite = {step: value for step, value in gap.items() if math.isfinite(value)}
         if finite and row["label"] != BASELINE:
@@ -240,14 +233,14 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
         for (cell_model, setting, label), gaps in pairs.items():
             if cell_model != model:
                 continue
-            steps = curves.common_steps(gaps)
-            mean = curves.mean_curve(gaps)
+            steps = stats.common_steps(gaps)
+            mean = stats.mean_curve(gaps)
             color = precision_color(label)
             name = " ".join([label, setting]).strip()
             ax.plot(
                 steps, [mean[s] for s in steps], color=color, label=f"{name} (mean of {len(gaps)})"
             )
-            spread = curves.band(gaps)
+            spread = stats.band(gaps)
             if spread:
                 ax.fill_between(
                     steps,
@@ -323,6 +316,21 @@ def _bars(
     return figure
 
 
+def ratio_of(key: str) -> Callable[[dict[str, Any]], str | None]:
+    """A row's ratio to fp32 under ``key`` as a bar's label shows it: 0.50x, or None."""
+    return lambda row: None if row[key] is None else f"{row[key]:.2f}x"
+
+
+def bar_speed(row: dict[str, Any]) -> str | None:
+    """A run's speed under its throughput bar: the speed trial's figure for its precision, or that
+    none was measured (its samples/s over fp32's, jobs timed one after another on a shared
+    machine, is no speedup: the recommendation's rule); nothing under fp32's own bar."""
+    if row["label"] == BASELINE:
+        return None
+    trial = row["trial_speedup"]
+    return "speedup not\nmeasured (no trial)" if trial is None else f"trial {speedup_cell(trial)}"
+
+
 def throughput_bars(rows: Rows, metrics: Metrics) -> Figure | None:
     segments = [("samples_per_s", bar_speed, "samples/s")]
     return _bars(rows, segments, 1, "training samples/s (speedup: the speed trial's)", ",.0f")
@@ -335,7 +343,7 @@ def memory_bars(rows: Rows, metrics: Metrics) -> Figure | None:
     torch, not the precision: it is no bar.)"""
     firsts = [
         next((row for row in cell if row["status"] == "completed"), cell[0])
-        for cell in _cells(rows).values()
+        for cell in group_cells(rows).values()
     ]
     segments = [
         ("saved_activation_bytes", ratio_of("activation_ratio"), "saved activations"),
@@ -347,7 +355,9 @@ def memory_bars(rows: Rows, metrics: Metrics) -> Figure | None:
 def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
     """The speed trial: each precision's speedup over fp32 (geometric mean) and its interval."""
     trialled = {
-        key: cell[0] for key, cell in _cells(rows).items() if cell[0]["trial_speedup"] is not None
+        key: cell[0]
+        for key, cell in group_cells(rows).items()
+        if cell[0]["trial_speedup"] is not None
     }
     models = list(dict.fromkeys(model for model, _, _ in trialled))
     if not models:

@@ -8,7 +8,7 @@ The rule (README "How to decide"):
 - fp32 on this device when no interval shows a lower precision faster, or the faster ones are
   worse or unstable;
 - not decided yet, with what would decide it, while the verdict of a faster one is open, or
-  while fp32 itself did not learn on a seed (report/learned.py).
+  while fp32 itself did not learn on a seed (report/compare.py).
 
 When two qualify, they are compared on speed, then loss scaling, skipped steps and memory, and
 the reason says why one wins. The verdicts are report/decision.py's: this reads their names,
@@ -19,12 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, subject
-from amp_exp.report.escape import md_text
-from amp_exp.report.learned import FIX
-from amp_exp.report.shown import show_level
-from amp_exp.report.speedup import established, trial_interval
-from amp_exp.report.verdicts import CONTINUE, VERDICT_WORDS
+from amp_exp.report.compare import BASELINE, FIX, cell_key, subject
+from amp_exp.report.decision import established, trial_interval
+from amp_exp.report.words import CONTINUE, VERDICT_WORDS, md_text, show_level
 
 Row = dict[str, Any]
 # How a run ends when it was stopped from outside (a signal, a kill): its sweep can go on.
@@ -47,13 +44,10 @@ def speed(comparison: dict[str, Any]) -> tuple[float | None, bool]:
     """(its speed against fp32's, whether an interval shows it faster): the speed trial's, and a
     trial whose rounds trend (the machine's speed drifted under it) shows nothing; else the
     interval of the paired per-seed throughput ratios. No interval (one seed), no claim."""
-    trial = comparison.get("speedup")
-    if trial is not None:
-        return trial["ratio"], established(trial) == "faster"
-    jobs = comparison.get("job_speedup")
-    if jobs is None:
+    found = comparison.get("speedup") or comparison.get("job_speedup")
+    if found is None:
         return None, False
-    return jobs["ratio"], jobs["ci"] is not None and jobs["ci"][0] > 1
+    return found["ratio"], established(found) == "faster"
 
 
 def shown_speed(comparison: dict[str, Any]) -> str:
@@ -77,17 +71,13 @@ def shown_speed(comparison: dict[str, Any]) -> str:
 def costs(comparison: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
     """What a precision costs beside its speed, over its runs: loss scaling, skipped steps and
     the saved activations against fp32's."""
-    mine = [row for row in rows if cell_of(row) == cell_of(comparison)]
+    mine = [row for row in rows if cell_key(row) == cell_key(comparison)]
     ratios = [row["activation_ratio"] for row in mine if row["activation_ratio"] is not None]
     return {
         "loss_scaling": any(row["loss_scale"] is not None for row in mine),
         "skipped_steps": sum(row["skipped_steps"] or 0 for row in mine),
         "activation_ratio": min(ratios) if ratios else None,
     }
-
-
-def cell_of(item: dict[str, Any]) -> tuple[str, str, str]:
-    return item["model"], item["setting"], item["label"]
 
 
 def overlap(first: dict[str, Any], second: dict[str, Any]) -> bool:

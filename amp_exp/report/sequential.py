@@ -27,10 +27,9 @@ from typing import Any
 from amp_exp.config.adaptive import EvidenceConfig
 from amp_exp.config.commands import check_resumed_plan
 from amp_exp.errors import ConfigError, first_line
-from amp_exp.report.calibration import calibration
 from amp_exp.report.compare import BASELINE
 from amp_exp.report.runs import NUMBER, Nullable, conforms
-from amp_exp.report.stats import Verdict
+from amp_exp.report.stats import Verdict, calibration
 from amp_exp.results.files import EVIDENCE_JSON, UntrustedFile, damaged, read_json, write_json
 from amp_exp.tasks.metrics import ToleranceUnit
 

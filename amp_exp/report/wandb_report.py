@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.report.compare import REPLICATE_KEY, declared_metrics, varied_keys
-from amp_exp.report.markdown import evidence_table, verdict_lines
+from amp_exp.report.markdown import evidence_table, markdown_table, verdict_lines
 from amp_exp.report.runs import Run, find_runs
-from amp_exp.report.runs_table import markdown_table
 from amp_exp.results.dashboard import (
     FLOPS_SHARE_PREFIX,
     SKIP_RATE,

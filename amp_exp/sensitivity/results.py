@@ -15,6 +15,7 @@ from torch import nn
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.precisions import REFERENCE
 from amp_exp.config.schema import RunConfig
+from amp_exp.report.words import md_text
 from amp_exp.results.files import SENSITIVITY_JSON, write_json, write_text
 from amp_exp.sensitivity.measure import SLACK_DB, ModuleError, ranking
 from amp_exp.sensitivity.ranges import OpFault
@@ -153,8 +154,11 @@ def describe_ranking(
 
 
 def markdown(report: dict[str, Any], show: int) -> str:
+    """sensitivity.md; the model's, its modules' and ops' names are recorded values, written as
+    text, never markup (report/words.py's md_text)."""
+    precisions = ", ".join(report["precisions"])
     lines = [
-        f"# Sensitivity of model={report['model']}: {', '.join(report['precisions'])} against fp32",
+        f"# Sensitivity of model={md_text(report['model'])}: {md_text(precisions)} against fp32",
         "",
         f"{report['batches']} training batch(es) against a true fp32 reference (TF32 off); each "
         f"module is fed its fp32 inputs, so its error is its own. Sensitive: "
@@ -167,12 +171,13 @@ def markdown(report: dict[str, Any], show: int) -> str:
     for precision in report["precisions"]:
         loss = report["loss"][precision]
         error = "non-finite" if not loss["finite"] else format_share(loss["rel_error"])
-        op = loss["out_of_range_op"] or "-"
-        lines.append(f"| {precision} | {loss['loss']:.4f} | {fp32_loss:.4f} | {error} | {op} |")
+        op = md_text(loss["out_of_range_op"] or "-")
+        shown = f"{loss['loss']:.4f} | {fp32_loss:.4f} | {error} | {op}"
+        lines.append(f"| {md_text(precision)} | {shown} |")
     for precision in report["precisions"]:
         lines += [
             "",
-            f"## {precision}: most sensitive first",
+            f"## {md_text(precision)}: most sensitive first",
             "",
             "| rank | module | type | FLOPs | output SQNR dB (floor) | grad SQNR dB (floor) | "
             "margin dB | act. over | grad over | grad under | op out of range |",
@@ -183,7 +188,8 @@ def markdown(report: dict[str, Any], show: int) -> str:
             module = by_name[name]
             m = module[precision]
             lines.append(
-                f"| {m['rank']} | {name} | {module['type']} | {format_share(module['flop_share'])}"
+                f"| {m['rank']} | {md_text(name)} | {md_text(module['type'])}"
+                f" | {format_share(module['flop_share'])}"
                 f" | {format_db(m['output_sqnr_db'], m['output_finite'])}"
                 f" ({format_db(m['output_floor_db'], True)})"
                 f" | {format_db(m['grad_sqnr_db'], m['grad_finite'])}"
@@ -192,7 +198,7 @@ def markdown(report: dict[str, Any], show: int) -> str:
                 f" | {format_share(m['activation_overflow_frac'])}"
                 f" | {format_share(m['gradient_overflow_frac'])}"
                 f" | {format_share(m['gradient_underflow_frac'])}"
-                f" | {m['out_of_range_op'] or '-'} |"
+                f" | {md_text(m['out_of_range_op'] or '-')} |"
             )
     return "\n".join(lines) + "\n"
 

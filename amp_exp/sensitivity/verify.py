@@ -1,6 +1,6 @@
 """Verifying one set of modules kept in fp32: its seeds trained in the target precision, judged
 against fp32's seeds by the sweep report's own paired verdict (report/evidence.py's comparison,
-by report/decision.py's rule, worded by report/verdicts.py).
+by report/decision.py's rule, worded by report/words.py).
 
 A set passes only when that verdict is ``matches``: the interval of the paired differences of the
 task's quality metric (eval loss, relative, for a language model) lies inside the tolerance, and
@@ -40,7 +40,7 @@ from amp_exp.report.evidence import gather
 from amp_exp.report.runs import find_runs
 from amp_exp.report.sequential import Plan
 from amp_exp.report.stats import Verdict
-from amp_exp.report.verdicts import quality_phrase
+from amp_exp.report.words import quality_phrase
 from amp_exp.results.contract import Stopped
 from amp_exp.results.files import METRICS_FILE, damaged, read_json, write_json
 from amp_exp.results.loggers import read_rows

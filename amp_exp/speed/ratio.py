@@ -30,8 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from amp_exp.report.calibration import calibration
-from amp_exp.report.stats import NO_SPREAD
+from amp_exp.report.stats import NO_SPREAD, calibration
 
 # Spearman's test at this level flags a trend in the rounds' log ratios.
 TREND_LEVEL = 0.05

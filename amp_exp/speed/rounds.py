@@ -24,7 +24,7 @@ import torch
 
 from amp_exp.config.adaptive import SpeedStopping
 from amp_exp.report.compare import BASELINE
-from amp_exp.report.speedup import speedup_cell
+from amp_exp.report.words import speedup_cell
 from amp_exp.results.contract import Stopped
 from amp_exp.speed import ratio
 from amp_exp.training.timing import StepClock, time_steps, warm_up

@@ -1,7 +1,7 @@
 """The speed trial at the end of a sweep: one trial per model and setting that ran fp32 and some
 other precision, written to the sweep's speed.json (and speed.md) before its report is built.
 
-The report callback (report/callback.py) receives ``time_sweep`` from conf/config.yaml rather
+The report callback (report/assemble.py) receives ``time_sweep`` from conf/config.yaml rather
 than importing it: the trial builds models (``amp_exp.build``), a layer above the report's.
 """
 

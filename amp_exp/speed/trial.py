@@ -36,8 +36,7 @@ from amp_exp.build import Built, build, global_batch_size
 from amp_exp.config.commands import SPEED_WARMUP_WINDOW
 from amp_exp.config.schema import RunConfig, SpeedConfig
 from amp_exp.report.compare import BASELINE, subject
-from amp_exp.report.shown import show_level
-from amp_exp.report.verdicts import show_speedup
+from amp_exp.report.words import md_text, show_level, show_speedup
 from amp_exp.results.contract import Stopped
 from amp_exp.runtime.hardware import device_name, resolve_device
 from amp_exp.speed.ratio import LOOK_EVERY, MIN_ROUNDS, TRIAL_CONFIDENCE
@@ -209,9 +208,10 @@ def trial_markdown(trials: list[dict[str, Any]]) -> str:
     """speed.md: a table per trial, and how to read it."""
     lines = ["# amp_exp speed trial", ""]
     for trial in trials:
-        lines += [f"## {subject(trial['model'], trial.get('setting'))}", ""]
+        # Models, settings, devices, labels and errors are recorded values: text, never markup.
+        lines += [f"## {md_text(subject(trial['model'], trial.get('setting')))}", ""]
         if "error" in trial:
-            lines += [f"The trial failed: {trial['error']}", ""]
+            lines += [f"The trial failed: {md_text(trial['error'])}", ""]
             continue
         if trial["stand_in"]:
             lines += [f"A {trial['stand_in']}: shown here, kept out of the report's verdicts.", ""]
@@ -221,8 +221,9 @@ def trial_markdown(trials: list[dict[str, Any]]) -> str:
                 "done before it measured.",
                 "",
             ]
+        device = md_text(trial["device_name"])
         lines += [
-            f"{trial['device_name']}, {trial['samples_per_step']} samples per step: each precision "
+            f"{device}, {trial['samples_per_step']} samples per step: each precision "
             f"against {BASELINE} in a pair of its own, each side warmed up until its last "
             f"{2 * SPEED_WARMUP_WINDOW} step times showed no trend (Mann-Kendall, not rejected at "
             f"{show_level(trial['warmup_level'])}; at most {trial['max_warmup_steps']} steps), "
@@ -245,13 +246,15 @@ def trial_markdown(trials: list[dict[str, Any]]) -> str:
             )
             unsteady = [key for key, steady in pair["steady"].items() if not steady]
             lines.append(
-                f"| {label} | {ms[BASELINE]:.3g} / {ms[label]:.3g} | "
+                f"| {md_text(label)} | {ms[BASELINE]:.3g} / {ms[label]:.3g} | "
                 f"{show_speedup(trial['speedup'][label])} | "
                 f"{warm[BASELINE]} / {warm[label]}"
                 + (f" (not steady: {', '.join(unsteady)})" if unsteady else "")
                 + f" | {skipped[BASELINE]} / {skipped[label]} |"
             )
-        lines += [f"- {label}: {why}" for label, why in trial["not_timed"].items()]
+        lines += [
+            f"- {md_text(label)}: {md_text(why)}" for label, why in trial["not_timed"].items()
+        ]
         lines.append("")
     lines.append(
         f"Speedup: each round's {BASELINE} median step over the precision's, each times its steps "

@@ -1,23 +1,28 @@
-"""The verdict lines: for each precision of each model and setting, its verdict against fp32 with
-the numbers behind it (report/evidence.py's comparisons), what it bought or cost, and how runs
-that did not complete ended."""
+"""The report's words: how it writes a number it claims (an interval's level, a difference at the
+decimals its interval needs, a tolerance, a speedup), a value a run recorded as literal text, and
+the verdict lines: for each precision of each model and setting, its verdict against fp32 with
+the numbers behind it (report/evidence.py's comparisons, report/decision.py's verdicts), what it
+bought or cost, and how runs that did not complete ended. One place, so every table, sentence
+and page agree; nothing here decides.
+
+Run names, models, precision labels, paths and error messages come from files in an output
+directory, which anyone may have written (docs/faults.md): ``md_text`` makes a model named
+``<script>`` or ``[x](javascript:...)`` reach a rendered page as those characters, and keeps a
+``|`` from splitting a table cell. report.md, the W&B Report, speed.md, predict.md and the
+sensitivity reports write recorded values through it.
+"""
 
 from __future__ import annotations
 
+import html
 import math
+import re
 from typing import Any
 
-from amp_exp.report.compare import (
-    BASELINE,
-    describe_end,
-    stall_phrase,
-    subject,
-)
-from amp_exp.report.decision import WITHHELD_FAMILY, WITHHELD_SHAPE
-from amp_exp.report.evidence import CLAIM_P
-from amp_exp.report.learned import FIX
-from amp_exp.report.shown import show_delta, show_interval, show_level, show_tolerance
-from amp_exp.report.speedup import trial_interval
+from amp_exp.config.precisions import REFERENCE
+from amp_exp.report.compare import BASELINE, FIX, subject
+from amp_exp.report.decision import CLAIM_P, WITHHELD_FAMILY, WITHHELD_SHAPE, trial_interval
+from amp_exp.report.runs import report_plugin
 from amp_exp.report.stats import MAX_SEEDS
 from amp_exp.tasks.metrics import ToleranceUnit
 
@@ -42,6 +47,89 @@ VERDICT_WORDS = {
     "unstable": "is unstable",
     "incomplete": f"against {BASELINE} is incomplete",
 }
+
+# A run in which at least this share of the weights did not move over the last diagnostics
+# interval has stalled.
+STALL_FRACTION = 0.5
+# What opens markup inside a line: a backslash (which would undo the escapes after it), code
+# spans, emphasis and strikethrough, links and images, table cells. An underscore between two
+# letters or digits opens nothing (CommonMark), so tiny_cnn and bf16_true stay as they are.
+_MARKUP = re.compile(r"[\\`*~\[\]|]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
+
+
+def md_text(value: object) -> str:
+    """``value`` as one line of literal markdown text: markup characters backslash-escaped,
+    HTML's ``& < >`` as entities, line breaks (which would start a heading or end a table row)
+    as spaces."""
+    text = " ".join(str(value).splitlines())
+    return html.escape(_MARKUP.sub(lambda found: "\\" + found.group(), text), quote=False)
+
+
+def show_level(confidence: float) -> str:
+    """An interval's level: 95%, 97.5%, 98.33%."""
+    return f"{confidence * 100:.4g}%"
+
+
+def decimals(interval: list[float] | None, unit: ToleranceUnit) -> int:
+    """Enough decimals (2 to 6) that an interval of some width never shows as one number, nor a
+    bound off zero as zero: [-0.00%, +0.00%] would claim no spread, [-0.01%, -0.00%] a bound
+    that is not there."""
+    scale = 1 if unit is ToleranceUnit.points else 100
+    places = 2
+    while interval is not None and places < 6:
+        shown = [round(bound * scale, places) for bound in interval]
+        if shown[0] != shown[1] and all(s or not b for s, b in zip(shown, interval, strict=True)):
+            break
+        places += 1
+    return places
+
+
+def show_delta(delta: float, unit: ToleranceUnit, interval: list[float] | None = None) -> str:
+    """A difference, at as many decimals as its ``interval`` needs."""
+    places = decimals(interval, unit)
+    return f"{delta:+.{places}f} points" if unit is ToleranceUnit.points else f"{delta:+.{places}%}"
+
+
+def show_interval(interval: list[float], unit: ToleranceUnit) -> str:
+    places = decimals(interval, unit)
+    low, high = interval
+    if unit is ToleranceUnit.points:
+        return f"[{low:+.{places}f}, {high:+.{places}f}]"
+    return f"[{low:+.{places}%}, {high:+.{places}%}]"
+
+
+def show_tolerance(tolerance: float, unit: ToleranceUnit) -> str:
+    return f"±{tolerance:g} points" if unit is ToleranceUnit.points else f"±{tolerance:.2%}"
+
+
+def trial_levels(intervals: list[tuple[float, float, float]]) -> str:
+    """The level of the trials' intervals ("97.5%"), each where trials of two levels are shown."""
+    levels = sorted({show_level(level) for _, _, level in intervals})
+    return " or ".join(levels)
+
+
+def speedup_cell(speedup: dict[str, Any] | None) -> str:
+    """A speed trial's speedup and its interval: 1.12x [1.05, 1.20]."""
+    if speedup is None:
+        return "-"
+    low, high, _ = trial_interval(speedup)
+    return f"{speedup['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
+
+
+def describe_end(row: dict[str, Any]) -> str:
+    """How a run that did not complete ended: failed (with its error) or stopped by a signal."""
+    return f"{row['status']} ({row['error']})" if row["error"] else str(row["status"])
+
+
+def stall_phrase(row: dict[str, Any]) -> str | None:
+    """Why a run whose weights stopped moving stalled, and what to do; None if it did not."""
+    stale = row["stale_weight_frac"]
+    if stale is None or stale < STALL_FRACTION:
+        return None
+    # The precision's plugin says why, from the options that make the run's variant.
+    plugin = report_plugin(row["precision"]) or report_plugin(REFERENCE)
+    why = plugin.stall_advice(row["precision_options"])
+    return f"{stale:.0%} of weights did not move over the last interval: {why}"
 
 
 def rounds_phrase(found: dict[str, Any]) -> str:
@@ -227,7 +315,7 @@ def quality_phrase(comparison: dict[str, Any]) -> str:
 
 
 def not_learned_phrase(comparison: dict[str, Any]) -> str:
-    """Where fp32 itself did not learn on some seeds (report/learned.py): what those seeds'
+    """Where fp32 itself did not learn on some seeds (report/compare.py): what those seeds'
     differences measure, and the fix of the training that would make them measure the precision."""
     seeds = comparison["baseline_not_learned"]
     listed = ", ".join(str(seed) for seed in seeds)
