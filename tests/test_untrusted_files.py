@@ -393,7 +393,13 @@ def test_hostile_recorded_values_reach_speed_predict_and_sensitivity_md_as_text(
     trial = {
         **dict.fromkeys(("model", "setting", "device_name"), HOSTILE),
         "stand_in": None,
-        **{"samples_per_step": 8, "max_warmup_steps": 10, "rounds": 6, "max_rounds": 6},
+        **{
+            "samples_per_step": 8,
+            "max_warmup_steps": 10,
+            "warmup_level": 0.05,
+            "rounds": 6,
+            "max_rounds": 6,
+        },
         **{"target_halfwidth": 0.05, "steps": 5, "pairs": {HOSTILE: pair}},
         **{"speedup": {HOSTILE: found}, "not_timed": {HOSTILE: HOSTILE}},
     }
@@ -405,6 +411,8 @@ def test_hostile_recorded_values_reach_speed_predict_and_sensitivity_md_as_text(
         "world_size": 1,
         "devices": {HOSTILE: {"label": HOSTILE, "precisions": {HOSTILE: row}, "sources": []}},
         "assumptions": [],
+        "interval_rate": 0.8,
+        "interval_factors": {"throughput": 1.5, "speedup": 1.3},
     }
     module = {
         "rank": 1,
