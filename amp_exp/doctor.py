@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from amp_exp.config.adaptive import SpeedStopping
-from amp_exp.config.precisions import REFERENCE, probed_low, spec_of
+from amp_exp.config.precisions import REFERENCE, get, probed_low
 from amp_exp.config.schema import DeviceChoice, TrainerConfig
 from amp_exp.report.compare import BASELINE
 from amp_exp.report.speedup import established, speedup_cell, trial_interval
@@ -98,9 +98,9 @@ def trial_recommendation(found: dict[str, dict[str, Any]]) -> tuple[str, str]:
     plain = [
         p
         for p in faster
-        if not spec_of(p).grad_scaler and p != best and trial_interval(faster[p])[1] >= low
+        if not get(p).spec.grad_scaler and p != best and trial_interval(faster[p])[1] >= low
     ]
-    chosen = plain[0] if spec_of(best).grad_scaler and plain else best
+    chosen = plain[0] if get(best).spec.grad_scaler and plain else best
     why = f"{chosen} runs {speedup_cell(faster[chosen])} fp32's speed, its interval above 1"
     if chosen != best:
         why += f"; {best}'s interval overlaps it, and {chosen} needs no loss scaling"

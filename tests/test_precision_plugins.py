@@ -202,4 +202,4 @@ def test_an_installed_package_s_entry_point_registers_it_by_name(plugin_package,
     monkeypatch.setattr(precisions, "_plugins", {})
     monkeypatch.setattr(precisions, "_found", set())
     assert precisions.names()[-1] == NAME
-    assert precisions.spec_of(NAME).colour == "#123456"
+    assert precisions.get(NAME).spec.colour == "#123456"

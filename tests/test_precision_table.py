@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from amp_exp.config import precisions
-from amp_exp.config.precisions import DType, names, plugin_of, spec_of
+from amp_exp.config.precisions import DType, get, names
 from amp_exp.config.schema import PrecisionConfig, Strategy
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.training.capability import probed_as
 from amp_exp.training.flops import peak_math
-from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.precisions.base import create
 
 CPU = torch.device("cpu")
 MODES = list(names())
@@ -25,9 +25,9 @@ MODES = list(names())
 
 def test_every_mode_has_one_row_and_auto_has_none() -> None:
     assert set(MODES) == {"fp32", "bf16", "fp16", "bf16_true", "fp8", "mxfp8", "mxfp4", "nvfp4"}
-    assert all(spec_of(mode).name == mode for mode in MODES)
+    assert all(get(mode).spec.name == mode for mode in MODES)
     with pytest.raises(ValueError, match="resolve precision=auto first"):
-        spec_of("auto")
+        get("auto")
 
 
 def test_the_table_imports_no_torch_and_names_dtypes_as_torch_does() -> None:
@@ -58,12 +58,12 @@ DOCUMENTED = {
 @pytest.mark.parametrize("mode", list(DOCUMENTED))
 def test_each_mode_computes_stores_and_scales_as_documented(mode: str) -> None:
     computes, stores, scales, reduces = DOCUMENTED[mode]
-    policy = PrecisionPolicy(mode, PrecisionConfig(name=mode), CPU)
-    model = policy.prepare_model(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    policy = create(mode, PrecisionConfig(name=mode), CPU)
+    model = policy.convert_module(torch.nn.Sequential(torch.nn.Linear(16, 16)))
     linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
     seen = []
     linear.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
-    with policy.autocast():
+    with policy.forward_context():
         model(torch.randn(4, 16))
     assert seen == [computes]
     assert linear.weight.dtype == stores
@@ -73,7 +73,7 @@ def test_each_mode_computes_stores_and_scales_as_documented(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_probe_and_the_datasheet_peak_read_the_row(mode: str) -> None:
-    spec = spec_of(mode)
+    spec = get(mode).spec
     assert probed_as(mode) == spec.probed_as
     assert peak_math(mode, tf32=False) == spec.peak_math
 
@@ -89,7 +89,7 @@ def test_a_changed_row_changes_every_reader(monkeypatch, run_cfg) -> None:
     """Changing a mode is one row: the policy, FSDP2's dtypes, the probe, the datasheet peak and
     the strategy check each follow every field changed (caught: a reader with its own copy)."""
     changed = dataclasses.replace(
-        spec_of("bf16"),
+        get("bf16").spec,
         compute_dtype=DType.float16,
         autocast_dtype=DType.float16,
         grad_scaler=True,
@@ -99,10 +99,10 @@ def test_a_changed_row_changes_every_reader(monkeypatch, run_cfg) -> None:
         peak_math="fp16",
         strategies=frozenset({Strategy.ddp}),
     )
-    monkeypatch.setattr(plugin_of("bf16"), "spec", changed)
-    policy = PrecisionPolicy("bf16", PrecisionConfig(), CPU)
-    assert policy.scaler is not None and policy.dtype == torch.float16
-    with policy.autocast():
+    monkeypatch.setattr(get("bf16"), "spec", changed)
+    policy = create("bf16", PrecisionConfig(), CPU)
+    assert policy.scaler is not None and policy.spec.compute_dtype.torch == torch.float16
+    with policy.forward_context():
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float16
     cast = ShardingDtypes.for_precision("bf16", None, cast_params=True)
     assert (cast.param, cast.reduce) == ("fp16", "bf16")
@@ -114,7 +114,7 @@ def test_a_changed_row_changes_every_reader(monkeypatch, run_cfg) -> None:
         run_cfg("precision=bf16", "trainer.strategy=fsdp2")
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if Strategy.fsdp2 not in spec_of(m).strategies])
+@pytest.mark.parametrize("mode", [m for m in MODES if Strategy.fsdp2 not in get(m).spec.strategies])
 def test_a_strategy_the_row_does_not_list_is_refused_with_the_valid_ones(mode, run_cfg) -> None:
     overrides = [f"precision={mode}", "trainer.strategy=fsdp2"]
     if mode == "fp8":

@@ -417,11 +417,11 @@ def test_a_module_that_works_in_place_is_measured_on_its_recorded_inputs() -> No
     from amp_exp.config.schema import PrecisionConfig
     from amp_exp.sensitivity.measure import measure_module
     from amp_exp.sensitivity.reference import ModuleCall
-    from amp_exp.training.precision import PrecisionPolicy
+    from amp_exp.training.precisions.base import create
 
     x = torch.tensor([-1.0, 2.0, -3.0, 4.0], requires_grad=True)
     call = ModuleCall((x,), {}, batch=0, grad_output=torch.ones(4))
-    policy = PrecisionPolicy("bf16", PrecisionConfig(), torch.device("cpu"))
+    policy = create("bf16", PrecisionConfig(), torch.device("cpu"))
     relu = torch.nn.ReLU(inplace=True)
     error = measure_module("act", relu, relu, [call], policy, 1.0, seed=0)
     assert torch.equal(x, torch.tensor([-1.0, 2.0, -3.0, 4.0]))

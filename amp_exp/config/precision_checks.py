@@ -4,15 +4,7 @@ precision runs under (from its facts). Imports no torch."""
 
 from __future__ import annotations
 
-from amp_exp.config.precisions import (
-    AUTO,
-    PluginHook,
-    options_of,
-    plugin_of,
-    register,
-    spec_of,
-    specs,
-)
+from amp_exp.config.precisions import AUTO, PluginHook, get, names, options_of, register
 from amp_exp.config.schema import (
     PrecisionConfig,
     ReduceDtype,
@@ -41,7 +33,7 @@ def _validate_plugin(precision: PrecisionConfig, trainer: TrainerConfig) -> None
     if precision.name == AUTO:
         require(not precision.options, "precision=auto takes no precision.options")
         return
-    plugin = plugin_of(precision.name)
+    plugin = get(precision.name)
     options_of(plugin, precision.options)
     with PluginHook(plugin, "check_config"):
         plugin.check_config(precision, trainer)
@@ -62,7 +54,7 @@ def _validate_strategy(precision: str, strategy: Strategy) -> None:
     """The strategies a precision runs under, from the precision table."""
     if precision == AUTO:
         return
-    runs_under = spec_of(precision).strategies
+    runs_under = get(precision).spec.strategies
     require(
         strategy in runs_under,
         f"precision={precision} does not run with trainer.strategy={strategy.value} yet; "
@@ -78,9 +70,9 @@ def _validate_cast_params(precision: PrecisionConfig, trainer: TrainerConfig) ->
         "precision.fsdp_cast_params=true needs trainer.strategy=fsdp2; DDP and one process "
         "compute under autocast from fp32 weights",
     )
-    casting = [spec.name for spec in specs() if spec.fsdp_param_dtype is not None]
+    casting = [name for name in names() if get(name).spec.fsdp_param_dtype is not None]
     require(
-        precision.name == AUTO or spec_of(precision.name).fsdp_param_dtype is not None,
+        precision.name == AUTO or get(precision.name).spec.fsdp_param_dtype is not None,
         f"precision.fsdp_cast_params=true: precision={precision.name} has no dtype to cast "
         f"the parameters to; valid choices: {', '.join(casting)}",
     )
@@ -96,10 +88,10 @@ def _validate_reduce_dtype(precision: PrecisionConfig, trainer: TrainerConfig) -
         "gradients in their own dtype (fp32)",
     )
     # Only a GradScaler notices a gradient that overflowed fp16 in the reduction, and backs off.
-    scaled = [spec.name for spec in specs() if spec.grad_scaler]
+    scaled = [name for name in names() if get(name).spec.grad_scaler]
     require(
         reduce is not ReduceDtype.fp16
-        or (precision.name != AUTO and spec_of(precision.name).grad_scaler),
+        or (precision.name != AUTO and get(precision.name).spec.grad_scaler),
         f"precision.reduce_dtype=fp16 needs precision={' or '.join(scaled)}, whose GradScaler "
         "catches gradients that overflow fp16; valid choices here: fp32, bf16",
     )

@@ -82,8 +82,6 @@ class DType(str, Enum):
 BLOCK_SCALED_BITS = {DType.mxfp8_e4m3: 8, DType.mxfp8_e5m2: 8, DType.mxfp4: 4, DType.nvfp4: 4}
 SHORT_NAMES = {DType.float32: "fp32", DType.bfloat16: "bf16", DType.float16: "fp16"}
 
-BOTH_STRATEGIES = frozenset({Strategy.ddp, Strategy.fsdp2})
-
 
 @dataclass(frozen=True)
 class Engagement:
@@ -102,37 +100,38 @@ class Engagement:
 
 @dataclass(frozen=True)
 class PrecisionSpec:
-    """One precision's facts."""
+    """One precision's facts; the defaults are fp32's, so a plugin states only what differs."""
 
     # Its name in the config (precision=NAME) and in every record of a run.
     name: str
-    # The dtype of the matmuls outside fp8's converted linears, under autocast or (bf16_true) not.
-    compute_dtype: DType
-    # The dtype autocast runs in; None where the mode uses no autocast.
-    autocast_dtype: DType | None
-    # The dtype the optimizer updates (master weights) and keeps its state in.
-    weight_dtype: DType
-    optimizer_state_dtype: DType
-    # Dynamic loss scaling with torch.amp.GradScaler.
-    grad_scaler: bool
-    # Which datasheet peak its matmuls can reach (training.flops): fp32 reads TF32 when allowed.
-    peak_math: str
-    # The probed kernels it runs (the name of a precision the probe times: fp32 or one with an
-    # autocast dtype); pure bf16 computes as bf16 autocast does; None: not probed.
-    probed_as: str | None
-    # The dtype gradients are summed over the ranks in, under DDP and FSDP2 alike.
-    reduce_dtype: DType
-    # FSDP2 under precision.fsdp_cast_params: the dtype its policy gathers parameters in, to run
-    # the forward without autocast (None: the mode has nothing to cast to). Off by default, FSDP2
-    # gathers the stored weights and autocasts, the computation of DDP and of one process.
-    fsdp_param_dtype: DType | None
-    # The torchrun strategies it runs under.
-    strategies: frozenset[Strategy]
-    engaged: Engagement
     # Where it comes in the report and, among auto's candidates, in the order a tie is broken.
     order: int
     # The report's and the plots' colour (matplotlib colour string).
     colour: str
+    # The dtype of the matmuls outside fp8's converted linears, under autocast or (bf16_true) not.
+    compute_dtype: DType = DType.float32
+    # The dtype autocast runs in; None where the mode uses no autocast.
+    autocast_dtype: DType | None = None
+    # The dtype the optimizer updates (master weights) and keeps its state in.
+    weight_dtype: DType = DType.float32
+    optimizer_state_dtype: DType = DType.float32
+    # Dynamic loss scaling with torch.amp.GradScaler.
+    grad_scaler: bool = False
+    # Which datasheet peak its matmuls can reach (training.flops): fp32 reads TF32 when allowed.
+    peak_math: str = "fp32"
+    # The probed kernels it runs (the name of a precision the probe times: fp32 or one with an
+    # autocast dtype); pure bf16 computes as bf16 autocast does; None: not probed.
+    probed_as: str | None = None
+    # The dtype gradients are summed over the ranks in, under DDP and FSDP2 alike (a sum of many
+    # low-precision gradients loses their small parts).
+    reduce_dtype: DType = DType.float32
+    # FSDP2 under precision.fsdp_cast_params: the dtype its policy gathers parameters in, to run
+    # the forward without autocast (None: the mode has nothing to cast to). Off by default, FSDP2
+    # gathers the stored weights and autocasts, the computation of DDP and of one process.
+    fsdp_param_dtype: DType | None = None
+    # The torchrun strategies it runs under.
+    strategies: frozenset[Strategy] = frozenset(Strategy)
+    engaged: Engagement = Engagement(1.0, (DType.float32,))
     # A candidate of precision=auto's trial.
     auto_candidate: bool = False
     # A precision sensitivity ranks layers under, and the one its repair moves a layer up to
@@ -242,57 +241,30 @@ def register(target: str) -> PrecisionSpec:
     return _add(plugin, f"precision._target_={target}")
 
 
-def _all() -> dict[str, Any]:
-    _builtins()
-    _entry_points()
-    return _plugins
-
-
-def plugins() -> list[Any]:
-    """Every known plugin class, in the report's order."""
-    return [plugin_of(name) for name in names()]
-
-
 def names() -> tuple[str, ...]:
     """Every known precision, in the report's order."""
-    return tuple(spec.name for spec in specs())
+    _builtins()
+    _entry_points()
+    return tuple(sorted(_plugins, key=lambda name: (_plugins[name].spec.order, name)))
 
 
-def specs() -> list[PrecisionSpec]:
-    return sorted((p.spec for p in _all().values()), key=lambda s: (s.order, s.name))
-
-
-def plugin_of(name: str) -> Any:
-    """The plugin class of a resolved precision; ConfigError naming the valid ones."""
+def get(name: str) -> Any:
+    """The plugin class of a resolved precision (``spec`` its facts); ConfigError naming the
+    valid ones."""
     if name == AUTO:
         raise ValueError("resolve precision=auto first (training.auto_precision)")
     # Every source, also for a built-in's name: an installed plugin that takes it is refused
     # (``_add``), never passed over because the built-in was found first.
-    _all()
-    if name not in _plugins:
+    if name not in names():
         raise ConfigError(
             f"precision={name} is not a precision; valid choices: {', '.join((AUTO, *names()))}"
         )
     return _plugins[name]
 
 
-def known_plugin(name: str) -> Any:
-    """The plugin of ``name``, or None where no plugin here defines it (a report over runs of a
-    precision whose plugin is not installed)."""
-    try:
-        return plugin_of(name)
-    except (ConfigError, ValueError):
-        return None
-
-
-def spec_of(name: str) -> PrecisionSpec:
-    """The facts of a resolved precision; precision=auto has none until it is decided."""
-    return plugin_of(name).spec
-
-
 def auto_candidates() -> tuple[str, ...]:
     """precision=auto's candidates, in the order a tie is broken."""
-    return tuple(s.name for s in specs() if s.auto_candidate)
+    return tuple(name for name in names() if get(name).spec.auto_candidate)
 
 
 def probed_low() -> tuple[str, ...]:

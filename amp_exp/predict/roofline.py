@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from amp_exp.config.adaptive import COMPILE_AUTO
 from amp_exp.config.devices import Device
-from amp_exp.config.precisions import DType, PrecisionSpec, spec_of
+from amp_exp.config.precisions import DType, PrecisionSpec, get
 from amp_exp.config.schema import AdamWConfig, Fp8Recipe, RunConfig, Strategy
 from amp_exp.predict.trace import Op, StepTrace
 from amp_exp.training.flops import peak_math
@@ -175,7 +175,7 @@ class Setting:
 
 
 def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
-    spec = spec_of(precision)
+    spec = get(precision).spec
     math_name = peak_math(precision, cfg.trainer.tf32)
     fp8_linears: frozenset[str] = frozenset()
     # A precision that converts linears (fp8) runs those the fp8 filters admit at its peak.
@@ -192,7 +192,7 @@ def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
 def missing_math(device: Device, precision: str, tf32: bool) -> str | None:
     """Why ``device`` cannot run ``precision``'s matmuls in hardware, or None: a block-scaled
     format needs block-scaled Tensor Cores, whatever the peak of its element type."""
-    block_scaled = any(d.block_scaled for d in spec_of(precision).engaged.matmul_dtypes)
+    block_scaled = any(d.block_scaled for d in get(precision).spec.engaged.matmul_dtypes)
     if block_scaled and not device.block_scaled:
         return f"{device.label} has no block-scaled (MX) Tensor Cores"
     needed = peak_math(precision, tf32)

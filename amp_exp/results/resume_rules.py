@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from amp_exp.config.plain import flatten_config
-from amp_exp.config.precisions import AUTO, spec_of
+from amp_exp.config.precisions import AUTO, get
 from amp_exp.training.capability import ResolvedPrecision
 
 # The precision's name, which may change within its family (``_family``); a sweep's cells
@@ -85,7 +85,7 @@ def _family(precision: Any) -> str:
     """The precisions a checkpoint moves between (their facts' ``autocast_family``: fp32 master
     weights and state, the model unconverted; the GradScaler state is dropped or started fresh,
     with a warning); any other is a family of its own."""
-    if precision == AUTO or spec_of(str(precision)).autocast_family:
+    if precision == AUTO or get(str(precision)).spec.autocast_family:
         return "autocast"
     return str(precision)
 

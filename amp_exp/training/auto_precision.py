@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import AUTO, REFERENCE, auto_candidates, plugin_of
+from amp_exp.config.precisions import AUTO, REFERENCE, auto_candidates, get
 from amp_exp.config.schema import PrecisionConfig, RunConfig
 from amp_exp.runtime.cache import cache_dir, read_entries, write_entries
 from amp_exp.runtime.distributed import Distributed
@@ -37,7 +37,7 @@ from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
 from amp_exp.training.capability import Capability, ResolvedPrecision, kernels_of
-from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.precisions.base import PrecisionPlugin, create
 
 log = logging.getLogger("amp_exp")
 
@@ -83,7 +83,7 @@ def resolve_precision(
 
 def variant_name(precision: PrecisionConfig) -> str:
     """The precision as conf/precision/ names it, however it was asked for (its plugin's)."""
-    return plugin_of(precision.name).variant_name(precision)
+    return get(precision.name).variant_name(precision)
 
 
 def choose(
@@ -197,12 +197,12 @@ def time_candidates(
     Leaves no trace: no ``.grad`` written, and generators, buffers and modes restored.
     """
     device = next(model.parameters()).device
-    policies = {p: PrecisionPolicy(p, PrecisionConfig(name=p), device) for p in candidates}
+    plugins = {p: create(p, PrecisionConfig(name=p), device) for p in candidates}
     parameters = [p for p in model.parameters() if p.requires_grad]
 
-    def pass_of(policy: PrecisionPolicy) -> Callable[[], object]:
+    def pass_of(plugin: PrecisionPlugin) -> Callable[[], object]:
         def forward_backward() -> object:
-            with policy.autocast():
+            with plugin.forward_context():
                 loss = task.loss(model, batch)
             return torch.autograd.grad(loss, parameters, allow_unused=True)
 
@@ -210,4 +210,4 @@ def time_candidates(
 
     with leaves_no_trace(model):
         model.train()
-        return measure({p: pass_of(policy) for p, policy in policies.items()}, device)
+        return measure({p: pass_of(plugin) for p, plugin in plugins.items()}, device)

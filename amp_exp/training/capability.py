@@ -17,15 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import (
-    AUTO,
-    REFERENCE,
-    PluginHook,
-    plugin_of,
-    probed_low,
-    spec_of,
-    specs,
-)
+from amp_exp.config.precisions import AUTO, REFERENCE, PluginHook, get, names, probed_low
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.hardware import cpu_flags, device_name
@@ -69,7 +61,7 @@ def check_request(requested: str, device: torch.device, cfg: PrecisionConfig) ->
     candidates are those the device runs."""
     if requested == AUTO:
         return
-    spec = spec_of(requested)
+    spec = get(requested).spec
     if (
         spec.needs_native_bf16
         and device.type == "cuda"
@@ -80,7 +72,7 @@ def check_request(requested: str, device: torch.device, cfg: PrecisionConfig) ->
             f"8.0+), but {torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or "
             "precision=fp32"
         )
-    plugin = plugin_of(spec.name)
+    plugin = get(spec.name)
     with PluginHook(plugin, "check_device"):
         plugin.check_device(device, cfg)
 
@@ -89,7 +81,7 @@ def unprobed_verdicts(device: torch.device) -> dict[str, str]:
     """The precisions the probe does not time (fp8, the block-scaled formats): whether
     ``device`` runs them for real or, from their own check, what it lacks."""
     found = {}
-    for spec in specs():
+    for spec in (get(name).spec for name in names()):
         if spec.probed_as is not None:
             continue
         try:
@@ -123,7 +115,7 @@ def kernels_of(model: nn.Module) -> tuple[str, ...]:
 
 def probed_as(precision: str) -> str | None:
     """The probed precision whose kernels ``precision`` runs (the precision table's)."""
-    return spec_of(precision).probed_as
+    return get(precision).spec.probed_as
 
 
 def pick_fastest(seconds: Mapping[str, float]) -> tuple[str, str]:
@@ -148,7 +140,7 @@ def pick_fastest(seconds: Mapping[str, float]) -> tuple[str, str]:
     close = [p for p in seconds if p in low and p != chosen and seconds[p] < seconds[chosen]]
     if close:
         why += f", and {' and '.join(close)} is not {MARGIN - 1:.0%} faster than {chosen}"
-        if not spec_of(chosen).grad_scaler and any(spec_of(p).grad_scaler for p in close):
+        if not get(chosen).spec.grad_scaler and any(get(p).spec.grad_scaler for p in close):
             why += f" ({chosen} needs no loss scaling)"
     return chosen, why
 
@@ -270,7 +262,10 @@ class Capability:
 
 def supported_precisions(device: torch.device) -> list[str]:
     no_bf16 = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
-    return [REFERENCE, *(p for p in probed_low() if not (no_bf16 and spec_of(p).needs_native_bf16))]
+    return [
+        REFERENCE,
+        *(p for p in probed_low() if not (no_bf16 and get(p).spec.needs_native_bf16)),
+    ]
 
 
 def device_facts(device: torch.device) -> dict[str, Any]:

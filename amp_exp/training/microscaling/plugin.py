@@ -15,7 +15,7 @@ import json
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from amp_exp.config.precisions import BOTH_STRATEGIES, DType, Engagement, PrecisionSpec
+from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
 from amp_exp.errors import ConfigError, require
 from amp_exp.training.precisions.base import LinearFormatPlugin
 
@@ -49,23 +49,16 @@ def microscaling_spec(
     elsewhere, fp32 master weights and state, no loss scaling (every block is scaled)."""
     return PrecisionSpec(
         name=name,
+        order=order,
+        colour=colour,
         compute_dtype=DType.bfloat16,
         autocast_dtype=DType.bfloat16,
-        weight_dtype=DType.float32,
-        optimizer_state_dtype=DType.float32,
-        grad_scaler=False,
-        # Its matmuls peak at its format's rate (fp8 or fp4); emulated, it is never timed.
+        # Its matmuls peak at its format's rate (fp8 or fp4); emulated, it is never timed. Under
+        # FSDP2 each layer quantizes the weight its all-gather brought.
         peak_math=peak_math,
-        probed_as=None,
-        reduce_dtype=DType.float32,
-        fsdp_param_dtype=None,
-        # Under FSDP2 each layer quantizes the weight its all-gather brought.
-        strategies=BOTH_STRATEGIES,
         # As fp8: the converted linears in the format, the rest in bf16 (the wgrad in high
         # precision too, with that option).
         engaged=Engagement(0.5, (*formats, DType.bfloat16), converted_dtypes=formats),
-        order=order,
-        colour=colour,
         rankable=True,
         repair_to="bf16",
         needs_native_bf16=True,

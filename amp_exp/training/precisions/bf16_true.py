@@ -19,20 +19,17 @@ if TYPE_CHECKING:
 class Bf16True(PrecisionPlugin):
     spec = PrecisionSpec(
         name="bf16_true",
-        compute_dtype=DType.bfloat16,
-        autocast_dtype=None,
-        weight_dtype=DType.bfloat16,
-        optimizer_state_dtype=DType.bfloat16,
-        grad_scaler=False,
-        peak_math="bf16",
-        probed_as="bf16",
-        # Its gradients are bf16; DDP sums them in fp32 and rounds once (runtime/distributed).
-        reduce_dtype=DType.float32,
-        fsdp_param_dtype=None,
-        strategies=frozenset({Strategy.ddp}),
-        engaged=Engagement(0.5, (DType.bfloat16,), weights=DType.bfloat16),
         order=3,
         colour="#8172b3",
+        compute_dtype=DType.bfloat16,
+        weight_dtype=DType.bfloat16,
+        optimizer_state_dtype=DType.bfloat16,
+        peak_math="bf16",
+        probed_as="bf16",
+        # Its gradients are bf16; DDP sums them in fp32 (the default) and rounds once
+        # (runtime/distributed).
+        strategies=frozenset({Strategy.ddp}),
+        engaged=Engagement(0.5, (DType.bfloat16,), weights=DType.bfloat16),
         needs_native_bf16=True,
     )
 
