@@ -14,7 +14,6 @@ from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 from amp_exp.training.callbacks import ORDER, StepCallback
 from amp_exp.training.engine import Engine
 from amp_exp.training.loop import LoopPlan
-from amp_exp.training.precision_modes import to_bf16_true
 from amp_exp.training.precisions.base import create
 from amp_exp.training.rng import rng_state
 from amp_exp.training.stochastic_rounding import StochasticRoundingStep
@@ -129,9 +128,9 @@ def test_step_callbacks_run_in_the_stated_order_after_the_rounded_update() -> No
     update, so the diagnostics see the bf16 weights stochastic rounding put in place, not the
     optimizer's fp32 stand-ins."""
     torch.manual_seed(0)
-    model = to_bf16_true(nn.Linear(1, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     policy = create("bf16_true", PrecisionConfig(name="bf16_true"), CPU)
+    model = policy.convert_module(nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     policy.rounding = StochasticRoundingStep()
     plan = LoopPlan(total_steps=2, log_every=2, timing_warmup_steps=1, eval_every=None)
     engine = Engine(model, Regression(), Batches(), None, optimizer, policy, plan)

@@ -199,7 +199,7 @@ def test_emulated_fp8_ranks_its_float8_linears_below_those_it_keeps_in_bf16(
         validate(compose_cfg(*overrides, "sensitivity.batches=1", fast=False)), tmp_path
     )
     sqnr = {m["name"]: m["fp8"]["output_sqnr_db"] for m in report["modules"]}
-    # The output head stays bf16 (precision.fp8_skip): 8 bits, not 3.
+    # The output head stays bf16 (precision.options.skip): 8 bits, not 3.
     in_bf16 = sqnr["lm_head"]
     float8 = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.1.mlp.proj"]
     assert all(sqnr[name] < in_bf16 - 10 for name in float8)

@@ -88,8 +88,10 @@ def validate_sensitivity(
             f"sensitivity.precisions: {chosen} is not ranked against fp32; valid choices: "
             f"{', '.join(rankable())}",
         )
-        # fp8 needs what a run in fp8 needs: torchao, and a GPU or emulation.
-        validate_precision(dataclasses.replace(precision, name=chosen), trainer)
+        # fp8 needs what a run in fp8 needs: torchao, and a GPU or emulation. The run's options
+        # are its own precision's; another ranked precision takes its defaults.
+        options = precision.options if chosen == precision.name else {}
+        validate_precision(dataclasses.replace(precision, name=chosen, options=options), trainer)
 
 
 def validate_evidence(evidence: EvidenceConfig) -> None:

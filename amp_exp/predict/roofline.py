@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from amp_exp.config.adaptive import COMPILE_AUTO
 from amp_exp.config.devices import Device
 from amp_exp.config.precisions import DType, PrecisionSpec, get
-from amp_exp.config.schema import AdamWConfig, Fp8Recipe, RunConfig, Strategy
+from amp_exp.config.schema import AdamWConfig, RunConfig, Strategy
 from amp_exp.predict.trace import Op, StepTrace
 from amp_exp.training.flops import peak_math
-from amp_exp.training.precision_modes import plan_fp8
+from amp_exp.training.linears import plan_linears
+from amp_exp.training.precisions.fp8 import Fp8Recipe
 
 # A large, well-shaped GEMM reaches this share of the dense datasheet peak: torchao's float8
 # roofline (torchao/testing/training/roofline_utils.py, "based on experimental observation with
@@ -172,21 +173,27 @@ class Setting:
     act_bytes: int
     # The runner compiles it (build.compiles, on a CUDA device): memory-bound ops fuse.
     compiled: bool
+    # How the converted linears scale their operands (fp8's recipe; tensorwise for the others).
+    recipe: Fp8Recipe = Fp8Recipe.tensorwise
 
 
 def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
-    spec = get(precision).spec
+    plugin = get(precision)
+    spec = plugin.spec
     math_name = peak_math(precision, cfg.trainer.tf32)
     fp8_linears: frozenset[str] = frozenset()
-    # A precision that converts linears (fp8) runs those the fp8 filters admit at its peak.
+    recipe = Fp8Recipe.tensorwise
+    # A precision that converts linears (fp8) runs those its filters admit at its peak.
     if spec.engaged.converted_dtypes:
-        skip_small = cfg.precision.fp8_recipe.value if cfg.precision.fp8_skip_small else None
-        plan = plan_fp8(trace.model, cfg.precision.fp8_skip, skip_small, cfg.precision.keep_fp32)
+        options = plugin.options_for(cfg.precision)
+        recipe = getattr(options, "recipe", recipe)
+        skip_small = recipe.value if getattr(options, "skip_small", False) else None
+        plan = plan_linears(trace.model, options.skip, skip_small, cfg.precision.keep_fp32)
         fp8_linears = frozenset(plan.converted)
         math_name = spec.compute_dtype.short
     choice = cfg.trainer.compile
     compiled = spec.compile_on_cuda if choice == COMPILE_AUTO else bool(choice)
-    return Setting(spec, math_name, fp8_linears, BYTES[spec.compute_dtype], compiled)
+    return Setting(spec, math_name, fp8_linears, BYTES[spec.compute_dtype], compiled, recipe)
 
 
 def missing_math(device: Device, precision: str, tf32: bool) -> str | None:
@@ -297,7 +304,7 @@ def cast_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None:
     return memory_op("autocast casts", elements * (4 + low), device, kernels)
 
 
-def quantize_cost(trace: StepTrace, run: Setting, device: Device, recipe: Fp8Recipe) -> Cost | None:
+def quantize_cost(trace: StepTrace, run: Setting, device: Device) -> Cost | None:
     """fp8's dynamic scaling of each converted linear: its input X (M x K), weight W (N x K,
     from the fp32 master) and output gradient dY (M x N) each feed two matmuls. Tensorwise: one
     amax pass, then a scaled cast for each matmul. Rowwise: each matmul reduces over another
@@ -307,7 +314,7 @@ def quantize_cost(trace: StepTrace, run: Setting, device: Device, recipe: Fp8Rec
     cast_reads, cast_kernels = (1, 1) if run.compiled else (2, 2)
     if not run.fp8_linears:
         return None
-    rowwise = recipe is not Fp8Recipe.tensorwise
+    rowwise = run.recipe is not Fp8Recipe.tensorwise
     nbytes = 0.0
     kernels = 0
     seen = set()
@@ -436,7 +443,7 @@ def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str
     costs = traced_costs(trace, run, device)
     extra = [
         cast_cost(trace, run, device),
-        quantize_cost(trace, run, device, cfg.precision.fp8_recipe),
+        quantize_cost(trace, run, device),
         optimizer_cost(cfg, trace, run, device, shards),
         comm_cost(cfg, trace, run),
     ]

@@ -98,7 +98,7 @@ class MicroscalingPlugin(LinearFormatPlugin):
     def variant_label(cls, knobs: dict[str, Any]) -> str:
         """ "nvfp4 (hadamard_wgrad=false, emulated)": the options set away from their defaults."""
         given = knobs.get("options") or {}
-        defaults = {f.name: f.default for f in dataclasses.fields(cls.Options)}
+        defaults = json.loads(json.dumps(dataclasses.asdict(cls.Options())))
         details = [
             f"{key}={json.dumps(value).strip(QUOTE)}"
             for key, value in sorted(given.items())
@@ -164,7 +164,7 @@ class MicroscalingPlugin(LinearFormatPlugin):
         )
 
         model = super().convert_module(model)
-        self.conversion = plan(model, self.cfg.fp8_skip, self.kept_fp32, self.bf16_last_blocks())
+        self.conversion = plan(model, self.options.skip, self.kept_fp32, self.bf16_last_blocks())
         self.refuse_if_nothing_converts()
         convert = convert_emulated if self.emulated else convert_with_kernels
         model = convert(model, self.conversion, self.recipe())

@@ -25,7 +25,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from amp_exp.config.plain import plain_run_config
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from amp_exp.config.schema import PrecisionConfig, TrainerConfig
-    from amp_exp.training.precision_modes import LinearConversion
+    from amp_exp.training.linears import LinearConversion
     from amp_exp.training.stochastic_rounding import StochasticRoundingStep
 
 log = logging.getLogger(__name__)
@@ -170,8 +170,7 @@ class PrecisionPlugin:
         self.kept_fp32 = list(kept_fp32)
         self.params_cast = params_cast
         self.guard_nonfinite = guard_nonfinite
-        own = cfg.options if cfg.name == self.spec.name else None
-        self.options = options_of(type(self), own)
+        self.options = self.options_for(cfg)
         self.scaler: torch.amp.GradScaler | None = None
         if self.spec.grad_scaler:
             self.scaler = torch.amp.GradScaler(
@@ -185,6 +184,12 @@ class PrecisionPlugin:
         self.rounding: StochasticRoundingStep | None = None
         # The flag of a parameter without a gradient this step.
         self._finite = torch.zeros((), device=device)
+
+    @classmethod
+    def options_for(cls, cfg: PrecisionConfig) -> Any:
+        """Its ``Options`` under ``cfg``: ``cfg``'s own where ``cfg`` names this precision, else
+        the defaults (sensitivity and predict take other precisions than the run's)."""
+        return options_of(cls, cfg.options if cfg.name == cls.spec.name else None)
 
     @property
     def uses_autocast(self) -> bool:
@@ -391,6 +396,20 @@ class PrecisionPlugin:
                 "stall_advice": self.stall_advice(knobs),
             }
         return {"keep_fp32_modules": self.kept_fp32, "precision_facts": facts, **self.summary()}
+
+
+@dataclass
+class LinearOptions:
+    """The options of every precision that converts linears."""
+
+    # Linears kept in bf16 by fully qualified name (fnmatch): the output layers of the built-in,
+    # torchvision, timm and Hugging Face models (torchtitan keeps "output"); [] converts them all.
+    skip: list[str] = field(
+        default_factory=lambda: [
+            *("lm_head", "head", "head.*", "fc", "classifier*", "output"),
+            *("hf.lm_head", "hf.score", "hf.classifier*"),
+        ]
+    )
 
 
 class LinearFormatPlugin(PrecisionPlugin):

@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING
 
 from amp_exp.config.precisions import DType
 from amp_exp.training.microscaling.plugin import MicroscalingPlugin, ScaleMode, microscaling_spec
+from amp_exp.training.precisions.base import LinearOptions
 
 if TYPE_CHECKING:
     from amp_exp.training.microscaling.linear import Recipe
 
 
 @dataclass
-class Mxfp4Options:
+class Mxfp4Options(LinearOptions):
     scale_mode: ScaleMode = ScaleMode.rceil
     # The weight gradient's matmul on the unquantized operands, in bf16.
     wgrad_high_precision: bool = False

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING
 
 from amp_exp.config.precisions import DType
 from amp_exp.training.microscaling.plugin import MicroscalingPlugin, ScaleMode, microscaling_spec
+from amp_exp.training.precisions.base import LinearOptions
 
 if TYPE_CHECKING:
     from amp_exp.training.microscaling.linear import Recipe
 
 
 @dataclass
-class Mxfp8Options:
+class Mxfp8Options(LinearOptions):
     scale_mode: ScaleMode = ScaleMode.rceil
     # Gradients in E5M2 (more range, less precision) rather than torchao's E4M3.
     e5m2_gradients: bool = False

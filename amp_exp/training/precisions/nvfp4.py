@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING
 
 from amp_exp.config.precisions import DType
 from amp_exp.training.microscaling.plugin import MicroscalingPlugin, microscaling_spec
+from amp_exp.training.precisions.base import LinearOptions
 
 if TYPE_CHECKING:
     from amp_exp.training.microscaling.linear import Recipe
 
 
 @dataclass
-class Nvfp4Options:
+class Nvfp4Options(LinearOptions):
     # A random 16x16 Hadamard transform of the weight gradient's operands along the tokens.
     hadamard_wgrad: bool = True
     # One scale per 16x16 weight tile, so the forward and the backward see the same weight.
