@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from amp_exp.config import precisions
-from amp_exp.config.precisions import DType, get, names
+from amp_exp.config.precisions import REFERENCE, DType, get, names
 from amp_exp.config.schema import PrecisionConfig, Strategy
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.fsdp import ShardingDtypes
@@ -243,6 +243,44 @@ def test_no_module_but_the_plugins_branches_on_a_precision_s_name() -> None:
         for line in branches_in(path.read_text(), known)
     ]
     assert not branches, branches
+
+
+# Where "fp32" is written out and is not the reference precision: the registry that defines it and
+# the dtypes' short names, the schema (ReduceDtype's dtype; a command's defaults, below the
+# registry), other libraries' names translated to amp_exp's, and the datasheets' math names.
+REFERENCE_LITERALS = {
+    "config/precisions.py",
+    "config/schema.py",
+    "integrations/lightning.py",
+    "integrations/transformers.py",
+    *NOT_PRECISIONS,
+}
+
+
+def reference_literals(source: str) -> list[int]:
+    """The lines holding the reference precision's name as a string constant."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and node.value == REFERENCE
+    ]
+
+
+def test_the_reference_is_the_registrys_constant_outside_the_plugins() -> None:
+    """A module that wrote "fp32" where it means the baseline every precision is compared with
+    would miss a change of the reference; it reads ``REFERENCE``."""
+    found = [
+        f"{where}:{line}"
+        for root in (PACKAGE, PACKAGE.parent / "hydra_plugins")
+        for path in sorted(root.rglob("*.py"))
+        if not (where := path.relative_to(root.parent).as_posix()).startswith(
+            "amp_exp/training/precisions/"
+        )
+        and where.removeprefix("amp_exp/") not in REFERENCE_LITERALS
+        for line in reference_literals(path.read_text())
+    ]
+    assert not found, found
+    assert reference_literals('BASELINE = "fp32"\nx = REFERENCE\n') == [1]
 
 
 def test_the_branch_search_finds_a_planted_branch_on_a_name() -> None:

@@ -11,8 +11,7 @@ import dataclasses
 
 from amp_exp.config.adaptive import EvidenceConfig
 from amp_exp.config.devices import PREDICTABLE
-from amp_exp.config.precision_checks import validate_precision
-from amp_exp.config.precisions import AUTO, get, names, register
+from amp_exp.config.precisions import AUTO, get, names, register, validate_precision
 from amp_exp.config.schema import (
     PrecisionConfig,
     PredictConfig,

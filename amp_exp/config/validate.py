@@ -44,7 +44,7 @@ from amp_exp.config.models import (
     TorchvisionModelConfig,
 )
 from amp_exp.config.pairing import check_pairing
-from amp_exp.config.precision_checks import validate_precision
+from amp_exp.config.precisions import validate_precision
 from amp_exp.config.schema import (
     FAMILYWISE,
     SCHEMAS,

@@ -50,7 +50,7 @@ from amp_exp.training.keep_fp32 import is_within, outermost
 
 log = logging.getLogger("amp_exp")
 VERIFY_DIR = "verify"
-REFERENCE_DIR = "fp32"
+REFERENCE_DIR = REFERENCE
 # What a search was started with; a resume must ask for the same, but for RESUMABLE.
 SEARCH_FILE = "search.json"
 # What a resume may change: whether to repair, how much to show, and how far to search.
