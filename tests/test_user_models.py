@@ -432,7 +432,10 @@ def test_the_rowwise_recipe_costs_more_casts_than_tensorwise() -> None:
     """fp8's recipe did not change the prediction."""
     times = {
         recipe: predicted(
-            "predict.devices=[h100]", "precision=fp8", f"precision.options.recipe={recipe}"
+            "predict.devices=[h100]",
+            "precision=fp8",
+            "precision.emulate=true",
+            f"precision.options.recipe={recipe}",
         )["h100"]["precisions"]["fp8"]["casts_s"]
         for recipe in ("tensorwise", "rowwise")
     }
