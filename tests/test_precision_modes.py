@@ -199,7 +199,7 @@ def test_fp8_without_fp8_hardware_is_refused_unless_emulated() -> None:
 
 
 def test_fp8_without_torchao_names_the_extra_to_install(run_cfg, compose_cfg, monkeypatch) -> None:
-    monkeypatch.setattr("amp_exp.training.precisions.fp8.find_spec", lambda name: None)
+    monkeypatch.setattr("amp_exp.training.precisions.base.find_spec", lambda name: None)
     with pytest.raises(ConfigError) as error:
         validate(compose_cfg("precision=fp8", "precision.emulate=true"))
     assert str(error.value) == (

@@ -112,22 +112,16 @@ class MicroscalingPlugin(LinearFormatPlugin):
     def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
         """Before torch loads: torchao, and precision.emulate=true where the config alone shows
         there can be no kernels (the CPU; MXFP4 and NVFP4 on any device)."""
-        from importlib.util import find_spec
-
         from amp_exp.config.schema import DeviceChoice
 
-        name = cls.spec.name
-        require(
-            find_spec("torchao") is not None,
-            f"precision={name} needs torchao, which is not installed: pip install 'amp_exp[fp8]'",
-        )
+        super().check_config(cfg, trainer)
         if cls.elements is DType.mxfp8_e4m3 and trainer.device is not DeviceChoice.cpu:
             return
         where = "" if cls.elements is not DType.mxfp8_e4m3 else " (trainer.device=cpu)"
         require(
             cfg.emulate,
-            f"precision={name} cannot run for real here{where}: {cls.lacks(None)}; add "
-            "precision.emulate=true to emulate it (slow, not timed)",
+            f"precision={cls.spec.name} cannot run for real here{where}: {cls.lacks(None)}; "
+            + cls.EMULATE,
         )
 
     @classmethod
@@ -136,8 +130,7 @@ class MicroscalingPlugin(LinearFormatPlugin):
         if lacking is None or cfg.emulate:
             return
         raise ConfigError(
-            f"precision={cls.spec.name} cannot run for real here: {lacking}; add "
-            "precision.emulate=true to emulate it (slow, not timed)"
+            f"precision={cls.spec.name} cannot run for real here: {lacking}; " + cls.EMULATE
         )
 
     @property

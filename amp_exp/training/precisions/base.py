@@ -26,10 +26,12 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.precisions import PluginHook, PrecisionSpec, get, options_of
+from amp_exp.errors import ConfigError, require
 
 if TYPE_CHECKING:
     import torch
@@ -417,7 +419,18 @@ class LinearFormatPlugin(PrecisionPlugin):
     block-scaled formats), the rest under bf16 autocast: ``conversion`` records which, and why
     the others stay, for the audit, the log and summary.json."""
 
+    # How a refusal of a format the device cannot run ends.
+    EMULATE = "add precision.emulate=true to emulate it (slow, not timed)"
     conversion: LinearConversion | None = None
+
+    @classmethod
+    def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
+        """torchao, whose casts or matmuls every such format runs."""
+        require(
+            find_spec("torchao") is not None,
+            f"precision={cls.spec.name} needs torchao, which is not installed: "
+            "pip install 'amp_exp[fp8]'",
+        )
 
     def skipped_text(self) -> str:
         assert self.conversion is not None
@@ -426,8 +439,6 @@ class LinearFormatPlugin(PrecisionPlugin):
     def refuse_if_nothing_converts(self) -> None:
         """Stop in one line where the filters left no linear to convert: no matmul would run
         in the format, and the run would measure bf16 under this precision's name."""
-        from amp_exp.errors import ConfigError
-
         assert self.conversion is not None
         if not self.conversion.converted:
             raise ConfigError(

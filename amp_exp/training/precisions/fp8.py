@@ -15,7 +15,6 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 from enum import Enum
-from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
 from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
@@ -55,8 +54,7 @@ def require_fp8_hardware(device: torch.device, emulate: bool) -> None:
         return
     where = "the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     raise ConfigError(
-        f"precision=fp8 needs a CUDA GPU with compute capability 8.9+, not {where}; "
-        "add precision.emulate=true to emulate it (slow, not timed)"
+        f"precision=fp8 needs a CUDA GPU with compute capability 8.9+, not {where}; " + Fp8.EMULATE
     )
 
 
@@ -105,14 +103,11 @@ class Fp8(LinearFormatPlugin):
     @classmethod
     def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
         """What fp8 needs that the config alone shows; the GPU's capability is checked at build."""
-        require(
-            find_spec("torchao") is not None,
-            "precision=fp8 needs torchao, which is not installed: pip install 'amp_exp[fp8]'",
-        )
+        super().check_config(cfg, trainer)
         require(
             trainer.device is not DeviceChoice.cpu or cfg.emulate,
             "precision=fp8 needs a CUDA GPU with compute capability 8.9+ (trainer.device=cpu); "
-            "add precision.emulate=true to emulate it (slow, not timed)",
+            + cls.EMULATE,
         )
         options: Fp8Options = cls.options_for(cfg)
         # torchao measured no size thresholds for this recipe (its _auto_filter_for_recipe).
