@@ -142,12 +142,22 @@ class MicroscalingPlugin(LinearFormatPlugin):
         """An emulated format measures numerics, not speed: its throughput is never reported."""
         return not self.emulated
 
-    def recipe(self) -> Recipe:
-        """The quantization of each matmul operand, from this precision's options."""
-        raise NotImplementedError
+    def gradients(self) -> DType:
+        """The format of gradients: the elements', unless an option says otherwise."""
+        return self.elements
 
-    def bf16_last_blocks(self) -> int:
-        return 0
+    def recipe(self) -> Recipe:
+        """The quantization of each matmul operand: the options named as ``Recipe``'s fields go
+        to it as they are (a scale mode as torchao's)."""
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+        from amp_exp.training.microscaling.linear import Recipe
+
+        fields = [field.name for field in dataclasses.fields(Recipe)]
+        given = {key: getattr(self.options, key) for key in fields if hasattr(self.options, key)}
+        if "scale_mode" in given:
+            given["scale_mode"] = ScaleCalculationMode(given["scale_mode"].value)
+        return Recipe(self.elements, self.gradients(), **given)
 
     def convert_module(self, model: nn.Module) -> nn.Module:
         from amp_exp.training.microscaling.convert import (
@@ -157,7 +167,9 @@ class MicroscalingPlugin(LinearFormatPlugin):
         )
 
         model = super().convert_module(model)
-        self.conversion = plan(model, self.options.skip, self.kept_fp32, self.bf16_last_blocks())
+        # NVIDIA's recipe keeps the last blocks in bf16 (nvfp4's option).
+        last_blocks = getattr(self.options, "bf16_last_blocks", 0)
+        self.conversion = plan(model, self.options.skip, self.kept_fp32, last_blocks)
         self.refuse_if_nothing_converts()
         convert = convert_emulated if self.emulated else convert_with_kernels
         model = convert(model, self.conversion, self.recipe())
