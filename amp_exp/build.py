@@ -1,6 +1,6 @@
 """Build everything a run needs from its validated config, before the first step.
 
-Config in; device, task, model, optimizer, schedule, precision policy, strategy and engine out.
+Config in; device, task, model, optimizer, schedule, precision plugin, strategy and engine out.
 Nothing here trains or writes files.
 """
 
@@ -33,7 +33,7 @@ from amp_exp.training.keep_fp32 import match_keep_fp32
 from amp_exp.training.loop import LoopPlan, plan_total_steps
 from amp_exp.training.meters import Meter
 from amp_exp.training.optim import build_optimizer, build_scheduler
-from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.precisions.base import PrecisionPlugin, create
 from amp_exp.training.rng import seed_everything
 from amp_exp.training.signals import Limits, SignalCollector, SignalsCallback
 from amp_exp.training.skips import SkipMonitor
@@ -84,12 +84,12 @@ def parallelism(
     return {"strategy": strategy, "param_dtype": dtypes.param, "reduce_dtype": dtypes.reduce}
 
 
-def compiles(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
+def compiles(cfg: RunConfig, plugin: PrecisionPlugin) -> bool:
     """trainer.compile, with auto resolved: compiled on CUDA where the precision's row says it
     needs compiling to be fast (fp8), and only where it is timed (emulated fp8 is not)."""
     choice = cfg.trainer.compile
     if choice == COMPILE_AUTO:
-        return policy.device.type == "cuda" and policy.spec.compile_on_cuda and policy.timed
+        return plugin.device.type == "cuda" and plugin.spec.compile_on_cuda and plugin.timed
     return bool(choice)
 
 
@@ -118,7 +118,7 @@ def build(
         dtypes = ShardingDtypes.for_precision(
             resolved.precision, cfg.precision.reduce_dtype, cfg.precision.fsdp_cast_params
         )
-    policy = PrecisionPolicy(
+    plugin = create(
         resolved.precision,
         cfg.precision,
         device,
@@ -126,8 +126,8 @@ def build(
         params_cast=shards and dtypes is not None and dtypes.casts_params,
         keep_fp32=keep_fp32,
     )
-    model, data = policy.prepare_model(workload.model), workload.data
-    compiled = compiles(cfg, policy)
+    model, data = plugin.convert_module(workload.model), workload.data
+    compiled = compiles(cfg, plugin)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model, cfg.model.name)
     if shards and compiled:
@@ -136,8 +136,8 @@ def build(
     blocks = model_blocks(model) or []
     trained = distributed.wrap(model, dtypes, blocks, keep_fp32) if distributed else model
     # After wrapping: FSDP2 replaced the parameters with their shards.
-    optimizer, policy.rounding = build_optimizer(
-        cfg.optimizer, model, device, policy.stochastic_rounding, sharded=shards
+    optimizer, plugin.rounding = build_optimizer(
+        cfg.optimizer, model, device, plugin.stochastic_rounding, sharded=shards
     )
     total_steps = plan_total_steps(cfg.trainer, len(data.train))
     if compiled and not shards:
@@ -150,7 +150,7 @@ def build(
         data.train,
         data.eval,
         optimizer,
-        policy,
+        plugin,
         LoopPlan.from_config(cfg.trainer, total_steps),
         scheduler=build_scheduler(cfg.scheduler, optimizer, total_steps),
         skips=SkipMonitor.from_config(
@@ -160,7 +160,7 @@ def build(
         meter=meter(cfg, workload, resolved.precision, device, worker.world_size, hardware),
     )
     if cfg.diagnostics.signals:
-        engine.signals = SignalCollector(Limits.of(policy.spec)).attach(
+        engine.signals = SignalCollector(Limits.of(plugin.spec)).attach(
             model, activations=not compiled
         )
         engine.callbacks.add(SignalsCallback(engine.signals))
@@ -173,7 +173,7 @@ def build(
         hardware,
         data.recorded,
         distributed,
-        parallelism=parallelism(distributed, dtypes, policy.spec.weight_dtype),
+        parallelism=parallelism(distributed, dtypes, plugin.spec.weight_dtype),
         compiled=compiled,
     )
 
@@ -209,9 +209,9 @@ def attach_diagnostics(cfg: RunConfig, built: Built, emit: Callable[[dict], None
         cfg.diagnostics,
         built.model,
         progress=lambda: engine.progress,
-        current_scale=engine.policy.scale,
+        current_scale=engine.precision.scale,
         emit=emit,
-        weight_dtype=engine.policy.weight_dtype,
+        weight_dtype=engine.precision.spec.weight_dtype.torch,
         distributed=built.distributed,
     )
     engine.callbacks.add(diagnostics)

@@ -99,7 +99,7 @@ def run_summary(
         wall_s=wall_s,
         state_bytes=state_bytes(engine.parameters, engine.optimizer),
         launch_slot=launch_slot(),
-        **engine.policy.summary(),
+        **engine.precision.summary_fields(),
         **measured,
     )
 
@@ -120,7 +120,7 @@ def replicas_identical(built: Built) -> bool | None:
     if built.distributed is None:
         return None
     state = [p for p in built.model.parameters() if not is_sharded(p)]
-    scale = built.engine.policy.scale()
+    scale = built.engine.precision.scale()
     if scale is not None:
         state.append(torch.tensor(scale))
     if not state:
@@ -157,7 +157,7 @@ def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob
         ConsoleLogger(
             built.engine.total_steps,
             built.engine.task.metrics,
-            fp16=built.engine.policy.spec.compute_dtype is DType.float16,
+            fp16=built.engine.precision.spec.compute_dtype is DType.float16,
         ),
         # A fresh start replaces the rows of an earlier attempt in this directory.
         JsonlLogger(output_dir / METRICS_FILE, append=built.resumed_from is not None),

@@ -82,11 +82,11 @@ def run_side(side: str, args: argparse.Namespace, state_path: Path) -> dict:
 
 def hand_written_loop(engine, model, F, torch) -> None:
     """The textbook AMP loop, over the engine's own built objects and data order."""
-    policy, optimizer, scheduler = engine.policy, engine.optimizer, engine.scheduler
-    scaler = torch.amp.GradScaler(engine.device.type, enabled=policy.scaler is not None)
-    if policy.scaler is not None:
-        scaler.load_state_dict(policy.scaler.state_dict())
-    clip = policy.clip_grad_norm
+    precision, optimizer, scheduler = engine.precision, engine.optimizer, engine.scheduler
+    scaler = torch.amp.GradScaler(engine.device.type, enabled=precision.scaler is not None)
+    if precision.scaler is not None:
+        scaler.load_state_dict(precision.scaler.state_dict())
+    clip = precision.cfg.clip_grad_norm
     data, steps = engine.data, engine.total_steps
     epoch, done = 0, 0
     model.train()
@@ -95,7 +95,11 @@ def hand_written_loop(engine, model, F, torch) -> None:
         for inputs, targets in data:
             if done == steps:
                 break
-            with torch.autocast(engine.device.type, policy.dtype, enabled=policy.uses_autocast):
+            with torch.autocast(
+                engine.device.type,
+                precision.spec.compute_dtype.torch,
+                enabled=precision.uses_autocast,
+            ):
                 if engine.task.unit == "tokens":
                     # Next-token prediction: fp32 logits over every position, as nanoGPT.
                     inputs, targets = inputs.long(), targets.long()

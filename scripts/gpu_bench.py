@@ -330,9 +330,9 @@ MODES_FULL = {
         "bf16": ["precision=bf16"],
         "bf16_true": ["precision=bf16_true"],
         "bf16_true (nearest)": ["precision=bf16_true_nearest"],
-        "fp8 tensorwise": ["precision=fp8", "precision.fp8_recipe=tensorwise"],
-        "fp8 rowwise": ["precision=fp8", "precision.fp8_recipe=rowwise"],
-        "fp8 rowwise_with_gw_hp": ["precision=fp8", "precision.fp8_recipe=rowwise_with_gw_hp"],
+        "fp8 tensorwise": ["precision=fp8", "precision.options.recipe=tensorwise"],
+        "fp8 rowwise": ["precision=fp8", "precision.options.recipe=rowwise"],
+        "fp8 rowwise_with_gw_hp": ["precision=fp8", "precision.options.recipe=rowwise_with_gw_hp"],
     },
 }
 # On the CPU fp8 can only be emulated, and emulated runs are never timed.

@@ -39,7 +39,7 @@ import time
 import torch
 
 from amp_exp.build import build
-from amp_exp.config.precisions import plugin_of
+from amp_exp.config.precisions import get
 from amp_exp.config.preflight import run_config
 from amp_exp.forecast.forecast import forecast_run
 from amp_exp.tasks.blocks import model_blocks
@@ -78,7 +78,7 @@ def train(steps: int, overrides: list[str], planted_rate: float | None) -> list[
     built = build(run_config([*SMALL, *schedule, f"trainer.max_steps={steps}", *overrides]))
     if planted_rate is not None:
         plant_growth(built.model, planted_rate)
-        built.engine.signals.limits = Limits.of(plugin_of("fp16").spec)
+        built.engine.signals.limits = Limits.of(get("fp16").spec)
     rows: list[dict] = []
     built.engine.fit(rows.append)
     return rows

@@ -59,7 +59,7 @@ def inf_in_own_shard_at(engine: Engine, step: int, inject: bool, seen: dict) -> 
     """At optimizer step ``step``, after the gradients are reduced and before the scaler checks
     them, put an inf into this rank's shard of the first gradient (if ``inject``). ``seen`` gets
     what the rank saw then: whether its own shards were all finite."""
-    policy, parameters = engine.policy, engine.parameters
+    policy, parameters = engine.precision, engine.parameters
     real_unscale, calls = policy.unscale, 0
 
     def unscale_with_inf(optimizer):
@@ -132,7 +132,7 @@ def main() -> None:
         summary = real_train_built(cfg, built, *rest)
         # While the process group is open: every rank gathers each FSDP2 shard, in one order.
         final["model"] = {name: whole(value) for name, value in built.model.state_dict().items()}
-        final["scale"] = built.engine.policy.scale()
+        final["scale"] = built.engine.precision.scale()
         return summary
 
     run.build, run.train_built = build_with_faults, train_and_keep

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from amp_exp.config.precisions import plugin_of
+from amp_exp.config.precisions import get
 from amp_exp.training.signals import Limits, SignalCollector
 
 
@@ -26,7 +26,7 @@ def main(output_dir: Path) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)  # the same weights on both ranks, as DDP keeps them
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
-    collector = SignalCollector(Limits.of(plugin_of("fp16").spec)).attach(model)
+    collector = SignalCollector(Limits.of(get("fp16").spec)).attach(model)
     collector.arm()
     model(batch(rank))
     row = collector.collect()

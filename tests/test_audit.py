@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from amp_exp.config.precisions import spec_of
+from amp_exp.config.precisions import get
 from amp_exp.errors import ConfigError
 from amp_exp.run import build, train
 from amp_exp.training.audit import matmuls
@@ -138,10 +138,8 @@ def test_autocast_for_the_wrong_device_type_did_not_engage(
     run_cfg, tmp_path, caplog, monkeypatch
 ) -> None:
     """A runner that asks for CUDA autocast while the model runs on the CPU (Lightning #21815)."""
-    from amp_exp.training.precision import PrecisionPolicy
-
     monkeypatch.setattr(
-        PrecisionPolicy, "autocast", lambda self: torch.autocast("cuda", dtype=torch.bfloat16)
+        get("bf16"), "forward_context", lambda self: torch.autocast("cuda", dtype=torch.bfloat16)
     )
     with caplog.at_level(logging.WARNING, logger="amp_exp"):
         audit = train(run_cfg("precision=bf16", *TINY), tmp_path)["precision_audit"]
@@ -184,7 +182,7 @@ def test_converted_linears_without_a_float8_matmul_are_named() -> None:
     flops.flops[("fc1", FORWARD, "float8_e4m3fn")] = 100
     flops.flops[("fc2", FORWARD, "bfloat16")] = 100
     flops.flops[("fc2", BACKWARD, "bfloat16")] = 200
-    verdict = judge(spec_of("fp8"), flops, {}, converted=["fc1", "fc2"])
+    verdict = judge(get("fp8").spec, flops, {}, converted=["fc1", "fc2"])
     assert verdict.engaged is False
     assert verdict.shortfalls == [
         "1 of the 2 converted linears ran no float8_e4m3fn or float8_e5m2 matmul"

@@ -320,7 +320,8 @@ def test_a_requested_variant_is_named_in_the_reason(run_cfg) -> None:
         run_cfg("precision=bf16_true_nearest"), capability, workload, pass_trials
     )
     assert nearest.reason == (
-        "requested: precision=bf16_true_nearest (bf16_true, precision.stochastic_rounding=false)"
+        "requested: precision=bf16_true_nearest "
+        "(bf16_true, precision.options.stochastic_rounding=false)"
     )
     plain = resolve_precision(run_cfg("precision=bf16_true"), capability, workload, pass_trials)
     assert plain.reason == "requested: precision=bf16_true"

@@ -12,7 +12,7 @@ import torch
 
 import amp_exp.training.audit.step as audit_module
 from amp_exp.build import compiles
-from amp_exp.config.precisions import names, spec_of, specs
+from amp_exp.config.precisions import get, names
 from amp_exp.config.schema import SpeedConfig
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
@@ -24,13 +24,13 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def policy(precision: str, device: torch.device, timed: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(spec=spec_of(precision), device=device, timed=timed)
+    return SimpleNamespace(spec=get(precision).spec, device=device, timed=timed)
 
 
 def test_auto_compiles_fp8_on_cuda_only_and_true_or_false_always_win(run_cfg) -> None:
     auto = run_cfg(*TINY)
     assert auto.trainer.compile == "auto"
-    assert [spec.name for spec in specs() if spec.compile_on_cuda] == ["fp8"]
+    assert [name for name in names() if get(name).spec.compile_on_cuda] == ["fp8"]
     assert compiles(auto, policy("fp8", CUDA))
     # Emulated fp8 is never timed: nothing to gain from compiling it.
     assert not compiles(auto, policy("fp8", CUDA, timed=False))

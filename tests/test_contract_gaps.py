@@ -407,7 +407,7 @@ def test_an_installed_plugin_under_a_built_in_name_is_refused(entry_name, user_p
         f"[amp_exp.precisions]\n{entry_name} = impostor_precision:Impostor\n"
     )
     with pytest.raises(ConfigError, match=rf"^entry point {entry_name} \(impostor_precision:"):
-        precisions.plugin_of("bf16")
+        precisions.get("bf16")
 
 
 # -- 7. a plugin's state that no checkpoint keeps is caught at the first checkpoint --------------

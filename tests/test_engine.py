@@ -82,7 +82,7 @@ def test_accumulation_matches_one_big_batch(run_cfg) -> None:
 def test_accumulation_unscales_once_per_optimizer_step(run_cfg) -> None:
     cfg = run_cfg("precision=fp16", "trainer.grad_accum_steps=2", "trainer.max_steps=2", *TINY)
     built = build(cfg)
-    scaler = built.engine.policy.scaler
+    scaler = built.engine.precision.scaler
     unscales = []
     original = scaler.unscale_
     scaler.unscale_ = lambda optimizer: (unscales.append(1), original(optimizer))

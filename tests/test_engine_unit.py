@@ -14,8 +14,7 @@ from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 from amp_exp.training.callbacks import ORDER, StepCallback
 from amp_exp.training.engine import Engine
 from amp_exp.training.loop import LoopPlan
-from amp_exp.training.precision import PrecisionPolicy
-from amp_exp.training.precision_modes import to_bf16_true
+from amp_exp.training.precisions.base import create
 from amp_exp.training.rng import rng_state
 from amp_exp.training.stochastic_rounding import StochasticRoundingStep
 
@@ -78,7 +77,7 @@ def make_engine(steps: int) -> Engine:
     torch.manual_seed(0)
     model = nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    policy = PrecisionPolicy("fp32", PrecisionConfig(), CPU)
+    policy = create("fp32", PrecisionConfig(), CPU)
     plan = LoopPlan(total_steps=steps, log_every=5, timing_warmup_steps=1)
     return Engine(model, Regression(), Batches(), Batches(), optimizer, policy, plan)
 
@@ -129,9 +128,9 @@ def test_step_callbacks_run_in_the_stated_order_after_the_rounded_update() -> No
     update, so the diagnostics see the bf16 weights stochastic rounding put in place, not the
     optimizer's fp32 stand-ins."""
     torch.manual_seed(0)
-    model = to_bf16_true(nn.Linear(1, 1))
+    policy = create("bf16_true", PrecisionConfig(name="bf16_true"), CPU)
+    model = policy.convert_module(nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    policy = PrecisionPolicy("bf16_true", PrecisionConfig(name="bf16_true"), CPU)
     policy.rounding = StochasticRoundingStep()
     plan = LoopPlan(total_steps=2, log_every=2, timing_warmup_steps=1, eval_every=None)
     engine = Engine(model, Regression(), Batches(), None, optimizer, policy, plan)
@@ -191,7 +190,7 @@ def test_a_skipped_step_is_skipped_on_the_device_and_taken_back_from_the_schedul
     model = nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
-    policy = PrecisionPolicy("fp32", PrecisionConfig(), CPU, guard_nonfinite=True)
+    policy = create("fp32", PrecisionConfig(), CPU, guard_nonfinite=True)
     plan = LoopPlan(total_steps=5, log_every=5, timing_warmup_steps=1, eval_every=None)
     engine = Engine(
         model, Regression(), Batches(), None, optimizer, policy, plan, scheduler=schedule

@@ -422,7 +422,7 @@ def test_options_that_train_nothing_never_split_a_cell(tmp_path: Path) -> None:
         summary = write_run(tmp_path / job, "tiny_cnn", precision, 1000.0, 0.8)
         summary["config"] |= extra | {"checkpoint": {"every_steps": int(job)}}
         summary["config"]["trainer"] = {"log_every": 10 + int(job), "max_steps": 3}
-        summary["config"]["precision"]["stochastic_rounding"] = False
+        summary["config"]["precision"]["options"] = {"stochastic_rounding": False}
         (tmp_path / job / "summary.json").write_text(json.dumps(summary))
     report = build_report([tmp_path], tmp_path)
     assert rows_by_run(report)["1"]["baseline"] == "0"
@@ -431,7 +431,7 @@ def test_options_that_train_nothing_never_split_a_cell(tmp_path: Path) -> None:
     # report.json names the precision as a user passes it back, the label apart.
     assert (comparison["precision"], comparison["precision_options"], comparison["label"]) == (
         "bf16_true",
-        {"stochastic_rounding": False},
+        {"options": {"stochastic_rounding": False}},
         "bf16_true (nearest)",
     )
     summary = json.loads((tmp_path / "1" / "summary.json").read_text())

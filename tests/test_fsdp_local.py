@@ -90,8 +90,8 @@ def test_the_policy_follows_the_precision_and_reduce_dtype_overrides_it():
             [
                 "precision=fp8",
                 "precision.emulate=true",
-                "precision.fp8_recipe=rowwise_with_gw_hp",
-                "precision.fp8_skip_small=true",
+                "precision.options.recipe=rowwise_with_gw_hp",
+                "precision.options.skip_small=true",
             ],
             "no size thresholds",
         ),

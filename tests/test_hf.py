@@ -248,7 +248,7 @@ def test_emulated_fp8_converts_the_llamas_linear_layers_by_their_transformers_na
     details = summary["precision_details"]
     assert "hf.model.layers.1.mlp.down_proj" in details["converted_linears"]
     assert "hf.model.layers.0.self_attn.q_proj" in details["converted_linears"]
-    assert details["skipped_linears"] == {"hf.lm_head": "precision.fp8_skip: hf.lm_head"}
+    assert details["skipped_linears"] == {"hf.lm_head": "precision.options.skip: hf.lm_head"}
 
 
 def test_activation_checkpointing_recomputes_decoder_layers_and_changes_no_result(hf_cfg, tmp_path):

@@ -72,10 +72,10 @@ def test_kept_modules_compute_in_fp32_in_every_mode(compose_cfg, precision) -> N
     built = build(validate(compose_cfg(*overrides, fast=False)))
     engine = built.engine
     with linear_dtypes(built.model) as seen:
-        with engine.policy.autocast():
+        with engine.precision.forward_context():
             loss = engine.task.loss(engine.model, engine.task.to_device(next(iter(engine.data))))
-        engine.policy.backward(loss)
-    assert engine.policy.summary()["keep_fp32_modules"] == ["blocks.0.mlp"]
+        engine.precision.backward(loss)
+    assert engine.precision.summary_fields()["keep_fp32_modules"] == ["blocks.0.mlp"]
     for name, (output, weight, kind) in seen.items():
         if name in KEPT:
             assert (output, weight, kind) == (torch.float32, torch.float32, "Linear"), name
@@ -84,7 +84,7 @@ def test_kept_modules_compute_in_fp32_in_every_mode(compose_cfg, precision) -> N
     grads = {name: p.grad.dtype for name, p in built.model.named_parameters()}
     assert grads["blocks.0.mlp.fc.weight"] == torch.float32
     if precision == "fp8":
-        assert engine.policy.plugin.conversion.skipped["blocks.0.mlp.fc"] == "precision.keep_fp32"
+        assert engine.precision.conversion.skipped["blocks.0.mlp.fc"] == "precision.keep_fp32"
         assert seen["blocks.1.mlp.fc"][2] == "Float8Linear"
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from torchao.prototype.mx_formats.config import ScaleCalculationMode
 
 from amp_exp.config.precisions import DType
+from amp_exp.config.schema import PrecisionConfig
 from amp_exp.training.audit.matmuls import MatmulRecorder
 from amp_exp.training.microscaling.formats import (
     hadamard_rotation,
@@ -17,6 +18,7 @@ from amp_exp.training.microscaling.formats import (
     round_e2m1_stochastically,
 )
 from amp_exp.training.microscaling.linear import MicroscalingLinear, Recipe, replacement
+from amp_exp.training.precisions.base import create
 
 F = DType
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -191,3 +193,32 @@ def test_the_layer_runs_in_the_autocast_dtype_and_keeps_its_parameters() -> None
 def test_nvfp4_only_switches_are_refused_on_mx() -> None:
     with pytest.raises(ValueError, match="NVFP4"):
         Recipe(F.mxfp4, F.mxfp4, stochastic_gradients=True)
+
+
+@pytest.mark.parametrize(
+    ("precision", "options", "expected"),
+    [
+        ("mxfp8", {}, Recipe(F.mxfp8_e4m3, F.mxfp8_e4m3)),
+        (
+            "mxfp8",
+            {"e5m2_gradients": True, "scale_mode": "floor", "wgrad_high_precision": True},
+            Recipe(
+                F.mxfp8_e4m3,
+                F.mxfp8_e5m2,
+                ScaleCalculationMode.FLOOR,
+                wgrad_high_precision=True,
+            ),
+        ),
+        ("mxfp4", {"scale_mode": "even"}, Recipe(F.mxfp4, F.mxfp4, ScaleCalculationMode.EVEN)),
+        (
+            "nvfp4",
+            {"weight_tiles": False},
+            Recipe(F.nvfp4, F.nvfp4, hadamard_wgrad=True, stochastic_gradients=True),
+        ),
+    ],
+)
+def test_each_format_s_options_reach_its_recipe(precision, options, expected) -> None:
+    """The recipe is built from the options by their names: one dropped (mxfp8's E5M2
+    gradients, a scale mode, nvfp4's tiles) would train another recipe under its name."""
+    cfg = PrecisionConfig(name=precision, emulate=True, options=options)
+    assert create(precision, cfg, torch.device("cpu")).recipe() == expected

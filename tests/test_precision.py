@@ -1,5 +1,5 @@
-"""PrecisionPolicy: the scaler exists only for fp16, and the AMP step sequence is right; the rules
-precision=auto decides by, and the requests the hardware refuses."""
+"""The plugin base's AMP step: the scaler exists only for fp16, and the sequence is right; the
+rules precision=auto decides by, and the requests the hardware refuses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from amp_exp.capability.device import check_request
 from amp_exp.config.schema import AdamWConfig, PrecisionConfig, SGDConfig
 from amp_exp.errors import ConfigError
 from amp_exp.training.optim import build_optimizer
-from amp_exp.training.precision import Gradients, PrecisionPolicy
+from amp_exp.training.precisions.base import Gradients, PrecisionPlugin, create
 from helpers.probes import capability_with
 
 CPU = torch.device("cpu")
@@ -22,11 +22,11 @@ def tiny_setup(precision: str, fused: bool = False, **knobs):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
-    policy = PrecisionPolicy(precision, PrecisionConfig(name=precision, **knobs), CPU)
+    policy = create(precision, PrecisionConfig(name=precision, **knobs), CPU)
     return model, optimizer, policy
 
 
-def step(policy: PrecisionPolicy, optimizer, model, want_grad_norm: bool = False) -> Gradients:
+def step(policy: PrecisionPlugin, optimizer, model, want_grad_norm: bool = False) -> Gradients:
     """The optimizer's end of Engine.train_step: unscale -> clip -> step -> update."""
     policy.unscale(optimizer)
     gradients = policy.clip(list(model.parameters()), want_grad_norm)
@@ -37,7 +37,7 @@ def step(policy: PrecisionPolicy, optimizer, model, want_grad_norm: bool = False
 
 def forward_backward(model, policy, loss_factor: float = 1.0) -> torch.Tensor:
     inputs, targets = torch.randn(32, 8), torch.randint(4, (32,))
-    with policy.autocast():
+    with policy.forward_context():
         logits = model(inputs)
         loss = nn.functional.cross_entropy(logits, targets) * loss_factor
     policy.backward(policy.scaled(loss))
@@ -125,7 +125,7 @@ def test_a_fused_optimizer_skips_a_nonfinite_step_on_the_device(cfg) -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         optimizer, _ = build_optimizer(cfg, model, CPU)
-        policy = PrecisionPolicy(fp32, PrecisionConfig(name=fp32), CPU, guard_nonfinite=True)
+        policy = create(fp32, PrecisionConfig(name=fp32), CPU, guard_nonfinite=True)
         for factor in loss_factors:
             torch.manual_seed(1)  # the same batch every step
             forward_backward(model, policy, loss_factor=factor)

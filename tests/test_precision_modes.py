@@ -22,7 +22,8 @@ from amp_exp.results.resume import config_changes
 from amp_exp.run import train
 from amp_exp.tasks.gpt import GPT
 from amp_exp.tasks.vision_models import TinyCNN
-from amp_exp.training.precision_modes import plan_fp8, to_bf16_true
+from amp_exp.training.linears import plan_linears
+from amp_exp.training.precisions.base import LinearOptions, create
 from amp_exp.training.precisions.fp8 import require_fp8_hardware
 from amp_exp.training.stochastic_rounding import (
     StochasticRoundingStep,
@@ -149,7 +150,8 @@ def test_the_step_count_of_a_0d_parameter_is_not_rounded_to_bf16() -> None:
 
 
 def test_bf16_true_model_keeps_norm_layers_fp32_and_hands_back_fp32_logits() -> None:
-    model = to_bf16_true(TinyCNN(3, 10, width=4))
+    bf16_true = create("bf16_true", PrecisionConfig(name="bf16_true"), torch.device("cpu"))
+    model = bf16_true.convert_module(TinyCNN(3, 10, width=4))
     assert model.features[0].weight.dtype == torch.bfloat16
     assert model.head.weight.dtype == torch.bfloat16
     norm = model.features[1]
@@ -164,16 +166,16 @@ def test_fp8_keeps_linears_in_bf16_by_name_and_shape_and_says_why() -> None:
     """GPT's first linear is blocks.0.attn.qkv, which converts like any block's; its output
     head is kept by name. torchao's size thresholds keep all of a tiny model's."""
     model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=16), vocab_size=120)
-    plan = plan_fp8(model, PrecisionConfig().fp8_skip)
+    plan = plan_linears(model, LinearOptions().skip)
     blocks = [f"blocks.{i}.{name}" for i in (0, 1) for name in BLOCK_LINEARS]
     assert plan.converted == blocks
-    assert plan.skipped == {"lm_head": "precision.fp8_skip: lm_head"}
+    assert plan.skipped == {"lm_head": "precision.options.skip: lm_head"}
 
     model.blocks[1].mlp.fc = nn.Linear(64, 200)
-    plan = plan_fp8(model, ["blocks.0.*"], skip_small_for="tensorwise")
+    plan = plan_linears(model, ["blocks.0.*"], skip_small_for="tensorwise")
     assert plan.converted == []
     assert plan.skipped == {
-        **{name: "precision.fp8_skip: blocks.0.*" for name in blocks[:4]},
+        **{name: "precision.options.skip: blocks.0.*" for name in blocks[:4]},
         "blocks.1.attn.qkv": "64x192 below torchao's tensorwise size thresholds",
         "blocks.1.attn.proj": "64x64 below torchao's tensorwise size thresholds",
         "blocks.1.mlp.fc": "64x200 not multiples of 16",
@@ -197,7 +199,7 @@ def test_fp8_without_fp8_hardware_is_refused_unless_emulated() -> None:
 
 
 def test_fp8_without_torchao_names_the_extra_to_install(run_cfg, compose_cfg, monkeypatch) -> None:
-    monkeypatch.setattr("amp_exp.training.precisions.fp8.find_spec", lambda name: None)
+    monkeypatch.setattr("amp_exp.training.precisions.base.find_spec", lambda name: None)
     with pytest.raises(ConfigError) as error:
         validate(compose_cfg("precision=fp8", "precision.emulate=true"))
     assert str(error.value) == (
@@ -226,11 +228,13 @@ def test_bf16_true_and_fp8_checkpoints_do_not_resume_in_another_precision() -> N
             {"precision": {"name": saved}}, {"precision": {"name": current}}
         )
         assert refused == [f'precision.name: "{saved}" -> "{current}"']
-    knob = {"precision": {"name": "bf16_true", "stochastic_rounding": False}}
+    knob = {"precision": {"name": "bf16_true", "options": {"stochastic_rounding": False}}}
     assert config_changes(knob, knob)[0] == []
     # Rounding to nearest instead is another experiment (results/resume.MAY_CHANGE).
-    nearest = {"precision": {"name": "bf16_true", "stochastic_rounding": True}}
-    assert config_changes(knob, nearest)[0] == ["precision.stochastic_rounding: false -> true"]
+    nearest = {"precision": {"name": "bf16_true", "options": {"stochastic_rounding": True}}}
+    assert config_changes(knob, nearest)[0] == [
+        "precision.options.stochastic_rounding: false -> true"
+    ]
 
 
 # --- training -----------------------------------------------------------------------------------
@@ -307,7 +311,7 @@ def test_report_names_the_stall_and_compares_every_mode_with_fp32(stall_runs, tm
     stale = stall_runs["nearest"][1]["stale_weight_frac"]
     stall = (
         f"{stale:.0%} of weights did not move over the last interval: updates round away in "
-        "bf16; use precision.stochastic_rounding=true"
+        "bf16; use precision.options.stochastic_rounding=true"
     )
     (nearest,) = [v for v in report["verdicts"] if v.startswith("mlp: bf16_true (nearest)")]
     assert stall in nearest
@@ -321,7 +325,7 @@ def test_emulated_fp8_trains_with_a_falling_loss_and_is_never_timed(
     run_cfg, tmp_path, recipe
 ) -> None:
     cfg = run_cfg(
-        f"precision.fp8_recipe={recipe}",
+        f"precision.options.recipe={recipe}",
         "model=mlp",
         "model.hidden_dim=64",
         "model.depth=3",

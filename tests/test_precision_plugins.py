@@ -48,21 +48,17 @@ class Options:
 
 class Halfway(PrecisionPlugin):
     Options = Options
+    # What differs from fp32's facts (PrecisionSpec's defaults).
     spec = PrecisionSpec(
         name="halfway",
-        compute_dtype=DType.bfloat16,
-        autocast_dtype=DType.bfloat16,
-        weight_dtype=DType.float32,
-        optimizer_state_dtype=DType.float32,
-        grad_scaler=False,
-        peak_math="bf16",
-        probed_as="halfway",
-        reduce_dtype=DType.float32,
-        fsdp_param_dtype=None,
-        strategies=frozenset({Strategy.ddp}),
-        engaged=Engagement(0.5, (DType.bfloat16,)),
         order=10,
         colour="#123456",
+        compute_dtype=DType.bfloat16,
+        autocast_dtype=DType.bfloat16,
+        peak_math="bf16",
+        probed_as="halfway",
+        strategies=frozenset({Strategy.ddp}),
+        engaged=Engagement(0.5, (DType.bfloat16,)),
         auto_candidate=True,
         rankable=True,
     )
@@ -163,7 +159,7 @@ def test_its_options_are_typed_and_checked_before_torch_loads(plugin_package) ->
     torch is never imported; from the command line the refusal is that line and exit 2."""
     check = (
         "import sys\n"
-        "from amp_exp.config.precision_checks import validate_precision\n"
+        "from amp_exp.config.precisions import validate_precision\n"
         "from amp_exp.config.schema import PrecisionConfig, TrainerConfig\n"
         "from amp_exp.errors import ConfigError\n"
         f"cfg = PrecisionConfig(name={NAME!r}, _target_={TARGET!r}, "
@@ -202,4 +198,4 @@ def test_an_installed_package_s_entry_point_registers_it_by_name(plugin_package,
     monkeypatch.setattr(precisions, "_plugins", {})
     monkeypatch.setattr(precisions, "_found", set())
     assert precisions.names()[-1] == NAME
-    assert precisions.spec_of(NAME).colour == "#123456"
+    assert precisions.get(NAME).spec.colour == "#123456"

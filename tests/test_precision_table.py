@@ -12,12 +12,12 @@ import torch
 
 from amp_exp.capability.probe import KERNELS
 from amp_exp.config import precisions
-from amp_exp.config.precisions import DType, names, plugin_of, spec_of
+from amp_exp.config.precisions import REFERENCE, DType, get, names
 from amp_exp.config.schema import PrecisionConfig, Strategy
 from amp_exp.errors import ConfigError
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.training.flops import peak_math
-from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.precisions.base import create
 from helpers.probes import capability_with
 
 CPU = torch.device("cpu")
@@ -26,9 +26,9 @@ MODES = list(names())
 
 def test_every_mode_has_one_row_and_auto_has_none() -> None:
     assert set(MODES) == {"fp32", "bf16", "fp16", "bf16_true", "fp8", "mxfp8", "mxfp4", "nvfp4"}
-    assert all(spec_of(mode).name == mode for mode in MODES)
+    assert all(get(mode).spec.name == mode for mode in MODES)
     with pytest.raises(ValueError, match="resolve precision=auto first"):
-        spec_of("auto")
+        get("auto")
 
 
 def test_the_table_imports_no_torch_and_names_dtypes_as_torch_does() -> None:
@@ -59,12 +59,12 @@ DOCUMENTED = {
 @pytest.mark.parametrize("mode", list(DOCUMENTED))
 def test_each_mode_computes_stores_and_scales_as_documented(mode: str) -> None:
     computes, stores, scales, reduces = DOCUMENTED[mode]
-    policy = PrecisionPolicy(mode, PrecisionConfig(name=mode), CPU)
-    model = policy.prepare_model(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    policy = create(mode, PrecisionConfig(name=mode), CPU)
+    model = policy.convert_module(torch.nn.Sequential(torch.nn.Linear(16, 16)))
     linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
     seen = []
     linear.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
-    with policy.autocast():
+    with policy.forward_context():
         model(torch.randn(4, 16))
     assert seen == [computes]
     assert linear.weight.dtype == stores
@@ -74,7 +74,7 @@ def test_each_mode_computes_stores_and_scales_as_documented(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_probe_and_the_datasheet_peak_read_the_row(mode: str) -> None:
-    spec = spec_of(mode)
+    spec = get(mode).spec
     assert peak_math(mode, tf32=False) == spec.peak_math
 
 
@@ -82,14 +82,14 @@ def test_pure_bf16_reaches_the_same_datasheet_peak_as_bf16() -> None:
     # They once disagreed: the measured peak counted bf16_true as bf16, the datasheet had no
     # "bf16_true" entry, so a bf16_true run had mfu null and mfu_measured set.
     assert peak_math("bf16_true", tf32=True) == peak_math("bf16", tf32=True)
-    assert spec_of("bf16_true").probed_as == spec_of("bf16").probed_as
+    assert get("bf16_true").spec.probed_as == get("bf16").spec.probed_as
 
 
 def test_a_changed_row_changes_every_reader(monkeypatch, run_cfg) -> None:
     """Changing a mode is one row: the policy, FSDP2's dtypes, the probe, the datasheet peak and
     the strategy check each follow every field changed (caught: a reader with its own copy)."""
     changed = dataclasses.replace(
-        spec_of("bf16"),
+        get("bf16").spec,
         compute_dtype=DType.float16,
         autocast_dtype=DType.float16,
         grad_scaler=True,
@@ -99,10 +99,10 @@ def test_a_changed_row_changes_every_reader(monkeypatch, run_cfg) -> None:
         peak_math="fp16",
         strategies=frozenset({Strategy.ddp}),
     )
-    monkeypatch.setattr(plugin_of("bf16"), "spec", changed)
-    policy = PrecisionPolicy("bf16", PrecisionConfig(), CPU)
-    assert policy.scaler is not None and policy.dtype == torch.float16
-    with policy.autocast():
+    monkeypatch.setattr(get("bf16"), "spec", changed)
+    policy = create("bf16", PrecisionConfig(), CPU)
+    assert policy.scaler is not None and policy.spec.compute_dtype.torch == torch.float16
+    with policy.forward_context():
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float16
     cast = ShardingDtypes.for_precision("bf16", None, cast_params=True)
     assert (cast.param, cast.reduce) == ("fp16", "bf16")
@@ -115,7 +115,7 @@ def test_a_changed_row_changes_every_reader(monkeypatch, run_cfg) -> None:
         run_cfg("precision=bf16", "trainer.strategy=fsdp2")
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if Strategy.fsdp2 not in spec_of(m).strategies])
+@pytest.mark.parametrize("mode", [m for m in MODES if Strategy.fsdp2 not in get(m).spec.strategies])
 def test_a_strategy_the_row_does_not_list_is_refused_with_the_valid_ones(mode, run_cfg) -> None:
     overrides = [f"precision={mode}", "trainer.strategy=fsdp2"]
     if mode == "fp8":
@@ -244,6 +244,44 @@ def test_no_module_but_the_plugins_branches_on_a_precision_s_name() -> None:
         for line in branches_in(path.read_text(), known)
     ]
     assert not branches, branches
+
+
+# Where "fp32" is written out and is not the reference precision: the registry that defines it and
+# the dtypes' short names, the schema (ReduceDtype's dtype; a command's defaults, below the
+# registry), other libraries' names translated to amp_exp's, and the datasheets' math names.
+REFERENCE_LITERALS = {
+    "config/precisions.py",
+    "config/schema.py",
+    "integrations/lightning.py",
+    "integrations/transformers.py",
+    *NOT_PRECISIONS,
+}
+
+
+def reference_literals(source: str) -> list[int]:
+    """The lines holding the reference precision's name as a string constant."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and node.value == REFERENCE
+    ]
+
+
+def test_the_reference_is_the_registrys_constant_outside_the_plugins() -> None:
+    """A module that wrote "fp32" where it means the baseline every precision is compared with
+    would miss a change of the reference; it reads ``REFERENCE``."""
+    found = [
+        f"{where}:{line}"
+        for root in (PACKAGE, PACKAGE.parent / "hydra_plugins")
+        for path in sorted(root.rglob("*.py"))
+        if not (where := path.relative_to(root.parent).as_posix()).startswith(
+            "amp_exp/training/precisions/"
+        )
+        and where.removeprefix("amp_exp/") not in REFERENCE_LITERALS
+        for line in reference_literals(path.read_text())
+    ]
+    assert not found, found
+    assert reference_literals('BASELINE = "fp32"\nx = REFERENCE\n') == [1]
 
 
 def test_the_branch_search_finds_a_planted_branch_on_a_name() -> None:

@@ -7,7 +7,6 @@ import copy
 
 import pytest
 
-from amp_exp.config.schema import Fp8Recipe
 from amp_exp.config.values import validate
 from amp_exp.predict.devices import PREDICTABLE
 from amp_exp.predict.predict import predict_trace
@@ -24,6 +23,7 @@ from amp_exp.predict.roofline import (
     traced_costs,
 )
 from amp_exp.predict.trace import Op, trace_step
+from amp_exp.training.precisions.fp8 import Fp8Recipe
 from helpers.runs import FAST_TRAINER, composed
 
 H100 = PREDICTABLE["h100"]
@@ -59,7 +59,8 @@ def wide():
 
 def with_recipe(cfg, recipe: str):
     cfg = copy.deepcopy(cfg)
-    cfg.precision.fp8_recipe = Fp8Recipe(recipe)
+    cfg.precision.name = "fp8"
+    cfg.precision.options = {"recipe": recipe}
     return cfg
 
 
@@ -108,7 +109,7 @@ def test_rowwise_with_gw_hp_costs_its_weight_gradient_gemm_in_bf16(wide) -> None
 def test_each_recipe_changes_the_prediction_in_torchaos_order(wide) -> None:
     """At Llama-3 8B's widths: tensorwise fastest, rowwise slower (twice the amax passes and the
     backward's rescale), rowwise_with_gw_hp's scaling cheaper than rowwise's (X and dY cast
-    once) but its step slower than tensorwise's (a bf16 GEMM). Caught: precision.fp8_recipe
+    once) but its step slower than tensorwise's (a bf16 GEMM). Caught: precision.options.recipe
     ignored, or gw_hp's casts costed as rowwise's."""
     cfg, trace = wide
     steps = {}
@@ -144,7 +145,7 @@ def test_a_block_scaled_format_casts_twice_without_an_amax_pass_whatever_the_rec
     """MXFP8 scales each 32-element block from its own amax inside the cast, along each GEMM's
     reduction axis: two casts per operand, each reading it (compiled too, as torchao's roofline
     takes them), no amax pass, and fp8_recipe (torchao float8's) does not apply. Caught: MXFP8
-    costed with tensorwise fp8's amax pass and fused casts, or moved by precision.fp8_recipe."""
+    costed with tensorwise fp8's amax pass and fused casts, or moved by fp8's recipe."""
     cfg, trace = wide
     mx = setting(cfg, trace, "mxfp8")
     assert mx.block_scaled and mx.compiled

@@ -88,7 +88,7 @@ def test_a_mode_that_stalls_training_is_worse_than_fp32(tmp_path: Path) -> None:
     (comparison,) = report["comparisons"]
     assert (comparison["precision"], comparison["n"]) == ("bf16_true", 3)
     assert comparison["label"] == "bf16_true (nearest)"
-    assert comparison["precision_options"] == {"stochastic_rounding": False}
+    assert comparison["precision_options"] == {"options": {"stochastic_rounding": False}}
     assert comparison["verdict"] == "worse"
     assert comparison["delta_ci95"][1] < -comparison["tolerance"]
     (line,) = report["verdicts"]

@@ -566,8 +566,8 @@ def test_emulated_fp8_shows_as_not_timed_and_mode_variants_share_the_fp32_baseli
 ) -> None:
     write_run(tmp_path / "0", "mlp", "fp32", 1000.0, 0.8)
     for job, precision, knobs, extra in [
-        ("1", "fp8", {"fp8_recipe": "rowwise", "emulate": True}, {}),
-        ("2", "bf16_true", {"stochastic_rounding": True}, {"stale_weight_frac": 0.01}),
+        ("1", "fp8", {"options": {"recipe": "rowwise"}, "emulate": True}, {}),
+        ("2", "bf16_true", {"options": {"stochastic_rounding": True}}, {"stale_weight_frac": 0.01}),
     ]:
         path = tmp_path / job
         summary = write_run(path, "mlp", precision, 0.0, 0.8) | extra
@@ -584,9 +584,9 @@ def test_emulated_fp8_shows_as_not_timed_and_mode_variants_share_the_fp32_baseli
     rows = rows_by_run(report)
     # The name a user passes back, its options, and the label the report shows.
     assert rows["1"]["precision"] == "fp8"
-    assert rows["1"]["precision_options"] == {"emulate": True, "fp8_recipe": "rowwise"}
+    assert rows["1"]["precision_options"] == {"emulate": True, "options": {"recipe": "rowwise"}}
     assert rows["1"]["label"] == "fp8 (rowwise, emulated)"
-    assert rows["2"]["precision_options"] == {"stochastic_rounding": True}
+    assert rows["2"]["precision_options"] == {"options": {"stochastic_rounding": True}}
     assert [c["precision"] for c in report["comparisons"]] == ["bf16_true", "fp8"]
     assert rows["1"]["baseline"] == rows["2"]["baseline"] == "0"
     assert rows["1"]["setting"] == ""

@@ -199,7 +199,7 @@ def test_emulated_fp8_ranks_its_float8_linears_below_those_it_keeps_in_bf16(
         validate(compose_cfg(*overrides, "sensitivity.batches=1", fast=False)), tmp_path
     )
     sqnr = {m["name"]: m["fp8"]["output_sqnr_db"] for m in report["modules"]}
-    # The output head stays bf16 (precision.fp8_skip): 8 bits, not 3.
+    # The output head stays bf16 (precision.options.skip): 8 bits, not 3.
     in_bf16 = sqnr["lm_head"]
     float8 = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.1.mlp.proj"]
     assert all(sqnr[name] < in_bf16 - 10 for name in float8)
@@ -417,11 +417,11 @@ def test_a_module_that_works_in_place_is_measured_on_its_recorded_inputs() -> No
     from amp_exp.config.schema import PrecisionConfig
     from amp_exp.sensitivity.measure import measure_module
     from amp_exp.sensitivity.reference import ModuleCall
-    from amp_exp.training.precision import PrecisionPolicy
+    from amp_exp.training.precisions.base import create
 
     x = torch.tensor([-1.0, 2.0, -3.0, 4.0], requires_grad=True)
     call = ModuleCall((x,), {}, batch=0, grad_output=torch.ones(4))
-    policy = PrecisionPolicy("bf16", PrecisionConfig(), torch.device("cpu"))
+    policy = create("bf16", PrecisionConfig(), torch.device("cpu"))
     relu = torch.nn.ReLU(inplace=True)
     error = measure_module("act", relu, relu, [call], policy, 1.0, seed=0)
     assert torch.equal(x, torch.tensor([-1.0, 2.0, -3.0, 4.0]))

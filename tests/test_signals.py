@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_exp.config.precisions import plugin_of
+from amp_exp.config.precisions import get
 from amp_exp.config.values import validate
 from amp_exp.run import build
 from amp_exp.training.signals import Limits, SignalCollector, attention_logit_max
@@ -47,22 +47,18 @@ class Tiny(nn.Module):
         return self.head(x)
 
 
-def spec_of(name: str):
-    return plugin_of(name).spec
-
-
 def fp16_collector(model: nn.Module) -> SignalCollector:
-    return SignalCollector(Limits.of(spec_of("fp16"))).attach(model)
+    return SignalCollector(Limits.of(get("fp16").spec)).attach(model)
 
 
 def test_limits_come_from_the_precisions_formats() -> None:
     """fp16 reads 65504, fp8's converted linears e4m3's 448, bf16 its own range: a wrong
     format (the compute dtype for fp8) would make fp8's activations look 146x safer."""
-    assert Limits.of(spec_of("fp16")).format_max == 65504.0
-    assert Limits.of(spec_of("fp8")).format_max == 448.0
-    assert Limits.of(spec_of("bf16")).format_max == torch.finfo(torch.bfloat16).max
+    assert Limits.of(get("fp16").spec).format_max == 65504.0
+    assert Limits.of(get("fp8").spec).format_max == 448.0
+    assert Limits.of(get("bf16").spec).format_max == torch.finfo(torch.bfloat16).max
     # A key scored 0 gets weight exp(-limit): fp16's smallest subnormal, 2^-24.
-    assert Limits.of(spec_of("fp16")).attn_logit_limit == pytest.approx(24 * math.log(2))
+    assert Limits.of(get("fp16").spec).attn_logit_limit == pytest.approx(24 * math.log(2))
 
 
 def test_attention_logit_max_is_the_largest_unmasked_scaled_score() -> None:

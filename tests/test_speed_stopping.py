@@ -86,7 +86,7 @@ def test_the_rounds_a_trial_takes_depend_on_how_noisy_its_ratios_are(run_cfg, mo
 
     def tagged_step(built):
         step = real_step(built)
-        if built.engine.policy.precision == "fp32":
+        if built.engine.precision.spec.name == "fp32":
             fp32_steps.add(id(step))
         return step
 

@@ -19,8 +19,9 @@ from amp_exp.sensitivity.command import run_sensitivity
 from amp_exp.sensitivity.ranges import OpFault
 from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.training.audit.matmuls import flops_by_module
+from amp_exp.training.linears import plan_linears
 from amp_exp.training.microscaling.convert import plan as block_scaled_plan
-from amp_exp.training.precision_modes import float8_conv1d, plan_fp8
+from amp_exp.training.precisions.fp8 import float8_conv1d
 from helpers.runs import FAST_TRAINER, composed
 from helpers.user_code import (
     make_multihead_attention_lm,
@@ -428,18 +429,21 @@ def test_fp8_under_fsdp2_is_labelled_as_what_amp_exp_does_not_train() -> None:
 
 
 def test_the_rowwise_recipe_costs_more_casts_than_tensorwise() -> None:
-    """fp8_recipe did not change the prediction."""
+    """fp8's recipe did not change the prediction."""
     times = {
-        recipe: predicted("predict.devices=[h100]", f"precision.fp8_recipe={recipe}")["h100"][
-            "precisions"
-        ]["fp8"]["casts_s"]
+        recipe: predicted(
+            "predict.devices=[h100]",
+            "precision=fp8",
+            "precision.emulate=true",
+            f"precision.options.recipe={recipe}",
+        )["h100"]["precisions"]["fp8"]["casts_s"]
         for recipe in ("tensorwise", "rowwise")
     }
     assert times["rowwise"] > times["tensorwise"]
 
 
 def test_each_record_gives_the_share_of_matmul_flops_its_format_covers() -> None:
-    """fp8 converts gpt_tiny's linears but its output head (precision.fp8_skip): below 1."""
+    """fp8 converts gpt_tiny's linears but its output head (precision.options.skip): below 1."""
     rows = predicted("predict.devices=[h100]")["h100"]["precisions"]
     assert rows["bf16"]["format_flop_share"] == 1.0
     assert 0.3 < rows["fp8"]["format_flop_share"] < 1.0
@@ -448,7 +452,7 @@ def test_each_record_gives_the_share_of_matmul_flops_its_format_covers() -> None
 def test_fp8_leaves_multihead_attentions_out_proj_which_it_never_calls_as_a_layer() -> None:
     """Converted, out_proj would hold a Float8Linear whose forward never runs: its matmul
     would stay bf16 under fp8's name (the audit's "converted linear without a float8 matmul")."""
-    plan = plan_fp8(make_torch_encoder_lm(16, 8, width=32), skip=[])
+    plan = plan_linears(make_torch_encoder_lm(16, 8, width=32), skip=[])
     assert "encoder.layers.0.self_attn.out_proj" in plan.skipped
     assert "encoder.layers.0.linear1" in plan.converted
 

@@ -37,7 +37,7 @@ from amp_exp.config.precisions import (
     REFERENCE,
     ResolvedPrecision,
     auto_candidates,
-    plugin_of,
+    get,
 )
 from amp_exp.config.schema import PrecisionConfig, RunConfig
 from amp_exp.report.words import show_speedup
@@ -45,7 +45,7 @@ from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.tasks.workload import Workload
-from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.precisions.base import PrecisionPlugin, create
 
 log = logging.getLogger("amp_exp")
 
@@ -79,7 +79,7 @@ def resolve_precision(
 
 def variant_name(precision: PrecisionConfig) -> str:
     """The precision as conf/precision/ names it, however it was asked for (its plugin's)."""
-    return plugin_of(precision.name).variant_name(precision)
+    return get(precision.name).variant_name(precision)
 
 
 def choose(
@@ -204,12 +204,12 @@ def time_candidates(
     Leaves no trace: no ``.grad`` written, and generators, buffers and modes restored.
     """
     device = next(model.parameters()).device
-    policies = {p: PrecisionPolicy(p, PrecisionConfig(name=p), device) for p in candidates}
+    plugins = {p: create(p, PrecisionConfig(name=p), device) for p in candidates}
     parameters = [p for p in model.parameters() if p.requires_grad]
 
-    def pass_of(policy: PrecisionPolicy) -> Callable[[], object]:
+    def pass_of(plugin: PrecisionPlugin) -> Callable[[], object]:
         def forward_backward() -> object:
-            with policy.autocast():
+            with plugin.forward_context():
                 loss = task.loss(model, batch)
             return torch.autograd.grad(loss, parameters, allow_unused=True)
 
@@ -217,4 +217,4 @@ def time_candidates(
 
     with leaves_no_trace(model):
         model.train()
-        return measure({p: pass_of(policy) for p, policy in policies.items()}, device)
+        return measure({p: pass_of(plugin) for p, plugin in plugins.items()}, device)

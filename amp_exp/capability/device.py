@@ -26,10 +26,9 @@ from amp_exp.config.precisions import (
     REFERENCE,
     PluginHook,
     ResolvedPrecision,
-    plugin_of,
+    get,
+    names,
     probed_low,
-    spec_of,
-    specs,
 )
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.errors import ConfigError
@@ -66,7 +65,7 @@ def check_request(requested: str, device: torch.device, cfg: PrecisionConfig) ->
     candidates are those the device runs."""
     if requested == AUTO:
         return
-    spec = spec_of(requested)
+    spec = get(requested).spec
     if (
         spec.needs_native_bf16
         and device.type == "cuda"
@@ -77,7 +76,7 @@ def check_request(requested: str, device: torch.device, cfg: PrecisionConfig) ->
             f"8.0+), but {torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or "
             "precision=fp32"
         )
-    plugin = plugin_of(spec.name)
+    plugin = get(spec.name)
     with PluginHook(plugin, "check_device"):
         plugin.check_device(device, cfg)
 
@@ -86,7 +85,7 @@ def unprobed_verdicts(device: torch.device) -> dict[str, str]:
     """The precisions the probe does not time (fp8, the block-scaled formats): whether
     ``device`` runs them for real or, from their own check, what it lacks."""
     found = {}
-    for spec in specs():
+    for spec in (get(name).spec for name in names()):
         if spec.probed_as is not None:
             continue
         try:
@@ -157,9 +156,9 @@ def recommend(trials: Mapping[str, Found]) -> tuple[str, str]:
     plain = [
         p
         for p in faster
-        if not spec_of(p).grad_scaler and p != best and trial_interval(faster[p])[1] >= low
+        if not get(p).spec.grad_scaler and p != best and trial_interval(faster[p])[1] >= low
     ]
-    chosen = plain[0] if spec_of(best).grad_scaler and plain else best
+    chosen = plain[0] if get(best).spec.grad_scaler and plain else best
     why = f"{chosen} runs {speedup_cell(faster[chosen])} fp32's speed, its interval above 1"
     if chosen != best:
         why += f"; {best}'s interval overlaps it, and {chosen} needs no loss scaling"
@@ -250,7 +249,7 @@ class Capability:
         model's kind, ``kernels_of``) ran slower than fp32 here, and what to use instead (the
         ``trials``' recommendation). Labelled as the probe's: a speed trial of the model itself
         speaks for its speed, and the report then drops this."""
-        probed = spec_of(precision).probed_as
+        probed = get(precision).spec.probed_as
         if probed in (None, REFERENCE) or not self.supports(probed):
             return []
         speed = self.relative_speed(probed, kernels)
@@ -287,7 +286,7 @@ class Capability:
         ran on the run's model (none for a requested precision), the advice for this run by the
         probe's ``kernels`` of its model's kind (none where the run's own model was timed in its
         precision), and the measured peak in its precision."""
-        probed = spec_of(resolved.precision).probed_as
+        probed = get(resolved.precision).spec.probed_as
         return {
             **self.as_dict(resolved.speedups, THE_MODEL),
             "advice": []
@@ -300,7 +299,10 @@ class Capability:
 
 def supported_precisions(device: torch.device) -> list[str]:
     no_bf16 = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
-    return [REFERENCE, *(p for p in probed_low() if not (no_bf16 and spec_of(p).needs_native_bf16))]
+    return [
+        REFERENCE,
+        *(p for p in probed_low() if not (no_bf16 and get(p).spec.needs_native_bf16)),
+    ]
 
 
 def device_facts(device: torch.device) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from amp_exp.capability.cache import cache_dir, read_entries, write_entries
-from amp_exp.config.precisions import REFERENCE, spec_of
+from amp_exp.config.precisions import REFERENCE, get
 from amp_exp.runtime.hardware import cpu_flags, device_name
 from amp_exp.training.meters import synchronize
 
@@ -183,7 +183,7 @@ def _kernels(
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """The autocast its facts give it (none for fp32): the probe times a precision's kernels."""
-    dtype = spec_of(precision).autocast_dtype
+    dtype = get(precision).spec.autocast_dtype
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype.torch)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from amp_exp.config.adaptive import EvidenceConfig
-from amp_exp.config.precision_checks import validate_precision
-from amp_exp.config.precisions import AUTO, names, plugin_of, register, specs
+from amp_exp.config.precisions import AUTO, get, names, register, validate_precision
 from amp_exp.config.schema import (
     PrecisionConfig,
     PredictConfig,
@@ -34,15 +33,15 @@ MIN_VERIFY_SEEDS = 2
 
 def rankable() -> list[str]:
     """The precisions whose per-module error against fp32 the command measures (their facts)."""
-    return [spec.name for spec in specs() if spec.rankable]
+    return [name for name in names() if get(name).spec.rankable]
 
 
 def default_precisions() -> list[str]:
     """When neither sensitivity.precisions nor a rankable precision= says which: the rankable
     ones precision=auto may choose, those with a GradScaler (the narrowest range, where most
     layers fail) first, so repair targets them."""
-    chosen = [spec for spec in specs() if spec.rankable and spec.auto_candidate]
-    return [spec.name for spec in sorted(chosen, key=lambda spec: not spec.grad_scaler)]
+    chosen = [name for name in rankable() if get(name).spec.auto_candidate]
+    return sorted(chosen, key=lambda name: not get(name).spec.grad_scaler)
 
 
 def target_precisions(sensitivity: SensitivityConfig, precision: str) -> list[str]:
@@ -88,8 +87,10 @@ def validate_sensitivity(
             f"sensitivity.precisions: {chosen} is not ranked against fp32; valid choices: "
             f"{', '.join(rankable())}",
         )
-        # fp8 needs what a run in fp8 needs: torchao, and a GPU or emulation.
-        validate_precision(dataclasses.replace(precision, name=chosen), trainer)
+        # fp8 needs what a run in fp8 needs: torchao, and a GPU or emulation. The run's options
+        # are its own precision's; another ranked precision takes its defaults.
+        options = precision.options if chosen == precision.name else {}
+        validate_precision(dataclasses.replace(precision, name=chosen, options=options), trainer)
 
 
 def validate_evidence(evidence: EvidenceConfig) -> None:
@@ -157,7 +158,7 @@ def validate_speed(speed: SpeedConfig) -> None:
         f"valid choices: {', '.join(names())}",
     )
     for precision in speed.precisions:
-        plugin_of(precision)
+        get(precision)
 
 
 def validate_devices(key: str, devices: list[str]) -> None:
@@ -180,7 +181,7 @@ def validate_predict(predict: PredictConfig) -> None:
             f"predict.precisions: {precision} is chosen on the hardware at hand, not "
             f"predicted; valid choices: {', '.join(names())}",
         )
-        plugin_of(precision)
+        get(precision)
     require(predict.world_size >= 1, f"predict.world_size={predict.world_size} must be 1 or more")
     require(
         predict.interconnect_gb_per_s > 0,

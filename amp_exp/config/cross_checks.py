@@ -42,7 +42,7 @@ from amp_exp.config.models import (
     MLPConfig,
     TinyCNNConfig,
 )
-from amp_exp.config.precision_checks import validate_precision
+from amp_exp.config.precisions import validate_precision
 from amp_exp.config.schema import DeviceChoice, RunConfig, SGDConfig, Strategy, TaskName, WandbMode
 from amp_exp.errors import ConfigError, require
 

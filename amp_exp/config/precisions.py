@@ -1,13 +1,15 @@
-"""The precision registry: every precision's facts, found from its plugin, by name.
+"""The precision registry: every precision's facts, found from its plugin, by name, and the
+precision section's rules (``validate_precision``).
 
 A precision is one plugin (a module of amp_exp/training/precisions/, a class subclassing
 ``PrecisionPlugin``): its ``spec`` is the frozen row of facts defined here, read by everything
-that depends on which precision runs (the policy, FSDP2's mixed-precision policy, the probe and
+that depends on which precision runs (the AMP step, FSDP2's mixed-precision policy, the probe and
 ``precision=auto``, the datasheet peak behind MFU, the validation of strategies, what a run must
 show to count as engaged, the report's order, labels and colours); its methods are the
 behaviour, which only training calls. The registry finds the built-in plugins in that folder,
 those of installed packages (entry point group ``amp_exp.precisions``), and a user's own named by
-``precision._target_`` (``register``). It is the only place that knows which precisions exist.
+``precision._target_`` (``register``); ``get`` and ``names`` are how every other module asks.
+It is the only place that knows which precisions exist.
 
 It sits beside the schema as a leaf because the config's validation and the runtime's FSDP2
 wrapper, which sit below training/, read the facts. It loads plugin modules by name, as it does a
@@ -30,8 +32,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from amp_exp.config.schema import Strategy
-from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RuntimeFault, first_line
+from amp_exp.config.schema import PrecisionConfig, ReduceDtype, Strategy, TrainerConfig
+from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RuntimeFault, first_line, require
 
 
 class DType(str, Enum):
@@ -83,8 +85,6 @@ class DType(str, Enum):
 BLOCK_SCALED_BITS = {DType.mxfp8_e4m3: 8, DType.mxfp8_e5m2: 8, DType.mxfp4: 4, DType.nvfp4: 4}
 SHORT_NAMES = {DType.float32: "fp32", DType.bfloat16: "bf16", DType.float16: "fp16"}
 
-BOTH_STRATEGIES = frozenset({Strategy.ddp, Strategy.fsdp2})
-
 
 @dataclass(frozen=True)
 class Engagement:
@@ -103,37 +103,38 @@ class Engagement:
 
 @dataclass(frozen=True)
 class PrecisionSpec:
-    """One precision's facts."""
+    """One precision's facts; the defaults are fp32's, so a plugin states only what differs."""
 
     # Its name in the config (precision=NAME) and in every record of a run.
     name: str
-    # The dtype of the matmuls outside fp8's converted linears, under autocast or (bf16_true) not.
-    compute_dtype: DType
-    # The dtype autocast runs in; None where the mode uses no autocast.
-    autocast_dtype: DType | None
-    # The dtype the optimizer updates (master weights) and keeps its state in.
-    weight_dtype: DType
-    optimizer_state_dtype: DType
-    # Dynamic loss scaling with torch.amp.GradScaler.
-    grad_scaler: bool
-    # Which datasheet peak its matmuls can reach (training.flops): fp32 reads TF32 when allowed.
-    peak_math: str
-    # The probed kernels it runs (the name of a precision the probe times: fp32 or one with an
-    # autocast dtype); pure bf16 computes as bf16 autocast does; None: not probed.
-    probed_as: str | None
-    # The dtype gradients are summed over the ranks in, under DDP and FSDP2 alike.
-    reduce_dtype: DType
-    # FSDP2 under precision.fsdp_cast_params: the dtype its policy gathers parameters in, to run
-    # the forward without autocast (None: the mode has nothing to cast to). Off by default, FSDP2
-    # gathers the stored weights and autocasts, the computation of DDP and of one process.
-    fsdp_param_dtype: DType | None
-    # The torchrun strategies it runs under.
-    strategies: frozenset[Strategy]
-    engaged: Engagement
     # Where it comes in the report and, among auto's candidates, in the order a tie is broken.
     order: int
     # The report's and the plots' colour (matplotlib colour string).
     colour: str
+    # The dtype of the matmuls outside fp8's converted linears, under autocast or (bf16_true) not.
+    compute_dtype: DType = DType.float32
+    # The dtype autocast runs in; None where the mode uses no autocast.
+    autocast_dtype: DType | None = None
+    # The dtype the optimizer updates (master weights) and keeps its state in.
+    weight_dtype: DType = DType.float32
+    optimizer_state_dtype: DType = DType.float32
+    # Dynamic loss scaling with torch.amp.GradScaler.
+    grad_scaler: bool = False
+    # Which datasheet peak its matmuls can reach (training.flops): fp32 reads TF32 when allowed.
+    peak_math: str = "fp32"
+    # The probed kernels it runs (the name of a precision the probe times: fp32 or one with an
+    # autocast dtype); pure bf16 computes as bf16 autocast does; None: not probed.
+    probed_as: str | None = None
+    # The dtype gradients are summed over the ranks in, under DDP and FSDP2 alike (a sum of many
+    # low-precision gradients loses their small parts).
+    reduce_dtype: DType = DType.float32
+    # FSDP2 under precision.fsdp_cast_params: the dtype its policy gathers parameters in, to run
+    # the forward without autocast (None: the mode has nothing to cast to). Off by default, FSDP2
+    # gathers the stored weights and autocasts, the computation of DDP and of one process.
+    fsdp_param_dtype: DType | None = None
+    # The torchrun strategies it runs under.
+    strategies: frozenset[Strategy] = frozenset(Strategy)
+    engaged: Engagement = Engagement(1.0, (DType.float32,))
     # A candidate of precision=auto's trial.
     auto_candidate: bool = False
     # A precision sensitivity ranks layers under, and the one its repair moves a layer up to
@@ -243,57 +244,30 @@ def register(target: str) -> PrecisionSpec:
     return _add(plugin, f"precision._target_={target}")
 
 
-def _all() -> dict[str, Any]:
-    _builtins()
-    _entry_points()
-    return _plugins
-
-
-def plugins() -> list[Any]:
-    """Every known plugin class, in the report's order."""
-    return [plugin_of(name) for name in names()]
-
-
 def names() -> tuple[str, ...]:
     """Every known precision, in the report's order."""
-    return tuple(spec.name for spec in specs())
+    _builtins()
+    _entry_points()
+    return tuple(sorted(_plugins, key=lambda name: (_plugins[name].spec.order, name)))
 
 
-def specs() -> list[PrecisionSpec]:
-    return sorted((p.spec for p in _all().values()), key=lambda s: (s.order, s.name))
-
-
-def plugin_of(name: str) -> Any:
-    """The plugin class of a resolved precision; ConfigError naming the valid ones."""
+def get(name: str) -> Any:
+    """The plugin class of a resolved precision (``spec`` its facts); ConfigError naming the
+    valid ones."""
     if name == AUTO:
         raise ValueError("resolve precision=auto first (capability.auto)")
     # Every source, also for a built-in's name: an installed plugin that takes it is refused
     # (``_add``), never passed over because the built-in was found first.
-    _all()
-    if name not in _plugins:
+    if name not in names():
         raise ConfigError(
             f"precision={name} is not a precision; valid choices: {', '.join((AUTO, *names()))}"
         )
     return _plugins[name]
 
 
-def known_plugin(name: str) -> Any:
-    """The plugin of ``name``, or None where no plugin here defines it (a report over runs of a
-    precision whose plugin is not installed)."""
-    try:
-        return plugin_of(name)
-    except (ConfigError, ValueError):
-        return None
-
-
-def spec_of(name: str) -> PrecisionSpec:
-    """The facts of a resolved precision; precision=auto has none until it is decided."""
-    return plugin_of(name).spec
-
-
 def auto_candidates() -> tuple[str, ...]:
     """precision=auto's candidates, in the order a tie is broken."""
-    return tuple(s.name for s in specs() if s.auto_candidate)
+    return tuple(name for name in names() if get(name).spec.auto_candidate)
 
 
 def probed_low() -> tuple[str, ...]:
@@ -329,6 +303,65 @@ def options_of(plugin: Any, given: Any) -> Any:
             f"{where} of precision={plugin.spec.name}: {str(error).splitlines()[0]}"
         ) from None
     return OmegaConf.to_object(merged)
+
+
+def validate_precision(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
+    """Raise ``ConfigError`` on the first precision value that cannot run with ``trainer``: a
+    user's plugin registers first; then the name (one line with the valid choices), the plugin's
+    options and its own rules, the values every precision reads, and the chosen one's facts."""
+    if precision._target_ is not None:
+        register(precision._target_)
+    spec = None
+    if precision.name == AUTO:
+        require(not precision.options, "precision=auto takes no precision.options")
+    else:
+        plugin = get(precision.name)
+        spec = plugin.spec
+        options_of(plugin, precision.options)
+        with PluginHook(plugin, "check_config"):
+            plugin.check_config(precision, trainer)
+    require(precision.init_scale > 0, "precision.init_scale must be positive")
+    require(precision.growth_factor > 1, "precision.growth_factor must be greater than 1")
+    require(
+        0 < precision.backoff_factor < 1,
+        "precision.backoff_factor must lie strictly between 0 and 1",
+    )
+    require(precision.max_consecutive_skips > 0, "precision.max_consecutive_skips must be positive")
+    require(precision.min_scale > 0, "precision.min_scale must be positive")
+    blank = [pattern for pattern in precision.keep_fp32 if not pattern.strip()]
+    require(not blank, "precision.keep_fp32 holds an empty pattern; give module names or globs")
+    reduce, fsdp2 = precision.reduce_dtype, trainer.strategy is Strategy.fsdp2
+    if reduce is not None:
+        require(
+            fsdp2,
+            f"precision.reduce_dtype={reduce.value} needs trainer.strategy=fsdp2; DDP reduces "
+            "gradients in their own dtype (fp32)",
+        )
+        # Only a GradScaler notices a gradient that overflowed fp16 in the reduction.
+        scaled = [name for name in names() if get(name).spec.grad_scaler]
+        require(
+            reduce is not ReduceDtype.fp16 or (spec is not None and spec.grad_scaler),
+            f"precision.reduce_dtype=fp16 needs precision={' or '.join(scaled)}, whose "
+            "GradScaler catches gradients that overflow fp16; valid choices here: fp32, bf16",
+        )
+    if precision.fsdp_cast_params:
+        require(
+            fsdp2,
+            "precision.fsdp_cast_params=true needs trainer.strategy=fsdp2; DDP and one process "
+            "compute under autocast from fp32 weights",
+        )
+        casting = [name for name in names() if get(name).spec.fsdp_param_dtype is not None]
+        require(
+            spec is None or spec.fsdp_param_dtype is not None,
+            f"precision.fsdp_cast_params=true: precision={precision.name} has no dtype to cast "
+            f"the parameters to; valid choices: {', '.join(casting)}",
+        )
+    if spec is not None:
+        require(
+            trainer.strategy in spec.strategies,
+            f"precision={spec.name} does not run with trainer.strategy={trainer.strategy.value} "
+            f"yet; valid choices: {', '.join(sorted(s.value for s in spec.strategies))}",
+        )
 
 
 class PluginHook:

@@ -31,14 +31,6 @@ from amp_exp.config.models import (
 )
 
 
-class Fp8Recipe(str, Enum):
-    """torchao's Float8LinearConfig recipes, fastest to most accurate."""
-
-    tensorwise = "tensorwise"
-    rowwise = "rowwise"
-    rowwise_with_gw_hp = "rowwise_with_gw_hp"
-
-
 class ReduceDtype(str, Enum):
     """The dtype FSDP2 reduce-scatters gradients in."""
 
@@ -142,7 +134,8 @@ class PrecisionConfig:
     # A user's own plugin: the dotted path of its PrecisionPlugin class, registered before
     # ``name`` is looked up (docs/precision.md, "Adding a precision").
     _target_: str | None = None
-    # The plugin's own options, checked against its ``Options`` dataclass before torch loads;
+    # The plugin's own options (bf16_true's rounding, fp8's recipe and filters, a block-scaled
+    # format's recipe), checked against its ``Options`` dataclass before torch loads;
     # conf/precision/NAME.yaml lists them with their defaults.
     options: dict[str, Any] = field(default_factory=dict)
     # GradScaler knobs; they only take effect when fp16 runs.
@@ -156,26 +149,10 @@ class PrecisionConfig:
     # when the loss scale falls below min_scale (below 1 the true gradients overflow fp16).
     max_consecutive_skips: int = 50
     min_scale: float = 1.0
-    # bf16_true: round each update to bf16 stochastically, so updates smaller than half a bf16
-    # step still move the weights on average; false rounds to nearest, and they are lost.
-    stochastic_rounding: bool = True
-    # fp8: torchao's recipe (Float8LinearConfig.from_recipe_name).
-    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
-    # Emulate the format's matmuls (fp8's, and any plugin's that reads it), on any device
-    # (numerics and tests; slow, so never timed).
+    # Emulate the format's matmuls (fp8's and the block-scaled formats'), on any device
+    # (numerics and tests; slow, so never timed). Shared, not an option of one plugin: commands
+    # that rank or predict other precisions than the run's (sensitivity.precisions=[fp8]) read it.
     emulate: bool = False
-    # fp8: linears kept in bf16 by fully qualified name (fnmatch): the output layers of the
-    # built-in, torchvision, timm and Hugging Face models (torchtitan keeps "output"); [] converts
-    # them all.
-    fp8_skip: list[str] = field(
-        default_factory=lambda: [
-            *("lm_head", "head", "head.*", "fc", "classifier*", "output"),
-            *("hf.lm_head", "hf.score", "hf.classifier*"),
-        ]
-    )
-    # fp8: also keep the linears too small to gain, by torchao's H100 thresholds for the recipe
-    # (torchtitan's auto_filter_small_kn); tensorwise and rowwise only.
-    fp8_skip_small: bool = False
     # trainer.strategy=fsdp2 only: the dtype gradients are reduce-scattered in; null = fp32.
     reduce_dtype: ReduceDtype | None = None
     # trainer.strategy=fsdp2 only: gather parameters cast to bf16/fp16, no autocast (torchtitan's

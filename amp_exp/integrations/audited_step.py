@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import spec_of
+from amp_exp.config.precisions import get
 from amp_exp.training.audit import dtypes
 from amp_exp.training.audit.matmuls import MatmulRecorder
 from amp_exp.training.audit.saved import SavedActivations
@@ -54,7 +54,7 @@ class AuditedStep:
             "communication": None,
             "ranks": 1,
         }
-        record = audit_record(step, spec_of(self.precision), figures)
+        record = audit_record(step, get(self.precision).spec, figures)
         if record["engaged"] is False:
             log.warning("%s", warning_text(self.precision, verdict_of(record)))
         return record

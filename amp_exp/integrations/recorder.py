@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.precisions import names, spec_of
+from amp_exp.config.precisions import get, names
 from amp_exp.errors import ConfigError, NumericalFault, RunRefused, first_line
 from amp_exp.integrations.audited_step import AuditedStep
 from amp_exp.integrations.facts import RunFacts, plain, unwrapped_optimizer
@@ -117,7 +117,7 @@ class Recorder:
         if distributed():
             return None
         inner = getattr(model, "_orig_mod", model)
-        collector = SignalCollector(Limits.of(spec_of(self.facts.precision)))
+        collector = SignalCollector(Limits.of(get(self.facts.precision).spec))
         return collector.attach(inner, activations=inner is model)
 
     # The run's life.

@@ -32,12 +32,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from amp_exp.config.adaptive import COMPILE_AUTO
-from amp_exp.config.precisions import DType, PrecisionSpec, spec_of
-from amp_exp.config.schema import AdamWConfig, Fp8Recipe, RunConfig, Strategy
+from amp_exp.config.precisions import DType, PrecisionSpec, get
+from amp_exp.config.schema import AdamWConfig, RunConfig, Strategy
 from amp_exp.predict.devices import Device
 from amp_exp.predict.trace import Op, StepTrace
 from amp_exp.training.flops import peak_math
-from amp_exp.training.precision_modes import plan_fp8
+from amp_exp.training.linears import plan_linears
+from amp_exp.training.precisions.fp8 import Fp8Recipe
 
 # A large, well-shaped GEMM reaches this share of the dense datasheet peak: torchao's float8
 # roofline (torchao/testing/training/roofline_utils.py, "based on experimental observation with
@@ -202,13 +203,17 @@ class Setting:
 
 
 def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
-    spec = spec_of(precision)
+    plugin = get(precision)
+    spec = plugin.spec
     math_name = peak_math(precision, cfg.trainer.tf32)
     fp8_linears: frozenset[str] = frozenset()
-    # A precision that converts linears (fp8) runs those the fp8 filters admit at its peak.
+    recipe = Fp8Recipe.tensorwise
+    # A precision that converts linears (fp8) runs those its filters admit at its peak.
     if spec.engaged.converted_dtypes:
-        skip_small = cfg.precision.fp8_recipe.value if cfg.precision.fp8_skip_small else None
-        plan = plan_fp8(trace.model, cfg.precision.fp8_skip, skip_small, cfg.precision.keep_fp32)
+        options = plugin.options_for(cfg.precision)
+        recipe = getattr(options, "recipe", recipe)
+        skip_small = recipe.value if getattr(options, "skip_small", False) else None
+        plan = plan_linears(trace.model, options.skip, skip_small, cfg.precision.keep_fp32)
         fp8_linears = frozenset(plan.converted)
         math_name = spec.compute_dtype.short
     choice = cfg.trainer.compile
@@ -223,7 +228,7 @@ def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
         fp8_linears,
         BYTES[spec.compute_dtype],
         compiled,
-        cfg.precision.fp8_recipe,
+        recipe,
         min((d.itemsize for d in spec.engaged.converted_dtypes), default=1),
         any(d.block_scaled for d in spec.engaged.converted_dtypes),
         shapes,
@@ -254,7 +259,7 @@ def in_fp8(op: Op, run: Setting) -> bool:
 def missing_math(device: Device, precision: str, tf32: bool) -> str | None:
     """Why ``device`` cannot run ``precision``'s matmuls in hardware, or None: a block-scaled
     format needs block-scaled Tensor Cores, whatever the peak of its element type."""
-    block_scaled = any(d.block_scaled for d in spec_of(precision).engaged.matmul_dtypes)
+    block_scaled = any(d.block_scaled for d in get(precision).spec.engaged.matmul_dtypes)
     if block_scaled and not device.block_scaled:
         return f"{device.label} has no block-scaled (MX) Tensor Cores"
     needed = peak_math(precision, tf32)
@@ -490,7 +495,7 @@ def step_costs(cfg: RunConfig, trace: StepTrace, run: Setting, device: Device) -
     optimizer and FSDP2's collectives. It does not ask whether the run fits (predict_one does)."""
     extra = [
         cast_cost(trace, run, device),
-        quantize_cost(trace, run, device, cfg.precision.fp8_recipe),
+        quantize_cost(trace, run, device, run.recipe),
         optimizer_cost(cfg, trace, run, device, cfg.predict.world_size),
         comm_cost(cfg, trace, run),
     ]

@@ -40,7 +40,8 @@ from amp_exp.config.schema import RunConfig
 from amp_exp.tasks.blocks import checkpoint_blocks, model_blocks
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_data, build_model, make_task
-from amp_exp.training.precision_modes import is_linear, keeps_fp32
+from amp_exp.training.keep_fp32 import keeps_fp32
+from amp_exp.training.linears import is_linear
 
 aten = torch.ops.aten
 # Ops that move no data: views, metadata, and the allocations the next op writes into.
@@ -119,7 +120,7 @@ class Op:
     read: int  # floating-point elements read
     written: int
     mnk: tuple[int, int, int] | None = None
-    # The fully qualified name of the linear layer (precision_modes.is_linear) the matmul
+    # The fully qualified name of the linear layer (linears.is_linear) the matmul
     # belongs to, if any.
     linear: str | None = None
     # Runs in fp32 under every precision: the task's loss (outside the model), norm layers.

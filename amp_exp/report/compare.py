@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.config.plain import flatten_config
-from amp_exp.config.precisions import REFERENCE, plugins
+from amp_exp.config.precisions import REFERENCE, get, names
 from amp_exp.report.runs import Run, report_order, report_plugin
 from amp_exp.tasks.metrics import TaskMetrics
 
@@ -47,7 +47,7 @@ def is_compared(key: str) -> bool:
 
 
 def variant_keys() -> set[str]:
-    return {key for plugin in plugins() for key in plugin.variant_keys}
+    return {key for name in names() for key in get(name).variant_keys}
 
 
 # Options that change nothing trained: how a run is reported, timed, logged and checkpointed. They

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from amp_exp.config.precisions import known_plugin
+from amp_exp.config.precisions import get, names
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.results.files import (
     JOB_CONFIG,
@@ -264,14 +264,14 @@ _recorded: dict[str, RecordedPlugin] = {}
 
 def remember_facts(summary: dict[str, Any]) -> None:
     facts, name = summary.get("precision_facts"), summary.get("precision")
-    if isinstance(facts, dict) and isinstance(name, str) and known_plugin(name) is None:
+    if isinstance(facts, dict) and isinstance(name, str) and name not in names():
         _recorded.setdefault(name, RecordedPlugin(name, facts))
 
 
 def report_plugin(name: str) -> Any:
     """What the report reads of precision ``name``'s plugin: the installed plugin's (built in,
     or an entry point), else the facts a run of it recorded, else None (shown by its name)."""
-    return known_plugin(name) or _recorded.get(name)
+    return get(name) if name in names() else _recorded.get(name)
 
 
 def report_order(name: str) -> float:

@@ -25,7 +25,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from amp_exp.config.precisions import plugin_of
+from amp_exp.config.precisions import get
 from amp_exp.errors import RuntimeFault, first_line
 from amp_exp.results.files import (
     CHECKPOINT_DIR,
@@ -82,7 +82,7 @@ def check_plugin_state(precision: str, plugin_state: Any) -> None:
         buffer.seek(0)
         torch.serialization.load(buffer, map_location="cpu", weights_only=True)
     except Exception as error:
-        plugin = plugin_of(precision)
+        plugin = get(precision)
         refused = UNSAFE_GLOBAL.search(str(error))
         reason = f"it holds a {refused.group(1)}" if refused else first_line(str(error))
         raise RuntimeFault(

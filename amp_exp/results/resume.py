@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from amp_exp.config.plain import flatten_config, plain_run_config
-from amp_exp.config.precisions import AUTO, ResolvedPrecision, spec_of
+from amp_exp.config.precisions import AUTO, ResolvedPrecision, get
 from amp_exp.config.schema import RunConfig
 from amp_exp.errors import ConfigError, NoCheckpointLoads, RunRefused, RuntimeFault
 from amp_exp.results.checkpoint import (
@@ -120,7 +120,7 @@ def _family(precision: Any) -> str:
     """The precisions a checkpoint moves between (their facts' ``autocast_family``: fp32 master
     weights and state, the model unconverted; the GradScaler state is dropped or started fresh,
     with a warning); any other is a family of its own."""
-    if precision == AUTO or spec_of(str(precision)).autocast_family:
+    if precision == AUTO or get(str(precision)).spec.autocast_family:
         return "autocast"
     return str(precision)
 

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from amp_exp.config.precisions import SHORT_NAMES, DType, spec_of
+from amp_exp.config.precisions import SHORT_NAMES, DType, get
 from amp_exp.config.schema import ReduceDtype
 from amp_exp.errors import ConfigError
 
@@ -48,7 +48,7 @@ class ShardingDtypes:
     ) -> ShardingDtypes:
         """The precision table's dtypes (config.precisions): the stored weights, or under
         ``cast_params`` its FSDP2 cast; ``reduce`` overrides the reduction's."""
-        spec = spec_of(precision)
+        spec = get(precision).spec
         param = (spec.fsdp_param_dtype if cast_params else None) or spec.weight_dtype
         return cls(param.short, spec.reduce_dtype.short if reduce is None else reduce.value)
 

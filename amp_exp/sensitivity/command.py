@@ -2,8 +2,8 @@
 
 The model and data are built as a run builds them (tasks.workload), from the same seed, so the
 batches measured are the first batches a run with these overrides trains on. Each requested
-precision gets a copy of the fp32 model prepared by its own ``PrecisionPolicy``, which is how
-``precision.keep_fp32`` and fp8's conversion reach the measurement.
+precision gets a copy of the fp32 model its own plugin converted (``convert_module``), which is
+how ``precision.keep_fp32`` and fp8's conversion reach the measurement.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from amp_exp.sensitivity.verify import verification_plan
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_workload
 from amp_exp.training.keep_fp32 import match_keep_fp32
-from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.precisions.base import create
 from amp_exp.training.rng import seed_everything
 
 log = logging.getLogger("amp_exp")
@@ -108,10 +108,10 @@ def run_sensitivity(cfg: RunConfig, output_dir: Path) -> dict[str, Any]:
     reference = capture_reference(model, task, batches, cfg.seed)
     measured = {}
     for precision in precisions:
-        policy = PrecisionPolicy(precision, cfg.precision, device, keep_fp32=keep_fp32)
-        target_model = policy.prepare_model(copy.deepcopy(model))
+        plugin = create(precision, cfg.precision, device, keep_fp32=keep_fp32)
+        target_model = plugin.convert_module(copy.deepcopy(model))
         errors, losses, fault = measure_precision(
-            model, target_model, task, batches, reference, policy, cfg.seed
+            model, target_model, task, batches, reference, plugin, cfg.seed
         )
         measured[precision] = (errors, losses, fault)
         log.info("%s", describe_ranking(precision, errors, ranking(errors), settings.show))

@@ -1,9 +1,9 @@
 """Each module's error in a target precision, against the fp32 reference, on the same inputs.
 
 For each recorded call (sensitivity/reference.py) a module runs three times on the call's fp32
-inputs: as it is, in true fp32 (TF32 off); as the precision's policy prepares it
-(``PrecisionPolicy.prepare_model``: fp8's float8 linears, ``precision.keep_fp32``) under the
-policy's autocast; and in fp32 again with its floating inputs and parameters rounded to the
+inputs: as it is, in true fp32 (TF32 off); as the precision's plugin converts it
+(``PrecisionPlugin.convert_module``: fp8's float8 linears, ``precision.keep_fp32``) under the
+plugin's forward context; and in fp32 again with its floating inputs and parameters rounded to the
 precision's format (the precision table's first matmul dtype: fp16, bf16, float8 e4m3, or a
 block-scaled format such as mxfp8_e4m3 or nvfp4, rounded in its blocks by torchao's casts), which
 is the error the format's rounding alone makes. Each is differentiated with the reference's
@@ -55,7 +55,7 @@ from amp_exp.sensitivity.reference import (
     true_fp32,
 )
 from amp_exp.tasks.base import Batch, Task
-from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.precisions.base import PrecisionPlugin
 
 # How far below the rounding floor a module's SQNR may fall before it is sensitive: 10 dB is an
 # error about 3 times the rounding's in amplitude, more than a few ops' rounding compounds to.
@@ -178,9 +178,9 @@ class ModuleError:
         }
 
 
-def format_dtype(policy: PrecisionPolicy) -> DType:
+def format_dtype(plugin: PrecisionPlugin) -> DType:
     """The narrowest format the precision's matmuls take, whose range values must fit."""
-    return policy.spec.engaged.matmul_dtypes[0]
+    return plugin.spec.engaged.matmul_dtypes[0]
 
 
 def rounded(value: Any, fmt: DType) -> Any:
@@ -254,12 +254,12 @@ def measure_module(
     reference: nn.Module,
     target: nn.Module,
     calls: list[ModuleCall],
-    policy: PrecisionPolicy,
+    plugin: PrecisionPlugin,
     grad_scale: float,
     seed: int,
 ) -> ModuleError:
-    """The error ``target`` (the module prepared for ``policy``) makes on ``calls``."""
-    dtype = format_dtype(policy)
+    """The error ``target`` (the module prepared for ``plugin``) makes on ``calls``."""
+    dtype = format_dtype(plugin)
     error = ModuleError.of(dtype)
     for call in calls:
         inputs = (call.args, call.kwargs)
@@ -284,7 +284,7 @@ def measure_module(
         floor = rounded(floor, dtype)
         watch = OpRangeWatch(target, name)
         seeded(seed + call.batch)
-        with watch, policy.autocast():
+        with watch, plugin.forward_context():
             got = measured_output(target(*fresh(call.args), **fresh(call.kwargs)))
         error.output.add(expected, got.float())
         error.output_floor.add(expected, floor)
@@ -301,7 +301,7 @@ def measure_module(
 
 
 def end_to_end_losses(
-    model: nn.Module, task: Task, batches: list[Batch], policy: PrecisionPolicy, seed: int
+    model: nn.Module, task: Task, batches: list[Batch], plugin: PrecisionPlugin, seed: int
 ) -> tuple[list[float], OpFault | None]:
     """The whole prepared model's loss on each batch, as training computes it, and the first
     op that overflowed in it."""
@@ -310,7 +310,7 @@ def end_to_end_losses(
     watch = OpRangeWatch(model, "")
     for index, batch in enumerate(batches):
         seeded(seed + index)
-        with torch.no_grad(), watch, policy.autocast():
+        with torch.no_grad(), watch, plugin.forward_context():
             losses.append(float(task.loss(model, batch)))
     return losses, watch.fault
 
@@ -321,29 +321,29 @@ def measure_precision(
     task: Task,
     batches: list[Batch],
     reference: Reference,
-    policy: PrecisionPolicy,
+    plugin: PrecisionPlugin,
     seed: int,
 ) -> tuple[dict[str, ModuleError], list[float], OpFault | None]:
-    """Every measured module's error in ``policy``'s precision, the end-to-end losses, and the
+    """Every measured module's error in ``plugin``'s precision, the end-to-end losses, and the
     first op that overflowed in them.
 
-    ``target_model`` is a copy of ``model`` that ``policy.prepare_model`` prepared.
+    ``target_model`` is a copy of ``model`` that ``plugin.convert_module`` converted.
     """
-    grad_scale = policy.cfg.init_scale if policy.spec.grad_scaler else 1.0
+    grad_scale = plugin.cfg.init_scale if plugin.spec.grad_scaler else 1.0
     errors = {
         name: measure_module(
             name,
             model.get_submodule(name),
             target_model.get_submodule(name),
             calls,
-            policy,
+            plugin,
             grad_scale,
             seed,
         )
         for name, calls in reference.calls.items()
         if calls and all(call.output_is_tensor for call in calls)
     }
-    return errors, *end_to_end_losses(target_model, task, batches, policy, seed)
+    return errors, *end_to_end_losses(target_model, task, batches, plugin, seed)
 
 
 def _explained(name: str, errors: dict[str, ModuleError]) -> bool:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.config.plain import flatten_config, plain_run_config
-from amp_exp.config.precisions import REFERENCE, spec_of
+from amp_exp.config.precisions import REFERENCE, get
 from amp_exp.config.schema import RunConfig
 from amp_exp.errors import RunRefused
 from amp_exp.report.sequential import OPEN, RULE, Plan, still_open
@@ -50,7 +50,7 @@ from amp_exp.training.keep_fp32 import is_within, outermost
 
 log = logging.getLogger("amp_exp")
 VERIFY_DIR = "verify"
-REFERENCE_DIR = "fp32"
+REFERENCE_DIR = REFERENCE
 # What a search was started with; a resume must ask for the same, but for RESUMABLE.
 SEARCH_FILE = "search.json"
 # What a resume may change: whether to repair, how much to show, and how far to search.
@@ -189,7 +189,7 @@ def search(run: Search, given: list[str], candidates: list[str]) -> tuple[list[s
 def next_up(precision: str) -> str:
     """The next precision up (its facts' ``repair_to``: bf16, fp32's range with more bits than
     fp8 or fp16), else fp32."""
-    return spec_of(precision).repair_to or REFERENCE
+    return get(precision).spec.repair_to or REFERENCE
 
 
 def is_sliver(keep: list[str], kept_share: float | None, candidates: list[str]) -> bool:

@@ -77,7 +77,7 @@ def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfi
     """fp32 against one precision; the pair's record in speed.json (``"not_timed"`` alone for
     a precision whose policy is not timed). The caller frees the pair's runs."""
     built = build(cfg)
-    if not built.engine.policy.timed:
+    if not built.engine.precision.timed:
         return {"not_timed": "emulated fp8 is not timed"}
     sides = {label: Side(training_step(built), engine_skips(built))}
     built = build(baseline)

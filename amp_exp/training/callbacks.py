@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from amp_exp.training.precision import Gradients
+from amp_exp.training.precisions.base import Gradients
 
 # Each callback's ``name``, in the order the callbacks run within each phase. The precision
 # audit goes first: it records what the step computed before anything else reads or changes it.

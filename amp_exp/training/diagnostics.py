@@ -27,7 +27,7 @@ from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import local
 from amp_exp.training.callbacks import StepCallback
 from amp_exp.training.loop import Progress
-from amp_exp.training.precision import Gradients
+from amp_exp.training.precisions.base import Gradients
 
 log = logging.getLogger("amp_exp")
 

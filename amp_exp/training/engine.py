@@ -5,7 +5,7 @@ I/O: rows go to ``emit`` and checkpoints to a ``CheckpointSink``. Nothing in the
 reads a device value back to the host: loss, scale and gradient norm stay on the device and are
 read only at log intervals. A step with non-finite gradients is skipped on the device, and the
 host learns of it at the next log step (training/skips.py); only an optimizer that cannot
-skip on the device makes the host decide, one read per step (training/precision.py).
+skip on the device makes the host decide, one read per step (training/precisions/base.py).
 
 Under torchrun (``distributed``) every rank runs this loop on its own shard. The ranks agree on
 whatever a host decision depends on (the logged loss, skipped steps, evaluation sums) at log
@@ -37,7 +37,7 @@ from amp_exp.training.meters import (
     reset_peak_memory,
     synchronize,
 )
-from amp_exp.training.precision import PrecisionPolicy
+from amp_exp.training.precisions.base import PrecisionPlugin
 from amp_exp.training.rng import own_rng_state, restore_rng_state, rng_state
 from amp_exp.training.signals import SignalCollector
 from amp_exp.training.skips import SkipMonitor, SkipRecord
@@ -63,7 +63,7 @@ class Engine:
         data: Batches,
         eval_data: Batches | None,
         optimizer: torch.optim.Optimizer,
-        policy: PrecisionPolicy,
+        precision: PrecisionPlugin,
         plan: LoopPlan,
         *,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
@@ -76,17 +76,17 @@ class Engine:
         rank's shards, keyed by parameter name. ``meter`` turns samples/s into the task's units,
         FLOPs and MFU (build.meter); without one, rows count samples only."""
         self.model, self.task, self.data, self.eval_data = model, task, data, eval_data
-        self.optimizer, self.policy, self.plan = optimizer, policy, plan
+        self.optimizer, self.precision, self.plan = optimizer, precision, plan
         self.scheduler = scheduler
         self.skips = skips or SkipMonitor()
         self.distributed = distributed
-        self.device = policy.device
+        self.device = precision.device
         self.world_size = 1 if distributed is None else distributed.world_size
         self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.progress = Progress()
         self.meter = meter or Meter()
         # Timed training of this run, attempt by attempt.
-        self.throughput = Throughput(self.device, policy.precision, policy.timed)
+        self.throughput = Throughput(self.device, precision.spec.name, precision.timed)
         # What examines each step besides the update, in training/callbacks.ORDER.
         self.callbacks = StepCallbacks()
         names = {id(p): name for name, p in unwrap(model).named_parameters()}
@@ -117,7 +117,7 @@ class Engine:
             "model": model_state,
             "optimizer": optimizer_state,
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            **self.policy.state_dict(),
+            **self.precision.checkpoint_state(),
             "progress": dataclasses.asdict(self.progress),
             "throughput": self.throughput.state_dict(self.progress.step),
             "skip_record": self.skip_record.state_dict(),
@@ -131,7 +131,7 @@ class Engine:
         load(self.model, self.optimizer, state["model"], state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self.policy.load_state_dict(state)
+        self.precision.load_checkpoint_state(state)
         self.progress = Progress(**state["progress"])
         rank = 0 if self.distributed is None else self.distributed.rank.rank
         losses = state["interval_losses"]
@@ -185,31 +185,31 @@ class Engine:
         training/precisions/base.py); the GradScaler's three (scale, unscale, update) are fp16's
         alone and pass through elsewhere. The step callbacks run where training/callbacks.py
         states. Returns the gradient norm (on the device) or None."""
-        policy, accum = self.policy, self.plan.grad_accum_steps
+        precision, accum = self.precision, self.plan.grad_accum_steps
         progress = self.progress
         step = progress.step + 1
         for micro_batch in range(accum):
             batch = self.task.to_device(next(batches))
             with self._gradient_sync(micro_batch):
                 # autocast: the forward and the loss in the plugin's ``forward_context``.
-                with policy.autocast():
+                with precision.forward_context():
                     loss = self.task.loss(self.model, batch)
                     if accum > 1:
                         # [accumulate] k micro-batches then sum to one batch k times larger.
                         loss = loss / accum
                 # scale (the GradScaler), then backward: the plugin's ``backward``.
-                policy.backward(policy.scaled(loss))
+                precision.backward(precision.scaled(loss))
             interval_loss += loss.detach()
             progress.samples += self.task.batch_samples(batch) * self.world_size
         # unscale (the GradScaler): clipping thresholds refer to true gradients.
-        policy.unscale(self.optimizer)
+        precision.unscale(self.optimizer)
         # clip, and find on the device whether this step must skip (non-finite gradients).
-        gradients = policy.clip(self.parameters, want_grad_norm)
+        gradients = precision.clip(self.parameters, want_grad_norm)
         self.callbacks.after_clip(step, gradients)
         # step, skipped on the device if non-finite: the plugin's ``optimizer_step``.
-        policy.step(self.optimizer, gradients.found_inf)
+        precision.step(self.optimizer, gradients.found_inf)
         # update (the GradScaler): its scale backs off after a skip, grows after a finite run.
-        policy.update()
+        precision.update()
         self.callbacks.after_step(step)
         if gradients.found_inf is not None:
             # Every earlier step since the last read was applied, so its loss was finite: the
@@ -244,7 +244,9 @@ class Engine:
             # amp_exp's schedules (LambdaLR, OneCycleLR) are closed-form in the step count.
             self.scheduler.last_epoch -= skipped.count + 1
             self.scheduler.step()
-        self.skips.on_skipped_steps(progress, self.policy.precision, self.policy.scale(), skipped)
+        self.skips.on_skipped_steps(
+            progress, self.precision.spec.name, self.precision.scale(), skipped
+        )
 
     def log_row(
         self,
@@ -266,7 +268,7 @@ class Engine:
             # float(): torchao's optimizers keep the learning rate in a (CPU) tensor.
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "grad_norm": None if grad_norm is None else grad_norm.item(),
-            "scale": self.policy.scale(),
+            "scale": self.precision.scale(),
             "skipped_steps": progress.skipped_steps,
             **self.meter.rates(samples_per_s),
             "step_time_ms": step_time_ms,
@@ -289,7 +291,7 @@ class Engine:
         batches = itertools.islice(self.eval_data or [], self.plan.eval_batches)
         with evaluating as model:
             model.eval()
-            with self.policy.inference(), self.policy.autocast():
+            with self.precision.inference_context(), self.precision.forward_context():
                 for batch in batches:
                     totals += self.task.eval_sums(model, self.task.to_device(batch))
             model.train()
@@ -339,7 +341,7 @@ class Engine:
         throughput = self.throughput
         reset_peak_memory(self.device)
         interval_loss = torch.tensor(progress.interval_loss, device=self.device)
-        scale = self.policy.scale()
+        scale = self.precision.scale()
         started = time.perf_counter()
         warmup_s = 0.0
         stopped_early = False

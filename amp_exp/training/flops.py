@@ -11,14 +11,14 @@ roofline prediction (amp_exp/predict/) reads too.
 
 from __future__ import annotations
 
-from amp_exp.config.precisions import spec_of
+from amp_exp.config.precisions import get
 from amp_exp.predict.devices import find_device
 
 
 def peak_math(precision: str, tf32: bool) -> str:
     """Which peak a run's matmuls can reach (the precision table's): fp32 runs as TF32 when TF32
     is allowed."""
-    math = spec_of(precision).peak_math
+    math = get(precision).spec.peak_math
     return "tf32" if math == "fp32" and tf32 else math
 
 

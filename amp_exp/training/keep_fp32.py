@@ -5,7 +5,7 @@ The globs (``fnmatch``, case-sensitive, ``*`` crossing dots) are matched against
 matches nothing stops the run with one line naming the nearest module names. A match keeps its
 whole subtree, so only the outermost matches are acted on.
 
-How each mode keeps them (``PrecisionPolicy.prepare_model`` and ``runtime.fsdp``):
+How each mode keeps them (the plugin's ``convert_module`` and ``runtime.fsdp``):
 
 - under autocast (fp16, bf16, and fp8 outside its float8 linears) the module runs with autocast
   off, its float inputs cast to fp32. Its output stays fp32: the next op under autocast casts it
@@ -13,14 +13,14 @@ How each mode keeps them (``PrecisionPolicy.prepare_model`` and ``runtime.fsdp``
   at all, an addition promotes to fp32), whereas casting it back here would undo the range the
   module was kept for: an activation above 65504 kept in fp32 to be normalized next would be inf
   again in fp16.
-- bf16_true keeps its parameters fp32, as it does the norm layers (training/precision_modes.py);
-  there the output goes back to bf16, which the next layer's bf16 weights need, and bf16 has
-  fp32's range.
+- bf16_true keeps its parameters fp32, as it does the norm layers (its plugin's
+  ``convert_module``); there the output goes back to bf16, which the next layer's bf16 weights
+  need, and bf16 has fp32's range.
 - fp8 leaves its linears unconverted (and runs it without autocast, as above).
 - FSDP2 gives it a mixed-precision policy of its own: fp32 parameters, inputs cast to fp32, the
   output cast back to the forward's dtype (the next layer's gathered parameters are in it).
 
-The outermost names kept are ``PrecisionPolicy.kept_fp32`` and summary.json's
+The outermost names kept are ``PrecisionPlugin.kept_fp32`` and summary.json's
 ``keep_fp32_modules``: what a precision audit attributes fp32 FLOPs to (every module within one,
 ``is_within``), and what the sensitivity command's repair reports the FLOP share of.
 """
@@ -38,6 +38,12 @@ from amp_exp.errors import ConfigError
 
 # Nearest names a refused pattern lists.
 NEAREST = 3
+# Kept in fp32 by bf16_true (and as the roofline predicts it): BatchNorm's running statistics are
+# moving averages whose small increments round away in bf16, as weight updates do, and reductions
+# over a whole batch or feature dimension lose digits in bf16; their parameters are a tiny share
+# of any model, so bf16 would save almost nothing. PyTorch does run BatchNorm in bf16; keeping it
+# fp32 is the safer of two working choices.
+NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
 def cast_floats(value, dtype: torch.dtype):
@@ -49,6 +55,11 @@ def cast_floats(value, dtype: torch.dtype):
     if isinstance(value, dict):
         return {key: cast_floats(item, dtype) for key, item in value.items()}
     return value
+
+
+def keeps_fp32(module: nn.Module) -> bool:
+    """A norm layer, or a module that sets ``keep_in_fp32 = True``."""
+    return isinstance(module, NORM_LAYERS) or getattr(module, "keep_in_fp32", False)
 
 
 def outermost(names: Iterable[str]) -> list[str]:

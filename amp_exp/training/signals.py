@@ -48,7 +48,7 @@ from amp_exp.config.precisions import PrecisionSpec
 from amp_exp.runtime.fsdp import local
 from amp_exp.tasks.blocks import model_blocks
 from amp_exp.training.callbacks import StepCallback
-from amp_exp.training.precision import Gradients
+from amp_exp.training.precisions.base import Gradients
 
 # One block's activation statistics: the largest magnitude and the attention logit (reduced
 # with MAX), then the element count and the first four power sums (reduced with SUM).

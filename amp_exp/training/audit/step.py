@@ -136,10 +136,10 @@ class PrecisionAudit:
 
     def _recorded(self, step: int, figures: dict[str, Any]) -> dict[str, Any]:
         engine = self.engine
-        policy = engine.policy
-        kept = policy.kept_fp32
+        precision = engine.precision
+        kept = precision.kept_fp32
         record = audit_record(
-            step, policy.spec, figures, policy.plugin.converted_linears(), kept, self.eager
+            step, precision.spec, figures, precision.converted_linears(), kept, self.eager
         )
         record["tf32"] = TF32_NOTE if self._tf32(record["flops_by_dtype"]) else None
         is_main = engine.distributed is None or engine.distributed.is_main
@@ -148,7 +148,7 @@ class PrecisionAudit:
             line = described(step, record["flops_by_dtype"], figures, kept_share)
             log.info("%s%s", line, " (an eager step of the compiled run)" if self.eager else "")
         if record["engaged"] is False and is_main:
-            log.warning("%s", warning_text(policy.precision, verdict_of(record)))
+            log.warning("%s", warning_text(precision.spec.name, verdict_of(record)))
         return record
 
     def _tf32(self, by_dtype: dict[str, float]) -> bool:

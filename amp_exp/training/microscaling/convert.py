@@ -1,6 +1,6 @@
 """Which linear layers compute in a block-scaled format, and the swap that makes them.
 
-The layers are those fp8 converts (``precision_modes.plan_fp8``: by name and shape, outside
+The layers are those fp8 converts (``linears.plan_linears``: by name and shape, outside
 ``precision.keep_fp32``), less, for NVFP4's recipe, every linear inside the last N of the model's
 blocks (NVIDIA keeps the last blocks in bf16), and less transformers' ``Conv1D`` layers, which fp8
 converts but the block-scaled layers here (built on ``nn.Linear``'s [out, in] weight) do not.
@@ -17,15 +17,15 @@ from torch import nn
 
 from amp_exp.tasks.blocks import model_blocks
 from amp_exp.training.keep_fp32 import is_within
+from amp_exp.training.linears import LinearConversion, is_conv1d, plan_linears
 from amp_exp.training.microscaling.linear import MicroscalingLinear, Recipe, swap_linears
-from amp_exp.training.precision_modes import LinearConversion, is_conv1d, plan_fp8
 
 
 def plan(
     model: nn.Module, skip: Sequence[str], keep_fp32: Sequence[str], bf16_last_blocks: int
 ) -> LinearConversion:
     """fp8's choice of linears, less those inside the last ``bf16_last_blocks`` blocks."""
-    fp8 = plan_fp8(model, skip, keep_fp32=keep_fp32)
+    fp8 = plan_linears(model, skip, keep_fp32=keep_fp32)
     chosen = LinearConversion(True, [], dict(fp8.skipped))
     last: list[str] = []
     if bf16_last_blocks:

@@ -15,7 +15,7 @@ import json
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from amp_exp.config.precisions import BOTH_STRATEGIES, DType, Engagement, PrecisionSpec
+from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
 from amp_exp.errors import ConfigError, require
 from amp_exp.training.precisions.base import LinearFormatPlugin
 
@@ -49,23 +49,16 @@ def microscaling_spec(
     elsewhere, fp32 master weights and state, no loss scaling (every block is scaled)."""
     return PrecisionSpec(
         name=name,
+        order=order,
+        colour=colour,
         compute_dtype=DType.bfloat16,
         autocast_dtype=DType.bfloat16,
-        weight_dtype=DType.float32,
-        optimizer_state_dtype=DType.float32,
-        grad_scaler=False,
-        # Its matmuls peak at its format's rate (fp8 or fp4); emulated, it is never timed.
+        # Its matmuls peak at its format's rate (fp8 or fp4); emulated, it is never timed. Under
+        # FSDP2 each layer quantizes the weight its all-gather brought.
         peak_math=peak_math,
-        probed_as=None,
-        reduce_dtype=DType.float32,
-        fsdp_param_dtype=None,
-        # Under FSDP2 each layer quantizes the weight its all-gather brought.
-        strategies=BOTH_STRATEGIES,
         # As fp8: the converted linears in the format, the rest in bf16 (the wgrad in high
         # precision too, with that option).
         engaged=Engagement(0.5, (*formats, DType.bfloat16), converted_dtypes=formats),
-        order=order,
-        colour=colour,
         rankable=True,
         repair_to="bf16",
         needs_native_bf16=True,
@@ -105,7 +98,7 @@ class MicroscalingPlugin(LinearFormatPlugin):
     def variant_label(cls, knobs: dict[str, Any]) -> str:
         """ "nvfp4 (hadamard_wgrad=false, emulated)": the options set away from their defaults."""
         given = knobs.get("options") or {}
-        defaults = {f.name: f.default for f in dataclasses.fields(cls.Options)}
+        defaults = json.loads(json.dumps(dataclasses.asdict(cls.Options())))
         details = [
             f"{key}={json.dumps(value).strip(QUOTE)}"
             for key, value in sorted(given.items())
@@ -119,22 +112,16 @@ class MicroscalingPlugin(LinearFormatPlugin):
     def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
         """Before torch loads: torchao, and precision.emulate=true where the config alone shows
         there can be no kernels (the CPU; MXFP4 and NVFP4 on any device)."""
-        from importlib.util import find_spec
-
         from amp_exp.config.schema import DeviceChoice
 
-        name = cls.spec.name
-        require(
-            find_spec("torchao") is not None,
-            f"precision={name} needs torchao, which is not installed: pip install 'amp_exp[fp8]'",
-        )
+        super().check_config(cfg, trainer)
         if cls.elements is DType.mxfp8_e4m3 and trainer.device is not DeviceChoice.cpu:
             return
         where = "" if cls.elements is not DType.mxfp8_e4m3 else " (trainer.device=cpu)"
         require(
             cfg.emulate,
-            f"precision={name} cannot run for real here{where}: {cls.lacks(None)}; add "
-            "precision.emulate=true to emulate it (slow, not timed)",
+            f"precision={cls.spec.name} cannot run for real here{where}: {cls.lacks(None)}; "
+            + cls.EMULATE,
         )
 
     @classmethod
@@ -143,8 +130,7 @@ class MicroscalingPlugin(LinearFormatPlugin):
         if lacking is None or cfg.emulate:
             return
         raise ConfigError(
-            f"precision={cls.spec.name} cannot run for real here: {lacking}; add "
-            "precision.emulate=true to emulate it (slow, not timed)"
+            f"precision={cls.spec.name} cannot run for real here: {lacking}; " + cls.EMULATE
         )
 
     @property
@@ -156,12 +142,22 @@ class MicroscalingPlugin(LinearFormatPlugin):
         """An emulated format measures numerics, not speed: its throughput is never reported."""
         return not self.emulated
 
-    def recipe(self) -> Recipe:
-        """The quantization of each matmul operand, from this precision's options."""
-        raise NotImplementedError
+    def gradients(self) -> DType:
+        """The format of gradients: the elements', unless an option says otherwise."""
+        return self.elements
 
-    def bf16_last_blocks(self) -> int:
-        return 0
+    def recipe(self) -> Recipe:
+        """The quantization of each matmul operand: the options named as ``Recipe``'s fields go
+        to it as they are (a scale mode as torchao's)."""
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+        from amp_exp.training.microscaling.linear import Recipe
+
+        fields = [field.name for field in dataclasses.fields(Recipe)]
+        given = {key: getattr(self.options, key) for key in fields if hasattr(self.options, key)}
+        if "scale_mode" in given:
+            given["scale_mode"] = ScaleCalculationMode(given["scale_mode"].value)
+        return Recipe(self.elements, self.gradients(), **given)
 
     def convert_module(self, model: nn.Module) -> nn.Module:
         from amp_exp.training.microscaling.convert import (
@@ -171,7 +167,9 @@ class MicroscalingPlugin(LinearFormatPlugin):
         )
 
         model = super().convert_module(model)
-        self.conversion = plan(model, self.cfg.fp8_skip, self.kept_fp32, self.bf16_last_blocks())
+        # NVIDIA's recipe keeps the last blocks in bf16 (nvfp4's option).
+        last_blocks = getattr(self.options, "bf16_last_blocks", 0)
+        self.conversion = plan(model, self.options.skip, self.kept_fp32, last_blocks)
         self.refuse_if_nothing_converts()
         convert = convert_emulated if self.emulated else convert_with_kernels
         model = convert(model, self.conversion, self.recipe())

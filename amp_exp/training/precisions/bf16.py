@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-from amp_exp.config.precisions import BOTH_STRATEGIES, DType, Engagement, PrecisionSpec
+from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
 from amp_exp.training.precisions.base import PrecisionPlugin
 
 
 class Bf16(PrecisionPlugin):
     spec = PrecisionSpec(
         name="bf16",
-        compute_dtype=DType.bfloat16,
-        autocast_dtype=DType.bfloat16,
-        weight_dtype=DType.float32,
-        optimizer_state_dtype=DType.float32,
-        grad_scaler=False,
-        peak_math="bf16",
-        probed_as="bf16",
-        # A sum of many low-precision gradients loses their small parts.
-        reduce_dtype=DType.float32,
-        fsdp_param_dtype=DType.bfloat16,
-        strategies=BOTH_STRATEGIES,
-        engaged=Engagement(0.5, (DType.bfloat16,)),
         order=1,
         colour="#55a868",
+        compute_dtype=DType.bfloat16,
+        autocast_dtype=DType.bfloat16,
+        peak_math="bf16",
+        probed_as="bf16",
+        fsdp_param_dtype=DType.bfloat16,
+        engaged=Engagement(0.5, (DType.bfloat16,)),
         auto_candidate=True,
         autocast_family=True,
         rankable=True,

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-from amp_exp.config.precisions import BOTH_STRATEGIES, DType, Engagement, PrecisionSpec
+from amp_exp.config.precisions import REFERENCE, PrecisionSpec
 from amp_exp.training.precisions.base import PrecisionPlugin
 
 
 class Fp32(PrecisionPlugin):
+    # PrecisionSpec's defaults are this precision's facts.
     spec = PrecisionSpec(
-        name="fp32",
-        compute_dtype=DType.float32,
-        autocast_dtype=None,
-        weight_dtype=DType.float32,
-        optimizer_state_dtype=DType.float32,
-        grad_scaler=False,
-        peak_math="fp32",
-        probed_as="fp32",
-        reduce_dtype=DType.float32,
-        fsdp_param_dtype=None,
-        strategies=BOTH_STRATEGIES,
-        engaged=Engagement(1.0, (DType.float32,)),
+        name=REFERENCE,
         order=0,
         colour="#4c72b0",
+        probed_as=REFERENCE,
         auto_candidate=True,
         autocast_family=True,
     )

@@ -1,23 +1,49 @@
-"""fp8: torchao's float8 matmuls in the linear layers the filters admit (precision.fp8_skip,
-fp8_skip_small, keep_fp32), everything else under bf16 autocast; emulated on any device with
-precision.emulate=true (numerics only, never timed)."""
+"""fp8: torchao's float8 matmuls in the linear layers the filters admit (precision.options.skip,
+skip_small, precision.keep_fp32), everything else under bf16 autocast, as in ``precision=bf16``;
+emulated on any device with precision.emulate=true (numerics only, never timed).
+
+A linear layer is an ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2's: x @ W + b with W stored
+[in, out], a Linear with its weight transposed), which becomes a ``Float8Conv1D`` that takes that
+weight as it is stored, so its parameter, its name and its layout stay what the optimizer and
+checkpoints know.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from importlib.util import find_spec
+import dataclasses
+import functools
+from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
-from amp_exp.config.schema import DeviceChoice, Fp8Recipe, Strategy
+from amp_exp.config.schema import DeviceChoice, Strategy
 from amp_exp.errors import ConfigError, require
-from amp_exp.training.precisions.base import LinearFormatPlugin
+from amp_exp.training.precisions.base import LinearFormatPlugin, LinearOptions
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from amp_exp.config.schema import PrecisionConfig, TrainerConfig
+
+
+class Fp8Recipe(str, Enum):
+    """torchao's Float8LinearConfig recipes, fastest to most accurate."""
+
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+    rowwise_with_gw_hp = "rowwise_with_gw_hp"
+
+
+@dataclass
+class Fp8Options(LinearOptions):
+    # torchao's recipe (Float8LinearConfig.from_recipe_name).
+    recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    # Also keep the linears too small to gain, by torchao's H100 thresholds for the recipe
+    # (torchtitan's auto_filter_small_kn); tensorwise and rowwise only.
+    skip_small: bool = False
 
 
 def require_fp8_hardware(device: torch.device, emulate: bool) -> None:
@@ -28,24 +54,19 @@ def require_fp8_hardware(device: torch.device, emulate: bool) -> None:
         return
     where = "the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     raise ConfigError(
-        f"precision=fp8 needs a CUDA GPU with compute capability 8.9+, not {where}; "
-        "add precision.emulate=true to emulate it (slow, not timed)"
+        f"precision=fp8 needs a CUDA GPU with compute capability 8.9+, not {where}; " + Fp8.EMULATE
     )
 
 
 class Fp8(LinearFormatPlugin):
     spec = PrecisionSpec(
         name="fp8",
+        order=4,
+        colour="#c44e52",
         compute_dtype=DType.bfloat16,
         autocast_dtype=DType.bfloat16,
-        weight_dtype=DType.float32,
-        optimizer_state_dtype=DType.float32,
-        grad_scaler=False,
         # fp8 matmuls peak at twice the bf16 rate, and its other ops run at bf16's.
         peak_math="fp8",
-        probed_as=None,
-        reduce_dtype=DType.float32,
-        fsdp_param_dtype=None,
         strategies=frozenset({Strategy.ddp}),
         # As bf16 outside the converted linears: with autocast lost, the rest would run in
         # fp32 (emulated gpt_tiny, measured: 74% float8, 26% bf16, so 100% in these).
@@ -54,14 +75,13 @@ class Fp8(LinearFormatPlugin):
             (DType.float8_e4m3fn, DType.float8_e5m2, DType.bfloat16),
             converted_dtypes=(DType.float8_e4m3fn, DType.float8_e5m2),
         ),
-        order=4,
-        colour="#c44e52",
         rankable=True,
         repair_to="bf16",
         compile_on_cuda=True,
     )
 
-    variant_keys = ("emulate", "fp8_recipe", "fp8_skip", "fp8_skip_small")
+    Options = Fp8Options
+    variant_keys = ("emulate",)
 
     @property
     def timed(self) -> bool:
@@ -70,10 +90,11 @@ class Fp8(LinearFormatPlugin):
 
     @classmethod
     def variant_label(cls, knobs: dict[str, Any]) -> str:
-        details = [str(knobs.get("fp8_recipe", "tensorwise"))]
-        if knobs.get("fp8_skip") == []:
+        options = knobs.get("options") or {}
+        details = [str(options.get("recipe", Fp8Recipe.tensorwise.value))]
+        if options.get("skip") == []:
             details.append("all linears")
-        if knobs.get("fp8_skip_small"):
+        if options.get("skip_small"):
             details.append("large linears")
         if knobs.get("emulate"):
             details.append("emulated")
@@ -82,20 +103,18 @@ class Fp8(LinearFormatPlugin):
     @classmethod
     def check_config(cls, cfg: PrecisionConfig, trainer: TrainerConfig) -> None:
         """What fp8 needs that the config alone shows; the GPU's capability is checked at build."""
-        require(
-            find_spec("torchao") is not None,
-            "precision=fp8 needs torchao, which is not installed: pip install 'amp_exp[fp8]'",
-        )
+        super().check_config(cfg, trainer)
         require(
             trainer.device is not DeviceChoice.cpu or cfg.emulate,
             "precision=fp8 needs a CUDA GPU with compute capability 8.9+ (trainer.device=cpu); "
-            "add precision.emulate=true to emulate it (slow, not timed)",
+            + cls.EMULATE,
         )
+        options: Fp8Options = cls.options_for(cfg)
         # torchao measured no size thresholds for this recipe (its _auto_filter_for_recipe).
         require(
-            not cfg.fp8_skip_small or cfg.fp8_recipe is not Fp8Recipe.rowwise_with_gw_hp,
-            "precision.fp8_skip_small=true has no size thresholds for "
-            "precision.fp8_recipe=rowwise_with_gw_hp; valid recipes: tensorwise, rowwise",
+            not options.skip_small or options.recipe is not Fp8Recipe.rowwise_with_gw_hp,
+            "precision.options.skip_small=true has no size thresholds for "
+            "precision.options.recipe=rowwise_with_gw_hp; valid recipes: tensorwise, rowwise",
         )
 
     @classmethod
@@ -103,13 +122,41 @@ class Fp8(LinearFormatPlugin):
         require_fp8_hardware(device, cfg.emulate)
 
     def convert_module(self, model: nn.Module) -> nn.Module:
-        from amp_exp.training.precision_modes import convert_to_fp8
+        """Swap the planned linears for torchao ``Float8Linear`` (in place, weights kept)."""
+        import torch
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        from amp_exp.training.keep_fp32 import cast_floats
+        from amp_exp.training.linears import is_conv1d, plan_linears
+
+        def cast_to_cpu_autocast(module: nn.Module, args: tuple) -> tuple:
+            """Float8Linear casts its input to the autocast dtype under CUDA's autocast only;
+            emulated on the CPU it would take a first layer's fp32 input as it comes."""
+            if not torch.is_autocast_enabled("cpu"):
+                return args
+            return cast_floats(args, torch.get_autocast_dtype("cpu"))
 
         model = super().convert_module(model)
-        model, self.conversion = convert_to_fp8(model, self.cfg, self.kept_fp32)
+        options: Fp8Options = self.options
+        recipe = options.recipe.value
+        skip_small_for = recipe if options.skip_small else None
+        self.conversion = plan_linears(model, options.skip, skip_small_for, self.kept_fp32)
+        self.conversion.emulated = self.cfg.emulate
         self.refuse_if_nothing_converts()
-        emulated = ", emulated" if self.conversion.emulated else ""
-        self.announce(f"fp8 ({self.cfg.fp8_recipe.value}{emulated})")
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        config = dataclasses.replace(config, emulate=self.cfg.emulate)
+        chosen = set(self.conversion.converted)
+        model = convert_to_float8_training(
+            model, module_filter_fn=lambda _, name: name in chosen, config=config
+        )
+        for name in chosen:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            layer = getattr(parent, child)
+            if is_conv1d(layer):
+                setattr(parent, child, float8_conv1d(layer, config))
+            model.get_submodule(name).register_forward_pre_hook(cast_to_cpu_autocast)
+        self.announce(f"fp8 ({recipe}{', emulated' if self.cfg.emulate else ''})")
         return model
 
     def inference_context(self) -> contextlib.AbstractContextManager:
@@ -117,6 +164,41 @@ class Fp8(LinearFormatPlugin):
         import torch
 
         return torch.no_grad()
+
+
+@functools.cache
+def float8_conv1d_class() -> type[nn.Module]:
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    class Float8Conv1D(Float8Linear):
+        """``Float8Linear`` holding a ``Conv1D``'s weight as stored, [in, out]: the operand
+        ``Float8Linear.forward`` makes of its own [out, in] weight by transposing it."""
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            import torch
+
+            # As Float8Linear.forward (torchao 0.18), with the weight untransposed.
+            if torch.is_autocast_enabled():
+                input = input.to(torch.get_autocast_gpu_dtype())
+            output = matmul_with_hp_or_float8_args.apply(
+                input, self.weight, self.linear_mm_config, self.config
+            )
+            return output if self.bias is None else output + self.bias.to(output.dtype)
+
+    return Float8Conv1D
+
+
+def float8_conv1d(conv: nn.Module, config: Any) -> nn.Module:
+    """A ``Float8Conv1D`` holding ``conv``'s own parameters, built on the meta device so nothing
+    is initialised twice."""
+    import torch
+
+    from amp_exp.training.linears import linear_features
+
+    with torch.device("meta"):
+        layer = float8_conv1d_class()(*linear_features(conv), bias=False, config=config)
+    layer.weight, layer.bias = conv.weight, conv.bias
+    return layer
 
 
 PLUGIN = Fp8

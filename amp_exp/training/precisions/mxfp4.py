@@ -5,17 +5,14 @@ weights. torchao trains in it on no device, so it runs emulated (precision.emula
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from amp_exp.config.precisions import DType
 from amp_exp.training.microscaling.plugin import MicroscalingPlugin, ScaleMode, microscaling_spec
-
-if TYPE_CHECKING:
-    from amp_exp.training.microscaling.linear import Recipe
+from amp_exp.training.precisions.base import LinearOptions
 
 
 @dataclass
-class Mxfp4Options:
+class Mxfp4Options(LinearOptions):
     scale_mode: ScaleMode = ScaleMode.rceil
     # The weight gradient's matmul on the unquantized operands, in bf16.
     wgrad_high_precision: bool = False
@@ -25,19 +22,6 @@ class Mxfp4(MicroscalingPlugin):
     elements = DType.mxfp4
     Options = Mxfp4Options
     spec = microscaling_spec("mxfp4", (DType.mxfp4,), peak_math="fp4", order=6, colour="#da8bc3")
-
-    def recipe(self) -> Recipe:
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-
-        from amp_exp.training.microscaling.linear import Recipe
-
-        options: Mxfp4Options = self.options
-        return Recipe(
-            DType.mxfp4,
-            DType.mxfp4,
-            ScaleCalculationMode(options.scale_mode.value),
-            wgrad_high_precision=options.wgrad_high_precision,
-        )
 
 
 PLUGIN = Mxfp4

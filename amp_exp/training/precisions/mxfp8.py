@@ -6,17 +6,14 @@ emulated with precision.emulate=true."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from amp_exp.config.precisions import DType
 from amp_exp.training.microscaling.plugin import MicroscalingPlugin, ScaleMode, microscaling_spec
-
-if TYPE_CHECKING:
-    from amp_exp.training.microscaling.linear import Recipe
+from amp_exp.training.precisions.base import LinearOptions
 
 
 @dataclass
-class Mxfp8Options:
+class Mxfp8Options(LinearOptions):
     scale_mode: ScaleMode = ScaleMode.rceil
     # Gradients in E5M2 (more range, less precision) rather than torchao's E4M3.
     e5m2_gradients: bool = False
@@ -35,18 +32,8 @@ class Mxfp8(MicroscalingPlugin):
         colour="#937860",
     )
 
-    def recipe(self) -> Recipe:
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-
-        from amp_exp.training.microscaling.linear import Recipe
-
-        options: Mxfp8Options = self.options
-        return Recipe(
-            DType.mxfp8_e4m3,
-            DType.mxfp8_e5m2 if options.e5m2_gradients else DType.mxfp8_e4m3,
-            ScaleCalculationMode(options.scale_mode.value),
-            wgrad_high_precision=options.wgrad_high_precision,
-        )
+    def gradients(self) -> DType:
+        return DType.mxfp8_e5m2 if self.options.e5m2_gradients else DType.mxfp8_e4m3
 
 
 PLUGIN = Mxfp8

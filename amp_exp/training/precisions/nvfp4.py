@@ -6,17 +6,14 @@ weights. torchao trains in it on no device, so it runs emulated (precision.emula
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from amp_exp.config.precisions import DType
 from amp_exp.training.microscaling.plugin import MicroscalingPlugin, microscaling_spec
-
-if TYPE_CHECKING:
-    from amp_exp.training.microscaling.linear import Recipe
+from amp_exp.training.precisions.base import LinearOptions
 
 
 @dataclass
-class Nvfp4Options:
+class Nvfp4Options(LinearOptions):
     # A random 16x16 Hadamard transform of the weight gradient's operands along the tokens.
     hadamard_wgrad: bool = True
     # One scale per 16x16 weight tile, so the forward and the backward see the same weight.
@@ -33,22 +30,6 @@ class Nvfp4(MicroscalingPlugin):
     elements = DType.nvfp4
     Options = Nvfp4Options
     spec = microscaling_spec("nvfp4", (DType.nvfp4,), peak_math="fp4", order=7, colour="#ccb974")
-
-    def bf16_last_blocks(self) -> int:
-        return self.options.bf16_last_blocks
-
-    def recipe(self) -> Recipe:
-        from amp_exp.training.microscaling.linear import Recipe
-
-        options: Nvfp4Options = self.options
-        return Recipe(
-            DType.nvfp4,
-            DType.nvfp4,
-            wgrad_high_precision=options.wgrad_high_precision,
-            hadamard_wgrad=options.hadamard_wgrad,
-            weight_tiles=options.weight_tiles,
-            stochastic_gradients=options.stochastic_gradients,
-        )
 
 
 PLUGIN = Nvfp4
