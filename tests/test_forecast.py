@@ -163,8 +163,8 @@ def test_growth_that_has_slowed_is_not_carried_forward_at_its_average_rate() -> 
 
 def test_where_the_line_holds_the_slowing_test_replaces_it_at_its_stated_rate() -> None:
     """Log-linear growth with noise: the quadratic takes the decision from the line at most
-    CHANGEPOINT_ALPHA / 2 of the time, its one-sided level (9 of 2,000 when written; at the slope
-    test's level, ALPHA / 2, 46: the test fails)."""
+    CHANGEPOINT_ALPHA / 2 of the time, its one-sided level (8 of 2,000 when written; at the slope
+    test's level, ALPHA / 2, 43: the test fails)."""
     rng = np.random.default_rng(11)
     u = np.arange(LOG_EVERY, 260, LOG_EVERY, dtype=float)
     repetitions, replaced = 2000, 0
