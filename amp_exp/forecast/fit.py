@@ -20,6 +20,14 @@ changepoint test, with their bands and where each meets a limit.
   inside the trend's pointwise confidence band. At the true crossing ``(trend - L) / se`` is
   t-distributed, so the set covers it at the stated level (Fieller 1954, here on a grid so that
   every form is treated alike).
+- **Slowing.** A line carries its rate forward for good. Where the quadratic over the same
+  points (after any changepoint) bends away from the limit, one-sided at the changepoint test's
+  level, the growth is slowing more than noise would make it look, and the quadratic decides
+  instead: a crossing is claimed only if it reaches the limit by the planned end. Healthy runs'
+  attention logits grow fast early and level off (docs/forecast.md); the line through them
+  crossed the limit, the quadratic does not. (Over the points of the regime the changepoint
+  keeps only: a later regime that grows steadily after a fast start is extrapolated, as one real
+  run that took off later showed it should be.)
 - **Too few points** (fewer than ``MIN_POINTS`` usable values) are ``unforecastable``: nothing is
   extrapolated from them.
 """
@@ -108,12 +116,20 @@ class Fit:
         half = self.t(level) * math.sqrt(float(self._trend_variance(np.array([u]))[0]) + noise)
         return centre, centre - half, centre + half
 
+    def _coefficient_p(self, index: int, towards: float) -> float:
+        se = math.sqrt(self.covariance[index, index])
+        if se == 0:
+            return 0.0 if self.coefficients[index] * towards > 0 else 1.0
+        return float(scipy.stats.t.sf(towards * self.coefficients[index] / se, self.dof))
+
     def slope_p(self, towards: float) -> float:
         """One-sided p-value that the slope is 0 against it moving ``towards`` (+1 or -1)."""
-        se = math.sqrt(self.covariance[1, 1])
-        if se == 0:
-            return 0.0 if self.coefficients[1] * towards > 0 else 1.0
-        return float(scipy.stats.t.sf(towards * self.coefficients[1] / se, self.dof))
+        return self._coefficient_p(1, towards)
+
+    def bend_p(self, towards: float) -> float:
+        """A quadratic's one-sided p-value that its curvature is 0 against the trend bending
+        ``towards`` (+1: up, -1: down)."""
+        return self._coefficient_p(2, towards)
 
     def crossing(
         self, u: np.ndarray, limit: float, direction: int, level: float
@@ -215,6 +231,19 @@ class Trend:
     changepoint_p: float | None = None
     unforecastable: str | None = None
     forms: tuple[Fit, ...] = ()
+    # The quadratic in the deciding line's space, over the same points: whether the growth is
+    # slowing (``decider``).
+    bend: Fit | None = None
+
+    def decider(self, direction: int, alpha: float = CHANGEPOINT_ALPHA) -> Fit:
+        """The form whose trend decides a crossing toward a limit in ``direction``: the line,
+        unless its quadratic over the same points bends away from the limit at one-sided
+        ``alpha / 2`` (the changepoint test's level: growth slowing more than noise would make
+        it look), when the line would carry forward a rate the run has already left behind, and
+        the quadratic decides. Where the line holds, the quadratic replaces it with probability
+        at most ``alpha / 2``."""
+        assert self.line is not None and self.bend is not None
+        return self.bend if self.bend.bend_p(-direction) < alpha / 2 else self.line
 
 
 # A form is kept beside the best while its likelihood is at least this share of the best's
@@ -241,4 +270,5 @@ def fit_trend(u: np.ndarray, values: np.ndarray, log: bool, try_log: bool) -> Tr
     best = min(form.aic for form in forms)
     plausible = [f for f in forms if math.exp((best - f.aic) / 2) >= PLAUSIBLE]
     others = [f for f in plausible if (f.shape, f.log) != ("line", log)]
-    return Trend(line, n, start, p, forms=(line, *others))
+    bend = next(f for f in forms if (f.shape, f.log) == ("quadratic", log))
+    return Trend(line, n, start, p, forms=(line, *others), bend=bend)

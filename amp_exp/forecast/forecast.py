@@ -11,7 +11,9 @@ this run's). Without the rate the axis is the step, and the trend per step is ta
 **The deciding trend** is chosen per signal over all its points: log-linear growth (a factor per
 unit of the axis) or a straight line, whichever is the likelier model of the values (the AIC's
 pick: the same number of parameters). Its slope decides whether a limit is forecast to be crossed
-and its centre gives the step.
+and its centre gives the step, unless the growth is slowing (``Trend.decider``: the quadratic over
+the same points bends away from the limit, one-sided at fit.CHANGEPOINT_ALPHA / 2): then the
+quadratic's centre must reach the limit by the planned end, and gives the step.
 
 **The interval** is the hull over every form the data leave plausible (fit.py: line, power law and
 quadratic, each in the signal's own and in log space, kept while their relative likelihood is at
@@ -252,24 +254,29 @@ def forecast_series(
 def crossing(
     series: Series, trend: Trend, steps: np.ndarray, u: np.ndarray, alpha: float
 ) -> dict[str, Any] | None:
-    """When the deciding line crosses the limit within the planned run (``steps``, at ``u`` on
-    the axis), if its slope differs from zero toward it at a two-sided ``alpha`` (as Fieller's
-    interval of the line is bounded). The interval, at
-    1 - ``alpha``, is the hull of every plausible form's crossing set: from the first step the
-    band of any of them reaches the limit to the first step all of them are surely past it
-    (None where one is not by the planned end)."""
+    """When the deciding trend crosses the limit within the planned run (``steps``, at ``u`` on
+    the axis), if the line's slope differs from zero toward it at a two-sided ``alpha`` (as
+    Fieller's interval of the line is bounded). The deciding trend is the line, or its
+    quadratic where that bends significantly away from the limit (``Trend.decider``: growth
+    that has slowed is not carried forward at its average rate). The interval, at
+    1 - ``alpha``, is the hull of every plausible form's crossing set (the decider's
+    included): from the first step the band of any of them reaches the limit to the first step
+    all of them are surely past it (None where one is not by the planned end)."""
     limit, line = series.limit, trend.line
     assert limit is not None and line is not None
     if line.slope_p(limit.direction) >= alpha / 2:
         return None
+    decider = trend.decider(limit.direction)
+    # An implausible form's band is no part of the hull, unless it decides.
+    forms = trend.forms if any(f is decider for f in trend.forms) else (*trend.forms, decider)
     lows, highs = [], []
     estimate = None
-    for form in trend.forms:
+    for form in forms:
         if form.log and limit.value <= 0:
             continue
         value = math.log(limit.value) if form.log else limit.value
         centre, near, far = form.crossing(u, value, limit.direction, 1 - alpha)
-        if form is line:
+        if form is decider:
             if centre is None:
                 return None
             estimate = float(steps[centre])
