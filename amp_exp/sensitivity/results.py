@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 import torch
@@ -36,16 +37,12 @@ SENSITIVE_WHEN = (
 Measured = dict[str, tuple[dict[str, ModuleError], list[float], OpFault | None]]
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def loss_error(
     losses: list[float], reference: list[float], fault: OpFault | None
 ) -> dict[str, Any]:
     """The mean end-to-end loss in a precision against fp32's, on the same batches, and the
     first op that overflowed in the whole model."""
-    loss, expected = mean(losses), mean(reference)
+    loss, expected = fmean(losses), fmean(reference)
     finite = math.isfinite(loss)
     return {
         "loss": loss,
@@ -101,7 +98,7 @@ def sensitivity_report(
         # What fp16's gradients are scaled by, as the GradScaler starts (precision.init_scale).
         "fp16_grad_scale": cfg.precision.init_scale,
         "loss": {
-            REFERENCE: mean(reference.losses),
+            REFERENCE: fmean(reference.losses),
             **{
                 p: loss_error(losses, reference.losses, fault)
                 for p, (_, losses, fault) in measured.items()
@@ -169,6 +166,7 @@ def markdown(report: dict[str, Any], show: int) -> str:
         error = "non-finite" if not loss["finite"] else format_share(loss["rel_error"])
         op = loss["out_of_range_op"] or "-"
         lines.append(f"| {precision} | {loss['loss']:.4f} | {fp32_loss:.4f} | {error} | {op} |")
+    by_name = {module["name"]: module for module in report["modules"]}
     for precision in report["precisions"]:
         lines += [
             "",
@@ -178,7 +176,6 @@ def markdown(report: dict[str, Any], show: int) -> str:
             "margin dB | act. over | grad over | grad under | op out of range |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        by_name = {module["name"]: module for module in report["modules"]}
         for name in report["rankings"][precision][:show]:
             module = by_name[name]
             m = module[precision]
