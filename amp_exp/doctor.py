@@ -117,11 +117,7 @@ def as_json(
     capability: Capability, device: torch.device, trials: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """The probe's kernel times and rates, the trials, the verdicts and the recommendation."""
-    return {
-        **capability.as_dict(trials),
-        "trial": trials,
-        "not_probed": unprobed_verdicts(device),
-    }
+    return {**capability.as_dict(trials), "trial": trials, "not_probed": unprobed_verdicts(device)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,19 +20,10 @@ from amp_exp.build import Built, attach_audit, attach_diagnostics, build, global
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.precisions import DType
 from amp_exp.config.schema import RunConfig
-from amp_exp.results.checkpoint import (
-    Checkpointer,
-    ShardedCheckpointer,
-    checkpoint_dir,
-)
+from amp_exp.results.checkpoint import Checkpointer, ShardedCheckpointer, checkpoint_dir
 from amp_exp.results.contract import user_code_cannot_exit
 from amp_exp.results.files import METRICS_FILE, SUMMARY_FILE, write_json
-from amp_exp.results.loggers import (
-    ConsoleLogger,
-    JsonlLogger,
-    Logger,
-    describe_eval,
-)
+from amp_exp.results.loggers import ConsoleLogger, JsonlLogger, Logger, describe_eval
 from amp_exp.results.ownership import RunDirectoryLock, check_directory
 from amp_exp.results.resume import find_checkpoint, kept_precision, resume
 from amp_exp.results.summary import Status, completed_summary, make_summary

@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from amp_exp.config.precisions import get
-from amp_exp.training.audit import dtypes
 from amp_exp.training.audit.matmuls import MatmulRecorder
 from amp_exp.training.audit.saved import SavedActivations
-from amp_exp.training.audit.step import audit_record, verdict_of
+from amp_exp.training.audit.step import audit_record, step_figures, verdict_of
 from amp_exp.training.audit.verdict import warning_text
 
 log = logging.getLogger("amp_exp")
@@ -42,18 +41,10 @@ class AuditedStep:
         self._saved.__exit__(None, None, None)
         self._recorder.__exit__(None, None, None)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        figures = {
-            "flops": self._recorder.flops.as_rows(),
-            "saved_activation_bytes": self._saved.summary(),
-            "state": {
-                "weights": dtypes.bytes_by_dtype(self.model.parameters()),
-                "grads": dtypes.bytes_by_dtype(grads) if grads else None,
-                "optimizer_state": dtypes.bytes_by_dtype(dtypes.optimizer_tensors(self.optimizer)),
-            },
-            "weight_elements": dtypes.parameter_elements(self.model),
-            "communication": None,
-            "ranks": 1,
-        }
+        parameters = list(self.model.parameters())
+        figures = step_figures(
+            self._recorder, self._saved, parameters, grads, self.optimizer, self.model
+        )
         record = audit_record(step, get(self.precision).spec, figures)
         if record["engaged"] is False:
             log.warning("%s", warning_text(self.precision, verdict_of(record)))

@@ -23,7 +23,6 @@ records.
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -32,11 +31,9 @@ import lightning as L
 import torch
 from torch.utils._pytree import tree_leaves
 
-from amp_exp.errors import ConfigError, NumericalFault, first_line
+from amp_exp.errors import ConfigError
 from amp_exp.integrations.facts import RunFacts, plain
 from amp_exp.integrations.recorder import Recorder
-
-log = logging.getLogger("amp_exp")
 
 # Lightning's precision strings, as trainer.precision resolves them, by amp_exp's names.
 PRECISIONS = {
@@ -80,7 +77,6 @@ class AmpExpCallback(L.Callback):
         self.run_dir, self.task, self.name, self.seed = run_dir, task, name, seed
         self.warmup_steps, self.resume = warmup_steps, resume
         self.recorder: Recorder | None = None
-        self.fault: NumericalFault | None = None
         self._samples = 0
         self._step_seen = 0
 
@@ -127,18 +123,14 @@ class AmpExpCallback(L.Callback):
             self.recorder.note_grad_norm()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.recorder is None or self.fault is not None:
+        if self.recorder is None or self.recorder.error is not None:
             return
         self._samples += batch_size(batch)
         if trainer.global_step == self._step_seen:
             return  # a micro-batch of gradient accumulation: its step is not done yet
         self._step_seen = trainer.global_step
         samples, self._samples = self._samples, 0
-        try:
-            self.recorder.end_step(step_loss(outputs), samples, epoch=trainer.current_epoch)
-        except NumericalFault as fault:
-            self.fault = fault
-            log.error("amp_exp: %s; stopping training", first_line(str(fault)))
+        if self.recorder.end_trainer_step(step_loss(outputs), samples, trainer.current_epoch):
             trainer.should_stop = True
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -152,7 +144,7 @@ class AmpExpCallback(L.Callback):
         self.recorder.eval(metrics)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._close(self.fault)
+        self._close(None)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._close(exception)
@@ -161,7 +153,4 @@ class AmpExpCallback(L.Callback):
         if self.recorder is None:
             return
         recorder, self.recorder = self.recorder, None
-        try:
-            recorder.close(error)
-        except NumericalFault as fault:
-            log.error("amp_exp: %s", first_line(str(fault)))
+        recorder.close_logged(error)

@@ -144,10 +144,10 @@ class Recorder:
             self.optimizer.register_step_post_hook(self._applied_one),
             *self._autocast_hooks(),
         ]
-        if self.signals is not None:
+        if (signals := self.signals) is not None:
             self._hooks += [
-                self.optimizer.register_step_pre_hook(self._before_update),
-                self.optimizer.register_step_post_hook(self._after_update),
+                self.optimizer.register_step_pre_hook(lambda *_: signals.before_update()),
+                self.optimizer.register_step_post_hook(lambda *_: signals.after_update()),
             ]
         return self
 
@@ -224,6 +224,24 @@ class Recorder:
         if self._is_log_step(progress.step):
             self._log_train_row()
 
+    def end_trainer_step(self, loss: Any, samples: int, epoch: int) -> bool:
+        """``end_step`` for a trainer's callback, which must not raise into the trainer: a
+        ``NumericalFault`` is kept (the summary says it) and logged; True: stop training."""
+        try:
+            self.end_step(loss, samples, epoch=epoch)
+        except NumericalFault as fault:
+            self.error = fault
+            log.error("amp_exp: %s; stopping training", first_line(str(fault)))
+            return True
+        return False
+
+    def close_logged(self, error: BaseException | None = None) -> None:
+        """``close`` for a trainer's callback: a fault the last log step finds is logged."""
+        try:
+            self.close(error)
+        except NumericalFault as fault:
+            log.error("amp_exp: %s", first_line(str(fault)))
+
     def note_grad_norm(self) -> None:
         """Before the optimizer steps, the gradients' total norm, computed (on the device, never
         read here) only when the step is a log step: a trainer's callbacks call this."""
@@ -265,12 +283,6 @@ class Recorder:
 
     def _applied_one(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._applied += 1
-
-    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.signals.before_update()
-
-    def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.signals.after_update()
 
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()

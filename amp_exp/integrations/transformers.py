@@ -22,17 +22,13 @@ record there is refused, as amp_exp's own runs refuse theirs. Only the main proc
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
-from amp_exp.errors import NumericalFault, first_line
 from amp_exp.integrations.facts import RunFacts, plain
 from amp_exp.integrations.recorder import Recorder
-
-log = logging.getLogger("amp_exp")
 
 # The TrainingArguments that change what a run trains: they make a run's setting in the report.
 # Paths, names, logging and the precision flags (recorded apart) do not.
@@ -102,7 +98,6 @@ class AmpExpCallback(TrainerCallback):
         self.recorder: Recorder | None = None
         # The record once training ended: an evaluation after train() reopens it.
         self.closed: Recorder | None = None
-        self.fault: NumericalFault | None = None
         self._losses: list[Any] = []
         self._hook: Any = None
 
@@ -152,15 +147,11 @@ class AmpExpCallback(TrainerCallback):
             self.recorder.note_grad_norm()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.recorder is None or self.fault is not None:
+        if self.recorder is None or self.recorder.error is not None:
             return
         losses, self._losses = self._losses, []
         loss = sum(losses) / len(losses) if losses else None
-        try:
-            self.recorder.end_step(loss, self.samples, epoch=int(state.epoch or 0))
-        except NumericalFault as fault:
-            self.fault = fault
-            log.error("amp_exp: %s; stopping training", first_line(str(fault)))
+        if self.recorder.end_trainer_step(loss, self.samples, int(state.epoch or 0)):
             control.should_training_stop = True
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
@@ -175,7 +166,4 @@ class AmpExpCallback(TrainerCallback):
             return
         self._hook.remove()
         self.closed, self.recorder = self.recorder, None
-        try:
-            self.closed.close(self.fault)
-        except NumericalFault as fault:
-            log.error("amp_exp: %s", first_line(str(fault)))
+        self.closed.close_logged()

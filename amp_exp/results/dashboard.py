@@ -7,13 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_exp.config.datasets import (
-    dataset_name,
-)
+from amp_exp.config.datasets import dataset_name
 from amp_exp.config.plain import plain_run_config
-from amp_exp.config.schema import (
-    RunConfig,
-)
+from amp_exp.config.schema import RunConfig
 from amp_exp.results.sweep import SweepJob
 
 # The base name already carries these, so a sweep over them adds nothing to it.

@@ -137,37 +137,25 @@ class Distributed:
             dist.broadcast(buffer, src=0)
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        total = tensor.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return total
+        return all_reduced(tensor, dist.ReduceOp.SUM)
 
     def maximum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The elementwise largest of the ranks' ``tensor``, on every rank."""
-        largest = tensor.clone()
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        return largest
+        return all_reduced(tensor, dist.ReduceOp.MAX)
 
     def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value`` (a small picklable object), by rank, on every rank."""
+        """Every rank's ``value`` (a small picklable object), in rank order, on every rank."""
         values: list[Any] = [None] * self.world_size
         dist.all_gather_object(values, value)
         return values
 
     def max(self, value: float) -> float:
         """The largest of the ranks' values, on every rank (reads the device)."""
-        largest = torch.tensor(float(value), device=self.device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        return largest.item()
+        return self.maximum(torch.tensor(float(value), device=self.device)).item()
 
     def any(self, flag: bool) -> bool:
         """True on every rank if it is true on one (reads the device: log intervals only)."""
         return self.max(flag) > 0
-
-    def gather_objects(self, value: Any) -> list[Any]:
-        """Every rank's ``value`` (picklable), in rank order, on every rank."""
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
-        return gathered
 
     def replicas_identical(self, tensors: list[torch.Tensor]) -> bool:
         """Whether every rank holds bit for bit what rank 0 holds in ``tensors``."""
@@ -178,6 +166,13 @@ class Distributed:
         # another that holds the same NaNs.
         mismatch = not torch.equal(local.view(torch.int64), reference.view(torch.int64))
         return not self.any(mismatch)
+
+
+def all_reduced(tensor: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    """``tensor`` reduced over the ranks by ``op``, in a copy (``tensor`` is left as it was)."""
+    reduced = tensor.clone()
+    dist.all_reduce(reduced, op=op)
+    return reduced
 
 
 def reduce_in(dtype: torch.dtype):
@@ -316,13 +311,10 @@ def process_group(
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     if owned:
         store = agent_store()
-        placement = {}
-        if store is not None:
-            placement = {"store": store, "rank": rank.rank, "world_size": rank.world_size}
-        if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device, **placement)
+        if store is None:
+            open_group(device)
         else:
-            dist.init_process_group("gloo", **placement)
+            open_group(device, store=store, rank=rank.rank, world_size=rank.world_size)
     if not rank.is_main:
         # Rank 0 speaks for the job; the other ranks report only errors.
         log.setLevel(logging.ERROR)
@@ -353,6 +345,14 @@ def process_group(
             close_group(device)
 
 
+def open_group(device: torch.device, **placement: Any) -> None:
+    """Initialize the default process group: NCCL on CUDA, bound to ``device``; gloo on the CPU."""
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device, **placement)
+    else:
+        dist.init_process_group("gloo", **placement)
+
+
 def close_group(device: torch.device) -> None:
     """Destroy the default process group, and on gloo let its worker threads finish first.
 
@@ -379,9 +379,7 @@ def group_of_one(choice: DeviceChoice) -> Iterator[Distributed]:
     device = resolve_device(choice)
     owned = not dist.is_initialized()
     if owned:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        placement = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **placement)
+        open_group(device, store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield Distributed(ALONE, device, Strategy.fsdp2)
     finally:

@@ -43,17 +43,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from amp_exp.config.precisions import DType
 from amp_exp.sensitivity.ranges import OpFault, OpRangeWatch, subnormal
-from amp_exp.sensitivity.reference import (
-    ModuleCall,
-    Reference,
-    measured_output,
-    seeded,
-    true_fp32,
-)
+from amp_exp.sensitivity.reference import ModuleCall, Reference, measured_output, seeded, true_fp32
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.training.precisions.base import PrecisionPlugin
 
@@ -187,11 +181,9 @@ def rounded(value: Any, fmt: DType) -> Any:
     """``value``'s floating tensors rounded to ``fmt`` and back to fp32, clamped to its range
     (overflow is judged apart); float8 scaled per tensor to its largest value, as fp8 casts; a
     block-scaled format in its blocks along the last dimension, as its matmuls take it."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(rounded(item, fmt) for item in value)
-    if isinstance(value, dict):
-        return {key: rounded(item, fmt) for key, item in value.items()}
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+    if not isinstance(value, torch.Tensor):  # the tensors inside a tuple, list or dict
+        return tree_map_only(torch.Tensor, lambda leaf: rounded(leaf, fmt), value)
+    if not value.is_floating_point():
         return value
     tensor = value.detach().float()
     if fmt.block_scaled:
@@ -228,7 +220,7 @@ def fresh(value: Any) -> Any:
     """Copies of the recorded inputs for one run: a module that works in place (ReLU(inplace=
     True)) may neither change the record nor write into a leaf that needs a gradient; the
     gradients still reach the recorded leaves through the copy."""
-    return tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, value)
+    return tree_map_only(torch.Tensor, torch.clone, value)
 
 
 def _differentiable(module: nn.Module, call_args: Any) -> list[torch.Tensor]:

@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
+from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.training.audit.matmuls import MatmulFlops, MatmulRecorder
 
@@ -101,13 +103,9 @@ def measured_modules(model: nn.Module) -> list[str]:
 def detached(value: Any) -> Any:
     """A copy of ``value`` whose tensors are cut from the graph (and safe from in-place ops);
     a tensor that needed a gradient is a leaf that needs one."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone().requires_grad_(value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        return type(value)(detached(item) for item in value)
-    if isinstance(value, dict):
-        return {key: detached(item) for key, item in value.items()}
-    return value
+    return tree_map_only(
+        torch.Tensor, lambda leaf: leaf.detach().clone().requires_grad_(leaf.requires_grad), value
+    )
 
 
 def seeded(seed: int) -> None:
@@ -160,25 +158,22 @@ def capture_reference(
     """
     names = measured_modules(model)
     calls: dict[str, list[ModuleCall]] = {name: [] for name in names}
-    buffers = [b.detach().clone() for b in model.buffers()]
     losses, flops = [], {}
-    model.train()
-    for index, batch in enumerate(batches):
-        handles = _recording_hooks(model, names, calls, index)
-        recorder = MatmulRecorder(model, model) if index == 0 else None
-        try:
-            seeded(seed + index)
-            with true_fp32(), recorder or contextlib.nullcontext():
-                loss = task.loss(model, batch)
-                loss.backward()
-        finally:
-            for handle in handles:
-                handle.remove()
-        losses.append(float(loss.detach()))
-        if recorder is not None:
-            flops = module_flops(recorder.flops, names)
+    with leaves_no_trace(model):
+        model.train()
+        for index, batch in enumerate(batches):
+            handles = _recording_hooks(model, names, calls, index)
+            recorder = MatmulRecorder(model, model) if index == 0 else None
+            try:
+                seeded(seed + index)
+                with true_fp32(), recorder or contextlib.nullcontext():
+                    loss = task.loss(model, batch)
+                    loss.backward()
+            finally:
+                for handle in handles:
+                    handle.remove()
+            losses.append(float(loss.detach()))
+            if recorder is not None:
+                flops = module_flops(recorder.flops, names)
     model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for buffer, saved in zip(model.buffers(), buffers, strict=True):
-            buffer.copy_(saved)
     return Reference(losses, calls, flops)

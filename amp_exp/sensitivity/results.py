@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 import torch
@@ -37,16 +38,12 @@ SENSITIVE_WHEN = (
 Measured = dict[str, tuple[dict[str, ModuleError], list[float], OpFault | None]]
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def loss_error(
     losses: list[float], reference: list[float], fault: OpFault | None
 ) -> dict[str, Any]:
     """The mean end-to-end loss in a precision against fp32's, on the same batches, and the
     first op that overflowed in the whole model."""
-    loss, expected = mean(losses), mean(reference)
+    loss, expected = fmean(losses), fmean(reference)
     finite = math.isfinite(loss)
     return {
         "loss": loss,
@@ -102,7 +99,7 @@ def sensitivity_report(
         # What fp16's gradients are scaled by, as the GradScaler starts (precision.init_scale).
         "fp16_grad_scale": cfg.precision.init_scale,
         "loss": {
-            REFERENCE: mean(reference.losses),
+            REFERENCE: fmean(reference.losses),
             **{
                 p: loss_error(losses, reference.losses, fault)
                 for p, (_, losses, fault) in measured.items()
@@ -174,6 +171,7 @@ def markdown(report: dict[str, Any], show: int) -> str:
         op = md_text(loss["out_of_range_op"] or "-")
         shown = f"{loss['loss']:.4f} | {fp32_loss:.4f} | {error} | {op}"
         lines.append(f"| {md_text(precision)} | {shown} |")
+    by_name = {module["name"]: module for module in report["modules"]}
     for precision in report["precisions"]:
         lines += [
             "",
@@ -183,7 +181,6 @@ def markdown(report: dict[str, Any], show: int) -> str:
             "margin dB | act. over | grad over | grad under | op out of range |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        by_name = {module["name"]: module for module in report["modules"]}
         for name in report["rankings"][precision][:show]:
             module = by_name[name]
             m = module[precision]

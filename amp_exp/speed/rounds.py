@@ -88,17 +88,19 @@ def pair_speedup(sides: dict[str, Side], label: str) -> ratio.Speedup:
     )
 
 
+def log_ratios(sides: dict[str, Side], label: str) -> np.ndarray:
+    """Each round's log of fp32's time per applied step over the candidate's."""
+    return np.log(np.divide(sides[BASELINE].per_applied_step(), sides[label].per_applied_step()))
+
+
 def progress_line(sides: dict[str, Side], label: str, rounds: int, max_rounds: int) -> str:
     """speed bf16 vs fp32, round 7/20: 1.52x [1.40, 1.65] so far"""
     head = f"speed {label} vs {BASELINE}, round {rounds}/{max_rounds}: "
     try:
         found = pair_speedup(sides, label).as_dict()
     except ValueError:
-        logs = np.log(
-            np.divide(sides[BASELINE].per_applied_step(), sides[label].per_applied_step())
-        )
         return head + (
-            f"{float(np.exp(logs.mean())):.2f}x so far (no interval before "
+            f"{float(np.exp(log_ratios(sides, label).mean())):.2f}x so far (no interval before "
             f"{ratio.MIN_ROUNDS} rounds)"
         )
     return head + f"{speedup_cell(found)} so far"
@@ -129,10 +131,7 @@ def play(
                 if time.monotonic() - shown >= PROGRESS_EVERY_S:
                     shown = time.monotonic()
                     log.info("%s", progress_line(sides, label, len(orders), stopping.max_rounds))
-            logs = np.log(
-                np.divide(sides[BASELINE].per_applied_step(), sides[label].per_applied_step())
-            )
-            reached = bool(ratio.narrow(logs, stopping.target_halfwidth))
+            reached = bool(ratio.narrow(log_ratios(sides, label), stopping.target_halfwidth))
             if reached:
                 break
     except Stopped as stop:

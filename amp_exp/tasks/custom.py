@@ -14,9 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_exp.config.datasets import (
-    CustomDatasetConfig,
-)
+from amp_exp.config.datasets import CustomDatasetConfig
 from amp_exp.config.models import CustomModelConfig
 from amp_exp.config.schema import TaskName
 from amp_exp.errors import ConfigError, first_line
@@ -69,11 +67,7 @@ def build_custom_model(cfg: CustomModelConfig, facts: dict[str, Any]) -> nn.Modu
     return model
 
 
-def build_custom_data(
-    cfg: CustomDatasetConfig,
-    task: TaskName,
-    placement: Placement,
-) -> DataBundle:
+def build_custom_data(cfg: CustomDatasetConfig, task: TaskName, placement: Placement) -> DataBundle:
     """Loaders over the user's (train, eval) datasets, and the facts a model is built from."""
     where = f"dataset._target_={cfg._target_}"
     splits = call_target("dataset", cfg._target_, cfg.kwargs, {"seed": placement.seed})

@@ -17,12 +17,7 @@ from amp_exp.config.datasets import DatasetName, ImageDatasetConfig
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.runtime.launch import WorkerRank
 from amp_exp.tasks.base import DataBundle
-from amp_exp.tasks.sampling import (
-    DeviceTensorLoader,
-    Placement,
-    check_batch_fits,
-    dataset_loaders,
-)
+from amp_exp.tasks.sampling import DeviceTensorLoader, Placement, check_batch_fits, dataset_loaders
 
 
 def image_facts(input_shape: tuple[int, int, int], num_classes: int) -> dict:

@@ -22,11 +22,7 @@ import torch
 
 from amp_exp.config import hf
 from amp_exp.config.cross_checks import text_vocab_size
-from amp_exp.config.datasets import (
-    SyntheticTokensConfig,
-    TextDatasetConfig,
-    Tokenizer,
-)
+from amp_exp.config.datasets import SyntheticTokensConfig, TextDatasetConfig, Tokenizer
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.runtime.atomic import atomic_write
 from amp_exp.tasks.base import DataBundle

@@ -72,25 +72,19 @@ def gradient_ranges(
         stats = torch.cat([distributed.sum(stats[:, :4]), distributed.maximum(stats[:, 4:])], dim=1)
     rows = [row[:4] for row in stats.tolist()]
     max_abs = float(stats[:, 4].max())
-    layers = [
-        {
-            "layer": name,
-            "underflow_frac": underflow / elements,
-            "underflow_frac_scaled": scaled / elements,
-            "overflow_frac_scaled": overflow / elements,
-        }
-        for (name, _), (elements, underflow, scaled, overflow) in zip(
-            named_grads, rows, strict=True
-        )
-    ]
-    elements, underflow, scaled, overflow = (sum(column) for column in zip(*rows, strict=True))
-    totals = {
+    names = [name for name, _ in named_grads]
+    layers = [{"layer": name, **_fractions(*row)} for name, row in zip(names, rows, strict=True)]
+    totals = _fractions(*(sum(column) for column in zip(*rows, strict=True)))
+    worst = sorted(layers, key=lambda layer: layer["underflow_frac_scaled"], reverse=True)
+    return totals, worst[:WORST_LAYERS], max_abs
+
+
+def _fractions(elements: float, underflow: float, scaled: float, overflow: float) -> dict:
+    return {
         "underflow_frac": underflow / elements,
         "underflow_frac_scaled": scaled / elements,
         "overflow_frac_scaled": overflow / elements,
     }
-    worst = sorted(layers, key=lambda layer: layer["underflow_frac_scaled"], reverse=True)
-    return totals, worst[:WORST_LAYERS], max_abs
 
 
 def largest_safe_scale(max_abs_grad: float) -> float | None:

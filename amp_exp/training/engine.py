@@ -304,10 +304,7 @@ class Engine:
         emit({"kind": "eval", "step": step, "samples": self.progress.samples, **self.progress.eval})
 
     def maybe_save(
-        self,
-        checkpoints: CheckpointSink | None,
-        interval_loss: torch.Tensor,
-        last: bool,
+        self, checkpoints: CheckpointSink | None, interval_loss: torch.Tensor, last: bool
     ) -> None:
         """Save when ``checkpoints`` says one is due, off the throughput clock."""
         if checkpoints is None or not checkpoints.is_due(self.progress, last):

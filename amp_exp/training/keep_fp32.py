@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from amp_exp.errors import ConfigError
 
@@ -48,13 +49,7 @@ NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RM
 
 def cast_floats(value, dtype: torch.dtype):
     """``value`` with each floating-point tensor in it (nested in tuples, lists and dicts) cast."""
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
-    if isinstance(value, (tuple, list)):
-        return type(value)(cast_floats(item, dtype) for item in value)
-    if isinstance(value, dict):
-        return {key: cast_floats(item, dtype) for key, item in value.items()}
-    return value
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
 def keeps_fp32(module: nn.Module) -> bool:

@@ -42,10 +42,17 @@ def reset_peak_memory(device: torch.device) -> None:
 def state_bytes(parameters: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the parameters and the optimizer's state tensors: what a precision keeps
     between steps, which the CPU's peak resident set hides among everything else."""
-    tensors = [*parameters]
-    for state in optimizer.state.values():
-        tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in [*parameters, *optimizer_tensors(optimizer)])
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of the optimizer's state (moments, momentum buffers, step counts)."""
+    return [
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -14,6 +14,9 @@ from typing import Any
 import numpy
 import torch
 
+# The fields of numpy.random.get_state(), in its order.
+NUMPY_STATE = ("algorithm", "keys", "position", "has_gauss", "cached_gauss")
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -23,19 +26,14 @@ def seed_everything(seed: int) -> None:
 
 def rng_state(device: torch.device) -> dict[str, Any]:
     """This process's generators: the CPU's, ``device``'s (None on the CPU), Python's, NumPy's."""
-    algorithm, keys, position, has_gauss, cached_gauss = numpy.random.get_state()
+    numpy_state = dict(zip(NUMPY_STATE, numpy.random.get_state(), strict=True))
+    # As a tensor: a safe load (weights_only) takes tensors, not NumPy arrays.
+    numpy_state["keys"] = torch.from_numpy(numpy_state["keys"].astype(numpy.int64))
     return {
         "torch": torch.get_rng_state(),
         "device": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "python": random.getstate(),
-        # NumPy's key array is not a type weights_only accepts; a tensor of it is.
-        "numpy": {
-            "algorithm": algorithm,
-            "keys": torch.from_numpy(keys.astype(numpy.int64)),
-            "position": position,
-            "has_gauss": has_gauss,
-            "cached_gauss": cached_gauss,
-        },
+        "numpy": numpy_state,
     }
 
 
@@ -53,13 +51,5 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["device"], device)
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    np_state = state["numpy"]
-    numpy.random.set_state(
-        (
-            np_state["algorithm"],
-            np_state["keys"].numpy().astype(numpy.uint32),
-            np_state["position"],
-            np_state["has_gauss"],
-            np_state["cached_gauss"],
-        )
-    )
+    numpy_state = {**state["numpy"], "keys": state["numpy"]["keys"].numpy().astype(numpy.uint32)}
+    numpy.random.set_state(tuple(numpy_state[name] for name in NUMPY_STATE))

@@ -34,7 +34,7 @@ forward and backward, ``before_update()``, the optimizer step, ``after_update()`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -83,13 +83,6 @@ class Limits:
             format_max=float(torch.finfo(matmul.torch).max),
             attn_logit_limit=-math.log(compute.tiny * compute.eps),
         )
-
-    def as_row(self) -> dict[str, Any]:
-        return {
-            "format": self.format,
-            "format_max": self.format_max,
-            "attn_logit_limit": self.attn_logit_limit,
-        }
 
 
 def signal_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -336,7 +329,7 @@ class SignalCollector:
         logit_max, values = values[0], values[1:]
         moments, values = values[: blocks * SUMS], values[blocks * SUMS :]
         logit_count, logit_sum, values = values[0], values[1], values[2:]
-        row: dict[str, Any] = self.limits.as_row()
+        row: dict[str, Any] = asdict(self.limits)
         for index, (name, _) in enumerate(self.blocks):
             stats = (
                 maxima[index * COUNT : (index + 1) * COUNT]

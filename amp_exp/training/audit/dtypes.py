@@ -32,15 +32,6 @@ def bytes_by_dtype(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
     return dict(found)
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [
-        value
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    ]
-
-
 def parameter_elements(model: nn.Module) -> dict[str, dict[str, int]]:
     """Module -> dtype -> elements of the parameters it owns (this rank's shards), by the names
     the FLOPs are recorded under (no wrapper's part)."""

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from amp_exp.config.precisions import PrecisionSpec
 from amp_exp.runtime.distributed import unwrap
@@ -41,6 +42,7 @@ from amp_exp.training.audit.verdict import (
     warning_text,
 )
 from amp_exp.training.engine import Engine
+from amp_exp.training.meters import optimizer_tensors
 
 log = logging.getLogger("amp_exp")
 
@@ -94,35 +96,18 @@ class PrecisionAudit:
                 yield
         finally:
             hook.remove()
-        local = self._local_figures(recorder.flops, saved.summary(), grads)
-        self.result = self._recorded(step, self._over_ranks(local))
-
-    def _local_figures(
-        self, flops: MatmulFlops, saved: dict, grads: list[torch.Tensor]
-    ) -> dict[str, Any]:
-        engine = self.engine
+        model, optimizer, distributed = unwrap(engine.model), engine.optimizer, engine.distributed
+        local = step_figures(recorder, saved, engine.parameters, grads, optimizer, model)
         grad_bytes = dtypes.bytes_by_dtype(grads)
-        return {
-            "flops": flops.as_rows(),
-            "saved_activation_bytes": saved,
-            "state": {
-                "weights": dtypes.bytes_by_dtype(engine.parameters),
-                # None when the step was skipped (the optimizer never ran).
-                "grads": grad_bytes if grads else None,
-                "optimizer_state": dtypes.bytes_by_dtype(
-                    dtypes.optimizer_tensors(engine.optimizer)
-                ),
-            },
-            "weight_elements": dtypes.parameter_elements(unwrap(engine.model)),
-            "communication": dtypes.communication(engine.model, engine.distributed, grad_bytes),
-        }
+        local["communication"] = dtypes.communication(engine.model, distributed, grad_bytes)
+        self.result = self._recorded(step, self._over_ranks(local))
 
     def _over_ranks(self, local: dict[str, Any]) -> dict[str, Any]:
         """The figures of all ranks: FLOPs summed, bytes of the largest rank."""
         distributed = self.engine.distributed
         if distributed is None:
-            return {**local, "ranks": 1}
-        everyone = distributed.gather_objects(local)
+            return local
+        everyone = distributed.gather(local)
         flops = MatmulFlops.from_rows(everyone[0]["flops"]).merged(
             MatmulFlops.from_rows(other["flops"]) for other in everyone[1:]
         )
@@ -162,6 +147,31 @@ class PrecisionAudit:
 
     def summary(self) -> dict[str, Any] | None:
         return self.result
+
+
+def step_figures(
+    recorder: MatmulRecorder,
+    saved: SavedActivations,
+    parameters: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+) -> dict[str, Any]:
+    """One rank's figures of the audited step (no communication, one rank), for
+    ``audit_record``."""
+    return {
+        "flops": recorder.flops.as_rows(),
+        "saved_activation_bytes": saved.summary(),
+        "state": {
+            "weights": dtypes.bytes_by_dtype(parameters),
+            # None when the step was skipped (the optimizer never ran).
+            "grads": dtypes.bytes_by_dtype(grads) if grads else None,
+            "optimizer_state": dtypes.bytes_by_dtype(optimizer_tensors(optimizer)),
+        },
+        "weight_elements": dtypes.parameter_elements(model),
+        "communication": None,
+        "ranks": 1,
+    }
 
 
 def audit_record(
