@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from helpers.warm_python import python_m
+from helpers.warm_python import python_m, start_python_m
 
 # What a command can see of how it was started, printed one item a line; then exit 3.
 REPORTER = """
@@ -57,3 +59,34 @@ def test_a_warm_command_that_outlives_its_timeout_is_killed(tmp_path: Path) -> N
     with pytest.raises(subprocess.TimeoutExpired):
         python_m("sleeper", env=env, timeout=1)
     assert python_m("json.tool", "--help").returncode == 0  # the server serves on
+
+
+# Says it is ready, then waits for SIGTERM, which it answers by exiting 7 after a last line.
+WAITER = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (print("terminated"), sys.exit(7)))
+print("waiting", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_started_warm_command_is_signalled_by_its_pid_and_reports_as_popen_would(
+    tmp_path: Path,
+) -> None:
+    """Caught: the signal sent to the server instead of the command, poll() blind to an exit
+    the server already answered, or a command killed by a signal reported as an exit status."""
+    (tmp_path / "waiter.py").write_text(WAITER)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    started = start_python_m("waiter", env=env, timeout=120)
+    deadline = time.monotonic() + 60
+    while "waiting" not in started.read_stdout():
+        assert started.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    started.send_signal(signal.SIGTERM)
+    assert started.communicate() == ("waiting\nterminated\n", "")
+    assert started.returncode == 7 and started.poll() == 7
+    killed = start_python_m("waiter", env=env, timeout=120)
+    killed.send_signal(signal.SIGKILL)
+    while killed.poll() is None:
+        time.sleep(0.02)
+    assert killed.returncode == -signal.SIGKILL

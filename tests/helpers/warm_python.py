@@ -9,10 +9,11 @@ the heavy third-party packages, then forks one child per command. The child beco
 ``-m`` does. amp_exp itself is imported afresh in every child, so its import-time behaviour
 (config registration, warnings, errors) is real; only third-party imports are shared.
 
-Use :func:`python_m` where a test wants a command's exit status, output and files. Tests that
-signal a process from outside or give it a terminal start a fresh one, and the processes a
-command starts itself (torchrun's ranks, submitit's tasks, the benchmark's parity sides) are
-fresh as always.
+Use :func:`python_m` where a test wants a command's exit status, output and files, and
+:func:`start_python_m` where it signals the command while it runs (the child's pid is the
+command's). Tests that give a process a terminal start a fresh one, and the processes a command
+starts itself (torchrun's ranks, submitit's tasks, the benchmark's parity sides) are fresh as
+always.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import atexit
 import json
 import os
 import runpy
+import select
 import signal
 import subprocess
 import sys
@@ -57,6 +59,8 @@ def _interpreter_path(pythonpath: str | None) -> list[str]:
 
 def _become_the_command(request: dict) -> None:
     """In the forked child: take on the command's directory, environment, streams and argv."""
+    if request["new_session"]:
+        os.setsid()  # as Popen(start_new_session=True): the test signals the command's group
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -92,6 +96,7 @@ def _serve() -> None:
             _become_the_command(request)
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             sys.exit(0)
+        print(json.dumps({"pid": pid}), flush=True)
         print(json.dumps({"returncode": _wait(pid, request["timeout"])}), flush=True)
 
 
@@ -123,29 +128,127 @@ class _Server:
             text=True,
         )
         os.close(log_fd)
+        # Unbuffered: a line is read up to its newline and no further, so that select() sees
+        # an answer still to come (a buffered reader may hold the pid and the status at once).
+        self.answers = open(self.process.stdout.fileno(), "rb", buffering=0, closefd=False)  # noqa: SIM115
         self._expect("ready")
         atexit.register(self.close)
 
     def _expect(self, what: str) -> str:
-        line = self.process.stdout.readline()
+        line = self.answers.readline().decode()
         if not line:
             raise RuntimeError(f"warm python server died: {self.log.read_text()[-2000:]}")
         if what and line.strip() != what:
             raise RuntimeError(f"warm python server said {line!r}, not {what!r}")
         return line
 
-    def run(self, request: dict) -> int | None:
+    def start(self, request: dict) -> int:
+        """Fork the command; its pid."""
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
+        return json.loads(self._expect(""))["pid"]
+
+    def answered(self) -> bool:
+        """Whether the running command's exit status is waiting to be read (it has ended)."""
+        return bool(select.select([self.answers], [], [], 0)[0])
+
+    def returncode(self) -> int | None:
+        """The running command's exit status once it ends; None if the server killed it at its
+        timeout."""
         return json.loads(self._expect(""))["returncode"]
 
     def close(self) -> None:
+        self.answers.close()
         self.process.stdin.close()
         self.process.wait(timeout=30)
         self.log.unlink(missing_ok=True)
 
 
 _server: _Server | None = None
+
+
+class WarmProcess:
+    """A command forked by the server, as far as a test that signals it needs ``Popen``:
+    ``pid``, ``send_signal``, ``poll``, ``wait``, and ``communicate`` for its streams, which are
+    files (``read_stdout`` reads what it has written so far). One at a time: the server serves
+    the next command once this one has ended."""
+
+    def __init__(self, module: str, args: tuple[str, ...], request: dict, input: str | None):
+        global _server
+        if _server is None or _server.process.poll() is not None:
+            _server = _Server()
+        self._server, self.args = _server, [sys.executable, "-m", module, *args]
+        self._timeout = request["timeout"]
+        self._streams = tempfile.TemporaryDirectory(prefix="python_m_")
+        folder = Path(self._streams.name)
+        self._out, self._err = folder / "stdout", folder / "stderr"
+        self._out.touch()
+        self._err.touch()
+        stdin = os.devnull
+        if input is not None:
+            stdin = folder / "stdin"
+            stdin.write_text(input)
+        self.returncode: int | None = None
+        self._ended = False
+        streams = {"stdout": str(self._out), "stderr": str(self._err), "stdin": str(stdin)}
+        self.pid = _server.start({**request, **streams})
+
+    def send_signal(self, signum: int) -> None:
+        if not self._ended:
+            os.kill(self.pid, signum)
+
+    def poll(self) -> int | None:
+        if not self._ended and self._server.answered():
+            self._end()
+        return self.returncode
+
+    def wait(self) -> int:
+        if not self._ended:
+            self._end()
+        return self.returncode
+
+    def _end(self) -> None:
+        self.returncode, self._ended = self._server.returncode(), True
+        if self.returncode is None:
+            stdout, stderr = self.communicate()
+            raise subprocess.TimeoutExpired(self.args, self._timeout, stdout, stderr)
+
+    def read_stdout(self) -> str:
+        """What the command has written to its stdout so far."""
+        return self._out.read_text(errors="replace")
+
+    def communicate(self) -> tuple[str, str]:
+        """Wait for the command to end (the server kills it at its timeout); its stdout and
+        stderr."""
+        if not self._ended:
+            self._end()
+        streams = self.read_stdout(), self._err.read_text(errors="replace")
+        self._streams.cleanup()
+        return streams
+
+
+def start_python_m(
+    module: str,
+    *args: str,
+    cwd: Path | str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    input: str | None = None,
+    start_new_session: bool = False,
+) -> WarmProcess:
+    """``python -m module args`` forked from the warm interpreter and left running, as
+    ``subprocess.Popen`` starts it; the server kills it after ``timeout`` seconds (``wait`` then
+    raises ``subprocess.TimeoutExpired``). Without ``input`` the command reads an empty
+    stdin."""
+    request = {
+        "module": module,
+        "args": list(args),
+        "cwd": str(cwd or os.getcwd()),
+        "env": dict(os.environ if env is None else env),
+        "timeout": timeout,
+        "new_session": start_new_session,
+    }
+    return WarmProcess(module, args, request, input)
 
 
 def python_m(
@@ -160,34 +263,9 @@ def python_m(
     input=input)`` returns, from a forked warm interpreter; raises
     ``subprocess.TimeoutExpired`` as it would. Without ``input`` the command reads an empty
     stdin."""
-    global _server
-    if _server is None or _server.process.poll() is not None:
-        _server = _Server()
-    with tempfile.TemporaryDirectory(prefix="python_m_") as streams:
-        out, err = Path(streams, "stdout"), Path(streams, "stderr")
-        out.touch()
-        err.touch()
-        stdin = os.devnull
-        if input is not None:
-            stdin = Path(streams, "stdin")
-            stdin.write_text(input)
-        returncode = _server.run(
-            {
-                "module": module,
-                "args": list(args),
-                "cwd": str(cwd or os.getcwd()),
-                "env": dict(os.environ if env is None else env),
-                "stdout": str(out),
-                "stderr": str(err),
-                "stdin": str(stdin),
-                "timeout": timeout,
-            }
-        )
-        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-    command = [sys.executable, "-m", module, *args]
-    if returncode is None:
-        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
-    return subprocess.CompletedProcess(command, returncode, stdout, stderr)
+    started = start_python_m(module, *args, cwd=cwd, env=env, timeout=timeout, input=input)
+    stdout, stderr = started.communicate()
+    return subprocess.CompletedProcess(started.args, started.returncode, stdout, stderr)
 
 
 if __name__ == "__main__":
