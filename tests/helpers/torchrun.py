@@ -37,8 +37,10 @@ def torchrun(
 
     The launcher comes from the warm interpreter, and so do the ranks: torchrun starts
     helpers/warm_rank.py in place of ``python -u``, which has the warm server fork each rank with
-    torch imported (4 s of CPU a rank on 2 cores). The agent, its rendezvous, restarts and
-    signals are torchrun's own."""
+    torch imported (4 s of CPU a rank on 2 cores). The agent, its rendezvous and restarts are
+    torchrun's own. A test that signals the agent starts torchrun afresh (``TWO_RANKS``): a warm
+    rank gets the agent's signal through warm_rank.py, which on a busy machine can pass it on
+    after the rank has already stopped on its peer's signal, and SIGTERM then kills it."""
     options = list(itertools.takewhile(lambda arg: arg.startswith("--"), args))
     program = args[len(options) :]
     # One thread per rank: two ranks share the two cores.

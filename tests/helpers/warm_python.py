@@ -280,6 +280,7 @@ class WarmProcess:
             stdin.write_text(input)
         self.returncode: int | None = None
         self._ended = False
+        self._output: tuple[str, str] | None = None
         streams = {"stdout": str(self._out), "stderr": str(self._err), "stdin": str(stdin)}
         self.pid = self._server.start({**request, **streams})
 
@@ -312,9 +313,10 @@ class WarmProcess:
         stderr."""
         if not self._ended:
             self._end()
-        streams = self.read_stdout(), self._err.read_text(errors="replace")
-        self._streams.cleanup()
-        return streams
+        if self._output is None:
+            self._output = self.read_stdout(), self._err.read_text(errors="replace")
+            self._streams.cleanup()
+        return self._output
 
 
 def start_python_m(

@@ -7,6 +7,7 @@ with torch already imported. It passes on every signal torchrun sends it and end
 ended (its exit status, or killed by the same signal), so the agent sees the rank as its own."""
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import socket
 import sys
 
 RANKS_ENV = "AMP_EXP_TEST_WARM_RANKS"  # as helpers/warm_python.py names it
+PR_SET_PDEATHSIG = 1  # prctl(2)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)  # fmt: skip
 
@@ -31,6 +33,8 @@ def main() -> None:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
+    # The rank is not the agent's child: should the agent die without a word, SIGTERM it.
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     zygote = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     zygote.connect(os.environ.pop(RANKS_ENV))
     request = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}
