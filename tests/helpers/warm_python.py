@@ -12,8 +12,10 @@ the heavy third-party packages, then forks one child per command. The child beco
 Use :func:`python_m` where a test wants a command's exit status, output and files, and
 :func:`start_python_m` where it signals the command while it runs (the child's pid is the
 command's). Tests that give a process a terminal start a fresh one, and the processes a command
-starts itself (torchrun's ranks, submitit's tasks, the benchmark's parity sides) are fresh as
-always.
+starts itself (submitit's tasks, the benchmark's parity sides) are fresh as always, but for
+torchrun's ranks under helpers/torchrun.py: a second process forked at the server's start, the
+rank zygote, forks each of them for helpers/warm_rank.py, which torchrun runs in place of
+``python -u``.
 """
 
 from __future__ import annotations
