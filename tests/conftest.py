@@ -7,10 +7,8 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from amp_exp.config.store import register_configs
 from amp_exp.config.values import validate
 from amp_exp.tasks import workload
 from helpers.probes import inject_probe
-from helpers.runs import FAST, OFFLINE_SWEEP_LRS, composed, overriding_loss, run_cli
+from helpers.runs import FAST, composed, overriding_loss
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -101,19 +99,3 @@ def override_loss(monkeypatch) -> Callable[[Callable[..., torch.Tensor]], None]:
     """``override_loss(loss_fn)``: tasks built from then on train with ``loss_fn(outputs,
     targets)``, as a fault-injecting test needs (helpers.runs.LossOverride)."""
     return lambda loss_fn: monkeypatch.setattr(workload, "make_task", overriding_loss(loss_fn))
-
-
-@pytest.fixture(scope="session")
-def offline_wandb_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """A three-job learning-rate sweep that logged to W&B offline and asked for a W&B Report;
-    read by the W&B CLI tests and the W&B Report tests. Returns its directory and the command."""
-    sweep_dir = tmp_path_factory.mktemp("offline_wandb_sweep")
-    result = run_cli(
-        "-m",
-        *FAST,
-        "wandb.mode=offline",
-        "report.wandb=true",
-        f"optimizer.lr={','.join(OFFLINE_SWEEP_LRS)}",
-        f"hydra.sweep.dir={sweep_dir}",
-    )
-    return sweep_dir, result

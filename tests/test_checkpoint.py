@@ -8,8 +8,6 @@ import logging
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import state_template
 from helpers.runs import FAST, TINY, read_jsonl, run_cli, signal_self_at_call
+from helpers.warm_python import start_python_m
 
 # The shared tiny run at batch 32: 256 samples make 8 batches an epoch.
 TINY32 = [*TINY, "dataset.batch_size=32"]
@@ -448,19 +447,14 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path) -> None:
         ]
 
     # Far more steps than it can run before the signal arrives.
-    process = subprocess.Popen(
-        [sys.executable, "-m", "amp_exp", *overrides(1_000_000)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process = start_python_m("amp_exp", *overrides(1_000_000), timeout=240)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().strip()):
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+        assert process.poll() is None and time.monotonic() < deadline, process.read_stdout()
         time.sleep(0.1)
     process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
+    output = "".join(process.communicate())
     assert process.returncode == 128 + signal.SIGTERM, output
     assert "SIGTERM received" in output
     stopped_at = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["step"]

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from amp_exp.results.files import SPEED_JSON
 from amp_exp.run import train
 from helpers.disks import small_disk
 from helpers.runs import FAST, TINY
+from helpers.warm_python import start_python_m
 from test_contract import SPEED, snapshot
 from test_report import write_run
 from test_speed import sweep_start
@@ -349,9 +351,7 @@ def test_sigterm_in_a_sweeps_trial_writes_its_report_then_stops_the_sweep(
 def test_a_sweep_sigtermed_in_its_speed_trial_exits_143_with_its_report(tmp_path) -> None:
     """Caught: the sweep killed by SIGTERM's default action, with no speed.json and no report."""
     sweep = tmp_path / "sweep"
-    command = [
-        sys.executable,
-        "-m",
+    sweep_run = start_python_m(
         "amp_exp",
         "-m",
         "precision=fp32,bf16",
@@ -360,21 +360,17 @@ def test_a_sweep_sigtermed_in_its_speed_trial_exits_143_with_its_report(tmp_path
         "trainer.max_steps=2",
         "speed.max_rounds=100000",
         f"hydra.sweep.dir={sweep}",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    sweep_run = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    output = []
-    for line in sweep_run.stdout:
-        output.append(line)
-        # A progress line with an interval: the trial is 4 rounds or more into its rounds.
-        if "] so far" in line:
-            sweep_run.send_signal(signal.SIGTERM)
-            break
-    output += sweep_run.stdout.readlines()
-    assert sweep_run.wait(timeout=300) == 128 + signal.SIGTERM, "".join(output)[-3000:]
-    assert output[-1].strip() == "amp_exp: stopped by SIGTERM"
+    deadline = time.monotonic() + 240
+    # A progress line with an interval: the trial is 4 rounds or more into its rounds.
+    while "] so far" not in sweep_run.read_stdout():
+        assert sweep_run.poll() is None and time.monotonic() < deadline, sweep_run.read_stdout()
+        time.sleep(0.05)
+    sweep_run.send_signal(signal.SIGTERM)
+    stdout, stderr = sweep_run.communicate()
+    assert sweep_run.returncode == 128 + signal.SIGTERM, (stdout + stderr)[-3000:]
+    assert stderr.strip().splitlines()[-1] == "amp_exp: stopped by SIGTERM"
     (trial,) = json.loads((sweep / SPEED_JSON).read_text())["trials"]
     assert trial["stopped_by"] == "SIGTERM"
     assert "stopped by SIGTERM" in (sweep / "report.md").read_text()

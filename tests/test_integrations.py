@@ -22,6 +22,7 @@ from amp_exp.report.assemble import build_report
 from amp_exp.results.format import run_problems
 from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.lm import LanguageModelTask
+from helpers.warm_python import python_m
 from test_no_host_sync import count_host_reads
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -513,11 +514,9 @@ def test_the_report_judges_each_trainers_runs_paired_by_model_and_seed(
     for row in bf16:
         baseline = next(r for r in report["runs"] if r["run"] == row["baseline"])
         assert (baseline["model"], baseline["seed"]) == (row["model"], row["seed"])
-    result = subprocess.run(
-        [sys.executable, "-m", "amp_exp.report", str(hf_runs), str(lightning_runs), "--out",
-         str(tmp_path / "printed")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = python_m(
+        "amp_exp.report", str(hf_runs), str(lightning_runs), "--out", str(tmp_path / "printed")
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     verdicts = [line for line in result.stdout.splitlines() if " against fp32" in line]
     assert sorted(line.split(":")[0] for line in verdicts) == ["Net", "bert"]

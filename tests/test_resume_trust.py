@@ -35,6 +35,7 @@ from amp_exp.run import train
 from amp_exp.speed.sweep import trial_config
 from amp_exp.training.optim import build_scheduler
 from helpers.runs import FAST, TINY
+from helpers.warm_python import python_m, start_python_m
 
 ROOT = Path(__file__).resolve().parent.parent
 CANARY_MODULE = "canary_plugin"
@@ -55,14 +56,11 @@ def plant_canary(folder: Path) -> Path:
 def amp_exp(module: str, *args: str, canary_dir: Path) -> subprocess.CompletedProcess:
     """``python -m <module> args`` with the canary's folder on the path, as a user's own module
     would be: importing it by name would succeed."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(canary_dir), str(ROOT)])}
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return python_m(module, *args, env=with_canary(canary_dir), timeout=300)
+
+
+def with_canary(canary_dir: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(canary_dir), str(ROOT)])}
 
 
 def test_the_canary_is_imported_when_named_on_the_path(tmp_path: Path) -> None:
@@ -162,13 +160,8 @@ def test_an_evidence_sweep_killed_in_its_second_look_resumes_to_the_same_answer(
     expected = outcome(whole)
     assert [look["tiny_cnn||bf16"]["n"] for look in expected["looks"]] == [2, 3]
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
-    sweep = subprocess.Popen(
-        [sys.executable, "-m", "amp_exp", *evidence_sweep(killed)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+    sweep = start_python_m(
+        "amp_exp", *evidence_sweep(killed), env=with_canary(tmp_path), start_new_session=True
     )
     second_look = killed / "4" / ".hydra" / "overrides.yaml"
     deadline = time.monotonic() + 240

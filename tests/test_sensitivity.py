@@ -10,8 +10,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from amp_exp.sensitivity.reference import true_fp32
 from amp_exp.sensitivity.repair import is_sliver, search, sliver_conclusion
 from amp_exp.training.skips import suspect_modules
 from helpers.runs import FAST, FAST_LM, FAST_TRAINER, TINY_TOKENS, composed
-from helpers.warm_python import python_m
+from helpers.warm_python import python_m, start_python_m
 
 TESTS_DIR = Path(__file__).resolve().parent
 PLANTED = [
@@ -651,13 +649,8 @@ def test_sigterm_during_a_repair_trial_exits_143_and_resume_auto_gives_the_same_
     _, uninterrupted = attention_repaired
     run_dir = tmp_path / "repair"
     args = [*ATTENTION_LM, *REPAIR[1:], f"hydra.run.dir={run_dir}"]
-    started = subprocess.Popen(
-        [sys.executable, "-m", "amp_exp.sensitivity", *args],
-        cwd=tmp_path,
-        env=with_helpers(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    started = start_python_m(
+        "amp_exp.sensitivity", *args, cwd=tmp_path, env=with_helpers(), timeout=300
     )
     kept = run_dir / "verify" / "trial_02"
     deadline = time.monotonic() + 300
@@ -666,7 +659,7 @@ def test_sigterm_during_a_repair_trial_exits_143_and_resume_auto_gives_the_same_
         assert time.monotonic() < deadline, "the repair never reached its second trial"
         time.sleep(0.02)
     started.send_signal(signal.SIGTERM)
-    _, stderr = started.communicate(timeout=300)
+    _, stderr = started.communicate()
     assert started.returncode == 128 + signal.SIGTERM, stderr[-2000:]
     assert stderr.strip().splitlines()[-1] == "amp_exp.sensitivity: stopped by SIGTERM"
     # The interrupted trial is not recorded, as a failure or otherwise; the finished one is.

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import FAST, OFFLINE_SWEEP_LRS
+from amp_exp.results.files import REPORT_MD, WANDB_RUN_ID_FILE
+from helpers.runs import FAST, OFFLINE_SWEEP_LRS, run_cli
 from helpers.wandb_records import read_only_run
 from helpers.warm_python import python_m
 
@@ -78,6 +79,22 @@ def wandb_start_seconds(train_log: str) -> tuple[float, list[str]]:
     return (log_time(wandb_lines[0]) - log_time(before)).total_seconds(), wandb_lines
 
 
+@pytest.fixture(scope="module")
+def offline_wandb_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A three-job learning-rate sweep that logged to W&B offline and asked for a W&B Report;
+    read by the tests below. Returns its directory and the command."""
+    sweep_dir = tmp_path_factory.mktemp("offline_wandb_sweep")
+    result = run_cli(
+        "-m",
+        *FAST,
+        "wandb.mode=offline",
+        "report.wandb=true",
+        f"optimizer.lr={','.join(OFFLINE_SWEEP_LRS)}",
+        f"hydra.sweep.dir={sweep_dir}",
+    )
+    return sweep_dir, result
+
+
 def test_a_multirun_gives_each_job_its_own_run_in_one_group(offline_wandb_sweep) -> None:
     sweep_dir, _ = offline_wandb_sweep
     runs = [read_only_run(sweep_dir / str(job)) for job in range(3)]
@@ -87,6 +104,17 @@ def test_a_multirun_gives_each_job_its_own_run_in_one_group(offline_wandb_sweep)
     assert lrs == [float(lr) for lr in OFFLINE_SWEEP_LRS]
     assert all([row["_step"] for row in run.history] == [2, 4] for run in runs)
     assert all(run.kinds[-1] == "exit" for run in runs)
+
+
+def test_a_sweep_that_logged_offline_with_report_wandb_exits_0_and_names_the_command(
+    offline_wandb_sweep,
+) -> None:
+    """(With the test above: one sweep, made once, whichever worker runs this file.)"""
+    sweep_dir, result = offline_wandb_sweep
+    assert len(list(sweep_dir.glob(f"*/{WANDB_RUN_ID_FILE}"))) == 3
+    assert (sweep_dir / REPORT_MD).is_file()
+    (line,) = [line for line in result.stdout.splitlines() if "W&B report" in line]
+    assert line.endswith(f"`python -m amp_exp.report {sweep_dir} --wandb`")
 
 
 def test_online_without_a_key_at_a_terminal_falls_back_offline_at_once(tmp_path: Path) -> None:

@@ -386,14 +386,3 @@ def test_a_w_and_b_report_that_fails_never_fails_the_sweep(
     sweep_callback(root).build()  # raises nothing
     assert "no W&B report: the server said no" in caplog.messages
     assert (root / REPORT_MD).is_file()
-
-
-@pytest.mark.slow
-def test_a_sweep_that_logged_offline_with_report_wandb_exits_0_and_names_the_command(
-    offline_wandb_sweep,
-) -> None:
-    sweep_dir, result = offline_wandb_sweep
-    assert len(list(sweep_dir.glob(f"*/{WANDB_RUN_ID_FILE}"))) == 3
-    assert (sweep_dir / REPORT_MD).is_file()
-    (line,) = [line for line in result.stdout.splitlines() if "W&B report" in line]
-    assert line.endswith(f"`python -m amp_exp.report {sweep_dir} --wandb`")

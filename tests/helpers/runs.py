@@ -59,7 +59,7 @@ TINY_TOKENS = [
 FAST_LM = [*FAST_TRAINER, *TINY_GPT, *TINY_TOKENS]
 
 
-# The learning rates of the session's one offline W&B sweep (conftest.offline_wandb_sweep).
+# The learning rates of the one offline W&B sweep (test_wandb_cli.offline_wandb_sweep).
 OFFLINE_SWEEP_LRS = ("0.1", "0.05", "0.02")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -10,13 +11,15 @@ from pathlib import Path
 import torch
 
 from helpers.runs import FAST, TINY
-from helpers.warm_python import python_m
+from helpers.warm_python import RANKS_ENV, python_m, rank_socket
 
 # One rank of a torchrun test job (tests/test_ddp.py, tests/test_fsdp.py), and how to start two.
 WORKER = Path(__file__).resolve().parent.parent / "ddp_worker.py"
 
 
 TORCHRUN_TWO_RANKS = ["--standalone", "--nproc_per_node=2"]
+# What torchrun runs in place of python -u: isolated (-I) and without site (-S), it starts at once.
+WARM_RANK = ["-I", "-S", str(Path(__file__).with_name("warm_rank.py"))]
 TWO_RANKS = [sys.executable, "-m", "torch.distributed.run", *TORCHRUN_TWO_RANKS]
 
 # Two ranks of 32 each draw from 256 training samples: 4 steps per epoch, so 8 steps cross one.
@@ -29,14 +32,30 @@ FSDP_RUN = [*FAST, *TINY, "trainer.strategy=fsdp2", "scheduler=none"]
 def torchrun(
     *args: str, cwd: Path | None = None, timeout: int = 300
 ) -> subprocess.CompletedProcess:
-    """Two ranks under torchrun; fails the test unless the job succeeds.
+    """Two ranks under torchrun; fails the test unless the job succeeds. ``args``: torchrun's
+    options (as ``--name=value``), then ``-m MODULE`` or a script, and its arguments.
 
-    The launcher comes from the warm interpreter (it only starts and watches the ranks); each
-    rank is a fresh process that torchrun starts, as in any torchrun job."""
+    The launcher comes from the warm interpreter, and so do the ranks: torchrun starts
+    helpers/warm_rank.py in place of ``python -u``, which has the warm server fork each rank with
+    torch imported (4 s of CPU a rank on 2 cores). The agent, its rendezvous and restarts are
+    torchrun's own. A test that signals the agent starts torchrun afresh (``TWO_RANKS``): a warm
+    rank gets the agent's signal through warm_rank.py, which on a busy machine can pass it on
+    after the rank has already stopped on its peer's signal, and SIGTERM then kills it."""
+    options = list(itertools.takewhile(lambda arg: arg.startswith("--"), args))
+    program = args[len(options) :]
     # One thread per rank: two ranks share the two cores.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", RANKS_ENV: rank_socket()}
     result = python_m(
-        "torch.distributed.run", *TORCHRUN_TWO_RANKS, *args, timeout=timeout, cwd=cwd, env=env
+        "torch.distributed.run",
+        *TORCHRUN_TWO_RANKS,
+        *options,
+        "--no-python",
+        sys.executable,
+        *WARM_RANK,
+        *program,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
