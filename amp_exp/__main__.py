@@ -30,10 +30,10 @@ from amp_exp.errors import (
     NumericalFault,
     RuntimeFault,
 )
+from amp_exp.launch import worker_rank
 from amp_exp.results.contract import enter
 from amp_exp.results.ownership import FollowRank0, claim
 from amp_exp.results.sweep import sweep_job
-from amp_exp.runtime.launch import worker_rank
 from amp_exp.runtime.quiet import quiet_unactionable
 
 log = logging.getLogger("amp_exp")

@@ -14,14 +14,14 @@ import torch
 
 from amp_exp.capability.auto import resolve_precision
 from amp_exp.capability.device import capability_of, check_request, kernels_of
+from amp_exp.capability.rounds import pass_trials
 from amp_exp.config.adaptive import COMPILE_AUTO
 from amp_exp.config.precisions import DType, ResolvedPrecision
 from amp_exp.config.schema import NonFiniteAction, RunConfig
-from amp_exp.doctor import pass_trials
+from amp_exp.launch import ALONE
 from amp_exp.runtime.distributed import Distributed
 from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
-from amp_exp.runtime.launch import ALONE
 from amp_exp.tasks.blocks import checkpoint_blocks, compile_blocks, model_blocks
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import Workload, build_workload

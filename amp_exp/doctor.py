@@ -2,8 +2,8 @@
 
 Prints the probe's table (capability.probe: each kernel's time and rate, the peak a run's MFU is
 read against) and the device's facts; then each low precision's speed against fp32, measured by
-the speed trial's own method (amp_exp/speed/rounds.py: AB/BA rounds, each a forward+backward of
-the probe's kernels, the interval of speed/ratio.py) and judged by the report's one rule
+the speed trial's own method (amp_exp/capability/rounds.py: AB/BA rounds, each a forward+backward of
+the probe's kernels, the interval of capability/ratio.py) and judged by the report's one rule
 (report/decision.py's ``established``): a precision is called faster only where its interval lies
 above fp32's speed. The recommendation follows from the same intervals. What the device lacks for
 the precisions the probe does not time (fp8, mxfp8, mxfp4, nvfp4) comes from
@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,47 +29,18 @@ from amp_exp.capability.device import (
     unprobed_verdicts,
 )
 from amp_exp.capability.probe import CACHE_FILE, KERNELS, kernel_pass
-from amp_exp.config.adaptive import SpeedStopping
+from amp_exp.capability.rounds import pass_trials
 from amp_exp.config.precisions import probed_low
 from amp_exp.config.schema import DeviceChoice, TrainerConfig
 from amp_exp.report.compare import BASELINE
 from amp_exp.results.contract import OneLineParser, enter
 from amp_exp.runtime.hardware import configure_backends, resolve_device
-from amp_exp.speed.rounds import Side, pair_speedup, play
-
-# The doctor's trial: the speed trial's own stopping rule and defaults (10 rounds, then a look
-# every 10 up to 20, stopping once the interval is within 5% either way), one step a round: a
-# forward+backward of each of the probe's kernels.
-TRIAL = SpeedStopping()
-TRIAL_STEPS = 1
-TRIAL_WARMUP_STEPS = 10
 
 
 def speed_trials(device: torch.device, precisions: list[str]) -> dict[str, dict[str, Any]]:
     """Each precision's speedup over fp32 on the probe's kernels, as speed.json records one
-    (speed/ratio.py's ``Speedup.as_dict``), or why it was not measured."""
+    (capability/ratio.py's ``Speedup.as_dict``), or why it was not measured."""
     return pass_trials({p: kernel_pass(device, p) for p in [BASELINE, *precisions]}, device)
-
-
-def pass_trials(
-    passes: Mapping[str, Callable[[], object]], device: torch.device
-) -> dict[str, dict[str, Any]]:
-    """Each low precision's speedup over fp32 in the doctor's trial, each pass (fp32's among
-    them) one step of its side: the probe's kernels here, a run's model for precision=auto
-    (amp_exp/build.py)."""
-    found: dict[str, dict[str, Any]] = {}
-    for precision, step in passes.items():
-        if precision == BASELINE:
-            continue
-        sides = {BASELINE: Side(passes[BASELINE]), precision: Side(step)}
-        _, _, stopped = play(sides, precision, device, TRIAL, TRIAL_STEPS, TRIAL_WARMUP_STEPS)
-        if stopped is not None:
-            raise stopped
-        try:
-            found[precision] = pair_speedup(sides, precision).as_dict()
-        except ValueError as error:
-            found[precision] = {"not_measured": str(error)}
-    return found
 
 
 def table(capability: Capability) -> list[str]:

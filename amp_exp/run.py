@@ -20,6 +20,7 @@ from amp_exp.build import Built, attach_audit, attach_diagnostics, build, global
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.precisions import DType
 from amp_exp.config.schema import RunConfig
+from amp_exp.launch import launch_slot
 from amp_exp.results.checkpoint import Checkpointer, ShardedCheckpointer, checkpoint_dir
 from amp_exp.results.contract import user_code_cannot_exit
 from amp_exp.results.files import METRICS_FILE, SUMMARY_FILE, write_json
@@ -32,7 +33,6 @@ from amp_exp.results.wandb_logger import open_wandb_logger
 from amp_exp.runtime.distributed import Distributed, process_group
 from amp_exp.runtime.fsdp import is_sharded
 from amp_exp.runtime.hardware import device_name
-from amp_exp.runtime.launch import launch_slot
 from amp_exp.runtime.quiet import once_per
 from amp_exp.runtime.signals import StopRequest
 from amp_exp.training.loop import TrainResult

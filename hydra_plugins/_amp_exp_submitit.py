@@ -97,7 +97,7 @@ def job_setup(gpus: int, n_jobs: int, threads: int) -> list[str]:
     """Shell lines each job starts with: how many jobs share the node, and on a CPU node its
     share of the cores, so that n_jobs jobs do not fight over them (torch reads OMP_NUM_THREADS
     for its intra-op pool)."""
-    from amp_exp.runtime.launch import PARALLEL_JOBS_ENV
+    from amp_exp.launch import PARALLEL_JOBS_ENV
 
     lines = [f"export {PARALLEL_JOBS_ENV}={n_jobs}"]
     if not gpus:

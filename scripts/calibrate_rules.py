@@ -10,7 +10,7 @@
 2. For the default plans, what the sweeper's rule (the report's own, stats.simulate, frozen at
    the first decided look) gives with these levels and with Bonferroni's: false safe claims at
    the worse edge, right verdicts and mean seeds over a grid of true differences and spreads.
-3. The speed trial's critical values (speed/ratio.py): for n rounds, the largest over AR(1)
+3. The speed trial's critical values (capability/ratio.py): for n rounds, the largest over AR(1)
    autocorrelations 0 to 0.6 (with a carry-over effect) of the 97.5% quantile of
    |a - truth| / se, a and se the order-adjusted mean and its Newey-West standard error (at 98%
    for n fixed, so that the interval the trial stops on covers 97.5%).
@@ -33,9 +33,9 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from amp_exp.capability import ratio  # noqa: E402
 from amp_exp.report import stats as rules  # noqa: E402
 from amp_exp.report.stats import CODE, NAME, ONE_SIDED, Verdict, simulate  # noqa: E402
-from amp_exp.speed import ratio  # noqa: E402
 
 PATHS = 200_000
 CHECK_PATHS = 100_000

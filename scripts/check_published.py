@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from amp_exp.config.preflight import run_config  # noqa: E402
-from amp_exp.predict.devices import PREDICTABLE  # noqa: E402
+from amp_exp.devices import PREDICTABLE  # noqa: E402
 from amp_exp.predict.predict import predict_trace  # noqa: E402
 from amp_exp.predict.published import (  # noqa: E402
     INTERVAL_RATE,

@@ -41,7 +41,7 @@ from measured_vs_predicted import (
     precision_of,
 )
 
-from amp_exp.predict.devices import PREDICTABLE, find_device
+from amp_exp.devices import PREDICTABLE, find_device
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -18,8 +18,8 @@ LAYERS = [
     (
         "amp_exp.errors",
         "amp_exp.config.schema",
-        "amp_exp.predict.devices",
-        "amp_exp.runtime.launch",
+        "amp_exp.devices",
+        "amp_exp.launch",
         "amp_exp.config.datasets",
         "amp_exp.config.models",
         "amp_exp.config.adaptive",
@@ -161,8 +161,8 @@ def test_the_schema_and_the_errors_are_leaves() -> None:
     assert graph["amp_exp.config.datasets"] == set()
     assert graph["amp_exp.config.models"] == set()
     assert graph["amp_exp.config.adaptive"] == set()
-    assert graph["amp_exp.predict.devices"] == set()
-    assert graph["amp_exp.runtime.launch"] == {"amp_exp.errors"}
+    assert graph["amp_exp.devices"] == set()
+    assert graph["amp_exp.launch"] == {"amp_exp.errors"}
     assert graph["amp_exp.config.schema"] == {
         "amp_exp.config.adaptive",
         "amp_exp.config.datasets",
@@ -244,8 +244,11 @@ def test_paths_cited_in_configs_docs_and_code_exist() -> None:
 
 
 def test_the_top_level_holds_few_modules() -> None:
+    """The top level holds the entry points and composition root (__main__, build, run, doctor)
+    and the leaves every layer reads (errors, devices, launch); anything else belongs in a
+    layer's folder."""
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert len(top) <= 6, top
+    assert len(top) <= 8, top
 
 
 def test_the_architecture_page_describes_every_room_of_the_map() -> None:

@@ -17,8 +17,8 @@ from amp_exp.capability.auto import choose, resolve_precision, time_candidates
 from amp_exp.capability.cache import cache_dir, read_entries
 from amp_exp.capability.device import Capability
 from amp_exp.capability.probe import KernelTime
+from amp_exp.capability.rounds import pass_trials
 from amp_exp.config.precisions import auto_candidates
-from amp_exp.doctor import pass_trials
 from amp_exp.results.checkpoint import load_newest_valid
 from amp_exp.run import build, train
 from amp_exp.tasks.base import DataBundle
@@ -139,7 +139,7 @@ def test_auto_times_by_the_speed_trials_rounds_and_quotes_their_interval(
     run_cfg, own_cache, monkeypatch, caplog
 ) -> None:
     """Caught: auto timing by its own fastest pass instead of the speed trial's AB/BA rounds
-    (speed/rounds.py's ``play``), or a reason without the trial's interval and its level."""
+    (capability/rounds.py's ``play``), or a reason without the trial's interval and its level."""
     played = short_trials(monkeypatch)
     with caplog.at_level("INFO", logger="amp_exp"):
         resolved = choose(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from amp_exp.errors import ConfigError
-from amp_exp.runtime.launch import WorkerRank
+from amp_exp.launch import WorkerRank
 from amp_exp.tasks.images import build_data
 from amp_exp.tasks.sampling import DeviceTensorLoader, Placement
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import amp_exp.capability.probe
+import amp_exp.capability.rounds
 import amp_exp.doctor
-import amp_exp.speed.rounds
 from amp_exp.capability.auto import CACHE_FILE as AUTO_CACHE_FILE
 from amp_exp.capability.cache import read_entries, write_entries
 from amp_exp.capability.device import trial_verdict
@@ -239,7 +239,7 @@ def test_model_with_the_custom_function_trains_in_fp16(run_cfg, tmp_path) -> Non
 
 
 def trial_at(ratio: float, low: float, high: float, trend: bool = False) -> dict:
-    """A speed trial's speedup as speed/ratio.py's ``Speedup.as_dict`` records it."""
+    """A speed trial's speedup as capability/ratio.py's ``Speedup.as_dict`` records it."""
     return {
         "ratio": ratio,
         "rounds": 10,
@@ -311,7 +311,7 @@ def test_the_doctors_trial_is_the_speed_trials_rounds_with_their_interval(
     monkeypatch, capsys, caplog
 ) -> None:
     """Caught: the doctor timing by its own method (fastest round) instead of the speed trial's
-    AB/BA rounds and interval (amp_exp/speed/rounds.py), or no progress line per round."""
+    AB/BA rounds and interval (amp_exp/capability/rounds.py), or no progress line per round."""
     small = amp_exp.capability.probe.Shapes(16, (1, 2, 4), (1, 4, 8, 1))
     real = amp_exp.capability.probe.kernel_pass
     monkeypatch.setattr(amp_exp.doctor, "kernel_pass", lambda d, p: real(d, p, small))

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_exp.config.schema import PrecisionConfig
+from amp_exp.launch import WorkerRank
 from amp_exp.runtime.distributed import load_plain_state, plain_state
-from amp_exp.runtime.launch import WorkerRank
 from amp_exp.tasks.metrics import Metric, TaskMetrics, ToleranceUnit
 from amp_exp.training.callbacks import ORDER, StepCallback
 from amp_exp.training.engine import Engine

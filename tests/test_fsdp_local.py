@@ -17,11 +17,11 @@ from amp_exp.config.preflight import check_overrides
 from amp_exp.config.schema import CompileMode, DeviceChoice, ReduceDtype, Strategy
 from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
+from amp_exp.launch import WorkerRank
 from amp_exp.results.resume import data_position
 from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import ShardingDtypes, shard_model
-from amp_exp.runtime.launch import WorkerRank
 from amp_exp.tasks.blocks import checkpoint_blocks, compile_blocks, model_blocks
 from amp_exp.tasks.sampling import EpochShuffleSampler, Placement
 from amp_exp.tasks.vision_models import TinyCNN

@@ -102,7 +102,7 @@ def test_flops_formula_is_within_10_percent_of_torchs_flop_counter(bias: bool) -
         ("NVIDIA H200", "bf16", True, 989),
         # Pure bf16 runs bf16 matmuls: the same peak (it once had no entry, so mfu was null).
         ("NVIDIA H200", "bf16_true", True, 989),
-        # fp8 runs read the fp8 peak (predict/devices.py), twice bf16's: not bf16's 989.
+        # fp8 runs read the fp8 peak (devices.py), twice bf16's: not bf16's 989.
         ("NVIDIA H200", "fp8", True, 1979),
         ("NVIDIA A100-SXM4-80GB", "fp32", True, 156),
         ("NVIDIA A100-SXM4-80GB", "fp32", False, 19.5),

@@ -15,8 +15,8 @@ import test_decision
 import test_evidence
 import test_evidence_sweeper
 import test_speed_interval
+from amp_exp.capability import ratio
 from amp_exp.report import assemble, recommend, sequential, stats
-from amp_exp.speed import ratio
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from amp_exp.capability.auto import time_candidates
-from amp_exp.doctor import pass_trials
+from amp_exp.capability.rounds import pass_trials
 from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.classification import ClassificationTask
 from amp_exp.tasks.workload import check_output_fits

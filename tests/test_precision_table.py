@@ -151,7 +151,7 @@ ALLOWED_LISTS = {
 PACKAGE = Path(__file__).resolve().parent.parent / "amp_exp"
 # Datasheet peaks by math ("bf16", "tf32", "fp8" TFLOP/s), named like precisions but none, and
 # what reads a peak among them (a run's, the roofline's).
-NOT_PRECISIONS = {"predict/devices.py", "training/flops.py", "predict/roofline.py"}
+NOT_PRECISIONS = {"devices.py", "training/flops.py", "predict/roofline.py"}
 
 
 def copies_in(source: str, known: set[str]) -> list[tuple[str, int]]:

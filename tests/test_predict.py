@@ -12,8 +12,8 @@ import pytest
 
 from amp_exp.config.schema import RunConfig
 from amp_exp.config.values import validate
+from amp_exp.devices import PREDICTABLE
 from amp_exp.errors import ConfigError
-from amp_exp.predict.devices import PREDICTABLE
 from amp_exp.predict.predict import predict_trace
 from amp_exp.predict.published import published_rows, row_overrides
 from amp_exp.predict.trace import StepTrace, trace_step

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from amp_exp.config.values import validate
-from amp_exp.predict.devices import PREDICTABLE
+from amp_exp.devices import PREDICTABLE
 from amp_exp.predict.markdown import prediction_markdown
 from amp_exp.predict.predict import predict_trace
 from amp_exp.predict.published import (

@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from amp_exp.config.values import validate
-from amp_exp.predict.devices import PREDICTABLE
+from amp_exp.devices import PREDICTABLE
 from amp_exp.predict.predict import predict_trace
 from amp_exp.predict.roofline import (
     KERNEL_OVERHEAD_S,

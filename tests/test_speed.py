@@ -15,8 +15,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import amp_exp.speed.rounds as rounds_module
+import amp_exp.capability.rounds as rounds_module
 import amp_exp.speed.trial as trial_module
+from amp_exp.capability.ratio import speedup
 from amp_exp.config.adaptive import SpeedStopping
 from amp_exp.config.schema import ReportConfig
 from amp_exp.errors import ConfigError
@@ -24,7 +25,6 @@ from amp_exp.report.assemble import SweepReport, build_report
 from amp_exp.report.evidence import trial_speedup
 from amp_exp.results.files import SPEED_JSON, SPEED_MD
 from amp_exp.speed.__main__ import candidates
-from amp_exp.speed.ratio import speedup
 from amp_exp.speed.sweep import stand_in
 from helpers.runs import TINY
 from helpers.warm_python import python_m
@@ -42,7 +42,7 @@ def test_rounds_alternate_ab_and_ba_so_each_side_leads_in_half() -> None:
 
 def test_every_round_logs_the_running_ratio_and_from_four_rounds_its_interval(caplog) -> None:
     """Caught: a trial of minutes silent until its end, or a progress line whose figure is not
-    the trial's own (speed/ratio.py's interval of the rounds so far)."""
+    the trial's own (capability/ratio.py's interval of the rounds so far)."""
     times = iter([1.0, 0.5, 0.52, 1.02, 1.01, 0.49, 0.5, 0.98, 1.0, 0.51, 0.5, 1.0] * 2)
 
     class Clock:

@@ -1,6 +1,6 @@
 """The speed trial's interval covers at its stated level (97.5%) when rounds are autocorrelated,
 as on a shared machine: simulated AR(1) log ratios, with a carry-over between AB and BA rounds,
-through speed/ratio.py's own fit and critical values, at fixed rounds and under the trial's
+through capability/ratio.py's own fit and critical values, at fixed rounds and under the trial's
 stopping rule. A plain t interval, labelled 97.5%, covers 73-75% at an autocorrelation of 0.6
 (the review): checked too, so the test can tell a bad interval from a good one."""
 
@@ -11,9 +11,9 @@ import math
 import numpy as np
 import pytest
 
+from amp_exp.capability import ratio
+from amp_exp.capability.ratio import TRIAL_CONFIDENCE, fit, log_half_width, looks, narrow, speedup
 from amp_exp.report.stats import half_width
-from amp_exp.speed import ratio
-from amp_exp.speed.ratio import TRIAL_CONFIDENCE, fit, log_half_width, looks, narrow, speedup
 
 PATHS = 4000
 # Three binomial standard errors of the stated coverage at PATHS.

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import amp_exp.speed.trial as trial_module
+from amp_exp.capability.ratio import log_half_width, looks, narrow
 from amp_exp.config.schema import SpeedConfig
 from amp_exp.errors import ConfigError
 from amp_exp.report.stats import half_width
 from amp_exp.speed.__main__ import candidates
-from amp_exp.speed.ratio import log_half_width, looks, narrow
 from helpers.runs import TINY
 
 TARGET = math.log(1.05)

@@ -378,9 +378,9 @@ def test_a_hostile_model_name_reaches_report_md_and_the_wandb_page_as_text(tmp_p
 def test_hostile_recorded_values_reach_speed_predict_and_sensitivity_md_as_text() -> None:
     """Caught: speed.md, predict.md or sensitivity.md copying a recorded model, device,
     precision, module, op or error text with <script> or a markdown link into the page."""
+    from amp_exp.capability.ratio import speedup
     from amp_exp.predict.markdown import prediction_markdown
     from amp_exp.sensitivity.results import markdown as sensitivity_markdown
-    from amp_exp.speed.ratio import speedup
     from amp_exp.speed.trial import trial_markdown
 
     pair = {

@@ -4,8 +4,8 @@ method, and train in a lower precision only where the trial establishes it faste
 Before training, the built model's forward+backward pass on one real batch runs under each
 candidate's autocast: fp32, and each low precision that the probe's kernels of the model's kind
 do not rule out (``Capability.trial_candidates``, ``device.kernels_of``). The passes are timed by
-the speed trial's method (AB/BA rounds and their interval), which sits above this package: the
-composition root hands it in as ``measure`` (the doctor's ``pass_trials``, amp_exp/build.py). What
+the speed trial's method (AB/BA rounds and their interval, ``rounds.pass_trials``), which the
+composition root hands in as ``measure`` (amp_exp/build.py), so tests can time otherwise. What
 the timings establish is the trial's one rule (``device.recommend``: faster only where the
 interval lies wholly above 1 and the rounds do not trend). The trial leaves no trace: gradients
 come from ``torch.autograd.grad``, so no ``.grad`` is written and no optimizer steps, and the

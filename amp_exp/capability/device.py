@@ -117,7 +117,7 @@ def kernels_of(model: nn.Module) -> tuple[str, ...]:
     return ("matmul", "attention") if attention else ("matmul",)
 
 
-# A low precision's speedup over fp32 as speed.json records one (speed/ratio.py's
+# A low precision's speedup over fp32 as speed.json records one (capability/ratio.py's
 # ``Speedup.as_dict``: ratio, ci, confidence, rounds, trend, ...), or {"not_measured": why}.
 Found = Mapping[str, Any]
 

@@ -17,7 +17,7 @@ COMPILE_AUTO = "auto"
 
 @dataclass
 class SpeedStopping:
-    """The speed trial's stopping rule (speed/ratio.py): from ``speed.rounds``, a look every 10
+    """The speed trial's stopping rule (capability/ratio.py): from ``speed.rounds``, a look every 10
     rounds, stopping once the 97.5% interval of the mean log ratio is within
     +-``target_halfwidth``, or at ``max_rounds`` ("target not reached")."""
 

@@ -18,14 +18,14 @@ from amp_exp.config.schema import (
     SpeedConfig,
     TrainerConfig,
 )
+from amp_exp.devices import PREDICTABLE
 from amp_exp.errors import ConfigError, require
-from amp_exp.predict.devices import PREDICTABLE
 
 # The speed trial's warm-up ends when the step times of two consecutive windows of this many
 # steps show no trend (training/timing.py).
 SPEED_WARMUP_WINDOW = 5
 # The fewest rounds for the speedup's interval to be of any use (its critical value, calibrated
-# for autocorrelated rounds in speed/ratio.py, is 11 at 6 rounds and 23 at 4).
+# for autocorrelated rounds in capability/ratio.py, is 11 at 6 rounds and 23 at 4).
 MIN_SPEED_ROUNDS = 6
 # The fewest seeds whose paired differences give the verdict rule an interval.
 MIN_VERIFY_SEEDS = 2

@@ -277,7 +277,7 @@ class ReportConfig:
     # holm: Holm across the report's comparisons, a family per claim (matches, not_worse, worse,
     # better) at 2.5% each; none: each comparison holds at its own level (docs/sweeps.md).
     familywise: str = "holm"
-    # GPUs of predict/devices.py (h100, ...) whose roofline speedups (amp_exp.predict) the
+    # GPUs of devices.py (h100, ...) whose roofline speedups (amp_exp.predict) the
     # report shows beside the measured ones, labelled as predicted.
     predict: list[str] = field(default_factory=list)
     # The length each precision's signals are forecast to (amp_exp.forecast); null = 10x a run's.
@@ -320,7 +320,7 @@ class SpeedConfig(SpeedStopping):
 class PredictConfig:
     """python -m amp_exp.predict's settings (rules: config/commands.py); runs ignore them."""
 
-    # Keys of predict/devices.py's table: h100, h200, b200, a100.
+    # Keys of devices.py's table: h100, h200, b200, a100.
     devices: list[str] = field(default_factory=lambda: ["h100"])
     # The precisions predicted; bf16 and fp32 are added, the speedups' baselines.
     precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp8"])

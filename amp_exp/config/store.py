@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from amp_exp.config.help import help_text
 from amp_exp.config.schema import SCHEMAS, PredictConfig, RunConfig, SensitivityConfig
-from amp_exp.runtime.launch import register_resolvers
+from amp_exp.launch import register_resolvers
 
 SCHEMA_GROUP = "schema"
 # Optional: hydra/launcher=slurm and submitit_*.

@@ -2,7 +2,7 @@
 a GPU not at hand, from a roofline of one traced step (amp_exp/predict/roofline.py).
 
 Composed by Hydra exactly as a run (``model=... dataset=... trainer.*``, the same checks before
-anything is built), plus ``predict.*``: the devices of predict/devices.py's table, the precisions
+anything is built), plus ``predict.*``: the devices of devices.py's table, the precisions
 (fp32 and bf16, the speedups' baselines, always among them), the GPUs the batch is spread over
 and their interconnect. The model is built on the meta device, so nothing is allocated: Llama-3
 8B predicts on a laptop. Writes predict.md and predict.json into its run directory:

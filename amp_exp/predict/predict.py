@@ -7,7 +7,7 @@ from typing import Any
 
 from amp_exp.config.precisions import REFERENCE
 from amp_exp.config.schema import RunConfig
-from amp_exp.predict.devices import PREDICTABLE
+from amp_exp.devices import PREDICTABLE
 from amp_exp.predict.published import INTERVAL_RATE, STATED_INTERVAL
 from amp_exp.predict.roofline import ASSUMPTIONS, predict_one
 from amp_exp.predict.trace import StepTrace, trace_step

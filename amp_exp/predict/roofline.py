@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from amp_exp.config.adaptive import COMPILE_AUTO
 from amp_exp.config.precisions import DType, PrecisionSpec, get
 from amp_exp.config.schema import AdamWConfig, RunConfig, Strategy
-from amp_exp.predict.devices import Device
+from amp_exp.devices import Device
 from amp_exp.predict.trace import Op, StepTrace
 from amp_exp.training.flops import peak_math
 from amp_exp.training.linears import plan_linears

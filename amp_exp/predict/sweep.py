@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from amp_exp.predict.devices import PREDICTABLE
+from amp_exp.devices import PREDICTABLE
 from amp_exp.predict.predict import speedup
 from amp_exp.predict.roofline import predict_one
 from amp_exp.predict.trace import trace_step

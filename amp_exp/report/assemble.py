@@ -18,6 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from amp_exp.config.schema import ReportConfig
+from amp_exp.launch import worker_rank
 from amp_exp.report import sequential
 from amp_exp.report.compare import (
     BASELINE,
@@ -40,7 +41,6 @@ from amp_exp.report.words import verdicts
 from amp_exp.results.contract import Stopped, stop_on_signals
 from amp_exp.results.files import PREDICTED_JSON, SPEED_JSON, UntrustedFile, read_json
 from amp_exp.results.sweep import named_code
-from amp_exp.runtime.launch import worker_rank
 
 log = logging.getLogger("amp_exp")
 

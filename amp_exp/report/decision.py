@@ -128,7 +128,7 @@ def decide(items: Sequence[Evidence], familywise: str = DEFAULT_FAMILYWISE) -> l
 
 def trial_interval(found: dict[str, Any]) -> tuple[float, float, float]:
     """A speedup's one interval and its level: a speed trial's at the level its looks were made
-    at (speed/ratio.py), 95% in a speed.json written before the trial looked."""
+    at (capability/ratio.py), 95% in a speed.json written before the trial looked."""
     if "ci" in found:
         low, high = found["ci"]
         return low, high, found["confidence"]

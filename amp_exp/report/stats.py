@@ -1,6 +1,6 @@
 """The statistics behind a verdict, from scipy.stats: t intervals, two one-sided tests for
 equivalence, Holm's step-down procedure and a planning estimate of the seeds that would settle
-an open question (the speed trial's interval is amp_exp/speed/ratio.py's).
+an open question (the speed trial's interval is amp_exp/capability/ratio.py's).
 
 Plain numbers in, plain numbers out: nothing here knows runs, tasks or files. Below the rule:
 the skewness check that withholds a ``matches`` the t interval cannot vouch for, the

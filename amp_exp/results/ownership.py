@@ -40,6 +40,7 @@ from amp_exp.config.plain import plain_run_config
 from amp_exp.config.preflight import Launch
 from amp_exp.config.schema import RunConfig
 from amp_exp.errors import RunRefused, RuntimeFault, first_line
+from amp_exp.launch import FAILED, rank0_decides, worker_rank
 from amp_exp.results.checkpoint import candidates
 from amp_exp.results.files import (
     EVIDENCE_JSON,
@@ -58,7 +59,6 @@ from amp_exp.results.resume import (
     trained_values,
 )
 from amp_exp.results.summary import completed_summary
-from amp_exp.runtime.launch import FAILED, rank0_decides, worker_rank
 
 LOCK_FILE = ".amp_exp.lock"
 # The flag with which a measuring command replaces its own finished results.

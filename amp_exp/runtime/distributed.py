@@ -29,9 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from amp_exp.config.schema import DeviceChoice, Strategy
 from amp_exp.errors import RuntimeFault
-from amp_exp.runtime import fsdp
-from amp_exp.runtime.hardware import resolve_device
-from amp_exp.runtime.launch import (
+from amp_exp.launch import (
     ALONE,
     WorkerRank,
     peer_pids,
@@ -39,6 +37,8 @@ from amp_exp.runtime.launch import (
     torchrun_store,
     worker_rank,
 )
+from amp_exp.runtime import fsdp
+from amp_exp.runtime.hardware import resolve_device
 
 log = logging.getLogger("amp_exp")
 

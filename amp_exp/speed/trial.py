@@ -8,7 +8,7 @@ policy and non-finite guard), each warmed up until its step time settles (traini
 BA: each side runs first in exactly half the rounds, so a position effect (a cache the first
 side warms for the second) cancels, and so does a linear drift of the machine's speed. The trial
 runs ``speed.rounds`` rounds, then 10 more at a time until the speedup's 97.5% interval is
-within ``speed.target_halfwidth``, or ``speed.max_rounds`` (speed/ratio.py's ``looks``). Then
+within ``speed.target_halfwidth``, or ``speed.max_rounds`` (capability/ratio.py's ``looks``). Then
 both runs are freed before the next pair is built: no more than two runs are held at once, so a
 model that fits twice fits the trial.
 
@@ -16,8 +16,8 @@ Round k's ratio is fp32's time per applied step over the precision's, both of ro
 round's median step (a neighbour's burst during one step does not move it) times the steps over
 the steps applied, so a skipped fp16 step, which is cheaper, costs its time without counting
 as progress. The speedup is their geometric mean, order-adjusted, with an interval on the log
-scale that holds under autocorrelated rounds (speed/ratio.py); beside it, the ratio of the total
-times per applied step, which is what the wall clock sees. The trial's engines are its own: no
+scale that holds under autocorrelated rounds (capability/ratio.py); beside it, the ratio of the
+total times per applied step, which is what the wall clock sees. The trial's engines are its own: no
 run's weights, files or random numbers are touched, and nothing is saved.
 """
 
@@ -33,14 +33,14 @@ from typing import Any
 import torch
 
 from amp_exp.build import Built, build, global_batch_size
+from amp_exp.capability.ratio import LOOK_EVERY, MIN_ROUNDS, TRIAL_CONFIDENCE
+from amp_exp.capability.rounds import Side, pair_speedup, play
 from amp_exp.config.commands import SPEED_WARMUP_WINDOW
 from amp_exp.config.schema import RunConfig, SpeedConfig
 from amp_exp.report.compare import BASELINE, subject
 from amp_exp.report.words import md_text, show_level, show_speedup
 from amp_exp.results.contract import Stopped
 from amp_exp.runtime.hardware import device_name, resolve_device
-from amp_exp.speed.ratio import LOOK_EVERY, MIN_ROUNDS, TRIAL_CONFIDENCE
-from amp_exp.speed.rounds import Side, pair_speedup, play
 from amp_exp.training.timing import WARMUP_LEVEL
 
 

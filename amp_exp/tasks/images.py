@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, Subset
 from amp_exp.config.cross_checks import check_image_folder, image_folder_splits
 from amp_exp.config.datasets import DatasetName, ImageDatasetConfig
 from amp_exp.errors import ConfigError, first_line
-from amp_exp.runtime.launch import WorkerRank
+from amp_exp.launch import WorkerRank
 from amp_exp.tasks.base import DataBundle
 from amp_exp.tasks.sampling import DeviceTensorLoader, Placement, check_batch_fits, dataset_loaders
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from amp_exp.errors import ConfigError
-from amp_exp.runtime.launch import ALONE, WorkerRank
+from amp_exp.launch import ALONE, WorkerRank
 
 # What an eval split is dealt out as: the rows of tensors on the device, or a dataset's indices.
 Rows = TypeVar("Rows", torch.Tensor, range)

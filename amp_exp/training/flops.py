@@ -5,14 +5,14 @@ the arithmetic). The peak depends on the device and on the math the
 precision runs: bf16 and fp16 on Tensor Cores, fp32 as TF32 on Tensor Cores where TF32 is on
 (Ampere and newer), else plain fp32. Every figure is the vendor's dense figure (no 2:4 sparsity),
 for fp16/bf16 with fp32 accumulation, as autocast runs it. A device missing from the table (any
-CPU) has no MFU; its TFLOP/s are still reported. The table is predict/devices.py, which the
+CPU) has no MFU; its TFLOP/s are still reported. The table is devices.py, which the
 roofline prediction (amp_exp/predict/) reads too.
 """
 
 from __future__ import annotations
 
 from amp_exp.config.precisions import get
-from amp_exp.predict.devices import find_device
+from amp_exp.devices import find_device
 
 
 def peak_math(precision: str, tf32: bool) -> str:

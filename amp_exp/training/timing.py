@@ -4,9 +4,9 @@ Timed one after another, two jobs on a shared machine measure whatever the neigh
 during each (the same bf16 job timed 2.95x and 1.18x fp32 on two seeds of one sweep). Here the
 candidates take turns instead, so a load spike slows one round of each candidate rather than all
 of one, and candidate k of round r is compared with the baseline of the same round. The speed
-trial's rounds (amp_exp/speed/rounds.py; the speed trial, the doctor and precision=auto play them)
-run each pair in AB/BA order through ``time_steps``, after ``warm_up`` has run each side until its
-step times show no trend.
+trial's rounds (amp_exp/capability/rounds.py; the speed trial, the doctor and precision=auto
+play them) run each pair in AB/BA order through ``time_steps``, after ``warm_up`` has run each
+side until its step times show no trend.
 
 Every step is timed on its own, so a round can be summarized by its median step, which a
 neighbour's burst does not move (scripts/bench_parity.py reads median step times too). On CUDA

@@ -27,16 +27,15 @@ def capability_with(speeds: dict[str, float], device: str = "cpu", **facts) -> C
 def short_trials(monkeypatch) -> list:
     """The doctor's (and auto's) speed trials shrunk to 4 rounds with no warm-up and a progress
     line every round; returns the list of the precisions ``play`` timed, in order."""
-    import amp_exp.doctor
-    import amp_exp.speed.rounds
+    import amp_exp.capability.rounds
     from amp_exp.config.adaptive import SpeedStopping
 
-    monkeypatch.setattr(amp_exp.doctor, "TRIAL", SpeedStopping(rounds=4, max_rounds=4))
-    monkeypatch.setattr(amp_exp.doctor, "TRIAL_WARMUP_STEPS", 0)
-    monkeypatch.setattr(amp_exp.speed.rounds, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(amp_exp.capability.rounds, "TRIAL", SpeedStopping(rounds=4, max_rounds=4))
+    monkeypatch.setattr(amp_exp.capability.rounds, "TRIAL_WARMUP_STEPS", 0)
+    monkeypatch.setattr(amp_exp.capability.rounds, "PROGRESS_EVERY_S", 0.0)
     played = []
-    real_play = amp_exp.doctor.play
+    real_play = amp_exp.capability.rounds.play
     monkeypatch.setattr(
-        amp_exp.doctor, "play", lambda *a, **k: played.append(a[1]) or real_play(*a, **k)
+        amp_exp.capability.rounds, "play", lambda *a, **k: played.append(a[1]) or real_play(*a, **k)
     )
     return played

@@ -3,7 +3,7 @@ kernels (and whatever else times one thing against fp32) run through ``play``.
 
 Two sides, fp32 (A) and a candidate (B), each warmed up until its step time settles
 (training/timing.py's ``warm_up``), then timed ``steps`` steps each in rounds whose order
-alternates, AB then BA, looking at the interval every 10 rounds (speed/ratio.py's ``looks``)
+alternates, AB then BA, looking at the interval every 10 rounds (capability/ratio.py's ``looks``)
 until it is narrow enough or ``max_rounds``. A round logs a progress line with the running
 ratio and, from ``ratio.MIN_ROUNDS`` rounds on, its interval, when ``PROGRESS_EVERY_S`` have
 passed since the last: a trial of minutes shows where it stands after every round. A signal
@@ -16,17 +16,18 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from amp_exp.capability import ratio
 from amp_exp.config.adaptive import SpeedStopping
 from amp_exp.report.compare import BASELINE
 from amp_exp.report.words import speedup_cell
 from amp_exp.results.contract import Stopped
-from amp_exp.speed import ratio
 from amp_exp.training.timing import StepClock, time_steps, warm_up
 
 log = logging.getLogger("amp_exp")
@@ -78,7 +79,7 @@ def round_orders(candidate: str, rounds: int) -> list[tuple[str, str]]:
 
 
 def pair_speedup(sides: dict[str, Side], label: str) -> ratio.Speedup:
-    """The candidate's speedup over fp32 in the rounds done (speed/ratio.py); ValueError below
+    """The candidate's speedup over fp32 in the rounds done (capability/ratio.py); ValueError below
     ``ratio.MIN_ROUNDS`` rounds or with no spread."""
     baseline, candidate = sides[BASELINE], sides[label]
     return ratio.speedup(
@@ -139,3 +140,32 @@ def play(
             del side.seconds[len(orders) :], side.skipped[len(orders) :]
         return orders, reached, stop
     return orders, reached, None
+
+
+# The short trial, the doctor's on the probe's kernels and precision=auto's on a run's model: the
+# speed trial's own stopping rule and defaults (10 rounds, then a look every 10 up to 20,
+# stopping once the interval is within 5% either way), one forward+backward a step.
+TRIAL = SpeedStopping()
+TRIAL_STEPS = 1
+TRIAL_WARMUP_STEPS = 10
+
+
+def pass_trials(
+    passes: Mapping[str, Callable[[], object]], device: torch.device
+) -> dict[str, dict[str, Any]]:
+    """Each low precision's speedup over fp32 in the doctor's trial, each pass (fp32's among
+    them) one step of its side: the probe's kernels here, a run's model for precision=auto
+    (amp_exp/build.py)."""
+    found: dict[str, dict[str, Any]] = {}
+    for precision, step in passes.items():
+        if precision == BASELINE:
+            continue
+        sides = {BASELINE: Side(passes[BASELINE]), precision: Side(step)}
+        _, _, stopped = play(sides, precision, device, TRIAL, TRIAL_STEPS, TRIAL_WARMUP_STEPS)
+        if stopped is not None:
+            raise stopped
+        try:
+            found[precision] = pair_speedup(sides, precision).as_dict()
+        except ValueError as error:
+            found[precision] = {"not_measured": str(error)}
+    return found
