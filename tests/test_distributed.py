@@ -9,11 +9,11 @@ import torch
 from torch.distributed import TCPStore
 from torch.utils.data import TensorDataset
 
+from amp_exp import launch
 from amp_exp.errors import ConfigError, RuntimeFault
 from amp_exp.launch import WorkerRank, launch_time, log_file_suffix, worker_rank
 from amp_exp.results.resume import check_ranks_resumed_alike, find_checkpoint, resume
 from amp_exp.run import build, train
-from amp_exp.runtime import launch
 from amp_exp.tasks.images import build_data, make_synthetic
 from amp_exp.tasks.sampling import (
     DeviceTensorLoader,
