@@ -196,7 +196,7 @@ class Setting:
     # Bytes per element of a converted GEMM's operands: 1 in fp8 and MXFP8, 0.5 in the 4-bit
     # formats (their per-block scales are not counted).
     element_bytes: float
-    # A block-scaled format (MXFP8, MXFP4, NVFP4): scaled block by block, not by fp8_recipe.
+    # A block-scaled format (MXFP8, MXFP4, NVFP4): scaled block by block, not by fp8's recipe.
     block_scaled: bool
     # Each converted linear's forward GEMM: M (tokens or pixels), N (outputs), K (inputs).
     linear_shapes: dict[str, tuple[int, int, int]]
