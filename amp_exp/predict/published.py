@@ -23,7 +23,7 @@ PUBLISHED = Path(__file__).with_name("published.json")
 # held-out rows fall inside at this rate); tests/test_predict_published.py fails when the
 # factors stated here and the script's disagree.
 INTERVAL_RATE = 0.8
-STATED_INTERVAL = {"throughput": 1.52, "speedup": 1.34}
+STATED_INTERVAL = {"throughput": 1.43, "speedup": 1.34}
 
 
 def published_rows(path: Path = PUBLISHED) -> list[dict[str, Any]]:
