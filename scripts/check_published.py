@@ -1,7 +1,8 @@
 """python -m amp_exp.predict against every published figure of amp_exp/predict/published.json:
 each row's setting predicted on its device, its throughputs and its speedup beside the published
 ones, then the median and worst error of throughput and of speedups, the held-out rows apart
-(docs/hardware.md). Each distinct setting is traced once, in this process.
+(docs/hardware.md). Each distinct setting is traced once, in this process; ``check`` and
+``report`` are what tests/test_predict_published.py calls.
 
     python scripts/check_published.py [--only NAME ...]
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,32 +37,39 @@ from amp_exp.predict.trace import trace_step  # noqa: E402
 
 
 def predicted_rates(row: dict, traces: dict, unfitting: list[str]) -> dict[str, float]:
-    """The row's throughput per precision, predicted on its device; traces are shared between
-    rows and precisions with the same setting (a trace does not depend on the precision).
+    """The row's throughput per precision, predicted on its device: the precisions that share a
+    batch from one config, and traces shared between rows and precisions with the same setting
+    (a trace does not depend on the precision).
 
     The published run ran, so a setting that does not fit by amp_exp's memory model (its eager
     fp32 logits and norm inputs, which the source's fused kernels do not keep) is still timed,
     by the same roofline, and named in ``unfitting``."""
     wanted = [*(row.get("measured") or {}), row.get("baseline"), row.get("precision")]
-    precisions = dict.fromkeys(wanted)
+    by_batch: dict = {}
+    for precision in dict.fromkeys(filter(None, wanted)):
+        by_batch.setdefault(row.get("batch", {}).get(precision), []).append(precision)
+    device = PREDICTABLE[row["device"]]
     rates = {}
-    for precision in filter(None, precisions):
-        overrides = row_overrides(row, precision)
+    for precisions in by_batch.values():
+        overrides = row_overrides(row, *precisions)
         cfg = run_config(overrides)
-        key = tuple(o for o in overrides if not o.startswith("predict."))
+        # The trace runs in fp32 whatever the precision (predict/trace.py): a row that only
+        # names another precision or recipe shares its setting's trace.
+        key = tuple(o for o in overrides if not o.startswith(("predict.", "precision")))
         if key not in traces:
             traces[key] = trace_step(cfg)
-        device = PREDICTABLE[row["device"]]
-        found = predict_trace(cfg, traces[key])["devices"][row["device"]]["precisions"]
-        record = found[precision]
-        if record["supported"] and not record["fits"]:
-            run = setting(cfg, traces[key], precision)
-            seconds = sum(c.seconds for c in step_costs(cfg, traces[key], run, device))
-            per_sample = 1 if row["per_s"] == "samples_per_s" else traces[key].units_per_sample
-            rates[precision] = traces[key].batch_size * per_sample / seconds
-            unfitting.append(f"- {row['name']} {precision}: timed, though {record['why']}")
-        elif record[row["per_s"]] is not None:
-            rates[precision] = record[row["per_s"]]
+        trace = traces[key]
+        found = predict_trace(cfg, trace)["devices"][row["device"]]["precisions"]
+        for precision in precisions:
+            record = found[precision]
+            if record["supported"] and not record["fits"]:
+                run = setting(cfg, trace, precision)
+                seconds = sum(c.seconds for c in step_costs(cfg, trace, run, device))
+                per_sample = 1 if row["per_s"] == "samples_per_s" else trace.units_per_sample
+                rates[precision] = trace.batch_size * per_sample / seconds
+                unfitting.append(f"- {row['name']} {precision}: timed, though {record['why']}")
+            elif record[row["per_s"]] is not None:
+                rates[precision] = record[row["per_s"]]
     return rates
 
 
@@ -107,30 +116,57 @@ def interval_lines(found: list[Comparison]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="*", help="row names (default: every row)")
-    args = parser.parse_args()
+@dataclass
+class Checked:
+    """Every row's comparisons, the lines naming rows timed though they do not fit or not
+    predicted at all, and how many settings were traced."""
+
+    found: list[Comparison] = field(default_factory=list)
+    unfitting: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    traced: int = 0
+
+
+def check(rows: list[dict], progress: bool = False) -> Checked:
+    """Each row predicted beside its published figures; ``progress`` names each row on stderr
+    as it starts (the whole table takes minutes)."""
     start = time.perf_counter()
     traces: dict = {}
-    found: list[Comparison] = []
-    failed: list[str] = []
-    unfitting: list[str] = []
-    for row in published_rows():
-        if args.only and row["name"] not in args.only:
-            continue
-        print(f"{row['name']} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    checked = Checked()
+    for row in rows:
+        if progress:
+            print(f"{row['name']} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
         try:
-            found += comparisons(row, predicted_rates(row, traces, unfitting))
+            checked.found += comparisons(row, predicted_rates(row, traces, checked.unfitting))
         except Exception as error:  # a row that cannot be predicted is reported, not skipped
-            failed.append(f"- {row['name']}: not predicted: {type(error).__name__}: {error}")
-    print("\n".join(table(found)))
-    print("\n".join(unfitting + failed))
-    print()
-    print("\n".join(summary_lines(found)))
-    print()
-    print("\n".join(interval_lines(found)))
-    print(f"\n{len(traces)} settings traced in {time.perf_counter() - start:.0f} s")
+            why = f"{type(error).__name__}: {error}"
+            checked.failed.append(f"- {row['name']}: not predicted: {why}")
+    checked.traced = len(traces)
+    return checked
+
+
+def report(checked: Checked) -> list[str]:
+    """The lines the script prints: the table, the rows it names, the errors, the intervals."""
+    return [
+        *table(checked.found),
+        *checked.unfitting,
+        *checked.failed,
+        "",
+        *summary_lines(checked.found),
+        "",
+        *interval_lines(checked.found),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="row names (default: every row)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    rows = [row for row in published_rows() if not args.only or row["name"] in args.only]
+    checked = check(rows, progress=True)
+    print("\n".join(report(checked)))
+    print(f"\n{checked.traced} settings traced in {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
