@@ -260,13 +260,9 @@ class Recorder:
         self._logger.log(
             {"kind": EVAL, "step": progress.step, "samples": progress.samples, **mapped}
         )
-        self.restart_clock()
+        if self.throughput.started:  # the evaluation's time is left out of throughput
+            self.throughput.start(progress.samples, progress.step)
         return mapped
-
-    def restart_clock(self) -> None:
-        """Leave out of throughput the time since the last log step (an evaluation ran in it)."""
-        if self.throughput.started:
-            self.throughput.start(self.progress.samples, self.progress.step)
 
     @functools.cached_property
     def _warm_until(self) -> int:
