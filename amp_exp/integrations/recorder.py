@@ -88,9 +88,7 @@ class Recorder:
         )
         self.progress = Progress()
         self.throughput = Throughput(self.device, facts.precision)
-        self.monitor = SkipMonitor(
-            max_consecutive_skips=facts.max_consecutive_skips, min_scale=facts.min_scale
-        )
+        self.monitor = SkipMonitor()  # the engine's limits, as its defaults set them
         self.audit: dict[str, Any] | None = None
         self.autocast: dict[str, Any] | None = None
         self.unmapped: set[str] = set()
