@@ -308,7 +308,7 @@ class Recorder:
     def _log_train_row(self) -> None:
         """The log step: the one place the device is read (the loss, the scale, the clock)."""
         progress, interval = self.progress, self._interval
-        loss = interval.mean_loss()
+        loss = float(interval.loss_sum) / interval.losses if interval.losses else None
         progress.final_loss = loss
         scale = float(self.scaler.get_scale()) if self._scaling() else None
         samples_per_s, step_time_ms = self.throughput.lap(progress.samples, progress.step)
