@@ -35,9 +35,6 @@ class RunFacts:
     grad_accum_steps: int = 1
     total_steps: int | None = None
     resume: bool = False
-    # The engine's limits (config.schema.PrecisionConfig's defaults).
-    max_consecutive_skips: int = 50
-    min_scale: float = 1.0
 
 
 def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -47,9 +47,6 @@ class Interval:
             self.first_skipped_loss = loss.detach() if torch.is_tensor(loss) else loss
         self.skipped += 1
 
-    def mean_loss(self) -> float | None:
-        return float(self.loss_sum) / self.losses if self.losses else None
-
     def skipped_steps(self, progress: Progress) -> SkippedSteps:
         loss = self.first_skipped_loss
         return SkippedSteps(

@@ -54,11 +54,6 @@ def batch_size(batch: Any) -> int:
     return int(tensors[0].shape[0]) if tensors else 0
 
 
-def step_loss(outputs: Any) -> Any:
-    """The loss a training step returned: a tensor, or the ``"loss"`` of a dict."""
-    return outputs.get("loss") if isinstance(outputs, dict) else outputs
-
-
 class AmpExpCallback(L.Callback):
     """Records a ``lightning.Trainer`` fit into ``run_dir``. ``task``: classification or lm;
     ``name``: the model's name runs are paired by (default: the LightningModule's class);
@@ -130,7 +125,9 @@ class AmpExpCallback(L.Callback):
             return  # a micro-batch of gradient accumulation: its step is not done yet
         self._step_seen = trainer.global_step
         samples, self._samples = self._samples, 0
-        if self.recorder.end_trainer_step(step_loss(outputs), samples, trainer.current_epoch):
+        # The loss a training step returned: a tensor, or the "loss" of a dict.
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if self.recorder.end_trainer_step(loss, samples, trainer.current_epoch):
             trainer.should_stop = True
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

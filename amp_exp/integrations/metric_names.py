@@ -7,14 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from amp_exp.config.schema import TaskName
-from amp_exp.tasks.classification import ClassificationTask
-from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.tasks.metrics import TaskMetrics
+from amp_exp.tasks.workload import declared_metrics
 
-TASK_METRICS = {
-    TaskName.classification: ClassificationTask.metrics,
-    TaskName.lm: LanguageModelTask.metrics,
-}
 # The names each task metric goes by. The HF Trainer prefixes ``eval_`` to what
 # compute_metrics returns; Lightning logs whatever the user names it, often ``val_``;
 # ``_epoch`` is what Lightning appends to a metric logged on both steps and epochs.
@@ -47,7 +42,7 @@ def task_metrics(task: str | TaskMetrics) -> tuple[str, TaskMetrics]:
         raise ValueError(
             f"task={task!r} is not an option; valid choices: {valid} (or a TaskMetrics)"
         ) from None
-    return name.value, TASK_METRICS[name]
+    return name.value, declared_metrics(name)
 
 
 def task_names(metrics: dict[str, Any], declared: TaskMetrics) -> tuple[dict[str, float], list]:

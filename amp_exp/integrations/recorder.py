@@ -88,9 +88,7 @@ class Recorder:
         )
         self.progress = Progress()
         self.throughput = Throughput(self.device, facts.precision)
-        self.monitor = SkipMonitor(
-            max_consecutive_skips=facts.max_consecutive_skips, min_scale=facts.min_scale
-        )
+        self.monitor = SkipMonitor()  # the engine's limits, as its defaults set them
         self.audit: dict[str, Any] | None = None
         self.autocast: dict[str, Any] | None = None
         self.unmapped: set[str] = set()
@@ -260,13 +258,9 @@ class Recorder:
         self._logger.log(
             {"kind": EVAL, "step": progress.step, "samples": progress.samples, **mapped}
         )
-        self.restart_clock()
+        if self.throughput.started:  # the evaluation's time is left out of throughput
+            self.throughput.start(progress.samples, progress.step)
         return mapped
-
-    def restart_clock(self) -> None:
-        """Leave out of throughput the time since the last log step (an evaluation ran in it)."""
-        if self.throughput.started:
-            self.throughput.start(self.progress.samples, self.progress.step)
 
     @functools.cached_property
     def _warm_until(self) -> int:
@@ -314,7 +308,7 @@ class Recorder:
     def _log_train_row(self) -> None:
         """The log step: the one place the device is read (the loss, the scale, the clock)."""
         progress, interval = self.progress, self._interval
-        loss = interval.mean_loss()
+        loss = float(interval.loss_sum) / interval.losses if interval.losses else None
         progress.final_loss = loss
         scale = float(self.scaler.get_scale()) if self._scaling() else None
         samples_per_s, step_time_ms = self.throughput.lap(progress.samples, progress.step)

@@ -54,19 +54,19 @@ ENGINE_STATE = "engine.pt"
 
 def atomic_save(payload: dict[str, Any], path: Path) -> None:
     """A crash at any moment leaves either the old file or the new one, never a partial file."""
-    write_atomically(path, lambda file: save_to(payload, file))
 
+    def save_to(file: IO[bytes]) -> None:
+        # torch's zip writer turns a write the file system refused into a RuntimeError
+        # ("unexpected pos 15104 vs 15000"), the OSError (a full disk's ENOSPC) only its
+        # context: raised as itself, write_atomically knows it.
+        try:
+            torch.save(payload, file)
+        except RuntimeError as error:
+            if isinstance(error.__context__, OSError):
+                raise error.__context__ from None
+            raise
 
-def save_to(payload: dict[str, Any], file: IO[bytes]) -> None:
-    """``torch.save``, with a write the file system refused raised as its own OSError: torch's
-    zip writer turns it into a RuntimeError ("unexpected pos 15104 vs 15000"), the OSError (a
-    full disk's ENOSPC) only its context, and write_atomically knows OSErrors."""
-    try:
-        torch.save(payload, file)
-    except RuntimeError as error:
-        if isinstance(error.__context__, OSError):
-            raise error.__context__ from None
-        raise
+    write_atomically(path, save_to)
 
 
 def check_plugin_state(precision: str, plugin_state: Any) -> None:

@@ -109,7 +109,6 @@ JSON_LIMIT = 64 * 2**20
 # A run logging every step for a million steps writes about 500 MB.
 METRICS_LIMIT = 2**30
 MAX_DEPTH = 64
-READ_CHUNK = 2**20
 
 
 class UntrustedFile(RunRefused):
@@ -167,15 +166,9 @@ def read_data(path: Path, limit: int = JSON_LIMIT) -> bytes:
         "move it elsewhere"
     )
     with os.fdopen(open_data(path), "rb") as file:
-        if os.fstat(file.fileno()).st_size > limit:
+        if os.fstat(file.fileno()).st_size > limit or len(data := file.read(limit + 1)) > limit:
             raise too_large
-        chunks, size = [], 0
-        while chunk := file.read(READ_CHUNK):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-    return b"".join(chunks)
+    return data
 
 
 # A JSON string (escapes included), and everything that is not a bracket: what ``nests_too_deep``

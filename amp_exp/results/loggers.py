@@ -156,14 +156,10 @@ class ConsoleLogger:
             return  # dozens of figures per row: metrics.jsonl and `amp_exp.forecast` read them
         if row["kind"] == DIAGNOSTICS:
             # An fp16 run has a scale to report against; another precision's row is hypothetical.
-            head, scaled = (
-                (
-                    "fp16 gradient range @ step %d: ",
-                    f"{_fmt(row['grad_underflow_frac_scaled'], '.3%')} at the current scale, ",
-                )
-                if self.fp16
-                else ("gradient range @ step %d, if this run were fp16: ", "")
-            )
+            head, scaled = "gradient range @ step %d, if this run were fp16: ", ""
+            if self.fp16:
+                head = "fp16 gradient range @ step %d: "
+                scaled = f"{_fmt(row['grad_underflow_frac_scaled'], '.3%')} at the current scale, "
             log.info(
                 head + "%s would flush to zero unscaled, %s%s would overflow; "
                 "%s of weights unchanged over %s steps",

@@ -61,16 +61,13 @@ class Placement:
             if recorded:
                 self.held.setdefault(identity(recorded), job.name)
 
-    def trained(self, overrides: list[str]) -> dict[str, Any]:
-        """The job's config as a summary records it, composed from the sweep's command line."""
+    def directory(self, overrides: list[str]) -> tuple[str, dict[str, Any]]:
+        """The job's directory name (its own, or the next free number) and its config, as a
+        summary records it, composed from the sweep's command line."""
         cfg = self.compose(list(overrides))
         with open_dict(cfg):
             del cfg["hydra"]
-        return as_recorded(cfg)
-
-    def directory(self, overrides: list[str]) -> tuple[str, dict[str, Any]]:
-        """The job's directory name (its own, or the next free number) and its config."""
-        config = self.trained(overrides)
+        config = as_recorded(cfg)
         name = self.held.get(identity(config))
         if name is None:
             name = str(next(n for n in range(len(self.used) + 1) if str(n) not in self.used))

@@ -11,21 +11,18 @@ from pathlib import Path
 REPO_DIR = Path(__file__).resolve().parents[2]
 
 
+def git(*args: str) -> subprocess.CompletedProcess[str]:
+    """``git`` in the repository amp_exp runs from, its output captured."""
+    return subprocess.run(["git", *args], cwd=REPO_DIR, capture_output=True, text=True, timeout=5)
+
+
 def git_sha() -> str | None:
     """The code version that produced a result, with ``-dirty`` for uncommitted changes."""
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True, text=True, timeout=5
-        )
+        sha = git("rev-parse", "HEAD")
         if sha.returncode != 0:
             return None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_DIR,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
+        dirty = git("status", "--porcelain", "--untracked-files=no")
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None

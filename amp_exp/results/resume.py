@@ -88,7 +88,8 @@ MAY_CHANGE = frozenset(
 )
 # The schedules that span the run: their horizon is the run's step count.
 SPANNING_SCHEDULES = frozenset({"cosine", "onecycle"})
-HORIZON_KEYS = ("trainer.max_steps", "trainer.epochs")
+# A changed step count reads "trainer.max_steps: 10 -> 20" (config_changes).
+HORIZON_KEYS = ("trainer.max_steps:", "trainer.epochs:")
 
 # A checkpoint found to resume from: its path, and what it holds.
 Found = tuple[Path, dict[str, Any]]
@@ -152,24 +153,6 @@ def check_same_experiment(cfg: RunConfig, saved: Any, source: str) -> list[str]:
             f"{source.removeprefix('the ')}'s values or start a new run directory"
         )
     return allowed
-
-
-def kept_horizon(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """What to say of a changed step count under a schedule that spans the run (it keeps its
-    horizon, from the checkpoint); None where there is nothing to say."""
-    old, new = flatten_config(saved), flatten_config(current)
-    if str(new.get("scheduler.name")) not in SPANNING_SCHEDULES:
-        return None
-    changed = [
-        f"{k}: {old.get(k)} -> {new.get(k)}" for k in HORIZON_KEYS if old.get(k) != new.get(k)
-    ]
-    if not changed:
-        return None
-    return (
-        f"{'; '.join(changed)}: the {new['scheduler.name']} schedule keeps the horizon the run "
-        "started with, so what was trained stays as planned; steps past its end run at its final "
-        "learning rate"
-    )
 
 
 def data_position(
@@ -321,9 +304,16 @@ def check_resumable(cfg: RunConfig, engine: Engine, payload: dict[str, Any]) -> 
     allowed = check_same_experiment(cfg, payload.get("config"), "the checkpoint")
     if allowed:
         log.info("resuming with changed settings: %s", "; ".join(allowed))
-    horizon = kept_horizon(payload.get("config") or {}, plain_run_config(cfg))
-    if horizon is not None:
-        log.warning("%s", horizon)
+    # A changed step count under a schedule that spans the run: the scheduler's state in the
+    # checkpoint keeps the horizon the run started with.
+    horizon = [change for change in allowed if change.startswith(HORIZON_KEYS)]
+    if horizon and cfg.scheduler.name.value in SPANNING_SCHEDULES:
+        log.warning(
+            "%s: the %s schedule keeps the horizon the run started with, so what was trained "
+            "stays as planned; steps past its end run at its final learning rate",
+            "; ".join(horizon),
+            cfg.scheduler.name.value,
+        )
     saved_world_size = payload["world_size"]
     if saved_world_size != engine.world_size and "sharded" in payload:
         log.info(

@@ -20,7 +20,7 @@ from amp_exp.results.files import (
     read_json,
     write_json,
 )
-from amp_exp.results.format import FORMAT_VERSION, VERSION_KEY
+from amp_exp.results.format import FORMAT_VERSION, SUMMARY_SCHEMA, VERSION_KEY, schema
 from amp_exp.results.provenance import git_sha
 
 log = logging.getLogger("amp_exp")
@@ -38,109 +38,11 @@ class Status(str, Enum):
     damaged = "damaged"
 
 
-# Every key of summary.json, in the order written (results/schema/summary.v1.json types each).
-FIELDS = (
-    # The results format's version (results/format.py): a reader of another one refuses it.
-    VERSION_KEY,
-    "status",
-    "error",
-    "stop_signal",
-    "precision",
-    "precision_reason",
-    "model",
-    "dataset",
-    "optimizer",
-    "task",
-    "device",
-    "device_name",
-    "seed",
-    "batch_size",
-    "grad_accum_steps",
-    "world_size",
-    # single, ddp or fsdp2; the dtype the weights computed in, and that gradients were reduced in.
-    "strategy",
-    "param_dtype",
-    "reduce_dtype",
-    "global_batch_size",
-    "parameters",
-    "channels_last",
-    "compile",
-    "steps",
-    "total_steps",
-    "samples_seen",
-    "timed_steps",
-    "warmup_s",
-    # Over every rank (global), timed steps of the latest attempts in the run's precision.
-    "samples_per_s",
-    # Language models: tokens/s over every rank and per device, and the FLOPs one device ran
-    # (TFLOP/s) against one device's peak (MFU), as torchtitan and nanoGPT report them.
-    "tokens_per_s",
-    "tokens_per_s_per_device",
-    "flops_per_token",
-    "tflops",
-    "mfu",
-    "mfu_peak_source",
-    # MFU against the probe's measured matmul peak (CUDA only), per device.
-    "mfu_measured",
-    "step_time_ms",
-    # Each attempt (a resume starts one): precision, first and last step, timed steps, speed.
-    "attempts",
-    "peak_mem_bytes",
-    "peak_mem_kind",
-    "final_loss",
-    # The task's declaration of its eval metrics (tasks.base.TaskMetrics.as_dict); the values
-    # of those metrics follow it, under the names it declares (eval_acc, eval_perplexity, ...).
-    "task_metrics",
-    # The best eval loss any model can reach on the data, where the data knows it.
-    "loss_floor",
-    "loss_scale",
-    "skipped_steps",
-    "resumed_from",
-    "hardware",
-    "first_overflow",
-    "checks",
-    "underflow",
-    "suggested_init_scale",
-    "stale_weight_frac",
-    # Bytes of the parameters and the optimizer state, counted from the tensors.
-    "state_bytes",
-    # How many jobs shared the node with this one (hydra/launcher=node), its device and threads.
-    "launch_slot",
-    # What one audited step ran in: matmul FLOPs by dtype and module, the bytes saved for
-    # backward, state and communication dtypes, and whether the precision engaged.
-    "precision_audit",
-    # What a precision plugin records of its run beyond these fields (PrecisionPlugin.summary):
-    # fp8's and the block-scaled formats' converted and skipped linears, whether emulated.
-    "precision_details",
-    # The facts and words a report shows of the run's precision plugin (label, order, colour,
-    # whether it scales the loss, stall advice): a report where that plugin is not installed
-    # shows the run by them, never importing its module (report/runs.py).
-    "precision_facts",
-    # The modules precision.keep_fp32 matched (the outermost ones), run in fp32 in every mode.
-    "keep_fp32_modules",
-    "replicas_identical",
-    "wall_s",
-    "torch_version",
-    "python_version",
-    "git_sha",
-    "config",
-)
-
-
-def _name(section: Any) -> Any:
-    return section.get("name") if isinstance(section, dict) else section
-
-
-def identity(config: dict[str, Any]) -> dict[str, Any]:
-    """What a run is, read from its config alone: enough to place a failed or killed run."""
-    return {
-        "precision": _name(config.get("precision")),
-        "model": _name(config.get("model")),
-        "dataset": _name(config.get("dataset")),
-        "optimizer": _name(config.get("optimizer")),
-        "seed": config.get("seed"),
-        "task": config.get("task"),
-    }
+# Every key of summary.json, in the order written: the shipped schema's (results/schema/
+# summary.v1.json), which types and describes each.
+FIELDS = tuple(schema(SUMMARY_SCHEMA)["required"])
+# What places a run (a failed or killed one too), read from its config alone: the section's name.
+IDENTITY = ("precision", "model", "dataset", "optimizer", "seed", "task")
 
 
 def make_summary(
@@ -170,7 +72,9 @@ def make_summary(
             summary.update(dict.fromkeys(declared))
     summary["task_metrics"] = task_metrics
     summary.update(eval_metrics or {})
-    summary.update(identity(config))
+    for key in IDENTITY:
+        section = config.get(key)
+        summary[key] = section.get("name") if isinstance(section, dict) else section
     if status is not Status.killed:  # a killed run's code version is not the reader's
         import torch  # only runs import it; a report reading killed runs stays light
 
@@ -182,19 +86,6 @@ def make_summary(
     summary.update(values)
     summary.update(status=Status(status).value, config=config, **{VERSION_KEY: FORMAT_VERSION})
     return summary
-
-
-def failure_summary(
-    config: dict[str, Any], error: Exception, task_metrics: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """What a run that raised leaves in summary.json, so a sweep report can show it as failed;
-    ``task_metrics``, where the task is known, gives it the same metric keys (null)."""
-    return make_summary(
-        Status.failed,
-        config,
-        task_metrics=task_metrics,
-        error=f"{type(error).__name__}: {first_line(str(error))}",
-    )
 
 
 def record_failure(
@@ -210,7 +101,9 @@ def record_failure(
         log.error(
             "this run completed before; its summary.json is kept, this failure is in %s", path
         )
-    write_json(path, failure_summary(config, error, task_metrics))
+    # task_metrics, where the task is known, gives it a completed run's metric keys (null).
+    error_line = f"{type(error).__name__}: {first_line(str(error))}"
+    write_json(path, make_summary(Status.failed, config, task_metrics, error=error_line))
     return path
 
 

@@ -67,20 +67,6 @@ def wandb_settings(wandb_cfg: WandbConfig, mode: WandbMode) -> dict[str, Any]:
     }
 
 
-def start_online(wandb: Any, init_args: dict[str, Any]) -> tuple[Any, str | None]:
-    """(online run, None), or (None, why not)."""
-    try:
-        # Without credentials, wandb.init would ask for a key at a terminal prompt that waits
-        # forever and only KeyboardInterrupt leaves; so look first, and never prompt.
-        if not wandb.login(prompt=False, verify=False):
-            return None, NO_API_KEY
-        run = wandb.init(mode="online", **init_args)
-    except Exception as error:
-        return None, f"could not start online ({describe(error)})"
-    log.info("W&B: logging online to %s", run.url)
-    return run, None
-
-
 def start_run(
     wandb: Any, mode: WandbMode, wandb_cfg: WandbConfig, init_args: dict[str, Any]
 ) -> Any:
@@ -89,9 +75,16 @@ def start_run(
     try:
         wandb.setup(settings=wandb.Settings(**wandb_settings(wandb_cfg, mode)))
         if mode is not WandbMode.offline:
-            run, fallback = start_online(wandb, init_args)
-            if run is not None:
-                return run
+            try:
+                # Without credentials, wandb.init would ask for a key at a terminal prompt that
+                # waits forever and only KeyboardInterrupt leaves; so look first, never prompt.
+                if wandb.login(prompt=False, verify=False):
+                    run = wandb.init(mode="online", **init_args)
+                    log.info("W&B: logging online to %s", run.url)
+                    return run
+                fallback = NO_API_KEY
+            except Exception as error:
+                fallback = f"could not start online ({describe(error)})"
         run = wandb.init(mode="offline", **init_args)
     except Exception as error:
         log.warning("W&B: could not start a run (%s); training goes on without it", describe(error))

@@ -17,7 +17,7 @@ from amp_exp.config.datasets import DatasetName, ImageDatasetConfig
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.launch import WorkerRank
 from amp_exp.tasks.base import DataBundle
-from amp_exp.tasks.sampling import DeviceTensorLoader, Placement, check_batch_fits, dataset_loaders
+from amp_exp.tasks.sampling import Placement, dataset_loaders, tensor_loaders
 
 
 def image_facts(input_shape: tuple[int, int, int], num_classes: int) -> dict:
@@ -142,22 +142,14 @@ def _image_folder_splits(cfg: ImageDatasetConfig, root: Path, seed: int):
 def build_data(cfg: ImageDatasetConfig, placement: Placement) -> DataBundle:
     """The splits for ``placement``'s worker of a data-parallel job (one alone: all of them)."""
     seed, device = placement.seed, placement.device
-    eval_batch_size = cfg.eval_batch_size or cfg.batch_size
     if cfg.name is DatasetName.synthetic:
-        check_batch_fits(
+        train, held_out = tensor_loaders(
+            make_synthetic(cfg, cfg.train_size, seed, 0, device),
+            make_synthetic(cfg, cfg.eval_size, seed, 1, device),
             cfg.batch_size,
-            cfg.train_size,
+            cfg.eval_batch_size,
+            placement,
             f"dataset.train_size={cfg.train_size}",
-            placement.worker.world_size,
-        )
-        train = DeviceTensorLoader(
-            *make_synthetic(cfg, cfg.train_size, seed, 0, device),
-            batch_size=cfg.batch_size,
-            shuffled_for=placement,
-        )
-        eval_images, eval_labels = make_synthetic(cfg, cfg.eval_size, seed, 1, device)
-        held_out = DeviceTensorLoader(
-            placement.share(eval_images), placement.share(eval_labels), batch_size=eval_batch_size
         )
         shape = (cfg.channels, cfg.image_size, cfg.image_size)
         return DataBundle(train, held_out, image_facts(shape, cfg.num_classes))

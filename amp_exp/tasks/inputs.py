@@ -39,11 +39,6 @@ def split(sample: Any) -> tuple[Inputs, torch.Tensor]:
     return (tuple(inputs) if isinstance(inputs, list) else inputs), target
 
 
-def labelled_in_dict(sample: Any) -> bool:
-    """Whether the target came from a dict's ``labels`` (transformers' conventions apply)."""
-    return isinstance(sample, Mapping)
-
-
 def primary(inputs: Inputs) -> torch.Tensor:
     """The input that counts the batch's samples (its first dimension) and holds a language
     model's token ids."""

@@ -12,6 +12,7 @@ is not predicted.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,6 @@ from amp_exp.tasks.inputs import (
     Inputs,
     call,
     each_tensor,
-    labelled_in_dict,
     primary,
     split,
     with_primary,
@@ -67,8 +67,9 @@ class LanguageModelTask:
         # index with int64.
         inputs = with_primary(inputs, primary(inputs).long())
         targets = targets.to(self.device, non_blocking=True).long()
-        if labelled_in_dict(batch):
-            # transformers' labels sit at their own token: the last position predicts none.
+        if isinstance(batch, Mapping):
+            # A dict's labels follow transformers' convention: each sits at its own token, and
+            # the last position predicts none.
             targets = F.pad(targets[:, 1:], (0, 1), value=IGNORED)
         return inputs, targets
 

@@ -133,6 +133,22 @@ def check_batch_fits(batch_size: int, samples: int, described: str, world_size: 
         raise ConfigError(f"dataset.batch_size={batch_size} exceeds {described}{shared}")
 
 
+def tensor_loaders(
+    train: tuple[torch.Tensor, ...],
+    held_out: tuple[torch.Tensor, ...],
+    batch_size: int,
+    eval_batch_size: int | None,
+    placement: Placement,
+    described: str,
+) -> tuple[DeviceTensorLoader, DeviceTensorLoader]:
+    """Loaders over the rows of tensors on the device: the training rows (``described`` in the
+    error if too few) shuffled and sharded over the ranks, and each rank's share of eval."""
+    check_batch_fits(batch_size, len(train[0]), described, placement.worker.world_size)
+    train_loader = DeviceTensorLoader(*train, batch_size=batch_size, shuffled_for=placement)
+    shares = [placement.share(rows) for rows in held_out]
+    return train_loader, DeviceTensorLoader(*shares, batch_size=eval_batch_size or batch_size)
+
+
 def dataset_loaders(
     train: Dataset,
     held_out: Dataset,

@@ -26,7 +26,7 @@ from amp_exp.config.datasets import SyntheticTokensConfig, TextDatasetConfig, To
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.runtime.atomic import atomic_write
 from amp_exp.tasks.base import DataBundle
-from amp_exp.tasks.sampling import DeviceTensorLoader, Placement, check_batch_fits
+from amp_exp.tasks.sampling import DeviceTensorLoader, Placement, tensor_loaders
 
 GPT2_END_OF_TEXT = 50256
 # Bumped whenever the cached token format changes, so stale caches are never read.
@@ -45,21 +45,13 @@ def token_facts(vocab_size: int, seq_len: int) -> dict:
 def token_loaders(
     train_windows: torch.Tensor,
     eval_windows: torch.Tensor,
-    batch_size: int,
-    eval_batch_size: int | None,
+    cfg: SyntheticTokensConfig | TextDatasetConfig,
     placement: Placement,
 ) -> tuple[DeviceTensorLoader, DeviceTensorLoader]:
-    """Shuffled training windows sharded over the ranks, and each rank's share of eval."""
-    described = f"the {len(train_windows)} training sequences"
-    check_batch_fits(batch_size, len(train_windows), described, placement.worker.world_size)
-    train = DeviceTensorLoader(
-        train_windows[:, :-1], train_windows[:, 1:], batch_size=batch_size, shuffled_for=placement
-    )
-    mine = placement.share(eval_windows)
-    held_out = DeviceTensorLoader(
-        mine[:, :-1], mine[:, 1:], batch_size=eval_batch_size or batch_size
-    )
-    return train, held_out
+    """Inputs and targets as views of each window, one token apart."""
+    train, held_out = ((w[:, :-1], w[:, 1:]) for w in (train_windows, eval_windows))
+    count = f"the {len(train_windows)} training sequences"
+    return tensor_loaders(train, held_out, cfg.batch_size, cfg.eval_batch_size, placement, count)
 
 
 # --- synthetic: a sparse random Markov chain -------------------------------------------------
@@ -128,7 +120,7 @@ def build_synthetic_tokens(
         )
         for split, size in enumerate((cfg.train_size, cfg.eval_size))
     ]
-    train, held_out = token_loaders(*splits, cfg.batch_size, cfg.eval_batch_size, placement)
+    train, held_out = token_loaders(*splits, cfg, placement)
     floor = entropy_floor(successors, probs, seq_len)
     return DataBundle(
         train, held_out, token_facts(cfg.vocab_size, seq_len), recorded={"loss_floor": floor}
@@ -300,9 +292,6 @@ def build_text(cfg: TextDatasetConfig, seq_len: int, placement: Placement) -> Da
                 f"few for one sequence of {seq_len} (dataset.seq_len, dataset.eval_fraction)"
             )
     train, held_out = token_loaders(
-        *(windows(split.to(placement.device), seq_len) for split in splits),
-        cfg.batch_size,
-        cfg.eval_batch_size,
-        placement,
+        *(windows(split.to(placement.device), seq_len) for split in splits), cfg, placement
     )
     return DataBundle(train, held_out, token_facts(text_vocab_size(cfg), seq_len))
