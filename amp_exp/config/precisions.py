@@ -32,7 +32,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from amp_exp.config.schema import PrecisionConfig, ReduceDtype, Strategy, TrainerConfig
+from amp_exp.config.schema import (
+    PrecisionConfig,
+    ReduceDtype,
+    SensitivityConfig,
+    Strategy,
+    TrainerConfig,
+)
 from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RuntimeFault, first_line, require
 
 
@@ -149,16 +155,6 @@ class PrecisionSpec:
     needs_native_bf16: bool = False
     # Fast on CUDA only under torch.compile (trainer.compile=auto compiles it there).
     compile_on_cuda: bool = False
-    # A shorter name for tables, or None for ``name``.
-    label: str | None = None
-
-    @property
-    def is_low_precision(self) -> bool:
-        return self.name != REFERENCE
-
-    @property
-    def display(self) -> str:
-        return self.label or self.name
 
 
 # The precision everything is measured against: the baseline of verdicts, the reference of
@@ -273,6 +269,24 @@ def auto_candidates() -> tuple[str, ...]:
 def probed_low() -> tuple[str, ...]:
     """The low precisions the probe times and precision=auto may choose, in tie-break order."""
     return tuple(p for p in auto_candidates() if p != REFERENCE)
+
+
+def rankable() -> list[str]:
+    """The precisions whose per-module error against fp32 sensitivity measures (their facts)."""
+    return [name for name in names() if get(name).spec.rankable]
+
+
+def target_precisions(sensitivity: SensitivityConfig, precision: str) -> list[str]:
+    """The precisions sensitivity ranks, in order: the first is the one repair targets. Unless
+    sensitivity.precisions or a rankable ``precision`` says which: the rankable ones
+    precision=auto may choose, those with a GradScaler (the narrowest range, where most layers
+    fail) first."""
+    if sensitivity.precisions:
+        return list(dict.fromkeys(sensitivity.precisions))
+    if precision in rankable():
+        return [precision]
+    chosen = [name for name in rankable() if get(name).spec.auto_candidate]
+    return sorted(chosen, key=lambda name: not get(name).spec.grad_scaler)
 
 
 def options_of(plugin: Any, given: Any) -> Any:

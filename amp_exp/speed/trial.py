@@ -35,7 +35,7 @@ import torch
 from amp_exp.build import Built, build, global_batch_size
 from amp_exp.capability.ratio import LOOK_EVERY, MIN_ROUNDS, TRIAL_CONFIDENCE
 from amp_exp.capability.rounds import Side, pair_speedup, play
-from amp_exp.config.commands import SPEED_WARMUP_WINDOW
+from amp_exp.config.adaptive import SPEED_WARMUP_WINDOW
 from amp_exp.config.schema import RunConfig, SpeedConfig
 from amp_exp.report.compare import BASELINE, subject
 from amp_exp.report.words import md_text, show_level, show_speedup
