@@ -48,7 +48,7 @@ from amp_exp.config.models import (
 )
 from amp_exp.config.precisions import rankable, register, target_precisions, validate_precision
 from amp_exp.config.schema import DeviceChoice, RunConfig, SGDConfig, Strategy, TaskName, WandbMode
-from amp_exp.errors import ConfigError, require
+from amp_exp.errors import ConfigError, require, require_choice
 
 IMAGE_DATASETS = ", ".join(name.value for name in DatasetName)
 VALID_PAIRINGS = (
@@ -143,10 +143,8 @@ def _check_commands(run: RunConfig) -> None:
     if precision._target_ is not None:
         register(precision._target_)
     for chosen in target_precisions(sensitivity, precision.name):
-        require(
-            chosen in rankable(),
-            f"sensitivity.precisions: {chosen} is not ranked against fp32; valid choices: "
-            f"{', '.join(rankable())}",
+        require_choice(
+            chosen, rankable(), f"sensitivity.precisions: {chosen} is not ranked against fp32"
         )
         # fp8 needs what a run in fp8 needs: torchao, and a GPU or emulation. The run's options
         # are its own precision's; another ranked precision takes its defaults.

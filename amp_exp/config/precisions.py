@@ -39,7 +39,14 @@ from amp_exp.config.schema import (
     Strategy,
     TrainerConfig,
 )
-from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RuntimeFault, first_line, require
+from amp_exp.errors import (
+    EXPECTED_ERRORS,
+    ConfigError,
+    RuntimeFault,
+    first_line,
+    require,
+    require_choice,
+)
 
 
 class DType(str, Enum):
@@ -254,10 +261,7 @@ def get(name: str) -> Any:
         raise ValueError("resolve precision=auto first (capability.auto)")
     # Every source, also for a built-in's name: an installed plugin that takes it is refused
     # (``_add``), never passed over because the built-in was found first.
-    if name not in names():
-        raise ConfigError(
-            f"precision={name} is not a precision; valid choices: {', '.join((AUTO, *names()))}"
-        )
+    require_choice(name, (AUTO, *names()), f"precision={name} is not a precision")
     return _plugins[name]
 
 

@@ -49,7 +49,7 @@ from amp_exp.config.schema import (
     WandbConfig,
 )
 from amp_exp.devices import PREDICTABLE
-from amp_exp.errors import ConfigError, first_line, require
+from amp_exp.errors import ConfigError, first_line, require, require_choice
 
 # NumPy seeds its generator with an unsigned 32-bit integer.
 SEED_RANGE = range(2**32)
@@ -191,11 +191,7 @@ def check_values(run: RunConfig) -> None:
     require(bool(run.predict.devices), "predict.devices must name a device, e.g. [h100]")
     for key in ("predict.devices", "report.predict"):
         for device in attrgetter(key)(run):
-            require(
-                device in PREDICTABLE,
-                f"{key}: {device} is not in the device table; valid choices: "
-                f"{', '.join(PREDICTABLE)}",
-            )
+            require_choice(device, PREDICTABLE, f"{key}: {device} is not in the device table")
     # Every resolved precision has facts to predict from; auto is decided on hardware at hand.
     for precision in run.predict.precisions:
         require(
@@ -363,11 +359,10 @@ def _check_model(model: ModelConfig) -> None:
     elif isinstance(model, CustomModelConfig):
         _check_target("model", model._target_)
     elif isinstance(model, TorchvisionModelConfig):  # hf models: config/hf.py, from the pairing
-        names = torchvision_model_names()
-        require(
-            model.name in names,
-            f"model.name={model.name!r} is not a torchvision classification model; "
-            f"valid choices: {', '.join(names)}",
+        require_choice(
+            model.name,
+            torchvision_model_names(),
+            f"model.name={model.name!r} is not a torchvision classification model",
         )
 
 

@@ -65,14 +65,6 @@ def engine_skips(built: Built) -> Callable[[], int]:
     return skips
 
 
-def free(device: torch.device) -> None:
-    """Give back the memory of the runs just dropped before the next pair is built: an engine
-    and its callbacks refer to each other, so only the collector frees them."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfig) -> dict:
     """fp32 against one precision; the pair's record in speed.json (``"not_timed"`` alone for
     a precision whose policy is not timed). The caller frees the pair's runs."""
@@ -172,7 +164,11 @@ def run_trial(
             found = time_pair(baseline, label, cfg, speed)
         except Stopped as stop:  # while its runs were built or warmed up
             found = {"not_timed": stopped_phrase(stop, 0), "stopped_by": stop}
-        free(device)
+        # Give back the memory of the pair's runs before the next pair is built: an engine and
+        # its callbacks refer to each other, so only the collector frees them.
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         stopped = found.pop("stopped_by", None)
         if "not_timed" in found:
             not_timed[label] = found["not_timed"]
