@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from amp_exp.config import hf
+from amp_exp.config import hf, precisions
 from amp_exp.config.adaptive import EvidenceConfig
 from amp_exp.config.datasets import (
     TOKEN_DATASETS,
@@ -46,8 +46,17 @@ from amp_exp.config.models import (
     MLPConfig,
     TinyCNNConfig,
 )
-from amp_exp.config.precisions import rankable, register, target_precisions, validate_precision
-from amp_exp.config.schema import DeviceChoice, RunConfig, SGDConfig, Strategy, TaskName, WandbMode
+from amp_exp.config.schema import (
+    DeviceChoice,
+    PrecisionConfig,
+    ReduceDtype,
+    RunConfig,
+    SGDConfig,
+    Strategy,
+    TaskName,
+    TrainerConfig,
+    WandbMode,
+)
 from amp_exp.errors import ConfigError, require, require_choice
 
 IMAGE_DATASETS = ", ".join(name.value for name in DatasetName)
@@ -114,6 +123,57 @@ def check_agreement(run: RunConfig) -> TaskName:
     return task
 
 
+def validate_precision(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
+    """Raise ``ConfigError`` on the first precision value that cannot run with ``trainer``: a
+    user's plugin registers first; then the name (one line with the valid choices), the plugin's
+    options and its own rules, the strategy's values, and the chosen one's facts. (The values
+    every precision reads, each on its own: config/values.py.)"""
+    if precision._target_ is not None:
+        precisions.register(precision._target_)
+    spec = None
+    if precision.name == precisions.AUTO:
+        require(not precision.options, "precision=auto takes no precision.options")
+    else:
+        plugin = precisions.get(precision.name)
+        spec = plugin.spec
+        precisions.options_of(plugin, precision.options)
+        with precisions.PluginHook(plugin, "check_config"):
+            plugin.check_config(precision, trainer)
+    reduce, fsdp2 = precision.reduce_dtype, trainer.strategy is Strategy.fsdp2
+    specs = {name: precisions.get(name).spec for name in precisions.names()}
+    if reduce is not None:
+        require(
+            fsdp2,
+            f"precision.reduce_dtype={reduce.value} needs trainer.strategy=fsdp2; DDP reduces "
+            "gradients in their own dtype (fp32)",
+        )
+        # Only a GradScaler notices a gradient that overflowed fp16 in the reduction.
+        scaled = [name for name, s in specs.items() if s.grad_scaler]
+        require(
+            reduce is not ReduceDtype.fp16 or (spec is not None and spec.grad_scaler),
+            f"precision.reduce_dtype=fp16 needs precision={' or '.join(scaled)}, whose "
+            "GradScaler catches gradients that overflow fp16; valid choices here: fp32, bf16",
+        )
+    if precision.fsdp_cast_params:
+        require(
+            fsdp2,
+            "precision.fsdp_cast_params=true needs trainer.strategy=fsdp2; DDP and one process "
+            "compute under autocast from fp32 weights",
+        )
+        casting = [name for name, s in specs.items() if s.fsdp_param_dtype is not None]
+        require(
+            spec is None or spec.fsdp_param_dtype is not None,
+            f"precision.fsdp_cast_params=true: precision={precision.name} has no dtype to cast "
+            f"the parameters to; valid choices: {', '.join(casting)}",
+        )
+    if spec is not None:
+        require(
+            trainer.strategy in spec.strategies,
+            f"precision={spec.name} does not run with trainer.strategy={trainer.strategy.value} "
+            f"yet; valid choices: {', '.join(sorted(s.value for s in spec.strategies))}",
+        )
+
+
 def _check_commands(run: RunConfig) -> None:
     """The values of the commands' sections (speed.*, sensitivity.*, evidence.*) that must agree
     with each other, and the precisions sensitivity ranks with the run's precision and trainer."""
@@ -141,10 +201,12 @@ def _check_commands(run: RunConfig) -> None:
     )
     precision = run.precision
     if precision._target_ is not None:
-        register(precision._target_)
-    for chosen in target_precisions(sensitivity, precision.name):
+        precisions.register(precision._target_)
+    for chosen in precisions.target_precisions(sensitivity, precision.name):
         require_choice(
-            chosen, rankable(), f"sensitivity.precisions: {chosen} is not ranked against fp32"
+            chosen,
+            precisions.rankable(),
+            f"sensitivity.precisions: {chosen} is not ranked against fp32",
         )
         # fp8 needs what a run in fp8 needs: torchao, and a GPU or emulation. The run's options
         # are its own precision's; another ranked precision takes its defaults.

@@ -126,6 +126,17 @@ def check_values(run: RunConfig) -> None:
     # all and report success.
     for key, value in _floats(run):
         require(math.isfinite(value), f"{key}={value} must be a finite number")
+    precision = run.precision
+    require(precision.init_scale > 0, "precision.init_scale must be positive")
+    require(precision.growth_factor > 1, "precision.growth_factor must be greater than 1")
+    require(
+        0 < precision.backoff_factor < 1,
+        "precision.backoff_factor must lie strictly between 0 and 1",
+    )
+    require(precision.max_consecutive_skips > 0, "precision.max_consecutive_skips must be positive")
+    require(precision.min_scale > 0, "precision.min_scale must be positive")
+    blank = [pattern for pattern in precision.keep_fp32 if not pattern.strip()]
+    require(not blank, "precision.keep_fp32 holds an empty pattern; give module names or globs")
     require(
         run.seed in SEED_RANGE, f"seed={run.seed} must lie in [0, 2**32 - 1] (NumPy's seed range)"
     )
