@@ -83,13 +83,6 @@ def report(
     return lines
 
 
-def as_json(
-    capability: Capability, device: torch.device, trials: dict[str, dict[str, Any]]
-) -> dict[str, Any]:
-    """The probe's kernel times and rates, the trials, the verdicts and the recommendation."""
-    return {**capability.as_dict(trials), "trial": trials, "not_probed": unprobed_verdicts(device)}
-
-
 def main(argv: list[str] | None = None) -> int:
     return enter("amp_exp.doctor", lambda: diagnose(argv))
 
@@ -116,7 +109,9 @@ def diagnose(argv: list[str] | None) -> None:
     low = [p for p in probed_low() if capability.supports(p)]
     trials = speed_trials(device, low)
     if args.json:
-        print(json.dumps(as_json(capability, device, trials), indent=2))
+        # The probe's kernel times and rates, the trials, the verdicts and the recommendation.
+        found = {**capability.as_dict(trials), "trial": trials}
+        print(json.dumps({**found, "not_probed": unprobed_verdicts(device)}, indent=2))
     else:
         print("\n".join(report(capability, device, trials)))
 

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 EXIT_CONFIG_ERROR = 2
 EXIT_NUMERICAL_FAULT = 3
 EXIT_RUNTIME_FAULT = 4
@@ -56,6 +58,12 @@ def require(condition: bool, message: str) -> None:
     """Raise ``ConfigError(message)`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(message)
+
+
+def require_choice(value: object, choices: Sequence[str], what: str) -> None:
+    """Raise ``ConfigError`` in one line, ``what`` and then the valid choices, unless ``value``
+    is one of ``choices``."""
+    require(value in choices, f"{what}; valid choices: {', '.join(choices)}")
 
 
 def first_line(text: str) -> str:

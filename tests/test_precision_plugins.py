@@ -159,7 +159,7 @@ def test_its_options_are_typed_and_checked_before_torch_loads(plugin_package) ->
     torch is never imported; from the command line the refusal is that line and exit 2."""
     check = (
         "import sys\n"
-        "from amp_exp.config.precisions import validate_precision\n"
+        "from amp_exp.config.cross_checks import validate_precision\n"
         "from amp_exp.config.schema import PrecisionConfig, TrainerConfig\n"
         "from amp_exp.errors import ConfigError\n"
         f"cfg = PrecisionConfig(name={NAME!r}, _target_={TARGET!r}, "

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import amp_exp.training.timing as timing
-from amp_exp.config.commands import SPEED_WARMUP_WINDOW
+from amp_exp.config.adaptive import SPEED_WARMUP_WINDOW
 
 REPS = 1000
 

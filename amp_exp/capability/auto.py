@@ -66,7 +66,9 @@ def resolve_precision(
     """The precision the run trains in, and why; precision=auto is decided here."""
     requested = cfg.precision.name
     if requested != AUTO:
-        return ResolvedPrecision(requested, f"requested: precision={variant_name(cfg.precision)}")
+        # The precision as conf/precision/ names it, however it was asked for (its plugin's).
+        named = get(requested).variant_name(cfg.precision)
+        return ResolvedPrecision(requested, f"requested: precision={named}")
     if distributed is None:
         return choose(cfg, capability, workload, measure)
     resolved = choose(cfg, capability, workload, measure) if distributed.is_main else None
@@ -75,11 +77,6 @@ def resolve_precision(
         distributed.max(-1 if resolved is None else auto_candidates().index(resolved.precision))
     )
     return resolved or ResolvedPrecision(auto_candidates()[index], "auto: as rank 0 chose", True)
-
-
-def variant_name(precision: PrecisionConfig) -> str:
-    """The precision as conf/precision/ names it, however it was asked for (its plugin's)."""
-    return get(precision.name).variant_name(precision)
 
 
 def choose(
@@ -173,7 +170,7 @@ def choice_key(
             "batch": batch_shapes(batch),
             "channels_last": channels_last,
             "device": capability.key,
-            "candidates": [p for p in candidates],
+            "candidates": list(candidates),
         },
         sort_keys=True,
         default=str,
@@ -196,7 +193,7 @@ def time_candidates(
     task: Task,
     batch: Batch,
     candidates: Sequence[str],
-    measure: Callable[[Mapping[str, Callable[[], object]], torch.device], dict[str, Found]],
+    measure: Measure,
 ) -> dict[str, Found]:
     """Each low candidate's speedup over fp32 on ``model``'s forward+backward on ``batch``, each
     pass under its candidate's autocast, as ``measure`` (the speed trial's rounds) finds it.

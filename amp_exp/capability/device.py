@@ -51,13 +51,8 @@ def times(factor: float) -> str:
     return f"{factor:.2f}x" if factor >= 1 else f"{factor:.2g}x"
 
 
-def cuda_facts(device: torch.device) -> dict[str, Any]:
-    major, minor = torch.cuda.get_device_capability(device)
-    return {
-        "compute_capability": f"{major}.{minor}",
-        "tensor_cores": (major, minor) >= (7, 0),
-        "native_bf16": (major, minor) >= (8, 0),
-    }
+def lacks_native_bf16(device: torch.device) -> bool:
+    return device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def check_request(requested: str, device: torch.device, cfg: PrecisionConfig) -> None:
@@ -65,18 +60,14 @@ def check_request(requested: str, device: torch.device, cfg: PrecisionConfig) ->
     candidates are those the device runs."""
     if requested == AUTO:
         return
-    spec = get(requested).spec
-    if (
-        spec.needs_native_bf16
-        and device.type == "cuda"
-        and not torch.cuda.is_bf16_supported(including_emulation=False)
-    ):
+    plugin = get(requested)
+    spec = plugin.spec
+    if spec.needs_native_bf16 and lacks_native_bf16(device):
         raise ConfigError(
             f"precision={spec.name} needs a GPU with native bf16 (compute capability "
             f"8.0+), but {torch.cuda.get_device_name(device)} lacks it; use precision=fp16 or "
             "precision=fp32"
         )
-    plugin = get(spec.name)
     with PluginHook(plugin, "check_device"):
         plugin.check_device(device, cfg)
 
@@ -297,17 +288,14 @@ class Capability:
         }
 
 
-def supported_precisions(device: torch.device) -> list[str]:
-    no_bf16 = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
-    return [
-        REFERENCE,
-        *(p for p in probed_low() if not (no_bf16 and get(p).spec.needs_native_bf16)),
-    ]
-
-
 def device_facts(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
-        return cuda_facts(device)
+        capability = torch.cuda.get_device_capability(device)
+        return {
+            "compute_capability": ".".join(map(str, capability)),
+            "tensor_cores": capability >= (7, 0),
+            "native_bf16": capability >= (8, 0),
+        }
     flags = cpu_flags()
     return {
         "cpu_flags": [f for f in CPU_FLAGS_OF_INTEREST if f in flags],
@@ -317,12 +305,8 @@ def device_facts(device: torch.device) -> dict[str, Any]:
 
 def capability_of(device: torch.device, refresh: bool = False) -> Capability:
     """The device's capability; measured once per device and torch version, then cached."""
-    precisions = supported_precisions(device)
-    measured = probe(device, [p for p in precisions], refresh=refresh)
-    return Capability(
-        device.type,
-        device_name(device),
-        device_facts(device),
-        {p: measured[p] for p in precisions},
-        cache_key(device, REFERENCE),
-    )
+    no_bf16 = lacks_native_bf16(device)
+    supported = [p for p in probed_low() if not (no_bf16 and get(p).spec.needs_native_bf16)]
+    measured = probe(device, [REFERENCE, *supported], refresh=refresh)
+    key = cache_key(device, REFERENCE)
+    return Capability(device.type, device_name(device), device_facts(device), measured, key)

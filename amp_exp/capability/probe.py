@@ -20,10 +20,9 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,21 +57,6 @@ def ratio_spread(baseline: Sequence[float], candidate: Sequence[float]) -> float
     return max(figure / typical, typical / figure) - 1
 
 
-def implausible_times(ms: Mapping[str, Any], baseline: str = REFERENCE) -> str | None:
-    """Why cached times (milliseconds, by precision) cannot be measurements, or None if they
-    can: each must be a finite number of at least ``MIN_PLAUSIBLE_MS``, within
-    ``PLAUSIBLE_RATIO`` of the baseline's."""
-    for name, value in ms.items():
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (number and math.isfinite(value) and value >= MIN_PLAUSIBLE_MS):
-            return f"{name} took {value!r} ms"
-    base = ms.get(baseline)
-    for name, value in ms.items():
-        if base and not 1 / PLAUSIBLE_RATIO <= value / base <= PLAUSIBLE_RATIO:
-            return f"{name} took {value / base:.3g}x {baseline}'s time"
-    return None
-
-
 @dataclass(frozen=True)
 class Shapes:
     """Kernel sizes: large enough to reach the device's speed, small enough to time quickly."""
@@ -103,15 +87,6 @@ Timing = dict[str, KernelTime]
 FIELDS = ("ms", "tflops", "spread")
 
 
-def timing_to_json(timing: Timing) -> dict:
-    return {name: vars(k) for name, k in timing.items()}
-
-
-def timing_from_json(entry: dict) -> Timing:
-    """A cached timing; one of an older amp_exp, without a spread, raises KeyError."""
-    return {name: KernelTime(**{f: entry[name][f] for f in FIELDS}) for name in KERNELS}
-
-
 def device_key(device: torch.device) -> str:
     """What the measurements belong to: the device model and the torch build."""
     if device.type == "cuda":
@@ -124,15 +99,12 @@ def device_key(device: torch.device) -> str:
     return f"{name} | torch {torch.__version__}"
 
 
-def precision_label(device: torch.device, precision: str) -> str:
-    """The precision as measured: fp32 matmuls on CUDA run on TF32 Tensor Cores when allowed."""
-    if precision == REFERENCE and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-        return "fp32+tf32"
-    return precision
-
-
 def cache_key(device: torch.device, precision: str) -> str:
-    return f"{device_key(device)} | {precision_label(device, precision)}"
+    """The device, torch and the precision as measured: fp32 matmuls on CUDA run on TF32 Tensor
+    Cores when allowed."""
+    if precision == REFERENCE and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        precision = "fp32+tf32"
+    return f"{device_key(device)} | {precision}"
 
 
 def _kernels(
@@ -181,12 +153,18 @@ def _kernels(
     }
 
 
-def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The autocast its facts give it (none for fp32): the probe times a precision's kernels."""
+def _run(
+    device: torch.device,
+    precision: str,
+    forward: Callable[[], torch.Tensor],
+    leaves: tuple[torch.Tensor, ...],
+) -> None:
+    """One forward, under the autocast the precision's facts give it (none for fp32), as in
+    training, and its backward."""
     dtype = get(precision).spec.autocast_dtype
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype.torch)
+    with torch.autocast(device.type, dtype=dtype and dtype.torch, enabled=dtype is not None):
+        out = forward()
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
 
 
 def _forward_backward(
@@ -195,12 +173,10 @@ def _forward_backward(
     forward: Callable[[], torch.Tensor],
     leaves: tuple[torch.Tensor, ...],
 ) -> float:
-    """Seconds for one forward (under the precision's autocast, as in training) and backward."""
+    """Seconds for one ``_run``."""
     synchronize(device)
     tick = time.perf_counter()
-    with _autocast(device, precision):
-        out = forward()
-    torch.autograd.grad(out, leaves, torch.ones_like(out))
+    _run(device, precision, forward, leaves)
     synchronize(device)
     return time.perf_counter() - tick
 
@@ -214,9 +190,7 @@ def kernel_pass(
 
     def step() -> None:
         for forward, leaves, _ in kernels.values():
-            with _autocast(device, precision):
-                out = forward()
-            torch.autograd.grad(out, leaves, torch.ones_like(out))
+            _run(device, precision, forward, leaves)
 
     return step
 
@@ -281,7 +255,7 @@ def remember(device: torch.device, timings: dict[str, Timing], again: bool = Fal
         CACHE_FILE,
         {
             cache_key(device, p): {
-                "kernels": timing_to_json(t),
+                "kernels": {name: vars(k) for name, k in t.items()},
                 "measured_at": measured_at,
                 "measured_again": again,
             }
@@ -291,12 +265,19 @@ def remember(device: torch.device, timings: dict[str, Timing], again: bool = Fal
 
 
 def stale_timings(found: dict[str, Timing]) -> str | None:
-    """Why cached timings cannot be measurements (``implausible_times``, kernel by
-    kernel, and a rate that is no positive number), or None."""
+    """Why cached timings cannot be measurements, or None: each kernel's time a finite number
+    of at least ``MIN_PLAUSIBLE_MS``, within ``PLAUSIBLE_RATIO`` of fp32's, and each rate a
+    positive number."""
     for kernel in KERNELS:
-        why = implausible_times({p: timing[kernel].ms for p, timing in found.items()})
-        if why:
-            return f"{kernel}: {why}"
+        ms = {p: timing[kernel].ms for p, timing in found.items()}
+        for name, value in ms.items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number and math.isfinite(value) and value >= MIN_PLAUSIBLE_MS):
+                return f"{kernel}: {name} took {value!r} ms"
+        base = ms.get(REFERENCE)
+        for name, value in ms.items():
+            if base and not 1 / PLAUSIBLE_RATIO <= value / base <= PLAUSIBLE_RATIO:
+                return f"{kernel}: {name} took {value / base:.3g}x {REFERENCE}'s time"
     rates = [k.tflops for timing in found.values() for k in timing.values()]
     if not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in rates):
         return "a kernel's TFLOP/s is not a positive number"
@@ -317,8 +298,10 @@ def probe(
     measured_again = False
     for precision in precisions:
         entry = cached.get(cache_key(device, precision))
+        # An entry of an older amp_exp, without a spread, raises KeyError: measured again.
         with contextlib.suppress(KeyError, TypeError):
-            found[precision] = timing_from_json(entry["kernels"])
+            cells = entry["kernels"]
+            found[precision] = {k: KernelTime(**{f: cells[k][f] for f in FIELDS}) for k in KERNELS}
             measured_again |= entry.get("measured_again") is True
     stale = stale_timings(found)
     if stale:

@@ -1,4 +1,4 @@
-"""The settings of what adapts to what it finds (their rules: config/commands.py): the evidence
+"""The settings of what adapts to what it finds (their rules: config/values.py): the evidence
 sweeper's seeds, the speed trial's stopping rule and trainer.compile=auto. A leaf, like the
 schema that includes them (config/schema.py).
 """
@@ -13,6 +13,9 @@ from dataclasses import dataclass
 # The field is typed Any (a bool or this, checked in config/values.py): OmegaConf 2.3's Union
 # nodes fail Hydra's merge.
 COMPILE_AUTO = "auto"
+# The speed trial's warm-up ends when the step times of two consecutive windows of this many
+# steps show no trend (training/timing.py).
+SPEED_WARMUP_WINDOW = 5
 
 
 @dataclass

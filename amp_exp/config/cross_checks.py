@@ -8,6 +8,9 @@ the auto class the data needs (config/hf.py). Activation checkpointing recompute
 blocks, which amp_exp's own image models (tiny_cnn, mlp) do not have; whether a torchvision, timm,
 hf or user model has them shows once it is built.
 
+The commands' sections agree among themselves and with the run (``_check_commands``), and a
+resumed evidence sweep with the plan it recorded (``check_resumed_plan``).
+
 What a job needs from outside its config (``check_job``: the environment, the data on disk, the
 device) and a directory to write to (``check_output_dir``) are checked by the pre-flight for every
 job of a sweep, so a job that could never start fails before the first one trains. None of these
@@ -16,13 +19,14 @@ checks writes a file or trains anything, and torch is imported only when a job a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from amp_exp.config import hf
-from amp_exp.config.commands import validate_sensitivity
+from amp_exp.config import hf, precisions
+from amp_exp.config.adaptive import EvidenceConfig
 from amp_exp.config.datasets import (
     TOKEN_DATASETS,
     TOKENIZER_VOCAB,
@@ -42,9 +46,18 @@ from amp_exp.config.models import (
     MLPConfig,
     TinyCNNConfig,
 )
-from amp_exp.config.precisions import validate_precision
-from amp_exp.config.schema import DeviceChoice, RunConfig, SGDConfig, Strategy, TaskName, WandbMode
-from amp_exp.errors import ConfigError, require
+from amp_exp.config.schema import (
+    DeviceChoice,
+    PrecisionConfig,
+    ReduceDtype,
+    RunConfig,
+    SGDConfig,
+    Strategy,
+    TaskName,
+    TrainerConfig,
+    WandbMode,
+)
+from amp_exp.errors import ConfigError, require, require_choice
 
 IMAGE_DATASETS = ", ".join(name.value for name in DatasetName)
 VALID_PAIRINGS = (
@@ -82,7 +95,7 @@ def check_agreement(run: RunConfig) -> TaskName:
         "set trainer.max_steps or trainer.epochs (both are null, so the run would never end)",
     )
     validate_precision(run.precision, trainer)
-    validate_sensitivity(run.sensitivity, run.precision, trainer)
+    _check_commands(run)
     fsdp2 = trainer.strategy is Strategy.fsdp2
     require(
         not (trainer.channels_last and fsdp2),
@@ -108,6 +121,117 @@ def check_agreement(run: RunConfig) -> TaskName:
         f"trainer.log_every={trainer.log_every}, the interval at which metrics are read",
     )
     return task
+
+
+def validate_precision(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
+    """Raise ``ConfigError`` on the first precision value that cannot run with ``trainer``: a
+    user's plugin registers first; then the name (one line with the valid choices), the plugin's
+    options and its own rules, the strategy's values, and the chosen one's facts. (The values
+    every precision reads, each on its own: config/values.py.)"""
+    if precision._target_ is not None:
+        precisions.register(precision._target_)
+    spec = None
+    if precision.name == precisions.AUTO:
+        require(not precision.options, "precision=auto takes no precision.options")
+    else:
+        plugin = precisions.get(precision.name)
+        spec = plugin.spec
+        precisions.options_of(plugin, precision.options)
+        with precisions.PluginHook(plugin, "check_config"):
+            plugin.check_config(precision, trainer)
+    reduce, fsdp2 = precision.reduce_dtype, trainer.strategy is Strategy.fsdp2
+    specs = {name: precisions.get(name).spec for name in precisions.names()}
+    if reduce is not None:
+        require(
+            fsdp2,
+            f"precision.reduce_dtype={reduce.value} needs trainer.strategy=fsdp2; DDP reduces "
+            "gradients in their own dtype (fp32)",
+        )
+        # Only a GradScaler notices a gradient that overflowed fp16 in the reduction.
+        scaled = [name for name, s in specs.items() if s.grad_scaler]
+        require(
+            reduce is not ReduceDtype.fp16 or (spec is not None and spec.grad_scaler),
+            f"precision.reduce_dtype=fp16 needs precision={' or '.join(scaled)}, whose "
+            "GradScaler catches gradients that overflow fp16; valid choices here: fp32, bf16",
+        )
+    if precision.fsdp_cast_params:
+        require(
+            fsdp2,
+            "precision.fsdp_cast_params=true needs trainer.strategy=fsdp2; DDP and one process "
+            "compute under autocast from fp32 weights",
+        )
+        casting = [name for name, s in specs.items() if s.fsdp_param_dtype is not None]
+        require(
+            spec is None or spec.fsdp_param_dtype is not None,
+            f"precision.fsdp_cast_params=true: precision={precision.name} has no dtype to cast "
+            f"the parameters to; valid choices: {', '.join(casting)}",
+        )
+    if spec is not None:
+        require(
+            trainer.strategy in spec.strategies,
+            f"precision={spec.name} does not run with trainer.strategy={trainer.strategy.value} "
+            f"yet; valid choices: {', '.join(sorted(s.value for s in spec.strategies))}",
+        )
+
+
+def _check_commands(run: RunConfig) -> None:
+    """The values of the commands' sections (speed.*, sensitivity.*, evidence.*) that must agree
+    with each other, and the precisions sensitivity ranks with the run's precision and trainer."""
+    speed, evidence, sensitivity = run.speed, run.evidence, run.sensitivity
+    require(
+        speed.max_rounds >= speed.rounds and speed.max_rounds % 2 == 0,
+        f"speed.max_rounds={speed.max_rounds} must be even and at least speed.rounds="
+        f"{speed.rounds}: the trial stops at the first look that knows, or there",
+    )
+    require(
+        evidence.max_seeds >= evidence.min_seeds,
+        f"evidence.max_seeds={evidence.max_seeds} must be at least evidence.min_seeds="
+        f"{evidence.min_seeds}",
+    )
+    require(
+        sensitivity.max_verify_seeds >= sensitivity.verify_seeds,
+        f"sensitivity.max_verify_seeds={sensitivity.max_verify_seeds} must be at least "
+        f"sensitivity.verify_seeds={sensitivity.verify_seeds}",
+    )
+    require(
+        sensitivity.verify_steps >= 2 * sensitivity.verify_growth_interval,
+        f"sensitivity.verify_steps={sensitivity.verify_steps} must be at least twice "
+        f"sensitivity.verify_growth_interval={sensitivity.verify_growth_interval}, so that fp16's "
+        "loss scale grows within a verification run",
+    )
+    precision = run.precision
+    if precision._target_ is not None:
+        precisions.register(precision._target_)
+    for chosen in precisions.target_precisions(sensitivity, precision.name):
+        require_choice(
+            chosen,
+            precisions.rankable(),
+            f"sensitivity.precisions: {chosen} is not ranked against fp32",
+        )
+        # fp8 needs what a run in fp8 needs: torchao, and a GPU or emulation. The run's options
+        # are its own precision's; another ranked precision takes its defaults.
+        options = precision.options if chosen == precision.name else {}
+        ranked = dataclasses.replace(precision, name=chosen, options=options)
+        validate_precision(ranked, run.trainer)
+
+
+def check_resumed_plan(evidence: EvidenceConfig, recorded: object) -> None:
+    """Raise ``ConfigError`` unless an evidence sweep resumed with ``evidence`` keeps the plan it
+    recorded (evidence.json's ``plan``): the same min_seeds, and max_seeds no higher. The looks
+    planned set every look's level; more seeds would add looks the level did not pay for."""
+    plan = recorded if isinstance(recorded, dict) else {}
+    before = (plan.get("min_seeds"), plan.get("max_seeds"))
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in before):
+        raise ConfigError(
+            f"evidence.json holds no plan this sweep can read ({plan!r}); resume only a sweep "
+            "amp_exp wrote there, or start a new sweep"
+        )
+    if evidence.max_seeds > before[1] or evidence.min_seeds != before[0]:
+        raise ConfigError(
+            f"evidence.min_seeds={evidence.min_seeds} evidence.max_seeds={evidence.max_seeds}: "
+            f"this sweep was planned with min_seeds={before[0]} and max_seeds={before[1]}, and "
+            "its looks' level holds only for those; resume it with them, or start a new sweep"
+        )
 
 
 def _check_synthetic_sizes(run: RunConfig) -> None:

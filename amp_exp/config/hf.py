@@ -63,16 +63,16 @@ SIZE_KEYS = frozenset(
         "embedding_size",
     }
 )
-# The auto class each kind of data needs: the name of its mapping in transformers, its class.
-CAUSAL_LM = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM")
-IMAGE_CLASSIFICATION = (
-    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
-    "AutoModelForImageClassification",
-)
-SEQUENCE_CLASSIFICATION = (
-    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-    "AutoModelForSequenceClassification",
-)
+# The auto class each kind of data needs (tokens, labelled images, labelled sequences): the name
+# of its mapping in transformers, its class.
+AUTO_CLASSES = {
+    "tokens": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
+    "images": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification"),
+    "sequences": (
+        "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+        "AutoModelForSequenceClassification",
+    ),
+}
 
 
 def require_transformers(why: str = "model=hf") -> None:
@@ -240,9 +240,10 @@ def config_keys(model_type: str) -> frozenset[str]:
 def check_auto_class(model: HFModelConfig, task: TaskName, images: bool) -> None:
     """The model type has the auto class its data needs: causal LM for tokens, image or
     sequence classification for labels."""
-    mapping_name, auto_class = auto_class_for(task, images)
     import transformers.models.auto.modeling_auto as modeling_auto
 
+    kind = "tokens" if task is TaskName.lm else "images" if images else "sequences"
+    mapping_name, auto_class = AUTO_CLASSES[kind]
     mapping = getattr(modeling_auto, mapping_name)
     if model.name not in mapping:
         raise ConfigError(
@@ -269,12 +270,6 @@ def causal_variant(model: HFModelConfig) -> str:
         f"{causal}, the {model.name} type's causal-LM class, sees later tokens even so; use a "
         "decoder type such as gpt2 or llama"
     )
-
-
-def auto_class_for(task: TaskName, images: bool) -> tuple[str, str]:
-    if task is TaskName.lm:
-        return CAUSAL_LM
-    return IMAGE_CLASSIFICATION if images else SEQUENCE_CLASSIFICATION
 
 
 def model_config(model: HFModelConfig, **defaults: Any):

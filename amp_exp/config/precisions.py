@@ -1,5 +1,6 @@
 """The precision registry: every precision's facts, found from its plugin, by name, and the
-precision section's rules (``validate_precision``).
+plugin's own options (``options_of``); the precision section's other rules are config/values.py's
+and config/cross_checks.py's.
 
 A precision is one plugin (a module of amp_exp/training/precisions/, a class subclassing
 ``PrecisionPlugin``): its ``spec`` is the frozen row of facts defined here, read by everything
@@ -32,8 +33,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from amp_exp.config.schema import PrecisionConfig, ReduceDtype, Strategy, TrainerConfig
-from amp_exp.errors import EXPECTED_ERRORS, ConfigError, RuntimeFault, first_line, require
+from amp_exp.config.schema import (
+    SensitivityConfig,
+    Strategy,
+)
+from amp_exp.errors import (
+    EXPECTED_ERRORS,
+    ConfigError,
+    RuntimeFault,
+    first_line,
+    require_choice,
+)
 
 
 class DType(str, Enum):
@@ -149,16 +159,6 @@ class PrecisionSpec:
     needs_native_bf16: bool = False
     # Fast on CUDA only under torch.compile (trainer.compile=auto compiles it there).
     compile_on_cuda: bool = False
-    # A shorter name for tables, or None for ``name``.
-    label: str | None = None
-
-    @property
-    def is_low_precision(self) -> bool:
-        return self.name != REFERENCE
-
-    @property
-    def display(self) -> str:
-        return self.label or self.name
 
 
 # The precision everything is measured against: the baseline of verdicts, the reference of
@@ -258,10 +258,7 @@ def get(name: str) -> Any:
         raise ValueError("resolve precision=auto first (capability.auto)")
     # Every source, also for a built-in's name: an installed plugin that takes it is refused
     # (``_add``), never passed over because the built-in was found first.
-    if name not in names():
-        raise ConfigError(
-            f"precision={name} is not a precision; valid choices: {', '.join((AUTO, *names()))}"
-        )
+    require_choice(name, (AUTO, *names()), f"precision={name} is not a precision")
     return _plugins[name]
 
 
@@ -273,6 +270,24 @@ def auto_candidates() -> tuple[str, ...]:
 def probed_low() -> tuple[str, ...]:
     """The low precisions the probe times and precision=auto may choose, in tie-break order."""
     return tuple(p for p in auto_candidates() if p != REFERENCE)
+
+
+def rankable() -> list[str]:
+    """The precisions whose per-module error against fp32 sensitivity measures (their facts)."""
+    return [name for name in names() if get(name).spec.rankable]
+
+
+def target_precisions(sensitivity: SensitivityConfig, precision: str) -> list[str]:
+    """The precisions sensitivity ranks, in order: the first is the one repair targets. Unless
+    sensitivity.precisions or a rankable ``precision`` says which: the rankable ones
+    precision=auto may choose, those with a GradScaler (the narrowest range, where most layers
+    fail) first."""
+    if sensitivity.precisions:
+        return list(dict.fromkeys(sensitivity.precisions))
+    if precision in rankable():
+        return [precision]
+    chosen = [name for name in rankable() if get(name).spec.auto_candidate]
+    return sorted(chosen, key=lambda name: not get(name).spec.grad_scaler)
 
 
 def options_of(plugin: Any, given: Any) -> Any:
@@ -303,65 +318,6 @@ def options_of(plugin: Any, given: Any) -> Any:
             f"{where} of precision={plugin.spec.name}: {str(error).splitlines()[0]}"
         ) from None
     return OmegaConf.to_object(merged)
-
-
-def validate_precision(precision: PrecisionConfig, trainer: TrainerConfig) -> None:
-    """Raise ``ConfigError`` on the first precision value that cannot run with ``trainer``: a
-    user's plugin registers first; then the name (one line with the valid choices), the plugin's
-    options and its own rules, the values every precision reads, and the chosen one's facts."""
-    if precision._target_ is not None:
-        register(precision._target_)
-    spec = None
-    if precision.name == AUTO:
-        require(not precision.options, "precision=auto takes no precision.options")
-    else:
-        plugin = get(precision.name)
-        spec = plugin.spec
-        options_of(plugin, precision.options)
-        with PluginHook(plugin, "check_config"):
-            plugin.check_config(precision, trainer)
-    require(precision.init_scale > 0, "precision.init_scale must be positive")
-    require(precision.growth_factor > 1, "precision.growth_factor must be greater than 1")
-    require(
-        0 < precision.backoff_factor < 1,
-        "precision.backoff_factor must lie strictly between 0 and 1",
-    )
-    require(precision.max_consecutive_skips > 0, "precision.max_consecutive_skips must be positive")
-    require(precision.min_scale > 0, "precision.min_scale must be positive")
-    blank = [pattern for pattern in precision.keep_fp32 if not pattern.strip()]
-    require(not blank, "precision.keep_fp32 holds an empty pattern; give module names or globs")
-    reduce, fsdp2 = precision.reduce_dtype, trainer.strategy is Strategy.fsdp2
-    if reduce is not None:
-        require(
-            fsdp2,
-            f"precision.reduce_dtype={reduce.value} needs trainer.strategy=fsdp2; DDP reduces "
-            "gradients in their own dtype (fp32)",
-        )
-        # Only a GradScaler notices a gradient that overflowed fp16 in the reduction.
-        scaled = [name for name in names() if get(name).spec.grad_scaler]
-        require(
-            reduce is not ReduceDtype.fp16 or (spec is not None and spec.grad_scaler),
-            f"precision.reduce_dtype=fp16 needs precision={' or '.join(scaled)}, whose "
-            "GradScaler catches gradients that overflow fp16; valid choices here: fp32, bf16",
-        )
-    if precision.fsdp_cast_params:
-        require(
-            fsdp2,
-            "precision.fsdp_cast_params=true needs trainer.strategy=fsdp2; DDP and one process "
-            "compute under autocast from fp32 weights",
-        )
-        casting = [name for name in names() if get(name).spec.fsdp_param_dtype is not None]
-        require(
-            spec is None or spec.fsdp_param_dtype is not None,
-            f"precision.fsdp_cast_params=true: precision={precision.name} has no dtype to cast "
-            f"the parameters to; valid choices: {', '.join(casting)}",
-        )
-    if spec is not None:
-        require(
-            trainer.strategy in spec.strategies,
-            f"precision={spec.name} does not run with trainer.strategy={trainer.strategy.value} "
-            f"yet; valid choices: {', '.join(sorted(s.value for s in spec.strategies))}",
-        )
 
 
 class PluginHook:

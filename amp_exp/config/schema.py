@@ -286,7 +286,7 @@ class ReportConfig:
 
 @dataclass
 class SensitivityConfig:
-    """python -m amp_exp.sensitivity's settings (rules: config/commands.py); runs ignore them."""
+    """python -m amp_exp.sensitivity's settings (rules: config/values.py); runs ignore them."""
 
     # The precisions ranked (fp16, bf16, fp8); null = precision= if one of those, else fp16, bf16.
     precisions: list[str] | None = None
@@ -306,7 +306,7 @@ class SensitivityConfig:
 
 @dataclass
 class SpeedConfig(SpeedStopping):
-    """The speed trial (amp_exp/speed/; rules: config/commands.py): each precision against fp32
+    """The speed trial (amp_exp/speed/; rules: config/values.py): each precision against fp32
     in a pair of its own, warmed up until steady, timed AB, BA, ... until it knows (adaptive.py)"""
 
     # python -m amp_exp.speed times these and fp32; a sweep's trial, the precisions it ran.
@@ -318,7 +318,7 @@ class SpeedConfig(SpeedStopping):
 
 @dataclass
 class PredictConfig:
-    """python -m amp_exp.predict's settings (rules: config/commands.py); runs ignore them."""
+    """python -m amp_exp.predict's settings (rules: config/values.py); runs ignore them."""
 
     # Keys of devices.py's table: h100, h200, b200, a100.
     devices: list[str] = field(default_factory=lambda: ["h100"])

@@ -2,8 +2,9 @@
 
 ``validate`` turns a composed config into a ``RunConfig`` or raises ``ConfigError`` with one line
 that names the key and the valid choices. Here a value is refused that is wrong whatever the
-others say: an unknown key, a number out of its range, a name no library knows. Then the values
-that must agree with each other, the model and the data are checked (config/cross_checks.py).
+others say, the commands' sections (speed.*, sensitivity.*, predict.*, evidence.*) included: an
+unknown key, a number out of its range, a name no library knows. Then the values that must agree
+with each other, the model and the data are checked (config/cross_checks.py).
 Nothing here imports torch: a bad value is rejected before anything heavy loads.
 """
 
@@ -18,13 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from amp_exp.config.adaptive import COMPILE_AUTO
-from amp_exp.config.commands import (
-    validate_devices,
-    validate_evidence,
-    validate_predict,
-    validate_speed,
-)
+from amp_exp.config.adaptive import COMPILE_AUTO, SPEED_WARMUP_WINDOW
 from amp_exp.config.cross_checks import check_agreement
 from amp_exp.config.datasets import (
     TOKEN_DATASETS,
@@ -43,21 +38,27 @@ from amp_exp.config.models import (
     TinyCNNConfig,
     TorchvisionModelConfig,
 )
+from amp_exp.config.precisions import AUTO, get, names
 from amp_exp.config.schema import (
     FAMILYWISE,
     SCHEMAS,
     WANDB_TAG_MAX_CHARS,
     AdamWConfig,
     RunConfig,
+    SpeedConfig,
     WandbConfig,
 )
-from amp_exp.errors import ConfigError, first_line, require
+from amp_exp.devices import PREDICTABLE
+from amp_exp.errors import ConfigError, first_line, require, require_choice
 
 # NumPy seeds its generator with an unsigned 32-bit integer.
 SEED_RANGE = range(2**32)
 # What W&B refuses in a project name at init, which would cost the run its dashboard entry.
 WANDB_PROJECT_MAX_CHARS = 128
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+# The fewest rounds for the speedup's interval to be of any use (its critical value, calibrated
+# for autocorrelated rounds in capability/ratio.py, is 11 at 6 rounds and 23 at 4).
+MIN_SPEED_ROUNDS = 6
 _POSITIVE = (
     "dataset.batch_size",
     "trainer.grad_accum_steps",
@@ -66,6 +67,13 @@ _POSITIVE = (
     "wandb.init_timeout",
     "report.wandb_timeout",
     "optimizer.lr",
+    "sensitivity.batches",
+    "sensitivity.show",
+    "sensitivity.max_trials",
+    "sensitivity.verify_steps",
+    "sensitivity.verify_growth_interval",
+    "speed.steps",
+    "predict.interconnect_gb_per_s",
 )
 # The sizes a section has by its type.
 _POSITIVE_BY_TYPE = {
@@ -118,6 +126,17 @@ def check_values(run: RunConfig) -> None:
     # all and report success.
     for key, value in _floats(run):
         require(math.isfinite(value), f"{key}={value} must be a finite number")
+    precision = run.precision
+    require(precision.init_scale > 0, "precision.init_scale must be positive")
+    require(precision.growth_factor > 1, "precision.growth_factor must be greater than 1")
+    require(
+        0 < precision.backoff_factor < 1,
+        "precision.backoff_factor must lie strictly between 0 and 1",
+    )
+    require(precision.max_consecutive_skips > 0, "precision.max_consecutive_skips must be positive")
+    require(precision.min_scale > 0, "precision.min_scale must be positive")
+    blank = [pattern for pattern in precision.keep_fp32 if not pattern.strip()]
+    require(not blank, "precision.keep_fp32 holds an empty pattern; give module names or globs")
     require(
         run.seed in SEED_RANGE, f"seed={run.seed} must lie in [0, 2**32 - 1] (NumPy's seed range)"
     )
@@ -164,10 +183,38 @@ def check_values(run: RunConfig) -> None:
         run.report.familywise in FAMILYWISE,
         f"report.familywise={run.report.familywise}: one of {', '.join(FAMILYWISE)}",
     )
-    validate_devices("report.predict", run.report.predict)
-    validate_speed(run.speed)
-    validate_evidence(run.evidence)
-    validate_predict(run.predict)
+    require(
+        run.sensitivity.tolerance is None or run.sensitivity.tolerance > 0,
+        f"sensitivity.tolerance={run.sensitivity.tolerance} must be positive (or null: the task's)",
+    )
+    # One seed measures no noise: the verdict rule gives single_seed, never matches.
+    require(
+        run.sensitivity.verify_seeds >= 2,
+        f"sensitivity.verify_seeds={run.sensitivity.verify_seeds} must be 2 or more: one seed "
+        "measures no noise, so no verdict can verify a repair",
+    )
+    require(
+        run.evidence.min_seeds >= 2,
+        f"evidence.min_seeds={run.evidence.min_seeds} must be 2 or more: one seed measures no "
+        "noise",
+    )
+    _check_speed(run.speed)
+    require(bool(run.predict.devices), "predict.devices must name a device, e.g. [h100]")
+    for key in ("predict.devices", "report.predict"):
+        for device in attrgetter(key)(run):
+            require_choice(device, PREDICTABLE, f"{key}: {device} is not in the device table")
+    # Every resolved precision has facts to predict from; auto is decided on hardware at hand.
+    for precision in run.predict.precisions:
+        require(
+            precision != AUTO,
+            f"predict.precisions: {precision} is chosen on the hardware at hand, not "
+            f"predicted; valid choices: {', '.join(names())}",
+        )
+        get(precision)
+    require(
+        run.predict.world_size >= 1,
+        f"predict.world_size={run.predict.world_size} must be 1 or more",
+    )
     optimizer, scheduler = run.optimizer, run.scheduler
     require(optimizer.weight_decay >= 0, "optimizer.weight_decay must be 0 or more")
     if isinstance(optimizer, AdamWConfig):
@@ -182,6 +229,35 @@ def check_values(run: RunConfig) -> None:
     require(0 < scheduler.pct_start < 1, "scheduler.pct_start must lie strictly between 0 and 1")
     _check_model(run.model)
     _check_wandb(run.wandb)
+
+
+def _check_speed(speed: SpeedConfig) -> None:
+    require(
+        speed.max_warmup_steps >= 2 * SPEED_WARMUP_WINDOW,
+        f"speed.max_warmup_steps={speed.max_warmup_steps} must be {2 * SPEED_WARMUP_WINDOW} or "
+        f"more: warm-up compares two windows of {SPEED_WARMUP_WINDOW} steps",
+    )
+    require(
+        speed.rounds >= MIN_SPEED_ROUNDS and speed.rounds % 2 == 0,
+        f"speed.rounds={speed.rounds} must be even and {MIN_SPEED_ROUNDS} or more: each side "
+        "runs first in half the rounds",
+    )
+    require(
+        speed.target_halfwidth > 0,
+        f"speed.target_halfwidth={speed.target_halfwidth} must be positive (ln 1.05 = 0.0488: "
+        "the speedup within 5%)",
+    )
+    require(
+        speed.compile is None or bool(speed.compile),
+        "speed.compile must list [false], [true] or [false,true], or be null",
+    )
+    require(
+        bool(speed.precisions) and AUTO not in speed.precisions,
+        "speed.precisions must list precisions to time, e.g. speed.precisions=[fp32,bf16]; "
+        f"valid choices: {', '.join(names())}",
+    )
+    for precision in speed.precisions:
+        get(precision)
 
 
 def _floats(node: Any, key: str = "") -> Iterator[tuple[str, float]]:
@@ -294,11 +370,10 @@ def _check_model(model: ModelConfig) -> None:
     elif isinstance(model, CustomModelConfig):
         _check_target("model", model._target_)
     elif isinstance(model, TorchvisionModelConfig):  # hf models: config/hf.py, from the pairing
-        names = torchvision_model_names()
-        require(
-            model.name in names,
-            f"model.name={model.name!r} is not a torchvision classification model; "
-            f"valid choices: {', '.join(names)}",
+        require_choice(
+            model.name,
+            torchvision_model_names(),
+            f"model.name={model.name!r} is not a torchvision classification model",
         )
 
 

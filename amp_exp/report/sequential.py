@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.config.adaptive import EvidenceConfig
-from amp_exp.config.commands import check_resumed_plan
+from amp_exp.config.cross_checks import check_resumed_plan
 from amp_exp.errors import ConfigError, first_line
 from amp_exp.report.compare import BASELINE
 from amp_exp.report.runs import NUMBER, Nullable, conforms

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from amp_exp.config.commands import check_resumed_plan
+from amp_exp.config.cross_checks import check_resumed_plan
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.preflight import Launch
 from amp_exp.config.schema import RunConfig

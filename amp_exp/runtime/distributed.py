@@ -291,26 +291,26 @@ def process_group(
 
     NCCL on CUDA, with each rank pinned to its local GPU; gloo on the CPU. A group the caller
     already initialized is used as it is and left open. FSDP2 outside torchrun trains in a group
-    of one process, so that one code path (DTensors, DCP checkpoints) serves every world size.
-    A run that fails because another rank of this node died raises ``RuntimeFault`` naming it.
+    of one process, so that one code path (DTensors, DCP checkpoints) serves every world size;
+    its store lives in this process (a HashStore): one rank has no one to meet, so it needs no
+    port and no file. A run that fails because another rank of this node died raises
+    ``RuntimeFault`` naming it.
     """
     rank = worker_rank()
-    if rank is None and strategy is Strategy.fsdp2:
-        with group_of_one(choice) as alone:
-            yield alone
-        return
-    if rank is None:
+    if rank is None and strategy is not Strategy.fsdp2:
         yield None
         return
-    device = resolve_device(choice, rank.local_rank)
+    alone = rank is None
+    rank = rank or ALONE
+    device = resolve_device(choice, None if alone else rank.local_rank)
     owned = not dist.is_initialized()
-    if owned and "MASTER_ADDR" not in os.environ:
+    if owned and not alone and "MASTER_ADDR" not in os.environ:
         # submitit's tasks: torch's env:// rendezvous needs the first node's address and a port.
         import submitit
 
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     if owned:
-        store = agent_store()
+        store = dist.HashStore() if alone else agent_store()
         if store is None:
             open_group(device)
         else:
@@ -323,7 +323,7 @@ def process_group(
         yield Distributed(rank, device, strategy)
     except Exception as error:
         patience_s, sigterm = 0.0, None
-        if peer_gone(error):
+        if peer_gone(error) and not alone:
             patience_s = PEER_EXIT_S
             if threading.current_thread() is threading.main_thread():
                 # torchrun's agent SIGTERMs every worker once one has died; this one finds out
@@ -367,21 +367,3 @@ def close_group(device: torch.device) -> None:
     dist.destroy_process_group()
     if device.type != "cuda":
         time.sleep(GLOO_SETTLE_S)
-
-
-@contextlib.contextmanager
-def group_of_one(choice: DeviceChoice) -> Iterator[Distributed]:
-    """A process group of this process alone, opened and closed here (unless one is open).
-
-    Its store lives in this process (a HashStore): one rank has no one to meet, so it needs no
-    port and no file.
-    """
-    device = resolve_device(choice)
-    owned = not dist.is_initialized()
-    if owned:
-        open_group(device, store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield Distributed(ALONE, device, Strategy.fsdp2)
-    finally:
-        if owned:
-            close_group(device)

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from amp_exp.capability.device import check_request
-from amp_exp.config.commands import target_precisions
 from amp_exp.config.plain import plain_run_config
+from amp_exp.config.precisions import target_precisions
 from amp_exp.config.schema import RunConfig
 from amp_exp.errors import ConfigError, RunRefused
 from amp_exp.results.files import SENSITIVITY_JSON, read_json

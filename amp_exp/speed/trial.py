@@ -35,7 +35,7 @@ import torch
 from amp_exp.build import Built, build, global_batch_size
 from amp_exp.capability.ratio import LOOK_EVERY, MIN_ROUNDS, TRIAL_CONFIDENCE
 from amp_exp.capability.rounds import Side, pair_speedup, play
-from amp_exp.config.commands import SPEED_WARMUP_WINDOW
+from amp_exp.config.adaptive import SPEED_WARMUP_WINDOW
 from amp_exp.config.schema import RunConfig, SpeedConfig
 from amp_exp.report.compare import BASELINE, subject
 from amp_exp.report.words import md_text, show_level, show_speedup
@@ -63,14 +63,6 @@ def engine_skips(built: Built) -> Callable[[], int]:
         return engine.progress.skipped_steps
 
     return skips
-
-
-def free(device: torch.device) -> None:
-    """Give back the memory of the runs just dropped before the next pair is built: an engine
-    and its callbacks refer to each other, so only the collector frees them."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def time_pair(baseline: RunConfig, label: str, cfg: RunConfig, speed: SpeedConfig) -> dict:
@@ -172,7 +164,11 @@ def run_trial(
             found = time_pair(baseline, label, cfg, speed)
         except Stopped as stop:  # while its runs were built or warmed up
             found = {"not_timed": stopped_phrase(stop, 0), "stopped_by": stop}
-        free(device)
+        # Give back the memory of the pair's runs before the next pair is built: an engine and
+        # its callbacks refer to each other, so only the collector frees them.
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         stopped = found.pop("stopped_by", None)
         if "not_timed" in found:
             not_timed[label] = found["not_timed"]

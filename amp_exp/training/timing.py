@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from scipy.stats import kendalltau
 
-from amp_exp.config.commands import SPEED_WARMUP_WINDOW
+from amp_exp.config.adaptive import SPEED_WARMUP_WINDOW
 from amp_exp.training.meters import synchronize
 
 # Warm-up is over at the first stretch of two windows whose step times a Mann-Kendall test
