@@ -1,8 +1,9 @@
 """Entry point: ``python -m amp_exp.sensitivity [overrides]``.
 
 The same overrides as a run (``python -m amp_exp``), composed by Hydra from the same conf/ and
-checked by the same pre-flight, plus ``sensitivity.*`` (config/values.py, config/cross_checks.py). Its Hydra run
-directory lies under outputs/sensitivity/ unless ``hydra.run.dir`` says otherwise; exit statuses
+checked by the same pre-flight, plus ``sensitivity.*`` (config/values.py,
+config/cross_checks.py). Its Hydra run directory lies under outputs/sensitivity/ unless
+``hydra.run.dir`` says otherwise; exit statuses
 are a run's (2 config, 3 numerical, 4 runtime, 128 + N after signal N). ``resume=auto`` in the
 same directory continues an interrupted repair.
 """
