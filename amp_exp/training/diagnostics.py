@@ -34,6 +34,9 @@ log = logging.getLogger("amp_exp")
 FP16_SMALLEST_SUBNORMAL = 2.0**-24
 FP16_MAX = 65504.0
 WORST_LAYERS = 5
+# Of all gradient elements: those below fp16's smallest subnormal, unscaled and scaled, and those
+# above its maximum, scaled.
+FRACTIONS = ("underflow_frac", "underflow_frac_scaled", "overflow_frac_scaled")
 
 
 def _largest(magnitudes: torch.Tensor) -> torch.Tensor:
@@ -79,12 +82,8 @@ def gradient_ranges(
     return totals, worst[:WORST_LAYERS], max_abs
 
 
-def _fractions(elements: float, underflow: float, scaled: float, overflow: float) -> dict:
-    return {
-        "underflow_frac": underflow / elements,
-        "underflow_frac_scaled": scaled / elements,
-        "overflow_frac_scaled": overflow / elements,
-    }
+def _fractions(elements: float, *counts: float) -> dict:
+    return {name: count / elements for name, count in zip(FRACTIONS, counts, strict=True)}
 
 
 def largest_safe_scale(max_abs_grad: float) -> float | None:
@@ -234,9 +233,7 @@ class Diagnostics(StepCallback):
             "kind": "diagnostics",
             "step": step,
             "samples": progress.samples,
-            "grad_underflow_frac": None,
-            "grad_underflow_frac_scaled": None,
-            "grad_overflow_frac_scaled": None,
+            **{f"grad_{name}": None for name in FRACTIONS},
             **self._row,
             **self._measure_stale_weights(step),
         }

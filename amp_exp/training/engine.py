@@ -343,17 +343,15 @@ class Engine:
         warmup_s = 0.0
         stopped_early = False
         self.model.train()
-        if warmup_steps == 0:
-            throughput.start(progress.samples, progress.step)
         for step in range(first_step, plan.total_steps + 1):
+            if step == first_step + warmup_steps:
+                throughput.start(progress.samples, progress.step)
+                warmup_s = time.perf_counter() - started
             is_log_step = plan.is_log_step(step)
             if is_log_step and self.signals is not None:
                 self.signals.arm()
             with self.step_instrument(step, first_step + warmup_steps):
                 grad_norm = self.train_step(batches, interval_loss, want_grad_norm=is_log_step)
-            if step == first_step - 1 + warmup_steps:
-                throughput.start(progress.samples, step)
-                warmup_s = time.perf_counter() - started
             if is_log_step:
                 self.read_skips()
                 row = self.log_row(interval_loss, grad_norm, throughput.lap(progress.samples, step))

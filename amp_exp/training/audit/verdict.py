@@ -60,7 +60,7 @@ def higher_precision_modules(
 
 def without_modules(flops: MatmulFlops, kept: list[str]) -> MatmulFlops:
     """``flops`` less the matmuls run inside the modules ``kept`` (outermost names)."""
-    return MatmulFlops(Counter({k: f for k, f in flops.flops.items() if not is_within(k[0], kept)}))
+    return flops.where(lambda module, _: not is_within(module, kept))
 
 
 def kept_fp32_share(flops: MatmulFlops, kept: list[str]) -> float | None:

@@ -17,8 +17,8 @@ from torch import nn
 
 from amp_exp.tasks.blocks import model_blocks
 from amp_exp.training.keep_fp32 import is_within
-from amp_exp.training.linears import LinearConversion, is_conv1d, plan_linears
-from amp_exp.training.microscaling.linear import Recipe, swap_linears
+from amp_exp.training.linears import LinearConversion, is_conv1d, plan_linears, swap_linears
+from amp_exp.training.microscaling.linear import Recipe
 
 
 def plan(

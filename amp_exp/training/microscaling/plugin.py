@@ -130,8 +130,9 @@ class MicroscalingPlugin(LinearFormatPlugin):
         return Recipe(self.elements, self.gradients(), **given)
 
     def convert_module(self, model: nn.Module) -> nn.Module:
+        from amp_exp.training.linears import swap_linears
         from amp_exp.training.microscaling.convert import plan, with_kernels
-        from amp_exp.training.microscaling.linear import MicroscalingLinear, swap_linears
+        from amp_exp.training.microscaling.linear import MicroscalingLinear
 
         model = super().convert_module(model)
         # NVIDIA's recipe keeps the last blocks in bf16 (nvfp4's option).

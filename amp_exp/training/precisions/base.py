@@ -85,14 +85,12 @@ def per_tensor_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class PluginContext:
-    """A plugin's forward or inference context: a fault of the plugin's own in making,
-    entering or leaving it is named as the plugin's (``PluginHook``); what the block raises
-    passes through it as it is."""
+    """A plugin's forward or inference context: a fault of the plugin's own in entering or
+    leaving it is named as the plugin's (``PluginHook``); what the block raises passes through
+    it as it is."""
 
-    def __init__(self, plugin: PrecisionPlugin, hook: str, make: Callable[[], Any]) -> None:
-        self.plugin, self.hook = plugin, hook
-        with PluginHook(plugin, hook):
-            self.context = make()
+    def __init__(self, plugin: PrecisionPlugin, hook: str, context: Any) -> None:
+        self.plugin, self.hook, self.context = plugin, hook, context
 
     def __enter__(self) -> object:
         with PluginHook(self.plugin, self.hook):
@@ -104,14 +102,14 @@ class PluginContext:
 
 
 def _guarded(method: Callable, hook: str) -> Callable:
-    """``method``, a subclass's own ``hook``, with its faults named as the plugin's."""
+    """``method``, a subclass's own ``hook``, with its faults (and those of a context it makes)
+    named as the plugin's."""
 
     @functools.wraps(method)
     def guarded(self: PrecisionPlugin, *args: Any, **kwargs: Any) -> Any:
-        if hook in CONTEXTS:
-            return PluginContext(self, hook, lambda: method(self, *args, **kwargs))
         with PluginHook(self, hook):
-            return method(self, *args, **kwargs)
+            made = method(self, *args, **kwargs)
+        return PluginContext(self, hook, made) if hook in CONTEXTS else made
 
     return guarded
 

@@ -114,7 +114,7 @@ class Fp8(LinearFormatPlugin):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         from amp_exp.training.keep_fp32 import cast_floats
-        from amp_exp.training.linears import is_conv1d, plan_linears
+        from amp_exp.training.linears import is_conv1d, plan_linears, swap_linears
 
         def cast_to_cpu_autocast(module: nn.Module, args: tuple) -> tuple:
             """Float8Linear casts its input to the autocast dtype under CUDA's autocast only;
@@ -135,12 +135,9 @@ class Fp8(LinearFormatPlugin):
         model = convert_to_float8_training(
             model, module_filter_fn=lambda _, name: name in chosen, config=config
         )
+        conv1d = [name for name in chosen if is_conv1d(model.get_submodule(name))]
+        swap_linears(model, conv1d, float8_conv1d_class(), config=config)
         for name in chosen:
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            layer = getattr(parent, child)
-            if is_conv1d(layer):
-                setattr(parent, child, float8_conv1d(layer, config))
             model.get_submodule(name).register_forward_pre_hook(cast_to_cpu_autocast)
         return model
 
@@ -171,19 +168,6 @@ def float8_conv1d_class() -> type[nn.Module]:
             return output if self.bias is None else output + self.bias.to(output.dtype)
 
     return Float8Conv1D
-
-
-def float8_conv1d(conv: nn.Module, config: Any) -> nn.Module:
-    """A ``Float8Conv1D`` holding ``conv``'s own parameters, built on the meta device so nothing
-    is initialised twice."""
-    import torch
-
-    from amp_exp.training.linears import linear_features
-
-    with torch.device("meta"):
-        layer = float8_conv1d_class()(*linear_features(conv), bias=False, config=config)
-    layer.weight, layer.bias = conv.weight, conv.bias
-    return layer
 
 
 PLUGIN = Fp8
