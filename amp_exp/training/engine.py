@@ -158,12 +158,6 @@ class Engine:
             return contextlib.nullcontext()
         return self.distributed.no_sync()
 
-    def _stop_agreed(self, requested: bool, step: int) -> bool:
-        """A signal may reach the ranks at different steps; they agree at a stop check."""
-        if self.distributed is None:
-            return requested
-        return self.plan.is_stop_check_step(step) and self.distributed.any(requested)
-
     # --- pieces of a step ---------------------------------------------------------------------
 
     def train_batches(self) -> Iterator[Any]:
@@ -364,7 +358,11 @@ class Engine:
             if plan.is_eval_step(step):
                 self._evaluate_at(step, emit)
             last = step == plan.total_steps
-            stopped_early = self._stop_agreed(stop_requested(), step) and not last
+            requested = stop_requested()
+            if self.distributed is not None:
+                # A signal may reach the ranks at different steps; they agree at a stop check.
+                requested = plan.is_stop_check_step(step) and self.distributed.any(requested)
+            stopped_early = requested and not last
             self.maybe_save(checkpoints, interval_loss, last or stopped_early)
             if stopped_early:
                 break

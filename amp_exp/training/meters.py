@@ -136,10 +136,6 @@ class Throughput:
         return {"attempts": [*self.earlier, self._attempt(step)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "attempts" not in state:  # a checkpoint of amp_exp before attempts were kept apart
-            self.seconds, self.samples = state["seconds"], int(state["samples"])
-            self.steps = int(state["steps"])
-            return
         self.earlier = list(state["attempts"])
 
     def attempts(self, step: int) -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -209,30 +210,23 @@ class SignalCollector:
         if not self.activations:
             return
         for index, (_, block) in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(self._entering(index)))
-            self._handles.append(
-                block.register_forward_hook(self._leaving(index), always_call=True)
-            )
+            entering, leaving = partial(self._entering, index), partial(self._leaving, index)
+            self._handles.append(block.register_forward_pre_hook(entering))
+            self._handles.append(block.register_forward_hook(leaving, always_call=True))
         self._handles.append(self.model.register_forward_hook(self._model_output))
 
-    def _entering(self, index: int):
-        @torch.compiler.disable
-        def hook(module: nn.Module, args: Any) -> None:
-            mode = _AttentionLogits(self._largest[index])
-            mode.__enter__()
-            self._modes[index] = mode
+    @torch.compiler.disable
+    def _entering(self, index: int, module: nn.Module, args: Any) -> None:
+        mode = _AttentionLogits(self._largest[index])
+        mode.__enter__()
+        self._modes[index] = mode
 
-        return hook
-
-    def _leaving(self, index: int):
-        @torch.compiler.disable
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            mode = self._modes.pop(index, None)
-            if mode is not None:
-                mode.__exit__(None, None, None)
-            self._record(index, output, moments=4)
-
-        return hook
+    @torch.compiler.disable
+    def _leaving(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        mode = self._modes.pop(index, None)
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        self._record(index, output, moments=4)
 
     @torch.compiler.disable
     def _model_output(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -319,10 +319,9 @@ class PrecisionPlugin:
         if not norms:
             return Gradients()
         # Of FSDP2's gradient shards the norms are DTensors: whole() sums them over the ranks.
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        total = whole(torch.linalg.vector_norm(torch.stack(norms)))
         if clip_to is not None:
-            torch.nn.utils.clip_grads_with_norm_(with_grads, clip_to, whole(total))
-        total = whole(total)
+            torch.nn.utils.clip_grads_with_norm_(with_grads, clip_to, total)
         if not skips:
             return Gradients(total)
         # This rank's share of each parameter's norm: an inf or NaN anywhere in a shard shows.
