@@ -180,13 +180,9 @@ class PrecisionPlugin:
         self.options = self.options_for(cfg)
         self.scaler: torch.amp.GradScaler | None = None
         if self.spec.grad_scaler:
-            self.scaler = torch.amp.GradScaler(
-                device.type,
-                init_scale=cfg.init_scale,
-                growth_factor=cfg.growth_factor,
-                backoff_factor=cfg.backoff_factor,
-                growth_interval=cfg.growth_interval,
-            )
+            # The precision.* keys of the same names.
+            knobs = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+            self.scaler = torch.amp.GradScaler(device.type, **{k: getattr(cfg, k) for k in knobs})
         # Set when the optimizer's own kernels cannot round bf16 updates stochastically.
         self.rounding: StochasticRoundingStep | None = None
         # The flag of a parameter without a gradient this step.
