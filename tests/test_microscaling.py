@@ -11,13 +11,14 @@ from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from amp_exp.config.precisions import DType
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.training.audit.matmuls import MatmulRecorder
+from amp_exp.training.linears import replacement
 from amp_exp.training.microscaling.formats import (
     hadamard_rotation,
     quantized,
     rotate_rows,
     round_e2m1_stochastically,
 )
-from amp_exp.training.microscaling.linear import MicroscalingLinear, Recipe, replacement
+from amp_exp.training.microscaling.linear import MicroscalingLinear, Recipe
 from amp_exp.training.precisions.base import create
 
 F = DType

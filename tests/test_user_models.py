@@ -19,9 +19,9 @@ from amp_exp.sensitivity.command import run_sensitivity
 from amp_exp.sensitivity.ranges import OpFault
 from amp_exp.tasks.lm import LanguageModelTask
 from amp_exp.training.audit.matmuls import flops_by_module
-from amp_exp.training.linears import plan_linears
+from amp_exp.training.linears import plan_linears, replacement
 from amp_exp.training.microscaling.convert import plan as block_scaled_plan
-from amp_exp.training.precisions.fp8 import float8_conv1d
+from amp_exp.training.precisions.fp8 import float8_conv1d_class
 from helpers.runs import FAST_TRAINER, composed
 from helpers.user_code import (
     make_multihead_attention_lm,
@@ -344,7 +344,7 @@ def test_a_float8_conv1d_computes_what_float8_linear_does_with_the_weight_transp
         linear.weight.copy_(conv.weight.t())
         linear.bias.copy_(conv.bias)
     weight = conv.weight
-    converted = float8_conv1d(conv, config)
+    converted = replacement(conv, float8_conv1d_class(), config=config)
     assert converted.weight is weight and converted.weight.shape == (32, 48)
     reference = convert_to_float8_training(torch.nn.Sequential(linear), config=config)[0]
     x = torch.randn(2, 5, 32)

@@ -34,11 +34,24 @@ log = logging.getLogger("amp_exp")
 FP16_SMALLEST_SUBNORMAL = 2.0**-24
 FP16_MAX = 65504.0
 WORST_LAYERS = 5
+# Of all gradient elements: those below fp16's smallest subnormal, unscaled and scaled, and those
+# above its maximum, scaled.
+FRACTIONS = ("underflow_frac", "underflow_frac_scaled", "overflow_frac_scaled")
 
 
-def _largest(magnitudes: torch.Tensor) -> torch.Tensor:
+def _ranges(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """A gradient's element count, its elements fp16 would flush to zero unscaled and scaled and
+    those it would overflow scaled, and its largest magnitude."""
+    magnitude = grad.abs()
+    scaled = magnitude * scale
     # An FSDP2 rank's shard of a small parameter may be empty.
-    return magnitudes.max() if magnitudes.numel() else magnitudes.new_zeros(())
+    largest = magnitude.max() if magnitude.numel() else magnitude.new_zeros(())
+    counts = [
+        (magnitude < FP16_SMALLEST_SUBNORMAL).sum(),
+        (scaled < FP16_SMALLEST_SUBNORMAL).sum(),
+        (scaled > FP16_MAX).sum(),
+    ]
+    return torch.stack([torch.tensor(grad.numel(), device=grad.device), *counts, largest]).double()
 
 
 def gradient_ranges(
@@ -54,20 +67,7 @@ def gradient_ranges(
     ``distributed`` the gradients are this rank's shards: the counts are summed over the ranks
     and the largest magnitude is the largest of theirs.
     """
-    stats = torch.stack(
-        [
-            torch.stack(
-                [
-                    torch.tensor(g.numel(), device=g.device),
-                    (g.abs() < FP16_SMALLEST_SUBNORMAL).sum(),
-                    (g.abs() * scale < FP16_SMALLEST_SUBNORMAL).sum(),
-                    (g.abs() * scale > FP16_MAX).sum(),
-                    _largest(g.abs()),
-                ]
-            ).double()
-            for _, g in named_grads
-        ]
-    )
+    stats = torch.stack([_ranges(grad, scale) for _, grad in named_grads])
     if distributed is not None:
         stats = torch.cat([distributed.sum(stats[:, :4]), distributed.maximum(stats[:, 4:])], dim=1)
     rows = [row[:4] for row in stats.tolist()]
@@ -79,12 +79,8 @@ def gradient_ranges(
     return totals, worst[:WORST_LAYERS], max_abs
 
 
-def _fractions(elements: float, underflow: float, scaled: float, overflow: float) -> dict:
-    return {
-        "underflow_frac": underflow / elements,
-        "underflow_frac_scaled": scaled / elements,
-        "overflow_frac_scaled": overflow / elements,
-    }
+def _fractions(elements: float, *counts: float) -> dict:
+    return {name: count / elements for name, count in zip(FRACTIONS, counts, strict=True)}
 
 
 def largest_safe_scale(max_abs_grad: float) -> float | None:
@@ -183,7 +179,13 @@ class Diagnostics(StepCallback):
                 "gradients after unscale_ not fp32 and finite",
             )
         if measuring and grads:
-            self._measure_underflow(step, grads)
+            scale = self.current_scale() or 1.0
+            totals, worst, max_abs = gradient_ranges(grads, scale, self.shards)
+            suggestion = largest_safe_scale(max_abs)
+            if suggestion is not None and suggestion < (self.suggested_init_scale or math.inf):
+                self.suggested_init_scale = suggestion
+            self.underflow = {"step": step, "scale": scale, **totals, "worst": worst}
+            self._row = {f"grad_{name}": value for name, value in totals.items()}
 
     def _is_diagnostics_step(self, step: int) -> bool:
         every = self.cfg.underflow_every
@@ -199,17 +201,9 @@ class Diagnostics(StepCallback):
             bad = [name for name, p in self.named_parameters if p.dtype != torch.float32]
             self._fail("master_weights_fp32", bad, "master parameters not fp32 after step")
 
-    def _measure_underflow(self, step: int, grads: list[tuple[str, torch.Tensor]]) -> None:
-        scale = self.current_scale() or 1.0
-        totals, worst, max_abs = gradient_ranges(grads, scale, self.shards)
-        suggestion = largest_safe_scale(max_abs)
-        if suggestion is not None and suggestion < (self.suggested_init_scale or math.inf):
-            self.suggested_init_scale = suggestion
-        self.underflow = {"step": step, "scale": scale, **totals, "worst": worst}
-        self._row = {f"grad_{name}": value for name, value in totals.items()}
-
-    def _measure_stale_weights(self, step: int) -> dict:
-        """The share of weight elements equal to their value at the previous row; one read."""
+    def _emit_row(self, step: int) -> None:
+        """One diagnostics row: the gradient range (pre-step) and the stale weights (now): the
+        share of weight elements equal to their value at the previous row, in one read."""
         weights = [local(p).detach() for _, p in self.named_parameters]
         counts = torch.stack(
             [
@@ -225,20 +219,14 @@ class Diagnostics(StepCallback):
         for w, old in zip(weights, self._snapshot, strict=True):
             old.copy_(w)
         self._snapshot_step = step
-        return {"stale_weight_frac": self.stale_weight_frac, "stale_window_steps": window}
-
-    def _emit_row(self, step: int) -> None:
-        """One diagnostics row: the gradient range (pre-step) and the stale weights (now)."""
-        progress = self.progress()
         row = {
             "kind": "diagnostics",
             "step": step,
-            "samples": progress.samples,
-            "grad_underflow_frac": None,
-            "grad_underflow_frac_scaled": None,
-            "grad_overflow_frac_scaled": None,
+            "samples": self.progress().samples,
+            **{f"grad_{name}": None for name in FRACTIONS},
             **self._row,
-            **self._measure_stale_weights(step),
+            "stale_weight_frac": self.stale_weight_frac,
+            "stale_window_steps": window,
         }
         self._row = {}
         self.emit(row)

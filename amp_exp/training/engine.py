@@ -158,12 +158,6 @@ class Engine:
             return contextlib.nullcontext()
         return self.distributed.no_sync()
 
-    def _stop_agreed(self, requested: bool, step: int) -> bool:
-        """A signal may reach the ranks at different steps; they agree at a stop check."""
-        if self.distributed is None:
-            return requested
-        return self.plan.is_stop_check_step(step) and self.distributed.any(requested)
-
     # --- pieces of a step ---------------------------------------------------------------------
 
     def train_batches(self) -> Iterator[Any]:
@@ -343,17 +337,15 @@ class Engine:
         warmup_s = 0.0
         stopped_early = False
         self.model.train()
-        if warmup_steps == 0:
-            throughput.start(progress.samples, progress.step)
         for step in range(first_step, plan.total_steps + 1):
+            if step == first_step + warmup_steps:
+                throughput.start(progress.samples, progress.step)
+                warmup_s = time.perf_counter() - started
             is_log_step = plan.is_log_step(step)
             if is_log_step and self.signals is not None:
                 self.signals.arm()
             with self.step_instrument(step, first_step + warmup_steps):
                 grad_norm = self.train_step(batches, interval_loss, want_grad_norm=is_log_step)
-            if step == first_step - 1 + warmup_steps:
-                throughput.start(progress.samples, step)
-                warmup_s = time.perf_counter() - started
             if is_log_step:
                 self.read_skips()
                 row = self.log_row(interval_loss, grad_norm, throughput.lap(progress.samples, step))
@@ -366,7 +358,11 @@ class Engine:
             if plan.is_eval_step(step):
                 self._evaluate_at(step, emit)
             last = step == plan.total_steps
-            stopped_early = self._stop_agreed(stop_requested(), step) and not last
+            requested = stop_requested()
+            if self.distributed is not None:
+                # A signal may reach the ranks at different steps; they agree at a stop check.
+                requested = plan.is_stop_check_step(step) and self.distributed.any(requested)
+            stopped_early = requested and not last
             self.maybe_save(checkpoints, interval_loss, last or stopped_early)
             if stopped_early:
                 break

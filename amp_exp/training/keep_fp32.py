@@ -102,10 +102,6 @@ class AutocastOff:
         # One entry per forward in progress (a module may be called inside itself).
         self.enabled_before: list[bool] = []
 
-    def attach(self, module: nn.Module) -> None:
-        module.register_forward_pre_hook(self.enter, with_kwargs=True)
-        module.register_forward_hook(self.leave, always_call=True)
-
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.enabled_before.append(torch.is_autocast_enabled(self.device_type))
         torch.set_autocast_enabled(self.device_type, False)
@@ -118,4 +114,6 @@ class AutocastOff:
 def run_without_autocast(model: nn.Module, kept: Sequence[str], device_type: str) -> None:
     """Make each kept module of ``model`` compute in fp32 under autocast (output left fp32)."""
     for name in kept:
-        AutocastOff(device_type).attach(model.get_submodule(name))
+        module, hooks = model.get_submodule(name), AutocastOff(device_type)
+        module.register_forward_pre_hook(hooks.enter, with_kwargs=True)
+        module.register_forward_hook(hooks.leave, always_call=True)

@@ -9,7 +9,9 @@ import fnmatch
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import nn
 
 from amp_exp.training.keep_fp32 import is_within
@@ -18,13 +20,9 @@ from amp_exp.training.keep_fp32 import is_within
 FP8_DIM_MULTIPLE = 16
 
 
-def conv1d_class() -> type[nn.Module] | None:
-    """transformers' ``Conv1D``, where transformers is loaded (only its models hold one)."""
-    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
-
-
 def is_conv1d(module: nn.Module) -> bool:
-    conv1d = conv1d_class()
+    # transformers' Conv1D, where transformers is loaded (only its models hold one).
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
     return conv1d is not None and isinstance(module, conv1d)
 
 
@@ -102,3 +100,24 @@ def as_linear_shape(module: nn.Module) -> nn.Module:
     if not is_conv1d(module):
         return module
     return nn.Linear(*linear_features(module), device="meta")
+
+
+def replacement(linear: nn.Module, layer_class: type[nn.Module], **options: Any) -> nn.Module:
+    """A ``layer_class(in, out, bias, **options)`` holding the linear layer's own parameters
+    (those the optimizer and FSDP2 know, a ``Conv1D``'s weight as stored), built on the meta
+    device so nothing is initialised twice."""
+    with torch.device("meta"):
+        layer = layer_class(*linear_features(linear), bias=linear.bias is not None, **options)
+    layer.weight, layer.bias = linear.weight, linear.bias
+    return layer
+
+
+def swap_linears(
+    model: nn.Module, names: Sequence[str], layer_class: type[nn.Module], **options: Any
+) -> nn.Module:
+    """The named linear layers replaced by ``layer_class`` ones (in place)."""
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, replacement(getattr(parent, child), layer_class, **options))
+    return model

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from amp_exp.config.schema import TrainerConfig
 from amp_exp.errors import ConfigError
@@ -31,14 +31,9 @@ class LoopPlan:
 
     @classmethod
     def from_config(cls, trainer: TrainerConfig, total_steps: int) -> LoopPlan:
-        return cls(
-            total_steps=total_steps,
-            grad_accum_steps=trainer.grad_accum_steps,
-            log_every=trainer.log_every,
-            eval_every=trainer.eval_every,
-            eval_batches=trainer.eval_batches,
-            timing_warmup_steps=trainer.timing_warmup_steps,
-        )
+        # Every other field is the trainer's key of the same name.
+        knobs = {f.name: getattr(trainer, f.name) for f in fields(cls) if f.name != "total_steps"}
+        return cls(total_steps, **knobs)
 
     def is_log_step(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.total_steps
@@ -60,12 +55,9 @@ def plan_total_steps(trainer: TrainerConfig, batches_per_epoch: int) -> int:
             f"an epoch has {batches_per_epoch} batches, fewer than "
             f"trainer.grad_accum_steps={trainer.grad_accum_steps}; lower it or the batch size"
         )
-    limits = []
-    if trainer.max_steps is not None:
-        limits.append(trainer.max_steps)
-    if trainer.epochs is not None:
-        limits.append(trainer.epochs * steps_per_epoch)
-    return min(limits)
+    # values.py refuses a zero or negative one, cross_checks.py two nulls.
+    epoch_steps = None if trainer.epochs is None else trainer.epochs * steps_per_epoch
+    return min(limit for limit in (trainer.max_steps, epoch_steps) if limit is not None)
 
 
 @dataclass

@@ -75,7 +75,6 @@ class Throughput:
     def __init__(self, device: torch.device, precision: str | None = None, timed: bool = True):
         self.device, self.precision, self.timed = device, precision, timed
         self.started = False
-        self.paused_at: float | None = None
         # This attempt's timed totals, and the attempts before it, as their checkpoints left them.
         self.seconds, self.samples, self.steps = 0.0, 0, 0
         self.earlier: list[dict[str, Any]] = []
@@ -88,23 +87,15 @@ class Throughput:
         self.started = True
         self.lap_time, self.lap_samples, self.lap_steps = self._now(), samples, steps
 
-    def pause(self) -> None:
-        if self.started:
-            self.paused_at = self._now()
-
-    def resume(self) -> None:
-        if self.paused_at is not None:
-            self.lap_time += self._now() - self.paused_at
-            self.paused_at = None
-
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Leave what runs inside (evaluation, a checkpoint) out of the timed training."""
-        self.pause()
+        paused_at = self._now() if self.started else None
         try:
             yield
         finally:
-            self.resume()
+            if paused_at is not None:
+                self.lap_time += self._now() - paused_at
 
     @contextlib.contextmanager
     def left_out(self, progress: Any) -> Iterator[None]:
@@ -145,10 +136,6 @@ class Throughput:
         return {"attempts": [*self.earlier, self._attempt(step)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "attempts" not in state:  # a checkpoint of amp_exp before attempts were kept apart
-            self.seconds, self.samples = state["seconds"], int(state["samples"])
-            self.steps = int(state["steps"])
-            return
         self.earlier = list(state["attempts"])
 
     def attempts(self, step: int) -> list[dict[str, Any]]:

@@ -34,23 +34,6 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def use_fused(cfg: OptimizerConfig, device: torch.device, sharded: bool) -> bool:
-    """Fused kernels on CUDA: one launch for the whole update, and a step with non-finite
-    gradients skipped inside it (``found_inf``), so the host never has to read whether to step.
-    FSDP2's DTensors have a fused AdamW but no fused SGD."""
-    if cfg.fused is not None:
-        return cfg.fused
-    return device.type == "cuda" and not (sharded and isinstance(cfg, SGDConfig))
-
-
-def torchao_adamw_fits(cfg: OptimizerConfig, device: torch.device) -> bool:
-    """torchao's AdamW rounds stochastically inside one compiled kernel per parameter, with no
-    fp32 copy of the model. It compiles each parameter shape on first use: seconds on a GPU, but
-    13-100 s for a small MLP on a 2-core CPU, so the CPU uses StochasticRoundingStep."""
-    on_gpu = device.type == "cuda"
-    return isinstance(cfg, AdamWConfig) and on_gpu and find_spec("torchao") is not None
-
-
 def build_optimizer(
     cfg: OptimizerConfig,
     model: nn.Module,
@@ -62,7 +45,11 @@ def build_optimizer(
     stochastically (``stochastic_rounding``: the model is bf16, precision=bf16_true) when its
     own kernels do not. ``sharded``: FSDP2 has replaced the parameters with DTensor shards."""
     groups = parameter_groups(model, cfg.weight_decay)
-    if stochastic_rounding and torchao_adamw_fits(cfg, device):
+    is_adamw = isinstance(cfg, AdamWConfig)
+    # torchao's AdamW rounds stochastically inside one compiled kernel per parameter, with no
+    # fp32 copy of the model. It compiles each parameter shape on first use: seconds on a GPU,
+    # but 13-100 s for a small MLP on a 2-core CPU, so the CPU uses StochasticRoundingStep.
+    if stochastic_rounding and is_adamw and device.type == "cuda" and find_spec("torchao"):
         from torchao.optim import _AdamW
 
         log.info("bf16 stochastic rounding: torchao's AdamW (compiles on its first step)")
@@ -70,34 +57,25 @@ def build_optimizer(
             groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, bf16_stochastic_round=True
         )
         return optimizer, None
-    optimizer = _build_torch_optimizer(cfg, groups, use_fused(cfg, device, sharded))
-    return optimizer, StochasticRoundingStep() if stochastic_rounding else None
-
-
-def _build_torch_optimizer(
-    cfg: OptimizerConfig, groups: list[dict], fused: bool
-) -> torch.optim.Optimizer:
-    foreach = None if fused else True
-    if isinstance(cfg, AdamWConfig):
-        return torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused, foreach=foreach
-        )
-    optimizer = torch.optim.SGD(
-        groups,
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        nesterov=cfg.nesterov,
-        fused=fused,
-        foreach=foreach,
-    )
-    if fused and cfg.momentum:
+    # Fused kernels on CUDA: one launch for the whole update, and a step with non-finite
+    # gradients skipped inside it (``found_inf``), so the host never has to read whether to
+    # step. FSDP2's DTensors have a fused AdamW but no fused SGD.
+    fused = cfg.fused
+    if fused is None:
+        fused = device.type == "cuda" and not (sharded and isinstance(cfg, SGDConfig))
+    common = {"lr": cfg.lr, "fused": fused, "foreach": None if fused else True}
+    if is_adamw:
+        optimizer = torch.optim.AdamW(groups, betas=tuple(cfg.betas), eps=cfg.eps, **common)
+    else:
+        optimizer = torch.optim.SGD(groups, momentum=cfg.momentum, nesterov=cfg.nesterov, **common)
+    if fused and not is_adamw and cfg.momentum:
         # torch's fused SGD creates its momentum buffers with torch.empty on the first step and
         # leaves them so when that step is skipped (found_inf), then reads them as initialized.
         # Zeros make the first applied step's buffer exactly its gradient, as a fresh one is.
         for group in optimizer.param_groups:
             for p in group["params"]:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    return optimizer
+    return optimizer, StochasticRoundingStep() if stochastic_rounding else None
 
 
 @dataclass

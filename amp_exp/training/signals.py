@@ -23,8 +23,8 @@ Cost: nothing on unlogged steps, which run without a hook (``arm()`` registers t
 step, ``collect()`` removes them and reads the statistics, kept on the device, in one host read).
 Under torch.distributed every rank measures its own batch: the largest values are taken over
 the ranks (all_reduce MAX) and the moments summed (SUM), so the figures describe the global
-batch; weights are summed only where they are sharded (FSDP2's DTensors), as under DDP every
-rank holds them whole.
+batch; the update and weight norms are summed too (``collect`` says why that is right under DDP
+and FSDP2 alike).
 
 The collector knows no engine or trainer: ``attach(model)``, then per logged step ``arm()``, the
 forward and backward, ``before_update()``, the optimizer step, ``after_update()``, ``collect()``
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -50,14 +51,14 @@ from amp_exp.tasks.blocks import model_blocks
 from amp_exp.training.callbacks import StepCallback
 from amp_exp.training.precisions.base import Gradients
 
-# One block's activation statistics: the largest magnitude and the attention logit (reduced
-# with MAX), then the element count and the first four power sums (reduced with SUM).
-ABSMAX, ATTN, COUNT, S1, S2, S3, S4 = range(7)
-SUMS = 7 - COUNT
+# The statistics of each block's output, and in a last row the model's output logits: the
+# largest values (MAX over the ranks): a block's largest magnitude and its attention logit, the
+# logits' largest value; the sums (SUM over the ranks): the element count and the first four power
+# sums (of the logits, count and sum only).
+ABSMAX, ATTN = range(2)
+COUNT, S1, S2, S3, S4 = range(5)
 # The most attention scores recomputed at once (64 MiB in fp32).
 SCORES_HELD = 2**24
-# The model's output logits: largest (MAX), then count and sum (SUM).
-LOGIT_MAX, LOGIT_COUNT, LOGIT_SUM = range(3)
 
 
 @dataclass(frozen=True)
@@ -113,14 +114,16 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 def attention_logit_max(
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """The largest logit ``F.scaled_dot_product_attention`` computes inside its kernel: the
-    scaled QKᵀ, plus a float mask, over the positions a mask lets through. A few samples at a
-    time, so at most ``SCORES_HELD`` scores are held at once."""
+    """The largest logit ``F.scaled_dot_product_attention`` computes inside its kernel (this
+    takes its arguments): the scaled QKᵀ, plus a float mask, over the positions a mask lets
+    through. A few samples at a time, so at most ``SCORES_HELD`` scores are held at once."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
@@ -148,26 +151,16 @@ def attention_logit_max(
 class _AttentionLogits(TorchFunctionMode):
     """Inside one block's forward on a logged step: each SDPA call also records its max logit."""
 
-    def __init__(self, stats: torch.Tensor) -> None:
+    def __init__(self, largest: torch.Tensor) -> None:
         super().__init__()
-        self.stats = stats
+        self.largest = largest
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            query, key = args[0], args[1]
-            options = {
-                name: kwargs[name]
-                for name in ("attn_mask", "is_causal", "scale", "enable_gqa")
-                if name in kwargs
-            }
-            # SDPA's positional order: query, key, value, attn_mask, dropout_p, is_causal, scale.
-            for index, name in ((3, "attn_mask"), (5, "is_causal"), (6, "scale")):
-                if len(args) > index:
-                    options[name] = args[index]
             with torch.no_grad():
-                largest = attention_logit_max(query.detach(), key.detach(), **options)
-                self.stats[ATTN] = torch.maximum(self.stats[ATTN], largest.double())
+                largest = attention_logit_max(*args, **kwargs).double()
+                self.largest[ATTN] = torch.maximum(self.largest[ATTN], largest)
         return func(*args, **kwargs)
 
 
@@ -183,10 +176,9 @@ class SignalCollector:
         self.activations = True
         self._handles: list[RemovableHandle] = []
         self._modes: dict[int, _AttentionLogits] = {}
-        self._block_stats: list[torch.Tensor | None] = []
-        self._logit_stats: torch.Tensor | None = None
         self._before: list[list[torch.Tensor]] | None = None
         self._updates: torch.Tensor | None = None
+        self._start()
 
     def attach(self, model: nn.Module, activations: bool = True) -> SignalCollector:
         """Measure ``model`` (the module inside any DDP or compile wrapper). ``activations``
@@ -198,10 +190,15 @@ class SignalCollector:
         self.blocks = signal_blocks(model)
         first = next(model.parameters(), None)
         self.device = torch.device("cpu") if first is None else local(first).device
+        self._start()
         return self
 
-    def _zeros(self, *shape: int) -> torch.Tensor:
-        return torch.zeros(*shape, device=self.device, dtype=torch.float64)
+    def _start(self) -> None:
+        """Nothing measured yet: a row per block and one for the logits; no update."""
+        rows = len(self.blocks) + 1
+        self._largest = torch.full((rows, 2), -math.inf, device=self.device, dtype=torch.float64)
+        self._sums = torch.zeros(rows, 5, device=self.device, dtype=torch.float64)
+        self._before, self._updates = None, None
 
     # --- a logged step ---------------------------------------------------------------------
 
@@ -209,70 +206,49 @@ class SignalCollector:
         """Measure the next step's forward passes (every micro-batch of it)."""
         assert self.model is not None, "attach(model) first"
         self.armed = True
-        self._block_stats = [None] * len(self.blocks)
-        self._logit_stats = None
-        self._before, self._updates = None, None
+        self._start()
         if not self.activations:
             return
         for index, (_, block) in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(self._entering(index)))
-            self._handles.append(
-                block.register_forward_hook(self._leaving(index), always_call=True)
-            )
+            entering, leaving = partial(self._entering, index), partial(self._leaving, index)
+            self._handles.append(block.register_forward_pre_hook(entering))
+            self._handles.append(block.register_forward_hook(leaving, always_call=True))
         self._handles.append(self.model.register_forward_hook(self._model_output))
 
-    def _stats(self, index: int) -> torch.Tensor:
-        stats = self._block_stats[index]
-        if stats is None:
-            stats = self._zeros(7)
-            stats[ATTN] = -math.inf
-            self._block_stats[index] = stats
-        return stats
+    @torch.compiler.disable
+    def _entering(self, index: int, module: nn.Module, args: Any) -> None:
+        mode = _AttentionLogits(self._largest[index])
+        mode.__enter__()
+        self._modes[index] = mode
 
-    def _entering(self, index: int):
-        @torch.compiler.disable
-        def hook(module: nn.Module, args: Any) -> None:
-            mode = _AttentionLogits(self._stats(index))
-            mode.__enter__()
-            self._modes[index] = mode
-
-        return hook
-
-    def _leaving(self, index: int):
-        @torch.compiler.disable
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            mode = self._modes.pop(index, None)
-            if mode is not None:
-                mode.__exit__(None, None, None)
-            tensor = _first_tensor(output)
-            if tensor is None or not tensor.is_floating_point():
-                return
-            with torch.no_grad():
-                values = tensor.detach().double().flatten()
-                stats = self._stats(index)
-                stats[ABSMAX] = torch.maximum(stats[ABSMAX], values.abs().amax())
-                stats[COUNT] += values.numel()
-                powers = values.clone()
-                for moment in (S1, S2, S3, S4):
-                    stats[moment] += powers.sum()
-                    powers.mul_(values)
-
-        return hook
+    @torch.compiler.disable
+    def _leaving(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        mode = self._modes.pop(index, None)
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        self._record(index, output, moments=4)
 
     @torch.compiler.disable
     def _model_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._record(len(self.blocks), output, moments=1)
+
+    @torch.no_grad()
+    def _record(self, row: int, output: Any, moments: int) -> None:
+        """Fold a module's float output into row ``row``: its largest magnitude (of the logits,
+        their largest value), its count and its first ``moments`` power sums."""
         tensor = _first_tensor(output)
         if tensor is None or not tensor.is_floating_point():
             return
-        with torch.no_grad():
-            logits = tensor.detach().double()
-            if self._logit_stats is None:
-                self._logit_stats = self._zeros(3)
-                self._logit_stats[LOGIT_MAX] = -math.inf
-            stats = self._logit_stats
-            stats[LOGIT_MAX] = torch.maximum(stats[LOGIT_MAX], logits.amax())
-            stats[LOGIT_COUNT] += logits.numel()
-            stats[LOGIT_SUM] += logits.sum()
+        values = tensor.detach().double().flatten()
+        largest = values.amax() if row == len(self.blocks) else values.abs().amax()
+        self._largest[row, ABSMAX] = torch.maximum(self._largest[row, ABSMAX], largest)
+        sums = self._sums[row]
+        sums[COUNT] += values.numel()
+        power = values
+        for moment in range(S1, S1 + moments):
+            sums[moment] += power.sum()
+            if moment < moments:
+                power = power * values
 
     def before_update(self) -> None:
         """The gradients are final and the weights not yet updated: keep a copy of each block's
@@ -296,64 +272,53 @@ class SignalCollector:
                 for a, b in zip(after, before, strict=True)
             ]
             # A block without trainable weights has no ratio: 0/0 reads as None.
-            sums.append(torch.stack(squares).sum(dim=0) if squares else self._zeros(2))
+            sums.append(torch.stack(squares).sum(dim=0) if squares else self._sums.new_zeros(2))
         self._before = None
         self._updates = torch.stack(sums)
 
     def collect(self) -> dict[str, Any]:
         """The step's signals as a row's fields (plain numbers, None where nothing was measured),
         after one MAX and one SUM over the ranks, in one host read; disarms. Every rank calls
-        it, whether or not its own forward measured anything."""
+        it, whether or not its own forward measured anything.
+
+        The update and weight norms are summed too: sharded (FSDP2), the shards add up to the
+        whole; whole on every rank (DDP), each sum is the world size times one rank's, which
+        leaves their ratio as it is."""
         self.disarm()
         blocks = len(self.blocks)
-        table = (
-            torch.stack([self._stats(i) for i in range(blocks)]) if blocks else self._zeros(0, 7)
-        )
-        # A block that did not run has no largest value, whatever its zeroed statistics say.
-        table[:, ABSMAX] = torch.where(table[:, COUNT] > 0, table[:, ABSMAX], -math.inf)
-        logits = self._logit_stats
-        if logits is None:
-            logits = self._zeros(3)
-            logits[LOGIT_MAX] = -math.inf
-        updates = self._zeros(blocks, 2) if self._updates is None else self._updates
-        largest = torch.cat([table[:, :COUNT].flatten(), logits[:LOGIT_COUNT]])
-        sums = [table[:, COUNT:].flatten(), logits[LOGIT_COUNT:]]
-        sharded = _sharded(self.blocks)
-        sums = torch.cat([*sums, updates.flatten()] if sharded else sums)
+        largest = self._largest
+        updates = self._sums.new_zeros(blocks, 2) if self._updates is None else self._updates
+        sums = torch.cat([self._sums.flatten(), updates.flatten()])
         if distributed():
             dist.all_reduce(largest, op=dist.ReduceOp.MAX)
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        read = torch.cat([largest, sums] if sharded else [largest, sums, updates.flatten()])
-        values = read.tolist()  # the step's one host read
-        maxima, values = values[: blocks * COUNT], values[blocks * COUNT :]
-        logit_max, values = values[0], values[1:]
-        moments, values = values[: blocks * SUMS], values[blocks * SUMS :]
-        logit_count, logit_sum, values = values[0], values[1], values[2:]
+        values = torch.cat([largest.flatten(), sums]).tolist()  # the step's one host read
+        rows = blocks + 1
+        largest, sums = _rows(values[: 2 * rows], 2), _rows(values[2 * rows : 7 * rows], 5)
+        updates = _rows(values[7 * rows :], 2)
         row: dict[str, Any] = asdict(self.limits)
-        for index, (name, _) in enumerate(self.blocks):
-            stats = (
-                maxima[index * COUNT : (index + 1) * COUNT]
-                + moments[index * SUMS : (index + 1) * SUMS]
-            )
-            row.update(self._block_fields(name, stats))
-            update_sq, weight_sq = values[2 * index : 2 * index + 2]
+        for (name, _), maxima, moments, (update_sq, weight_sq) in zip(
+            self.blocks, largest[:-1], sums[:-1], updates, strict=True
+        ):
+            row.update(self._block_fields(name, maxima, moments))
             row[f"update_ratio/{name}"] = math.sqrt(update_sq / weight_sq) if weight_sq else None
-        row["logit_max"] = logit_max if logit_count else None
+        logit_count, logit_sum = sums[-1][COUNT], sums[-1][S1]
+        row["logit_max"] = largest[-1][ABSMAX] if logit_count else None
         row["logit_mean"] = logit_sum / logit_count if logit_count else None
         return row
 
-    def _block_fields(self, name: str, values: list[float]) -> dict[str, Any]:
+    def _block_fields(self, name: str, maxima: list[float], sums: list[float]) -> dict[str, Any]:
         absmax = kurtosis = attn = None
-        if values[COUNT] > 0:
-            count = values[COUNT]
-            absmax = values[ABSMAX]
-            attn = values[ATTN] if math.isfinite(values[ATTN]) else None
-            mean = values[S1] / count
-            m2 = values[S2] / count - mean**2
+        count = sums[COUNT]
+        if count > 0:
+            absmax = maxima[ABSMAX]
+            attn = maxima[ATTN] if math.isfinite(maxima[ATTN]) else None
+            mean = sums[S1] / count
+            m2 = sums[S2] / count - mean**2
             m4 = (
-                values[S4] / count
-                - 4 * mean * values[S3] / count
-                + 6 * mean**2 * values[S2] / count
+                sums[S4] / count
+                - 4 * mean * sums[S3] / count
+                + 6 * mean**2 * sums[S2] / count
                 - 3 * mean**4
             )
             kurtosis = m4 / m2**2 if m2 > 0 else None
@@ -375,13 +340,13 @@ class SignalCollector:
         self.armed = False
 
 
+def _rows(values: list[float], width: int) -> list[list[float]]:
+    return [values[start : start + width] for start in range(0, len(values), width)]
+
+
 def distributed() -> bool:
     """Whether there are other ranks to reduce over."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _sharded(blocks: list[tuple[str, nn.Module]]) -> bool:
-    return any(local(p) is not p for _, block in blocks for p in block.parameters())
 
 
 class SignalsCallback(StepCallback):

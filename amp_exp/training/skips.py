@@ -94,7 +94,12 @@ class SkipRecord:
         """The skipped steps since the last read (``count`` 0: none); one host read."""
         record = self.record if distributed is None else distributed.maximum(self.record)
         values = record.tolist()
-        self._start_interval()
+        # A new interval: the run of skips going on carries into it.
+        record = self.record
+        record[CARRIED] = record[LONGEST] = record[RUN]
+        record[COUNT] = record[FIRST_LOSS_NONFINITE] = 0
+        record[FIRST_STEP] = -1
+        record[SLOTS:] = 0
         flags = values[SLOTS:]
         return SkippedSteps(
             count=int(values[COUNT]),
@@ -109,15 +114,6 @@ class SkipRecord:
     def current_run(self) -> int:
         """The run of consecutive skips going on now; reads the device."""
         return int(self.record[RUN].item())
-
-    def _start_interval(self) -> None:
-        record = self.record
-        record[CARRIED] = record[RUN]
-        record[LONGEST] = record[RUN]
-        record[COUNT] = 0
-        record[FIRST_STEP] = -1
-        record[FIRST_LOSS_NONFINITE] = 0
-        record[SLOTS:] = 0
 
     def state_dict(self) -> dict[str, Any]:
         """The interval not yet read, so that a resumed run reads what an uninterrupted one does."""
@@ -182,12 +178,12 @@ class SkipMonitor:
             progress.first_overflow["backed_off_to"] = min(lowest, scale)
         layer = self.first_nonfinite[0] if self.first_nonfinite else "unknown"
         too_many = skipped.longest_run >= self.max_consecutive_skips
+        advice = f"Try a lower optimizer.lr or precision.clip_grad_norm=1.0{self._kept()}"
         if scale is None:
             if self.on_nonfinite is NonFiniteAction.stop:
                 raise NumericalFault(
                     f"non-finite gradients at step {step} in {precision} (first in {layer}), and "
-                    "trainer.on_nonfinite=stop. Try a lower optimizer.lr or "
-                    f"precision.clip_grad_norm=1.0{self._kept()}"
+                    f"trainer.on_nonfinite=stop. {advice}"
                 )
             if too_many:
                 # Without a scaler nothing will make the next step finite: a run that skips
@@ -196,8 +192,7 @@ class SkipMonitor:
                     f"training stalled by step {progress.step} in {precision}: "
                     f"{skipped.longest_run} consecutive skipped steps "
                     "(precision.max_consecutive_skips), the gradients non-finite every time, "
-                    f"first in {layer}. Try a lower optimizer.lr or "
-                    f"precision.clip_grad_norm=1.0{self._kept()}"
+                    f"first in {layer}. {advice}"
                 )
             return
         self.scale_history.append(f"{progress.step}:{scale:g}")

@@ -70,14 +70,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold a tensor's values: itself, or those a wrapper subclass wraps."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [plain for name in names for plain in plain_tensors(getattr(tensor, name))]
+
+
 def stored_dtype(tensor: torch.Tensor) -> torch.dtype:
     """The dtype a tensor's values are held in: for a wrapper subclass (torchao's float8
-    tensors), that of the largest tensor it wraps."""
-    if not is_traceable_wrapper_subclass(tensor):
-        return tensor.dtype
-    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-    largest = max((getattr(tensor, name) for name in names), key=lambda inner: inner.numel())
-    return stored_dtype(largest)
+    tensors), that of the largest tensor it wraps (its data, not its scale)."""
+    return max(plain_tensors(tensor), key=lambda plain: plain.numel()).dtype
 
 
 def operand_dtype(packet: Any, args: tuple) -> torch.dtype:
@@ -102,7 +106,7 @@ class MatmulFlops:
     def by_dtype(self, phase: str | None = None) -> dict[str, int]:
         found: Counter[str] = Counter()
         for (_, in_phase, dtype), flops in self.flops.items():
-            if phase is None or in_phase == phase:
+            if phase in (None, in_phase):
                 found[dtype] += flops
         return dict(found)
 
@@ -113,21 +117,20 @@ class MatmulFlops:
             found.setdefault(module, Counter())[dtype] += flops
         return {module: dict(dtypes) for module, dtypes in found.items()}
 
-    def without_phase(self, phase: str) -> MatmulFlops:
-        return MatmulFlops(Counter({k: f for k, f in self.flops.items() if k[1] != phase}))
-
-    def merged(self, others: Iterable[MatmulFlops]) -> MatmulFlops:
-        total = Counter(self.flops)
-        for other in others:
-            total.update(other.flops)
-        return MatmulFlops(total)
+    def where(self, keep: Callable[[str, str], bool]) -> MatmulFlops:
+        """The FLOPs of the (module, phase) pairs ``keep`` admits."""
+        return MatmulFlops(Counter({k: f for k, f in self.flops.items() if keep(k[0], k[1])}))
 
     def as_rows(self) -> list[list[Any]]:
         return [[*key, flops] for key, flops in sorted(self.flops.items())]
 
     @classmethod
-    def from_rows(cls, rows: list[list[Any]]) -> MatmulFlops:
-        return cls(Counter({(m, p, d): flops for m, p, d, flops in rows}))
+    def from_rows(cls, rows: Iterable[list[Any]]) -> MatmulFlops:
+        """The FLOPs of ``as_rows`` rows (of one rank or of many: a key's rows add up)."""
+        flops: Counter[tuple[str, str, str]] = Counter()
+        for module, phase, dtype, count in rows:
+            flops[(module, phase, dtype)] += count
+        return cls(flops)
 
 
 class _Recording(TorchDispatchMode):

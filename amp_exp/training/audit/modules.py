@@ -67,16 +67,6 @@ class ModuleOps:
         self._inputs: list[set] = []
         self._handles: list = []
 
-    def _enter(self, name: str, args: tuple, kwargs: dict) -> None:
-        self.running.append(name)
-        self._inputs.append(set(_grad_fns((args, kwargs))))
-
-    def _leave(self, name: str, output: Any) -> None:
-        self.running.pop()
-        stop = self._inputs.pop()
-        if torch.is_grad_enabled():
-            _tag(_grad_fns(output), stop, name)
-
     def current(self) -> tuple[str, str]:
         """(module, phase) of the op running now: forward, backward or recompute."""
         node = torch._C._current_autograd_node()
@@ -91,10 +81,14 @@ class ModuleOps:
             name = unwrapped_name(name)
 
             def before(module, args, kwargs, name=name) -> None:
-                self._enter(name, args, kwargs)
+                self.running.append(name)
+                self._inputs.append(set(_grad_fns((args, kwargs))))
 
             def after(module, args, kwargs, output, name=name) -> None:
-                self._leave(name, output)
+                self.running.pop()
+                stop = self._inputs.pop()
+                if torch.is_grad_enabled():
+                    _tag(_grad_fns(output), stop, name)
 
             self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             self._handles.append(

@@ -18,21 +18,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from amp_exp.training.audit.matmuls import dtype_name
+from amp_exp.training.audit.matmuls import dtype_name, plain_tensors
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
-
-
-def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors that hold a tensor's values: itself, or those a wrapper subclass wraps."""
-    if not is_traceable_wrapper_subclass(tensor):
-        return [tensor]
-    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-    return [plain for name in names for plain in _plain_tensors(getattr(tensor, name))]
 
 
 class SavedActivations:
@@ -50,7 +41,7 @@ class SavedActivations:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.stopped() or _is_parameter(tensor):
             return tensor
-        for plain in _plain_tensors(tensor):
+        for plain in plain_tensors(tensor):
             storage = plain.untyped_storage()
             if storage.data_ptr() not in self._seen:
                 self._seen.add(storage.data_ptr())

@@ -108,9 +108,7 @@ class PrecisionAudit:
         if distributed is None:
             return local
         everyone = distributed.gather(local)
-        flops = MatmulFlops.from_rows(everyone[0]["flops"]).merged(
-            MatmulFlops.from_rows(other["flops"]) for other in everyone[1:]
-        )
+        flops = MatmulFlops.from_rows(row for figures in everyone for row in figures["flops"])
         largest = max(everyone, key=lambda f: f["saved_activation_bytes"]["total"])
         return {
             **local,
@@ -190,7 +188,7 @@ def audit_record(
     # Shares and verdicts are those of the step's own forward and backward: activation
     # checkpointing's recompute repeats forward matmuls in the same dtypes, and counting it
     # would make the shares of one configuration differ with checkpointing on and off.
-    flops = recorded.without_phase(RECOMPUTE)
+    flops = recorded.where(lambda _, phase: phase != RECOMPUTE)
     verdict = judge(spec, flops, figures["weight_elements"], converted, list(kept))
     return {
         "step": step,

@@ -34,6 +34,10 @@ class Verdict:
     # FLOPs, or of the module's weight elements).
     responsible: dict[str, dict[str, float]] = field(default_factory=dict)
 
+    def blame(self, module: str, shares: dict[str, float]) -> None:
+        if shares:
+            self.responsible.setdefault(module, {}).update(shares)
+
 
 def shown_module(name: str) -> str:
     return {"": "(the model)", OUTSIDE: "(outside the model)"}.get(name, name)
@@ -60,7 +64,7 @@ def higher_precision_modules(
 
 def without_modules(flops: MatmulFlops, kept: list[str]) -> MatmulFlops:
     """``flops`` less the matmuls run inside the modules ``kept`` (outermost names)."""
-    return MatmulFlops(Counter({k: f for k, f in flops.flops.items() if not is_within(k[0], kept)}))
+    return flops.where(lambda module, _: not is_within(module, kept))
 
 
 def kept_fp32_share(flops: MatmulFlops, kept: list[str]) -> float | None:
@@ -81,9 +85,7 @@ def _matmul_share(spec: PrecisionSpec, flops: MatmulFlops, verdict: Verdict) -> 
         f"{engagement.min_matmul_share:.0%} expected"
     )
     for module, dtypes in flops.by_module().items():
-        other = {d: f / total for d, f in dtypes.items() if d not in wanted and f}
-        if other:
-            verdict.responsible.setdefault(module, {}).update(other)
+        verdict.blame(module, {d: f / total for d, f in dtypes.items() if d not in wanted and f})
 
 
 def _ran_in_converted(
@@ -97,10 +99,10 @@ def _ran_in_converted(
     verdict.shortfalls.append(
         f"{len(idle)} of the {len(converted)} converted linears ran no {_names(dtypes)} matmul"
     )
-    total = flops.total
     for name in idle:
-        dtypes = by_module.get(name, {})
-        verdict.responsible.setdefault(name, {}).update({d: f / total for d, f in dtypes.items()})
+        # Named even where it ran no matmul at all.
+        shares = {d: f / flops.total for d, f in by_module.get(name, {}).items()}
+        verdict.responsible.setdefault(name, {}).update(shares)
 
 
 def _weights_stored(wanted: DType, elements: dict[str, dict[str, int]], verdict: Verdict) -> None:
@@ -112,9 +114,7 @@ def _weights_stored(wanted: DType, elements: dict[str, dict[str, int]], verdict:
     verdict.shortfalls.append(f"{held / total:.0%} of weight elements stored in {wanted.value}")
     for module, dtypes in elements.items():
         count = sum(dtypes.values())
-        other = {d: n / count for d, n in dtypes.items() if d != wanted.value}
-        if other:
-            verdict.responsible.setdefault(module, {}).update(other)
+        verdict.blame(module, {d: n / count for d, n in dtypes.items() if d != wanted.value})
 
 
 def judge(

@@ -17,8 +17,8 @@ from torch import nn
 
 from amp_exp.tasks.blocks import model_blocks
 from amp_exp.training.keep_fp32 import is_within
-from amp_exp.training.linears import LinearConversion, is_conv1d, plan_linears
-from amp_exp.training.microscaling.linear import MicroscalingLinear, Recipe, swap_linears
+from amp_exp.training.linears import LinearConversion, is_conv1d, plan_linears, swap_linears
+from amp_exp.training.microscaling.linear import Recipe
 
 
 def plan(
@@ -43,23 +43,16 @@ def plan(
     return chosen
 
 
-def convert_emulated(model: nn.Module, conversion: LinearConversion, recipe: Recipe) -> nn.Module:
-    return swap_linears(model, conversion.converted, MicroscalingLinear, recipe=recipe)
-
-
-def convert_with_kernels(
-    model: nn.Module, conversion: LinearConversion, recipe: Recipe
-) -> nn.Module:
+def with_kernels(model: nn.Module, names: list[str], recipe: Recipe) -> nn.Module:
     """torchao's ``MXFP8Linear`` (its CUDA and Triton casts, cuBLAS's block-scaled matmuls) in
-    place of each chosen linear. Only reached on compute capability 10.0+ (Blackwell); no
+    place of each named linear. Only reached on compute capability 10.0+ (Blackwell); no
     machine here has one, so this path is untested here."""
     from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-    conversion.emulated = False
     return swap_linears(
         model,
-        conversion.converted,
+        names,
         MXFP8Linear,
         kernel_preference=KernelPreference.AUTO,
         scale_calculation_mode=recipe.scale_mode,

@@ -71,8 +71,7 @@ def quantized(
     quantize alike. ``stochastic`` (NVFP4): elements rounded up or down at random, unbiased.
     """
     if fmt is not DType.nvfp4:
-        if tiles or stochastic:
-            raise ValueError("16x16 tiles and stochastic rounding are NVFP4's")
+        # tiles and stochastic are NVFP4's: Recipe refuses them with another format.
         rows, width = _blocked_rows(x, MX_BLOCK)
         mx = MXTensor.to_mx(rows, MX_ELEMENTS[fmt], MX_BLOCK, scaling_mode=scale_mode)
         return mx.dequantize(torch.float32)[:, :width].reshape(x.shape)

@@ -22,7 +22,6 @@ FLOPs as, say, ``mxfp8_e4m3`` rather than as the fp32 of the emulation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -133,25 +132,3 @@ class MicroscalingLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, elements={self.recipe.elements.value}"
-
-
-def replacement(linear: nn.Linear, layer_class: type[nn.Linear], **options: Any) -> nn.Linear:
-    """A ``layer_class(in, out, bias, **options)`` holding ``linear``'s own parameters (those the
-    optimizer and FSDP2 know), built on the meta device so nothing is initialised twice."""
-    with torch.device("meta"):
-        layer = layer_class(
-            linear.in_features, linear.out_features, bias=linear.bias is not None, **options
-        )
-    layer.weight, layer.bias = linear.weight, linear.bias
-    return layer
-
-
-def swap_linears(
-    model: nn.Module, names: list[str], layer_class: type[nn.Linear], **options: Any
-) -> nn.Module:
-    """The named ``nn.Linear`` layers replaced by ``layer_class`` ones (in place)."""
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, replacement(getattr(parent, child), layer_class, **options))
-    return model

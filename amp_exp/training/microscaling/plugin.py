@@ -11,13 +11,15 @@ always emulated. Like every plugin module, this one imports no torch at its top.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from enum import Enum
+from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
+from amp_exp.config.precisions import DType
 from amp_exp.errors import ConfigError, require
-from amp_exp.training.precisions.base import LinearFormatPlugin
+from amp_exp.training.precisions.base import LinearFormatPlugin, linear_format_spec
 
 if TYPE_CHECKING:
     import torch
@@ -42,40 +44,9 @@ class ScaleMode(str, Enum):
     even = "even"
 
 
-def microscaling_spec(
-    name: str, formats: tuple[DType, ...], peak_math: str, order: int, colour: str
-) -> PrecisionSpec:
-    """A block-scaled precision's facts: its formats in the converted linears, bf16 autocast
-    elsewhere, fp32 master weights and state, no loss scaling (every block is scaled)."""
-    return PrecisionSpec(
-        name=name,
-        order=order,
-        colour=colour,
-        compute_dtype=DType.bfloat16,
-        autocast_dtype=DType.bfloat16,
-        # Its matmuls peak at its format's rate (fp8 or fp4); emulated, it is never timed. Under
-        # FSDP2 each layer quantizes the weight its all-gather brought.
-        peak_math=peak_math,
-        # As fp8: the converted linears in the format, the rest in bf16 (the wgrad in high
-        # precision too, with that option).
-        engaged=Engagement(0.5, (*formats, DType.bfloat16), converted_dtypes=formats),
-        rankable=True,
-        repair_to="bf16",
-        needs_native_bf16=True,
-    )
-
-
-def has_kernels(device: torch.device, elements: DType) -> bool:
-    """Whether torchao can run this format's training matmuls for real on ``device``."""
-    import torch
-
-    if elements is not DType.mxfp8_e4m3 or device.type != "cuda":
-        return False
-    if torch.cuda.get_device_capability(device) < KERNEL_CAPABILITY:
-        return False
-    from importlib.util import find_spec
-
-    return find_spec("triton") is not None
+# A block-scaled precision's facts: its formats in the converted linears, bf16 autocast
+# elsewhere; unlike fp8, whose emulation is checked on older GPUs, it needs native bf16.
+microscaling_spec = functools.partial(linear_format_spec, needs_native_bf16=True)
 
 
 class MicroscalingPlugin(LinearFormatPlugin):
@@ -88,10 +59,14 @@ class MicroscalingPlugin(LinearFormatPlugin):
     @classmethod
     def lacks(cls, device: torch.device | None) -> str | None:
         """What ``device`` (None: any device) lacks to run this format for real, or None."""
-        if device is not None and has_kernels(device, cls.elements):
-            return None
         if cls.elements is not DType.mxfp8_e4m3:
             return "torchao has no MXFP4 or NVFP4 training kernels on any device"
+        if device is not None and device.type == "cuda":
+            import torch
+
+            capable = torch.cuda.get_device_capability(device) >= KERNEL_CAPABILITY
+            if capable and find_spec("triton") is not None:
+                return None
         return "MXFP8 kernels need a CUDA GPU with compute capability 10.0+ (Blackwell) and Triton"
 
     @classmethod
@@ -137,11 +112,6 @@ class MicroscalingPlugin(LinearFormatPlugin):
     def emulated(self) -> bool:
         return self.cfg.emulate or self.lacks(self.device) is not None
 
-    @property
-    def timed(self) -> bool:
-        """An emulated format measures numerics, not speed: its throughput is never reported."""
-        return not self.emulated
-
     def gradients(self) -> DType:
         """The format of gradients: the elements', unless an option says otherwise."""
         return self.elements
@@ -160,18 +130,15 @@ class MicroscalingPlugin(LinearFormatPlugin):
         return Recipe(self.elements, self.gradients(), **given)
 
     def convert_module(self, model: nn.Module) -> nn.Module:
-        from amp_exp.training.microscaling.convert import (
-            convert_emulated,
-            convert_with_kernels,
-            plan,
-        )
+        from amp_exp.training.linears import swap_linears
+        from amp_exp.training.microscaling.convert import plan, with_kernels
+        from amp_exp.training.microscaling.linear import MicroscalingLinear
 
         model = super().convert_module(model)
         # NVIDIA's recipe keeps the last blocks in bf16 (nvfp4's option).
         last_blocks = getattr(self.options, "bf16_last_blocks", 0)
-        self.conversion = plan(model, self.options.skip, self.kept_fp32, last_blocks)
-        self.refuse_if_nothing_converts()
-        convert = convert_emulated if self.emulated else convert_with_kernels
-        model = convert(model, self.conversion, self.recipe())
-        self.announce(f"{self.spec.name}{' (emulated)' if self.emulated else ''}")
-        return model
+        conversion = plan(model, self.options.skip, self.kept_fp32, last_blocks)
+        self.adopt(conversion, f"{self.spec.name}{' (emulated)' if self.emulated else ''}")
+        if not self.emulated:
+            return with_kernels(model, conversion.converted, self.recipe())
+        return swap_linears(model, conversion.converted, MicroscalingLinear, recipe=self.recipe())

@@ -30,7 +30,14 @@ from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from amp_exp.config.plain import plain_run_config
-from amp_exp.config.precisions import PluginHook, PrecisionSpec, get, options_of
+from amp_exp.config.precisions import (
+    DType,
+    Engagement,
+    PluginHook,
+    PrecisionSpec,
+    get,
+    options_of,
+)
 from amp_exp.errors import ConfigError, require
 
 if TYPE_CHECKING:
@@ -78,14 +85,12 @@ def per_tensor_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class PluginContext:
-    """A plugin's forward or inference context: a fault of the plugin's own in making,
-    entering or leaving it is named as the plugin's (``PluginHook``); what the block raises
-    passes through it as it is."""
+    """A plugin's forward or inference context: a fault of the plugin's own in entering or
+    leaving it is named as the plugin's (``PluginHook``); what the block raises passes through
+    it as it is."""
 
-    def __init__(self, plugin: PrecisionPlugin, hook: str, make: Callable[[], Any]) -> None:
-        self.plugin, self.hook = plugin, hook
-        with PluginHook(plugin, hook):
-            self.context = make()
+    def __init__(self, plugin: PrecisionPlugin, hook: str, context: Any) -> None:
+        self.plugin, self.hook, self.context = plugin, hook, context
 
     def __enter__(self) -> object:
         with PluginHook(self.plugin, self.hook):
@@ -97,14 +102,14 @@ class PluginContext:
 
 
 def _guarded(method: Callable, hook: str) -> Callable:
-    """``method``, a subclass's own ``hook``, with its faults named as the plugin's."""
+    """``method``, a subclass's own ``hook``, with its faults (and those of a context it makes)
+    named as the plugin's."""
 
     @functools.wraps(method)
     def guarded(self: PrecisionPlugin, *args: Any, **kwargs: Any) -> Any:
-        if hook in CONTEXTS:
-            return PluginContext(self, hook, lambda: method(self, *args, **kwargs))
         with PluginHook(self, hook):
-            return method(self, *args, **kwargs)
+            made = method(self, *args, **kwargs)
+        return PluginContext(self, hook, made) if hook in CONTEXTS else made
 
     return guarded
 
@@ -175,13 +180,9 @@ class PrecisionPlugin:
         self.options = self.options_for(cfg)
         self.scaler: torch.amp.GradScaler | None = None
         if self.spec.grad_scaler:
-            self.scaler = torch.amp.GradScaler(
-                device.type,
-                init_scale=cfg.init_scale,
-                growth_factor=cfg.growth_factor,
-                backoff_factor=cfg.backoff_factor,
-                growth_interval=cfg.growth_interval,
-            )
+            # The precision.* keys of the same names.
+            knobs = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+            self.scaler = torch.amp.GradScaler(device.type, **{k: getattr(cfg, k) for k in knobs})
         # Set when the optimizer's own kernels cannot round bf16 updates stochastically.
         self.rounding: StochasticRoundingStep | None = None
         # The flag of a parameter without a gradient this step.
@@ -314,10 +315,9 @@ class PrecisionPlugin:
         if not norms:
             return Gradients()
         # Of FSDP2's gradient shards the norms are DTensors: whole() sums them over the ranks.
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        total = whole(torch.linalg.vector_norm(torch.stack(norms)))
         if clip_to is not None:
-            torch.nn.utils.clip_grads_with_norm_(with_grads, clip_to, whole(total))
-        total = whole(total)
+            torch.nn.utils.clip_grads_with_norm_(with_grads, clip_to, total)
         if not skips:
             return Gradients(total)
         # This rank's share of each parameter's norm: an inf or NaN anywhere in a shard shows.
@@ -400,6 +400,50 @@ class PrecisionPlugin:
         return {"keep_fp32_modules": self.kept_fp32, "precision_facts": facts, **self.summary()}
 
 
+def autocast_spec(name: str, dtype: DType, order: int, colour: str, **facts: Any) -> PrecisionSpec:
+    """An autocast precision's facts: its matmuls in ``dtype`` over fp32 master weights and
+    state, probed, a candidate of precision=auto, and one checkpoint family with fp32."""
+    return PrecisionSpec(
+        name=name,
+        order=order,
+        colour=colour,
+        compute_dtype=dtype,
+        autocast_dtype=dtype,
+        peak_math=dtype.short,
+        probed_as=dtype.short,
+        fsdp_param_dtype=dtype,
+        engaged=Engagement(0.5, (dtype,)),
+        auto_candidate=True,
+        autocast_family=True,
+        rankable=True,
+        **facts,
+    )
+
+
+def linear_format_spec(
+    name: str, formats: tuple[DType, ...], peak_math: str, order: int, colour: str, **facts: Any
+) -> PrecisionSpec:
+    """The facts of a precision that runs converted linears in ``formats``: bf16 autocast
+    elsewhere, fp32 master weights and state, no loss scaling (fp8 scales its tensors, the
+    block-scaled formats every block)."""
+    return PrecisionSpec(
+        name=name,
+        order=order,
+        colour=colour,
+        compute_dtype=DType.bfloat16,
+        autocast_dtype=DType.bfloat16,
+        # Its matmuls peak at its format's rate (fp8 or fp4), its other ops at bf16's; emulated,
+        # it is never timed.
+        peak_math=peak_math,
+        # As bf16 outside the converted linears: with autocast lost, the rest would run in fp32
+        # (emulated gpt_tiny, measured: 74% float8, 26% bf16, so 100% in these).
+        engaged=Engagement(0.5, (*formats, DType.bfloat16), converted_dtypes=formats),
+        rankable=True,
+        repair_to="bf16",
+        **facts,
+    )
+
+
 @dataclass
 class LinearOptions:
     """The options of every precision that converts linears."""
@@ -432,34 +476,38 @@ class LinearFormatPlugin(PrecisionPlugin):
             "pip install 'amp_exp[fp8]'",
         )
 
-    def skipped_text(self) -> str:
-        assert self.conversion is not None
-        return ", ".join(f"{name}: {why}" for name, why in self.conversion.skipped.items())
+    @property
+    def emulated(self) -> bool:
+        return self.cfg.emulate
 
-    def refuse_if_nothing_converts(self) -> None:
-        """Stop in one line where the filters left no linear to convert: no matmul would run
-        in the format, and the run would measure bf16 under this precision's name."""
-        assert self.conversion is not None
-        if not self.conversion.converted:
+    @property
+    def timed(self) -> bool:
+        """An emulated format measures numerics, not speed: its throughput is never reported."""
+        return not self.emulated
+
+    def adopt(self, conversion: LinearConversion, what: str) -> None:
+        """Take ``conversion`` and say what it converted and what it kept in bf16. Stop in one
+        line where the filters left no linear to convert: no matmul would run in the format,
+        and the run would measure bf16 under this precision's name."""
+        self.conversion = conversion
+        conversion.emulated = self.emulated
+        skipped = ", ".join(f"{name}: {why}" for name, why in conversion.skipped.items())
+        if not conversion.converted:
             raise ConfigError(
                 f"precision={self.spec.name} converted no linear layer ("
-                f"{self.skipped_text() or 'the model has none'}), so no matmul would run in "
+                f"{skipped or 'the model has none'}), so no matmul would run in "
                 f"{self.spec.name}; use precision=bf16"
             )
-
-    def announce(self, what: str) -> None:
-        """Say what the conversion converted, and what it kept in bf16."""
-        assert self.conversion is not None
-        if self.conversion.emulated:
+        if self.emulated:
             log.warning(
                 "%s is emulated (precision.emulate=true): slow, so not timed", self.spec.name
             )
         log.info(
             "%s: %d linear layers converted, %d kept in bf16 (%s)",
             what,
-            len(self.conversion.converted),
-            len(self.conversion.skipped),
-            self.skipped_text() or "none",
+            len(conversion.converted),
+            len(conversion.skipped),
+            skipped or "none",
         )
 
     def converted_linears(self) -> list[str] | None:

@@ -3,27 +3,12 @@ since fp16's narrow exponent range lets small gradients underflow."""
 
 from __future__ import annotations
 
-from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
-from amp_exp.training.precisions.base import PrecisionPlugin
+from amp_exp.config.precisions import DType
+from amp_exp.training.precisions.base import PrecisionPlugin, autocast_spec
 
 
 class Fp16(PrecisionPlugin):
-    spec = PrecisionSpec(
-        name="fp16",
-        order=2,
-        colour="#dd8452",
-        compute_dtype=DType.float16,
-        autocast_dtype=DType.float16,
-        grad_scaler=True,
-        peak_math="fp16",
-        probed_as="fp16",
-        fsdp_param_dtype=DType.float16,
-        engaged=Engagement(0.5, (DType.float16,)),
-        auto_candidate=True,
-        autocast_family=True,
-        rankable=True,
-        repair_to="bf16",
-    )
+    spec = autocast_spec("fp16", DType.float16, 2, "#dd8452", grad_scaler=True, repair_to="bf16")
 
 
 PLUGIN = Fp16

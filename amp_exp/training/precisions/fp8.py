@@ -17,10 +17,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from amp_exp.config.precisions import DType, Engagement, PrecisionSpec
+from amp_exp.config.precisions import DType
 from amp_exp.config.schema import DeviceChoice, Strategy
 from amp_exp.errors import ConfigError, require
-from amp_exp.training.precisions.base import LinearFormatPlugin, LinearOptions
+from amp_exp.training.precisions.base import (
+    LinearFormatPlugin,
+    LinearOptions,
+    linear_format_spec,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -59,34 +63,17 @@ def require_fp8_hardware(device: torch.device, emulate: bool) -> None:
 
 
 class Fp8(LinearFormatPlugin):
-    spec = PrecisionSpec(
-        name="fp8",
+    spec = linear_format_spec(
+        "fp8",
+        (DType.float8_e4m3fn, DType.float8_e5m2),
+        peak_math="fp8",
         order=4,
         colour="#c44e52",
-        compute_dtype=DType.bfloat16,
-        autocast_dtype=DType.bfloat16,
-        # fp8 matmuls peak at twice the bf16 rate, and its other ops run at bf16's.
-        peak_math="fp8",
         strategies=frozenset({Strategy.ddp}),
-        # As bf16 outside the converted linears: with autocast lost, the rest would run in
-        # fp32 (emulated gpt_tiny, measured: 74% float8, 26% bf16, so 100% in these).
-        engaged=Engagement(
-            0.5,
-            (DType.float8_e4m3fn, DType.float8_e5m2, DType.bfloat16),
-            converted_dtypes=(DType.float8_e4m3fn, DType.float8_e5m2),
-        ),
-        rankable=True,
-        repair_to="bf16",
         compile_on_cuda=True,
     )
-
     Options = Fp8Options
     variant_keys = ("emulate",)
-
-    @property
-    def timed(self) -> bool:
-        """Emulated fp8 measures numerics, not speed: its throughput is never reported."""
-        return not self.cfg.emulate
 
     @classmethod
     def variant_label(cls, knobs: dict[str, Any]) -> str:
@@ -127,7 +114,7 @@ class Fp8(LinearFormatPlugin):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         from amp_exp.training.keep_fp32 import cast_floats
-        from amp_exp.training.linears import is_conv1d, plan_linears
+        from amp_exp.training.linears import is_conv1d, plan_linears, swap_linears
 
         def cast_to_cpu_autocast(module: nn.Module, args: tuple) -> tuple:
             """Float8Linear casts its input to the autocast dtype under CUDA's autocast only;
@@ -140,23 +127,18 @@ class Fp8(LinearFormatPlugin):
         options: Fp8Options = self.options
         recipe = options.recipe.value
         skip_small_for = recipe if options.skip_small else None
-        self.conversion = plan_linears(model, options.skip, skip_small_for, self.kept_fp32)
-        self.conversion.emulated = self.cfg.emulate
-        self.refuse_if_nothing_converts()
+        conversion = plan_linears(model, options.skip, skip_small_for, self.kept_fp32)
+        self.adopt(conversion, f"fp8 ({recipe}{', emulated' if self.cfg.emulate else ''})")
         config = Float8LinearConfig.from_recipe_name(recipe)
         config = dataclasses.replace(config, emulate=self.cfg.emulate)
-        chosen = set(self.conversion.converted)
+        chosen = set(conversion.converted)
         model = convert_to_float8_training(
             model, module_filter_fn=lambda _, name: name in chosen, config=config
         )
+        conv1d = [name for name in chosen if is_conv1d(model.get_submodule(name))]
+        swap_linears(model, conv1d, float8_conv1d_class(), config=config)
         for name in chosen:
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            layer = getattr(parent, child)
-            if is_conv1d(layer):
-                setattr(parent, child, float8_conv1d(layer, config))
             model.get_submodule(name).register_forward_pre_hook(cast_to_cpu_autocast)
-        self.announce(f"fp8 ({recipe}{', emulated' if self.cfg.emulate else ''})")
         return model
 
     def inference_context(self) -> contextlib.AbstractContextManager:
@@ -186,19 +168,6 @@ def float8_conv1d_class() -> type[nn.Module]:
             return output if self.bias is None else output + self.bias.to(output.dtype)
 
     return Float8Conv1D
-
-
-def float8_conv1d(conv: nn.Module, config: Any) -> nn.Module:
-    """A ``Float8Conv1D`` holding ``conv``'s own parameters, built on the meta device so nothing
-    is initialised twice."""
-    import torch
-
-    from amp_exp.training.linears import linear_features
-
-    with torch.device("meta"):
-        layer = float8_conv1d_class()(*linear_features(conv), bias=False, config=config)
-    layer.weight, layer.bias = conv.weight, conv.bias
-    return layer
 
 
 PLUGIN = Fp8
