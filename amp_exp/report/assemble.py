@@ -11,11 +11,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from amp_exp.config.schema import ReportConfig
 from amp_exp.launch import worker_rank
@@ -248,15 +249,8 @@ class SweepReport(Callback):
         # Resolving the sweep directory now pins its ${now:...} to the one the jobs use.
         self.sweep_dir = Path(config.hydra.sweep.dir).absolute()
         self.trusted = named_code(config)
-        self.settings = ReportConfig(
-            tolerance=config.report.tolerance,
-            wandb=config.report.wandb,
-            wandb_timeout=config.report.wandb_timeout,
-            speed_trial=config.report.speed_trial,
-            familywise=config.report.familywise,
-            predict=list(config.report.predict),
-            forecast_steps=config.report.forecast_steps,
-        )
+        report = OmegaConf.to_container(config.report, resolve=True)
+        self.settings = ReportConfig(**{key.name: report[key.name] for key in fields(ReportConfig)})
         launcher = str(config.hydra.launcher.get("_target_", ""))
         if self.settings.speed_trial and launcher.endswith("SlurmLauncher"):
             # This process runs where the sweep was submitted, not on the jobs' nodes.

@@ -285,6 +285,11 @@ def quality_fields(summary: dict[str, Any], base: dict[str, Any]) -> dict[str, A
     }
 
 
+def quality_entry(declared: dict[str, Any]) -> dict[str, Any]:
+    """The quality metric's entry among the metrics a task declares: its label and format."""
+    return next(m for m in declared["metrics"] if m["name"] == declared["quality"])
+
+
 def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, Any]:
     summary = run.summary
     base = baseline.summary if baseline is not None else {}
@@ -407,11 +412,9 @@ def learned(row: Row, metrics: list[dict[str, Any]]) -> tuple[bool | None, str]:
     shown = f"{name} {loss:.4g} from {start:.4g} at first log"
     if loss > DROP * start:
         return False, f"{shown}: it fell by less than {1 - DROP:.0%}"
-    if floor is not None and floor > 0 and loss > FLOOR_FACTOR * floor:
-        return False, f"{shown}, {loss / floor:.2f}x its loss_floor {floor:.4g}"
-    if floor is not None and floor > 0:
-        return True, f"{shown}, {loss / floor:.2f}x its loss_floor {floor:.4g}"
-    return True, shown
+    if floor is None or floor <= 0:
+        return True, shown
+    return loss <= FLOOR_FACTOR * floor, f"{shown}, {loss / floor:.2f}x its loss_floor {floor:.4g}"
 
 
 def mark_learned(rows: list[Row], metrics: dict[str, list[dict[str, Any]]]) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.forecast.forecast import forecast_run
 from amp_exp.forecast.markdown import crossing_sentence
-from amp_exp.report.compare import variant_label
+from amp_exp.report.compare import precision_knobs, variant_label
 from amp_exp.report.runs import Run
 from amp_exp.report.words import md_text
 
@@ -27,8 +27,8 @@ DEFAULT_STRETCH = 10
 
 
 def _min_scale(run: Run) -> float:
-    config = run.summary.get("config") or {}
-    value = ((config.get("precision") or {}) if isinstance(config, dict) else {}).get("min_scale")
+    # report/runs.py left out a config or precision section that is no object.
+    value = precision_knobs(run.summary).get("min_scale")
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
     return float(value) if ok else PrecisionConfig.min_scale
 

@@ -94,10 +94,6 @@ class Estimate:
     sd: float | None
     scale: float | None = None
 
-    @property
-    def spread(self) -> bool:
-        return self.sd is not None and self.sd > 0
-
 
 def observed_sd(data: np.ndarray) -> float:
     """The sample standard deviation, 0 where it is rounding of equal values."""

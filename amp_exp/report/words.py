@@ -65,6 +65,13 @@ def md_text(value: object) -> str:
     return html.escape(_MARKUP.sub(lambda found: "\\" + found.group(), text), quote=False)
 
 
+def md_table(header: list[str], body: list[list[str]]) -> list[str]:
+    """A markdown table's lines; each cell is already markdown (``md_text`` for recorded
+    values)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
+
+
 def show_level(confidence: float) -> str:
     """An interval's level: 95%, 97.5%, 98.33%."""
     return f"{confidence * 100:.4g}%"
