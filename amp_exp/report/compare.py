@@ -135,6 +135,7 @@ def engaged(summary: dict[str, Any]) -> bool | None:
 def find_baseline(run: Run, runs: list[Run]) -> Run | None:
     """The completed fp32 run of the same model, setting and seed, if its fp32 engaged: the same
     initial weights and the same batches, so the two form a pair."""
+    pair = (run.model, run.setting, seed_of(run))
     return next(
         (
             other
@@ -142,9 +143,7 @@ def find_baseline(run: Run, runs: list[Run]) -> Run | None:
             if other.completed
             and other.precision == BASELINE
             and engaged(other.summary) is not False
-            and other.model == run.model
-            and other.setting == run.setting
-            and seed_of(other) == seed_of(run)
+            and (other.model, other.setting, seed_of(other)) == pair
         ),
         None,
     )
@@ -181,9 +180,7 @@ def variant_label(summary: dict[str, Any]) -> str:
 
 
 def _ratio(value: float | None, baseline: float | None) -> float | None:
-    if value is None or not baseline:
-        return None
-    return value / baseline
+    return None if value is None or not baseline else value / baseline
 
 
 def amp_health(summary: dict[str, Any]) -> dict[str, Any]:

@@ -385,10 +385,6 @@ def shown(value: Any, spec: str = "", suffix: str = "") -> str:
 Column = tuple[str, Callable[[dict[str, Any]], str]]
 
 
-def row_subject(row: dict[str, Any]) -> str:
-    return md_text(subject(row["model"], row["setting"]))
-
-
 def throughput(row: dict[str, Any]) -> str:
     """Tokens/s for a language model, samples/s otherwise."""
     if row["tokens_per_s"] is not None:
@@ -451,7 +447,7 @@ def run_columns(rows: list[dict[str, Any]]) -> list[Column]:
     seeds = [("seed", lambda row: shown(row["seed"]))] if len({r["seed"] for r in rows}) > 1 else []
     return [
         ("run", lambda row: md_text(row["run"])),
-        ("model", row_subject),
+        ("model", lambda row: md_text(subject(row["model"], row["setting"]))),
         ("precision", precision_cell),
         *seeds,
         ("result", result),

@@ -37,13 +37,9 @@ def precision_color(precision: str) -> str:
 
 
 def _label(row: dict[str, Any], with_model: bool) -> str:
-    parts = [row["model"]] if with_model else []
-    parts.append(row["label"])
-    if row["setting"]:
-        parts.append(row["setting"])
-    if row["status"] != "completed":
-        parts.append(f"({row['status']})")
-    return " ".join(parts)
+    status = "" if row["status"] == "completed" else f"({row['status']})"
+    parts = [row["model"] if with_model else "", row["label"], row["setting"], status]
+    return " ".join(part for part in parts if part)
 
 
 def _train_rows(metrics: Metrics, row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -246,14 +242,8 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
                 (tolerance_of[model], f"eval-loss tolerance ±{tolerance_of[model]:.2%}", "--")
             )
         for level, name, style in lines:
-            for sign in (1, -1):
-                ax.axhline(
-                    sign * level,
-                    color="#333333",
-                    linestyle=style,
-                    linewidth=0.9,
-                    label=name if sign == 1 else None,
-                )
+            ax.axhline(level, color="#333333", linestyle=style, linewidth=0.9, label=name)
+            ax.axhline(-level, color="#333333", linestyle=style, linewidth=0.9)
         ax.axhline(0, color=precision_color(BASELINE), linewidth=0.8)
         ax.yaxis.set_major_formatter(lambda value, _: f"{value:+.2%}")
         _finish(ax, model, "training-loss gap vs fp32, paired by seed")

@@ -152,11 +152,6 @@ def start(sweep_dir: Path, min_seeds: int, max_seeds: int) -> Plan:
     return Plan(before.min_seeds, max_seeds, before.levels, before.accuracy_levels)
 
 
-def plan_of(recorded: dict[str, Any]) -> Plan:
-    """The plan an evidence.json recorded."""
-    return Plan(**recorded["plan"])
-
-
 def still_open(comparison: dict[str, Any], plan: Plan) -> bool:
     """Whether a cell gets another seed: its verdict is open (or, for accuracy, not yet
     judged) and it has not reached max_seeds."""
