@@ -132,9 +132,7 @@ def assemble(
     cells, comparisons = gather(rows, metrics, tolerance, trials, familywise, alpha)
     predictions = read_entries(dirs, PREDICTED_JSON, "predictions")
     for found in comparisons:
-        found["predicted"] = predicted_speedups(
-            predictions, (found["model"], found["setting"], found["label"])
-        )
+        found["predicted"] = predicted_speedups(predictions, cell_key(found))
     mark_comparisons(comparisons, rows)
     report = {
         "recommendations": recommendations(rows, comparisons),

@@ -21,9 +21,9 @@ from amp_exp.report.compare import (
     FLOOR_FACTOR,
     NOT_ENGAGED,
     SKIPPED_SHARE,
+    cell_key,
     quality_entry,
     subject,
-    tolerance_for,
 )
 from amp_exp.report.decision import CLAIM_P, trial_interval
 from amp_exp.report.forecasts import forecast_section
@@ -123,7 +123,7 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     """A row per cell (model, setting, precision over its seeds): the quality metric's mean and
     95% CI, and against fp32 the paired difference, its p-value, the verdict, the loss gap and
     the speed trial's speedup."""
-    compared = {(c["model"], c["setting"], c["label"]): c for c in report["comparisons"]}
+    compared = {cell_key(c): c for c in report["comparisons"]}
     formats = {
         metric["name"]: metric["fmt"]
         for row in report["runs"]
@@ -146,7 +146,7 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     header += [f"predicted on {md_text(gpu)}" for gpu in gpus]
     body = []
     for cell in report["cells"]:
-        found = compared.get((cell["model"], cell["setting"], cell["label"]), {})
+        found = compared.get(cell_key(cell), {})
         metric = cell["metric"]
         mean = _estimate(cell if metric else None, formats.get(metric, ".4g"))
         unit = ToleranceUnit(found.get("unit") or ToleranceUnit.relative.value)
@@ -173,14 +173,14 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
 
 
 def tolerance_sentence(report: dict[str, Any]) -> str:
-    """Which tolerance each task's quality metric was judged with."""
-    judged = {}
-    for row in report["runs"]:
-        declared = row["quality_metric"]
-        if declared is not None:
-            limit = tolerance_for(row, report["tolerance"])
-            unit = ToleranceUnit(declared["tolerance_unit"])
-            judged[declared["quality"]] = show_tolerance(limit, unit)
+    """Which tolerance each task's quality metric was judged with (each row's ``tolerance``)."""
+    judged = {
+        row["quality_metric"]["quality"]: show_tolerance(
+            row["tolerance"], ToleranceUnit(row["quality_metric"]["tolerance_unit"])
+        )
+        for row in report["runs"]
+        if row["quality_metric"] is not None
+    }
     if not judged:
         return ""
     listed = ", ".join(f"{md_text(name)} {limit}" for name, limit in judged.items())

@@ -18,7 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from amp_exp.report import stats
-from amp_exp.report.compare import BASELINE, group_cells
+from amp_exp.report.compare import BASELINE, cell_key, group_cells
 from amp_exp.report.decision import trial_interval
 from amp_exp.report.runs import report_plugin
 from amp_exp.report.words import speedup_cell, trial_levels
@@ -221,7 +221,7 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
         )
         finite = {step: value for step, value in gap.items() if math.isfinite(value)}
         if finite and row["label"] != BASELINE:
-            pairs.setdefault((row["model"], row["setting"], row["label"]), []).append(finite)
+            pairs.setdefault(cell_key(row), []).append(finite)
         declared = row["quality_metric"]
         if declared is not None and declared["tolerance_unit"] == "relative":
             tolerance_of[row["model"]] = row["tolerance"]

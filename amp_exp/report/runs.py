@@ -102,11 +102,11 @@ def read_metrics(path: Path, summary: dict[str, Any]) -> tuple[list[dict[str, An
 NUMBER = (int, float)
 
 
+@dataclass(frozen=True)
 class Nullable:
     """A key that may be missing or null; ``inner`` otherwise."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    inner: Any
 
 
 FIELD_KINDS: dict[str, Any] = {
@@ -230,12 +230,8 @@ class RecordedPlugin:
 
     def __init__(self, name: str, facts: dict[str, Any]) -> None:
         self.facts = facts
-        self.spec = SimpleNamespace(
-            name=name,
-            order=facts["order"],
-            colour=facts["colour"],
-            grad_scaler=facts["grad_scaler"],
-        )
+        spec = {key: facts[key] for key in ("order", "colour", "grad_scaler")}
+        self.spec = SimpleNamespace(name=name, **spec)
 
     def variant_label(self, knobs: dict[str, Any]) -> str:
         return str(self.facts["label"])
