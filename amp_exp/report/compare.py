@@ -390,10 +390,8 @@ FIX = "lower optimizer.lr, use optimizer=adamw, or raise trainer.max_steps"
 
 def initial_loss(metrics: list[dict[str, Any]]) -> float | None:
     """The first training loss the run logged (metrics.jsonl)."""
-    for row in metrics:
-        if row.get("kind", "train") == "train" and isinstance(row.get("loss"), float):
-            return row["loss"]
-    return None
+    train = (row for row in metrics if row.get("kind", "train") == "train")
+    return next((row["loss"] for row in train if isinstance(row.get("loss"), float)), None)
 
 
 def learned(row: Row, metrics: list[dict[str, Any]]) -> tuple[bool | None, str]:
@@ -420,21 +418,15 @@ def mark_learned(rows: list[Row], metrics: dict[str, list[dict[str, Any]]]) -> N
         row["learned"], row["learned_reason"] = learned(row, metrics.get(row["run"], []))
 
 
-def unlearned_baselines(comparison: dict[str, Any], rows: list[Row]) -> list[Row]:
-    """The fp32 runs, paired with this comparison's seeds, that did not learn."""
-    by_run = {row["run"]: row for row in rows}
-    paired = [
-        row for row in rows if cell_key(row) == cell_key(comparison) and row["baseline"] in by_run
-    ]
-    return [
-        by_run[row["baseline"]] for row in paired if by_run[row["baseline"]]["learned"] is False
-    ]
-
-
 def mark_comparisons(comparisons: list[dict[str, Any]], rows: list[Row]) -> None:
-    """Set each comparison's ``baseline_not_learned``: the seeds whose fp32 run did not learn."""
+    """Set each comparison's ``baseline_not_learned``: the seeds whose fp32 run, paired with a run
+    of the comparison's cell, did not learn."""
+    by_run = {row["run"]: row for row in rows}
     for found in comparisons:
-        found["baseline_not_learned"] = [row["seed"] for row in unlearned_baselines(found, rows)]
+        pairs = [by_run.get(row["baseline"]) for row in rows if cell_key(row) == cell_key(found)]
+        found["baseline_not_learned"] = [
+            pair["seed"] for pair in pairs if pair is not None and pair["learned"] is False
+        ]
 
 
 # A completed run whose final loss is this many times the first it logged diverged, even where
@@ -464,8 +456,7 @@ def first_nonfinite_step(metrics: list[dict[str, Any]]) -> int | None:
 
 
 def last_step(metrics: list[dict[str, Any]]) -> int | None:
-    steps = [int(row["step"]) for row in metrics if "step" in row]
-    return max(steps) if steps else None
+    return max((int(row["step"]) for row in metrics if "step" in row), default=None)
 
 
 def failure(row: Row, metrics: dict[str, list]) -> dict[str, Any] | None:

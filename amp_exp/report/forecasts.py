@@ -24,6 +24,8 @@ from amp_exp.report.words import md_text
 
 # The planned length, as a multiple of each run's, where report.forecast_steps is null.
 DEFAULT_STRETCH = 10
+# What the report keeps of a run's forecast: not the per-signal fits (forecast.json has those).
+KEPT = ("observed_steps", "planned_steps", "first_crossing", "unforecastable")
 
 
 def _min_scale(run: Run) -> float:
@@ -58,10 +60,7 @@ def long_run_forecasts(runs: list[Run], out_dir: Path, steps: int | None) -> lis
         groups[(run.model, run.setting, variant_label(run.summary))].append(
             {
                 "run": os.path.relpath(run.path, out_dir),
-                "observed_steps": forecast["observed_steps"],
-                "planned_steps": forecast["planned_steps"],
-                "first_crossing": forecast["first_crossing"],
-                "unforecastable": forecast["unforecastable"],
+                **{key: forecast[key] for key in KEPT},
                 "sentence": crossing_sentence(forecast),
             }
         )

@@ -406,10 +406,7 @@ def gap_curve(curve: Curve, baseline: Curve) -> Curve:
 
 
 def common_steps(curves: Sequence[Curve]) -> list[int]:
-    steps = set(curves[0]) if curves else set()
-    for curve in curves[1:]:
-        steps &= set(curve)
-    return sorted(steps)
+    return sorted(set.intersection(*map(set, curves))) if curves else []
 
 
 def mean_curve(curves: Sequence[Curve]) -> Curve:
