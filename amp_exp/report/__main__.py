@@ -88,8 +88,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def reported_runs(out_dir: Path) -> set[str]:
     """The runs (relative to ``out_dir``) of the report already there; empty if none."""
     try:
-        rows = read_json(out_dir / REPORT_JSON)["runs"]
-        return {str(row["run"]) for row in rows}
+        return {str(row["run"]) for row in read_json(out_dir / REPORT_JSON)["runs"]}
     except UntrustedFile:
         raise
     except (OSError, ValueError, KeyError, TypeError):

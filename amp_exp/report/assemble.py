@@ -11,11 +11,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from amp_exp.config.schema import ReportConfig
 from amp_exp.launch import worker_rank
@@ -36,7 +37,7 @@ from amp_exp.report.forecasts import long_run_forecasts
 from amp_exp.report.markdown import write_report
 from amp_exp.report.recommend import recommendations
 from amp_exp.report.runs import find_runs
-from amp_exp.report.sequential import Plan, plan_of, read_plan
+from amp_exp.report.sequential import Plan, read_plan
 from amp_exp.report.words import verdicts
 from amp_exp.results.contract import Stopped, stop_on_signals
 from amp_exp.results.files import PREDICTED_JSON, SPEED_JSON, UntrustedFile, read_json
@@ -131,9 +132,7 @@ def assemble(
     cells, comparisons = gather(rows, metrics, tolerance, trials, familywise, alpha)
     predictions = read_entries(dirs, PREDICTED_JSON, "predictions")
     for found in comparisons:
-        found["predicted"] = predicted_speedups(
-            predictions, (found["model"], found["setting"], found["label"])
-        )
+        found["predicted"] = predicted_speedups(predictions, cell_key(found))
     mark_comparisons(comparisons, rows)
     report = {
         "recommendations": recommendations(rows, comparisons),
@@ -207,18 +206,18 @@ def build_report(
     forecast to (None: 10x each run's)."""
     plans = [plan for plan in map(read_plan, dirs) if plan is not None]
     # Over several sweeps' directories the strictest plan judges all (its levels are lower).
-    plan = min(map(plan_of, plans), key=lambda p: p.alpha(p.max_seeds, None), default=None)
+    found = (Plan(**recorded["plan"]) for recorded in plans)
+    plan = min(found, key=lambda p: p.alpha(p.max_seeds, None), default=None)
     report, metrics = assemble(dirs, out_dir, tolerance, familywise, plan, forecast_steps)
     report["evidence_sweep"] = plans[0] if len(plans) == 1 else None
     if report["evidence_sweep"] is not None:
         # Runs the sweep's last look never saw: judged by the plan's levels, never at 95%.
         recorded = report["evidence_sweep"]["jobs"]
         report["evidence_sweep"]["runs_after_last_look"] = max(0, len(report["runs"]) - recorded)
-    rows = report["runs"]
     out_dir.mkdir(parents=True, exist_ok=True)
     # The table is on disk before any plot is tried.
     write_report(out_dir, report)
-    report["plots"], report["plot_errors"] = draw_plots(rows, metrics, out_dir)
+    report["plots"], report["plot_errors"] = draw_plots(report["runs"], metrics, out_dir)
     write_report(out_dir, report)
     return report
 
@@ -248,15 +247,8 @@ class SweepReport(Callback):
         # Resolving the sweep directory now pins its ${now:...} to the one the jobs use.
         self.sweep_dir = Path(config.hydra.sweep.dir).absolute()
         self.trusted = named_code(config)
-        self.settings = ReportConfig(
-            tolerance=config.report.tolerance,
-            wandb=config.report.wandb,
-            wandb_timeout=config.report.wandb_timeout,
-            speed_trial=config.report.speed_trial,
-            familywise=config.report.familywise,
-            predict=list(config.report.predict),
-            forecast_steps=config.report.forecast_steps,
-        )
+        report = OmegaConf.to_container(config.report, resolve=True)
+        self.settings = ReportConfig(**{key.name: report[key.name] for key in fields(ReportConfig)})
         launcher = str(config.hydra.launcher.get("_target_", ""))
         if self.settings.speed_trial and launcher.endswith("SlurmLauncher"):
             # This process runs where the sweep was submitted, not on the jobs' nodes.

@@ -135,6 +135,7 @@ def engaged(summary: dict[str, Any]) -> bool | None:
 def find_baseline(run: Run, runs: list[Run]) -> Run | None:
     """The completed fp32 run of the same model, setting and seed, if its fp32 engaged: the same
     initial weights and the same batches, so the two form a pair."""
+    pair = (run.model, run.setting, seed_of(run))
     return next(
         (
             other
@@ -142,9 +143,7 @@ def find_baseline(run: Run, runs: list[Run]) -> Run | None:
             if other.completed
             and other.precision == BASELINE
             and engaged(other.summary) is not False
-            and other.model == run.model
-            and other.setting == run.setting
-            and seed_of(other) == seed_of(run)
+            and (other.model, other.setting, seed_of(other)) == pair
         ),
         None,
     )
@@ -181,9 +180,7 @@ def variant_label(summary: dict[str, Any]) -> str:
 
 
 def _ratio(value: float | None, baseline: float | None) -> float | None:
-    if value is None or not baseline:
-        return None
-    return value / baseline
+    return None if value is None or not baseline else value / baseline
 
 
 def amp_health(summary: dict[str, Any]) -> dict[str, Any]:
@@ -283,6 +280,11 @@ def quality_fields(summary: dict[str, Any], base: dict[str, Any]) -> dict[str, A
         "quality": quality,
         "quality_delta": declared.delta(quality, base.get(declared.quality)),
     }
+
+
+def quality_entry(declared: dict[str, Any]) -> dict[str, Any]:
+    """The quality metric's entry among the metrics a task declares: its label and format."""
+    return next(m for m in declared["metrics"] if m["name"] == declared["quality"])
 
 
 def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, Any]:
@@ -388,10 +390,8 @@ FIX = "lower optimizer.lr, use optimizer=adamw, or raise trainer.max_steps"
 
 def initial_loss(metrics: list[dict[str, Any]]) -> float | None:
     """The first training loss the run logged (metrics.jsonl)."""
-    for row in metrics:
-        if row.get("kind", "train") == "train" and isinstance(row.get("loss"), float):
-            return row["loss"]
-    return None
+    train = (row for row in metrics if row.get("kind", "train") == "train")
+    return next((row["loss"] for row in train if isinstance(row.get("loss"), float)), None)
 
 
 def learned(row: Row, metrics: list[dict[str, Any]]) -> tuple[bool | None, str]:
@@ -407,11 +407,9 @@ def learned(row: Row, metrics: list[dict[str, Any]]) -> tuple[bool | None, str]:
     shown = f"{name} {loss:.4g} from {start:.4g} at first log"
     if loss > DROP * start:
         return False, f"{shown}: it fell by less than {1 - DROP:.0%}"
-    if floor is not None and floor > 0 and loss > FLOOR_FACTOR * floor:
-        return False, f"{shown}, {loss / floor:.2f}x its loss_floor {floor:.4g}"
-    if floor is not None and floor > 0:
-        return True, f"{shown}, {loss / floor:.2f}x its loss_floor {floor:.4g}"
-    return True, shown
+    if floor is None or floor <= 0:
+        return True, shown
+    return loss <= FLOOR_FACTOR * floor, f"{shown}, {loss / floor:.2f}x its loss_floor {floor:.4g}"
 
 
 def mark_learned(rows: list[Row], metrics: dict[str, list[dict[str, Any]]]) -> None:
@@ -420,21 +418,15 @@ def mark_learned(rows: list[Row], metrics: dict[str, list[dict[str, Any]]]) -> N
         row["learned"], row["learned_reason"] = learned(row, metrics.get(row["run"], []))
 
 
-def unlearned_baselines(comparison: dict[str, Any], rows: list[Row]) -> list[Row]:
-    """The fp32 runs, paired with this comparison's seeds, that did not learn."""
-    by_run = {row["run"]: row for row in rows}
-    paired = [
-        row for row in rows if cell_key(row) == cell_key(comparison) and row["baseline"] in by_run
-    ]
-    return [
-        by_run[row["baseline"]] for row in paired if by_run[row["baseline"]]["learned"] is False
-    ]
-
-
 def mark_comparisons(comparisons: list[dict[str, Any]], rows: list[Row]) -> None:
-    """Set each comparison's ``baseline_not_learned``: the seeds whose fp32 run did not learn."""
+    """Set each comparison's ``baseline_not_learned``: the seeds whose fp32 run, paired with a run
+    of the comparison's cell, did not learn."""
+    by_run = {row["run"]: row for row in rows}
     for found in comparisons:
-        found["baseline_not_learned"] = [row["seed"] for row in unlearned_baselines(found, rows)]
+        pairs = [by_run.get(row["baseline"]) for row in rows if cell_key(row) == cell_key(found)]
+        found["baseline_not_learned"] = [
+            pair["seed"] for pair in pairs if pair is not None and pair["learned"] is False
+        ]
 
 
 # A completed run whose final loss is this many times the first it logged diverged, even where
@@ -464,8 +456,7 @@ def first_nonfinite_step(metrics: list[dict[str, Any]]) -> int | None:
 
 
 def last_step(metrics: list[dict[str, Any]]) -> int | None:
-    steps = [int(row["step"]) for row in metrics if "step" in row]
-    return max(steps) if steps else None
+    return max((int(row["step"]) for row in metrics if "step" in row), default=None)
 
 
 def failure(row: Row, metrics: dict[str, list]) -> dict[str, Any] | None:

@@ -130,10 +130,8 @@ def trial_interval(found: dict[str, Any]) -> tuple[float, float, float]:
     """A speedup's one interval and its level: a speed trial's at the level its looks were made
     at (capability/ratio.py), 95% in a speed.json written before the trial looked."""
     if "ci" in found:
-        low, high = found["ci"]
-        return low, high, found["confidence"]
-    low, high = found["ci95"]
-    return low, high, 0.95
+        return (*found["ci"], found["confidence"])
+    return (*found["ci95"], 0.95)
 
 
 def established(found: dict[str, Any]) -> str | None:

@@ -25,6 +25,7 @@ from amp_exp.report.compare import (
     Row,
     failure,
     group_cells,
+    quality_entry,
     tolerance_for,
 )
 from amp_exp.report.stats import Verdict
@@ -163,10 +164,6 @@ def on_log_scale(declared: dict[str, Any] | None, values: list[float]) -> bool:
     return relative and all(math.isfinite(v) and v > 0 for v in values)
 
 
-def metric_label(declared: dict[str, Any]) -> str:
-    return next(m["label"] for m in declared["metrics"] if m["name"] == declared["quality"])
-
-
 def eval_examples(accuracies: list[float]) -> int | None:
     """The eval set's size, as far as the accuracies show it: each is a count over N, so N is
     the least common multiple of their denominators (a divisor of the true N when every count
@@ -211,7 +208,7 @@ def quality_evidence(
     return {
         "n": estimate.n,
         "metric": declared["quality"],
-        "metric_label": metric_label(declared),
+        "metric_label": quality_entry(declared)["label"],
         "unit": declared["tolerance_unit"],
         "tolerance": limit,
         "higher_is_better": higher,

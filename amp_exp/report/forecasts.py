@@ -18,17 +18,19 @@ from typing import Any
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.forecast.forecast import forecast_run
 from amp_exp.forecast.markdown import crossing_sentence
-from amp_exp.report.compare import variant_label
+from amp_exp.report.compare import precision_knobs, variant_label
 from amp_exp.report.runs import Run
 from amp_exp.report.words import md_text
 
 # The planned length, as a multiple of each run's, where report.forecast_steps is null.
 DEFAULT_STRETCH = 10
+# What the report keeps of a run's forecast: not the per-signal fits (forecast.json has those).
+KEPT = ("observed_steps", "planned_steps", "first_crossing", "unforecastable")
 
 
 def _min_scale(run: Run) -> float:
-    config = run.summary.get("config") or {}
-    value = ((config.get("precision") or {}) if isinstance(config, dict) else {}).get("min_scale")
+    # report/runs.py left out a config or precision section that is no object.
+    value = precision_knobs(run.summary).get("min_scale")
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
     return float(value) if ok else PrecisionConfig.min_scale
 
@@ -58,10 +60,7 @@ def long_run_forecasts(runs: list[Run], out_dir: Path, steps: int | None) -> lis
         groups[(run.model, run.setting, variant_label(run.summary))].append(
             {
                 "run": os.path.relpath(run.path, out_dir),
-                "observed_steps": forecast["observed_steps"],
-                "planned_steps": forecast["planned_steps"],
-                "first_crossing": forecast["first_crossing"],
-                "unforecastable": forecast["unforecastable"],
+                **{key: forecast[key] for key in KEPT},
                 "sentence": crossing_sentence(forecast),
             }
         )

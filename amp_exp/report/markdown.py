@@ -10,6 +10,7 @@ import io
 import json
 from collections import Counter
 from collections.abc import Callable
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ from amp_exp.report.compare import (
     FLOOR_FACTOR,
     NOT_ENGAGED,
     SKIPPED_SHARE,
+    cell_key,
+    quality_entry,
     subject,
-    tolerance_for,
 )
 from amp_exp.report.decision import CLAIM_P, trial_interval
 from amp_exp.report.forecasts import forecast_section
@@ -30,6 +32,7 @@ from amp_exp.report.runs import report_plugin
 from amp_exp.report.sequential import FIXED_SEEDS
 from amp_exp.report.words import (
     describe_end,
+    md_table,
     md_text,
     show_delta,
     show_interval,
@@ -86,11 +89,12 @@ LEARNED_NOTE = (
 )
 
 
-def _estimate(estimate: dict[str, Any] | None, show: Callable[[float], str]) -> str:
+def _estimate(estimate: dict[str, Any] | None, spec: str) -> str:
     if estimate is None:
         return "-"
     ci = estimate["ci95"]
-    return show(estimate["mean"]) + ("" if ci is None else f" [{show(ci[0])}, {show(ci[1])}]")
+    shown = format(estimate["mean"], spec)
+    return shown if ci is None else f"{shown} [{format(ci[0], spec)}, {format(ci[1], spec)}]"
 
 
 def difference(mean: float | None, ci: list[float] | None, unit: ToleranceUnit) -> str:
@@ -119,7 +123,7 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     """A row per cell (model, setting, precision over its seeds): the quality metric's mean and
     95% CI, and against fp32 the paired difference, its p-value, the verdict, the loss gap and
     the speed trial's speedup."""
-    compared = {(c["model"], c["setting"], c["label"]): c for c in report["comparisons"]}
+    compared = {cell_key(c): c for c in report["comparisons"]}
     formats = {
         metric["name"]: metric["fmt"]
         for row in report["runs"]
@@ -142,9 +146,9 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     header += [f"predicted on {md_text(gpu)}" for gpu in gpus]
     body = []
     for cell in report["cells"]:
-        found = compared.get((cell["model"], cell["setting"], cell["label"]), {})
+        found = compared.get(cell_key(cell), {})
         metric = cell["metric"]
-        mean = _estimate(cell if metric else None, number_format(formats.get(metric, ".4g")))
+        mean = _estimate(cell if metric else None, formats.get(metric, ".4g"))
         unit = ToleranceUnit(found.get("unit") or ToleranceUnit.relative.value)
         delta = difference(found.get("delta_mean"), found.get("delta_ci95"), unit)
         gap = found.get("loss_gap_rel") or {}
@@ -169,14 +173,14 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
 
 
 def tolerance_sentence(report: dict[str, Any]) -> str:
-    """Which tolerance each task's quality metric was judged with."""
-    judged = {}
-    for row in report["runs"]:
-        declared = row["quality_metric"]
-        if declared is not None:
-            limit = tolerance_for(row, report["tolerance"])
-            unit = ToleranceUnit(declared["tolerance_unit"])
-            judged[declared["quality"]] = show_tolerance(limit, unit)
+    """Which tolerance each task's quality metric was judged with (each row's ``tolerance``)."""
+    judged = {
+        row["quality_metric"]["quality"]: show_tolerance(
+            row["tolerance"], ToleranceUnit(row["quality_metric"]["tolerance_unit"])
+        )
+        for row in report["runs"]
+        if row["quality_metric"] is not None
+    }
     if not judged:
         return ""
     listed = ", ".join(f"{md_text(name)} {limit}" for name, limit in judged.items())
@@ -236,11 +240,6 @@ def run_named(row: dict[str, Any]) -> str:
     return f"`{md_text(row['run'])}` ({md_text(row['model'])} {precision_shown(row)})"
 
 
-def _sentence(text: str | None) -> str:
-    """A sentence of text that names what the runs recorded (their strategies)."""
-    return f" {md_text(text)}" if text else ""
-
-
 def audit_parts(audit: dict[str, Any] | None) -> list[str]:
     """The dtypes the audited step's matmuls ran in, and why the precision did not engage."""
     if audit is None:
@@ -288,7 +287,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{len(rows)} runs ({', '.join(f'{n} {status}' for status, n in sorted(statuses.items()))})"
         + (f", on {', '.join(devices)}" if devices else "")
         + f". Each run is compared with the completed {BASELINE} run of the same model, "
-        "setting and seed." + tolerance_sentence(report) + _sentence(strategy_note(rows)),
+        "setting and seed." + tolerance_sentence(report) + strategy_note(rows),
         "",
         "## Verdict",
         "",
@@ -343,22 +342,23 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> None:
     write_text(out_dir / REPORT_MD, render_markdown(report))
 
 
-def strategy_note(rows: list[dict[str, Any]]) -> str | None:
-    """A sentence for the report when its runs ran under different strategies, None otherwise:
-    each is compared only within its own strategy, and a precision may compute in other dtypes
-    under each (FSDP2 casts the weights themselves)."""
+def strategy_note(rows: list[dict[str, Any]]) -> str:
+    """A sentence for the report when its runs ran under different strategies (as literal text:
+    it names what the runs recorded), "" otherwise: each is compared only within its own
+    strategy, and a precision may compute in other dtypes under each (FSDP2 casts the weights
+    themselves)."""
     seen = {
         (row["strategy"], row["param_dtype"], row["reduce_dtype"])
         for row in rows
         if row["strategy"] is not None
     }
     if len({strategy for strategy, _, _ in seen}) < 2:
-        return None
+        return ""
     described = "; ".join(
         f"{strategy} (weights compute in {param or '-'}, gradients reduced in {reduce or '-'})"
         for strategy, param, reduce in sorted(seen, key=str)
     )
-    return (
+    return " " + md_text(
         "These runs ran under different strategies, so each is compared only with the "
         f"{BASELINE} run of its own strategy, world size and global batch: {described}."
     )
@@ -377,29 +377,19 @@ def show_prediction(found: dict[str, Any] | None) -> str:
     return f"{found['speedup_vs_fp32']:.2f}x (predicted)"
 
 
-def number_format(spec: str, scale: float = 1, suffix: str = "") -> Callable[[Any], str]:
-    def show(value: Any) -> str:
-        return "-" if value is None else f"{format(value * scale, spec)}{suffix}"
-
-    return show
-
-
-def _text(value: Any) -> str:
-    return "-" if value is None else str(value)
+def shown(value: Any, spec: str = "", suffix: str = "") -> str:
+    """A recorded value in a table cell: "-" where it was not measured."""
+    return "-" if value is None else f"{format(value, spec)}{suffix}"
 
 
 Column = tuple[str, Callable[[dict[str, Any]], str]]
-
-
-def row_subject(row: dict[str, Any]) -> str:
-    return md_text(subject(row["model"], row["setting"]))
 
 
 def throughput(row: dict[str, Any]) -> str:
     """Tokens/s for a language model, samples/s otherwise."""
     if row["tokens_per_s"] is not None:
         return f"{row['tokens_per_s']:,.0f} tokens/s"
-    return number_format(",.1f", suffix=" samples/s")(row["samples_per_s"])
+    return shown(row["samples_per_s"], ",.1f", " samples/s")
 
 
 def speedup(row: dict[str, Any]) -> str:
@@ -409,7 +399,7 @@ def speedup(row: dict[str, Any]) -> str:
         return "-"  # the baseline of every speedup
     if row["trial_speedup"] is not None:
         return speedup_cell(row["trial_speedup"])
-    return number_format(".2f", suffix="x (jobs)")(row["speedup"])
+    return shown(row["speedup"], ".2f", "x (jobs)")
 
 
 def memory(row: dict[str, Any]) -> str:
@@ -424,8 +414,7 @@ def quality(row: dict[str, Any]) -> str:
     declared = row["quality_metric"]
     if declared is None or row["quality"] is None:
         return "-"
-    fmt = next(m["fmt"] for m in declared["metrics"] if m["name"] == declared["quality"])
-    return format(row["quality"], fmt)
+    return format(row["quality"], quality_entry(declared)["fmt"])
 
 
 def precision_cell(row: dict[str, Any]) -> str:
@@ -455,10 +444,10 @@ def quality_header(rows: list[dict[str, Any]]) -> str:
 def run_columns(rows: list[dict[str, Any]]) -> list[Column]:
     """report.md's Runs table, at most 10 columns (every field is in report.json and runs.csv);
     a new column is one more entry here."""
-    seeds = [("seed", lambda row: _text(row["seed"]))] if len({r["seed"] for r in rows}) > 1 else []
+    seeds = [("seed", lambda row: shown(row["seed"]))] if len({r["seed"] for r in rows}) > 1 else []
     return [
         ("run", lambda row: md_text(row["run"])),
-        ("model", row_subject),
+        ("model", lambda row: md_text(subject(row["model"], row["setting"]))),
         ("precision", precision_cell),
         *seeds,
         ("result", result),
@@ -494,19 +483,16 @@ def runs_csv(rows: list[dict[str, Any]]) -> str:
     fields = [*dict.fromkeys(scalars), "trial_speedup"]
     fields += [f"eval.{name}" for name in dict.fromkeys(n for row in rows for n in row["eval"])]
     out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(fields)
+    # csv writes None as an empty cell; a field a row lacks is empty too.
+    writer = csv.DictWriter(out, fields, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
     for row in rows:
-        values = {**row, **{f"eval.{name}": value for name, value in row["eval"].items()}}
         trial = row["trial_speedup"]
-        values["trial_speedup"] = None if trial is None else trial["ratio"]
-        writer.writerow(["" if values.get(key) is None else values[key] for key in fields])
+        evals = {f"eval.{name}": value for name, value in row["eval"].items()}
+        writer.writerow(
+            {**row, **evals, "trial_speedup": None if trial is None else trial["ratio"]}
+        )
     return out.getvalue()
-
-
-def md_table(header: list[str], body: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
 
 
 def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
@@ -527,16 +513,15 @@ def evidence_sweep_section(sweep: dict[str, Any] | None) -> list[str]:
         " the intervals above are at those levels (1 - 2 x the level), not 95%.",
         "",
         *after_last_look(sweep),
-        "| cell | seeds | verdict at each look, until decided |",
-        "|---|---|---|",
     ]
+    body = []
     for cell, seeds in sweep["seeds"].items():
-        shown = ", ".join(
+        looks = ", ".join(
             f"n={look['n']} {md_text(look['verdict'])}" for look in judged_looks(sweep, cell)
         )
         model, setting, label = cell.split("|")
-        named = md_text(f"{subject(model, setting)} {label}")
-        lines.append(f"| {named} | {seeds} | {shown or '-'} |")
+        body.append([md_text(f"{subject(model, setting)} {label}"), str(seeds), looks or "-"])
+    lines += md_table(["cell", "seeds", "verdict at each look, until decided"], body)
     steps = sweep["steps_per_job"]
     cost = f", {sweep['steps']:,} steps" if steps else ""
     fixed = f", {sweep['fixed_jobs'] * steps:,} steps" if steps else ""
@@ -572,16 +557,9 @@ def judged_looks(sweep: dict[str, Any], cell: str) -> list[dict[str, Any]]:
     """The looks at ``cell`` that judged new evidence: a frozen cell's later looks repeat its
     verdict on the same seeds, and would read as more judgements. A cell that Holm's
     adjustment (report.familywise) reopened keeps the looks that followed."""
+    judged = itemgetter("n", "verdict")
     looks: list[dict[str, Any]] = []
-    for look in sweep["looks"]:
-        found = look.get(cell)
-        if found is not None and (
-            not looks
-            or (found["n"], found["verdict"])
-            != (
-                looks[-1]["n"],
-                looks[-1]["verdict"],
-            )
-        ):
+    for found in filter(None, (look.get(cell) for look in sweep["looks"])):
+        if not looks or judged(found) != judged(looks[-1]):
             looks.append(found)
     return looks

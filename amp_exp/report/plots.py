@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from amp_exp.report import stats
-from amp_exp.report.compare import BASELINE, group_cells
+from amp_exp.report.compare import BASELINE, cell_key, group_cells
 from amp_exp.report.decision import trial_interval
 from amp_exp.report.runs import report_plugin
 from amp_exp.report.words import speedup_cell, trial_levels
@@ -36,13 +37,9 @@ def precision_color(precision: str) -> str:
 
 
 def _label(row: dict[str, Any], with_model: bool) -> str:
-    parts = [row["model"]] if with_model else []
-    parts.append(row["label"])
-    if row["setting"]:
-        parts.append(row["setting"])
-    if row["status"] != "completed":
-        parts.append(f"({row['status']})")
-    return " ".join(parts)
+    status = "" if row["status"] == "completed" else f"({row['status']})"
+    parts = [row["model"] if with_model else "", row["label"], row["setting"], status]
+    return " ".join(part for part in parts if part)
 
 
 def _train_rows(metrics: Metrics, row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -51,8 +48,15 @@ def _train_rows(metrics: Metrics, row: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _model_panels(models: list[str], panel_size: tuple[float, float]) -> tuple[Figure, list]:
-    """A figure with one panel per model, filled row by row; unused panels are hidden."""
+def _model_panels(
+    models: list[str], panel_size: tuple[float, float]
+) -> tuple[Figure | None, list[tuple[Any, str]]]:
+    """A figure with one panel per model (``models`` may repeat), filled row by row, unused
+    panels hidden, and its (axes, model) pairs; (None, []) without a model, so that a plot with
+    nothing to show returns its figure, None."""
+    models = list(dict.fromkeys(models))
+    if not models:
+        return None, []
     columns = min(PANEL_COLUMNS, len(models))
     panel_rows = math.ceil(len(models) / columns)
     width, height = panel_size
@@ -60,12 +64,37 @@ def _model_panels(models: list[str], panel_size: tuple[float, float]) -> tuple[F
     axes = list(figure.subplots(panel_rows, columns, squeeze=False).flat)
     for ax in axes[len(models) :]:
         ax.set_visible(False)
-    return figure, axes[: len(models)]
+    return figure, list(zip(axes, models, strict=False))
 
 
-def _cell_label(row: dict[str, Any], seeds: int) -> str:
-    label = _label(row, with_model=False)
-    return f"{label}, mean of {seeds} seeds" if seeds > 1 else label
+def _finish(
+    ax: Any, title: str, ylabel: str, bars: Rows | None = None, legend: bool = True
+) -> None:
+    """A panel's title, labels, grid and legend; with ``bars``, a tick per bar named by its run."""
+    if bars is None:
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+    else:
+        labels = [_label(row, with_model=False).replace(" ", "\n") for row in bars]
+        ax.set_xticks(range(len(bars)), labels, fontsize="small")
+        ax.set(title=title, ylabel=ylabel)
+    ax.grid(axis="both" if bars is None else "y", alpha=0.3)
+    if legend:
+        ax.legend(fontsize="small")
+
+
+def _line(ax: Any, curve: stats.Curve, **style: Any) -> None:
+    steps = sorted(curve)
+    ax.plot(steps, [curve[s] for s in steps], **style)
+
+
+def _fill(ax: Any, band: stats.Band, **style: Any) -> None:
+    """The lowest to highest of several curves at each step, shaded (none from one curve)."""
+    if not band:
+        return
+    steps = sorted(band)
+    ax.fill_between(
+        steps, [band[s][0] for s in steps], [band[s][1] for s in steps], linewidth=0, **style
+    )
 
 
 def _draw_cell(ax: Any, cell: Rows, metrics: Metrics) -> None:
@@ -78,27 +107,28 @@ def _draw_cell(ax: Any, cell: Rows, metrics: Metrics) -> None:
     done = [curve for curve in done if curve]
     for row in cell:
         points = _train_rows(metrics, row)
-        if points and (row["status"] != "completed" or len(done) > 1):
+        completed = row["status"] == "completed"
+        if points and (not completed or len(done) > 1):
             ax.plot(
                 [p["step"] for p in points],
                 [p["loss"] for p in points],
                 color=color,
-                alpha=0.35 if row["status"] == "completed" else 0.8,
+                alpha=0.35 if completed else 0.8,
                 linewidth=0.8,
-                linestyle="-" if row["status"] == "completed" else "--",
-                label=_label(row, with_model=False) if row["status"] != "completed" else None,
+                linestyle="-" if completed else "--",
+                label=None if completed else _label(row, with_model=False),
             )
     if not done:
         return
     mean = stats.mean_curve(done)
-    steps = sorted(mean)
-    ax.plot(
-        steps,
-        [mean[s] for s in steps],
+    label = _label(cell[0], with_model=False)
+    _line(
+        ax,
+        mean,
         color=color,
         linewidth=1.8,
-        marker="." if len(steps) < 30 else None,
-        label=_cell_label(cell[0], len(done)),
+        marker="." if len(mean) < 30 else None,
+        label=f"{label}, mean of {len(done)} seeds" if len(done) > 1 else label,
     )
 
 
@@ -106,12 +136,9 @@ def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
     """Training loss, one panel per model: the band of fp32's seeds (lowest to highest) with
     each precision's mean over its seeds drawn over it; a single seed is its own line."""
     shown = [row for row in rows if _train_rows(metrics, row)]
-    models = list(dict.fromkeys(row["model"] for row in shown))
-    if not models:
-        return None
-    figure, axes = _model_panels(models, (5.2, 3.8))
+    figure, panels = _model_panels([row["model"] for row in shown], (5.2, 3.8))
     cells = group_cells(shown)
-    for ax, model in zip(axes, models, strict=True):
+    for ax, model in panels:
         panel = [row for row in shown if row["model"] == model]
         losses = [p["loss"] for row in panel for p in _train_rows(metrics, row) if p["loss"] > 0]
         if losses and max(losses) > 100 * min(losses):
@@ -123,72 +150,47 @@ def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
                 for r in cells.get((model, setting, BASELINE), [])
                 if r["status"] == "completed"
             ]
-            fp32_band = stats.band([curve for curve in fp32 if curve])
-            if fp32_band:
-                steps = sorted(fp32_band)
-                ax.fill_between(
-                    steps,
-                    [fp32_band[s][0] for s in steps],
-                    [fp32_band[s][1] for s in steps],
-                    color=precision_color(BASELINE),
-                    alpha=0.25,
-                    linewidth=0,
-                    label=f"fp32 band ({len(fp32)} seeds){f', {setting}' if setting else ''}",
-                )
+            _fill(
+                ax,
+                stats.band([curve for curve in fp32 if curve]),
+                color=precision_color(BASELINE),
+                alpha=0.25,
+                label=f"fp32 band ({len(fp32)} seeds){f', {setting}' if setting else ''}",
+            )
             for (cell_model, cell_setting, _), cell in cells.items():
                 if (cell_model, cell_setting) == (model, setting):
                     _draw_cell(ax, cell, metrics)
-        ax.set(title=model, xlabel="step", ylabel="training loss (mean per log interval)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        _finish(ax, model, "training loss (mean per log interval)")
     return figure
 
 
 def loss_scale_trace(rows: Rows, metrics: Metrics) -> Figure | None:
     """The fp16 loss scale over training; a cross marks each log interval with skipped steps."""
-    traced = [
-        (
-            row,
-            [
-                m
-                for m in metrics.get(row["run"], [])
-                if m["kind"] == "train" and m.get("scale") is not None
-            ],
-        )
-        for row in rows
-        if (plugin := report_plugin(row["precision"])) is not None and plugin.spec.grad_scaler
-    ]
-    traced = [(row, points) for row, points in traced if points]
+    traced = []
+    for row in rows:
+        plugin = report_plugin(row["precision"])
+        logged = metrics.get(row["run"], [])
+        points = [m for m in logged if m["kind"] == "train" and m.get("scale") is not None]
+        if plugin is not None and plugin.spec.grad_scaler and points:
+            traced.append((row, points))
     if not traced:
         return None
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     ax = figure.subplots()
     skip_label = "interval with skipped steps (number skipped)"
     for row, points in traced:
-        line = ax.plot(
-            [p["step"] for p in points],
-            [p["scale"] for p in points],
-            drawstyle="steps-post",
-            marker=".",
-            label=_label(row, with_model=True),
-        )[0]
-        skipped_before = 0
-        for point in points:
-            newly_skipped = point["skipped_steps"] - skipped_before
-            skipped_before = point["skipped_steps"]
-            if newly_skipped > 0:
+        steps, scales = [p["step"] for p in points], [p["scale"] for p in points]
+        label = _label(row, with_model=True)
+        line = ax.plot(steps, scales, drawstyle="steps-post", marker=".", label=label)[0]
+        counts = [0] + [p["skipped_steps"] for p in points]
+        for step, scale, (before, after) in zip(steps, scales, pairwise(counts), strict=True):
+            if after > before:
                 ax.scatter(
-                    point["step"],
-                    point["scale"],
-                    marker="x",
-                    s=70,
-                    color="#c44e52",
-                    zorder=3,
-                    label=skip_label,
+                    step, scale, marker="x", s=70, color="#c44e52", zorder=3, label=skip_label
                 )
                 ax.annotate(
-                    str(newly_skipped),
-                    (point["step"], point["scale"]),
+                    str(after - before),
+                    (step, scale),
                     textcoords="offset points",
                     xytext=(4, 6),
                     color=line.get_color(),
@@ -196,9 +198,7 @@ def loss_scale_trace(rows: Rows, metrics: Metrics) -> Figure | None:
                 )
                 skip_label = "_nolegend_"
     ax.set_yscale("log", base=2)
-    ax.set(title="fp16 loss scale", xlabel="step", ylabel="loss scale (after the step)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _finish(ax, "fp16 loss scale", "loss scale (after the step)")
     return figure
 
 
@@ -221,55 +221,32 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
         )
         finite = {step: value for step, value in gap.items() if math.isfinite(value)}
         if finite and row["label"] != BASELINE:
-            pairs.setdefault((row["model"], row["setting"], row["label"]), []).append(finite)
+            pairs.setdefault(cell_key(row), []).append(finite)
         declared = row["quality_metric"]
         if declared is not None and declared["tolerance_unit"] == "relative":
             tolerance_of[row["model"]] = row["tolerance"]
-    models = list(dict.fromkeys(model for model, _, _ in pairs))
-    if not models:
-        return None
-    figure, axes = _model_panels(models, (5.2, 3.8))
-    for ax, model in zip(axes, models, strict=True):
+    figure, panels = _model_panels([model for model, _, _ in pairs], (5.2, 3.8))
+    for ax, model in panels:
         for (cell_model, setting, label), gaps in pairs.items():
             if cell_model != model:
                 continue
-            steps = stats.common_steps(gaps)
-            mean = stats.mean_curve(gaps)
             color = precision_color(label)
             name = " ".join([label, setting]).strip()
-            ax.plot(
-                steps, [mean[s] for s in steps], color=color, label=f"{name} (mean of {len(gaps)})"
-            )
+            mean = stats.mean_curve(gaps)
+            _line(ax, mean, color=color, label=f"{name} (mean of {len(gaps)})")
             spread = stats.band(gaps)
-            if spread:
-                ax.fill_between(
-                    steps,
-                    [spread[s][0] for s in steps],
-                    [spread[s][1] for s in steps],
-                    color=color,
-                    alpha=0.2,
-                    linewidth=0,
-                    label=f"{name}: lowest to highest seed",
-                )
+            _fill(ax, spread, color=color, alpha=0.2, label=f"{name}: lowest to highest seed")
         lines = [(DEEPSEEK_BAR, "DeepSeek-V3's ±0.25%", ":")]
         if model in tolerance_of:
             lines.append(
                 (tolerance_of[model], f"eval-loss tolerance ±{tolerance_of[model]:.2%}", "--")
             )
         for level, name, style in lines:
-            for sign in (1, -1):
-                ax.axhline(
-                    sign * level,
-                    color="#333333",
-                    linestyle=style,
-                    linewidth=0.9,
-                    label=name if sign == 1 else None,
-                )
+            ax.axhline(level, color="#333333", linestyle=style, linewidth=0.9, label=name)
+            ax.axhline(-level, color="#333333", linestyle=style, linewidth=0.9)
         ax.axhline(0, color=precision_color(BASELINE), linewidth=0.8)
         ax.yaxis.set_major_formatter(lambda value, _: f"{value:+.2%}")
-        ax.set(title=model, xlabel="step", ylabel="training-loss gap vs fp32, paired by seed")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        _finish(ax, model, "training-loss gap vs fp32, paired by seed")
     return figure
 
 
@@ -279,11 +256,8 @@ def _bars(
     """A panel per model with a bar per completed row: its ``segments`` ((value key, its ratio's
     text by row, legend), from the bottom up) stacked, each labelled with value and ratio."""
     shown = [row for row in rows if row["status"] == "completed" and row[segments[0][0]]]
-    models = list(dict.fromkeys(row["model"] for row in shown))
-    if not models:
-        return None
-    figure, axes = _model_panels(models, (4.2, 4.0))
-    for ax, model in zip(axes, models, strict=True):
+    figure, panels = _model_panels([row["model"] for row in shown], (4.2, 4.0))
+    for ax, model in panels:
         bars = [row for row in shown if row["model"] == model]
         bottom = [0.0] * len(bars)
         for layer, (key, ratio_text, legend) in enumerate(segments):
@@ -303,16 +277,8 @@ def _bars(
             ]
             ax.bar_label(drawn, labels=labels, label_type="center", fontsize="small")
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        ax.set_xticks(
-            range(len(bars)),
-            [_label(row, with_model=False).replace(" ", "\n") for row in bars],
-            fontsize="small",
-        )
-        ax.set(title=model, ylabel=ylabel)
         ax.margins(y=0.25)
-        ax.grid(axis="y", alpha=0.3)
-        if len(segments) > 1:
-            ax.legend(fontsize="small")
+        _finish(ax, model, ylabel, bars, legend=len(segments) > 1)
     return figure
 
 
@@ -359,11 +325,8 @@ def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
         for key, cell in group_cells(rows).items()
         if cell[0]["trial_speedup"] is not None
     }
-    models = list(dict.fromkeys(model for model, _, _ in trialled))
-    if not models:
-        return None
-    figure, axes = _model_panels(models, (4.2, 4.0))
-    for ax, model in zip(axes, models, strict=True):
+    figure, panels = _model_panels([model for model, _, _ in trialled], (4.2, 4.0))
+    for ax, model in panels:
         bars = [row for (cell_model, _, _), row in trialled.items() if cell_model == model]
         medians = [row["trial_speedup"]["ratio"] for row in bars]
         intervals = [trial_interval(row["trial_speedup"]) for row in bars]
@@ -383,15 +346,8 @@ def speed_trial_bars(rows: Rows, metrics: Metrics) -> Figure | None:
         )
         baseline = precision_color(BASELINE)
         ax.axhline(1.0, color=baseline, linewidth=1, linestyle="--", label=BASELINE)
-        ax.set_xticks(
-            range(len(bars)),
-            [_label(row, with_model=False).replace(" ", "\n") for row in bars],
-            fontsize="small",
-        )
-        ax.set(title=model, ylabel=f"speedup over fp32 ({trial_levels(intervals)} CI)")
         ax.margins(y=0.2)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize="small")
+        _finish(ax, model, f"speedup over fp32 ({trial_levels(intervals)} CI)", bars)
     return figure
 
 

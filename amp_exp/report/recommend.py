@@ -97,10 +97,8 @@ def cost_key(found: dict[str, Any]) -> tuple[bool, int, float]:
 def why_wins(winner: dict[str, Any], other: dict[str, Any], tied: bool) -> str:
     """Why ``winner`` is chosen over ``other``, both qualifying."""
     w, o = winner["costs"], other["costs"]
-    if not tied:
-        reason = f"faster ({shown_speed(winner)} against {shown_speed(other)})"
-    else:
-        reason = f"as fast ({shown_speed(winner)} against {shown_speed(other)}, intervals overlap)"
+    against = f"{shown_speed(winner)} against {shown_speed(other)}"
+    reason = f"as fast ({against}, intervals overlap)" if tied else f"faster ({against})"
     differences = []
     if o["loss_scaling"] and not w["loss_scaling"]:
         differences.append(f"{other['label']} needs loss scaling")

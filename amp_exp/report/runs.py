@@ -102,35 +102,21 @@ def read_metrics(path: Path, summary: dict[str, Any]) -> tuple[list[dict[str, An
 NUMBER = (int, float)
 
 
+@dataclass(frozen=True)
 class Nullable:
     """A key that may be missing or null; ``inner`` otherwise."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    inner: Any
 
 
 FIELD_KINDS: dict[str, Any] = {
-    **dict.fromkeys(
-        ("model", "precision", "error", "strategy", "param_dtype", "reduce_dtype"), str
-    ),
-    **dict.fromkeys(("device_name", "peak_mem_kind", "stop_signal"), str),
+    **dict.fromkeys(("model", "precision", "error", "strategy", "param_dtype"), str),
+    **dict.fromkeys(("reduce_dtype", "device_name", "peak_mem_kind", "stop_signal"), str),
     **dict.fromkeys(("world_size", "skipped_steps", "steps"), int),
-    **dict.fromkeys(
-        (
-            "samples_per_s",
-            "tokens_per_s",
-            "mfu",
-            "peak_mem_bytes",
-            "state_bytes",
-            "final_loss",
-            "loss_floor",
-        ),
-        NUMBER,
-    ),
-    **dict.fromkeys(
-        ("eval_acc", "eval_perplexity", "loss_scale", "stale_weight_frac", "suggested_init_scale"),
-        NUMBER,
-    ),
+    **dict.fromkeys(("samples_per_s", "tokens_per_s", "mfu", "peak_mem_bytes"), NUMBER),
+    **dict.fromkeys(("state_bytes", "final_loss", "loss_floor", "eval_acc"), NUMBER),
+    **dict.fromkeys(("eval_perplexity", "loss_scale", "stale_weight_frac"), NUMBER),
+    "suggested_init_scale": NUMBER,
     "config": {"precision": Nullable(dict), "wandb": Nullable(dict)},
     "checks": {str: {"passed": Nullable(bool), "offenders": Nullable([str])}},
     "underflow": {"underflow_frac_scaled": Nullable(NUMBER)},
@@ -244,12 +230,8 @@ class RecordedPlugin:
 
     def __init__(self, name: str, facts: dict[str, Any]) -> None:
         self.facts = facts
-        self.spec = SimpleNamespace(
-            name=name,
-            order=facts["order"],
-            colour=facts["colour"],
-            grad_scaler=facts["grad_scaler"],
-        )
+        spec = {key: facts[key] for key in ("order", "colour", "grad_scaler")}
+        self.spec = SimpleNamespace(name=name, **spec)
 
     def variant_label(self, knobs: dict[str, Any]) -> str:
         return str(self.facts["label"])

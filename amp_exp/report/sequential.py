@@ -27,7 +27,7 @@ from typing import Any
 from amp_exp.config.adaptive import EvidenceConfig
 from amp_exp.config.cross_checks import check_resumed_plan
 from amp_exp.errors import ConfigError, first_line
-from amp_exp.report.compare import BASELINE
+from amp_exp.report.compare import BASELINE, cell_key
 from amp_exp.report.runs import NUMBER, Nullable, conforms
 from amp_exp.report.stats import Verdict, calibration
 from amp_exp.results.files import EVIDENCE_JSON, UntrustedFile, damaged, read_json, write_json
@@ -152,11 +152,6 @@ def start(sweep_dir: Path, min_seeds: int, max_seeds: int) -> Plan:
     return Plan(before.min_seeds, max_seeds, before.levels, before.accuracy_levels)
 
 
-def plan_of(recorded: dict[str, Any]) -> Plan:
-    """The plan an evidence.json recorded."""
-    return Plan(**recorded["plan"])
-
-
 def still_open(comparison: dict[str, Any], plan: Plan) -> bool:
     """Whether a cell gets another seed: its verdict is open (or, for accuracy, not yet
     judged) and it has not reached max_seeds."""
@@ -178,15 +173,14 @@ def next_seeds(
     seeds: dict[tuple[str, ...], set[int]] = {}
     for row in report["runs"]:
         cell = cell_of_run[row["run"]]
-        cells.setdefault((row["model"], row["setting"], row["label"]), set()).add(cell)
+        cells.setdefault(cell_key(row), set()).add(cell)
         seeds.setdefault(cell, set()).add(row["seed"])
     wanted: dict[tuple[str, ...], int] = {}
     for found in report["comparisons"]:
         if not still_open(found, plan):
             continue
-        key = (found["model"], found["setting"], found["label"])
         pairs = cells.get((found["model"], found["setting"], BASELINE), set())
-        for cell in cells[key]:
+        for cell in cells[cell_key(found)]:
             seed = max(seeds[cell]) + 1
             wanted[cell] = seed
             wanted.update({pair: seed for pair in pairs if seed not in seeds[pair]})
@@ -200,7 +194,7 @@ def record(
     spent against a fixed 3-seed design; ``looks`` gains this look."""
     looks.append(
         {
-            f"{c['model']}|{c['setting']}|{c['label']}": {
+            "|".join(cell_key(c)): {
                 "n": c["n_attempted"],
                 "verdict": c["verdict"],
                 "open": still_open(c, plan),
@@ -210,7 +204,7 @@ def record(
     )
     seeds: dict[str, set[int]] = {}
     for row in report["runs"]:
-        seeds.setdefault(f"{row['model']}|{row['setting']}|{row['label']}", set()).add(row["seed"])
+        seeds.setdefault("|".join(cell_key(row)), set()).add(row["seed"])
     steps = [row["steps"] for row in report["runs"] if row.get("steps")]
     found = {
         "plan": asdict(plan),

@@ -94,15 +94,12 @@ class Estimate:
     sd: float | None
     scale: float | None = None
 
-    @property
-    def spread(self) -> bool:
-        return self.sd is not None and self.sd > 0
 
-
-def observed_sd(data: np.ndarray) -> float:
-    """The sample standard deviation, 0 where it is rounding of equal values."""
-    sd = float(data.std(ddof=1))
-    return 0.0 if sd <= NO_SPREAD * max(1.0, float(np.abs(data).max())) else sd
+def observed_sd(data: np.ndarray) -> np.ndarray:
+    """The sample standard deviation along the last axis (many sweeps at once in simulation), 0
+    where it is rounding of equal values."""
+    sd = data.std(axis=-1, ddof=1)
+    return np.where(sd <= NO_SPREAD * np.maximum(1.0, np.abs(data).max(axis=-1)), 0.0, sd)
 
 
 def half_width(
@@ -124,7 +121,7 @@ def mean_interval(
     mean = float(data.mean())
     if data.size == 1:
         return Estimate(1, mean, None, None)
-    sd = observed_sd(data)
+    sd = float(observed_sd(data))
     scale = max(sd, floor)
     width = float(half_width(scale, data.size, confidence))
     return Estimate(data.size, mean, (mean - width, mean + width), sd, scale)
@@ -175,9 +172,7 @@ def simulate(
     """The verdict codes of many sweeps at once: ``deltas`` is (sweeps, seeds)."""
     n = deltas.shape[1]
     mean = deltas.mean(axis=1)
-    sd = deltas.std(axis=1, ddof=1)
-    sd = np.where(sd <= NO_SPREAD * np.maximum(1.0, np.abs(deltas).max(axis=1)), 0.0, sd)
-    width = half_width(np.maximum(sd, floor), n, confidence)
+    width = half_width(np.maximum(observed_sd(deltas), floor), n, confidence)
     return decide(mean - width, mean + width, tolerance, higher_is_better)
 
 
@@ -411,10 +406,7 @@ def gap_curve(curve: Curve, baseline: Curve) -> Curve:
 
 
 def common_steps(curves: Sequence[Curve]) -> list[int]:
-    steps = set(curves[0]) if curves else set()
-    for curve in curves[1:]:
-        steps &= set(curve)
-    return sorted(steps)
+    return sorted(set.intersection(*map(set, curves))) if curves else []
 
 
 def mean_curve(curves: Sequence[Curve]) -> Curve:

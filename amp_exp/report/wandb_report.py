@@ -74,36 +74,10 @@ def _run_id(run: Run) -> str | None:
     return read_data(path).decode("utf-8").strip() if path.is_file() else None
 
 
-def _wandb_config(run: Run) -> dict[str, Any]:
-    return (run.summary.get("config") or {}).get("wandb") or {}
-
-
 def logged_online(run: Run) -> bool:
     """Whether W&B wrote the run's files as an online run (``wandb/run-<time>-<id>``)."""
     run_id = _run_id(run)
     return run_id is not None and any((run.path / "wandb").glob(f"run-*-{run_id}"))
-
-
-def _measured(runs: list[Run], key: str) -> bool:
-    return any(
-        run.summary.get(key) is not None or any(row.get(key) is not None for row in run.metrics)
-        for run in runs
-    )
-
-
-def _quality_key(runs: list[Run]) -> str:
-    """The W&B key of the quality metric the runs' task declares (eval/loss if none does)."""
-    declared = declared_metrics(*(run.summary for run in runs))
-    return wandb_key_of(declared.quality if declared else "eval_loss") or "eval/loss"
-
-
-def _swept_keys(runs: list[Run]) -> tuple[str, ...]:
-    # W&B's config has no wandb section, and precision.resolved stands for precision.name.
-    skipped = {"precision.name"}
-    varied = [
-        key for key in varied_keys(runs) if key not in skipped and not key.startswith("wandb.")
-    ]
-    return (PRECISION_KEY, *varied)
 
 
 def sweep_page(runs: list[Run], report: dict[str, Any], out_dir: Path) -> SweepPage:
@@ -114,9 +88,8 @@ def sweep_page(runs: list[Run], report: dict[str, Any], out_dir: Path) -> SweepP
             f"no W&B runs under {out_dir}: no run directory holds a {WANDB_RUN_ID_FILE} file "
             "(were they run with wandb.mode=disabled?)"
         )
-    places = {
-        (_wandb_config(run).get("entity"), _wandb_config(run).get("project")) for run in logged
-    }
+    configs = [(run.summary.get("config") or {}).get("wandb") or {} for run in logged]
+    places = {(config.get("entity"), config.get("project")) for config in configs}
     if len(places) > 1:
         named = ", ".join(
             sorted(f"{entity or '(default)'}/{project}" for entity, project in places)
@@ -127,30 +100,32 @@ def sweep_page(runs: list[Run], report: dict[str, Any], out_dir: Path) -> SweepP
     ((entity, project),) = places
     if not project:
         raise WandbReportError(f"the runs under {out_dir} name no W&B project in their config")
-    # No "/": the report's URL is made from its title.
-    title = f"amp_exp sweep {out_dir.parent.name} {out_dir.name}"[:TITLE_MAX_CHARS]
+    declared = declared_metrics(*(run.summary for run in logged))
+    tokens = any(
+        run.summary.get("tokens_per_s") is not None
+        or any(row.get("tokens_per_s") is not None for row in run.metrics)
+        for run in logged
+    )
+    audits = [run.summary.get("precision_audit") or {} for run in logged]
+    # W&B's config has no wandb section, and precision.resolved stands for precision.name.
+    varied = [key for key in varied_keys(logged) if key != "precision.name"]
+    varied = [key for key in varied if not key.startswith("wandb.")]
     return SweepPage(
         entity=entity,
         project=project,
-        title=title,
+        # No "/": the report's URL is made from its title.
+        title=f"amp_exp sweep {out_dir.parent.name} {out_dir.name}"[:TITLE_MAX_CHARS],
         description=f"{len(logged)} W&B runs of the {len(runs)} runs in {out_dir.resolve()}",
         run_ids=tuple(str(_run_id(run)) for run in logged),
         verdicts=tuple(verdict_lines(report)),
         evidence=tuple(evidence_table(report)),
         table=tuple(markdown_table(report["runs"])),
-        swept_keys=_swept_keys(logged),
-        eval_key=_quality_key(logged),
-        throughput_key=(
-            TOKENS_PER_S_KEY if _measured(logged, "tokens_per_s") else WANDB_KEYS["samples_per_s"]
-        ),
+        swept_keys=(PRECISION_KEY, *varied),
+        # The quality metric the runs' task declares (eval/loss if none does).
+        eval_key=wandb_key_of(declared.quality if declared else "eval_loss") or "eval/loss",
+        throughput_key=TOKENS_PER_S_KEY if tokens else WANDB_KEYS["samples_per_s"],
         flops_dtypes=tuple(
-            dict.fromkeys(
-                dtype
-                for run in logged
-                for dtype in (
-                    (run.summary.get("precision_audit") or {}).get("flops_by_dtype") or {}
-                )
-            )
+            dict.fromkeys(dtype for audit in audits for dtype in audit.get("flops_by_dtype") or {})
         ),
     )
 
@@ -187,12 +162,8 @@ def _flat_config_column(wr: Any) -> type:
 
 
 def _config_column(wr: Any, key: str) -> Any:
-    column = (
-        _flat_config_column(wr)
-        if key.startswith(FLAT_SECTION)
-        else wr.ParallelCoordinatesPlotColumn
-    )
-    return column(wr.Config(key))
+    flat = key.startswith(FLAT_SECTION)
+    return (_flat_config_column(wr) if flat else wr.ParallelCoordinatesPlotColumn)(wr.Config(key))
 
 
 def _group_key(key: str) -> str:

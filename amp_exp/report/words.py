@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from amp_exp.config.precisions import REFERENCE
-from amp_exp.report.compare import BASELINE, FIX, subject
+from amp_exp.report.compare import BASELINE, FIX, cell_key, group_cells, subject
 from amp_exp.report.decision import CLAIM_P, WITHHELD_FAMILY, WITHHELD_SHAPE, trial_interval
 from amp_exp.report.runs import report_plugin
 from amp_exp.report.stats import MAX_SEEDS
@@ -63,6 +63,13 @@ def md_text(value: object) -> str:
     as spaces."""
     text = " ".join(str(value).splitlines())
     return html.escape(_MARKUP.sub(lambda found: "\\" + found.group(), text), quote=False)
+
+
+def md_table(header: list[str], body: list[list[str]]) -> list[str]:
+    """A markdown table's lines; each cell is already markdown (``md_text`` for recorded
+    values)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
 
 
 def show_level(confidence: float) -> str:
@@ -422,7 +429,7 @@ def cell_parts(cell: list[Row], comparison: dict[str, Any] | None, replicated: b
 
 def verdicts(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[str]:
     """A line per precision of each model and setting (``rows`` are compare.comparison_rows')."""
-    compared = {(c["model"], c["setting"], c["label"]): c for c in comparisons}
+    compared = {cell_key(c): c for c in comparisons}
     lines = []
     for model, setting in dict.fromkeys((row["model"], row["setting"]) for row in rows):
         group = [row for row in rows if (row["model"], row["setting"]) == (model, setting)]
@@ -438,9 +445,8 @@ def verdicts(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{who}: {'; '.join(parts)}")
             continue
         before = len(lines)
-        for label in dict.fromkeys(row["label"] for row in group):
-            cell = [row for row in group if row["label"] == label]
-            parts = cell_parts(cell, compared.get((model, setting, label)), replicated)
+        for key, cell in group_cells(group).items():
+            parts = cell_parts(cell, compared.get(key), replicated)
             if parts:
                 lines.append(f"{who}: {'; '.join(parts)}")
         if len(lines) == before:
