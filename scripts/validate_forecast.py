@@ -185,7 +185,17 @@ def main() -> None:
     parser.add_argument(
         "--train-on", type=int, default=None, help="train alarming healthy runs to this step"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch's CPU threads (default: torch's own); a high-rate run's path depends on it",
+    )
     args = parser.parse_args()
+    if args.threads:
+        # The order of a threaded sum changes the last bits, which a run at a high learning rate
+        # amplifies: the same case crosses at one thread count and not at another.
+        torch.set_num_threads(args.threads)
     steps = args.steps
     # exp(rate * 3/4 of the steps) times an activation near 3: 65504 at about 75% of the run.
     planted_rate = math.log(65504 / 3) / (0.75 * steps)
@@ -202,6 +212,8 @@ def main() -> None:
         # Warm-up and cosine decay: the forecast's axis is the cumulative learning rate.
         ("lr_3e-2_cosine", [LR_HIGH, COSINE], None),
         ("planted_cosine", [LR_LOW, COSINE], planted_rate),
+        *((f"lr_3e-2_cosine_seed{s}", [LR_HIGH, COSINE, f"seed={s}"], None) for s in (1, 2)),
+        *((f"planted_cosine_seed{s}", [LR_LOW, COSINE, f"seed={s}"], planted_rate) for s in (1, 2)),
         ("fp16_scale", FP16_SCALE, None),
     ]
     cases = [c for c in cases if not args.cases or c[0] in args.cases]
