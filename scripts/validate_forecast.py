@@ -10,6 +10,10 @@ recorded: an alarm on a run that does cross later is no false alarm.
 ``--rows FILE`` also keeps each case's rows (the full run's and the quarter's), so that a change to
 the forecast can be compared on the same runs without training them again.
 
+``--threads N`` fixes torch's CPU threads: the order of a threaded sum changes the last bits, which
+a run at a high learning rate amplifies, so a case's path (and whether it crosses) depends on the
+thread count; docs/forecast.md reports runs with 2 (torch's default there) and with 1.
+
 A quarter of the run must hold at least 6 log points (fit.MIN_POINTS), or every short forecast
 is "unforecastable": 200 steps logged every 5 give 10.
 
@@ -29,6 +33,7 @@ Cases:
   trains in fp32: fp16 on this CPU is 20-140x slower).
 - ``fp16_scale``: a tiny model in fp16 at a high learning rate with a short growth interval,
   watching the loss scale (a real drift, if there is one: fp16 is slow here, so it is tiny).
+- ``*_cosine_seed*``: more seeds of the cosine cases (the step as a second time axis).
 - every run that crosses nothing is a healthy run: forecast from all of it to 4x and 10x its
   length, where any crossing is a false alarm.
 """
