@@ -9,8 +9,8 @@ a changepoint test, with their bands and where each meets a limit.
   or over different axes are comparable.
 - **Changepoint.** A run's signals often move fast early (warm-up, the first steps of a loss
   scale) and settle into a slower trend; extrapolating the whole run would carry the early
-  slope forward. Every break that leaves ``MIN_POINTS`` and a quarter of the axis's span on each
-  side is tested with a Chow F-test (two lines against one); the smallest p-value,
+  slope forward. Every break that leaves ``MIN_POINTS`` and a quarter of every axis's span on
+  each side is tested with a Chow F-test (two lines against one); the smallest p-value,
   Bonferroni-corrected over the breaks tried, below ``CHANGEPOINT_ALPHA`` keeps only the points
   after it. (The span matters where the axis is the cumulative learning rate: at the end of a
   decay to zero many log steps sit at almost one value of it, and a few drifting points there
