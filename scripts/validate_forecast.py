@@ -10,6 +10,10 @@ recorded: an alarm on a run that does cross later is no false alarm.
 ``--rows FILE`` also keeps each case's rows (the full run's and the quarter's), so that a change to
 the forecast can be compared on the same runs without training them again.
 
+``--threads N`` fixes torch's CPU threads: the order of a threaded sum changes the last bits, which
+a run at a high learning rate amplifies, so a case's path (and whether it crosses) depends on the
+thread count; docs/forecast.md reports runs with 2 (torch's default there) and with 1.
+
 A quarter of the run must hold at least 6 log points (fit.MIN_POINTS), or every short forecast
 is "unforecastable": 200 steps logged every 5 give 10.
 
@@ -29,6 +33,7 @@ Cases:
   trains in fp32: fp16 on this CPU is 20-140x slower).
 - ``fp16_scale``: a tiny model in fp16 at a high learning rate with a short growth interval,
   watching the loss scale (a real drift, if there is one: fp16 is slow here, so it is tiny).
+- ``*_cosine_seed*``: more seeds of the cosine cases (the step as a second time axis).
 - every run that crosses nothing is a healthy run: forecast from all of it to 4x and 10x its
   length, where any crossing is a false alarm.
 """
@@ -185,7 +190,17 @@ def main() -> None:
     parser.add_argument(
         "--train-on", type=int, default=None, help="train alarming healthy runs to this step"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch's CPU threads (default: torch's own); a high-rate run's path depends on it",
+    )
     args = parser.parse_args()
+    if args.threads:
+        # The order of a threaded sum changes the last bits, which a run at a high learning rate
+        # amplifies: the same case crosses at one thread count and not at another.
+        torch.set_num_threads(args.threads)
     steps = args.steps
     # exp(rate * 3/4 of the steps) times an activation near 3: 65504 at about 75% of the run.
     planted_rate = math.log(65504 / 3) / (0.75 * steps)
@@ -202,6 +217,8 @@ def main() -> None:
         # Warm-up and cosine decay: the forecast's axis is the cumulative learning rate.
         ("lr_3e-2_cosine", [LR_HIGH, COSINE], None),
         ("planted_cosine", [LR_LOW, COSINE], planted_rate),
+        *((f"lr_3e-2_cosine_seed{s}", [LR_HIGH, COSINE, f"seed={s}"], None) for s in (1, 2)),
+        *((f"planted_cosine_seed{s}", [LR_LOW, COSINE, f"seed={s}"], planted_rate) for s in (1, 2)),
         ("fp16_scale", FP16_SCALE, None),
     ]
     cases = [c for c in cases if not args.cases or c[0] in args.cases]

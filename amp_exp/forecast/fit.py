@@ -1,14 +1,16 @@
-"""One signal's trend: least-squares fits of a few growth forms over a time axis, after a
-changepoint test, with their bands and where each meets a limit.
+"""One signal's trend: least-squares fits of a few growth forms over one or more time axes, after
+a changepoint test, with their bands and where each meets a limit.
 
 - **Forms.** In the signal's own space or in log space (growth by factors), each of: a line in
   the axis ``u``, a power law (a line in log ``u``) and a quadratic (a line whose slope drifts
-  steadily: growth that speeds up or slows down). ``AIC`` compares them on the values, the log
-  forms' likelihoods with their Jacobian, so forms fitted in different spaces are comparable.
+  steadily: growth that speeds up or slows down); each over every candidate axis (forecast.py:
+  the cumulative learning rate, and the step where the rate varies). ``AIC`` compares them on
+  the values, the log forms' likelihoods with their Jacobian, so forms fitted in different spaces
+  or over different axes are comparable.
 - **Changepoint.** A run's signals often move fast early (warm-up, the first steps of a loss
   scale) and settle into a slower trend; extrapolating the whole run would carry the early
-  slope forward. Every break that leaves ``MIN_POINTS`` and a quarter of the axis's span on each
-  side is tested with a Chow F-test (two lines against one); the smallest p-value,
+  slope forward. Every break that leaves ``MIN_POINTS`` and a quarter of every axis's span on
+  each side is tested with a Chow F-test (two lines against one); the smallest p-value,
   Bonferroni-corrected over the breaks tried, below ``CHANGEPOINT_ALPHA`` keeps only the points
   after it. (The span matters where the axis is the cumulative learning rate: at the end of a
   decay to zero many log steps sit at almost one value of it, and a few drifting points there
@@ -39,7 +41,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.linalg
 import scipy.stats
 
 MIN_POINTS = 6
@@ -74,6 +75,8 @@ class Fit:
     autocorrelation: float
     residual_sd: float
     aic: float
+    # Which of the candidate time axes ``u`` is on (an index into the caller's list).
+    axis: int = 0
 
     def design(self, u: np.ndarray) -> np.ndarray:
         u = np.atleast_1d(np.asarray(u, dtype=float))
@@ -109,11 +112,11 @@ class Fit:
         centre, half = self.at(u), self.t(level) * np.sqrt(self._trend_variance(u))
         return centre - half, centre + half
 
-    def prediction(self, u: float, level: float) -> tuple[float, float, float]:
-        """The trend at ``u`` and the interval a new observation there falls in."""
+    def prediction(self, u: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The trend at each ``u`` and the interval a new observation there falls in."""
         noise = self.residual_sd**2 * (1 + self.autocorrelation) / (1 - self.autocorrelation)
-        centre = float(self.at(np.array([u]))[0])
-        half = self.t(level) * math.sqrt(float(self._trend_variance(np.array([u]))[0]) + noise)
+        centre = self.at(u)
+        half = self.t(level) * np.sqrt(self._trend_variance(u) + noise)
         return centre, centre - half, centre + half
 
     def _coefficient_p(self, index: int, towards: float) -> float:
@@ -145,21 +148,22 @@ class Fit:
         return tuple(int(np.argmax(r)) if r.any() else None for r in reached)
 
 
-def fit_form(shape: str, log: bool, u: np.ndarray, values: np.ndarray) -> Fit:
-    """The least-squares fit of ``values`` (positive where ``log``) in one form over ``u``."""
+def fit_form(shape: str, log: bool, u: np.ndarray, values: np.ndarray, axis: int = 0) -> Fit:
+    """The least-squares fit of ``values`` (positive where ``log``) in one form over ``u`` (the
+    candidate axis ``axis``)."""
     y = np.log(values) if log else values
     centre, scale = float(u.mean()), float(np.ptp(u) / 2) or 1.0
     probe = Fit(shape, log, np.zeros(0), np.zeros((0, 0)), centre, scale, 0, 1, 0, 0, 0)
     design = probe.design(u)
     n, k = design.shape
-    coefficients, _, _, _ = scipy.linalg.lstsq(design, y)
+    coefficients, _, _, _ = np.linalg.lstsq(design, y, rcond=None)
     residuals = y - design @ coefficients
     rss = float(residuals @ residuals)
     rho = float(residuals[1:] @ residuals[:-1]) / rss if n > 2 and rss > 0 else 0.0
     rho = min(max(rho, 0.0), MAX_AUTOCORRELATION)
     inflation = (1 + rho) / (1 - rho)
     variance = rss / max(n - k, 1)
-    covariance = variance * inflation * scipy.linalg.pinv(design.T @ design)
+    covariance = variance * inflation * np.linalg.pinv(design.T @ design)
     # The Gaussian likelihood of the values: a log form's carries its Jacobian, -sum(log y).
     log_likelihood = -n / 2 * math.log(max(rss, 1e-300) / n) - (float(y.sum()) if log else 0.0)
     return Fit(
@@ -174,6 +178,7 @@ def fit_form(shape: str, log: bool, u: np.ndarray, values: np.ndarray) -> Fit:
         autocorrelation=rho,
         residual_sd=math.sqrt(variance),
         aic=2 * k - 2 * log_likelihood,
+        axis=axis,
     )
 
 
@@ -184,38 +189,53 @@ def rss(x: np.ndarray, y: np.ndarray) -> float:
     return float(dy @ dy - (dx @ dy) ** 2 / sxx) if sxx > 0 else float(dy @ dy)
 
 
-def changepoint(x: np.ndarray, y: np.ndarray) -> tuple[int | None, float | None]:
+def changepoint(
+    x: np.ndarray, y: np.ndarray, axes: tuple[np.ndarray, ...] = ()
+) -> tuple[int | None, float | None]:
     """The index the later regime starts at, or None, and the Bonferroni-corrected p-value of
-    the best break (None where the series is too short to try one)."""
+    the best break (None where the series is too short to try one). A break leaves a quarter
+    of the span of ``x`` and of every other axis in ``axes`` on each side: the forms over each
+    axis are fitted to the points after it."""
     n = len(x)
-    span = MIN_SPAN * (x[-1] - x[0])
-    breaks = [
-        k
-        for k in range(MIN_POINTS, n - MIN_POINTS + 1)
-        if x[k - 1] - x[0] >= span and x[-1] - x[k] >= span
-    ]
+
+    def spans(k: int) -> bool:
+        return all(
+            min(u[k - 1] - u[0], u[-1] - u[k]) >= MIN_SPAN * (u[-1] - u[0]) for u in (x, *axes)
+        )
+
+    breaks = [k for k in range(MIN_POINTS, n - MIN_POINTS + 1) if spans(k)]
     if not breaks or n <= 4:
         return None, None
     whole = rss(x, y)
-    best, best_p = None, 1.0
-    for k in breaks:
-        split = rss(x[:k], y[:k]) + rss(x[k:], y[k:])
-        if split <= 0:
-            p = 0.0 if whole > 0 else 1.0
-        else:
-            f = ((whole - split) / 2) / (split / (n - 4))
-            p = float(scipy.stats.f.sf(f, 2, n - 4))
-        if p < best_p:
-            best, best_p = k, p
-    corrected = min(1.0, best_p * len(breaks))
-    return (best if corrected < CHANGEPOINT_ALPHA else None), corrected
+    split = np.array([rss(x[:k], y[:k]) + rss(x[k:], y[k:]) for k in breaks])
+    # One call for every break: scipy's survival function costs more than the sums of squares.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = scipy.stats.f.sf(((whole - split) / 2) / (split / (n - 4)), 2, n - 4)
+    p = np.where(split > 0, p, 0.0 if whole > 0 else 1.0)
+    best = int(np.argmin(p))
+    corrected = min(1.0, float(p[best]) * len(breaks))
+    return (breaks[best] if corrected < CHANGEPOINT_ALPHA else None), corrected
 
 
-def grows_by_factors(u: np.ndarray, values: np.ndarray) -> bool:
-    """Whether log-linear growth is the likelier model of all the points than a straight line
-    (the same number of parameters, so the AIC's pick). Over all the points, each model with one
-    line: a changepoint found in one form only would compare them on different spans."""
-    return fit_form("line", True, u, values).aic <= fit_form("line", False, u, values).aic
+def likeliest_line(axes: list[np.ndarray], values: np.ndarray, try_log: bool) -> tuple[int, bool]:
+    """The axis and the space (log: growth by factors) of the line that is the likeliest model
+    of all the points (the same number of parameters, so the AIC's pick; a tie goes to log space
+    and to the first axis). Over all the points, each line alike: a changepoint found for one
+    only would compare them on different spans. The first axis is the method's (forecast.py:
+    the cumulative rate); a later one (the step) is an alternative that decides only where its
+    line holds over all the points: its quadratic bends neither way at the changepoint test's
+    level. A growth per step whatever the rate goes on alike through warm-up, peak and decay; a
+    rise that starts late in a decay to zero is no such growth."""
+    spaces = (True, False) if try_log else (False,)
+
+    def holds(axis: int, log: bool) -> bool:
+        bend = fit_form("quadratic", log, axes[axis], values)
+        return min(bend.bend_p(+1), bend.bend_p(-1)) >= CHANGEPOINT_ALPHA / 2
+
+    candidates = [
+        (axis, log) for axis in range(len(axes)) for log in spaces if axis == 0 or holds(axis, log)
+    ]
+    return min(candidates, key=lambda c: fit_form("line", c[1], axes[c[0]], values).aic)
 
 
 @dataclass(frozen=True)
@@ -251,24 +271,36 @@ class Trend:
 PLAUSIBLE = 0.05
 
 
-def fit_trend(u: np.ndarray, values: np.ndarray, log: bool, try_log: bool) -> Trend:
-    """The trend of ``values`` over ``u`` (only usable points), fitted after the changepoint
-    found in the deciding line's space (log where ``log``); ``try_log``: the log forms are
-    candidates too (the values are positive and may grow by factors)."""
-    n = len(u)
+def fit_trend(
+    axes: list[np.ndarray], values: np.ndarray, log: bool, try_log: bool, axis: int = 0
+) -> Trend:
+    """The trend of ``values`` (only usable points) over the candidate time ``axes`` (each the
+    points' places on one axis), fitted after the changepoint found for the deciding line: in
+    log space where ``log``, over ``axes[axis]``; ``try_log``: the log forms are candidates too
+    (the values are positive and may grow by factors). Every form is fitted over the same
+    points, after that changepoint, on every axis."""
+    n = len(values)
     if n < MIN_POINTS:
         return Trend(None, n, unforecastable=f"{n} usable log points, fewer than {MIN_POINTS}")
-    if np.ptp(u) == 0:
+    if np.ptp(axes[axis]) == 0:
         return Trend(None, n, unforecastable="every point is at the same place on the time axis")
-    start, p = changepoint(u, np.log(values) if log else values)
+    start, p = changepoint(axes[axis], np.log(values) if log else values, tuple(axes))
     start = start or 0
-    u, values = u[start:], values[start:]
-    line = fit_form("line", log, u, values)
+    values = values[start:]
     spaces = (False, True) if try_log else (False,)
-    shapes = [s for s in SHAPES if s != "power" or u[0] > 0]
-    forms = [fit_form(shape, space, u, values) for space in spaces for shape in shapes]
+    forms = [
+        fit_form(shape, space, u[start:], values, index)
+        for index, u in enumerate(axes)
+        for space in spaces
+        for shape in SHAPES
+        if np.ptp(u[start:]) > 0 and (shape != "power" or u[start] > 0)
+    ]
+
+    def deciding(shape: str) -> Fit:
+        return next(f for f in forms if (f.shape, f.log, f.axis) == (shape, log, axis))
+
+    line, bend = deciding("line"), deciding("quadratic")
     best = min(form.aic for form in forms)
     plausible = [f for f in forms if math.exp((best - f.aic) / 2) >= PLAUSIBLE]
-    others = [f for f in plausible if (f.shape, f.log) != ("line", log)]
-    bend = next(f for f in forms if (f.shape, f.log) == ("quadratic", log))
+    others = [f for f in plausible if f is not line]
     return Trend(line, n, start, p, forms=(line, *others), bend=bend)

@@ -7,10 +7,14 @@ train row has one: the weights, and the logits and activations they make, move i
 the rate, so a warm-up or a decay bends a signal's per-step trend but not its trend in this axis.
 At planned step n the axis is N/T times this run's at step n·T/N (each stretched step lasts N/T of
 this run's). Without the rate the axis is the step, and the trend per step is taken to go on.
+Where the rate varies, the step is a second axis beside it: a growth that goes per step whatever
+the rate (a factor applied each step) is as plausible a form until the points tell the two apart,
+so every form is fitted over both, and both enter the interval.
 
 **The deciding trend** is chosen per signal over all its points: log-linear growth (a factor per
-unit of the axis) or a straight line, whichever is the likelier model of the values (the AIC's
-pick: the same number of parameters). Its slope decides whether a limit is forecast to be crossed
+unit of the axis) or a straight line, over either axis, whichever is the likelier model of the
+values (the AIC's pick: the same number of parameters); the crossing says which
+(``decided_by``). Its slope decides whether a limit is forecast to be crossed
 and its centre gives the step, unless the growth is slowing (``Trend.decider``: the quadratic over
 the same points bends away from the limit, one-sided at fit.CHANGEPOINT_ALPHA / 2): then the
 quadratic's centre must reach the limit by the planned end, and gives the step.
@@ -43,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from amp_exp.config.schema import PrecisionConfig
-from amp_exp.forecast.fit import MIN_POINTS, Fit, Trend, fit_trend, grows_by_factors
+from amp_exp.forecast.fit import MIN_POINTS, Fit, Trend, fit_trend, likeliest_line
 
 LEVEL = 0.95
 ALPHA = 0.05
@@ -57,6 +61,12 @@ AXIS_LR = (
     "lr); the planned run's at step n is N/T times this run's at step n*T/N"
 )
 AXIS_STEPS = "optimizer steps (the train rows carry no learning rate to sum)"
+AXIS_BOTH = (
+    "two, each form fitted over both: the cumulative learning rate (the sum of the learning rate "
+    "over steps, from the train rows' lr; the planned run's at step n is N/T times this run's at "
+    "step n*T/N), for growth per unit of learning rate, and the optimizer step, for growth per "
+    "step whatever the rate"
+)
 # The planned steps each crossing is looked for at.
 GRID = 2001
 
@@ -112,11 +122,18 @@ def limits_of(rows: list[dict[str, Any]], min_scale: float) -> dict[str, Limit]:
     return limits
 
 
-# Fitted in log space: what grows or shrinks by factors. The rest (logit_mean, skip_rate, and
+# Fitted in log space too: what grows or shrinks by factors. The rest (logit_mean, skip_rate, and
 # the share act_range_frac, which is act_absmax over a constant) linearly.
 LOG_SIGNALS = frozenset(
     {"act_absmax", "act_kurtosis", "attn_logit_max", "update_ratio", "grad_norm", "scale"}
 )
+# Decided by a line in their own units, as the output logits are fitted: a logit is a log
+# already (a difference of two is the log of a ratio of softmax weights, and the saturation limit
+# is one) and the product of two weight matrices that the rate moves by about a rate a step, a
+# quadratic at most in the cumulative rate. A logit growing by factors, as one does from near 0
+# while the weights leave their start, is in that early phase, not on a trend to carry on
+# (docs/forecast.md, planted seed 2); the log forms stay in the interval, as every plausible form.
+OWN_UNITS = frozenset({"attn_logit_max"})
 # act_absmax's share of the format says the same as act_absmax: not fitted twice.
 DERIVED = frozenset({"act_range_frac"})
 
@@ -140,6 +157,8 @@ class Axis:
     """The fits' time axis: where each step of this run, and of the planned run, lies on it."""
 
     text: str
+    # Short, for a form's description: "cumulative lr" or "step".
+    name: str
     # This run's steps (0 first) and the axis's value at each; between them, linear.
     steps: np.ndarray
     values: np.ndarray
@@ -156,34 +175,41 @@ class Axis:
         return self.stretch * np.interp(np.asarray(steps) / self.stretch, self.steps, self.values)
 
 
-def axis_of(rows: list[dict[str, Any]], planned_steps: int) -> Axis:
-    """The cumulative learning rate where every train row has one (growth of weights and logits
-    scales with it, so a warm-up or a decay bends the per-step trend but not this one); else the
-    step. The rate between two log steps is taken to move linearly (the trapezoid rule), and
-    before the first log step to be the first one's."""
+def axes_of(rows: list[dict[str, Any]], planned_steps: int) -> tuple[Axis, ...]:
+    """The fits' candidate time axes: the cumulative learning rate where every train row has one
+    (growth of weights and logits scales with it, so a warm-up or a decay bends the per-step
+    trend but not this one), and beside it the step where the rate varies (growth that goes per
+    step whatever the rate: the forms over both are plausible until the points tell them apart);
+    with a constant rate the two are one, and without a rate the step alone. The rate between
+    two log steps is taken to move linearly (the trapezoid rule), and before the first log step
+    to be the first one's."""
     train = {row["step"]: row.get("lr") for row in rows if row["kind"] == "train"}
     steps = np.array(sorted(train), dtype=float)
     stretch = planned_steps / steps[-1]
     rates = [train[int(step)] for step in steps]
     known = all(isinstance(r, (int, float)) and math.isfinite(r) and r >= 0 for r in rates)
-    if not known or len(steps) < 2 or sum(rates) == 0:
-        grid = np.concatenate([[0.0], steps])
-        return Axis(AXIS_STEPS, grid, grid, stretch)
-    lr = np.array([rates[0], *rates], dtype=float)
     grid = np.concatenate([[0.0], steps])
+    per_step = Axis(AXIS_STEPS, "step", grid, grid, stretch)
+    if not known or len(steps) < 2 or sum(rates) == 0:
+        return (per_step,)
+    lr = np.array([rates[0], *rates], dtype=float)
     cumulative = np.concatenate([[0.0], np.cumsum(np.diff(grid) * (lr[1:] + lr[:-1]) / 2)])
-    return Axis(AXIS_LR, grid, cumulative, stretch)
+    by_rate = Axis(AXIS_LR, "cumulative lr", grid, cumulative, stretch)
+    if np.ptp(lr) == 0:
+        return (by_rate,)
+    return (Axis(AXIS_BOTH, by_rate.name, grid, cumulative, stretch), per_step)
 
 
-def _trend(series: Series, axis: Axis) -> tuple[Trend, np.ndarray]:
-    """The signal's trend (in log space where that fits better and the values allow) and the
-    steps of its usable points."""
+def _trend(series: Series, axes: tuple[Axis, ...]) -> tuple[Trend, np.ndarray]:
+    """The signal's trend (decided by the likeliest line: in log space where that fits better
+    and the values allow, over the axis that fits better) and the steps of its usable points."""
     finite = np.isfinite(series.values)
     steps, values = series.steps[finite], series.values[finite]
-    u = axis.observed(steps)
-    try_log = series.log and len(u) >= MIN_POINTS and bool((values > 0).all())
-    log = try_log and grows_by_factors(u, values)
-    return fit_trend(u, values, log, try_log), steps
+    us = [axis.observed(steps) for axis in axes]
+    try_log = series.log and len(steps) >= MIN_POINTS and bool((values > 0).all())
+    by_factors = try_log and series.signal not in OWN_UNITS
+    axis, log = likeliest_line(us, values, by_factors) if len(steps) >= MIN_POINTS else (0, False)
+    return fit_trend(us, values, log, try_log, axis), steps
 
 
 def _value(form: Fit, y: float | np.ndarray) -> float | np.ndarray:
@@ -194,18 +220,29 @@ def _value(form: Fit, y: float | np.ndarray) -> float | np.ndarray:
         return np.exp(y)
 
 
-def _hull(forms: tuple[Fit, ...], u: float, level: float) -> tuple[float, float, float]:
-    """The deciding line's forecast at ``u`` and the hull of every plausible form's prediction
-    interval there, in the signal's own units."""
-    intervals = [[float(_value(f, v)) for v in f.prediction(u, level)] for f in forms]
-    return intervals[0][0], min(i[1] for i in intervals), max(i[2] for i in intervals)
+def _hull(
+    forms: tuple[Fit, ...], us: list[np.ndarray], level: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The deciding line's forecast at each point (``us``: its places on each axis) and the hull
+    of every plausible form's prediction interval there, in the signal's own units."""
+    intervals = [[_value(f, v) for v in f.prediction(us[f.axis], level)] for f in forms]
+    low = np.min([i[1] for i in intervals], axis=0)
+    return intervals[0][0], low, np.max([i[2] for i in intervals], axis=0)
+
+
+def _describe(form: Fit, axes: tuple[Axis, ...]) -> dict[str, str]:
+    return {
+        "shape": form.shape,
+        "space": "log" if form.log else "linear",
+        "axis": axes[form.axis].name,
+    }
 
 
 def forecast_series(
-    series: Series, planned_steps: int, level: float, alpha: float, axis: Axis
+    series: Series, planned_steps: int, level: float, alpha: float, axes: tuple[Axis, ...]
 ) -> dict[str, Any]:
     """One signal's fit, forecast at the planned end, and crossing (if forecast) as data."""
-    trend, steps = _trend(series, axis)
+    trend, steps = _trend(series, axes)
     out: dict[str, Any] = {
         "signal": series.signal,
         "module": series.module,
@@ -222,40 +259,40 @@ def forecast_series(
     if trend.line is None:
         return {**out, "status": "unforecastable", "reason": trend.unforecastable}
     line = trend.line
-    end = float(axis.planned(np.array([planned_steps]))[0])
-    centre, low, high = _hull(trend.forms, end, level)
-    band = []
-    for step in np.linspace(steps[trend.start], planned_steps, 40):
-        u = float(axis.planned(np.array([step]))[0])
-        band.append([float(step), *_hull(trend.forms, u, level)])
+    # The band's last step is the planned end, where the forecast is read.
+    band_steps = np.linspace(steps[trend.start], planned_steps, 40)
+    band = np.column_stack(
+        [band_steps, *_hull(trend.forms, [a.planned(band_steps) for a in axes], level)]
+    )
+    _, centre, low, high = (float(v) for v in band[-1])
     out |= {
         "status": "fitted",
         "space": "log" if line.log else "linear",
+        "axis": axes[line.axis].name,
         "fit_from_step": float(steps[trend.start]),
         "changepoint_p": trend.changepoint_p,
         "slope": line.slope,
         "intercept": line.intercept,
         "residual_sd": line.residual_sd,
         "residual_autocorrelation": line.autocorrelation,
-        "forms": [
-            {"shape": f.shape, "space": "log" if f.log else "linear", "aic": f.aic}
-            for f in trend.forms
-        ],
+        "forms": [_describe(f, axes) | {"aic": f.aic} for f in trend.forms],
         "forecast": {"step": planned_steps, "value": centre, "interval": [low, high]},
-        "band": band,
+        "band": band.tolist(),
         "crossing": None,
     }
     if series.limit is not None:
         grid = np.linspace(steps[trend.start], planned_steps, GRID)
-        out["crossing"] = crossing(series, trend, grid, axis.planned(grid), alpha)
+        out["crossing"] = crossing(series, trend, grid, [a.planned(grid) for a in axes], alpha)
+        if out["crossing"] is not None:
+            out["crossing"]["decided_by"] = _describe(trend.decider(series.limit.direction), axes)
     return out
 
 
 def crossing(
-    series: Series, trend: Trend, steps: np.ndarray, u: np.ndarray, alpha: float
+    series: Series, trend: Trend, steps: np.ndarray, us: list[np.ndarray], alpha: float
 ) -> dict[str, Any] | None:
-    """When the deciding trend crosses the limit within the planned run (``steps``, at ``u`` on
-    the axis), if the line's slope differs from zero toward it at a two-sided ``alpha`` (as
+    """When the deciding trend crosses the limit within the planned run (``steps``, at ``us`` on
+    each axis), if the line's slope differs from zero toward it at a two-sided ``alpha`` (as
     Fieller's interval of the line is bounded). The deciding trend is the line, or its
     quadratic where that bends significantly away from the limit (``Trend.decider``: growth
     that has slowed is not carried forward at its average rate). The interval, at
@@ -275,7 +312,7 @@ def crossing(
         if form.log and limit.value <= 0:
             continue
         value = math.log(limit.value) if form.log else limit.value
-        centre, near, far = form.crossing(u, value, limit.direction, 1 - alpha)
+        centre, near, far = form.crossing(us[form.axis], value, limit.direction, 1 - alpha)
         if form is decider:
             if centre is None:
                 return None
@@ -304,18 +341,18 @@ def forecast_run(
 ) -> dict[str, Any]:
     """The run's forecast to ``planned_steps``: every signal's fit, and the first crossing."""
     observed = max(row["step"] for row in rows if row["kind"] == "train")
-    axis = axis_of(rows, planned_steps)
+    axes = axes_of(rows, planned_steps)
     all_series = series_of(rows, min_scale)
     limited = [s for s in all_series if s.limit is not None]
     each_alpha = alpha / max(len(limited), 1)
-    signals = [forecast_series(s, planned_steps, level, each_alpha, axis) for s in all_series]
+    signals = [forecast_series(s, planned_steps, level, each_alpha, axes) for s in all_series]
     crossings = [s["crossing"] for s in signals if s.get("crossing")]
     first = min(crossings, key=lambda c: c["step"], default=None)
     return {
         "observed_steps": observed,
         "planned_steps": planned_steps,
         "plan": PLAN.format(steps=planned_steps, observed=observed),
-        "axis": axis.text,
+        "axis": axes[0].text,
         "level": level,
         "familywise_alpha": alpha,
         "first_crossing": first,

@@ -27,10 +27,12 @@ def crossing_sentence(forecast: dict[str, Any]) -> str:
         return f"No signal is forecast to cross its limit by step {planned}{caveat}."
     low, high = first["interval"]
     where = f"{first['signal']}" + (f" of {first['module']}" if first["module"] else "")
+    form = first["decided_by"]
     return (
         f"{where} is forecast to cross its limit ({first['limit']}, "
         f"{_number(first['limit_value'])}) at step {_step(first['step'])} "
-        f"(interval {_step(low)} to {_step(high)}) of a planned {planned}."
+        f"(interval {_step(low)} to {_step(high)}) of a planned {planned}; the step is the "
+        f"{form['shape']}'s in {form['space']} space over the {form['axis']} axis."
     )
 
 
@@ -44,7 +46,8 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
         f"- Time axis of the fits: {forecast['axis']}.",
         f"- Forecast intervals: {forecast['level']:.0%} prediction intervals, the hull over "
         "every growth form the points leave plausible (line, power law, quadratic; in the "
-        "signal's own and in log space). A crossing is claimed only where the signal's trend "
+        "signal's own and in log space; over each time axis). A crossing is claimed only where "
+        "the signal's trend "
         f"heads to its limit at a family-wise {forecast['familywise_alpha']:.0%} level "
         "(Bonferroni over the limited signals); its interval, the same hull of each form's "
         f"crossing set, covers the crossing at {1 - forecast['familywise_alpha']:.0%} or more "
@@ -69,7 +72,8 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
         crossing_text = "-" if crossing is None else f"step {_step(crossing['step'])}"
         lines.append(
             f"| {signal['signal']} | {signal['module'] or '-'} | {signal['points']} "
-            f"| {signal['fit_from_step']:.0f} | {signal['slope']:.3g} ({signal['space']}) "
+            f"| {signal['fit_from_step']:.0f} "
+            f"| {signal['slope']:.3g} ({signal['space']}, per {signal['axis']}) "
             f"| {signal['residual_sd']:.3g} | {_number(end['value'])} "
             f"| {_number(end['interval'][0])} to {_number(end['interval'][1])} "
             f"| {limit_text} | {crossing_text} |"
