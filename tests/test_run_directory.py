@@ -7,9 +7,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from amp_exp.results.resume import config_changes
 from amp_exp.results.summary import record_failure
 from amp_exp.run import train
 from helpers.runs import FAST, TINY, read_jsonl, signal_self_at_call
-from helpers.warm_python import python_m
+from helpers.warm_python import python_m, start_python_m
 
 # 256 samples / batch 16: 16 batches an epoch.
 SHORT = [*TINY, "trainer.max_steps=4", "trainer.log_every=2"]
@@ -39,51 +41,60 @@ def amp_exp_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return python_m("amp_exp", *FAST, *overrides, f"hydra.run.dir={run_dir}", timeout=300)
 
 
-def take_lock_elsewhere(directory: Path) -> subprocess.CompletedProcess:
+# Another process at a directory's lock, forked from the warm interpreter (helpers/warm_python.py):
+# a process of its own, without the 2 s of CPU a fresh one spends importing torch.
+LOCK_PROBES = {
+    # Tries the lock of argv[1]; prints what it got.
+    "take_lock": "import sys\nfrom pathlib import Path\n"
+    "from amp_exp.results.ownership import RunDirectoryBusy, RunDirectoryLock\n"
+    "try:\n    RunDirectoryLock(Path(sys.argv[1])).__enter__(); print('taken')\n"
+    "except RunDirectoryBusy as busy:\n    print(busy)\n",
+    # Takes the lock of argv[1], says so, and holds it until killed.
+    "hold_lock": "import sys, time\nfrom pathlib import Path\n"
+    "from amp_exp.results.ownership import RunDirectoryLock\n"
+    "lock = RunDirectoryLock(Path(sys.argv[1])).__enter__()\n"
+    "print('held', flush=True)\ntime.sleep(60)\n",
+}
+
+
+@pytest.fixture(scope="module")
+def lock_probes(tmp_path_factory) -> dict[str, str]:
+    """An environment whose PYTHONPATH finds LOCK_PROBES as modules."""
+    folder = tmp_path_factory.mktemp("lock_probes")
+    for name, code in LOCK_PROBES.items():
+        (folder / f"{name}.py").write_text(code)
+    paths = [str(folder), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def take_lock_elsewhere(directory: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     """Another process tries the lock of ``directory``; it prints what it got."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from pathlib import Path; "
-            "from amp_exp.results.ownership import RunDirectoryBusy, RunDirectoryLock\n"
-            f"try:\n    RunDirectoryLock(Path({str(directory)!r})).__enter__(); print('taken')\n"
-            "except RunDirectoryBusy as busy:\n    print(busy)",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return python_m("take_lock", str(directory), env=env, timeout=60)
 
 
-def test_a_second_process_is_refused_while_the_first_holds_the_directory(tmp_path) -> None:
+def test_a_second_process_is_refused_while_the_first_holds_the_directory(
+    tmp_path, lock_probes
+) -> None:
     holder = f"pid {os.getpid()} on {socket.gethostname()}"
     with RunDirectoryLock(tmp_path):
         # The pre-flight takes the lock, then the run takes it again, in one process.
         with RunDirectoryLock(tmp_path):
             pass
-        assert holder in take_lock_elsewhere(tmp_path).stdout
+        assert holder in take_lock_elsewhere(tmp_path, lock_probes).stdout
         assert holder_of(tmp_path) is None  # this process holds it: not in its own way
-    assert take_lock_elsewhere(tmp_path).stdout.strip() == "taken"  # released with the last
+    # Released with the last.
+    assert take_lock_elsewhere(tmp_path, lock_probes).stdout.strip() == "taken"
 
 
-def test_the_lock_dies_with_its_process(tmp_path) -> None:
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; from pathlib import Path; "
-            "from amp_exp.results.ownership import RunDirectoryLock; "
-            f"lock = RunDirectoryLock(Path({str(tmp_path)!r})).__enter__(); "
-            "print('held', flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdout.readline().strip() == "held"
+def test_the_lock_dies_with_its_process(tmp_path, lock_probes) -> None:
+    holder = start_python_m("hold_lock", str(tmp_path), env=lock_probes, timeout=120)
+    deadline = time.monotonic() + 60
+    while holder.read_stdout().strip() != "held":
+        assert holder.poll() is None and time.monotonic() < deadline, holder.communicate()
+        time.sleep(0.01)
     with pytest.raises(RunDirectoryBusy, match=f"pid {holder.pid}"):
         RunDirectoryLock(tmp_path).__enter__()
-    holder.kill()  # SIGKILL: no handler runs, the OS drops the lock
+    holder.send_signal(signal.SIGKILL)  # no handler runs, the OS drops the lock
     holder.wait()
     with RunDirectoryLock(tmp_path):
         pass
