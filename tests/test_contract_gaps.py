@@ -29,6 +29,8 @@ from test_report import write_run
 from test_speed import sweep_start
 
 ROOT = Path(__file__).resolve().parent.parent
+# The reports here are read for their exit statuses and words, not their PNGs (conftest).
+pytestmark = pytest.mark.usefixtures("pngs_not_rasterized")
 
 # A bf16 plugin that fails where its options say: in one of its hooks, or with a state that no
 # checkpoint can keep (its own subclass of the built-in, as a user would write it).
