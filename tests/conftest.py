@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -166,3 +168,21 @@ def real_pngs(pngs_not_rasterized, monkeypatch) -> None:
     from amp_exp.report import plots
 
     monkeypatch.setattr(plots, "save", pngs_not_rasterized)
+
+
+@pytest.fixture
+def amp_exp_here(monkeypatch, capsys) -> Callable[..., subprocess.CompletedProcess]:
+    """``amp_exp_here(*args)``: ``python -m amp_exp args`` through its entry point, in this
+    process: its exit status, stdout and stderr. For the commands the pre-flight refuses, before
+    Hydra starts (a Hydra run here would take over this process's logging)."""
+    from amp_exp.__main__ import launch_run
+    from amp_exp.results.contract import enter
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "argv", ["amp_exp", *args])
+        status = enter("amp_exp", launch_run, signals=False)
+        printed = capsys.readouterr()
+        return subprocess.CompletedProcess(["amp_exp", *args], status, printed.out, printed.err)
+
+    return run

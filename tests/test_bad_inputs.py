@@ -388,23 +388,16 @@ def run_bad(workspace: Path, *argv: str, run_dir: str = "run") -> subprocess.Com
     return result
 
 
-def refused_before_hydra(
-    workspace: Path, monkeypatch, capsys, *argv: str, run_dir: str = "run"
-) -> str:
+def refused_before_hydra(amp_exp_here, workspace: Path, *argv: str, run_dir: str = "run") -> str:
     """``python -m amp_exp`` from ``workspace`` through its entry point, in this process (the
     pre-flight refuses these before Hydra starts); fails the test unless it exits 2 and leaves
     every file as it was. Returns its stderr."""
-    from amp_exp.__main__ import launch_run
-    from amp_exp.results.contract import enter
-
     before = snapshot(workspace)
-    capsys.readouterr()
-    monkeypatch.setattr("sys.argv", ["amp_exp", *argv, f"hydra.run.dir={run_dir}"])
-    assert enter("amp_exp", launch_run, signals=False) == 2
-    printed = capsys.readouterr()
-    assert "Traceback" not in printed.out + printed.err
+    result = amp_exp_here(*argv, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stdout + result.stderr
     assert snapshot(workspace) == before
-    return printed.err
+    return result.stderr
 
 
 @pytest.mark.slow
@@ -419,17 +412,17 @@ def refused_before_hydra(
     ],
 )
 def test_cli_rejects_bad_input_with_one_line_and_writes_nothing(
-    workspace, monkeypatch, capsys, argv, expected
+    workspace, amp_exp_here, argv, expected
 ):
-    stderr = refused_before_hydra(workspace, monkeypatch, capsys, *argv)
+    stderr = refused_before_hydra(amp_exp_here, workspace, *argv)
     [line] = stderr.strip().splitlines()
     assert line.startswith("amp_exp: error: ") and expected in line
     assert not (workspace / "run").exists()
 
 
 @pytest.mark.slow
-def test_cli_rejects_an_output_dir_through_a_file(workspace, monkeypatch, capsys) -> None:
-    stderr = refused_before_hydra(workspace, monkeypatch, capsys, run_dir="a_file/run")
+def test_cli_rejects_an_output_dir_through_a_file(workspace, amp_exp_here) -> None:
+    stderr = refused_before_hydra(amp_exp_here, workspace, run_dir="a_file/run")
     assert stderr.strip().splitlines() == [
         "amp_exp: error: hydra.run.dir=a_file/run: a_file is a file, not a directory; "
         "choose another directory"

@@ -5,16 +5,13 @@ random parts, and under FSDP2."""
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from amp_exp.__main__ import launch_run
 from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
-from amp_exp.results.contract import enter
 from amp_exp.run import train
 from helpers.runs import FAST_LM, composed
 from test_checkpoint import MODES, assert_resume_is_exact
@@ -70,14 +67,13 @@ def test_each_format_trains_emulated_and_the_audit_counts_its_matmuls(precision,
 
 @pytest.mark.parametrize("precision", sorted(FORMATS))
 def test_without_emulate_on_the_cpu_a_format_is_refused_in_one_line(
-    precision, tmp_path, monkeypatch, capsys
+    precision, tmp_path, monkeypatch, amp_exp_here
 ):
     """Through the command's entry point, in this process: the pre-flight refuses it."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["amp_exp", *GPT, f"precision={precision}"])
-    assert enter("amp_exp", launch_run, signals=False) == 2
-    captured = capsys.readouterr()
-    output = captured.out + captured.err
+    result = amp_exp_here(*GPT, f"precision={precision}")
+    assert result.returncode == 2
+    output = result.stdout + result.stderr
     assert "Traceback" not in output
     (line,) = [line for line in output.splitlines() if "error" in line.lower()]
     assert f"precision={precision} cannot run for real here" in line

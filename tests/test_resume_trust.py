@@ -26,11 +26,9 @@ import pytest
 import torch
 import yaml
 
-from amp_exp.__main__ import launch_run
 from amp_exp.config.schema import SchedulerConfig, SchedulerName
 from amp_exp.errors import ConfigError, RunRefused
 from amp_exp.report.runs import Run
-from amp_exp.results.contract import enter
 from amp_exp.results.files import EVIDENCE_JSON, write_json
 from amp_exp.results.resume import config_changes, trained_values
 from amp_exp.run import train
@@ -65,15 +63,14 @@ def with_canary(canary_dir: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(canary_dir), str(ROOT)])}
 
 
-def refused_before_hydra(monkeypatch, capsys, canary_dir: Path, *args: str) -> str:
+def refused_before_hydra(amp_exp_here, monkeypatch, canary_dir: Path, *args: str) -> str:
     """``python -m amp_exp args`` through its entry point, in this process, with the canary's
     folder on the path as ``amp_exp`` puts it: refused (exit 2) before Hydra starts. Its
     stderr."""
     monkeypatch.syspath_prepend(str(canary_dir))
-    monkeypatch.setattr(sys, "argv", ["amp_exp", *args])
-    capsys.readouterr()
-    assert enter("amp_exp", launch_run, signals=False) == 2
-    return capsys.readouterr().err
+    result = amp_exp_here(*args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    return result.stderr
 
 
 def test_the_canary_is_imported_when_named_on_the_path(tmp_path: Path) -> None:
@@ -209,7 +206,7 @@ def files_of(directory: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 def test_a_sweep_resumed_with_its_values_reordered_finds_each_jobs_own_directory(
-    tmp_path: Path, monkeypatch, capsys
+    tmp_path: Path, monkeypatch, amp_exp_here
 ) -> None:
     """``precision=fp32,bf16``, the bf16 job then lost (its summary gone, as if killed), then
     ``precision=bf16,fp32 resume=auto``: Hydra numbers bf16 job 0, yet it runs in its own
@@ -230,13 +227,13 @@ def test_a_sweep_resumed_with_its_values_reordered_finds_each_jobs_own_directory
     before = files_of(sweep)
     where = f"hydra.sweep.dir={sweep}"
     args = ["-m", *SWEEP, where, "precision=bf16,fp32", "resume=auto", "optimizer.lr=0.5"]
-    (line,) = refused_before_hydra(monkeypatch, capsys, tmp_path, *args).strip().splitlines()
+    (line,) = refused_before_hydra(amp_exp_here, monkeypatch, tmp_path, *args).strip().splitlines()
     assert "job 0 holds an experiment this sweep does not plan (optimizer.lr: 0.1 -> 0.5)" in line
     assert files_of(sweep) == before
 
 
 def test_a_raised_max_seeds_on_resume_is_one_line_and_writes_nothing(
-    tmp_path: Path, monkeypatch, capsys
+    tmp_path: Path, monkeypatch, amp_exp_here
 ) -> None:
     """The looks planned set every look's level: a resume asking for more seeds is refused
     before Hydra starts (before it would rewrite multirun.yaml), exit 2, one line."""
@@ -244,7 +241,7 @@ def test_a_raised_max_seeds_on_resume_is_one_line_and_writes_nothing(
     write_json(sweep / EVIDENCE_JSON, {"plan": {"min_seeds": 2, "max_seeds": 3, "looks": 2}})
     before = files_of(sweep)
     args = [*evidence_sweep(sweep, "resume=auto"), "evidence.max_seeds=4"]
-    (line,) = refused_before_hydra(monkeypatch, capsys, tmp_path, *args).strip().splitlines()
+    (line,) = refused_before_hydra(amp_exp_here, monkeypatch, tmp_path, *args).strip().splitlines()
     assert line.startswith("amp_exp: error: evidence.min_seeds=2 evidence.max_seeds=4: this sweep")
     assert files_of(sweep) == before and sorted(os.listdir(sweep)) == [EVIDENCE_JSON]
 

@@ -179,12 +179,14 @@ def test_resuming_a_completed_cli_run_does_nothing_and_writes_nothing(finished_c
 
 
 @pytest.mark.slow
-def test_a_second_sweep_into_a_sweep_directory_is_refused_unless_it_resumes(tmp_path) -> None:
+def test_a_second_sweep_into_a_sweep_directory_is_refused_unless_it_resumes(
+    tmp_path, amp_exp_here
+) -> None:
     sweep = [*FAST, *SHORT, "seed=0,1", f"hydra.sweep.dir={tmp_path}"]
     first = python_m("amp_exp", "-m", *sweep, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     before = snapshot(tmp_path)
-    again = python_m("amp_exp", "-m", *sweep, timeout=300)
+    again = amp_exp_here("-m", *sweep)  # refused by the pre-flight, in this process
     assert_refused_in_one_line(again, 2, "holds the results of an earlier sweep (jobs 0, 1)")
     assert snapshot(tmp_path) == before
     resumed = python_m("amp_exp", "-m", *sweep, "resume=auto", timeout=300)
