@@ -7,7 +7,10 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -21,6 +24,7 @@ from amp_exp.config.values import validate
 from amp_exp.tasks import workload
 from helpers.probes import inject_probe
 from helpers.runs import FAST, composed, overriding_loss
+from helpers.warm_python import WarmProcess, python_m, start_python_m
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -99,3 +103,86 @@ def override_loss(monkeypatch) -> Callable[[Callable[..., torch.Tensor]], None]:
     """``override_loss(loss_fn)``: tasks built from then on train with ``loss_fn(outputs,
     targets)``, as a fault-injecting test needs (helpers.runs.LossOverride)."""
     return lambda loss_fn: monkeypatch.setattr(workload, "make_task", overriding_loss(loss_fn))
+
+
+# Another process at a run directory's lock, forked from the warm interpreter
+# (helpers/warm_python.py): a process of its own, without the 2 s of CPU a fresh one spends
+# importing torch. Each module takes the directory as argv[1].
+LOCK_PROBES = {
+    # Tries the lock; prints what it got.
+    "take_lock": "import sys\nfrom pathlib import Path\n"
+    "from amp_exp.results.ownership import RunDirectoryBusy, RunDirectoryLock\n"
+    "try:\n    RunDirectoryLock(Path(sys.argv[1])).__enter__(); print('taken')\n"
+    "except RunDirectoryBusy as busy:\n    print(busy)\n",
+    # Takes the lock, says so, and holds it until killed.
+    "hold_lock": "import sys, time\nfrom pathlib import Path\n"
+    "from amp_exp.results.ownership import RunDirectoryLock\n"
+    "lock = RunDirectoryLock(Path(sys.argv[1])).__enter__()\n"
+    "print('held', flush=True)\ntime.sleep(120)\n",
+}
+
+
+class LockElsewhere:
+    """``take(directory)``: what another process got trying the lock; ``hold(directory)``:
+    another process (a ``WarmProcess``) holding it, until the test kills it."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+    def take(self, directory) -> str:
+        return python_m("take_lock", str(directory), env=self.env, timeout=60).stdout
+
+    def hold(self, directory) -> WarmProcess:
+        holder = start_python_m("hold_lock", str(directory), env=self.env, timeout=180)
+        deadline = time.monotonic() + 60
+        while holder.read_stdout().strip() != "held":
+            assert holder.poll() is None and time.monotonic() < deadline, holder.communicate()
+            time.sleep(0.01)
+        return holder
+
+
+@pytest.fixture(scope="session")
+def lock_elsewhere(tmp_path_factory) -> LockElsewhere:
+    folder = tmp_path_factory.mktemp("lock_probes")
+    for name, code in LOCK_PROBES.items():
+        (folder / f"{name}.py").write_text(code)
+    paths = [str(folder), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return LockElsewhere({**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
+
+
+@pytest.fixture
+def pngs_not_rasterized(monkeypatch) -> Callable[..., None]:
+    """Reports built in this process still draw each plot's figure from their rows, but write a
+    stub for its PNG: rasterizing a report's five PNGs costs some 0.6 s of CPU, and only the
+    tests of the pictures look at them (they ask for ``real_pngs``). Returns the real writer."""
+    from amp_exp.report import plots
+
+    real = plots.save
+    monkeypatch.setattr(plots, "save", lambda figure, path: path.write_bytes(b"not rasterized"))
+    return real
+
+
+@pytest.fixture
+def real_pngs(pngs_not_rasterized, monkeypatch) -> None:
+    """The PNGs rasterized as a report writes them, in a module that stubs them."""
+    from amp_exp.report import plots
+
+    monkeypatch.setattr(plots, "save", pngs_not_rasterized)
+
+
+@pytest.fixture
+def amp_exp_here(monkeypatch, capsys) -> Callable[..., subprocess.CompletedProcess]:
+    """``amp_exp_here(*args)``: ``python -m amp_exp args`` through its entry point, in this
+    process: its exit status, stdout and stderr. For the commands the pre-flight refuses, before
+    Hydra starts (a Hydra run here would take over this process's logging)."""
+    from amp_exp.__main__ import launch_run
+    from amp_exp.results.contract import enter
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "argv", ["amp_exp", *args])
+        status = enter("amp_exp", launch_run, signals=False)
+        printed = capsys.readouterr()
+        return subprocess.CompletedProcess(["amp_exp", *args], status, printed.out, printed.err)
+
+    return run

@@ -388,6 +388,18 @@ def run_bad(workspace: Path, *argv: str, run_dir: str = "run") -> subprocess.Com
     return result
 
 
+def refused_before_hydra(amp_exp_here, workspace: Path, *argv: str, run_dir: str = "run") -> str:
+    """``python -m amp_exp`` from ``workspace`` through its entry point, in this process (the
+    pre-flight refuses these before Hydra starts); fails the test unless it exits 2 and leaves
+    every file as it was. Returns its stderr."""
+    before = snapshot(workspace)
+    result = amp_exp_here(*argv, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert snapshot(workspace) == before
+    return result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "expected"),
@@ -399,17 +411,19 @@ def run_bad(workspace: Path, *argv: str, run_dir: str = "run") -> subprocess.Com
         pytest.param(["trainer.device=cuda"], "no CUDA device is available", marks=NO_CUDA),
     ],
 )
-def test_cli_rejects_bad_input_with_one_line_and_writes_nothing(workspace, argv, expected):
-    result = run_bad(workspace, *argv)
-    [line] = result.stderr.strip().splitlines()
+def test_cli_rejects_bad_input_with_one_line_and_writes_nothing(
+    workspace, amp_exp_here, argv, expected
+):
+    stderr = refused_before_hydra(amp_exp_here, workspace, *argv)
+    [line] = stderr.strip().splitlines()
     assert line.startswith("amp_exp: error: ") and expected in line
     assert not (workspace / "run").exists()
 
 
 @pytest.mark.slow
-def test_cli_rejects_an_output_dir_through_a_file(workspace) -> None:
-    result = run_bad(workspace, run_dir="a_file/run")
-    assert result.stderr.strip().splitlines() == [
+def test_cli_rejects_an_output_dir_through_a_file(workspace, amp_exp_here) -> None:
+    stderr = refused_before_hydra(amp_exp_here, workspace, run_dir="a_file/run")
+    assert stderr.strip().splitlines() == [
         "amp_exp: error: hydra.run.dir=a_file/run: a_file is a file, not a directory; "
         "choose another directory"
     ]

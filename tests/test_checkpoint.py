@@ -292,12 +292,13 @@ def test_a_dcp_value_that_smuggles_code_is_refused_and_never_runs(
 
 
 @pytest.mark.slow
-def test_cli_resume_from_a_smuggling_dcp_checkpoint_exits_4_in_one_line(tmp_path) -> None:
+def test_cli_resume_from_a_smuggling_dcp_checkpoint_exits_4_in_one_line(
+    tmp_path, sharded_run
+) -> None:
+    """The run trained in this process (sharded_run); its resume from the command line."""
     run = [*FAST, *SHARDED, f"hydra.run.dir={tmp_path}"]
-    run_cli(*run)
     marker = tmp_path / "payload-ran"
-    metadata = tmp_path / "checkpoints" / "step_00000004" / ".metadata"
-    metadata.write_bytes(pickle.dumps(ShellPayload(marker)))
+    (sharded_run / ".metadata").write_bytes(pickle.dumps(ShellPayload(marker)))
     result = run_cli(*run, "resume=auto", "trainer.max_steps=6", expect_rc=4)
     [line] = result.stderr.splitlines()
     assert (

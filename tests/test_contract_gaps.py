@@ -29,6 +29,8 @@ from test_report import write_run
 from test_speed import sweep_start
 
 ROOT = Path(__file__).resolve().parent.parent
+# The reports here are read for their exit statuses and words, not their PNGs (conftest).
+pytestmark = pytest.mark.usefixtures("pngs_not_rasterized")
 
 # A bf16 plugin that fails where its options say: in one of its hooks, or with a state that no
 # checkpoint can keep (its own subclass of the built-in, as a user would write it).
@@ -118,7 +120,9 @@ def user_plugins(tmp_path, monkeypatch) -> Path:
 # -- 1. python -m amp_exp.report holds the directory it writes into, and only that one --------
 
 
-def test_a_report_into_a_directory_in_use_is_refused_with_exit_2(tmp_path, capsys) -> None:
+def test_a_report_into_a_directory_in_use_is_refused_with_exit_2(
+    tmp_path, capsys, lock_elsewhere
+) -> None:
     """Caught: two reports (or a report and a run) writing report.md into one directory at once,
     each exit 0 (the report took no lock)."""
     from amp_exp.report.__main__ import main
@@ -126,20 +130,11 @@ def test_a_report_into_a_directory_in_use_is_refused_with_exit_2(tmp_path, capsy
     write_run(tmp_path / "runs" / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     out = tmp_path / "out"
     out.mkdir()
-    holds = (
-        "import sys, time; from pathlib import Path; from amp_exp.results.ownership import "
-        "RunDirectoryLock; RunDirectoryLock(Path(sys.argv[1])).__enter__(); print('held', "
-        "flush=True); time.sleep(120)"
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    holder = subprocess.Popen(
-        [sys.executable, "-c", holds, str(out)], stdout=subprocess.PIPE, text=True, env=env
-    )
+    holder = lock_elsewhere.hold(out)
     try:
-        assert holder.stdout.readline().strip() == "held"
         assert main([str(tmp_path / "runs"), "--out", str(out)]) == 2
     finally:
-        holder.kill()
+        holder.send_signal(signal.SIGKILL)
         holder.wait()
     err = capsys.readouterr().err
     assert err.startswith(f"amp_exp.report: error: {out} is in use by pid {holder.pid} on ")

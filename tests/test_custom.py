@@ -358,11 +358,12 @@ def test_cli_a_model_that_calls_sys_exit_exits_4_with_one_line_and_a_summary(tmp
 
 
 @pytest.mark.slow
-def test_cli_unimportable_target_exits_2_with_one_line(tmp_path) -> None:
-    result = python_m(
-        "amp_exp", "model=custom", "model._target_=my_pkg.make_model", timeout=120, cwd=tmp_path
-    )
+def test_cli_unimportable_target_exits_2_with_one_line(tmp_path, monkeypatch, amp_exp_here) -> None:
+    """Through the entry point, in this process: the pre-flight refuses it, writing nothing."""
+    monkeypatch.chdir(tmp_path)
+    result = amp_exp_here("model=custom", "model._target_=my_pkg.make_model")
     assert result.returncode == 2
+    assert list(tmp_path.iterdir()) == []
     assert result.stderr.strip().splitlines() == [
         "amp_exp: error: model._target_=my_pkg.make_model cannot be imported "
         "(ModuleNotFoundError: No module named 'my_pkg'); is its package installed or its folder "

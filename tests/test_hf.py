@@ -3,6 +3,7 @@ checked before anything is built, trained in every precision, their FLOPs and th
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from importlib.metadata import PackageNotFoundError
@@ -24,7 +25,7 @@ from amp_exp.tasks.blocks import model_blocks
 from amp_exp.tasks.hf import HFModel, hf_flops_per_token
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_workload
-from helpers.runs import FAST_TRAINER, TINY_TOKENS, signal_self_at_call
+from helpers.runs import FAST_TRAINER, TINY_TOKENS, composed, signal_self_at_call
 from test_checkpoint import assert_same_state
 from test_lm import EXACT, without_token_rates
 
@@ -52,6 +53,14 @@ def hf_cfg(compose_cfg):
         return validate(compose_cfg(*FAST_TRAINER, *overrides, fast=False))
 
     return _hf_cfg
+
+
+@pytest.fixture(scope="module")
+def llama_fp32(tmp_path_factory) -> dict:
+    """The summary of the tiny llama's eager fp32 run, trained once for the tests that read it
+    or measure another setting against it."""
+    cfg = validate(copy.deepcopy(composed((*FAST_TRAINER, *LLAMA, "precision=fp32"))))
+    return train(cfg, tmp_path_factory.mktemp("llama_fp32"))
 
 
 # --- checked before anything is built ---------------------------------------------------------
@@ -182,8 +191,8 @@ def test_flops_formula_is_within_10_percent_of_torchs_flop_counter():
     assert measured == pytest.approx(hf_flops_per_token(model, 16), rel=0.10)
 
 
-def test_a_language_model_reports_tokens_per_s_tflops_and_flops_per_token(hf_cfg, tmp_path):
-    summary = train(hf_cfg(*LLAMA, "precision=fp32"), tmp_path)
+def test_a_language_model_reports_tokens_per_s_tflops_and_flops_per_token(llama_fp32):
+    summary = llama_fp32
     assert summary["status"] == "completed"
     assert summary["flops_per_token"] == hf_flops_per_token(tiny_llama(vocab_size=32), 16)
     assert summary["tokens_per_s"] > 0 and summary["tflops"] > 0
@@ -251,8 +260,10 @@ def test_emulated_fp8_converts_the_llamas_linear_layers_by_their_transformers_na
     assert details["skipped_linears"] == {"hf.lm_head": "precision.options.skip: hf.lm_head"}
 
 
-def test_activation_checkpointing_recomputes_decoder_layers_and_changes_no_result(hf_cfg, tmp_path):
-    plain = train(hf_cfg(*LLAMA, "precision=fp32"), tmp_path / "plain")
+def test_activation_checkpointing_recomputes_decoder_layers_and_changes_no_result(
+    hf_cfg, llama_fp32, tmp_path
+):
+    plain = llama_fp32
     built = build(hf_cfg(*LLAMA, "precision=fp32", "trainer.activation_checkpointing=true"))
     assert all(isinstance(layer, CheckpointWrapper) for layer in built.model.hf.model.layers)
     checkpointed = train(
@@ -261,7 +272,7 @@ def test_activation_checkpointing_recomputes_decoder_layers_and_changes_no_resul
     assert checkpointed["final_loss"] == plain["final_loss"]
 
 
-def test_compile_trains_the_llama_to_eager_s_loss(hf_cfg, tmp_path, monkeypatch):
+def test_compile_trains_the_llama_to_eager_s_loss(hf_cfg, llama_fp32, tmp_path, monkeypatch):
     """aot_eager traces forward and backward as inductor would, without its code generation."""
     import torch._dynamo
 
@@ -270,7 +281,7 @@ def test_compile_trains_the_llama_to_eager_s_loss(hf_cfg, tmp_path, monkeypatch)
         torch, "compile", lambda model, mode: real_compile(model, backend="aot_eager")
     )
     torch._dynamo.reset()
-    eager = train(hf_cfg(*LLAMA, "precision=fp32"), tmp_path / "eager")
+    eager = llama_fp32
     compiled = train(hf_cfg(*LLAMA, "precision=fp32", "trainer.compile=true"), tmp_path / "c")
     torch._dynamo.reset()
     assert compiled["compile"] is True

@@ -344,6 +344,7 @@ def write_lm_run(path: Path, precision: str, tokens_per_s: float, perplexity: fl
     (path / "metrics.jsonl").write_text("")
 
 
+@pytest.mark.usefixtures("pngs_not_rasterized")  # read for its words (conftest)
 def test_sweep_report_shows_tokens_mfu_and_perplexity_for_lm_runs(tmp_path) -> None:
     write_lm_run(tmp_path / "0", "fp32", 100_000.0, 3.0)
     write_lm_run(tmp_path / "1", "bf16", 300_000.0, 3.03)
@@ -366,6 +367,7 @@ def test_sweep_report_shows_tokens_mfu_and_perplexity_for_lm_runs(tmp_path) -> N
     assert float(bf16["eval.eval_perplexity"]) > 0
 
 
+@pytest.mark.usefixtures("pngs_not_rasterized")  # read for its words (conftest)
 def test_report_of_image_runs_has_no_lm_columns(tmp_path) -> None:
     from test_report import write_run
 

@@ -4,7 +4,8 @@ random parts, and under FSDP2."""
 
 from __future__ import annotations
 
-import json
+import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
-from helpers.runs import FAST_LM, run_cli
+from helpers.runs import FAST_LM, composed
 from test_checkpoint import MODES, assert_resume_is_exact
 
 # The formats a converted linear's matmuls are counted in: forward, and the gradients'.
@@ -32,10 +33,25 @@ GPT = [
 ]
 
 
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory) -> Callable[[str], dict]:
+    """``emulated(precision)``: the summary of gpt_tiny's run in that format, emulated, trained
+    once for this module's tests of it."""
+    summaries: dict[str, dict] = {}
+
+    def summary(precision: str) -> dict:
+        if precision not in summaries:
+            overrides = (*GPT, f"precision={precision}", "precision.emulate=true")
+            cfg = validate(copy.deepcopy(composed(overrides)))
+            summaries[precision] = train(cfg, tmp_path_factory.mktemp(precision))
+        return summaries[precision]
+
+    return summary
+
+
 @pytest.mark.parametrize("precision", sorted(FORMATS))
-def test_each_format_trains_emulated_and_the_audit_counts_its_matmuls(precision, tmp_path):
-    run_cli(*GPT, f"precision={precision}", "precision.emulate=true", f"hydra.run.dir={tmp_path}")
-    summary = json.loads((tmp_path / "summary.json").read_text())
+def test_each_format_trains_emulated_and_the_audit_counts_its_matmuls(precision, emulated):
+    summary = emulated(precision)
     audit = summary["precision_audit"]
     assert audit["engaged"] is True, audit["shortfalls"]
     details = summary["precision_details"]
@@ -50,13 +66,19 @@ def test_each_format_trains_emulated_and_the_audit_counts_its_matmuls(precision,
 
 
 @pytest.mark.parametrize("precision", sorted(FORMATS))
-def test_without_emulate_on_the_cpu_a_format_is_refused_in_one_line(precision):
-    result = run_cli(*GPT, f"precision={precision}", expect_rc=2)
+def test_without_emulate_on_the_cpu_a_format_is_refused_in_one_line(
+    precision, tmp_path, monkeypatch, amp_exp_here
+):
+    """Through the command's entry point, in this process: the pre-flight refuses it."""
+    monkeypatch.chdir(tmp_path)
+    result = amp_exp_here(*GPT, f"precision={precision}")
+    assert result.returncode == 2
     output = result.stdout + result.stderr
     assert "Traceback" not in output
     (line,) = [line for line in output.splitlines() if "error" in line.lower()]
     assert f"precision={precision} cannot run for real here" in line
     assert "add precision.emulate=true" in line
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_mxfp4_and_nvfp4_need_emulate_even_on_a_gpu(run_cfg) -> None:
@@ -132,11 +154,11 @@ def test_a_resumed_nvfp4_run_with_stochastic_rounding_and_hadamard_ends_bit_for_
     assert any(not torch.equal(ends[0][key], ends[1][key]) for key in ends[0])
 
 
-def test_fsdp2_quantizes_the_gathered_weight(compose_cfg, tmp_path) -> None:
+def test_fsdp2_quantizes_the_gathered_weight(compose_cfg, emulated, tmp_path) -> None:
     """Under FSDP2 (a group of one) each converted linear quantizes the weight its all-gather
     brings in: the run engages as one process does, and ends where it does."""
     overrides = [*GPT, "precision=mxfp8", "precision.emulate=true"]
-    alone = train(validate(compose_cfg(*overrides, fast=False)), tmp_path / "alone")
+    alone = emulated("mxfp8")
     sharded = train(
         validate(compose_cfg(*overrides, "trainer.strategy=fsdp2", fast=False)), tmp_path / "fsdp"
     )

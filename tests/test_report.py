@@ -18,6 +18,8 @@ from amp_exp.report.assemble import build_report
 from amp_exp.tasks.classification import ClassificationTask
 from helpers.warm_python import python_m
 
+# The tests of the pictures ask for real_pngs (conftest).
+pytestmark = pytest.mark.usefixtures("pngs_not_rasterized")
 MiB = 2**20
 COMPUTES_IN = {"fp32": "float32", "fp16": "float16"}
 ENGINE_CHECKS = ("master_weights_fp32", "unscaled_grads_fp32_finite")
@@ -221,7 +223,7 @@ def test_without_a_completed_fp32_run_the_verdict_says_so(tmp_path: Path) -> Non
     assert rows_by_run(report)["1"]["speedup"] is None
 
 
-def test_a_plot_that_fails_never_costs_the_table(tmp_path: Path, monkeypatch) -> None:
+def test_a_plot_that_fails_never_costs_the_table(tmp_path: Path, monkeypatch, real_pngs) -> None:
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     write_run(tmp_path / "1", "tiny_cnn", "fp16", 900.0, 0.8)
 
@@ -258,6 +260,7 @@ def test_without_matplotlib_the_report_keeps_its_table(tmp_path: Path, monkeypat
 
 def test_a_completed_run_whose_metrics_end_in_a_cut_line_is_damaged_not_judged(
     tmp_path: Path,
+    real_pngs,
 ) -> None:
     """A completed run closes metrics.jsonl whole: a line cut short means the file was cut
     afterwards, and the run is listed as damaged (its rows before the cut still drawn)."""
@@ -324,7 +327,7 @@ def test_fields_of_the_wrong_kind_are_left_out_and_named(tmp_path: Path, caplog,
     assert "; throughput not measured, " in capsys.readouterr().out
 
 
-def test_metrics_lines_that_are_no_rows_are_skipped(tmp_path: Path, caplog) -> None:
+def test_metrics_lines_that_are_no_rows_are_skipped(tmp_path: Path, caplog, real_pngs) -> None:
     write_run(tmp_path / "0", "tiny_cnn", "fp32", 1000.0, 0.8)
     metrics = tmp_path / "0" / "metrics.jsonl"
     metrics.write_bytes(b"\xff\xfe not text\n{}\n[2]\n" + metrics.read_bytes())
@@ -653,6 +656,7 @@ def test_memory_columns_compare_saved_activations_and_state_and_keep_cpu_rss_a_f
 
 def test_peak_memory_png_stacks_saved_activations_and_state_by_precision_not_process_rss(
     tmp_path: Path,
+    real_pngs,
 ) -> None:
     """Issue 37: the plot showed the process's resident set, which the report calls "not of the
     precision"; the precision's 0.50x of saved activations was nowhere to be seen."""
@@ -680,6 +684,7 @@ def test_peak_memory_png_stacks_saved_activations_and_state_by_precision_not_pro
 
 def test_throughput_png_labels_the_speed_trials_figure_or_says_none_was_measured(
     tmp_path: Path,
+    real_pngs,
 ) -> None:
     """Caught: throughput.png labelling each bar with its job's samples/s over fp32's ("4.22x"),
     a second speed answer beside the trial's."""

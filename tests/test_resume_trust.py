@@ -63,6 +63,16 @@ def with_canary(canary_dir: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(canary_dir), str(ROOT)])}
 
 
+def refused_before_hydra(amp_exp_here, monkeypatch, canary_dir: Path, *args: str) -> str:
+    """``python -m amp_exp args`` through its entry point, in this process, with the canary's
+    folder on the path as ``amp_exp`` puts it: refused (exit 2) before Hydra starts. Its
+    stderr."""
+    monkeypatch.syspath_prepend(str(canary_dir))
+    result = amp_exp_here(*args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    return result.stderr
+
+
 def test_the_canary_is_imported_when_named_on_the_path(tmp_path: Path) -> None:
     """The control: the canary, on the path, leaves its file when imported, so the tests below
     that find no file would catch an import."""
@@ -196,7 +206,7 @@ def files_of(directory: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 def test_a_sweep_resumed_with_its_values_reordered_finds_each_jobs_own_directory(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch, amp_exp_here
 ) -> None:
     """``precision=fp32,bf16``, the bf16 job then lost (its summary gone, as if killed), then
     ``precision=bf16,fp32 resume=auto``: Hydra numbers bf16 job 0, yet it runs in its own
@@ -215,29 +225,23 @@ def test_a_sweep_resumed_with_its_values_reordered_finds_each_jobs_own_directory
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
 
     before = files_of(sweep)
-    refused = multirun(
-        sweep, "precision=bf16,fp32", "resume=auto", "optimizer.lr=0.5", canary_dir=tmp_path
-    )
-    assert refused.returncode == 2
-    (line,) = refused.stderr.strip().splitlines()
+    where = f"hydra.sweep.dir={sweep}"
+    args = ["-m", *SWEEP, where, "precision=bf16,fp32", "resume=auto", "optimizer.lr=0.5"]
+    (line,) = refused_before_hydra(amp_exp_here, monkeypatch, tmp_path, *args).strip().splitlines()
     assert "job 0 holds an experiment this sweep does not plan (optimizer.lr: 0.1 -> 0.5)" in line
     assert files_of(sweep) == before
 
 
-def test_a_raised_max_seeds_on_resume_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
+def test_a_raised_max_seeds_on_resume_is_one_line_and_writes_nothing(
+    tmp_path: Path, monkeypatch, amp_exp_here
+) -> None:
     """The looks planned set every look's level: a resume asking for more seeds is refused
     before Hydra starts (before it would rewrite multirun.yaml), exit 2, one line."""
     sweep = tmp_path / "sweep"
     write_json(sweep / EVIDENCE_JSON, {"plan": {"min_seeds": 2, "max_seeds": 3, "looks": 2}})
     before = files_of(sweep)
-    result = amp_exp(
-        "amp_exp",
-        *evidence_sweep(sweep, "resume=auto"),
-        "evidence.max_seeds=4",
-        canary_dir=tmp_path,
-    )
-    assert result.returncode == 2
-    (line,) = result.stderr.strip().splitlines()
+    args = [*evidence_sweep(sweep, "resume=auto"), "evidence.max_seeds=4"]
+    (line,) = refused_before_hydra(amp_exp_here, monkeypatch, tmp_path, *args).strip().splitlines()
     assert line.startswith("amp_exp: error: evidence.min_seeds=2 evidence.max_seeds=4: this sweep")
     assert files_of(sweep) == before and sorted(os.listdir(sweep)) == [EVIDENCE_JSON]
 

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from amp_exp.config.values import validate
 from amp_exp.errors import NumericalFault, RunRefused, RuntimeFault
 from amp_exp.results.ownership import RunDirectoryBusy, RunDirectoryLock, holder_of
 from amp_exp.results.resume import config_changes
 from amp_exp.results.summary import record_failure
 from amp_exp.run import train
-from helpers.runs import FAST, TINY, read_jsonl, signal_self_at_call
+from helpers.runs import FAST, TINY, composed, read_jsonl, signal_self_at_call
 from helpers.warm_python import python_m
 
 # 256 samples / batch 16: 16 batches an epoch.
@@ -39,51 +43,24 @@ def amp_exp_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return python_m("amp_exp", *FAST, *overrides, f"hydra.run.dir={run_dir}", timeout=300)
 
 
-def take_lock_elsewhere(directory: Path) -> subprocess.CompletedProcess:
-    """Another process tries the lock of ``directory``; it prints what it got."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from pathlib import Path; "
-            "from amp_exp.results.ownership import RunDirectoryBusy, RunDirectoryLock\n"
-            f"try:\n    RunDirectoryLock(Path({str(directory)!r})).__enter__(); print('taken')\n"
-            "except RunDirectoryBusy as busy:\n    print(busy)",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def test_a_second_process_is_refused_while_the_first_holds_the_directory(tmp_path) -> None:
+def test_a_second_process_is_refused_while_the_first_holds_the_directory(
+    tmp_path, lock_elsewhere
+) -> None:
     holder = f"pid {os.getpid()} on {socket.gethostname()}"
     with RunDirectoryLock(tmp_path):
         # The pre-flight takes the lock, then the run takes it again, in one process.
         with RunDirectoryLock(tmp_path):
             pass
-        assert holder in take_lock_elsewhere(tmp_path).stdout
+        assert holder in lock_elsewhere.take(tmp_path)
         assert holder_of(tmp_path) is None  # this process holds it: not in its own way
-    assert take_lock_elsewhere(tmp_path).stdout.strip() == "taken"  # released with the last
+    assert lock_elsewhere.take(tmp_path).strip() == "taken"  # released with the last
 
 
-def test_the_lock_dies_with_its_process(tmp_path) -> None:
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; from pathlib import Path; "
-            "from amp_exp.results.ownership import RunDirectoryLock; "
-            f"lock = RunDirectoryLock(Path({str(tmp_path)!r})).__enter__(); "
-            "print('held', flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdout.readline().strip() == "held"
+def test_the_lock_dies_with_its_process(tmp_path, lock_elsewhere) -> None:
+    holder = lock_elsewhere.hold(tmp_path)
     with pytest.raises(RunDirectoryBusy, match=f"pid {holder.pid}"):
         RunDirectoryLock(tmp_path).__enter__()
-    holder.kill()  # SIGKILL: no handler runs, the OS drops the lock
+    holder.send_signal(signal.SIGKILL)  # no handler runs, the OS drops the lock
     holder.wait()
     with RunDirectoryLock(tmp_path):
         pass
@@ -110,6 +87,35 @@ def finished_copy(finished_run, tmp_path) -> Path:
     copy = tmp_path / "run"
     shutil.copytree(finished_run, copy)
     return copy
+
+
+@pytest.fixture(scope="module")
+def trained_once(tmp_path_factory) -> Callable[..., tuple[Path, dict]]:
+    """``trained_once(*overrides)``: the directory and summary of ``train(run_cfg(*SHORT,
+    *overrides), ...)``, trained once for this module's tests of what may happen next."""
+    runs: dict[tuple[str, ...], tuple[Path, dict]] = {}
+
+    def trained(*overrides: str) -> tuple[Path, dict]:
+        if overrides not in runs:
+            out = tmp_path_factory.mktemp("trained")
+            cfg = validate(copy.deepcopy(composed((*FAST, *SHORT, *overrides))))
+            runs[overrides] = out, train(cfg, out)
+        return runs[overrides]
+
+    return trained
+
+
+@pytest.fixture
+def train_here(trained_once, tmp_path) -> Callable[..., dict]:
+    """``train_here(*overrides)``: what ``train(run_cfg(*SHORT, *overrides), tmp_path)``
+    leaves in tmp_path and returns, copied from the module's one run of that config."""
+
+    def here(*overrides: str) -> dict:
+        source, summary = trained_once(*overrides)
+        shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+        return copy.deepcopy(summary)
+
+    return here
 
 
 @pytest.mark.slow
@@ -173,12 +179,14 @@ def test_resuming_a_completed_cli_run_does_nothing_and_writes_nothing(finished_c
 
 
 @pytest.mark.slow
-def test_a_second_sweep_into_a_sweep_directory_is_refused_unless_it_resumes(tmp_path) -> None:
+def test_a_second_sweep_into_a_sweep_directory_is_refused_unless_it_resumes(
+    tmp_path, amp_exp_here
+) -> None:
     sweep = [*FAST, *SHORT, "seed=0,1", f"hydra.sweep.dir={tmp_path}"]
     first = python_m("amp_exp", "-m", *sweep, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     before = snapshot(tmp_path)
-    again = python_m("amp_exp", "-m", *sweep, timeout=300)
+    again = amp_exp_here("-m", *sweep)  # refused by the pre-flight, in this process
     assert_refused_in_one_line(again, 2, "holds the results of an earlier sweep (jobs 0, 1)")
     assert snapshot(tmp_path) == before
     resumed = python_m("amp_exp", "-m", *sweep, "resume=auto", timeout=300)
@@ -188,8 +196,8 @@ def test_a_second_sweep_into_a_sweep_directory_is_refused_unless_it_resumes(tmp_
         assert (tmp_path / job / "summary.json").read_bytes() == before[f"{job}/summary.json"]
 
 
-def test_resume_skips_a_torn_last_line_and_says_so(run_cfg, tmp_path, caplog) -> None:
-    train(run_cfg(*SHORT, "checkpoint.every_steps=2"), tmp_path)
+def test_resume_skips_a_torn_last_line_and_says_so(run_cfg, train_here, tmp_path, caplog) -> None:
+    train_here("checkpoint.every_steps=2")
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(metrics.read_text() + "5}")  # a writer killed mid-line
     (tmp_path / "summary.json").unlink()  # as if killed before the end
@@ -199,8 +207,10 @@ def test_resume_skips_a_torn_last_line_and_says_so(run_cfg, tmp_path, caplog) ->
     assert [r["step"] for r in read_jsonl(metrics) if r["kind"] == "train"] == [2, 4, 6]
 
 
-def test_resuming_a_completed_run_does_nothing_and_says_so(run_cfg, tmp_path, caplog) -> None:
-    train(run_cfg(*SHORT), tmp_path)
+def test_resuming_a_completed_run_does_nothing_and_says_so(
+    run_cfg, train_here, tmp_path, caplog
+) -> None:
+    train_here()
     before = snapshot(tmp_path)
     with caplog.at_level(logging.INFO):
         summary = train(run_cfg(*SHORT, "resume=auto"), tmp_path)
@@ -212,8 +222,8 @@ def test_resuming_a_completed_run_does_nothing_and_says_so(run_cfg, tmp_path, ca
 @pytest.mark.parametrize(
     "override", ["seed=1", "precision=bf16", "trainer.max_steps=3", "checkpoint.every_steps=null"]
 )
-def test_a_new_run_never_replaces_a_completed_one(run_cfg, tmp_path, override) -> None:
-    train(run_cfg(*SHORT), tmp_path)
+def test_a_new_run_never_replaces_a_completed_one(run_cfg, train_here, tmp_path, override) -> None:
+    train_here()
     before = snapshot(tmp_path)
     with pytest.raises(RunRefused, match="holds a completed run") as refused:
         train(run_cfg(*SHORT, override), tmp_path)
@@ -222,9 +232,9 @@ def test_a_new_run_never_replaces_a_completed_one(run_cfg, tmp_path, override) -
 
 
 def test_a_fresh_start_never_replaces_the_checkpoints_of_a_run_that_can_go_on(
-    run_cfg, tmp_path
+    run_cfg, train_here, tmp_path
 ) -> None:
-    train(run_cfg(*SHORT, "checkpoint.every_steps=2"), tmp_path)
+    train_here("checkpoint.every_steps=2")
     (tmp_path / "summary.json").unlink()  # killed after a checkpoint
     before = snapshot(tmp_path)
     with pytest.raises(RunRefused, match=r"holds the checkpoints of a run that can go on"):
@@ -280,8 +290,10 @@ def test_resume_takes_the_newest_checkpoint_even_when_last_pt_is_older(
     ]
 
 
-def test_metrics_lines_that_are_no_rows_are_skipped_on_resume(run_cfg, tmp_path, caplog) -> None:
-    train(run_cfg(*SHORT, "checkpoint.every_steps=2"), tmp_path)
+def test_metrics_lines_that_are_no_rows_are_skipped_on_resume(
+    run_cfg, train_here, tmp_path, caplog
+) -> None:
+    train_here("checkpoint.every_steps=2")
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_bytes(b"{}\n[1]\n\xff\xfe\n" + metrics.read_bytes())
     (tmp_path / "summary.json").unlink()
@@ -291,8 +303,8 @@ def test_metrics_lines_that_are_no_rows_are_skipped_on_resume(run_cfg, tmp_path,
     assert [r["step"] for r in read_jsonl(metrics) if r["kind"] == "train"] == [2, 4, 6]
 
 
-def test_a_completed_run_can_be_extended(run_cfg, tmp_path) -> None:
-    train(run_cfg(*SHORT), tmp_path)
+def test_a_completed_run_can_be_extended(run_cfg, train_here, tmp_path) -> None:
+    train_here()
     summary = train(run_cfg(*SHORT, "resume=auto", "trainer.max_steps=6"), tmp_path)
     assert (summary["status"], summary["steps"]) == ("completed", 6)
 
@@ -308,9 +320,9 @@ def test_a_completed_run_can_be_extended(run_cfg, tmp_path) -> None:
     ],
 )
 def test_resume_refuses_another_experiment_before_loading_anything(
-    run_cfg, tmp_path, override, named
+    run_cfg, train_here, tmp_path, override, named
 ) -> None:
-    train(run_cfg(*SHORT, "checkpoint.every_steps=2", "trainer.max_steps=6"), tmp_path)
+    train_here("checkpoint.every_steps=2", "trainer.max_steps=6")
     (tmp_path / "summary.json").unlink()
     before = snapshot(tmp_path)
     with pytest.raises(RunRefused, match="belongs to another experiment") as refused:
@@ -354,8 +366,8 @@ def test_what_may_change_on_resume_is_allowed_and_listed() -> None:
     assert config_changes({"precision": {"name": "fp16"}}, {"precision": {"name": "bf16"}})[0] == []
 
 
-def test_a_failure_never_replaces_a_completed_summary(run_cfg, tmp_path) -> None:
-    completed = train(run_cfg(*SHORT), tmp_path)
+def test_a_failure_never_replaces_a_completed_summary(run_cfg, train_here, tmp_path) -> None:
+    completed = train_here()
     error = NumericalFault("scale collapsed")
     written = record_failure(tmp_path, completed["config"], error, completed["task_metrics"])
     assert written.name == "summary.failed.json"
@@ -373,16 +385,18 @@ def test_a_corrupt_only_checkpoint_stops_resume_and_keeps_the_history(run_cfg, t
     assert snapshot(tmp_path) == before
 
 
-def test_temporaries_of_a_killed_save_are_swept_on_the_next_start(run_cfg, tmp_path) -> None:
-    train(run_cfg(*SHORT, "checkpoint.every_steps=2"), tmp_path)
+def test_temporaries_of_a_killed_save_are_swept_on_the_next_start(
+    run_cfg, train_here, tmp_path
+) -> None:
+    train_here("checkpoint.every_steps=2")
     stale = tmp_path / "checkpoints" / ".last.pt.k3j2.tmp"
     stale.write_bytes(b"half a checkpoint")
     train(run_cfg(*SHORT, "resume=auto", "trainer.max_steps=6"), tmp_path)
     assert not stale.exists()
 
 
-def test_a_run_resumed_at_its_final_step_keeps_its_speed(run_cfg, tmp_path) -> None:
-    first = train(run_cfg(*SHORT), tmp_path)
+def test_a_run_resumed_at_its_final_step_keeps_its_speed(run_cfg, train_here, tmp_path) -> None:
+    first = train_here()
     (tmp_path / "summary.json").unlink()  # killed after the last checkpoint, before the summary
     again = train(run_cfg(*SHORT, "resume=auto"), tmp_path)
     assert again["steps"] == 4 and again["timed_steps"] == first["timed_steps"]

@@ -3,8 +3,14 @@ those run as processes of their own: tests/test_scripts_processes.py."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,10 +22,28 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 def test_gpu_bench_smoke_writes_both_tables_and_checks_parity(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_parity
     import gpu_bench
 
     # Each cell's command from the warm interpreter: the figures don't matter here, the tables do.
     monkeypatch.setattr(gpu_bench, "run_module", lambda *args: python_m(*args, cwd=gpu_bench.REPO))
+    # The parity script's driver in this process and each side from the warm interpreter, where
+    # each would start a fresh one (importing torch three times over): its code, not its clocks.
+    scripts_first = os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")]))
+
+    def side(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": scripts_first}
+        return python_m("bench_parity", *command[2:], cwd=gpu_bench.REPO, env=env)
+
+    def parity(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+        assert Path(command[1]) == SCRIPTS / "bench_parity.py"
+        monkeypatch.setattr(sys, "argv", command[1:])
+        monkeypatch.setattr(bench_parity, "subprocess", SimpleNamespace(run=side))
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            bench_parity.main()
+        return subprocess.CompletedProcess(command, 0, printed.getvalue(), "")
+
+    monkeypatch.setattr(gpu_bench, "subprocess", SimpleNamespace(run=parity))
     gpu_bench.main(["--smoke", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "gpu_bench.json").read_text())
     cells = results["images"]
@@ -129,7 +153,9 @@ def test_bench_integrations_smoke_prints_a_row_per_trainer(monkeypatch, capsys) 
     monkeypatch.syspath_prepend(str(SCRIPTS))
     import bench_integrations
 
-    smoke = ["--rounds", "2", "--steps", "5", "--warmup", "2", "--size", "16"]
+    # Two rounds (AB, then BA) of 4 steps at 8x8, the median over the last step: ResNet-18
+    # still runs every layer (its last ones at 1x1), and each arm still records.
+    smoke = ["--rounds", "2", "--steps", "4", "--warmup", "2", "--size", "8"]
     bench_integrations.main(["--trainers", "lightning", *smoke, "--precision", "fp32"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| lightning")]
     assert len(rows) == 1 and rows[0].count("|") == 7

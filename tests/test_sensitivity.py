@@ -10,6 +10,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -582,22 +583,37 @@ def test_the_command_composes_like_a_run_and_writes_its_own_run_directory(tmp_pa
     assert "first out of range: big: addmm output" in result.stdout
 
 
+def sensitivity_main(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """``python -m amp_exp.sensitivity args`` through its entry point, in this process: its exit
+    status and what it wrote to stderr."""
+    from amp_exp.sensitivity.__main__ import main
+
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["amp_exp.sensitivity", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    return exited.value.code, capsys.readouterr().err
+
+
 @pytest.mark.slow
-def test_refusals_are_one_line_with_exit_status_2(tmp_path) -> None:
-    refused = python_m("amp_exp.sensitivity", "-m", "seed=1,2", cwd=tmp_path)
-    assert refused.returncode == 2
-    assert refused.stderr.strip().splitlines() == [
+def test_refusals_are_one_line_with_exit_status_2(tmp_path, monkeypatch, capsys) -> None:
+    """The refusals before Hydra starts through the entry point, in this process; the one that
+    Hydra's run reaches, from a process of its own."""
+    monkeypatch.chdir(tmp_path)
+    status, err = sensitivity_main(monkeypatch, capsys, "-m", "seed=1,2")
+    assert status == 2
+    assert err.strip().splitlines() == [
         "amp_exp.sensitivity: error: the sensitivity command measures one configuration; drop "
         "-m and run it once per configuration"
     ]
-    under_torchrun = python_m(
-        "amp_exp.sensitivity", cwd=tmp_path, env={**os.environ, "WORLD_SIZE": "2"}
-    )
-    assert under_torchrun.returncode == 2
-    assert under_torchrun.stderr.strip().splitlines() == [
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    status, err = sensitivity_main(monkeypatch, capsys)
+    assert status == 2
+    assert err.strip().splitlines() == [
         "amp_exp.sensitivity: error: the sensitivity command runs in one process; start it "
         "without torchrun"
     ]
+    monkeypatch.delenv("WORLD_SIZE")
     assert not (tmp_path / "outputs").exists()
     unmatched = python_m(
         "amp_exp.sensitivity", *PLANTED, "precision.keep_fp32=[bgi]", "wandb.mode=disabled",
@@ -642,7 +658,7 @@ def decisions(repair: dict) -> list:
 
 @pytest.mark.slow
 def test_sigterm_during_a_repair_trial_exits_143_and_resume_auto_gives_the_same_answer(
-    attention_repaired, tmp_path
+    attention_repaired, tmp_path, monkeypatch, capsys
 ) -> None:
     """Caught before: SIGTERM counted as a failed trial, the search went on, and no search could
     be continued."""
@@ -667,11 +683,13 @@ def test_sigterm_during_a_repair_trial_exits_143_and_resume_auto_gives_the_same_
     assert json.loads((run_dir / "verify" / "trial_01" / "trial.json").read_text())["verdict"] == (
         "unstable"
     )
-    # Run again as it was, it is refused in one line that says how to continue, writing nothing.
+    # Run again as it was, it is refused in one line that says how to continue, writing nothing
+    # (the entry point, in this process: the claim refuses it before Hydra starts).
     before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
-    again = python_m("amp_exp.sensitivity", *args, cwd=tmp_path, env=with_helpers())
-    assert again.returncode == 2
-    refusal = again.stderr.strip().splitlines()[-1]
+    monkeypatch.chdir(tmp_path)
+    status, err = sensitivity_main(monkeypatch, capsys, *args)
+    assert status == 2
+    refusal = err.strip().splitlines()[-1]
     assert "continue them with resume=auto, or pass --force" in refusal
     assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before
     resumed = python_m(

@@ -31,6 +31,8 @@ from test_report import write_run
 from test_wandb_cli import FAKE_API_KEY, UNREACHABLE_SERVER, env_without_wandb, run_at_terminal
 
 wr = pytest.importorskip("wandb_workspaces.reports.v2")
+# The page is built from the runs' rows, never from report.md's PNGs (conftest).
+pytestmark = pytest.mark.usefixtures("pngs_not_rasterized")
 
 PROJECT_ID = "UHJvamVjdDox"
 
