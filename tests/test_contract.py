@@ -6,20 +6,15 @@ test_bad_inputs, test_custom, test_cli); the ones here are the commands that cam
 
 from __future__ import annotations
 
-import importlib
 import json
-import logging
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from amp_exp.results.contract import enter
 from amp_exp.results.files import SPEED_JSON
-from amp_exp.runtime.signals import PREEMPTION_SIGNALS
 from helpers.disks import fill, small_disk
 from helpers.runs import FAST, TINY
 from helpers.warm_python import python_m
@@ -53,44 +48,6 @@ FORWARD_OF = {"amp_exp.speed": 3, "amp_exp.sensitivity": 3, "amp_exp.predict": 1
 def with_user_code() -> dict[str, str]:
     paths = [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-
-
-def _signal_reached_the_test(signum: int, frame: object) -> None:
-    raise AssertionError(f"{signal.Signals(signum).name} reached the test, not the command")
-
-
-@pytest.fixture
-def command_main(monkeypatch, capfd):
-    """``command_main(command, *args)``: what ``python -m command args`` exits with and prints,
-    as a ``subprocess.CompletedProcess``, from the command's ``main`` in this process (the same
-    entry point, as ``sys.exit(main())`` ends the process, without 3 s of CPU to start one).
-
-    A preemption signal the command fails to take fails the test instead of ending pytest, and
-    the logging Hydra configures for the command goes when it has ended."""
-
-    def run(command: str, *args: str) -> subprocess.CompletedProcess:
-        module = importlib.import_module(command)
-        if hasattr(module, "__path__"):  # a package: python -m runs its __main__
-            module = importlib.import_module(f"{command}.__main__")
-        monkeypatch.setattr(sys, "argv", [command, *args])
-        root = logging.getLogger()
-        handlers, level = root.handlers[:], root.level
-        previous = {s: signal.signal(s, _signal_reached_the_test) for s in PREEMPTION_SIGNALS}
-        try:
-            status = module.main()
-        except SystemExit as exited:
-            status = exited.code
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-            for handler in root.handlers:
-                if handler not in handlers:
-                    handler.close()
-            root.handlers[:], root.level = handlers, level
-        stdout, stderr = capfd.readouterr()
-        return subprocess.CompletedProcess([command, *args], status or 0, stdout, stderr)
-
-    return run
 
 
 def with_user_model(command: str, maker: str, when: str, run_dir: Path) -> list[str]:
