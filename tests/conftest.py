@@ -5,8 +5,12 @@ shrunk. Shared helpers live in tests/helpers/."""
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +25,7 @@ from amp_exp.__main__ import register_plugins
 from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import register_configs
 from amp_exp.config.values import validate
+from amp_exp.runtime.signals import PREEMPTION_SIGNALS
 from amp_exp.tasks import workload
 from helpers.probes import inject_probe
 from helpers.runs import FAST, composed, overriding_loss
@@ -171,18 +176,46 @@ def real_pngs(pngs_not_rasterized, monkeypatch) -> None:
 
 
 @pytest.fixture
-def amp_exp_here(monkeypatch, capsys) -> Callable[..., subprocess.CompletedProcess]:
-    """``amp_exp_here(*args)``: ``python -m amp_exp args`` through its entry point, in this
-    process: its exit status, stdout and stderr. For the commands the pre-flight refuses, before
-    Hydra starts (a Hydra run here would take over this process's logging)."""
-    from amp_exp.__main__ import launch_run
-    from amp_exp.results.contract import enter
+def amp_exp_here(command_main) -> Callable[..., subprocess.CompletedProcess]:
+    """``amp_exp_here(*args)``: ``command_main`` of ``python -m amp_exp args``. For the commands
+    the pre-flight refuses, before Hydra starts (a Hydra run here would take over this process's
+    logging)."""
+    return functools.partial(command_main, "amp_exp")
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        capsys.readouterr()
-        monkeypatch.setattr(sys, "argv", ["amp_exp", *args])
-        status = enter("amp_exp", launch_run, signals=False)
-        printed = capsys.readouterr()
-        return subprocess.CompletedProcess(["amp_exp", *args], status, printed.out, printed.err)
+
+def _signal_reached_the_test(signum: int, frame: object) -> None:
+    raise AssertionError(f"{signal.Signals(signum).name} reached the test, not the command")
+
+
+@pytest.fixture
+def command_main(monkeypatch, capfd):
+    """``command_main(command, *args)``: what ``python -m command args`` exits with and prints,
+    as a ``subprocess.CompletedProcess``, from the command's ``main`` in this process (the same
+    entry point, as ``sys.exit(main())`` ends the process, without 3 s of CPU to start one).
+
+    A preemption signal the command fails to take fails the test instead of ending pytest, and
+    the logging Hydra configures for the command goes when it has ended."""
+
+    def run(command: str, *args: str) -> subprocess.CompletedProcess:
+        module = importlib.import_module(command)
+        if hasattr(module, "__path__"):  # a package: python -m runs its __main__
+            module = importlib.import_module(f"{command}.__main__")
+        monkeypatch.setattr(sys, "argv", [command, *args])
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
+        previous = {s: signal.signal(s, _signal_reached_the_test) for s in PREEMPTION_SIGNALS}
+        try:
+            status = module.main()
+        except SystemExit as exited:
+            status = exited.code
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            for handler in root.handlers:
+                if handler not in handlers:
+                    handler.close()
+            root.handlers[:], root.level = handlers, level
+        stdout, stderr = capfd.readouterr()
+        return subprocess.CompletedProcess([command, *args], status or 0, stdout, stderr)
 
     return run

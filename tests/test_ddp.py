@@ -8,9 +8,10 @@ import json
 import pytest
 
 from amp_exp.run import train
+from ddp_jobs import run_jobs
 from helpers.probes import inject_probe
 from helpers.runs import FAST_LM, TINY, meter_with_peak, read_jsonl, ticking_clock
-from helpers.torchrun import DDP_RUN, assert_bitwise_equal, run_worker, torchrun
+from helpers.torchrun import DDP_RUN, assert_bitwise_equal, torchrun
 from helpers.wandb_records import read_only_run
 
 pytestmark = pytest.mark.slow
@@ -93,12 +94,37 @@ def test_each_rank_audits_its_step_and_the_summary_holds_one_audit_of_both(
     assert audit["saved_activation_bytes"] == alone["saved_activation_bytes"]
 
 
-def test_under_torchrun_rank_0_times_the_model_and_every_rank_trains_its_choice(
-    tmp_path, monkeypatch
-):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    inject_probe({"fp32": 1.0, "bf16": 1.0, "fp16": 0.02})  # fp32 and bf16 worth a trial
-    ranks = run_worker(tmp_path, *DDP_RUN, *TINY, "precision=auto")
+# gpt_tiny at one global batch of 8 sequences, on a clock that ticks a second per reading and a
+# faked peak of 1 TFLOP/s (test_tflops_and_mfu_are_per_device_and_tokens_per_second_global).
+LM_RUN = [*FAST_LM, "precision=fp32", "trainer.eval_every=null"]
+LM_RANK_RUN = [
+    "--peak-tflops=1",
+    "--ticking-clock",
+    *(o for o in LM_RUN if not o.startswith("dataset.batch_size=")),
+    "dataset.batch_size=4",
+]
+
+
+@pytest.fixture(scope="module")
+def worker_jobs(tmp_path_factory):
+    """One launch of tests/ddp_worker.py jobs: precision=auto; fp16 with an inf loss on rank 1 at
+    step 2; the language model of LM_RANK_RUN, two ranks of 4 sequences each. The probe cached
+    for them makes fp32 and bf16 worth a trial."""
+    root = tmp_path_factory.mktemp("worker_jobs")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("XDG_CACHE_HOME", str(root / "cache"))
+        inject_probe({"fp32": 1.0, "bf16": 1.0, "fp16": 0.02})
+        auto, inf, lm = run_jobs(
+            root / "states",
+            [str(root / "auto"), *DDP_RUN, *TINY, "precision=auto"],
+            [str(root / "inf"), "--inf-at", "2", *DDP_RUN, "precision=fp16", *TINY],
+            [str(root / "lm"), *LM_RANK_RUN],
+        )
+    return {"auto": auto, "inf": inf, "lm": lm, "lm_dir": root / "lm"}
+
+
+def test_under_torchrun_rank_0_times_the_model_and_every_rank_trains_its_choice(worker_jobs):
+    ranks = worker_jobs["auto"]
     chosen = ranks[0]["summary"]["precision"]
     assert ranks[0]["summary"]["precision_reason"].startswith(
         f"auto: {chosen} by the speed trial on this model's forward+backward"
@@ -138,10 +164,10 @@ def test_bf16_true_with_stochastic_rounding_keeps_the_replicas_identical(torchru
         assert (summary["precision"], summary["replicas_identical"]) == ("bf16_true", True)
 
 
-def test_inf_on_one_rank_makes_every_rank_skip(tmp_path):
+def test_inf_on_one_rank_makes_every_rank_skip(worker_jobs):
     """DDP averages gradients before the scaler checks them, so rank 1's overflow is everyone's:
     both ranks skip step 2, back off to the same scale and stay bit-identical."""
-    ranks = run_worker(tmp_path, "--inf-at", "2", *DDP_RUN, "precision=fp16", *TINY)
+    ranks = worker_jobs["inf"]
 
     for state in ranks.values():
         assert state["summary"]["skipped_steps"] == 1
@@ -154,29 +180,19 @@ def test_inf_on_one_rank_makes_every_rank_skip(tmp_path):
 
 
 def test_tflops_and_mfu_are_per_device_and_tokens_per_second_global(
-    tmp_path, monkeypatch, compose_cfg
+    tmp_path, monkeypatch, compose_cfg, worker_jobs
 ):
     """gpt_tiny at one global batch of 8 sequences: one process, then two ranks of 4 each, on a
     clock that ticks a second per reading (so both time alike) and a faked peak of 1 TFLOP/s. The
     global tokens/s are the same; TFLOP/s and MFU, per device, halve."""
     import amp_exp.build
     from amp_exp.config.values import validate
-    from amp_exp.run import train
     from amp_exp.training.meters import Throughput
 
-    lm_run = [*FAST_LM, "precision=fp32", "trainer.eval_every=null"]
     monkeypatch.setattr(amp_exp.build, "meter", meter_with_peak(1.0))
     monkeypatch.setattr(Throughput, "_now", ticking_clock())
-    alone = train(validate(compose_cfg(*lm_run, fast=False)), tmp_path / "alone")
-    per_rank_batch = [o for o in lm_run if not o.startswith("dataset.batch_size=")]
-    ranks = run_worker(
-        tmp_path / "two",
-        "--peak-tflops=1",
-        "--ticking-clock",
-        *per_rank_batch,
-        "dataset.batch_size=4",
-    )
-    two = ranks[0]["summary"]
+    alone = train(validate(compose_cfg(*LM_RUN, fast=False)), tmp_path / "alone")
+    two = worker_jobs["lm"][0]["summary"]
 
     assert (alone["world_size"], two["world_size"]) == (1, 2)
     assert two["samples_seen"] == alone["samples_seen"]
@@ -188,7 +204,7 @@ def test_tflops_and_mfu_are_per_device_and_tokens_per_second_global(
     # The rows say the same as the summary.
     rows = [
         [row for row in read_jsonl(run / "metrics.jsonl") if row["kind"] == "train"][-1]
-        for run in (tmp_path / "alone", tmp_path / "two")
+        for run in (tmp_path / "alone", worker_jobs["lm_dir"])
     ]
     assert rows[1]["tokens_per_s"] == pytest.approx(rows[0]["tokens_per_s"])
     assert rows[1]["mfu"] == pytest.approx(rows[0]["mfu"] / 2)

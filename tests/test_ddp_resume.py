@@ -1,41 +1,62 @@
-"""Data-parallel jobs that stop and go on: a resume, a torchrun restart, submitit's tasks,
-SIGTERM. Apart from tests/test_ddp.py so that pytest-xdist gives the two files two workers."""
+"""Data-parallel jobs that stop and go on: a resume, a torchrun restart, SIGTERM. Apart from
+tests/test_ddp.py so that pytest-xdist gives the two files two workers (submitit's tasks as a
+job's ranks: tests/test_slurm.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 import torch
 
+from ddp_jobs import run_jobs
 from helpers.runs import FAST, TINY, read_jsonl
-from helpers.torchrun import DDP_RUN, TWO_RANKS, assert_bitwise_equal, run_worker
-from helpers.warm_python import python_m
+from helpers.torchrun import DDP_RUN, TORCHRUN_TWO_RANKS, assert_bitwise_equal
+from helpers.warm_python import start_python_m
 
 pytestmark = pytest.mark.slow
 
+# The stop's step-4 checkpoint is kept beside last.pt, which the resume replaces.
+KEEP = ["checkpoint.keep=2"]
+
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """Both ranks' state after a job that ran DDP_RUN uninterrupted."""
-    return run_worker(tmp_path_factory.mktemp("straight"), *DDP_RUN)
+def jobs(tmp_path_factory):
+    """One launch, four jobs: DDP_RUN uninterrupted; stopped by SIGUSR1 to rank 1 alone during
+    step 3 (the ranks agree to stop at log step 4); resumed in place with resume=auto; and a job
+    whose rank 1 dies in step 5 of torchrun's first attempt, which torchrun restarts."""
+    root = tmp_path_factory.mktemp("ddp_jobs")
+    interrupted = root / "interrupted"
+    straight, stopped, resumed, restarted = run_jobs(
+        root / "states",
+        [str(root / "straight"), *DDP_RUN],
+        [str(interrupted), "--signal-at", "3", *DDP_RUN, *KEEP],
+        [str(interrupted), *DDP_RUN, *KEEP, "resume=auto"],
+        [
+            str(root / "restarted"),
+            "--die-at",
+            "5",
+            *DDP_RUN,
+            "checkpoint.every_steps=2",
+            "resume=auto",
+        ],
+        restarts=1,
+    )
+    return root, straight, stopped, resumed, restarted
 
 
-def test_stopped_and_resumed_job_ends_where_an_uninterrupted_one_does(tmp_path, straight):
-
-    # SIGUSR1 reaches rank 1 alone, during step 3; the ranks agree to stop at log step 4.
-    interrupted = tmp_path / "interrupted"
-    stopped = run_worker(interrupted, "--signal-at", "3", *DDP_RUN)
+def test_stopped_and_resumed_job_ends_where_an_uninterrupted_one_does(jobs):
+    root, straight, stopped, resumed, _ = jobs
+    interrupted = root / "interrupted"
     for state in stopped.values():
         assert state["summary"]["status"] == "stopped"
         assert state["summary"]["steps"] == 4
-    assert torch.load(interrupted / "checkpoints" / "last.pt", weights_only=True)["step"] == 4
+    step_4 = interrupted / "checkpoints" / "step_00000004.pt"
+    assert torch.load(step_4, weights_only=True)["step"] == 4
 
-    resumed = run_worker(interrupted, *DDP_RUN, "resume=auto")
     assert resumed[0]["summary"]["resumed_from"] == str(interrupted / "checkpoints" / "last.pt")
     assert resumed[0]["summary"]["steps"] == 8
     assert_bitwise_equal(resumed[0]["model"], resumed[1]["model"])
@@ -48,68 +69,32 @@ def test_stopped_and_resumed_job_ends_where_an_uninterrupted_one_does(tmp_path, 
     ]
 
 
-def test_submitit_tasks_of_one_job_train_data_parallel(tmp_path):
-    """tasks_per_node=2 through submitit's local executor: the two tasks of a job are its ranks,
-    and every job writes into the sweep directory the launcher made (the default one)."""
-    result = python_m(
-        "amp_exp",
-        "-m",
-        "hydra/launcher=submitit_local",
-        "hydra.launcher.tasks_per_node=2",
-        *DDP_RUN,
-        *TINY,
-        "precision=fp32,bf16",
-        timeout=300,
-        cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
-    for job in ("0", "1"):
-        summary = json.loads((sweep_dir / job / "summary.json").read_text())
-        assert (summary["status"], summary["world_size"]) == ("completed", 2)
-        assert summary["replicas_identical"] is True
-        assert (sweep_dir / job / "train.rank1.log").is_file()
-    report = json.loads((sweep_dir / "report.json").read_text())
-    assert sorted(row["world_size"] for row in report["runs"]) == [2, 2]
-
-
-def test_a_worker_group_that_torchrun_restarts_resumes_where_it_failed(tmp_path, straight):
+def test_a_worker_group_that_torchrun_restarts_resumes_where_it_failed(jobs):
     """Rank 1 dies in step 5 of the first attempt; torchrun restarts both ranks, which resume from
     the step-4 checkpoint (and meet in a process group of their own, not the dead one's)."""
-    restarted = run_worker(
-        tmp_path / "restarted",
-        "--die-at",
-        "5",
-        *DDP_RUN,
-        "checkpoint.every_steps=2",
-        "resume=auto",
-        restarts=1,
-    )
+    root, straight, *_, restarted = jobs
     summary = restarted[0]["summary"]
-    assert summary["resumed_from"] == str(tmp_path / "restarted" / "checkpoints" / "last.pt")
+    assert summary["resumed_from"] == str(root / "restarted" / "checkpoints" / "last.pt")
     assert (summary["status"], summary["steps"]) == ("completed", 8)
     assert_bitwise_equal(restarted[0]["model"], restarted[1]["model"])
     assert_bitwise_equal(restarted[0]["model"], straight[0]["model"])
 
 
 def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
-    """torchrun passes SIGTERM on to its workers, which stop at the same log step; rank 0 saves."""
-    job = subprocess.Popen(
-        [
-            *TWO_RANKS,
-            "-m",
-            "amp_exp",
-            f"hydra.run.dir={tmp_path}",
-            *FAST,
-            *TINY,
-            "trainer.max_steps=100000",
-            "trainer.log_every=5",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    """torchrun passes SIGTERM on to its workers, which stop at the same log step; rank 0 saves.
+    The agent comes from the warm interpreter, its ranks start afresh (helpers/torchrun.py)."""
+    job = start_python_m(
+        "torch.distributed.run",
+        *TORCHRUN_TWO_RANKS,
+        "-m",
+        "amp_exp",
+        f"hydra.run.dir={tmp_path}",
+        *FAST,
+        *TINY,
+        "trainer.max_steps=100000",
+        "trainer.log_every=5",
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=240,
     )
     try:
         deadline = time.monotonic() + 120
@@ -119,9 +104,11 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_
             assert time.monotonic() < deadline and job.poll() is None, "training never started"
             time.sleep(0.2)
         job.send_signal(signal.SIGTERM)
-        _, stderr = job.communicate(timeout=120)
+        _, stderr = job.communicate()
     finally:
-        job.kill()
+        if job.poll() is None:
+            job.send_signal(signal.SIGKILL)
+            job.wait()
     summary = json.loads((tmp_path / "summary.json").read_text())
     errors = [line for line in stderr.splitlines() if "ERROR" in line or "Error" in line]
     assert (summary["status"], summary["stop_signal"]) == ("stopped", "SIGTERM"), (

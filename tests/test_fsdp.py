@@ -1,5 +1,5 @@
-"""FSDP2 under torchrun: two CPU processes over gloo, the model sharded between them (formats,
-faults and a dying rank: tests/test_fsdp_ranks.py)."""
+"""FSDP2 under torchrun: two CPU processes over gloo, the model sharded between them (block-scaled
+formats and a dying rank: tests/test_fsdp_ranks.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from amp_exp.results.resume import find_checkpoint, resume
 from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import whole
+from ddp_jobs import run_jobs
 from helpers.runs import TINY, read_jsonl
-from helpers.torchrun import FSDP_RUN, assert_bitwise_equal, run_worker, torchrun
+from helpers.torchrun import FSDP_RUN, assert_bitwise_equal, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -90,15 +91,40 @@ def test_the_audit_reads_the_dtypes_fsdp2_gathers_and_reduces_in(fsdp_sweep):
     assert set(audit["state"]["weights"]) == set(audit["state"]["grads"]) == {"float32"}
 
 
-def test_sigterm_then_resume_auto_ends_bit_exact_with_an_uninterrupted_run(tmp_path):
-    """fp16 with its scaler, two micro-batches a step: SIGTERM reaches rank 1 during step 3;
-    the ranks stop at log step 4 with a sharded checkpoint; resume=auto trains on to step 8 (the
-    second epoch) and ends bit for bit where a run that never stopped ends, on both ranks."""
-    run = [*FSDP_RUN, "precision=fp16", "trainer.max_steps=8", "trainer.grad_accum_steps=2"]
-    straight = run_worker(tmp_path / "straight", *run)
+# fp16 with its scaler, two micro-batches a step, 8 steps (the second epoch); the stop's step-4
+# checkpoint is kept beside the resume's step-8 one.
+RESUMED_RUN = [
+    *FSDP_RUN,
+    "precision=fp16",
+    "trainer.max_steps=8",
+    "trainer.grad_accum_steps=2",
+    "checkpoint.keep=2",
+]
 
-    interrupted = tmp_path / "interrupted"
-    stopped = run_worker(interrupted, "--signal-at", "5", "--stop-signal", "SIGTERM", *run)
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """One launch, four jobs: RESUMED_RUN uninterrupted; stopped by SIGTERM to rank 1 during
+    step 3; resumed in place with resume=auto; and an fp16 run in which rank 1 puts an inf into
+    its own shard of a gradient at step 2."""
+    root = tmp_path_factory.mktemp("fsdp_jobs")
+    interrupted = str(root / "interrupted")
+    states = run_jobs(
+        root / "states",
+        [str(root / "straight"), *RESUMED_RUN],
+        [interrupted, "--signal-at", "5", "--stop-signal", "SIGTERM", *RESUMED_RUN],
+        [interrupted, *RESUMED_RUN, "resume=auto"],
+        [str(root / "inf"), "--inf-in-shard-at", "2", *FSDP_RUN, "precision=fp16"],
+    )
+    return root, *states
+
+
+def test_sigterm_then_resume_auto_ends_bit_exact_with_an_uninterrupted_run(jobs):
+    """SIGTERM reaches rank 1 during step 3; the ranks stop at log step 4 with a sharded
+    checkpoint; resume=auto trains on to step 8 and ends bit for bit where a run that never
+    stopped ends, on both ranks."""
+    root, straight, stopped, resumed, _ = jobs
+    interrupted = root / "interrupted"
     for state in stopped.values():
         assert (state["summary"]["status"], state["summary"]["stop_signal"]) == (
             "stopped",
@@ -108,7 +134,6 @@ def test_sigterm_then_resume_auto_ends_bit_exact_with_an_uninterrupted_run(tmp_p
     checkpoint = interrupted / "checkpoints" / "step_00000004"
     assert (checkpoint / ".metadata").is_file()
 
-    resumed = run_worker(interrupted, *run, "resume=auto")
     for rank in (0, 1):
         summary = resumed[rank]["summary"]
         assert (summary["resumed_from"], summary["steps"]) == (str(checkpoint), 8)
@@ -118,6 +143,22 @@ def test_sigterm_then_resume_auto_ends_bit_exact_with_an_uninterrupted_run(tmp_p
         assert summary["eval_acc"] == straight[rank]["summary"]["eval_acc"]
     rows = read_jsonl(interrupted / "metrics.jsonl")
     assert [row["step"] for row in rows if "loss" in row] == [2, 4, 6, 8]
+
+
+def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(jobs):
+    """After the reduce-scatter rank 1 puts an inf into its own shard of a gradient; rank 0's
+    shards are all finite. DTensor's inf check takes the MAX of the ranks' flags, so both
+    GradScalers skip step 2 and halve the scale, and both name the parameter."""
+    ranks = jobs[-1]
+
+    assert [ranks[rank]["shard_finite"] for rank in (0, 1)] == [True, False]
+    for state in ranks.values():
+        assert state["summary"]["skipped_steps"] == 1
+        overflow = state["summary"]["first_overflow"]
+        assert (overflow["step"], overflow["parameters"]) == (2, ["features.0.weight"])
+        assert overflow["loss_finite"] is True
+    assert ranks[0]["scale"] == ranks[1]["scale"] == 65536.0 / 2
+    assert ranks[0]["summary"]["replicas_identical"] is True
 
 
 def test_a_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path, run_cfg, fsdp_sweep):

@@ -1,18 +1,19 @@
 """FSDP2 jobs whose ranks see different things: a block-scaled format quantizing gathered
-weights, an inf in one rank's shard, a rank that dies. Apart from tests/test_fsdp.py so that
-pytest-xdist gives the two files two workers."""
+weights, a rank that dies (an inf in one rank's shard: tests/test_fsdp.py). Apart from
+tests/test_fsdp.py so that pytest-xdist gives the two files two workers."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from helpers.runs import FAST, FAST_TRAINER
-from helpers.torchrun import FSDP_RUN, TORCHRUN_TWO_RANKS, run_worker, torchrun
-from helpers.warm_python import python_m
+from helpers.torchrun import TORCHRUN_TWO_RANKS, WARM_RANK, torchrun
+from helpers.warm_python import RANKS_ENV, python_m, rank_socket
 
 pytestmark = pytest.mark.slow
 
@@ -30,27 +31,41 @@ MICROSCALING_RUN = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["mxfp8", "nvfp4"])
-def test_a_block_scaled_format_sharded_over_two_ranks_trains_as_ddp_does(precision, tmp_path):
+FORMATS = ("mxfp8", "nvfp4")
+
+
+@pytest.fixture(scope="module")
+def formats_sweep(tmp_path_factory):
+    """One sweep under torchrun: each format under DDP, then under FSDP2 (jobs 0 to 3)."""
+    sweep_dir = tmp_path_factory.mktemp("formats_sweep")
+    torchrun(
+        "-m",
+        "amp_exp",
+        "-m",
+        f"hydra.sweep.dir={sweep_dir}",
+        *MICROSCALING_RUN,
+        f"precision={','.join(FORMATS)}",
+        "trainer.strategy=ddp,fsdp2",
+        "report.speed_trial=false",
+        timeout=400,
+    )
+    return sweep_dir
+
+
+@pytest.mark.parametrize("precision", FORMATS)
+def test_a_block_scaled_format_sharded_over_two_ranks_trains_as_ddp_does(precision, formats_sweep):
     """Each converted linear quantizes the whole weight its all-gather brings in, while the
     optimizer steps each rank's fp32 shard: the sharded run engages as the DDP run does (same
     formats, same modules) and ends at its loss. Were a rank to quantize only its own shard,
     nvfp4's per-tensor scale would come from half the weight and its loss would drift (mxfp8's
     32-blocks happen to fit these shards); were the master weights left whole, each rank's
     optimizer would hold all of them."""
-    torchrun(
-        "-m",
-        "amp_exp",
-        "-m",
-        f"hydra.sweep.dir={tmp_path}",
-        *MICROSCALING_RUN,
-        f"precision={precision}",
-        "trainer.strategy=ddp,fsdp2",
-        "report.speed_trial=false",
-        timeout=400,
+    summaries = [json.loads(p.read_text()) for p in formats_sweep.glob("*/summary.json")]
+    ddp, fsdp = (
+        next(s for s in summaries if (s["precision"], s["strategy"]) == (precision, strategy))
+        for strategy in ("ddp", "fsdp2")
     )
-    ddp, fsdp = (json.loads((tmp_path / job / "summary.json").read_text()) for job in "01")
-    assert (ddp["strategy"], fsdp["strategy"], fsdp["world_size"]) == ("ddp", "fsdp2", 2)
+    assert fsdp["world_size"] == 2
     audit = fsdp["precision_audit"]
     assert audit["engaged"] is True, audit["shortfalls"]
     assert audit["modules"] == ddp["precision_audit"]["modules"]
@@ -66,22 +81,6 @@ def test_a_block_scaled_format_sharded_over_two_ranks_trains_as_ddp_does(precisi
     assert fsdp["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-4)
 
 
-def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path):
-    """After the reduce-scatter rank 1 puts an inf into its own shard of a gradient; rank 0's
-    shards are all finite. DTensor's inf check takes the MAX of the ranks' flags, so both
-    GradScalers skip step 2 and halve the scale, and both name the parameter."""
-    ranks = run_worker(tmp_path, "--inf-in-shard-at", "2", *FSDP_RUN, "precision=fp16")
-
-    assert [ranks[rank]["shard_finite"] for rank in (0, 1)] == [True, False]
-    for state in ranks.values():
-        assert state["summary"]["skipped_steps"] == 1
-        overflow = state["summary"]["first_overflow"]
-        assert (overflow["step"], overflow["parameters"]) == (2, ["features.0.weight"])
-        assert overflow["loss_finite"] is True
-    assert ranks[0]["scale"] == ranks[1]["scale"] == 65536.0 / 2
-    assert ranks[0]["summary"]["replicas_identical"] is True
-
-
 def test_a_rank_that_dies_is_named_in_one_line_and_in_the_summary(tmp_path):
     """SIGKILL rank 1 mid-run: rank 0's collective fails with gloo's "Connection closed by peer";
     rank 0 stops with one line that names the rank it lost, and exit status 4 (unless torchrun's
@@ -92,12 +91,17 @@ def test_a_rank_that_dies_is_named_in_one_line_and_in_the_summary(tmp_path):
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]),
+        RANKS_ENV: rank_socket(),
     }
+    # The ranks forked warm, as helpers.torchrun.torchrun starts them (which wants exit 0).
     result = python_m(
         "torch.distributed.run",
         *TORCHRUN_TWO_RANKS,
         "--redirects=3",
         f"--log-dir={logs}",
+        "--no-python",
+        sys.executable,
+        *WARM_RANK,
         "-m",
         "amp_exp",
         *FAST,

@@ -1,8 +1,12 @@
-"""The benchmark scripts that run as processes of their own, whose sides start fresh ones. Apart
-from tests/test_scripts.py so that pytest-xdist gives the two files two workers."""
+"""The benchmark scripts whose sides run as processes of their own, and the causal check's: each
+script's ``main`` runs in this process, and each side it starts comes from the warm interpreter
+(helpers/warm_python.py) in place of a fresh one: the figures don't matter here, what the sides
+agree on does. Apart from tests/test_scripts.py so that pytest-xdist gives the two files two
+workers."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -10,47 +14,64 @@ from pathlib import Path
 
 import pytest
 
+from helpers.warm_python import python_m
+
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
-def run_script(name: str, *args: str) -> dict | list:
-    """A benchmark script as its own process (its sides start fresh ones); its JSON report."""
-    result = subprocess.run(
-        [sys.executable, str(SCRIPTS / name), *args],
-        capture_output=True,
-        text=True,
-        cwd=SCRIPTS.parent,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+class WarmSides:
+    """A script's ``subprocess`` for the sides it starts as ``[python, script, *args]``: each
+    runs as ``python -m scripts.<script>`` from the warm interpreter, in the same directory."""
+
+    def run(self, command: list[str], cwd: Path, **_: object) -> subprocess.CompletedProcess:
+        python, script, *args = command
+        assert python == sys.executable and Path(script).parent == SCRIPTS, command
+        return python_m(f"{SCRIPTS.name}.{Path(script).stem}", *args, cwd=cwd)
 
 
-def test_bench_causal_times_the_check_inside_a_run() -> None:
+@pytest.fixture
+def run_script(monkeypatch, capsys):
+    """``run_script(name, *args)``: the benchmark script's JSON report, from its ``main`` run
+    here as ``python scripts/NAME.py ARGS`` would run it."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+
+    def run(name: str, *args: str) -> dict | list:
+        script = importlib.import_module(name)
+        monkeypatch.setattr(sys, "argv", [str(SCRIPTS / f"{name}.py"), *args])
+        if hasattr(script, "subprocess"):
+            monkeypatch.setattr(script, "subprocess", WarmSides())
+        script.main()
+        return json.loads(capsys.readouterr().out)
+
+    return run
+
+
+def test_bench_causal_times_the_check_inside_a_run(run_script) -> None:
     tiny = ["trainer.device=cpu", "trainer.max_steps=4", "trainer.timing_warmup_steps=1"]
     lm = ["model=gpt_tiny", "dataset=synthetic_tokens", "dataset.train_size=64"]
-    figures = run_script("bench_causal.py", "--repeats", "1", *tiny, *lm)
+    figures = run_script("bench_causal", "--repeats", "1", *tiny, *lm)
     assert figures["status"] == "completed"
     assert 0 < figures["check_s"] < figures["run_wall_s"]
     assert figures["check_warm_median_s"] > 0
 
 
-def test_parity_trains_a_transformers_model_bit_for_bit_like_a_hand_written_loop() -> None:
+def test_parity_trains_a_transformers_model_bit_for_bit_like_a_hand_written_loop(
+    run_script,
+) -> None:
     pytest.importorskip("transformers")
     report = run_script(
-        "bench_parity.py",
+        "bench_parity",
         *("--model", "hf_llama_tiny", "--dataset", "synthetic_tokens"),
         *("--steps", "4", "--warmup", "1", "--rounds", "1", "--batch-size", "4"),
     )
     assert report["state_dicts_identical"] is True and report["steps_timed_per_side"] == 2
 
 
-def test_the_hf_trainer_benchmark_times_both_sides_by_both_clocks() -> None:
+def test_the_hf_trainer_benchmark_times_both_sides_by_both_clocks(run_script) -> None:
     pytest.importorskip("accelerate")  # the Trainer's, not amp_exp's
     (row,) = run_script(
-        "bench_hf_trainer.py",
+        "bench_hf_trainer",
         *("--precisions", "fp32", "--steps", "4", "--warmup", "1", "--rounds", "1"),
         *("--batch-size", "4"),
     )

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
 from helpers.runs import FAST, TINY, read_jsonl, run_cli
+from helpers.torchrun import DDP_RUN
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -31,13 +32,15 @@ TESTS_DIR = Path(__file__).resolve().parent
 LAUNCHERS = "hydra_plugins._amp_exp_submitit"
 
 
-def amp_exp(*args: str, expect_rc: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+def amp_exp(
+    *args: str, expect_rc: int = 0, timeout: int = 300, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     # The jobs import tests/requeue_pace.py, which the requeue test names as a Hydra callback.
     path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     # One torch thread per job: on a busy 2-core machine, two threads per tiny job ran up to 20x
     # slower (each step waits for whichever thread was descheduled), and timings here matter.
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    return run_cli(*args, expect_rc=expect_rc, timeout=timeout, env=env)
+    return run_cli(*args, expect_rc=expect_rc, timeout=timeout, env=env, cwd=cwd)
 
 
 # --- the pieces ----------------------------------------------------------------------------------
@@ -157,21 +160,38 @@ def test_without_the_plugin_the_error_says_what_to_install(monkeypatch) -> None:
 
 
 @slow
-def test_submitit_local_sweep_reports_every_job(tmp_path: Path) -> None:
+def test_submitit_local_sweep_reports_every_job_whose_two_tasks_are_its_ranks(
+    tmp_path: Path,
+) -> None:
+    """tasks_per_node=2 through submitit's local executor: the two tasks of a job are its ranks,
+    every job writes into the sweep directory the launcher made (the default one), and the report
+    counts each job once."""
     amp_exp(
         "-m",
         "hydra/launcher=submitit_local",
+        "hydra.launcher.tasks_per_node=2",
+        *DDP_RUN,
+        *TINY,
         "precision=fp32,bf16",
-        *FAST,
-        f"hydra.sweep.dir={tmp_path}",
+        cwd=tmp_path,
     )
-    report = json.loads((tmp_path / "report.json").read_text())
-    jobs = {row["run"]: (row["precision"], row["status"]) for row in report["runs"]}
-    assert jobs == {"0": ("fp32", "completed"), "1": ("bf16", "completed")}
-    table = (tmp_path / "report.md").read_text()
-    assert "| 0 | tiny_cnn | fp32 |" in table and "| 1 | tiny_cnn | bf16 |" in table
-    # submitit's own files: one folder per job, with its stdout and stderr.
-    assert len(list(tmp_path.glob(".submitit/*/*_0_log.out"))) == 2
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    for job in ("0", "1"):
+        summary = json.loads((sweep_dir / job / "summary.json").read_text())
+        assert (summary["status"], summary["world_size"]) == ("completed", 2)
+        assert summary["replicas_identical"] is True
+        assert (sweep_dir / job / "train.rank1.log").is_file()
+    report = json.loads((sweep_dir / "report.json").read_text())
+    jobs = {
+        row["run"]: (row["precision"], row["status"], row["world_size"]) for row in report["runs"]
+    }
+    assert jobs == {"0": ("fp32", "completed", 2), "1": ("bf16", "completed", 2)}
+    table = (sweep_dir / "report.md").read_text()
+    assert "| 0 | tiny_cnn | fp32 [2 ranks] |" in table
+    assert "| 1 | tiny_cnn | bf16 [2 ranks] |" in table
+    # submitit's own files: one folder per job, with each task's stdout and stderr.
+    assert len(list(sweep_dir.glob(".submitit/*/*_0_log.out"))) == 2
+    assert len(list(sweep_dir.glob(".submitit/*/*_1_log.out"))) == 2
 
 
 @slow

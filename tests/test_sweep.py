@@ -1,4 +1,7 @@
-"""Sweeps end to end: ``python -m amp_exp -m ...`` leaves a report built from the jobs' results."""
+"""Sweeps end to end: ``python -m amp_exp -m ...`` leaves a report built from the jobs' results.
+The sweeps that succeed run through the entry point's ``main`` in this process
+(conftest.command_main); one with a failed job is a process of its own, whose report is built as
+it exits, and so are the joblib launcher's workers."""
 
 from __future__ import annotations
 
@@ -23,6 +26,12 @@ PLOTS = (
     "peak_memory.png",
     "speed_trial.png",
 )
+
+
+def sweep(command_main, *args: str) -> None:
+    """``python -m amp_exp ARGS``, which must succeed."""
+    result = command_main("amp_exp", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def summaries(sweep_dir: Path) -> dict[str, dict]:
@@ -51,8 +60,9 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path) -> None:
-    run_cli(
+def test_2x2_sweep_reports_the_numbers_of_each_job(tmp_path: Path, command_main) -> None:
+    sweep(
+        command_main,
         "-m",
         *SMALL,
         "precision=fp32,fp16",
@@ -133,6 +143,7 @@ def test_a_failed_job_is_reported_failed_and_the_others_still_count(tmp_path: Pa
     result = run_cli(
         "-m",
         *FAST,
+        *TINY,
         "precision=fp32,bf16",
         "optimizer.lr=0.1,1e30",
         "trainer.on_nonfinite=stop",
@@ -160,8 +171,8 @@ def test_a_failed_job_is_reported_failed_and_the_others_still_count(tmp_path: Pa
     assert "(tiny_cnn bf16) failed (NumericalFault: non-finite gradients" in report_md
 
 
-def test_a_preset_sweeps_without_dash_m(tmp_path: Path) -> None:
-    run_cli("experiment=init_scale_sweep", *FAST, *TINY, f"hydra.sweep.dir={tmp_path}")
+def test_a_preset_sweeps_without_dash_m(tmp_path: Path, command_main) -> None:
+    sweep(command_main, "experiment=init_scale_sweep", *FAST, *TINY, f"hydra.sweep.dir={tmp_path}")
     jobs = summaries(tmp_path)
     scales = {s["config"]["precision"]["init_scale"]: s for s in jobs.values()}
     assert sorted(scales) == [1024.0, 65536.0, 16777216.0, 4294967296.0]
