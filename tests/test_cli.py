@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 import subprocess
@@ -110,21 +109,13 @@ HELP_COMMANDS = [
 ]
 
 
-@functools.cache
-def help_of(command: str) -> subprocess.CompletedProcess:
-    """``python -m command --help``, once a session: two tests read the training help."""
-    from helpers.warm_python import python_m
-
-    return python_m(command, "--help")
-
-
 @pytest.mark.parametrize("command", HELP_COMMANDS)
 def test_every_command_has_help_of_one_shape_without_markup_schema_groups_or_module_names(
-    command: str,
+    command: str, command_main
 ) -> None:
     """Issue 37: --help began "train is powered by Hydra", listed schema/* groups and dumped
     154 lines of config; .doctor's showed backticks and module names."""
-    result = help_of(command)
+    result = command_main(command, "--help")
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert len(lines) <= 80
@@ -138,10 +129,12 @@ def test_every_command_has_help_of_one_shape_without_markup_schema_groups_or_mod
         assert internal not in result.stdout
 
 
-def test_the_training_help_lists_every_option_of_every_group_a_user_picks_from() -> None:
+def test_the_training_help_lists_every_option_of_every_group_a_user_picks_from(
+    command_main,
+) -> None:
     from amp_exp.config.help import CONF_DIR, GROUPS
 
-    text = " ".join(help_of("amp_exp").stdout.split())
+    text = " ".join(command_main("amp_exp", "--help").stdout.split())
     # A group with a choice to make (more than its default) is listed: a new one cannot hide.
     chosen = {d.name for d in CONF_DIR.iterdir() if d.is_dir() and len(list(d.glob("*.yaml"))) > 1}
     assert chosen == set(GROUPS)
