@@ -15,8 +15,9 @@ import torch
 
 import amp_exp.run as run
 from amp_exp.config.values import validate
+from ddp_jobs import run_jobs
 from helpers.runs import FAST_TRAINER, composed
-from helpers.torchrun import assert_bitwise_equal, run_worker
+from helpers.torchrun import assert_bitwise_equal
 
 pytestmark = pytest.mark.slow
 
@@ -67,12 +68,16 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     for precision in ("bf16", "fp32"):
         summary, weights = one_process(out / f"one_{precision}", f"precision={precision}")
         found[f"one_{precision}"] = {"summary": summary, "model": weights}
-    for name, overrides in [
-        ("ddp_bf16", ["precision=bf16"]),
-        ("fsdp2_bf16", ["precision=bf16", "trainer.strategy=fsdp2"]),
-        ("fsdp2_fp32", ["precision=fp32", "trainer.strategy=fsdp2"]),
-    ]:
-        found[name] = run_worker(out / name, *GPT, *TWO_RANKS, *overrides)[0]
+    jobs = {
+        "ddp_bf16": ["precision=bf16"],
+        "fsdp2_bf16": ["precision=bf16", "trainer.strategy=fsdp2"],
+        "fsdp2_fp32": ["precision=fp32", "trainer.strategy=fsdp2"],
+    }
+    ranks = run_jobs(
+        out / "states",
+        *([str(out / name), *GPT, *TWO_RANKS, *overrides] for name, overrides in jobs.items()),
+    )
+    found.update((name, job[0]) for name, job in zip(jobs, ranks, strict=True))
     return found
 
 
