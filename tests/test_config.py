@@ -15,7 +15,6 @@ from amp_exp.config.preflight import CONF_DIR, check_overrides
 from amp_exp.config.schema import SCHEMAS, AdamWConfig, SGDConfig
 from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
-from helpers.warm_python import python_m
 
 GROUPS = (
     "model",
@@ -207,8 +206,9 @@ def test_preflight_checks_every_value_a_preset_sweeps(monkeypatch) -> None:
     assert {model for model, _ in seen} == {"mlp"}
 
 
-def test_cli_rejects_bad_value_before_building_anything(tmp_path) -> None:
-    result = python_m("amp_exp", "precision=fp4", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+def test_cli_rejects_bad_value_before_building_anything(amp_exp_here, tmp_path) -> None:
+    """The pre-flight refuses it before Hydra starts, so the entry point runs in this process."""
+    result = amp_exp_here("precision=fp4", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "amp_exp: error: precision=fp4 is not an option; valid choices: auto, bf16, bf16_true, "
