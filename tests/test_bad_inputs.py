@@ -24,7 +24,7 @@ from amp_exp.config.datasets import DatasetName
 from amp_exp.config.preflight import CONF_DIR, check_overrides
 from amp_exp.errors import ConfigError, RuntimeFault
 from helpers.disks import FULL, fill, small_disk
-from helpers.runs import FAST, TINY
+from helpers.runs import FAST, TINY_MLP
 from helpers.warm_python import python_m
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -231,7 +231,7 @@ def test_full_disk_during_a_checkpoint_save_fails_in_one_line(run_cfg, tmp_path,
         real_save(payload, file)
 
     monkeypatch.setattr(torch, "save", save_until_the_disk_fills)
-    cfg = run_cfg(*TINY, "trainer.max_steps=2", "checkpoint.every_steps=1")
+    cfg = run_cfg(*TINY_MLP, "trainer.max_steps=2", "checkpoint.every_steps=1")
     with pytest.raises(RuntimeFault) as raised:
         train(cfg, tmp_path)
     last = tmp_path / "checkpoints" / "last.pt"
@@ -257,7 +257,7 @@ def test_a_metrics_row_the_disk_refuses_stops_the_run_in_one_line(
         "amp_exp.results.loggers.open_data", lambda path, flags: os.open(FULL, os.O_WRONLY)
     )
     with pytest.raises(RuntimeFault) as raised:
-        train(run_cfg(*TINY, "trainer.max_steps=2"), tmp_path)
+        train(run_cfg(*TINY_MLP, "trainer.max_steps=2"), tmp_path)
     assert str(raised.value) == (
         f"could not write {tmp_path / 'metrics.jsonl'} (No space left on device); the rows "
         "before this one are kept"
@@ -302,7 +302,7 @@ def test_cli_a_metrics_link_is_refused_in_one_line_beside_a_log_the_disk_refuses
     run_dir.mkdir()
     for name in ("metrics.jsonl", "train.log"):
         (run_dir / name).symlink_to(FULL)
-    result = python_m("amp_exp", *FAST, *TINY, f"hydra.run.dir={run_dir}", timeout=300)
+    result = python_m("amp_exp", *FAST, *TINY_MLP, f"hydra.run.dir={run_dir}", timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     output = result.stdout + result.stderr
     assert "Traceback" not in output and "Logging error" not in output
@@ -338,30 +338,32 @@ def fill_once_training(disk: Path, metrics: Path) -> threading.Thread:
     ],
     ids=["full", "24 KiB left", "fills while training"],
 )
-def test_cli_on_a_full_disk_exits_4_in_one_line(tmp_path, leave_kib, says) -> None:
+def test_cli_on_a_full_disk_exits_4_in_one_line(amp_exp_here, tmp_path, leave_kib, says) -> None:
     with small_disk(tmp_path / "disk", 3072) as disk:
         fill(disk, leave_kib)
         run_dir = disk / "run"
-        filler = fill_once_training(disk, run_dir / "metrics.jsonl") if leave_kib > 1024 else None
-        result = python_m(
-            "amp_exp",
+        argv = (
             *FAST,
-            *TINY,
+            *TINY_MLP,
             "trainer.max_steps=100000",
             "trainer.log_every=1",
             "trainer.eval_every=null",
             "checkpoint.every_steps=null",
             f"hydra.run.dir={run_dir}",
-            timeout=300,
         )
-        if filler is not None:
+        trains = leave_kib > 1024
+        if trains:  # Hydra's run takes over the logging of its process: a process of its own
+            filler = fill_once_training(disk, run_dir / "metrics.jsonl")
+            result = python_m("amp_exp", *argv, timeout=300)
             filler.join()
+        else:  # refused while claiming the directory, before Hydra: the entry point, here
+            result = amp_exp_here(*argv)
         assert result.returncode == 4, result.stderr[-2000:]
         output = result.stdout + result.stderr
         assert "Traceback" not in output and "Logging error" not in output
         [error] = [line for line in output.splitlines() if "error" in line.lower()]
         assert says in error
-        if filler is None:  # refused before anything was written
+        if not trains:  # refused before anything was written
             assert not run_dir.exists()
 
 
@@ -436,7 +438,7 @@ def test_cli_stops_at_an_unreadable_image_with_one_line_and_a_failed_summary(wor
     result = run_bad(
         workspace,
         *FAST,
-        *TINY,
+        *TINY_MLP,
         "dataset=image_folder",
         "dataset.root=images",
         "dataset.batch_size=2",

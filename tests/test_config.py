@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import fields
 
 import pytest
@@ -15,7 +16,6 @@ from amp_exp.config.preflight import CONF_DIR, check_overrides
 from amp_exp.config.schema import SCHEMAS, AdamWConfig, SGDConfig
 from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
-from helpers.warm_python import python_m
 
 GROUPS = (
     "model",
@@ -193,13 +193,21 @@ def validated_configs(monkeypatch, argv: list[str]) -> set[tuple[str, str]]:
     return seen
 
 
+@functools.cache
+def preset_preflight(preset: str) -> frozenset[tuple[str, str]]:
+    """``validated_configs`` of ``experiment=preset``, once a session: a preset's sweep composes
+    a config a job, and two tests read the one of precision_sweep."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return frozenset(validated_configs(monkeypatch, [f"experiment={preset}"]))
+
+
 @pytest.mark.parametrize("preset", [p.stem for p in sorted((CONF_DIR / "experiment").glob("*"))])
 def test_every_preset_passes_preflight(preset: str) -> None:
-    check_overrides([f"experiment={preset}"])
+    preset_preflight(preset)
 
 
 def test_preflight_checks_every_value_a_preset_sweeps(monkeypatch) -> None:
-    seen = validated_configs(monkeypatch, ["experiment=precision_sweep"])
+    seen = preset_preflight("precision_sweep")
     assert {model for model, _ in seen} == {"tiny_cnn", "resnet18"}
     assert {precision for _, precision in seen} >= {"fp32", "fp16", "bf16"}
     # A value on the command line replaces the preset's sweep of that key, as in Hydra.
@@ -207,8 +215,9 @@ def test_preflight_checks_every_value_a_preset_sweeps(monkeypatch) -> None:
     assert {model for model, _ in seen} == {"mlp"}
 
 
-def test_cli_rejects_bad_value_before_building_anything(tmp_path) -> None:
-    result = python_m("amp_exp", "precision=fp4", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+def test_cli_rejects_bad_value_before_building_anything(amp_exp_here, tmp_path) -> None:
+    """The pre-flight refuses it before Hydra starts, so the entry point runs in this process."""
+    result = amp_exp_here("precision=fp4", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "amp_exp: error: precision=fp4 is not an option; valid choices: auto, bf16, bf16_true, "

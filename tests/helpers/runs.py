@@ -67,6 +67,18 @@ OFFLINE_SWEEP_LRS = ("0.1", "0.05", "0.02")
 TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
 
 
+# Where a test is about what happens around training (a refused write, an unreadable file), not
+# about a model or a precision: a one-layer MLP in fp32 trains in half TINY's time.
+TINY_MLP = [
+    "model=mlp",
+    "model.hidden_dim=8",
+    "model.depth=1",
+    "dataset.image_size=8",
+    "dataset.batch_size=16",
+    "precision=fp32",
+]
+
+
 @functools.cache
 def composed(overrides: tuple[str, ...]) -> DictConfig:
     """The real config from conf/ with ``overrides``, composed once a session: composing takes
