@@ -67,6 +67,11 @@ OFFLINE_SWEEP_LRS = ("0.1", "0.05", "0.02")
 TINY = ["model.width=4", "dataset.image_size=8", "dataset.batch_size=16"]
 
 
+# TINY's sizes on an MLP, for runs that only need some model trained: no convolutions, whose
+# bf16 kernels on this CPU cost far more a step than a few small matmuls.
+TINY_MLP = ["model=mlp", "model.hidden_dim=16", "dataset.image_size=8", "dataset.batch_size=16"]
+
+
 @functools.cache
 def composed(overrides: tuple[str, ...]) -> DictConfig:
     """The real config from conf/ with ``overrides``, composed once a session: composing takes
