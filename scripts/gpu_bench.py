@@ -65,22 +65,27 @@ FULL = {
         "compile": (False, True),
     },
 }
+# The smoke checks the code, not the figures: the fewest steps that time any (one warm-up, three
+# timed), on 8x8 images.
 SMOKE = {
     "model": "tiny_cnn",
-    "image_size": 16,
-    "batch_size": 32,
-    "steps": 6,
-    "warmup": 2,
+    "image_size": 8,
+    "batch_size": 16,
+    "steps": 4,
+    "warmup": 1,
     "precisions": ("fp32", "bf16"),
     # The flag that is off everywhere else; each cell is a process of its own (~5 s on a CPU).
     "variants": ((True, False),),
-    "parity": ("--steps", "8", "--warmup", "2", "--rounds", "1", "--batch-size", "32"),
+    "parity": (
+        *("--steps", "4", "--warmup", "1", "--rounds", "1"),
+        *("--batch-size", "16", "--image-size", "8"),
+    ),
     "lm": {
         "model": "gpt_tiny",
         "vocab_size": 128,
         "batch_size": 8,
-        "steps": 6,
-        "warmup": 2,
+        "steps": 4,
+        "warmup": 1,
         "maths": ("fp32", "bf16"),
         "compile": (False,),
     },
@@ -339,9 +344,9 @@ MODES_FULL = {
 MODES_SMOKE = {
     "overrides": ["model=mlp", "model.hidden_dim=32", "model.depth=3", "optimizer=adamw"],
     "image_size": 8,
-    "batch_size": 32,
-    "steps": 6,
-    "warmup": 2,
+    "batch_size": 16,
+    "steps": 4,
+    "warmup": 1,
     "compile": False,
     "cells": {
         "fp32": ["precision=fp32"],

@@ -27,6 +27,8 @@ from helpers.disks import FULL, fill, small_disk
 from helpers.runs import FAST, TINY_MLP
 from helpers.warm_python import python_m
 
+# About what happens around training (a refused write, an unreadable file), not a precision.
+FP32_MLP = [*TINY_MLP, "precision=fp32"]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 BROKEN_YAML = "# @package _global_\nseed: [1,\n"
 USER_EXPERIMENT = "# @package _global_\nseed: 7\n"
@@ -231,7 +233,7 @@ def test_full_disk_during_a_checkpoint_save_fails_in_one_line(run_cfg, tmp_path,
         real_save(payload, file)
 
     monkeypatch.setattr(torch, "save", save_until_the_disk_fills)
-    cfg = run_cfg(*TINY_MLP, "trainer.max_steps=2", "checkpoint.every_steps=1")
+    cfg = run_cfg(*FP32_MLP, "trainer.max_steps=2", "checkpoint.every_steps=1")
     with pytest.raises(RuntimeFault) as raised:
         train(cfg, tmp_path)
     last = tmp_path / "checkpoints" / "last.pt"
@@ -257,7 +259,7 @@ def test_a_metrics_row_the_disk_refuses_stops_the_run_in_one_line(
         "amp_exp.results.loggers.open_data", lambda path, flags: os.open(FULL, os.O_WRONLY)
     )
     with pytest.raises(RuntimeFault) as raised:
-        train(run_cfg(*TINY_MLP, "trainer.max_steps=2"), tmp_path)
+        train(run_cfg(*FP32_MLP, "trainer.max_steps=2"), tmp_path)
     assert str(raised.value) == (
         f"could not write {tmp_path / 'metrics.jsonl'} (No space left on device); the rows "
         "before this one are kept"
@@ -302,7 +304,7 @@ def test_cli_a_metrics_link_is_refused_in_one_line_beside_a_log_the_disk_refuses
     run_dir.mkdir()
     for name in ("metrics.jsonl", "train.log"):
         (run_dir / name).symlink_to(FULL)
-    result = python_m("amp_exp", *FAST, *TINY_MLP, f"hydra.run.dir={run_dir}", timeout=300)
+    result = python_m("amp_exp", *FAST, *FP32_MLP, f"hydra.run.dir={run_dir}", timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     output = result.stdout + result.stderr
     assert "Traceback" not in output and "Logging error" not in output
@@ -344,7 +346,7 @@ def test_cli_on_a_full_disk_exits_4_in_one_line(amp_exp_here, tmp_path, leave_ki
         run_dir = disk / "run"
         argv = (
             *FAST,
-            *TINY_MLP,
+            *FP32_MLP,
             "trainer.max_steps=100000",
             "trainer.log_every=1",
             "trainer.eval_every=null",
@@ -438,7 +440,7 @@ def test_cli_stops_at_an_unreadable_image_with_one_line_and_a_failed_summary(wor
     result = run_bad(
         workspace,
         *FAST,
-        *TINY_MLP,
+        *FP32_MLP,
         "dataset=image_folder",
         "dataset.root=images",
         "dataset.batch_size=2",

@@ -15,7 +15,7 @@ pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
 
-from helpers.runs import FAST, TINY, run_cli
+from helpers.runs import FAST, TINY_MLP, run_cli
 from hydra_plugins import _amp_exp_submitit as launchers
 
 
@@ -72,7 +72,7 @@ def test_two_parallel_cpu_jobs_complete_with_a_correct_report(tmp_path: Path) ->
         "seed=0,1",
         "report.speed_trial=false",
         *FAST,
-        *TINY,
+        *TINY_MLP,
         f"hydra.sweep.dir={tmp_path}",
         timeout=600,
     )
@@ -83,6 +83,4 @@ def test_two_parallel_cpu_jobs_complete_with_a_correct_report(tmp_path: Path) ->
     report = json.loads((tmp_path / "report.json").read_text())
     assert [row["contended"] for row in report["runs"]] == [True] * 4
     (line,) = report["verdicts"]
-    assert (
-        line.startswith("tiny_cnn: bf16 ") and "jobs timed in parallel on one node, under" in line
-    )
+    assert line.startswith("mlp: bf16 ") and "jobs timed in parallel on one node, under" in line

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,35 +13,34 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers.warm_python import python_m
-
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
-def test_gpu_bench_smoke_writes_both_tables_and_checks_parity(tmp_path: Path, monkeypatch) -> None:
+def test_gpu_bench_smoke_writes_both_tables_and_checks_parity(
+    tmp_path: Path, monkeypatch, command_main
+) -> None:
     monkeypatch.syspath_prepend(str(SCRIPTS))
     import bench_parity
     import gpu_bench
 
-    # Each cell's command from the warm interpreter: the figures don't matter here, the tables do.
-    monkeypatch.setattr(gpu_bench, "run_module", lambda *args: python_m(*args, cwd=gpu_bench.REPO))
-    # The parity script's driver in this process and each side from the warm interpreter, where
-    # each would start a fresh one (importing torch three times over): its code, not its clocks.
-    scripts_first = os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")]))
-
-    def side(command: list[str], **kwargs) -> subprocess.CompletedProcess:
-        env = {**os.environ, "PYTHONPATH": scripts_first}
-        return python_m("bench_parity", *command[2:], cwd=gpu_bench.REPO, env=env)
+    # Each cell's command through its main in this process, where each would start a process
+    # (3 s of CPU to import before a step that takes milliseconds): the tables matter, not the
+    # figures.
+    monkeypatch.setattr(gpu_bench, "run_module", command_main)
 
     def parity(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+        """The parity script, and each side it spawns, through its main in this process."""
         assert Path(command[1]) == SCRIPTS / "bench_parity.py"
-        monkeypatch.setattr(sys, "argv", command[1:])
-        monkeypatch.setattr(bench_parity, "subprocess", SimpleNamespace(run=side))
-        with contextlib.redirect_stdout(io.StringIO()) as printed:
-            bench_parity.main()
+        argv, sys.argv = sys.argv, command[1:]
+        try:
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                bench_parity.main()
+        finally:
+            sys.argv = argv  # the driver builds each side's command from its own argv
         return subprocess.CompletedProcess(command, 0, printed.getvalue(), "")
 
+    monkeypatch.setattr(bench_parity, "subprocess", SimpleNamespace(run=parity))
     monkeypatch.setattr(gpu_bench, "subprocess", SimpleNamespace(run=parity))
     gpu_bench.main(["--smoke", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "gpu_bench.json").read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import FAST, TINY, run_cli
+from helpers.runs import FAST, TINY, TINY_MLP, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -192,6 +192,7 @@ def test_joblib_launcher_runs_jobs_in_parallel_and_reports_them(tmp_path: Path) 
     run_cli(
         "-m",
         *FAST,
+        *TINY_MLP,
         "hydra/launcher=joblib",
         "hydra.launcher.n_jobs=2",
         "precision=fp32,bf16",
