@@ -40,8 +40,16 @@ from helpers.warm_python import python_m, start_python_m
 ROOT = Path(__file__).resolve().parent.parent
 CANARY_MODULE = "canary_plugin"
 CANARY = f"{CANARY_MODULE}.Plugin"
-# Each sweep: the tiny CNN, 4 steps, no trial, no audit (which only adds time here).
-SWEEP = [*FAST, "model.width=4", "report.speed_trial=false", "diagnostics.audit=false"]
+# Each sweep: a 16-wide MLP on 8x8 images (no convolutions), 4 steps, no trial, no audit (which
+# only adds time here).
+SWEEP = [
+    *FAST,
+    "model=mlp",
+    "model.hidden_dim=16",
+    "dataset.image_size=8",
+    "report.speed_trial=false",
+    "diagnostics.audit=false",
+]
 
 
 def plant_canary(folder: Path) -> Path:
@@ -168,14 +176,16 @@ def test_an_evidence_sweep_killed_in_its_second_look_resumes_to_the_same_answer(
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     assert amp_exp("amp_exp", *evidence_sweep(whole), canary_dir=tmp_path).returncode == 0
     expected = outcome(whole)
-    assert [look["tiny_cnn||bf16"]["n"] for look in expected["looks"]] == [2, 3]
+    assert [look["mlp||bf16"]["n"] for look in expected["looks"]] == [2, 3]
 
     sweep = start_python_m(
         "amp_exp", *evidence_sweep(killed), env=with_canary(tmp_path), start_new_session=True
     )
     second_look = killed / "4" / ".hydra" / "overrides.yaml"
     deadline = time.monotonic() + 240
-    while not second_look.exists() and sweep.poll() is None and time.monotonic() < deadline:
+    # Written, not only created: the canary is planted among the overrides it holds.
+    while not (second_look.exists() and second_look.stat().st_size) and sweep.poll() is None:
+        assert time.monotonic() < deadline, "the sweep never reached its second look"
         time.sleep(0.02)
     os.killpg(sweep.pid, signal.SIGKILL)
     sweep.wait()
