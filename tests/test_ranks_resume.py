@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from amp_exp.training.loop import STOP_CHECK_STEPS
+from ddp_jobs import run_jobs
 from helpers.runs import FAST_LM, read_jsonl
-from helpers.torchrun import assert_bitwise_equal, run_worker
+from helpers.torchrun import assert_bitwise_equal
 
 pytestmark = pytest.mark.slow
 
@@ -21,6 +22,9 @@ DROPOUT_RUN = [
     "trainer.max_steps=16",
     "trainer.log_every=1000",
     "scheduler=none",
+    # The stop's numbered checkpoint is kept beside last.pt, which the resume (same launch)
+    # replaces.
+    "checkpoint.keep=2",
 ]
 
 
@@ -29,18 +33,24 @@ def test_a_preempted_dropout_run_in_bf16_true_resumes_bit_exact_with_identical_r
 ) -> None:
     """SIGTERM reaches rank 1 in step 3; with log_every=1000 the ranks still agree to stop at the
     first stop check, step STOP_CHECK_STEPS. Each rank saved and restores its own generators,
-    so the resumed run draws the dropout masks and rounding bits an uninterrupted run draws."""
-    straight = run_worker(tmp_path / "straight", *DROPOUT_RUN)
+    so the resumed run draws the dropout masks and rounding bits an uninterrupted run draws.
+    The three jobs run one after another in one torchrun launch (tests/ddp_jobs.py)."""
     interrupted = tmp_path / "interrupted"
-    stopped = run_worker(interrupted, "--signal-at", "3", "--stop-signal", "SIGTERM", *DROPOUT_RUN)
+    straight, stopped, resumed = run_jobs(
+        tmp_path / "states",
+        [str(tmp_path / "straight"), *DROPOUT_RUN],
+        [str(interrupted), "--signal-at", "3", "--stop-signal", "SIGTERM", *DROPOUT_RUN],
+        [str(interrupted), *DROPOUT_RUN, "resume=auto"],
+    )
     for state in stopped.values():
         summary = state["summary"]
         assert (summary["status"], summary["stop_signal"]) == ("stopped", "SIGTERM")
         assert summary["steps"] == STOP_CHECK_STEPS
-    checkpoint = torch.load(interrupted / "checkpoints" / "last.pt", weights_only=True)
+    stop_checkpoint = interrupted / "checkpoints" / f"step_{STOP_CHECK_STEPS:08d}.pt"
+    checkpoint = torch.load(stop_checkpoint, weights_only=True)
+    assert checkpoint["step"] == STOP_CHECK_STEPS
     assert len(checkpoint["rng"]) == 2
 
-    resumed = run_worker(interrupted, *DROPOUT_RUN, "resume=auto")
     assert resumed[0]["summary"]["steps"] == 16
     assert resumed[0]["summary"]["replicas_identical"] is True
     assert_bitwise_equal(resumed[0]["model"], resumed[1]["model"])

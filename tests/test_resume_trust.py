@@ -40,8 +40,16 @@ from helpers.warm_python import python_m, start_python_m
 ROOT = Path(__file__).resolve().parent.parent
 CANARY_MODULE = "canary_plugin"
 CANARY = f"{CANARY_MODULE}.Plugin"
-# Each sweep: the tiny CNN, 4 steps, no trial, no audit (which only adds time here).
-SWEEP = [*FAST, "model.width=4", "report.speed_trial=false", "diagnostics.audit=false"]
+# Each sweep: a 16-wide MLP on 8x8 images (no convolutions), 4 steps, no trial, no audit (which
+# only adds time here).
+SWEEP = [
+    *FAST,
+    "model=mlp",
+    "model.hidden_dim=16",
+    "dataset.image_size=8",
+    "report.speed_trial=false",
+    "diagnostics.audit=false",
+]
 
 
 def plant_canary(folder: Path) -> Path:
@@ -158,24 +166,30 @@ def outcome(sweep_dir: Path) -> dict:
 
 @pytest.mark.slow
 def test_an_evidence_sweep_killed_in_its_second_look_resumes_to_the_same_answer(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch, amp_exp_here
 ) -> None:
     """SIGKILL while the second look's first job trains, then ``resume=auto``: the killed job
     runs again, evidence.json keeps both looks, and the looks, seeds, verdicts, deltas and
     intervals equal an uninterrupted sweep's. A canary planted in a job's overrides.yaml, which
-    the resume relaunches, is never imported: a job's overrides come from the command line."""
+    the resume relaunches, is never imported: a job's overrides come from the command line.
+    The sweep that is killed has a process of its own; the others run through the entry point
+    in this process, with the canary's folder on the path as ``amp_exp`` puts it."""
     marker = plant_canary(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    assert amp_exp("amp_exp", *evidence_sweep(whole), canary_dir=tmp_path).returncode == 0
+    done = amp_exp_here(*evidence_sweep(whole))
+    assert done.returncode == 0, done.stderr[-3000:]
     expected = outcome(whole)
-    assert [look["tiny_cnn||bf16"]["n"] for look in expected["looks"]] == [2, 3]
+    assert [look["mlp||bf16"]["n"] for look in expected["looks"]] == [2, 3]
 
     sweep = start_python_m(
         "amp_exp", *evidence_sweep(killed), env=with_canary(tmp_path), start_new_session=True
     )
     second_look = killed / "4" / ".hydra" / "overrides.yaml"
     deadline = time.monotonic() + 240
-    while not second_look.exists() and sweep.poll() is None and time.monotonic() < deadline:
+    # Written, not only created: the canary is planted among the overrides it holds.
+    while not (second_look.exists() and second_look.stat().st_size) and sweep.poll() is None:
+        assert time.monotonic() < deadline, "the sweep never reached its second look"
         time.sleep(0.02)
     os.killpg(sweep.pid, signal.SIGKILL)
     sweep.wait()
@@ -184,16 +198,11 @@ def test_an_evidence_sweep_killed_in_its_second_look_resumes_to_the_same_answer(
     planted = [*yaml.safe_load(overrides.read_text()), f"+precision._target_={CANARY}"]
     overrides.write_text(yaml.safe_dump(planted))
 
-    result = amp_exp("amp_exp", *evidence_sweep(killed, "resume=auto"), canary_dir=tmp_path)
+    result = amp_exp_here(*evidence_sweep(killed, "resume=auto"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert outcome(killed) == expected
     assert json.loads((killed / "4" / "summary.json").read_text())["status"] == "completed"
     assert not marker.exists()
-
-
-def multirun(sweep_dir: Path, *args: str, canary_dir: Path) -> subprocess.CompletedProcess:
-    where = f"hydra.sweep.dir={sweep_dir}"
-    return amp_exp("amp_exp", "-m", *SWEEP, where, *args, canary_dir=canary_dir)
 
 
 def files_of(directory: Path) -> dict[str, bytes]:
@@ -213,11 +222,15 @@ def test_a_sweep_resumed_with_its_values_reordered_finds_each_jobs_own_directory
     directory (1), and the completed fp32 job is not launched again, its files untouched. The
     same sweep with another learning rate holds another experiment: refused, nothing written."""
     sweep = tmp_path / "sweep"
-    assert multirun(sweep, "precision=fp32,bf16", canary_dir=tmp_path).returncode == 0
+    where = f"hydra.sweep.dir={sweep}"
+    # The sweeps through the entry point in this process (a fresh one costs seconds to start).
+    monkeypatch.syspath_prepend(str(tmp_path))
+    done = amp_exp_here("-m", *SWEEP, where, "precision=fp32,bf16")
+    assert done.returncode == 0, done.stderr[-3000:]
     (sweep / "1" / "summary.json").unlink()
     fp32_job = files_of(sweep / "0")
 
-    result = multirun(sweep, "precision=bf16,fp32", "resume=auto", canary_dir=tmp_path)
+    result = amp_exp_here("-m", *SWEEP, where, "precision=bf16,fp32", "resume=auto")
     assert result.returncode == 0, result.stderr[-3000:]
     assert files_of(sweep / "0") == fp32_job
     summary = json.loads((sweep / "1" / "summary.json").read_text())
@@ -225,7 +238,6 @@ def test_a_sweep_resumed_with_its_values_reordered_finds_each_jobs_own_directory
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
 
     before = files_of(sweep)
-    where = f"hydra.sweep.dir={sweep}"
     args = ["-m", *SWEEP, where, "precision=bf16,fp32", "resume=auto", "optimizer.lr=0.5"]
     (line,) = refused_before_hydra(amp_exp_here, monkeypatch, tmp_path, *args).strip().splitlines()
     assert "job 0 holds an experiment this sweep does not plan (optimizer.lr: 0.1 -> 0.5)" in line

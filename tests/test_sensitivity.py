@@ -658,10 +658,12 @@ def decisions(repair: dict) -> list:
 
 @pytest.mark.slow
 def test_sigterm_during_a_repair_trial_exits_143_and_resume_auto_gives_the_same_answer(
-    attention_repaired, tmp_path, monkeypatch, capsys
+    attention_repaired, tmp_path, monkeypatch, command_main
 ) -> None:
     """Caught before: SIGTERM counted as a failed trial, the search went on, and no search could
-    be continued."""
+    be continued. The search that is stopped runs in a process of its own (its exit status and
+    last line are the process's); the refusal and the resume through the entry point in this
+    process, warm (a fresh one pays 10 s of CPU to start and measure)."""
     _, uninterrupted = attention_repaired
     run_dir = tmp_path / "repair"
     args = [*ATTENTION_LM, *REPAIR[1:], f"hydra.run.dir={run_dir}"]
@@ -687,14 +689,12 @@ def test_sigterm_during_a_repair_trial_exits_143_and_resume_auto_gives_the_same_
     # (the entry point, in this process: the claim refuses it before Hydra starts).
     before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
     monkeypatch.chdir(tmp_path)
-    status, err = sensitivity_main(monkeypatch, capsys, *args)
-    assert status == 2
-    refusal = err.strip().splitlines()[-1]
+    refused = command_main("amp_exp.sensitivity", *args)
+    assert refused.returncode == 2
+    refusal = refused.stderr.strip().splitlines()[-1]
     assert "continue them with resume=auto, or pass --force" in refusal
     assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before
-    resumed = python_m(
-        "amp_exp.sensitivity", *args, "resume=auto", cwd=tmp_path, env=with_helpers()
-    )
+    resumed = command_main("amp_exp.sensitivity", *args, "resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "repair trial 1 (recorded before): failed: fp16 is unstable" in resumed.stdout
     repair = json.loads((run_dir / "repair.json").read_text())
