@@ -48,6 +48,7 @@ PRELOAD = (
     "hydra._internal.utils",
     "hydra._internal.hydra",
     "omegaconf",
+    "scipy.stats",
 )
 # The rank zygote's socket, in the environment of the ranks' torchrun (helpers/warm_rank.py).
 RANKS_ENV = "AMP_EXP_TEST_WARM_RANKS"
