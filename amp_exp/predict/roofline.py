@@ -32,7 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from amp_exp.config.adaptive import COMPILE_AUTO
-from amp_exp.config.precisions import DType, PrecisionSpec, get
+from amp_exp.config.precisions import PrecisionSpec, get
 from amp_exp.config.schema import AdamWConfig, RunConfig, Strategy
 from amp_exp.devices import Device
 from amp_exp.predict.trace import Op, StepTrace
@@ -81,13 +81,6 @@ KERNEL_OVERHEAD_S = 5e-6
 # The share of HBM a run may fill: the CUDA context, cuBLAS workspaces, the caching allocator's
 # fragmentation and the largest op's transient buffers take the rest.
 USABLE_MEMORY = 0.9
-BYTES = {
-    DType.float32: 4,
-    DType.bfloat16: 2,
-    DType.float16: 2,
-    DType.float8_e4m3fn: 1,
-    DType.float8_e5m2: 1,
-}
 ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
 
 ASSUMPTIONS = (
@@ -226,7 +219,7 @@ def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
         spec,
         math_name,
         fp8_linears,
-        BYTES[spec.compute_dtype],
+        spec.compute_dtype.itemsize,
         compiled,
         recipe,
         min((d.itemsize for d in spec.engaged.converted_dtypes), default=1),
@@ -429,8 +422,8 @@ def optimizer_slots(cfg: RunConfig) -> int:
 def optimizer_cost(
     cfg: RunConfig, trace: StepTrace, run: Setting, device: Device, shards: int
 ) -> Cost:
-    weight = BYTES[run.spec.weight_dtype]
-    state = BYTES[run.spec.optimizer_state_dtype]
+    weight = run.spec.weight_dtype.itemsize
+    state = run.spec.optimizer_state_dtype.itemsize
     slots = optimizer_slots(cfg)
     # Read parameter, gradient and state; write parameter and state. GradScaler first unscales
     # the gradients in place (a read and a write each).
@@ -446,8 +439,8 @@ def comm_cost(cfg: RunConfig, trace: StepTrace, run: Setting) -> Cost | None:
         return None
     spec = run.spec
     cast = cfg.precision.fsdp_cast_params and spec.fsdp_param_dtype is not None
-    gathered = BYTES[spec.fsdp_param_dtype if cast else spec.weight_dtype]
-    reduced = BYTES[spec.reduce_dtype]
+    gathered = (spec.fsdp_param_dtype if cast else spec.weight_dtype).itemsize
+    reduced = spec.reduce_dtype.itemsize
     wire = (world - 1) / world * trace.parameters * (2 * gathered + reduced)
     return Cost(
         "FSDP2 all-gather + reduce-scatter",
@@ -457,14 +450,13 @@ def comm_cost(cfg: RunConfig, trace: StepTrace, run: Setting) -> Cost | None:
 
 
 def memory_bytes(cfg: RunConfig, trace: StepTrace, run: Setting, shards: int) -> dict[str, int]:
-    weight = BYTES[run.spec.weight_dtype]
-    state = BYTES[run.spec.optimizer_state_dtype]
-    activations = trace.saved_elements * run.act_bytes + trace.saved_fp32_elements * 4
+    shard = math.ceil(trace.parameters / shards)
+    weights = shard * run.spec.weight_dtype.itemsize
     return {
-        "weights": math.ceil(trace.parameters / shards) * weight,
-        "grads": math.ceil(trace.parameters / shards) * weight,
-        "optimizer": math.ceil(trace.parameters / shards) * optimizer_slots(cfg) * state,
-        "activations": activations,
+        "weights": weights,
+        "grads": weights,
+        "optimizer": shard * optimizer_slots(cfg) * run.spec.optimizer_state_dtype.itemsize,
+        "activations": trace.saved_elements * run.act_bytes + trace.saved_fp32_elements * 4,
     }
 
 

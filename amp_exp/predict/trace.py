@@ -44,34 +44,21 @@ from amp_exp.training.keep_fp32 import keeps_fp32
 from amp_exp.training.linears import is_linear
 
 aten = torch.ops.aten
-# Ops that move no data: views, metadata, and the allocations the next op writes into.
-FREE = {
-    aten.view,
-    aten._unsafe_view,
-    aten.reshape,
-    aten.t,
-    aten.transpose,
-    aten.permute,
-    aten.expand,
-    aten.unsqueeze,
-    aten.squeeze,
-    aten.slice,
-    aten.select,
-    aten.split,
-    aten.split_with_sizes,
-    aten.unbind,
-    aten.alias,
-    aten.detach,
-    aten.as_strided,
-    aten.empty,
-    aten.empty_like,
-    aten.new_empty,
-    aten.new_empty_strided,
-    aten.empty_strided,
-    aten.lift_fresh,
-    aten._to_copy,  # a dtype cast in fp32 is none; the casts a precision adds are modelled
-    aten.clone,
-}
+# Ops that return memory they have not written (the next op writes into it): their output is
+# whatever it held before.
+ALLOCATIONS = frozenset(
+    {
+        aten.empty,
+        aten.empty_like,
+        aten.new_empty,
+        aten.new_empty_strided,
+        aten.empty_strided,
+        aten.empty_permuted,
+    }
+)
+# Ops that move no data, beside the views (``is_view``) and the allocations: a dtype cast in
+# fp32 is none (the casts a precision adds are modelled), and a copy no kernel runs on a GPU.
+FREE = ALLOCATIONS | {aten._unsafe_view, aten._to_copy, aten.clone}
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 CONVOLUTIONS = {aten.convolution, aten.convolution_backward}
 FLASH_FORWARD = aten._scaled_dot_product_flash_attention
@@ -195,7 +182,7 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet in FREE:
+        if packet in FREE or func.is_view:
             return out
         parents = self.tracker.parents
         formula = flop_registry.get(packet)

@@ -27,20 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves, tree_map
 
 from amp_exp.config.precisions import DType
+from amp_exp.predict.trace import ALLOCATIONS
 from amp_exp.training.audit.modules import FORWARD, OUTSIDE, ModuleOps
-
-aten = torch.ops.aten
-# Ops that return memory they have not written: their output is whatever it held before.
-ALLOCATIONS = frozenset(
-    {
-        aten.empty,
-        aten.empty_like,
-        aten.new_empty,
-        aten.new_empty_strided,
-        aten.empty_strided,
-        aten.empty_permuted,
-    }
-)
 
 
 @dataclass(frozen=True)
