@@ -263,14 +263,6 @@ def missing_math(device: Device, precision: str, tf32: bool) -> str | None:
     return f"{device.label} has no {needed} Tensor Cores"
 
 
-def refusal(run: Setting) -> str | None:
-    """Why the runner would not train this precision on this model, or None."""
-    if run.spec.engaged.converted_dtypes and not run.fp8_linears:
-        # As training refuses it: no matmul would run in the format.
-        return f"{run.spec.name} converts no linear layer of this model"
-    return None
-
-
 def caveat(cfg: RunConfig, run: Setting) -> str | None:
     """What the prediction stands for that the runner cannot start, or None."""
     if cfg.predict.world_size > 1 and Strategy.fsdp2 not in run.spec.strategies:
@@ -511,7 +503,12 @@ def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str
             and f"does not fit: needs {needed / 1e9:.3g} GB of {usable / 1e9:.3g} GB "
             f"({USABLE_MEMORY:.0%} of {device.memory_gb:g} GB)"
         )
-        or refusal(run)
+        # As training refuses it: no matmul would run in the format.
+        or (
+            run.spec.engaged.converted_dtypes
+            and not run.fp8_linears
+            and f"{run.spec.name} converts no linear layer of this model"
+        )
     )
     record = {
         "supported": unsupported is None,

@@ -224,15 +224,6 @@ def one_batch(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def meta_model(cfg: RunConfig) -> tuple[nn.Module, Any, Any]:
-    """The run's model on the meta device, its task, and one batch of its data on the CPU."""
-    data = build_data(one_batch(cfg), Placement(cfg.seed, torch.device("cpu")))
-    with torch.device("meta"):
-        model = build_model(cfg, data.facts)
-    task = make_task(cfg, data.facts, torch.device("meta"), channels_last=False)
-    return model, task, next(iter(data.train))
-
-
 @contextlib.contextmanager
 def unpacked_sequences() -> Iterator[None]:
     """transformers asks whether position ids pack several sequences into a row, a question of
@@ -245,19 +236,13 @@ def unpacked_sequences() -> Iterator[None]:
         yield
 
 
-def unpadded(batch: tuple[Any, torch.Tensor]) -> tuple[Any, torch.Tensor]:
-    """A batch of dict inputs without its ``attention_mask``: which tokens are padding is a
-    question of values, which meta tensors do not have (transformers reads them to choose its
-    mask). The trace costs every sequence at its full length, as flash attention runs it."""
-    inputs, targets = batch
-    if isinstance(inputs, dict):
-        inputs = {key: value for key, value in inputs.items() if key != "attention_mask"}
-    return inputs, targets
-
-
 def trace_step(cfg: RunConfig) -> StepTrace:
     """The forward and backward of one batch of ``cfg``'s run, op by op."""
-    model, task, batch = meta_model(cfg)
+    # The run's model on the meta device, its task, and one batch of its data on the CPU.
+    data = build_data(one_batch(cfg), Placement(cfg.seed, torch.device("cpu")))
+    with torch.device("meta"):
+        model = build_model(cfg, data.facts)
+    task = make_task(cfg, data.facts, torch.device("meta"), channels_last=False)
     model.train()
     block_inputs = []
     if cfg.trainer.activation_checkpointing:
@@ -288,7 +273,13 @@ def trace_step(cfg: RunConfig) -> StepTrace:
         return tensor
 
     params = {id(p) for p in model.parameters()}
-    inputs = unpadded(task.to_device(batch))
+    inputs, targets = task.to_device(next(iter(data.train)))
+    if isinstance(inputs, dict):
+        # Which tokens are padding is a question of values, which meta tensors do not have
+        # (transformers reads them to choose its mask). The trace costs every sequence at its
+        # full length, as flash attention runs it.
+        inputs = {key: value for key, value in inputs.items() if key != "attention_mask"}
+    batch = (inputs, targets)
     with (
         unpacked_sequences(),
         tracker,
@@ -296,7 +287,7 @@ def trace_step(cfg: RunConfig) -> StepTrace:
         mock.patch.object(F, "scaled_dot_product_attention", fused_attention),
     ):
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            loss = task.loss(model, inputs)
+            loss = task.loss(model, batch)
         loss.backward()
     activations = [
         (t.numel(), fp32)
@@ -309,7 +300,7 @@ def trace_step(cfg: RunConfig) -> StepTrace:
         saved_elements=sum(n for n, fp32 in activations if not fp32) + sum(block_inputs),
         saved_fp32_elements=sum(n for n, fp32 in activations if fp32),
         linear_weights={n: m.weight.numel() for n, m in model.named_modules() if is_linear(m)},
-        batch_size=task.batch_samples(inputs),
+        batch_size=task.batch_samples(batch),
         units_per_sample=task.units_per_sample,
         unit=task.unit,
         model=model,

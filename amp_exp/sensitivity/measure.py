@@ -132,10 +132,6 @@ class ModuleError:
     has_grad: bool = False
     fault: OpFault | None = None
 
-    @classmethod
-    def of(cls, fmt: DType) -> ModuleError:
-        return cls(RangeShare.of(fmt), RangeShare.of(fmt))
-
     @property
     def margin_db(self) -> float:
         if self.fault is not None:
@@ -248,7 +244,7 @@ def measure_module(
     """The error ``target`` (the module prepared for ``plugin``) makes on ``calls``."""
     # The narrowest format the precision's matmuls take, whose range values must fit.
     dtype = plugin.spec.engaged.matmul_dtypes[0]
-    error = ModuleError.of(dtype)
+    error = ModuleError(RangeShare.of(dtype), RangeShare.of(dtype))
     for call in calls:
         inputs = (call.args, call.kwargs)
         wrt = _differentiable(reference, inputs)
