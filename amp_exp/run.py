@@ -41,20 +41,13 @@ from amp_exp.training.meters import state_bytes
 log = logging.getLogger("amp_exp")
 
 
-def run_summary(
-    cfg: RunConfig,
-    built: Built,
-    result: TrainResult,
-    stop_signal: signal.Signals | None,
-    wall_s: float,
-    **measured: Any,
-) -> dict[str, Any]:
-    """The summary of a run that trained to its end, or stopped early on a signal."""
+def run_summary(cfg: RunConfig, built: Built, result: TrainResult, **measured: Any) -> dict:
+    """The summary of a run that trained to its end, or stopped early on a signal; ``measured``:
+    the stop signal's name, the wall time and what the run's callbacks measured."""
     progress, device, engine = result.progress, built.device, built.engine
     return make_summary(
         Status.stopped if result.stopped_early else Status.completed,
         plain_run_config(cfg),
-        stop_signal=None if stop_signal is None else stop_signal.name,
         precision=built.resolved.precision,
         precision_reason=built.resolved.reason,
         device=device.type,
@@ -87,7 +80,6 @@ def run_summary(
         resumed_from=built.resumed_from,
         hardware=built.hardware,
         first_overflow=progress.first_overflow,
-        wall_s=wall_s,
         state_bytes=state_bytes(engine.parameters, engine.optimizer),
         launch_slot=launch_slot(),
         **engine.precision.summary_fields(),
@@ -222,8 +214,8 @@ def train_built(
             cfg,
             built,
             result,
-            stop_signal,
-            time.perf_counter() - started,
+            stop_signal=None if stop_signal is None else stop_signal.name,
+            wall_s=time.perf_counter() - started,
             **diagnostics.summary(),
             precision_audit=None if audit is None else audit.summary(),
             replicas_identical=replicas_identical(built),

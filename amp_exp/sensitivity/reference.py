@@ -95,12 +95,10 @@ def measured_output(output: Any) -> torch.Tensor | None:
     return output if isinstance(output, torch.Tensor) else None
 
 
-def detached(value: Any) -> Any:
-    """A copy of ``value`` whose tensors are cut from the graph (and safe from in-place ops);
-    a tensor that needed a gradient is a leaf that needs one."""
-    return tree_map_only(
-        torch.Tensor, lambda leaf: leaf.detach().clone().requires_grad_(leaf.requires_grad), value
-    )
+def detached(leaf: torch.Tensor) -> torch.Tensor:
+    """A copy of ``leaf`` cut from the graph (and safe from in-place ops), a leaf that needs a
+    gradient if it needed one."""
+    return leaf.detach().clone().requires_grad_(leaf.requires_grad)
 
 
 def _recording_hooks(model: nn.Module, names: list[str], calls: dict, batch: int) -> list:
@@ -108,7 +106,8 @@ def _recording_hooks(model: nn.Module, names: list[str], calls: dict, batch: int
     for name in names:
 
         def before(module, args, kwargs, name=name):
-            calls[name].append(ModuleCall(detached(args), detached(kwargs), batch))
+            args, kwargs = tree_map_only(torch.Tensor, detached, (args, kwargs))
+            calls[name].append(ModuleCall(args, kwargs, batch))
 
         def after(module, args, kwargs, output, name=name):
             call = calls[name][-1]
