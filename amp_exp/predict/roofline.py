@@ -411,9 +411,7 @@ def optimizer_slots(cfg: RunConfig) -> int:
     return 1 if cfg.optimizer.momentum else 0
 
 
-def optimizer_cost(
-    cfg: RunConfig, trace: StepTrace, run: Setting, device: Device, shards: int
-) -> Cost:
+def optimizer_cost(cfg: RunConfig, trace: StepTrace, run: Setting, device: Device) -> Cost:
     weight = run.spec.weight_dtype.itemsize
     state = run.spec.optimizer_state_dtype.itemsize
     slots = optimizer_slots(cfg)
@@ -422,7 +420,8 @@ def optimizer_cost(
     per_element = (
         2 * weight + weight + 2 * slots * state + (2 * weight if run.spec.grad_scaler else 0)
     )
-    return memory_op("optimizer step", trace.parameters / shards * per_element, device)
+    shard = trace.parameters / cfg.predict.world_size
+    return memory_op("optimizer step", shard * per_element, device)
 
 
 def comm_cost(cfg: RunConfig, trace: StepTrace, run: Setting) -> Cost | None:
@@ -441,8 +440,8 @@ def comm_cost(cfg: RunConfig, trace: StepTrace, run: Setting) -> Cost | None:
     )
 
 
-def memory_bytes(cfg: RunConfig, trace: StepTrace, run: Setting, shards: int) -> dict[str, int]:
-    shard = math.ceil(trace.parameters / shards)
+def memory_bytes(cfg: RunConfig, trace: StepTrace, run: Setting) -> dict[str, int]:
+    shard = math.ceil(trace.parameters / cfg.predict.world_size)
     weights = shard * run.spec.weight_dtype.itemsize
     return {
         "weights": weights,
@@ -480,7 +479,7 @@ def step_costs(cfg: RunConfig, trace: StepTrace, run: Setting, device: Device) -
     extra = [
         cast_cost(trace, run, device),
         quantize_cost(trace, run, device, run.recipe),
-        optimizer_cost(cfg, trace, run, device, cfg.predict.world_size),
+        optimizer_cost(cfg, trace, run, device),
         comm_cost(cfg, trace, run),
     ]
     return traced_costs(trace, run, device) + [c for c in extra if c is not None]
@@ -491,8 +490,7 @@ def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str
     then the step's time, what bounds it, its memory and largest batch; the times are null
     where it would not run."""
     run = setting(cfg, trace, precision)
-    shards = cfg.predict.world_size
-    memory = memory_bytes(cfg, trace, run, shards)
+    memory = memory_bytes(cfg, trace, run)
     needed, usable = sum(memory.values()), USABLE_MEMORY * device.memory_gb * 1e9
     unsupported = missing_math(device, precision, cfg.trainer.tf32)
     fits = needed <= usable
