@@ -117,8 +117,8 @@ def replicas_identical(built: Built) -> bool | None:
 def train(cfg: RunConfig, output_dir: Path, sweep: SweepJob | None = None) -> dict[str, Any]:
     """Run one experiment; writes metrics.jsonl, checkpoints and summary.json to ``output_dir``."""
     started = time.perf_counter()
-    output_dir.mkdir(parents=True, exist_ok=True)
     with process_group(cfg.trainer.device, cfg.trainer.strategy) as distributed:
+        output_dir.mkdir(parents=True, exist_ok=True)
         # Rank 0 holds the lock for the whole job; the other ranks only follow it.
         is_main = distributed is None or distributed.is_main
         with RunDirectoryLock(output_dir) if is_main else contextlib.nullcontext():
