@@ -16,7 +16,7 @@ from amp_exp.capability.auto import resolve_precision
 from amp_exp.capability.device import capability_of, check_request, kernels_of
 from amp_exp.capability.rounds import pass_trials
 from amp_exp.config.adaptive import COMPILE_AUTO
-from amp_exp.config.precisions import DType, ResolvedPrecision
+from amp_exp.config.precisions import ResolvedPrecision
 from amp_exp.config.schema import NonFiniteAction, RunConfig
 from amp_exp.launch import ALONE
 from amp_exp.runtime.distributed import Distributed
@@ -24,7 +24,7 @@ from amp_exp.runtime.fsdp import ShardingDtypes
 from amp_exp.runtime.hardware import configure_backends, device_name, resolve_device
 from amp_exp.tasks.blocks import checkpoint_blocks, compile_blocks, model_blocks
 from amp_exp.tasks.sampling import Placement
-from amp_exp.tasks.workload import Workload, build_workload
+from amp_exp.tasks.workload import build_workload
 from amp_exp.training.audit.step import PrecisionAudit
 from amp_exp.training.diagnostics import Diagnostics
 from amp_exp.training.engine import Engine
@@ -71,17 +71,6 @@ class Built:
 def global_batch_size(cfg: RunConfig, world_size: int) -> int:
     """Samples per optimizer step: dataset.batch_size is per rank and per micro-batch."""
     return cfg.dataset.batch_size * cfg.trainer.grad_accum_steps * world_size
-
-
-def parallelism(
-    distributed: Distributed | None, dtypes: ShardingDtypes | None, weights: DType
-) -> dict:
-    """How the model was spread over the ranks, the dtype the forward took its weights in
-    (autocast casts from there) and the one gradients were summed over the ranks in."""
-    if distributed is None or dtypes is None:
-        return {"strategy": "single", "param_dtype": weights.short, "reduce_dtype": None}
-    strategy = distributed.strategy.value
-    return {"strategy": strategy, "param_dtype": dtypes.param, "reduce_dtype": dtypes.reduce}
 
 
 def compiles(cfg: RunConfig, plugin: PrecisionPlugin) -> bool:
@@ -144,6 +133,15 @@ def build(
         # Compile the DDP wrapper, not the reverse, so DDP's bucketed all-reduce stays in charge.
         trained = torch.compile(trained, mode=cfg.trainer.compile_mode.value)
     hardware = capability.summary(resolved, kernels_of(workload.model))
+    # The run's meter: the task's units, the model's FLOPs, and one device's peaks (on a GPU: the
+    # datasheet's, and the probe's measured one).
+    peak, measured_peak = (None, None), None
+    if device.type == "cuda":
+        peak = peak_tflops(device_name(device), resolved.precision, cfg.trainer.tf32)
+        measured_peak = hardware["measured_peak_tflops"]
+    task = workload.task
+    units = (task.unit, task.units_per_sample, worker.world_size, workload.flops_per_token)
+    meter = Meter(*units, *peak, measured_peak)
     engine = Engine(
         trained,
         workload.task,
@@ -157,13 +155,18 @@ def build(
             cfg.precision, cfg.trainer.on_nonfinite, cfg.checkpoint.every_steps is not None
         ),
         distributed=distributed,
-        meter=meter(cfg, workload, resolved.precision, device, worker.world_size, hardware),
+        meter=meter,
     )
     if cfg.diagnostics.signals:
         engine.signals = SignalCollector(Limits.of(plugin.spec)).attach(
             model, activations=not compiled
         )
         engine.callbacks.add(SignalsCallback(engine.signals))
+    # How the model was spread over the ranks, the dtype the forward took its weights in
+    # (autocast casts from there) and the one gradients were summed over the ranks in.
+    strategy, param, reduce = "single", plugin.spec.weight_dtype.short, None
+    if distributed is not None and dtypes is not None:
+        strategy, param, reduce = distributed.strategy.value, dtypes.param, dtypes.reduce
     return Built(
         device,
         resolved,
@@ -173,33 +176,8 @@ def build(
         hardware,
         data.recorded,
         distributed,
-        parallelism=parallelism(distributed, dtypes, plugin.spec.weight_dtype),
+        parallelism={"strategy": strategy, "param_dtype": param, "reduce_dtype": reduce},
         compiled=compiled,
-    )
-
-
-def meter(
-    cfg: RunConfig,
-    workload: Workload,
-    precision: str,
-    device: torch.device,
-    world_size: int,
-    hardware: dict,
-) -> Meter:
-    """The run's meter: the task's units, the model's FLOPs, and one device's peaks (on a GPU:
-    the datasheet's, and the probe's measured one)."""
-    peak, measured_peak = (None, None), None
-    if device.type == "cuda":
-        peak = peak_tflops(device_name(device), precision, cfg.trainer.tf32)
-        measured_peak = hardware["measured_peak_tflops"]
-    task = workload.task
-    return Meter(
-        task.unit,
-        task.units_per_sample,
-        world_size,
-        workload.flops_per_token,
-        *peak,
-        measured_peak,
     )
 
 

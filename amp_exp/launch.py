@@ -53,7 +53,12 @@ def worker_rank() -> WorkerRank | None:
     (SLURM's ntasks, or the local executor's tasks_per_node) in submitit's job environment.
     """
     if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR"):
-        return submitit_rank()
+        import submitit
+
+        job = submitit.JobEnvironment()
+        if job.num_tasks <= 1:
+            return None
+        return WorkerRank(job.global_rank, job.num_tasks, job.local_rank)
     world_size = environment_int("WORLD_SIZE", "1")
     if world_size < 1:
         # Not one process either: a 0 trained alone would hide a launcher's mistake.
@@ -85,15 +90,6 @@ def environment_int(name: str, default: str | None = None) -> int:
         return int(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise ConfigError(f"{name}={value!r} is not a whole number; {TORCHRUN_SETS_THEM}") from None
-
-
-def submitit_rank() -> WorkerRank | None:
-    import submitit
-
-    job = submitit.JobEnvironment()
-    if job.num_tasks <= 1:
-        return None
-    return WorkerRank(job.global_rank, job.num_tasks, job.local_rank)
 
 
 def torchrun_store(timeout: timedelta | None = None):

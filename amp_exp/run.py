@@ -30,7 +30,7 @@ from amp_exp.results.resume import find_checkpoint, kept_precision, resume
 from amp_exp.results.summary import Status, completed_summary, make_summary
 from amp_exp.results.sweep import SweepJob
 from amp_exp.results.wandb_logger import open_wandb_logger
-from amp_exp.runtime.distributed import Distributed, process_group
+from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import is_sharded
 from amp_exp.runtime.hardware import device_name
 from amp_exp.runtime.quiet import once_per
@@ -41,20 +41,13 @@ from amp_exp.training.meters import state_bytes
 log = logging.getLogger("amp_exp")
 
 
-def run_summary(
-    cfg: RunConfig,
-    built: Built,
-    result: TrainResult,
-    stop_signal: signal.Signals | None,
-    wall_s: float,
-    **measured: Any,
-) -> dict[str, Any]:
-    """The summary of a run that trained to its end, or stopped early on a signal."""
+def run_summary(cfg: RunConfig, built: Built, result: TrainResult, **measured: Any) -> dict:
+    """The summary of a run that trained to its end, or stopped early on a signal; ``measured``:
+    the stop signal's name, the wall time and what the run's callbacks measured."""
     progress, device, engine = result.progress, built.device, built.engine
     return make_summary(
         Status.stopped if result.stopped_early else Status.completed,
         plain_run_config(cfg),
-        stop_signal=None if stop_signal is None else stop_signal.name,
         precision=built.resolved.precision,
         precision_reason=built.resolved.reason,
         device=device.type,
@@ -87,7 +80,6 @@ def run_summary(
         resumed_from=built.resumed_from,
         hardware=built.hardware,
         first_overflow=progress.first_overflow,
-        wall_s=wall_s,
         state_bytes=state_bytes(engine.parameters, engine.optimizer),
         launch_slot=launch_slot(),
         **engine.precision.summary_fields(),
@@ -126,7 +118,27 @@ def train(cfg: RunConfig, output_dir: Path, sweep: SweepJob | None = None) -> di
     """Run one experiment; writes metrics.jsonl, checkpoints and summary.json to ``output_dir``."""
     started = time.perf_counter()
     with process_group(cfg.trainer.device, cfg.trainer.strategy) as distributed:
-        return train_in_group(cfg, output_dir, distributed, sweep, started)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        # Rank 0 holds the lock for the whole job; the other ranks only follow it.
+        is_main = distributed is None or distributed.is_main
+        with RunDirectoryLock(output_dir) if is_main else contextlib.nullcontext():
+            # Every rank: they read the same files and refuse alike, before any collective.
+            world_size = 1 if distributed is None else distributed.world_size
+            done = check_directory(cfg, output_dir, world_size)
+            if done is not None:
+                log.info("%s", done)
+                return completed_summary(output_dir)  # type: ignore[return-value]
+            found = find_checkpoint(cfg, output_dir, distributed)
+            with user_code_cannot_exit():
+                built = build(cfg, distributed, kept_precision(cfg.precision.name, found))
+            # The probe's advice is a fact of the machine, the same in every job: once per sweep.
+            for advice in built.hardware["advice"]:
+                log.warning("%s", advice, extra=once_per(None if sweep is None else sweep.dir))
+            resumed = resume(cfg, built.engine, output_dir, found, writes=built.is_main)
+            if resumed.complete:
+                return completed_summary(output_dir)  # type: ignore[return-value]
+            built.resumed_from = resumed.path
+            return train_built(cfg, built, output_dir, sweep, started)
 
 
 def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob | None):
@@ -155,36 +167,6 @@ def open_loggers(cfg: RunConfig, built: Built, output_dir: Path, sweep: SweepJob
         *([wandb_logger] if wandb_logger else []),
     ]
     return loggers, wandb_logger
-
-
-def train_in_group(
-    cfg: RunConfig,
-    output_dir: Path,
-    distributed: Distributed | None,
-    sweep: SweepJob | None,
-    started: float,
-) -> dict[str, Any]:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    # Rank 0 holds the lock for the whole job; the other ranks only follow it.
-    is_main = distributed is None or distributed.is_main
-    with RunDirectoryLock(output_dir) if is_main else contextlib.nullcontext():
-        # Every rank: they read the same files and refuse alike, before any collective.
-        world_size = 1 if distributed is None else distributed.world_size
-        done = check_directory(cfg, output_dir, world_size)
-        if done is not None:
-            log.info("%s", done)
-            return completed_summary(output_dir)  # type: ignore[return-value]
-        found = find_checkpoint(cfg, output_dir, distributed)
-        with user_code_cannot_exit():
-            built = build(cfg, distributed, kept_precision(cfg.precision.name, found))
-        # The probe's advice is a fact of the machine, the same in every job: once per sweep.
-        for advice in built.hardware["advice"]:
-            log.warning("%s", advice, extra=once_per(None if sweep is None else sweep.dir))
-        resumed = resume(cfg, built.engine, output_dir, found, writes=built.is_main)
-        if resumed.complete:
-            return completed_summary(output_dir)  # type: ignore[return-value]
-        built.resumed_from = resumed.path
-        return train_built(cfg, built, output_dir, sweep, started)
 
 
 def train_built(
@@ -232,8 +214,8 @@ def train_built(
             cfg,
             built,
             result,
-            stop_signal,
-            time.perf_counter() - started,
+            stop_signal=None if stop_signal is None else stop_signal.name,
+            wall_s=time.perf_counter() - started,
             **diagnostics.summary(),
             precision_audit=None if audit is None else audit.summary(),
             replicas_identical=replicas_identical(built),

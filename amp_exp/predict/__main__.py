@@ -25,7 +25,8 @@ from amp_exp.config.schema import RunConfig
 from amp_exp.config.store import register_configs
 from amp_exp.config.values import validate
 from amp_exp.predict.markdown import prediction_markdown
-from amp_exp.predict.predict import predict
+from amp_exp.predict.predict import predict_trace
+from amp_exp.predict.trace import trace_step
 from amp_exp.results import contract
 from amp_exp.results.files import PREDICT_JSON, PREDICT_MD, write_json, write_text
 
@@ -47,7 +48,7 @@ def predict_main(cfg: DictConfig) -> None:
 
 def write_prediction(cfg: RunConfig, output_dir: Path) -> None:
     """predict.md, then predict.json (the finished mark), and a line per device and precision."""
-    found = predict(cfg)
+    found = predict_trace(cfg, trace_step(cfg))
     write_text(output_dir / PREDICT_MD, prediction_markdown(found))
     write_json(output_dir / PREDICT_JSON, {**found, "config": plain_run_config(cfg)})
     for key, device in found["devices"].items():

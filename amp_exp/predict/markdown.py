@@ -65,20 +65,17 @@ def top_ops_lines(rows: dict[str, dict]) -> list[str]:
     return lines
 
 
-def uncertainty(found: dict[str, Any]) -> str:
+def prediction_markdown(found: dict[str, Any]) -> str:
+    model = found["model"]
+    unit = model["unit"]
     factors = found["interval_factors"]
-    return (
+    uncertainty = (
         f"Every figure is predicted, not measured. A throughput P stands for [P / "
         f"{factors['throughput']:.2f}, P x {factors['throughput']:.2f}] and a speedup S for "
         f"[S / {factors['speedup']:.2f}, S x {factors['speedup']:.2f}]: intervals that held "
         f"{found['interval_rate']:.0%} of the published figures the roofline was checked against "
         "(predict.json's `interval`; docs/hardware.md, against published figures)."
     )
-
-
-def prediction_markdown(found: dict[str, Any]) -> str:
-    model = found["model"]
-    unit = model["unit"]
     lines = [
         "# Predicted training step per device and precision (a roofline, not a measurement)",
         "",
@@ -86,7 +83,7 @@ def prediction_markdown(found: dict[str, Any]) -> str:
         f"{model['units_per_sample']} {unit}, {model['flops_per_step'] / 1e12:.4g} TFLOP a step "
         f"({model['traced_ops']} traced ops), world_size {found['world_size']}.",
         "",
-        uncertainty(found),
+        uncertainty,
     ]
     for key, device in found["devices"].items():
         lines += ["", f"## {md_text(device['label'])} ({md_text(key)})", ""]

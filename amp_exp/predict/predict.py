@@ -10,15 +10,10 @@ from amp_exp.config.schema import RunConfig
 from amp_exp.devices import PREDICTABLE
 from amp_exp.predict.published import INTERVAL_RATE, STATED_INTERVAL
 from amp_exp.predict.roofline import ASSUMPTIONS, predict_one
-from amp_exp.predict.trace import StepTrace, trace_step
+from amp_exp.predict.trace import StepTrace
 
 # The speedups' baselines: fp32, and bf16, the usual mixed precision.
 BASELINES = (REFERENCE, "bf16")
-
-
-def precisions_of(cfg: RunConfig) -> list[str]:
-    """``predict.precisions`` with both baselines, fp32 and bf16, first."""
-    return list(dict.fromkeys([*BASELINES, *cfg.predict.precisions]))
 
 
 def speedup(baseline: dict, found: dict) -> float | None:
@@ -43,9 +38,11 @@ def intervals(found: dict, unit: str) -> dict[str, list[float]]:
 def predict_trace(cfg: RunConfig, trace: StepTrace) -> dict[str, Any]:
     """predict.json's content for a traced step."""
     devices = {}
+    # ``predict.precisions`` with both baselines first.
+    precisions = dict.fromkeys([*BASELINES, *cfg.predict.precisions])
     for key in cfg.predict.devices:
         device = PREDICTABLE[key]
-        rows = {p: predict_one(cfg, trace, device, p) for p in precisions_of(cfg)}
+        rows = {p: predict_one(cfg, trace, device, p) for p in precisions}
         for found in rows.values():
             for baseline in BASELINES:
                 found[f"speedup_vs_{baseline}"] = speedup(rows[baseline], found)
@@ -75,7 +72,3 @@ def predict_trace(cfg: RunConfig, trace: StepTrace) -> dict[str, Any]:
         "interval_factors": dict(STATED_INTERVAL),
         "devices": devices,
     }
-
-
-def predict(cfg: RunConfig) -> dict[str, Any]:
-    return predict_trace(cfg, trace_step(cfg))

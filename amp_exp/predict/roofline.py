@@ -32,7 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from amp_exp.config.adaptive import COMPILE_AUTO
-from amp_exp.config.precisions import DType, PrecisionSpec, get
+from amp_exp.config.precisions import PrecisionSpec, get
 from amp_exp.config.schema import AdamWConfig, RunConfig, Strategy
 from amp_exp.devices import Device
 from amp_exp.predict.trace import Op, StepTrace
@@ -81,13 +81,6 @@ KERNEL_OVERHEAD_S = 5e-6
 # The share of HBM a run may fill: the CUDA context, cuBLAS workspaces, the caching allocator's
 # fragmentation and the largest op's transient buffers take the rest.
 USABLE_MEMORY = 0.9
-BYTES = {
-    DType.float32: 4,
-    DType.bfloat16: 2,
-    DType.float16: 2,
-    DType.float8_e4m3fn: 1,
-    DType.float8_e5m2: 1,
-}
 ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
 
 ASSUMPTIONS = (
@@ -226,7 +219,7 @@ def setting(cfg: RunConfig, trace: StepTrace, precision: str) -> Setting:
         spec,
         math_name,
         fp8_linears,
-        BYTES[spec.compute_dtype],
+        spec.compute_dtype.itemsize,
         compiled,
         recipe,
         min((d.itemsize for d in spec.engaged.converted_dtypes), default=1),
@@ -268,14 +261,6 @@ def missing_math(device: Device, precision: str, tf32: bool) -> str | None:
     if needed in device.tflops:
         return None
     return f"{device.label} has no {needed} Tensor Cores"
-
-
-def refusal(run: Setting) -> str | None:
-    """Why the runner would not train this precision on this model, or None."""
-    if run.spec.engaged.converted_dtypes and not run.fp8_linears:
-        # As training refuses it: no matmul would run in the format.
-        return f"{run.spec.name} converts no linear layer of this model"
-    return None
 
 
 def caveat(cfg: RunConfig, run: Setting) -> str | None:
@@ -426,18 +411,17 @@ def optimizer_slots(cfg: RunConfig) -> int:
     return 1 if cfg.optimizer.momentum else 0
 
 
-def optimizer_cost(
-    cfg: RunConfig, trace: StepTrace, run: Setting, device: Device, shards: int
-) -> Cost:
-    weight = BYTES[run.spec.weight_dtype]
-    state = BYTES[run.spec.optimizer_state_dtype]
+def optimizer_cost(cfg: RunConfig, trace: StepTrace, run: Setting, device: Device) -> Cost:
+    weight = run.spec.weight_dtype.itemsize
+    state = run.spec.optimizer_state_dtype.itemsize
     slots = optimizer_slots(cfg)
     # Read parameter, gradient and state; write parameter and state. GradScaler first unscales
     # the gradients in place (a read and a write each).
     per_element = (
         2 * weight + weight + 2 * slots * state + (2 * weight if run.spec.grad_scaler else 0)
     )
-    return memory_op("optimizer step", trace.parameters / shards * per_element, device)
+    shard = trace.parameters / cfg.predict.world_size
+    return memory_op("optimizer step", shard * per_element, device)
 
 
 def comm_cost(cfg: RunConfig, trace: StepTrace, run: Setting) -> Cost | None:
@@ -446,8 +430,8 @@ def comm_cost(cfg: RunConfig, trace: StepTrace, run: Setting) -> Cost | None:
         return None
     spec = run.spec
     cast = cfg.precision.fsdp_cast_params and spec.fsdp_param_dtype is not None
-    gathered = BYTES[spec.fsdp_param_dtype if cast else spec.weight_dtype]
-    reduced = BYTES[spec.reduce_dtype]
+    gathered = (spec.fsdp_param_dtype if cast else spec.weight_dtype).itemsize
+    reduced = spec.reduce_dtype.itemsize
     wire = (world - 1) / world * trace.parameters * (2 * gathered + reduced)
     return Cost(
         "FSDP2 all-gather + reduce-scatter",
@@ -456,15 +440,14 @@ def comm_cost(cfg: RunConfig, trace: StepTrace, run: Setting) -> Cost | None:
     )
 
 
-def memory_bytes(cfg: RunConfig, trace: StepTrace, run: Setting, shards: int) -> dict[str, int]:
-    weight = BYTES[run.spec.weight_dtype]
-    state = BYTES[run.spec.optimizer_state_dtype]
-    activations = trace.saved_elements * run.act_bytes + trace.saved_fp32_elements * 4
+def memory_bytes(cfg: RunConfig, trace: StepTrace, run: Setting) -> dict[str, int]:
+    shard = math.ceil(trace.parameters / cfg.predict.world_size)
+    weights = shard * run.spec.weight_dtype.itemsize
     return {
-        "weights": math.ceil(trace.parameters / shards) * weight,
-        "grads": math.ceil(trace.parameters / shards) * weight,
-        "optimizer": math.ceil(trace.parameters / shards) * optimizer_slots(cfg) * state,
-        "activations": activations,
+        "weights": weights,
+        "grads": weights,
+        "optimizer": shard * optimizer_slots(cfg) * run.spec.optimizer_state_dtype.itemsize,
+        "activations": trace.saved_elements * run.act_bytes + trace.saved_fp32_elements * 4,
     }
 
 
@@ -496,7 +479,7 @@ def step_costs(cfg: RunConfig, trace: StepTrace, run: Setting, device: Device) -
     extra = [
         cast_cost(trace, run, device),
         quantize_cost(trace, run, device, run.recipe),
-        optimizer_cost(cfg, trace, run, device, cfg.predict.world_size),
+        optimizer_cost(cfg, trace, run, device),
         comm_cost(cfg, trace, run),
     ]
     return traced_costs(trace, run, device) + [c for c in extra if c is not None]
@@ -507,8 +490,7 @@ def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str
     then the step's time, what bounds it, its memory and largest batch; the times are null
     where it would not run."""
     run = setting(cfg, trace, precision)
-    shards = cfg.predict.world_size
-    memory = memory_bytes(cfg, trace, run, shards)
+    memory = memory_bytes(cfg, trace, run)
     needed, usable = sum(memory.values()), USABLE_MEMORY * device.memory_gb * 1e9
     unsupported = missing_math(device, precision, cfg.trainer.tf32)
     fits = needed <= usable
@@ -519,7 +501,12 @@ def predict_one(cfg: RunConfig, trace: StepTrace, device: Device, precision: str
             and f"does not fit: needs {needed / 1e9:.3g} GB of {usable / 1e9:.3g} GB "
             f"({USABLE_MEMORY:.0%} of {device.memory_gb:g} GB)"
         )
-        or refusal(run)
+        # As training refuses it: no matmul would run in the format.
+        or (
+            run.spec.engaged.converted_dtypes
+            and not run.fp8_linears
+            and f"{run.spec.name} converts no linear layer of this model"
+        )
     )
     record = {
         "supported": unsupported is None,

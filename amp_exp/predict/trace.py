@@ -44,34 +44,21 @@ from amp_exp.training.keep_fp32 import keeps_fp32
 from amp_exp.training.linears import is_linear
 
 aten = torch.ops.aten
-# Ops that move no data: views, metadata, and the allocations the next op writes into.
-FREE = {
-    aten.view,
-    aten._unsafe_view,
-    aten.reshape,
-    aten.t,
-    aten.transpose,
-    aten.permute,
-    aten.expand,
-    aten.unsqueeze,
-    aten.squeeze,
-    aten.slice,
-    aten.select,
-    aten.split,
-    aten.split_with_sizes,
-    aten.unbind,
-    aten.alias,
-    aten.detach,
-    aten.as_strided,
-    aten.empty,
-    aten.empty_like,
-    aten.new_empty,
-    aten.new_empty_strided,
-    aten.empty_strided,
-    aten.lift_fresh,
-    aten._to_copy,  # a dtype cast in fp32 is none; the casts a precision adds are modelled
-    aten.clone,
-}
+# Ops that return memory they have not written (the next op writes into it): their output is
+# whatever it held before.
+ALLOCATIONS = frozenset(
+    {
+        aten.empty,
+        aten.empty_like,
+        aten.new_empty,
+        aten.new_empty_strided,
+        aten.empty_strided,
+        aten.empty_permuted,
+    }
+)
+# Ops that move no data, beside the views (``is_view``) and the allocations: a dtype cast in
+# fp32 is none (the casts a precision adds are modelled), and a copy no kernel runs on a GPU.
+FREE = ALLOCATIONS | {aten._unsafe_view, aten._to_copy, aten.clone}
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 CONVOLUTIONS = {aten.convolution, aten.convolution_backward}
 FLASH_FORWARD = aten._scaled_dot_product_flash_attention
@@ -195,7 +182,7 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet in FREE:
+        if packet in FREE or func.is_view:
             return out
         parents = self.tracker.parents
         formula = flop_registry.get(packet)
@@ -237,15 +224,6 @@ def one_batch(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def meta_model(cfg: RunConfig) -> tuple[nn.Module, Any, Any]:
-    """The run's model on the meta device, its task, and one batch of its data on the CPU."""
-    data = build_data(one_batch(cfg), Placement(cfg.seed, torch.device("cpu")))
-    with torch.device("meta"):
-        model = build_model(cfg, data.facts)
-    task = make_task(cfg, data.facts, torch.device("meta"), channels_last=False)
-    return model, task, next(iter(data.train))
-
-
 @contextlib.contextmanager
 def unpacked_sequences() -> Iterator[None]:
     """transformers asks whether position ids pack several sequences into a row, a question of
@@ -258,19 +236,13 @@ def unpacked_sequences() -> Iterator[None]:
         yield
 
 
-def unpadded(batch: tuple[Any, torch.Tensor]) -> tuple[Any, torch.Tensor]:
-    """A batch of dict inputs without its ``attention_mask``: which tokens are padding is a
-    question of values, which meta tensors do not have (transformers reads them to choose its
-    mask). The trace costs every sequence at its full length, as flash attention runs it."""
-    inputs, targets = batch
-    if isinstance(inputs, dict):
-        inputs = {key: value for key, value in inputs.items() if key != "attention_mask"}
-    return inputs, targets
-
-
 def trace_step(cfg: RunConfig) -> StepTrace:
     """The forward and backward of one batch of ``cfg``'s run, op by op."""
-    model, task, batch = meta_model(cfg)
+    # The run's model on the meta device, its task, and one batch of its data on the CPU.
+    data = build_data(one_batch(cfg), Placement(cfg.seed, torch.device("cpu")))
+    with torch.device("meta"):
+        model = build_model(cfg, data.facts)
+    task = make_task(cfg, data.facts, torch.device("meta"), channels_last=False)
     model.train()
     block_inputs = []
     if cfg.trainer.activation_checkpointing:
@@ -301,7 +273,13 @@ def trace_step(cfg: RunConfig) -> StepTrace:
         return tensor
 
     params = {id(p) for p in model.parameters()}
-    inputs = unpadded(task.to_device(batch))
+    inputs, targets = task.to_device(next(iter(data.train)))
+    if isinstance(inputs, dict):
+        # Which tokens are padding is a question of values, which meta tensors do not have
+        # (transformers reads them to choose its mask). The trace costs every sequence at its
+        # full length, as flash attention runs it.
+        inputs = {key: value for key, value in inputs.items() if key != "attention_mask"}
+    batch = (inputs, targets)
     with (
         unpacked_sequences(),
         tracker,
@@ -309,7 +287,7 @@ def trace_step(cfg: RunConfig) -> StepTrace:
         mock.patch.object(F, "scaled_dot_product_attention", fused_attention),
     ):
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            loss = task.loss(model, inputs)
+            loss = task.loss(model, batch)
         loss.backward()
     activations = [
         (t.numel(), fp32)
@@ -322,7 +300,7 @@ def trace_step(cfg: RunConfig) -> StepTrace:
         saved_elements=sum(n for n, fp32 in activations if not fp32) + sum(block_inputs),
         saved_fp32_elements=sum(n for n, fp32 in activations if fp32),
         linear_weights={n: m.weight.numel() for n, m in model.named_modules() if is_linear(m)},
-        batch_size=task.batch_samples(inputs),
+        batch_size=task.batch_samples(batch),
         units_per_sample=task.units_per_sample,
         unit=task.unit,
         model=model,

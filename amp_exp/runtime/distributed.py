@@ -311,10 +311,14 @@ def process_group(
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     if owned:
         store = dist.HashStore() if alone else agent_store()
-        if store is None:
-            open_group(device)
+        placement = {}
+        if store is not None:
+            placement = {"store": store, "rank": rank.rank, "world_size": rank.world_size}
+        # NCCL on CUDA, bound to the device; gloo on the CPU.
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device, **placement)
         else:
-            open_group(device, store=store, rank=rank.rank, world_size=rank.world_size)
+            dist.init_process_group("gloo", **placement)
     if not rank.is_main:
         # Rank 0 speaks for the job; the other ranks report only errors.
         log.setLevel(logging.ERROR)
@@ -343,14 +347,6 @@ def process_group(
     finally:
         if owned:
             close_group(device)
-
-
-def open_group(device: torch.device, **placement: Any) -> None:
-    """Initialize the default process group: NCCL on CUDA, bound to ``device``; gloo on the CPU."""
-    if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device, **placement)
-    else:
-        dist.init_process_group("gloo", **placement)
 
 
 def close_group(device: torch.device) -> None:

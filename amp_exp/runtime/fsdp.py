@@ -168,12 +168,8 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
     state by a zero-lr step, and an SGD momentum buffer so created holds weight_decay x param, not
     the nothing a fresh optimizer starts from.
     """
-    from torch.distributed.checkpoint import state_dict as dcp  # see state_template
-
-    model_state = dcp.get_model_state_dict(model)
-    if not optimizer.state:
-        return model_state, None
-    return model_state, dcp.get_optimizer_state_dict(model, optimizer)
+    state = state_template(model, optimizer, with_optimizer=bool(optimizer.state))
+    return state["model"], state.get("optimizer")
 
 
 def state_template(

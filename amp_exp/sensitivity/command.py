@@ -19,17 +19,16 @@ from amp_exp.capability.device import check_request
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.precisions import target_precisions
 from amp_exp.config.schema import RunConfig
-from amp_exp.errors import ConfigError, RunRefused
-from amp_exp.results.files import SENSITIVITY_JSON, read_json
+from amp_exp.errors import ConfigError
+from amp_exp.results.files import SENSITIVITY_JSON, read_json, write_json
 from amp_exp.runtime.hardware import configure_backends, resolve_device
 from amp_exp.sensitivity.measure import measure_precision, ranking
 from amp_exp.sensitivity.reference import capture_reference
-from amp_exp.sensitivity.repair import RESUMABLE, changed_keys, repair
+from amp_exp.sensitivity.repair import check_unchanged, repair
 from amp_exp.sensitivity.results import (
     REPAIR_JSON,
     describe_ranking,
     sensitivity_report,
-    write_repair,
     write_sensitivity,
 )
 from amp_exp.sensitivity.verify import verification_plan
@@ -54,15 +53,8 @@ def finished_before(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     if cfg.resume is None or not saved.is_file():
         return None
     report = read_json(saved)
-    changed = changed_keys(
-        {"config": report.get("config")}, {"config": plain_run_config(cfg)}, RESUMABLE
-    )
-    if changed:
-        raise RunRefused(
-            f"resume=auto: {output_dir} holds the sensitivity of another configuration "
-            f"({', '.join(changed)} changed); resume it with its values, or give this one its "
-            "own directory (hydra.run.dir=...)"
-        )
+    recorded, asked = {"config": report.get("config")}, {"config": plain_run_config(cfg)}
+    check_unchanged(recorded, asked, output_dir, "the sensitivity")
     repaired = output_dir / REPAIR_JSON
     searched = report["config"]["sensitivity"]["max_trials"]
     if cfg.sensitivity.repair and (
@@ -124,6 +116,6 @@ def run_sensitivity(cfg: RunConfig, output_dir: Path) -> dict[str, Any]:
         # A module the precision leaves exact (an embedding under autocast) has nothing to gain.
         candidates = [name for name in ranking(errors) if errors[name].margin_db < math.inf]
         outcome = repair(cfg, target, candidates, reference, keep_fp32, output_dir)
-        write_repair(output_dir, outcome)
+        write_json(output_dir / REPAIR_JSON, outcome)
         report["repair"] = outcome
     return report

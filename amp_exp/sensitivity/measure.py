@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from amp_exp.config.precisions import DType
 from amp_exp.sensitivity.ranges import OpFault, OpRangeWatch, subnormal
-from amp_exp.sensitivity.reference import ModuleCall, Reference, measured_output, seeded, true_fp32
+from amp_exp.sensitivity.reference import ModuleCall, Reference, measured_output, true_fp32
 from amp_exp.tasks.base import Batch, Task
 from amp_exp.training.precisions.base import PrecisionPlugin
 
@@ -132,10 +132,6 @@ class ModuleError:
     has_grad: bool = False
     fault: OpFault | None = None
 
-    @classmethod
-    def of(cls, fmt: DType) -> ModuleError:
-        return cls(RangeShare.of(fmt), RangeShare.of(fmt))
-
     @property
     def margin_db(self) -> float:
         if self.fault is not None:
@@ -170,11 +166,6 @@ class ModuleError:
             **self.activations.shares("activation"),
             **self.gradients.shares("gradient"),
         }
-
-
-def format_dtype(plugin: PrecisionPlugin) -> DType:
-    """The narrowest format the precision's matmuls take, whose range values must fit."""
-    return plugin.spec.engaged.matmul_dtypes[0]
 
 
 def rounded(value: Any, fmt: DType) -> Any:
@@ -251,8 +242,9 @@ def measure_module(
     seed: int,
 ) -> ModuleError:
     """The error ``target`` (the module prepared for ``plugin``) makes on ``calls``."""
-    dtype = format_dtype(plugin)
-    error = ModuleError.of(dtype)
+    # The narrowest format the precision's matmuls take, whose range values must fit.
+    dtype = plugin.spec.engaged.matmul_dtypes[0]
+    error = ModuleError(RangeShare.of(dtype), RangeShare.of(dtype))
     for call in calls:
         inputs = (call.args, call.kwargs)
         wrt = _differentiable(reference, inputs)
@@ -260,12 +252,12 @@ def measure_module(
         backward = call.grad_output is not None and bool(wrt)
         scaled = call.grad_output * grad_scale if backward else None
         # The reference's backward comes before the rounding, which writes to its parameters.
-        seeded(seed + call.batch)
+        torch.manual_seed(seed + call.batch)
         with true_fp32():
             expected = measured_output(reference(*fresh(call.args), **fresh(call.kwargs)))
             expected_grads = _gradients(expected, wrt, call.grad_output) if backward else None
         floor_inputs = rounded(inputs, dtype)
-        seeded(seed + call.batch)
+        torch.manual_seed(seed + call.batch)
         with true_fp32(), rounded_parameters(reference, dtype):
             floor = measured_output(reference(*fresh(floor_inputs[0]), **fresh(floor_inputs[1])))
             if backward:
@@ -275,7 +267,7 @@ def measure_module(
         # The format rounds what a module hands on as well as what it takes.
         floor = rounded(floor, dtype)
         watch = OpRangeWatch(target, name)
-        seeded(seed + call.batch)
+        torch.manual_seed(seed + call.batch)
         with watch, plugin.forward_context():
             got = measured_output(target(*fresh(call.args), **fresh(call.kwargs)))
         error.output.add(expected, got.float())
@@ -290,21 +282,6 @@ def measure_module(
             error.grad_floor.add(expected_grads, floor_grads)
         error.fault = error.fault or watch.fault
     return error
-
-
-def end_to_end_losses(
-    model: nn.Module, task: Task, batches: list[Batch], plugin: PrecisionPlugin, seed: int
-) -> tuple[list[float], OpFault | None]:
-    """The whole prepared model's loss on each batch, as training computes it, and the first
-    op that overflowed in it."""
-    model.train()
-    losses = []
-    watch = OpRangeWatch(model, "")
-    for index, batch in enumerate(batches):
-        seeded(seed + index)
-        with torch.no_grad(), watch, plugin.forward_context():
-            losses.append(float(task.loss(model, batch)))
-    return losses, watch.fault
 
 
 def measure_precision(
@@ -335,7 +312,15 @@ def measure_precision(
         for name, calls in reference.calls.items()
         if calls and all(call.output_is_tensor for call in calls)
     }
-    return errors, *end_to_end_losses(target_model, task, batches, plugin, seed)
+    # The whole prepared model's loss on each batch, as training computes it.
+    target_model.train()
+    losses = []
+    watch = OpRangeWatch(target_model, "")
+    for index, batch in enumerate(batches):
+        torch.manual_seed(seed + index)
+        with torch.no_grad(), watch, plugin.forward_context():
+            losses.append(float(task.loss(target_model, batch)))
+    return errors, losses, watch.fault
 
 
 def _explained(name: str, errors: dict[str, ModuleError]) -> bool:

@@ -27,20 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves, tree_map
 
 from amp_exp.config.precisions import DType
+from amp_exp.predict.trace import ALLOCATIONS
 from amp_exp.training.audit.modules import FORWARD, OUTSIDE, ModuleOps
-
-aten = torch.ops.aten
-# Ops that return memory they have not written: their output is whatever it held before.
-ALLOCATIONS = frozenset(
-    {
-        aten.empty,
-        aten.empty_like,
-        aten.new_empty,
-        aten.new_empty_strided,
-        aten.empty_strided,
-        aten.empty_permuted,
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -114,11 +102,6 @@ class OpRangeWatch(TorchDispatchMode):
         self.prefix = prefix
         self.fault: OpFault | None = None
 
-    def _name(self, module: str) -> str:
-        if module in ("", OUTSIDE):
-            return self.prefix or "(outside the model)"
-        return f"{self.prefix}.{module}" if self.prefix else module
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -135,9 +118,13 @@ class OpRangeWatch(TorchDispatchMode):
         if not values or not all(_finite(t) for t in values):
             return
         module, phase = self.modules.current()
+        if module in ("", OUTSIDE):
+            module = self.prefix or "(outside the model)"
+        elif self.prefix:
+            module = f"{self.prefix}.{module}"
         dtype = broken[0].dtype
         self.fault = OpFault(
-            self._name(module),
+            module,
             func._overloadpacket.__name__,
             phase,
             max(float(t.detach().abs().max()) for t in values if t.numel()),

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_map_only
 
 from amp_exp.runtime.no_trace import leaves_no_trace
 from amp_exp.tasks.base import Batch, Task
-from amp_exp.training.audit.matmuls import MatmulFlops, MatmulRecorder
+from amp_exp.training.audit.matmuls import MatmulRecorder
 
 
 @dataclass
@@ -95,22 +95,10 @@ def measured_output(output: Any) -> torch.Tensor | None:
     return output if isinstance(output, torch.Tensor) else None
 
 
-def measured_modules(model: nn.Module) -> list[str]:
-    """Every module, in definition order; never the root (the end-to-end loss is its)."""
-    return [name for name, _ in model.named_modules() if name]
-
-
-def detached(value: Any) -> Any:
-    """A copy of ``value`` whose tensors are cut from the graph (and safe from in-place ops);
-    a tensor that needed a gradient is a leaf that needs one."""
-    return tree_map_only(
-        torch.Tensor, lambda leaf: leaf.detach().clone().requires_grad_(leaf.requires_grad), value
-    )
-
-
-def seeded(seed: int) -> None:
-    """The same random numbers for the reference and each target precision (dropout)."""
-    torch.manual_seed(seed)
+def detached(leaf: torch.Tensor) -> torch.Tensor:
+    """A copy of ``leaf`` cut from the graph (and safe from in-place ops), a leaf that needs a
+    gradient if it needed one."""
+    return leaf.detach().clone().requires_grad_(leaf.requires_grad)
 
 
 def _recording_hooks(model: nn.Module, names: list[str], calls: dict, batch: int) -> list:
@@ -118,7 +106,8 @@ def _recording_hooks(model: nn.Module, names: list[str], calls: dict, batch: int
     for name in names:
 
         def before(module, args, kwargs, name=name):
-            calls[name].append(ModuleCall(detached(args), detached(kwargs), batch))
+            args, kwargs = tree_map_only(torch.Tensor, detached, (args, kwargs))
+            calls[name].append(ModuleCall(args, kwargs, batch))
 
         def after(module, args, kwargs, output, name=name):
             call = calls[name][-1]
@@ -138,16 +127,6 @@ def _recording_hooks(model: nn.Module, names: list[str], calls: dict, batch: int
     return handles
 
 
-def module_flops(flops: MatmulFlops, names: Sequence[str]) -> dict[str, int]:
-    """The matmul FLOPs of each module of ``names`` and of the modules inside it; "" is the
-    whole program (the loss's included)."""
-    own = {module: sum(dtypes.values()) for module, dtypes in flops.by_module().items()}
-    found = {"": flops.total}
-    for name in names:
-        found[name] = sum(f for m, f in own.items() if m == name or m.startswith(name + "."))
-    return found
-
-
 def capture_reference(
     model: nn.Module, task: Task, batches: Sequence[Batch], seed: int
 ) -> Reference:
@@ -156,7 +135,8 @@ def capture_reference(
     Leaves the model's gradients as they were (none), and its buffers as they were: BatchNorm
     statistics would otherwise move with each pass.
     """
-    names = measured_modules(model)
+    # Every module, in definition order; never the root (the end-to-end loss is its).
+    names = [name for name, _ in model.named_modules() if name]
     calls: dict[str, list[ModuleCall]] = {name: [] for name in names}
     losses, flops = [], {}
     with leaves_no_trace(model):
@@ -165,7 +145,8 @@ def capture_reference(
             handles = _recording_hooks(model, names, calls, index)
             recorder = MatmulRecorder(model, model) if index == 0 else None
             try:
-                seeded(seed + index)
+                # The same random numbers (dropout) as each target precision's run of it.
+                torch.manual_seed(seed + index)
                 with true_fp32(), recorder or contextlib.nullcontext():
                     loss = task.loss(model, batch)
                     loss.backward()
@@ -174,6 +155,12 @@ def capture_reference(
                     handle.remove()
             losses.append(float(loss.detach()))
             if recorder is not None:
-                flops = module_flops(recorder.flops, names)
+                # Each module's matmul FLOPs with its children's; "" the whole program's.
+                by_module = recorder.flops.by_module().items()
+                own = {module: sum(dtypes.values()) for module, dtypes in by_module}
+                flops = {"": recorder.flops.total}
+                for name in names:
+                    inside = (m for m in own if m == name or m.startswith(name + "."))
+                    flops[name] = sum(own[m] for m in inside)
     model.zero_grad(set_to_none=True)
     return Reference(losses, calls, flops)

@@ -213,14 +213,7 @@ def start_search(cfg: RunConfig, verify_dir: Path, plan: dict[str, Any]) -> None
     recorded search was asked: its trials answer only that."""
     path = verify_dir / SEARCH_FILE
     if cfg.resume == "auto" and path.is_file():
-        recorded = read_json(path)
-        changed = changed_keys(recorded, plan, RESUMABLE)
-        if changed:
-            raise RunRefused(
-                f"resume=auto: {verify_dir} holds a repair search of another configuration "
-                f"({', '.join(changed)} changed); resume it with its values, or give this one "
-                "its own directory (hydra.run.dir=...)"
-            )
+        check_unchanged(read_json(path), plan, verify_dir, "a repair search")
         log.info("repair: resuming the search recorded in %s", verify_dir)
         return
     # Not resumed: --force said to replace what an earlier command left here.
@@ -228,15 +221,20 @@ def start_search(cfg: RunConfig, verify_dir: Path, plan: dict[str, Any]) -> None
     write_json(path, plan)
 
 
-def changed_keys(
-    recorded: dict[str, Any], plan: dict[str, Any], ignored: tuple[str, ...] = ()
-) -> list[str]:
-    """The flat keys whose values differ, but for ``resume`` (how to start, not what is asked)
-    and ``ignored``."""
+def check_unchanged(recorded: dict[str, Any], plan: dict[str, Any], where: Path, what: str) -> None:
+    """Refuse to resume ``where``, which holds ``what`` of ``recorded``, when ``plan`` asks for
+    another configuration: the flat keys whose values differ, but for ``resume`` (how to start,
+    not what is asked) and ``RESUMABLE``."""
     old, new = flatten_config(recorded), flatten_config(plan)
-    skipped = {"config.resume", *ignored}
+    skipped = {"config.resume", *RESUMABLE}
     keys = [key for key in dict.fromkeys([*old, *new]) if key not in skipped]
-    return [key for key in keys if old.get(key) != new.get(key)]
+    changed = [key for key in keys if old.get(key) != new.get(key)]
+    if changed:
+        raise RunRefused(
+            f"resume=auto: {where} holds {what} of another configuration "
+            f"({', '.join(changed)} changed); resume it with its values, or give this one "
+            "its own directory (hydra.run.dir=...)"
+        )
 
 
 def fp32_reference(cfg: RunConfig, verify_dir: Path) -> Trial:
@@ -260,14 +258,6 @@ def extend_reference(cfg: RunConfig, reference: Trial, seeds: list[int]) -> Tria
     reference = judge_reference(train_seeds(cfg, reference, seeds))
     reference.save()
     return reference
-
-
-def settled_by(trial: Trial | None) -> dict[str, Any] | None:
-    """The look that settled a trial's verdict (its last): seeds, verdict, one-sided level
-    (None where a failed seed forced the verdict)."""
-    if trial is None or not trial.looks:
-        return None
-    return {"look": len(trial.looks), **trial.looks[-1]}
 
 
 def settled_phrase(settled: dict[str, Any], plan: Plan) -> str:
@@ -332,7 +322,9 @@ def repair(
             f"no set was verified: the {precision} runs of the last set tried train, but "
             f"the verdict on them is {final.verdict}, not matches (see why)"
         ) + ("; raise sensitivity.max_trials to search further" if run.trials_left <= 0 else "")
-    settled = settled_by(final)
+    # The look of the sequential rule that settled the verdict (the trial's last): seeds,
+    # verdict, one-sided level (None where a failed seed forced the verdict).
+    settled = {"look": len(final.looks), **final.looks[-1]} if final and final.looks else None
     if settled is not None:
         conclusion += settled_phrase(settled, run.plan)
     # A sliver's override is in repair.json; the line recommends the precision instead.

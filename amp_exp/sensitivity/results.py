@@ -53,17 +53,6 @@ def loss_error(
     }
 
 
-def reference_facts(device: torch.device) -> dict[str, Any]:
-    """What the fp32 reference computed in (sensitivity.json's ``reference``)."""
-    return {
-        "dtype": "float32",
-        "tf32": False,
-        "device": device.type,
-        "note": "TF32 off for the reference and the rounding floors, whatever trainer.tf32 "
-        "says; the target precisions run as the run would",
-    }
-
-
 def sensitivity_report(
     cfg: RunConfig,
     model: nn.Module,
@@ -93,7 +82,14 @@ def sensitivity_report(
         "precisions": list(rankings),
         "batches": len(reference.losses),
         "keep_fp32": keep_fp32,
-        "reference": reference_facts(device),
+        # What the fp32 reference computed in.
+        "reference": {
+            "dtype": "float32",
+            "tf32": False,
+            "device": device.type,
+            "note": "TF32 off for the reference and the rounding floors, whatever trainer.tf32 "
+            "says; the target precisions run as the run would",
+        },
         "sensitive_when": SENSITIVE_WHEN,
         "slack_db": SLACK_DB,
         # What fp16's gradients are scaled by, as the GradScaler starts (precision.init_scale).
@@ -233,23 +229,16 @@ def chart(report: dict[str, Any], show: int):
     return figure
 
 
-def write_chart(path: Path, report: dict[str, Any], show: int) -> None:
-    """The bar chart, or a warning: matplotlib is optional and a plot never fails the command."""
+def write_sensitivity(output_dir: Path, report: dict[str, Any], show: int) -> None:
+    """The JSON, the markdown, and the bar chart or a warning: matplotlib is optional and a plot
+    never fails the command."""
+    write_json(output_dir / SENSITIVITY_JSON, report)
+    write_text(output_dir / SENSITIVITY_MD, markdown(report, show))
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 
         figure = chart(report, show)
         FigureCanvasAgg(figure)
-        figure.savefig(path, dpi=110)
+        figure.savefig(output_dir / SENSITIVITY_PNG, dpi=110)
     except Exception as error:  # an optional part: whatever failed, the results stand
         log.warning("sensitivity chart not drawn (%s: %s)", type(error).__name__, error)
-
-
-def write_sensitivity(output_dir: Path, report: dict[str, Any], show: int) -> None:
-    write_json(output_dir / SENSITIVITY_JSON, report)
-    write_text(output_dir / SENSITIVITY_MD, markdown(report, show))
-    write_chart(output_dir / SENSITIVITY_PNG, report, show)
-
-
-def write_repair(output_dir: Path, outcome: dict[str, Any]) -> None:
-    write_json(output_dir / REPAIR_JSON, outcome)

@@ -142,13 +142,9 @@ def train_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [row for row in rows if row.get("kind") == "train"]
 
 
-def scale_grew(run_dir: Path) -> bool | None:
-    scales = [row["scale"] for row in train_rows(run_dir) if row.get("scale") is not None]
-    return any(later > earlier for earlier, later in itertools.pairwise(scales)) if scales else None
-
-
 def seed_record(seed: int, run_dir: Path, summary: dict[str, Any]) -> SeedRun:
     quality = (summary.get("task_metrics") or {}).get("quality")
+    scales = [row["scale"] for row in train_rows(run_dir) if row.get("scale") is not None]
     return SeedRun(
         seed,
         str(run_dir),
@@ -157,7 +153,7 @@ def seed_record(seed: int, run_dir: Path, summary: dict[str, Any]) -> SeedRun:
         summary.get(quality) if quality else None,
         summary["skipped_steps"],
         summary["loss_scale"],
-        scale_grew(run_dir),
+        any(later > earlier for earlier, later in itertools.pairwise(scales)) if scales else None,
     )
 
 
@@ -207,25 +203,17 @@ def train_seeds(cfg: RunConfig, trial: Trial, seeds: list[int]) -> Trial:
     return trial
 
 
-def paired_comparison(
-    reference_dir: Path, trial_dir: Path, tolerance: float | None, plan: Plan
-) -> dict:
-    """The report's comparison of the trial's seeds against fp32's (report/evidence.py), at the
-    level of the plan's look at as many seeds (fp32 may have run more: only pairs count)."""
-    runs = find_runs([reference_dir, trial_dir])
-    # No report.assign_settings: the runs differ in precision, the set kept and the seed alone,
-    # and precision.keep_fp32 would make fp32 a setting of its own with nothing to pair.
-    rows = comparison_rows(runs, trial_dir.parent)
-    metrics = {os.path.relpath(run.path, trial_dir.parent): run.metrics for run in runs}
-    _, comparisons = gather(rows, metrics, tolerance, trials=[], alpha=plan.alpha)
-    (comparison,) = comparisons
-    return comparison
-
-
 def judge(trial: Trial, reference: Trial, tolerance: float | None, plan: Plan) -> dict[str, Any]:
     """Set the trial's verdict, ``passed`` and why, and record the look; returns the report's
-    comparison."""
-    comparison = paired_comparison(Path(reference.run_dir), Path(trial.run_dir), tolerance, plan)
+    comparison of the trial's seeds against fp32's (report/evidence.py), at the level of the
+    plan's look at as many seeds (fp32 may have run more: only pairs count)."""
+    parent = Path(trial.run_dir).parent
+    runs = find_runs([Path(reference.run_dir), Path(trial.run_dir)])
+    # No report.assign_settings: the runs differ in precision, the set kept and the seed alone,
+    # and precision.keep_fp32 would make fp32 a setting of its own with nothing to pair.
+    rows = comparison_rows(runs, parent)
+    metrics = {os.path.relpath(run.path, parent): run.metrics for run in runs}
+    _, (comparison,) = gather(rows, metrics, tolerance, trials=[], alpha=plan.alpha)
     trial.verdict, n = comparison["verdict"], comparison["n_attempted"]
     # A verdict its seeds forced (a failed seed: unstable) is no claim at a level.
     level = None if comparison["seed_verdict"] else plan.alpha(n, comparison["unit"])
