@@ -163,8 +163,9 @@ def test_under_a_cosine_schedule_a_growth_per_step_is_covered_by_the_step_axis()
     growth of docs/forecast.md), in a 250-step run with a warm-up and a cosine decay, forecast to
     1,000 steps of the schedule stretched: the true crossing, at step 700, must be covered at the
     stated rate and a line with the step in it named as the deciding one (the step's, or the
-    mixed line, which holds the step's and wins the AIC's pick by chance about 16% of the time:
-    chi-squared(1) past its penalty, 2). The cumulative-rate axis alone sees
+    mixed line, which holds the step's: it wins the AIC's pick by chance about 16% of the time,
+    chi-squared(1) past its penalty of 2, and decides in half of those, where its slope over the
+    rate has the step's sign: 9 of these 100). The cumulative-rate axis alone sees
     the growth speed up as the rate decays and puts the crossing far early (7 of 100
     runs covered it when the step axis was not among the forms)."""
     rng = np.random.default_rng(12)
