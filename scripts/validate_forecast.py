@@ -31,8 +31,13 @@ Cases:
 - ``planted``: block 0's output multiplied by exp(rate * step), so its largest activation grows
   steadily toward fp16's 65504 (the signals are measured against fp16's range while the run
   trains in fp32: fp16 on this CPU is 20-140x slower).
-- ``fp16_scale``: a tiny model in fp16 at a high learning rate with a short growth interval,
-  watching the loss scale (a real drift, if there is one: fp16 is slow here, so it is tiny).
+- ``fp16_drift_floor*`` (seeds 0 and 1): a real slow drift of the fp16 loss scale. An MLP small
+  enough to train fp16 quickly on a CPU (8x8 one-channel synthetic images, 4 hidden layers of
+  64, AdamW at 1e-2 without weight decay, a short growth interval so that the scale tracks its
+  equilibrium) whose gradients grow over ``--drift-steps`` (2,000) steps, so that its scale falls
+  by halvings; logged every 25 steps. The run trains with the default min_scale (1: it never
+  stops); the forecast and the check read the loss-scale floor given in the case's name
+  (``forecast_run``'s min_scale, as ``precision.min_scale`` would set it).
 - ``*_cosine_seed*``: more seeds of the cosine cases (the step as a second time axis).
 - every run that crosses nothing is a healthy run: forecast from all of it to 4x and 10x its
   length, where any crossing is a false alarm.
@@ -54,18 +59,39 @@ from amp_exp.forecast.forecast import forecast_run
 from amp_exp.tasks.blocks import model_blocks
 from amp_exp.training.signals import Limits
 
-SMALL = [
-    "model=gpt_tiny",
-    "dataset=synthetic_tokens",
-    "model.d_model=32",
-    "model.seq_len=16",
-    "dataset.batch_size=16",
+COMMON = [
     "optimizer=adamw",
     "trainer.device=cpu",
     "trainer.eval_every=null",
     "checkpoint.every_steps=null",
     "wandb.mode=disabled",
     "diagnostics.audit=false",
+]
+SMALL = [
+    "model=gpt_tiny",
+    "dataset=synthetic_tokens",
+    "model.d_model=32",
+    "model.seq_len=16",
+    "dataset.batch_size=16",
+    *COMMON,
+]
+# fp16 trains about as fast as fp32 on this MLP (a 2,000-step run in about 20 s on one thread).
+FP16_DRIFT = [
+    "model=mlp",
+    "model.hidden_dim=64",
+    "model.depth=4",
+    "dataset=synthetic",
+    "dataset.image_size=8",
+    "dataset.channels=1",
+    # Noisy images that the model fits slowly: the loss stays high and the gradients grow.
+    "dataset.noise_std=8",
+    "dataset.batch_size=32",
+    "dataset.num_workers=0",
+    "optimizer.lr=1e-2",
+    "optimizer.weight_decay=0",
+    "precision=fp16",
+    "precision.growth_interval=5",
+    *COMMON,
 ]
 
 
@@ -82,9 +108,11 @@ def plant_growth(model: torch.nn.Module, rate: float) -> None:
     block.register_forward_hook(grow)
 
 
-def train(steps: int, overrides: list[str], planted_rate: float | None) -> list[dict]:
+def train(
+    steps: int, overrides: list[str], planted_rate: float | None, base: list[str] = SMALL
+) -> list[dict]:
     schedule = [] if COSINE in overrides else ["scheduler=none"]
-    built = build(run_config([*SMALL, *schedule, f"trainer.max_steps={steps}", *overrides]))
+    built = build(run_config([*base, *schedule, f"trainer.max_steps={steps}", *overrides]))
     if planted_rate is not None:
         plant_growth(built.model, planted_rate)
         built.engine.signals.limits = Limits.of(get("fp16").spec)
@@ -93,11 +121,11 @@ def train(steps: int, overrides: list[str], planted_rate: float | None) -> list[
     return rows
 
 
-def first_crossed(rows: list[dict]) -> dict | None:
+def first_crossed(rows: list[dict], floor: float = 1.0) -> dict | None:
     """The first log step at which a limited signal was past its limit in the run itself (the
-    loss scale's floor: the default precision.min_scale, 1)."""
+    loss scale's: ``floor``, by default precision.min_scale's 1)."""
     for row in sorted(rows, key=lambda r: r["step"]):
-        if row["kind"] == "train" and row.get("scale") is not None and row["scale"] < 1.0:
+        if row["kind"] == "train" and row.get("scale") is not None and row["scale"] < floor:
             return {"step": row["step"], "signal": "scale", "module": None}
         if row["kind"] != "signals":
             continue
@@ -115,17 +143,19 @@ def case(
     overrides: list[str],
     planted_rate: float | None = None,
     train_on: int | None = None,
+    base: list[str] = SMALL,
+    floor: float = 1.0,
 ) -> dict:
     started = time.perf_counter()
-    rows = train(steps, overrides, planted_rate)
+    rows = train(steps, overrides, planted_rate, base)
     if COSINE in overrides:
         # A schedule over the run's length: the short run is its own run, whose schedule the
         # forecast stretches to the full length.
-        quarter = train(steps // 4, overrides, planted_rate)
+        quarter = train(steps // 4, overrides, planted_rate, base)
     else:
         quarter = [row for row in rows if row["step"] <= steps // 4]
-    short = forecast_run(quarter, steps)["first_crossing"]
-    actual = first_crossed(rows)
+    short = forecast_run(quarter, steps, min_scale=floor)["first_crossing"]
+    actual = first_crossed(rows, floor)
     result = {
         "case": name,
         "overrides": overrides,
@@ -145,11 +175,14 @@ def case(
         result["seen_at_step"] = steps // 4
     else:
         result["false_alarm_quarter"] = short is not None
-        alarms = {f"{k}x": forecast_run(rows, k * steps)["first_crossing"] for k in (4, 10)}
+        alarms = {
+            f"{k}x": forecast_run(rows, k * steps, min_scale=floor)["first_crossing"]
+            for k in (4, 10)
+        }
         result["false_alarms_full"] = alarms
         if train_on and any(alarms.values()) and COSINE not in overrides:
             # With a constant rate the longer run is this one carried on, bit for bit.
-            longer = first_crossed(train(train_on, overrides, planted_rate))
+            longer = first_crossed(train(train_on, overrides, planted_rate, base), floor)
             result["trained_on"] = {"steps": train_on, "crossed": longer}
     max_attn = max(
         (
@@ -170,14 +203,8 @@ def case(
 
 
 LR_HIGH, LR_LOW, COSINE = "optimizer.lr=3e-2", "optimizer.lr=1e-3", "scheduler=cosine"
-FP16_SCALE = [
-    "precision=fp16",
-    "model.d_model=16",
-    "dataset.batch_size=8",
-    "optimizer.lr=3e-2",
-    "precision.growth_interval=20",
-    "precision.init_scale=1048576",
-]
+# The drift's loss-scale floors: one its full run falls below, one it stays above.
+DRIFT_FLOORS = (65536, 16384)
 
 
 def main() -> None:
@@ -185,6 +212,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default=None)
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--drift-steps", type=int, default=2000, help="the fp16 drift's full run")
     parser.add_argument("--rows", default=None, help="also write each case's rows here (JSON)")
     parser.add_argument("--cases", nargs="*", help="run only these cases (default: all)")
     parser.add_argument(
@@ -219,7 +247,6 @@ def main() -> None:
         ("planted_cosine", [LR_LOW, COSINE], planted_rate),
         *((f"lr_3e-2_cosine_seed{s}", [LR_HIGH, COSINE, f"seed={s}"], None) for s in (1, 2)),
         *((f"planted_cosine_seed{s}", [LR_LOW, COSINE, f"seed={s}"], planted_rate) for s in (1, 2)),
-        ("fp16_scale", FP16_SCALE, None),
     ]
     cases = [c for c in cases if not args.cases or c[0] in args.cases]
     logging = [f"trainer.log_every={args.log_every}"]
@@ -227,6 +254,12 @@ def main() -> None:
         case(name, steps, [*overrides, *logging], rate, args.train_on)
         for name, overrides, rate in cases
     ]
+    for seed in (0, 1):
+        for floor in DRIFT_FLOORS:
+            name = f"fp16_drift_floor{floor}" + (f"_seed{seed}" if seed else "")
+            if not args.cases or name in args.cases:
+                drift = ["trainer.log_every=25", f"seed={seed}"]
+                results.append(case(name, args.drift_steps, drift, base=FP16_DRIFT, floor=floor))
     if args.rows:
         # The runs' rows, so that a change to the forecast can be checked without training again.
         with open(args.rows, "w", encoding="utf-8") as out:

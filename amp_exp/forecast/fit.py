@@ -4,9 +4,12 @@ a changepoint test, with their bands and where each meets a limit.
 - **Forms.** In the signal's own space or in log space (growth by factors), each of: a line in
   the axis ``u``, a power law (a line in log ``u``) and a quadratic (a line whose slope drifts
   steadily: growth that speeds up or slows down); each over every candidate axis (forecast.py:
-  the cumulative learning rate, and the step where the rate varies). ``AIC`` compares them on
-  the values, the log forms' likelihoods with their Jacobian, so forms fitted in different spaces
-  or over different axes are comparable.
+  the cumulative learning rate, and the step where the rate varies). Where there are two axes,
+  also the **mixed** line over both at once (a + b·cumulative rate + c·step: a growth that is
+  part per unit of rate and part per step, which is between the one-axis forms, not one of
+  them). ``AIC`` compares them on the values, the log forms' likelihoods with their Jacobian, so
+  forms fitted in different spaces or over different axes are comparable, and the mixed line
+  pays for its third parameter.
 - **Changepoint.** A run's signals often move fast early (warm-up, the first steps of a loss
   scale) and settle into a slower trend; extrapolating the whole run would carry the early
   slope forward. Every break that leaves ``MIN_POINTS`` and a quarter of every axis's span on
@@ -49,6 +52,9 @@ MAX_AUTOCORRELATION = 0.9
 # The least share of the axis's span a changepoint leaves on either side of it.
 MIN_SPAN = 0.25
 SHAPES = ("line", "power", "quadratic")
+# The line over both axes, and the same with the step's square: how it is checked to hold and
+# whether it slows (``likeliest_line``, ``Trend.decider``), as a one-axis line's quadratic does.
+MIXED, MIXED_BEND = "mixed", "mixed quadratic"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -59,102 +65,123 @@ def _t_quantile(q: float, dof: float) -> float:
 
 @dataclass(frozen=True)
 class Fit:
-    """A least-squares fit of one form with what its bands need. The design is in ``z``, the
-    axis centred and scaled over the fitted points (the quadratic's columns stay comparable), or
-    log ``u`` for the power law."""
+    """A least-squares fit of one form with what its bands need. The design is in ``z``, each of
+    its axes centred and scaled over the fitted points (the quadratic's columns stay
+    comparable), or log ``u`` for the power law. Positions are given on every candidate axis
+    (``us``, one array per axis); a form reads the ones in ``axes``."""
 
     shape: str
     log: bool
     coefficients: np.ndarray
     # The coefficients' covariance, times the AR(1) inflation.
     covariance: np.ndarray
-    centre: float
-    scale: float
+    centre: tuple[float, ...]
+    scale: tuple[float, ...]
     n: int
     dof: float
     autocorrelation: float
     residual_sd: float
     aic: float
-    # Which of the candidate time axes ``u`` is on (an index into the caller's list).
-    axis: int = 0
+    # Which of the candidate time axes the form is over (indices into the caller's list): one,
+    # or both for the mixed line.
+    axes: tuple[int, ...] = (0,)
 
-    def design(self, u: np.ndarray) -> np.ndarray:
-        u = np.atleast_1d(np.asarray(u, dtype=float))
+    def design(self, us: list[np.ndarray]) -> np.ndarray:
+        us = [np.atleast_1d(np.asarray(us[a], dtype=float)) for a in self.axes]
         if self.shape == "power":
-            return np.column_stack([np.ones_like(u), np.log(u)])
-        z = (u - self.centre) / self.scale
-        columns = [np.ones_like(z), z] + ([z * z] if self.shape == "quadratic" else [])
-        return np.column_stack(columns)
+            return np.column_stack([np.ones_like(us[0]), np.log(us[0])])
+        zs = [(u - c) / s for u, c, s in zip(us, self.centre, self.scale, strict=True)]
+        # A quadratic's square is of its last axis: the step, for the mixed line's.
+        square = [zs[-1] * zs[-1]] if self.shape.endswith("quadratic") else []
+        return np.column_stack([np.ones_like(zs[0]), *zs, *square])
 
     @property
-    def slope(self) -> float:
-        """The trend's slope per unit of the axis at the centre of the fitted points (per unit of
-        log ``u`` for the power law)."""
-        return float(self.coefficients[1]) / (1.0 if self.shape == "power" else self.scale)
+    def slopes(self) -> tuple[float, ...]:
+        """The trend's slope per unit of each of its axes at the centre of the fitted points (per
+        unit of log ``u`` for the power law)."""
+        if self.shape == "power":
+            return (float(self.coefficients[1]),)
+        return tuple(float(self.coefficients[1 + i]) / s for i, s in enumerate(self.scale))
 
     @property
     def intercept(self) -> float:
-        """The trend at u = 0 (log u = 0 for the power law)."""
-        return float(self.at(np.array([1.0 if self.shape == "power" else 0.0]))[0])
+        """The trend at u = 0 on its axes (log u = 0 for the power law)."""
+        origin = np.array([1.0 if self.shape == "power" else 0.0])
+        return float(self.at([origin] * (max(self.axes) + 1))[0])
 
-    def at(self, u: np.ndarray) -> np.ndarray:
-        return self.design(u) @ self.coefficients
+    def at(self, us: list[np.ndarray]) -> np.ndarray:
+        return self.design(us) @ self.coefficients
 
     def t(self, level: float) -> float:
         return _t_quantile(0.5 + level / 2, self.dof)
 
-    def _trend_variance(self, u: np.ndarray) -> np.ndarray:
-        design = self.design(u)
+    def _trend_variance(self, us: list[np.ndarray]) -> np.ndarray:
+        design = self.design(us)
         return np.einsum("ij,jk,ik->i", design, self.covariance, design)
 
-    def confidence(self, u: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
-        """The band the trend itself at each ``u`` lies in."""
-        centre, half = self.at(u), self.t(level) * np.sqrt(self._trend_variance(u))
+    def confidence(self, us: list[np.ndarray], level: float) -> tuple[np.ndarray, np.ndarray]:
+        """The band the trend itself at each point (``us``) lies in."""
+        centre, half = self.at(us), self.t(level) * np.sqrt(self._trend_variance(us))
         return centre - half, centre + half
 
-    def prediction(self, u: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The trend at each ``u`` and the interval a new observation there falls in."""
+    def prediction(
+        self, us: list[np.ndarray], level: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The trend at each point (``us``) and the interval a new observation there falls in."""
         noise = self.residual_sd**2 * (1 + self.autocorrelation) / (1 - self.autocorrelation)
-        centre = self.at(u)
-        half = self.t(level) * np.sqrt(self._trend_variance(u) + noise)
+        centre = self.at(us)
+        half = self.t(level) * np.sqrt(self._trend_variance(us) + noise)
         return centre, centre - half, centre + half
 
-    def _coefficient_p(self, index: int, towards: float) -> float:
-        se = math.sqrt(self.covariance[index, index])
+    def _contrast_p(self, contrast: np.ndarray, towards: float) -> float:
+        """One-sided p-value that ``contrast`` times the coefficients is 0 against it having the
+        sign of ``towards``."""
+        estimate = float(contrast @ self.coefficients)
+        se = math.sqrt(max(float(contrast @ self.covariance @ contrast), 0.0))
         if se == 0:
-            return 0.0 if self.coefficients[index] * towards > 0 else 1.0
-        return float(scipy.stats.t.sf(towards * self.coefficients[index] / se, self.dof))
+            return 0.0 if estimate * towards > 0 else 1.0
+        return float(scipy.stats.t.sf(towards * estimate / se, self.dof))
 
-    def slope_p(self, towards: float) -> float:
-        """One-sided p-value that the slope is 0 against it moving ``towards`` (+1 or -1)."""
-        return self._coefficient_p(1, towards)
+    def rise_p(self, now: list[np.ndarray], end: list[np.ndarray], towards: float) -> float:
+        """One-sided p-value that the trend does not change from ``now`` to ``end`` (a point
+        each: its place on every axis) against it moving ``towards`` (+1 or -1). For a line, or a
+        power law, whose axis only grows, the slope's own t-test; for the mixed line, the test
+        of its rise along the planned run, whatever the mix of its two slopes."""
+        design = self.design(end) - self.design(now)
+        return self._contrast_p(design[0], towards)
 
     def bend_p(self, towards: float) -> float:
         """A quadratic's one-sided p-value that its curvature is 0 against the trend bending
         ``towards`` (+1: up, -1: down)."""
-        return self._coefficient_p(2, towards)
+        contrast = np.zeros(len(self.coefficients))
+        contrast[-1] = 1.0
+        return self._contrast_p(contrast, towards)
 
     def crossing(
-        self, u: np.ndarray, limit: float, direction: int, level: float
+        self, us: list[np.ndarray], limit: float, direction: int, level: float
     ) -> tuple[int | None, int | None, int | None]:
-        """Indices into the increasing grid ``u``: where the trend first reaches ``limit``
-        (crossed from below for ``direction`` +1, from above for -1), where the band's near edge
-        first does (the earliest crossing the band allows) and where its far edge does (past
-        which the limit is surely crossed); None where it does not within the grid."""
-        low, high = self.confidence(u, level)
+        """Indices into the increasing grid (its places on every axis: ``us``): where the trend
+        first reaches ``limit`` (crossed from below for ``direction`` +1, from above for -1),
+        where the band's near edge first does (the earliest crossing the band allows) and where
+        its far edge does (past which the limit is surely crossed); None where it does not within
+        the grid."""
+        low, high = self.confidence(us, level)
         near, far = (high, low) if direction > 0 else (-low, -high)
-        reached = [direction * self.at(u) >= direction * limit, near >= direction * limit]
+        reached = [direction * self.at(us) >= direction * limit, near >= direction * limit]
         reached.append(far >= direction * limit)
         return tuple(int(np.argmax(r)) if r.any() else None for r in reached)
 
 
-def fit_form(shape: str, log: bool, u: np.ndarray, values: np.ndarray, axis: int = 0) -> Fit:
-    """The least-squares fit of ``values`` (positive where ``log``) in one form over ``u`` (the
-    candidate axis ``axis``)."""
+def fit_form(
+    shape: str, log: bool, us: list[np.ndarray], values: np.ndarray, axes: tuple[int, ...] = (0,)
+) -> Fit:
+    """The least-squares fit of ``values`` (positive where ``log``) in one form over the
+    candidate axes ``axes`` (``us``: the points' places on every candidate axis)."""
     y = np.log(values) if log else values
-    centre, scale = float(u.mean()), float(np.ptp(u) / 2) or 1.0
-    probe = Fit(shape, log, np.zeros(0), np.zeros((0, 0)), centre, scale, 0, 1, 0, 0, 0)
-    design = probe.design(u)
+    centre = tuple(float(us[a].mean()) for a in axes)
+    scale = tuple(float(np.ptp(us[a]) / 2) or 1.0 for a in axes)
+    probe = Fit(shape, log, np.zeros(0), np.zeros((0, 0)), centre, scale, 0, 1, 0, 0, 0, axes)
+    design = probe.design(us)
     n, k = design.shape
     coefficients, _, _, _ = np.linalg.lstsq(design, y, rcond=None)
     residuals = y - design @ coefficients
@@ -178,64 +205,89 @@ def fit_form(shape: str, log: bool, u: np.ndarray, values: np.ndarray, axis: int
         autocorrelation=rho,
         residual_sd=math.sqrt(variance),
         aic=2 * k - 2 * log_likelihood,
-        axis=axis,
+        axes=axes,
     )
 
 
-def rss(x: np.ndarray, y: np.ndarray) -> float:
-    """The residual sum of squares of the least-squares line (closed form: many are needed)."""
-    dx, dy = x - x.mean(), y - y.mean()
-    sxx = dx @ dx
-    return float(dy @ dy - (dx @ dy) ** 2 / sxx) if sxx > 0 else float(dy @ dy)
+def rss(design: np.ndarray, y: np.ndarray) -> float:
+    """The residual sum of squares of the least-squares fit of ``y`` on ``design``'s columns."""
+    coefficients, _, _, _ = np.linalg.lstsq(design, y, rcond=None)
+    residuals = y - design @ coefficients
+    return float(residuals @ residuals)
 
 
 def changepoint(
-    x: np.ndarray, y: np.ndarray, axes: tuple[np.ndarray, ...] = ()
+    design: np.ndarray, y: np.ndarray, axes: tuple[np.ndarray, ...] = ()
 ) -> tuple[int | None, float | None]:
     """The index the later regime starts at, or None, and the Bonferroni-corrected p-value of
-    the best break (None where the series is too short to try one). A break leaves a quarter
-    of the span of ``x`` and of every other axis in ``axes`` on each side: the forms over each
-    axis are fitted to the points after it."""
-    n = len(x)
+    the best break (None where the series is too short to try one): a Chow F-test of the fit on
+    ``design``'s columns (a line's: 1 and its axis) in two regimes against one. A break leaves a
+    quarter of the span of every axis in ``axes`` on each side: the forms over each axis are
+    fitted to the points after it."""
+    n, k = design.shape
 
-    def spans(k: int) -> bool:
+    def spans(index: int) -> bool:
         return all(
-            min(u[k - 1] - u[0], u[-1] - u[k]) >= MIN_SPAN * (u[-1] - u[0]) for u in (x, *axes)
+            min(u[index - 1] - u[0], u[-1] - u[index]) >= MIN_SPAN * (u[-1] - u[0]) for u in axes
         )
 
-    breaks = [k for k in range(MIN_POINTS, n - MIN_POINTS + 1) if spans(k)]
-    if not breaks or n <= 4:
+    breaks = [b for b in range(MIN_POINTS, n - MIN_POINTS + 1) if spans(b)]
+    if not breaks or n <= 2 * k:
         return None, None
-    whole = rss(x, y)
-    split = np.array([rss(x[:k], y[:k]) + rss(x[k:], y[k:]) for k in breaks])
+    whole = rss(design, y)
+    split = np.array([rss(design[:b], y[:b]) + rss(design[b:], y[b:]) for b in breaks])
     # One call for every break: scipy's survival function costs more than the sums of squares.
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = scipy.stats.f.sf(((whole - split) / 2) / (split / (n - 4)), 2, n - 4)
+        p = scipy.stats.f.sf(((whole - split) / k) / (split / (n - 2 * k)), k, n - 2 * k)
     p = np.where(split > 0, p, 0.0 if whole > 0 else 1.0)
     best = int(np.argmin(p))
     corrected = min(1.0, float(p[best]) * len(breaks))
     return (breaks[best] if corrected < CHANGEPOINT_ALPHA else None), corrected
 
 
-def likeliest_line(axes: list[np.ndarray], values: np.ndarray, try_log: bool) -> tuple[int, bool]:
-    """The axis and the space (log: growth by factors) of the line that is the likeliest model
-    of all the points (the same number of parameters, so the AIC's pick; a tie goes to log space
-    and to the first axis). Over all the points, each line alike: a changepoint found for one
-    only would compare them on different spans. The first axis is the method's (forecast.py:
-    the cumulative rate); a later one (the step) is an alternative that decides only where its
-    line holds over all the points: its quadratic bends neither way at the changepoint test's
-    level. A growth per step whatever the rate goes on alike through warm-up, peak and decay; a
-    rise that starts late in a decay to zero is no such growth."""
+def line_forms(count: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The lines that may decide over ``count`` candidate axes: one over each axis, and the
+    mixed line over both where there are two; each with the form that adds its last axis's
+    square (its quadratic: whether it holds, whether it slows)."""
+    lines = [("line", (axis,)) for axis in range(count)]
+    return lines + ([(MIXED, (0, 1))] if count == 2 else [])
+
+
+def bend_of(shape: str) -> str:
+    return MIXED_BEND if shape == MIXED else "quadratic"
+
+
+def likeliest_line(
+    axes: list[np.ndarray], values: np.ndarray, try_log: bool
+) -> tuple[str, tuple[int, ...], bool]:
+    """The shape, axes and space (log: growth by factors) of the line that is the likeliest
+    model of all the points (the AIC's pick: the mixed line pays for its third parameter; a tie
+    goes to log space and to the first axis). Over all the points, each line alike: a
+    changepoint found for one only would compare them on different spans. The first axis is the
+    method's (forecast.py: the cumulative rate); a line with the step in it (over the step, or
+    the mixed line) is an alternative that decides only where it holds over all the points: with
+    the step's square added it bends neither way at the changepoint test's level. A growth per
+    step whatever the rate goes on alike through warm-up, peak and decay; a rise that starts
+    late in a decay to zero is no such growth. The mixed line decides only where its two parts
+    go the same way (a growth, or a fall, both per unit of rate and per step): parts that pull
+    against each other (a fall per unit of rate that a rise per step makes up) follow the
+    schedule's shape, not a growth of either kind; the stretched plan would multiply the
+    difference, and a rise late in a decay to zero is fitted so."""
     spaces = (True, False) if try_log else (False,)
 
-    def holds(axis: int, log: bool) -> bool:
-        bend = fit_form("quadratic", log, axes[axis], values)
-        return min(bend.bend_p(+1), bend.bend_p(-1)) >= CHANGEPOINT_ALPHA / 2
+    def holds(shape: str, along: tuple[int, ...], log: bool) -> bool:
+        bend = fit_form(bend_of(shape), log, axes, values, along)
+        if min(bend.bend_p(+1), bend.bend_p(-1)) < CHANGEPOINT_ALPHA / 2:
+            return False
+        return shape != MIXED or math.prod(fit_form(shape, log, axes, values, along).slopes) > 0
 
     candidates = [
-        (axis, log) for axis in range(len(axes)) for log in spaces if axis == 0 or holds(axis, log)
+        (shape, along, log)
+        for shape, along in line_forms(len(axes))
+        for log in spaces
+        if along == (0,) or holds(shape, along, log)
     ]
-    return min(candidates, key=lambda c: fit_form("line", c[1], axes[c[0]], values).aic)
+    return min(candidates, key=lambda c: fit_form(c[0], c[2], axes, values, c[1]).aic)
 
 
 @dataclass(frozen=True)
@@ -251,8 +303,8 @@ class Trend:
     changepoint_p: float | None = None
     unforecastable: str | None = None
     forms: tuple[Fit, ...] = ()
-    # The quadratic in the deciding line's space, over the same points: whether the growth is
-    # slowing (``decider``).
+    # The deciding line with its last axis's square added (its quadratic), in its space, over
+    # the same points: whether the growth is slowing (``decider``).
     bend: Fit | None = None
 
     def decider(self, direction: int, alpha: float = CHANGEPOINT_ALPHA) -> Fit:
@@ -272,34 +324,35 @@ PLAUSIBLE = 0.05
 
 
 def fit_trend(
-    axes: list[np.ndarray], values: np.ndarray, log: bool, try_log: bool, axis: int = 0
+    axes: list[np.ndarray],
+    values: np.ndarray,
+    log: bool,
+    try_log: bool,
+    shape: str = "line",
+    along: tuple[int, ...] = (0,),
 ) -> Trend:
     """The trend of ``values`` (only usable points) over the candidate time ``axes`` (each the
     points' places on one axis), fitted after the changepoint found for the deciding line: in
-    log space where ``log``, over ``axes[axis]``; ``try_log``: the log forms are candidates too
-    (the values are positive and may grow by factors). Every form is fitted over the same
-    points, after that changepoint, on every axis."""
+    log space where ``log``, the ``shape`` (a line, or the mixed line) over ``axes[along]``;
+    ``try_log``: the log forms are candidates too (the values are positive and may grow by
+    factors). Every form is fitted over the same points, after that changepoint, on every
+    axis."""
     n = len(values)
     if n < MIN_POINTS:
         return Trend(None, n, unforecastable=f"{n} usable log points, fewer than {MIN_POINTS}")
-    if np.ptp(axes[axis]) == 0:
+    if any(np.ptp(axes[a]) == 0 for a in along):
         return Trend(None, n, unforecastable="every point is at the same place on the time axis")
-    start, p = changepoint(axes[axis], np.log(values) if log else values, tuple(axes))
+    whole = fit_form(shape, log, axes, values, along)
+    start, p = changepoint(whole.design(axes), np.log(values) if log else values, tuple(axes))
     start = start or 0
-    values = values[start:]
+    values, axes = values[start:], [u[start:] for u in axes]
     spaces = (False, True) if try_log else (False,)
-    forms = [
-        fit_form(shape, space, u[start:], values, index)
-        for index, u in enumerate(axes)
-        for space in spaces
-        for shape in SHAPES
-        if np.ptp(u[start:]) > 0 and (shape != "power" or u[start] > 0)
-    ]
-
-    def deciding(shape: str) -> Fit:
-        return next(f for f in forms if (f.shape, f.log, f.axis) == (shape, log, axis))
-
-    line, bend = deciding("line"), deciding("quadratic")
+    usable = [i for i, u in enumerate(axes) if np.ptp(u) > 0]
+    shapes = [(form, (i,)) for i in usable for form in SHAPES if form != "power" or axes[i][0] > 0]
+    shapes += [(MIXED, (0, 1))] if usable == [0, 1] else []
+    forms = [fit_form(form, space, axes, values, on) for form, on in shapes for space in spaces]
+    line = next(f for f in forms if (f.shape, f.log, f.axes) == (shape, log, along))
+    bend = fit_form(bend_of(shape), log, axes, values, along)
     best = min(form.aic for form in forms)
     plausible = [f for f in forms if math.exp((best - f.aic) / 2) >= PLAUSIBLE]
     others = [f for f in plausible if f is not line]

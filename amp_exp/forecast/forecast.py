@@ -9,12 +9,14 @@ At planned step n the axis is N/T times this run's at step n·T/N (each stretche
 this run's). Without the rate the axis is the step, and the trend per step is taken to go on.
 Where the rate varies, the step is a second axis beside it: a growth that goes per step whatever
 the rate (a factor applied each step) is as plausible a form until the points tell the two apart,
-so every form is fitted over both, and both enter the interval.
+so every form is fitted over both, and both enter the interval; so does the mixed line over both
+at once (fit.py), for a growth that is part per unit of rate and part per step.
 
 **The deciding trend** is chosen per signal over all its points: log-linear growth (a factor per
-unit of the axis) or a straight line, over either axis, whichever is the likelier model of the
-values (the AIC's pick: the same number of parameters); the crossing says which
-(``decided_by``). Its slope decides whether a limit is forecast to be crossed
+unit of the axis) or a straight line, over either axis or (the mixed line) both, whichever is the
+likelier model of the values (the AIC's pick, which charges the mixed line its third parameter);
+the crossing says which (``decided_by``). Its rise along the planned run (a line's slope) decides
+whether a limit is forecast to be crossed
 and its centre gives the step, unless the growth is slowing (``Trend.decider``: the quadratic over
 the same points bends away from the limit, one-sided at fit.CHANGEPOINT_ALPHA / 2): then the
 quadratic's centre must reach the limit by the planned end, and gives the step.
@@ -32,7 +34,8 @@ enough not to cross.
 (``format_max``), its attention logits against the logit at which the softmax saturates
 (``attn_logit_limit``; both from the run's signals rows, training/signals.py), and an fp16 loss
 scale against ``precision.min_scale``, below which the run stops. A crossing is claimed where the
-deciding line's slope differs from zero at a two-sided ``alpha / m`` toward the limit (Bonferroni
+deciding line's rise from the last point to the planned end (a line's slope: the same t-test)
+differs from zero at a two-sided ``alpha / m`` toward the limit (Bonferroni
 over the run's m limited signals), so a run whose signals are all flat raises a false alarm with
 probability at most ``alpha / 2``. The other signals are fitted and shown.
 """
@@ -208,8 +211,10 @@ def _trend(series: Series, axes: tuple[Axis, ...]) -> tuple[Trend, np.ndarray]:
     us = [axis.observed(steps) for axis in axes]
     try_log = series.log and len(steps) >= MIN_POINTS and bool((values > 0).all())
     by_factors = try_log and series.signal not in OWN_UNITS
-    axis, log = likeliest_line(us, values, by_factors) if len(steps) >= MIN_POINTS else (0, False)
-    return fit_trend(us, values, log, try_log, axis), steps
+    if len(steps) < MIN_POINTS:
+        return fit_trend(us, values, False, try_log), steps
+    shape, along, log = likeliest_line(us, values, by_factors)
+    return fit_trend(us, values, log, try_log, shape, along), steps
 
 
 def _value(form: Fit, y: float | np.ndarray) -> float | np.ndarray:
@@ -225,16 +230,20 @@ def _hull(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The deciding line's forecast at each point (``us``: its places on each axis) and the hull
     of every plausible form's prediction interval there, in the signal's own units."""
-    intervals = [[_value(f, v) for v in f.prediction(us[f.axis], level)] for f in forms]
+    intervals = [[_value(f, v) for v in f.prediction(us, level)] for f in forms]
     low = np.min([i[1] for i in intervals], axis=0)
     return intervals[0][0], low, np.max([i[2] for i in intervals], axis=0)
+
+
+def _axis_name(form: Fit, axes: tuple[Axis, ...]) -> str:
+    return " and ".join(axes[a].name for a in form.axes)
 
 
 def _describe(form: Fit, axes: tuple[Axis, ...]) -> dict[str, str]:
     return {
         "shape": form.shape,
         "space": "log" if form.log else "linear",
-        "axis": axes[form.axis].name,
+        "axis": _axis_name(form, axes),
     }
 
 
@@ -268,10 +277,11 @@ def forecast_series(
     out |= {
         "status": "fitted",
         "space": "log" if line.log else "linear",
-        "axis": axes[line.axis].name,
+        "axis": _axis_name(line, axes),
         "fit_from_step": float(steps[trend.start]),
         "changepoint_p": trend.changepoint_p,
-        "slope": line.slope,
+        # Per unit of each of the deciding line's axes (two for the mixed line).
+        "slope": {axes[a].name: v for a, v in zip(line.axes, line.slopes, strict=True)},
         "intercept": line.intercept,
         "residual_sd": line.residual_sd,
         "residual_autocorrelation": line.autocorrelation,
@@ -282,18 +292,26 @@ def forecast_series(
     }
     if series.limit is not None:
         grid = np.linspace(steps[trend.start], planned_steps, GRID)
-        out["crossing"] = crossing(series, trend, grid, [a.planned(grid) for a in axes], alpha)
+        now = [a.observed(steps[-1:]) for a in axes]
+        us = [a.planned(grid) for a in axes]
+        out["crossing"] = crossing(series, trend, grid, us, now, alpha)
         if out["crossing"] is not None:
             out["crossing"]["decided_by"] = _describe(trend.decider(series.limit.direction), axes)
     return out
 
 
 def crossing(
-    series: Series, trend: Trend, steps: np.ndarray, us: list[np.ndarray], alpha: float
+    series: Series,
+    trend: Trend,
+    steps: np.ndarray,
+    us: list[np.ndarray],
+    now: list[np.ndarray],
+    alpha: float,
 ) -> dict[str, Any] | None:
     """When the deciding trend crosses the limit within the planned run (``steps``, at ``us`` on
-    each axis), if the line's slope differs from zero toward it at a two-sided ``alpha`` (as
-    Fieller's interval of the line is bounded). The deciding trend is the line, or its
+    each axis), if the line's rise from the last point (``now``) to the planned end differs from
+    zero toward it at a two-sided ``alpha`` (for a one-axis line its slope's test, as Fieller's
+    interval of the line is bounded). The deciding trend is the line, or its
     quadratic where that bends significantly away from the limit (``Trend.decider``: growth
     that has slowed is not carried forward at its average rate). The interval, at
     1 - ``alpha``, is the hull of every plausible form's crossing set (the decider's
@@ -301,7 +319,8 @@ def crossing(
     all of them are surely past it (None where one is not by the planned end)."""
     limit, line = series.limit, trend.line
     assert limit is not None and line is not None
-    if line.slope_p(limit.direction) >= alpha / 2:
+    end = [u[-1:] for u in us]
+    if line.rise_p(now, end, limit.direction) >= alpha / 2:
         return None
     decider = trend.decider(limit.direction)
     # An implausible form's band is no part of the hull, unless it decides.
@@ -312,7 +331,7 @@ def crossing(
         if form.log and limit.value <= 0:
             continue
         value = math.log(limit.value) if form.log else limit.value
-        centre, near, far = form.crossing(us[form.axis], value, limit.direction, 1 - alpha)
+        centre, near, far = form.crossing(us, value, limit.direction, 1 - alpha)
         if form is decider:
             if centre is None:
                 return None

@@ -73,7 +73,8 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
         lines.append(
             f"| {signal['signal']} | {signal['module'] or '-'} | {signal['points']} "
             f"| {signal['fit_from_step']:.0f} "
-            f"| {signal['slope']:.3g} ({signal['space']}, per {signal['axis']}) "
+            f"| {'; '.join(f'{v:.3g} per {axis}' for axis, v in signal['slope'].items())} "
+            f"({signal['space']}) "
             f"| {signal['residual_sd']:.3g} | {_number(end['value'])} "
             f"| {_number(end['interval'][0])} to {_number(end['interval'][1])} "
             f"| {limit_text} | {crossing_text} |"
