@@ -327,7 +327,7 @@ class PredictConfig:
     # The precisions predicted; bf16 and fp32 are added, the speedups' baselines.
     precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp8"])
     # GPUs the batch is data-parallel over; above 1, FSDP2 shards weights, gradients and state.
-    world_size: int = 1
+    world_size: int = field(default=1, metadata={"bound": "at_least_1"})
     # GB/s one GPU sends and receives over the interconnect (NVLink 4 on H100 SXM: 450 each way).
     interconnect_gb_per_s: float = field(default=450.0, metadata={"bound": "positive"})
 

@@ -59,6 +59,7 @@ BOUNDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
         "{key}={value} must be positive or null",
         lambda value: value is None or value > 0,
     ),
+    "at_least_1": ("{key}={value} must be 1 or more", lambda value: value >= 1),
     "positive_number": ("{key} must be positive", lambda value: value > 0),
     "positive_integer": ("{key} must be a positive integer", lambda value: value > 0),
     "at_least_0": ("{key} must be 0 or more", lambda value: value >= 0),
@@ -173,10 +174,6 @@ def check_values(run: RunConfig) -> None:
             f"predicted; valid choices: {', '.join(names())}",
         )
         get(precision)
-    require(
-        run.predict.world_size >= 1,
-        f"predict.world_size={run.predict.world_size} must be 1 or more",
-    )
     optimizer = run.optimizer
     if isinstance(optimizer, AdamWConfig):
         require(
