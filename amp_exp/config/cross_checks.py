@@ -199,9 +199,7 @@ def _check_commands(run: RunConfig) -> None:
         f"sensitivity.verify_growth_interval={sensitivity.verify_growth_interval}, so that fp16's "
         "loss scale grows within a verification run",
     )
-    precision = run.precision
-    if precision._target_ is not None:
-        precisions.register(precision._target_)
+    precision = run.precision  # a user's plugin: registered by validate_precision already
     for chosen in precisions.target_precisions(sensitivity, precision.name):
         require_choice(
             chosen,

@@ -44,20 +44,20 @@ class ImageDatasetConfig:
     # Torchvision datasets and image_folder read from here (relative to the launch directory).
     root: str = "data"
     download: bool = False
-    batch_size: int = 128
+    batch_size: int = field(default=128, metadata={"bound": "positive"})
     # null = the training batch size.
-    eval_batch_size: int | None = None
-    num_workers: int = 2
+    eval_batch_size: int | None = field(default=None, metadata={"bound": "positive_or_null"})
+    num_workers: int = field(default=2, metadata={"bound": "at_least_0"})
     # Synthetic data: how many images of what shape, and how many classes.
-    num_classes: int = 10
-    image_size: int = 32
-    channels: int = 3
-    train_size: int = 4096
-    eval_size: int = 1024
+    num_classes: int = field(default=10, metadata={"bound": "positive"})
+    image_size: int = field(default=32, metadata={"bound": "positive"})
+    channels: int = field(default=3, metadata={"bound": "positive"})
+    train_size: int = field(default=4096, metadata={"bound": "positive"})
+    eval_size: int = field(default=1024, metadata={"bound": "positive"})
     # Synthetic images are a smooth class prototype plus this much Gaussian noise; higher is harder.
-    noise_std: float = 4.0
+    noise_std: float = field(default=4.0, metadata={"bound": "at_least_0"})
     # image_folder without train/ and val/ sub-directories holds out this fraction for eval.
-    eval_fraction: float = 0.1
+    eval_fraction: float = field(default=0.1, metadata={"bound": "open_unit"})
 
 
 @dataclass
@@ -70,17 +70,17 @@ class SyntheticTokensConfig:
 
     name: str = "synthetic_tokens"
     # Sequences per batch and rank.
-    batch_size: int = 32
+    batch_size: int = field(default=32, metadata={"bound": "positive"})
     # null = the training batch size.
-    eval_batch_size: int | None = None
+    eval_batch_size: int | None = field(default=None, metadata={"bound": "positive_or_null"})
     # Tokens a model sees per sequence; null = the model's seq_len (gpt), or for model=hf its
     # max_position_embeddings up to 1,024 (config/hf.py DEFAULT_SEQ_LEN).
-    seq_len: int | None = None
+    seq_len: int | None = field(default=None, metadata={"bound": "positive_or_null"})
     vocab_size: int = 128
     branching: int = 4
     # Sequences in each split.
-    train_size: int = 2048
-    eval_size: int = 256
+    train_size: int = field(default=2048, metadata={"bound": "positive"})
+    eval_size: int = field(default=256, metadata={"bound": "positive"})
 
 
 @dataclass
@@ -93,10 +93,10 @@ class TextDatasetConfig:
     # tokenizer=hf: a folder written by a tokenizer's save_pretrained (local_files_only).
     tokenizer_path: str | None = None
     # The last eval_fraction of the tokens is held out for evaluation.
-    eval_fraction: float = 0.1
-    batch_size: int = 32
-    eval_batch_size: int | None = None
-    seq_len: int | None = None
+    eval_fraction: float = field(default=0.1, metadata={"bound": "open_unit"})
+    batch_size: int = field(default=32, metadata={"bound": "positive"})
+    eval_batch_size: int | None = field(default=None, metadata={"bound": "positive_or_null"})
+    seq_len: int | None = field(default=None, metadata={"bound": "positive_or_null"})
     # Where tokenized data is cached when the data's own folder is read-only; null =
     # $XDG_CACHE_HOME/amp_exp/tokens (~/.cache/amp_exp/tokens).
     cache_dir: str | None = None
@@ -111,13 +111,13 @@ class CustomDatasetConfig:
     name: str = "custom"
     _target_: str = MISSING
     kwargs: dict[str, Any] = field(default_factory=dict)
-    batch_size: int = 32
-    eval_batch_size: int | None = None
-    num_workers: int = 0
+    batch_size: int = field(default=32, metadata={"bound": "positive"})
+    eval_batch_size: int | None = field(default=None, metadata={"bound": "positive_or_null"})
+    num_workers: int = field(default=0, metadata={"bound": "at_least_0"})
     # What the model is built for, which the samples alone do not say: num_classes for
     # task=classification, vocab_size for task=lm. The input shape (images) and seq_len (tokens)
     # are read from the first training sample.
-    num_classes: int | None = None
+    num_classes: int | None = field(default=None, metadata={"bound": "positive_or_null"})
     vocab_size: int | None = None
 
 

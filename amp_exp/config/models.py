@@ -19,7 +19,7 @@ class TinyCNNConfig:
     """Two 3x3 convolutions, global average pooling and a linear head."""
 
     name: str = "tiny_cnn"
-    width: int = 32
+    width: int = field(default=32, metadata={"bound": "positive_integer"})
     # L2-normalize the pooled features with a custom autograd function that runs in fp32.
     normalize_features: bool = False
 
@@ -29,8 +29,8 @@ class MLPConfig:
     """Flattened input, ``depth`` hidden layers of ``hidden_dim`` units."""
 
     name: str = "mlp"
-    hidden_dim: int = 256
-    depth: int = 2
+    hidden_dim: int = field(default=256, metadata={"bound": "positive_integer"})
+    depth: int = field(default=2, metadata={"bound": "at_least_0"})
 
 
 @dataclass
@@ -46,15 +46,15 @@ class GPTConfig:
     MLP, and an output head tied to the token embedding."""
 
     name: str = "gpt"
-    n_layer: int = 12
-    n_head: int = 12
-    d_model: int = 768
+    n_layer: int = field(default=12, metadata={"bound": "positive"})
+    n_head: int = field(default=12, metadata={"bound": "positive"})
+    d_model: int = field(default=768, metadata={"bound": "positive"})
     # The longest context: the size of the position table. Token data is cut into windows of
     # dataset.seq_len tokens, which defaults to this.
-    seq_len: int = 1024
+    seq_len: int = field(default=1024, metadata={"bound": "positive"})
     # null = the dataset's vocabulary; a larger value pads the output head (e.g. 50304).
     vocab_size: int | None = None
-    dropout: float = 0.0
+    dropout: float = field(default=0.0, metadata={"bound": "half_open_unit"})
     # Biases in the linear layers and LayerNorms, as GPT-2 has them.
     bias: bool = True
 

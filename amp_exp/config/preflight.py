@@ -218,7 +218,7 @@ def compose_base(
     return cfg, multirun, [f"{key}={value}" for key, value in params.items()], output_dir
 
 
-def job_config(cfg: DictConfig) -> DictConfig:
+def without_hydra(cfg: DictConfig) -> DictConfig:
     """What the job sees of a composed config: everything but Hydra's own ``hydra`` node."""
     job = copy.deepcopy(cfg)
     with open_dict(job):
@@ -309,7 +309,7 @@ def check_overrides(argv: list[str]) -> Launch | None:
             jobs = sweep_jobs([*preset_params, *args.overrides], multirun)
             # Composing is the slow part of start-up: a single run is the config composed above.
             configs = (
-                [job_config(base)]
+                [without_hydra(base)]
                 if not multirun
                 else (compose_checked(config_name, overrides) for overrides in jobs)
             )

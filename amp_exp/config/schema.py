@@ -3,6 +3,8 @@
 A leaf: it imports nothing heavier than OmegaConf's ``MISSING``, and from amp_exp only the model,
 dataset and adaptive schemas (leaves too). Each YAML file under ``conf/`` lists its schema first
 in its defaults list (``config.store``), so Hydra type-checks it and every override against these.
+A field's ``metadata={"bound": RULE}`` (here and in the model and dataset schemas) names the range
+its values must keep; config/values.py's ``BOUNDS`` words and checks each rule.
 """
 
 from __future__ import annotations
@@ -89,10 +91,10 @@ class CompileMode(str, Enum):
 @dataclass
 class SGDConfig:
     name: str = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.9
+    lr: float = field(default=0.1, metadata={"bound": "positive"})
+    momentum: float = field(default=0.9, metadata={"bound": "half_open_unit"})
     nesterov: bool = True
-    weight_decay: float = 5e-4
+    weight_decay: float = field(default=5e-4, metadata={"bound": "at_least_0"})
     # null = the fused kernel on CUDA, except under FSDP2 (DTensor has none for SGD).
     fused: bool | None = None
 
@@ -100,10 +102,10 @@ class SGDConfig:
 @dataclass
 class AdamWConfig:
     name: str = "adamw"
-    lr: float = 1e-3
+    lr: float = field(default=1e-3, metadata={"bound": "positive"})
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    weight_decay: float = 0.05
+    weight_decay: float = field(default=0.05, metadata={"bound": "at_least_0"})
     # null = fused kernels on CUDA (they skip a non-finite step on the device, with no sync).
     fused: bool | None = None
 
@@ -115,10 +117,10 @@ OptimizerConfig = Union[SGDConfig, AdamWConfig]
 class SchedulerConfig:
     name: SchedulerName = SchedulerName.cosine
     # Linear warm-up for cosine; onecycle uses pct_start instead.
-    warmup_steps: int = 20
+    warmup_steps: int = field(default=20, metadata={"bound": "at_least_0"})
     # The cosine schedule ends at lr * min_lr_ratio.
-    min_lr_ratio: float = 0.0
-    pct_start: float = 0.25
+    min_lr_ratio: float = field(default=0.0, metadata={"bound": "unit"})
+    pct_start: float = field(default=0.25, metadata={"bound": "open_unit"})
 
 
 # --- precision and trainer ---------------------------------------------------------------------
@@ -139,16 +141,16 @@ class PrecisionConfig:
     # conf/precision/NAME.yaml lists them with their defaults.
     options: dict[str, Any] = field(default_factory=dict)
     # GradScaler knobs; they only take effect when fp16 runs.
-    init_scale: float = 65536.0
+    init_scale: float = field(default=65536.0, metadata={"bound": "positive_number"})
     growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    backoff_factor: float = field(default=0.5, metadata={"bound": "open_unit"})
+    growth_interval: int = field(default=2000, metadata={"bound": "positive"})
     # Max total gradient norm after unscaling; null = no clipping.
-    clip_grad_norm: float | None = None
+    clip_grad_norm: float | None = field(default=None, metadata={"bound": "positive_or_null"})
     # Every precision stops with a diagnosis after this many skipped steps in a row; fp16 also
     # when the loss scale falls below min_scale (below 1 the true gradients overflow fp16).
-    max_consecutive_skips: int = 50
-    min_scale: float = 1.0
+    max_consecutive_skips: int = field(default=50, metadata={"bound": "positive_number"})
+    min_scale: float = field(default=1.0, metadata={"bound": "positive_number"})
     # Emulate the format's matmuls (fp8's and the block-scaled formats'), on any device
     # (numerics and tests; slow, so never timed). Shared, not an option of one plugin: commands
     # that rank or predict other precisions than the run's (sensitivity.precisions=[fp8]) read it.
@@ -170,16 +172,16 @@ class TrainerConfig:
     # model.blocks then the root). fsdp2 without torchrun runs as a group of one process.
     strategy: Strategy = Strategy.ddp
     # Training stops at whichever of max_steps and epochs comes first; null = no limit.
-    max_steps: int | None = 300
-    epochs: int | None = None
-    grad_accum_steps: int = 1
-    log_every: int = 25
+    max_steps: int | None = field(default=300, metadata={"bound": "positive_or_null"})
+    epochs: int | None = field(default=None, metadata={"bound": "positive_or_null"})
+    grad_accum_steps: int = field(default=1, metadata={"bound": "positive"})
+    log_every: int = field(default=25, metadata={"bound": "positive"})
     # 0 = evaluate only at the end; null = never.
     eval_every: int | None = 0
     # null = the whole eval split.
-    eval_batches: int | None = None
+    eval_batches: int | None = field(default=None, metadata={"bound": "positive_or_null"})
     # Optimizer steps left out of throughput: allocator warm-up, cudnn autotuning, compilation.
-    timing_warmup_steps: int = 5
+    timing_warmup_steps: int = field(default=5, metadata={"bound": "at_least_0"})
     # null = on for convolutional models on CUDA.
     channels_last: bool | None = None
     # true, false or auto (config/adaptive.py). Under fsdp2, blocks compile, then are sharded.
@@ -200,14 +202,14 @@ class CheckpointConfig:
     # Write checkpoints/last.pt every this many steps; 0 = only at the end, null = never.
     every_steps: int | None = 0
     # Numbered step checkpoints kept besides last.pt.
-    keep: int = 0
+    keep: int = field(default=0, metadata={"bound": "at_least_0"})
 
 
 @dataclass
 class DiagnosticsConfig:
     # Check master weights and unscaled gradients on the first check_steps optimizer steps.
     checks: bool = True
-    check_steps: int = 3
+    check_steps: int = field(default=3, metadata={"bound": "at_least_0"})
     # Every this many steps, measure how fp16 would treat the gradients and the share of weights
     # that did not change since the last time (holds one copy of the weights); 0 = off.
     underflow_every: int = 100
@@ -242,10 +244,10 @@ class WandbConfig:
     tags: list[str] = field(default_factory=list)
     # null = every trainer.log_every row; else a multiple of it, as W&B only sees rows the
     # trainer already read from the device.
-    log_every: int | None = None
+    log_every: int | None = field(default=None, metadata={"bound": "positive_or_null"})
     # Seconds to wait for the W&B server before the run logs offline instead. With W&B's import
     # and the offline start, the fallback then comes within about 20 s even on a busy machine.
-    init_timeout: float = 15.0
+    init_timeout: float = field(default=15.0, metadata={"bound": "positive"})
     # Seconds finish() may spend uploading; what is left stays on disk for `wandb sync`.
     finish_timeout: float = 60.0
     # Upload the code, the git state and the pip requirements (W&B's save_code and friends).
@@ -271,7 +273,7 @@ class ReportConfig:
     # (needs amp_exp[wandb-report]); `python -m amp_exp.report DIR --wandb` makes one later.
     wandb: bool = False
     # Seconds the W&B Report may take to reach the server and save, before it is given up.
-    wandb_timeout: float = 10.0
+    wandb_timeout: float = field(default=10.0, metadata={"bound": "positive"})
     # Time each model and setting of a sweep that varies precision in the speed trial (speed.*).
     speed_trial: bool = True
     # holm: Holm across the report's comparisons, a family per claim (matches, not_worse, worse,
@@ -281,7 +283,7 @@ class ReportConfig:
     # report shows beside the measured ones, labelled as predicted.
     predict: list[str] = field(default_factory=list)
     # The length each precision's signals are forecast to (amp_exp.forecast); null = 10x a run's.
-    forecast_steps: int | None = None
+    forecast_steps: int | None = field(default=None, metadata={"bound": "positive_or_null"})
 
 
 @dataclass
@@ -291,16 +293,16 @@ class SensitivityConfig:
     # The precisions ranked (fp16, bf16, fp8); null = precision= if one of those, else fp16, bf16.
     precisions: list[str] | None = None
     # Training batches measured, each against its own fp32 reference; modules listed per precision.
-    batches: int = 2
-    show: int = 10
+    batches: int = field(default=2, metadata={"bound": "positive"})
+    show: int = field(default=10, metadata={"bound": "positive"})
     # Search for the modules to keep in fp32 (at most max_trials sets), each proven by the report's
     # verdict on verify_seeds .. max_verify_seeds seeds (docs/precision.md); null tolerance: task's.
     repair: bool = False
-    max_trials: int = 6
+    max_trials: int = field(default=6, metadata={"bound": "positive"})
     verify_seeds: int = 3
     max_verify_seeds: int = 5
-    verify_steps: int = 40
-    verify_growth_interval: int = 10
+    verify_steps: int = field(default=40, metadata={"bound": "positive"})
+    verify_growth_interval: int = field(default=10, metadata={"bound": "positive"})
     tolerance: float | None = None
 
 
@@ -313,7 +315,7 @@ class SpeedConfig(SpeedStopping):
     precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp16"])
     # The cap on each side's warm-up steps, when its step time has not settled before.
     max_warmup_steps: int = 100
-    steps: int = 5
+    steps: int = field(default=5, metadata={"bound": "positive"})
 
 
 @dataclass
@@ -325,9 +327,9 @@ class PredictConfig:
     # The precisions predicted; bf16 and fp32 are added, the speedups' baselines.
     precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp8"])
     # GPUs the batch is data-parallel over; above 1, FSDP2 shards weights, gradients and state.
-    world_size: int = 1
+    world_size: int = field(default=1, metadata={"bound": "at_least_1"})
     # GB/s one GPU sends and receives over the interconnect (NVLink 4 on H100 SXM: 450 each way).
-    interconnect_gb_per_s: float = 450.0
+    interconnect_gb_per_s: float = field(default=450.0, metadata={"bound": "positive"})
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields, is_dataclass
 from operator import attrgetter
 from typing import Any
@@ -22,20 +22,15 @@ from omegaconf import DictConfig, OmegaConf
 from amp_exp.config.adaptive import COMPILE_AUTO, SPEED_WARMUP_WINDOW
 from amp_exp.config.cross_checks import check_agreement
 from amp_exp.config.datasets import (
-    TOKEN_DATASETS,
     CustomDatasetConfig,
     DatasetConfig,
-    ImageDatasetConfig,
     SyntheticTokensConfig,
-    TextDatasetConfig,
 )
 from amp_exp.config.models import (
     CustomModelConfig,
     GPTConfig,
-    MLPConfig,
     ModelConfig,
     TimmModelConfig,
-    TinyCNNConfig,
     TorchvisionModelConfig,
 )
 from amp_exp.config.precisions import AUTO, get, names
@@ -56,46 +51,25 @@ SEED_RANGE = range(2**32)
 # What W&B refuses in a project name at init, which would cost the run its dashboard entry.
 WANDB_PROJECT_MAX_CHARS = 128
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+# The bounds a schema's field declares (``field(metadata={"bound": RULE})``): the message a
+# value that breaks one gets (``{key}``: its dotted key), and what a value that keeps it satisfies.
+BOUNDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "positive": ("{key}={value} must be positive", lambda value: value > 0),
+    "positive_or_null": (
+        "{key}={value} must be positive or null",
+        lambda value: value is None or value > 0,
+    ),
+    "at_least_1": ("{key}={value} must be 1 or more", lambda value: value >= 1),
+    "positive_number": ("{key} must be positive", lambda value: value > 0),
+    "positive_integer": ("{key} must be a positive integer", lambda value: value > 0),
+    "at_least_0": ("{key} must be 0 or more", lambda value: value >= 0),
+    "open_unit": ("{key} must lie strictly between 0 and 1", lambda value: 0 < value < 1),
+    "half_open_unit": ("{key} must lie in [0, 1)", lambda value: 0 <= value < 1),
+    "unit": ("{key} must lie in [0, 1]", lambda value: 0 <= value <= 1),
+}
 # The fewest rounds for the speedup's interval to be of any use (its critical value, calibrated
 # for autocorrelated rounds in capability/ratio.py, is 11 at 6 rounds and 23 at 4).
 MIN_SPEED_ROUNDS = 6
-_POSITIVE = (
-    "dataset.batch_size",
-    "trainer.grad_accum_steps",
-    "trainer.log_every",
-    "precision.growth_interval",
-    "wandb.init_timeout",
-    "report.wandb_timeout",
-    "optimizer.lr",
-    "sensitivity.batches",
-    "sensitivity.show",
-    "sensitivity.max_trials",
-    "sensitivity.verify_steps",
-    "sensitivity.verify_growth_interval",
-    "speed.steps",
-    "predict.interconnect_gb_per_s",
-)
-# The sizes a section has by its type.
-_POSITIVE_BY_TYPE = {
-    ImageDatasetConfig: (
-        "dataset.num_classes",
-        "dataset.image_size",
-        "dataset.channels",
-        "dataset.train_size",
-        "dataset.eval_size",
-    ),
-    SyntheticTokensConfig: ("dataset.train_size", "dataset.eval_size"),
-    GPTConfig: ("model.n_layer", "model.n_head", "model.d_model", "model.seq_len"),
-}
-_POSITIVE_OR_NULL = (
-    "dataset.eval_batch_size",
-    "trainer.max_steps",
-    "trainer.epochs",
-    "trainer.eval_batches",
-    "precision.clip_grad_norm",
-    "wandb.log_every",
-    "report.forecast_steps",
-)
 
 
 @functools.cache
@@ -121,20 +95,19 @@ def validate(cfg: DictConfig) -> RunConfig:
 
 def check_values(run: RunConfig) -> None:
     """``ConfigError`` on the first value that is wrong on its own."""
+    values = list(_leaves(run))
     # inf and NaN pass every range check below (or fail it with a misleading message), and an
     # infinite learning rate or loss scale makes every step non-finite: the run would skip them
     # all and report success.
-    for key, value in _floats(run):
-        require(math.isfinite(value), f"{key}={value} must be a finite number")
+    for key, value, _ in values:
+        if isinstance(value, float):
+            require(math.isfinite(value), f"{key}={value} must be a finite number")
+    for key, value, bound in values:
+        if bound is not None:
+            message, keeps = BOUNDS[bound]
+            require(keeps(value), message.format(key=key, value=value))
     precision = run.precision
-    require(precision.init_scale > 0, "precision.init_scale must be positive")
     require(precision.growth_factor > 1, "precision.growth_factor must be greater than 1")
-    require(
-        0 < precision.backoff_factor < 1,
-        "precision.backoff_factor must lie strictly between 0 and 1",
-    )
-    require(precision.max_consecutive_skips > 0, "precision.max_consecutive_skips must be positive")
-    require(precision.min_scale > 0, "precision.min_scale must be positive")
     blank = [pattern for pattern in precision.keep_fp32 if not pattern.strip()]
     require(not blank, "precision.keep_fp32 holds an empty pattern; give module names or globs")
     require(
@@ -145,23 +118,13 @@ def check_values(run: RunConfig) -> None:
         f"resume={run.resume!r} is empty; use resume=null (start fresh), resume=auto, or the path "
         "of a run directory or checkpoint",
     )
-    by_type = (_POSITIVE_BY_TYPE.get(type(section), ()) for section in (run.dataset, run.model))
-    for key in (*_POSITIVE, *(key for keys in by_type for key in keys)):
-        value = attrgetter(key)(run)
-        require(value > 0, f"{key}={value} must be positive")
-    for key in _POSITIVE_OR_NULL:
-        value = attrgetter(key)(run)
-        require(value is None or value > 0, f"{key}={value} must be positive or null")
     _check_dataset(run.dataset)
     require(
         run.trainer.eval_every is None or run.trainer.eval_every >= 0,
         "trainer.eval_every must be 0 (only at the end), a positive step interval, or null (never)",
     )
-    require(run.trainer.timing_warmup_steps >= 0, "trainer.timing_warmup_steps must be 0 or more")
     every = run.checkpoint.every_steps
     require(every is None or every >= 0, "checkpoint.every_steps must be 0 (at the end), N or null")
-    require(run.checkpoint.keep >= 0, "checkpoint.keep must be 0 or more")
-    require(run.diagnostics.check_steps >= 0, "diagnostics.check_steps must be 0 or more")
     require(
         run.diagnostics.underflow_every >= 0, "diagnostics.underflow_every must be 0 (off) or more"
     )
@@ -211,22 +174,12 @@ def check_values(run: RunConfig) -> None:
             f"predicted; valid choices: {', '.join(names())}",
         )
         get(precision)
-    require(
-        run.predict.world_size >= 1,
-        f"predict.world_size={run.predict.world_size} must be 1 or more",
-    )
-    optimizer, scheduler = run.optimizer, run.scheduler
-    require(optimizer.weight_decay >= 0, "optimizer.weight_decay must be 0 or more")
+    optimizer = run.optimizer
     if isinstance(optimizer, AdamWConfig):
         require(
             len(optimizer.betas) == 2 and all(0 <= b < 1 for b in optimizer.betas),
             "optimizer.betas must be two numbers in [0, 1)",
         )
-    else:
-        require(0 <= optimizer.momentum < 1, "optimizer.momentum must lie in [0, 1)")
-    require(scheduler.warmup_steps >= 0, "scheduler.warmup_steps must be 0 or more")
-    require(0 <= scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio must lie in [0, 1]")
-    require(0 < scheduler.pct_start < 1, "scheduler.pct_start must lie strictly between 0 and 1")
     _check_model(run.model)
     _check_wandb(run.wandb)
 
@@ -260,16 +213,18 @@ def _check_speed(speed: SpeedConfig) -> None:
         get(precision)
 
 
-def _floats(node: Any, key: str = "") -> Iterator[tuple[str, float]]:
-    """Every float in a typed config, with its dotted key."""
+def _leaves(node: Any, key: str = "", bound: Any = None) -> Iterator[tuple[str, Any, Any]]:
+    """Every value in a typed config that is no section or list, with its dotted key and the
+    bound its schema's field declares (a key of ``BOUNDS``), or None."""
     if is_dataclass(node):
         for f in fields(node):
-            yield from _floats(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)
+            name = f"{key}.{f.name}" if key else f.name
+            yield from _leaves(getattr(node, f.name), name, f.metadata.get("bound"))
     elif isinstance(node, list):
         for i, item in enumerate(node):
-            yield from _floats(item, f"{key}[{i}]")
-    elif isinstance(node, float):
-        yield key, node
+            yield from _leaves(item, f"{key}[{i}]")
+    else:
+        yield key, node, bound
 
 
 def _reject_unknown_keys(cfg: DictConfig) -> None:
@@ -294,20 +249,6 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
 
 
 def _check_dataset(dataset: DatasetConfig) -> None:
-    if isinstance(dataset, ImageDatasetConfig):
-        require(dataset.noise_std >= 0, "dataset.noise_std must be 0 or more")
-    if isinstance(dataset, (ImageDatasetConfig, CustomDatasetConfig)):
-        require(dataset.num_workers >= 0, "dataset.num_workers must be 0 or more")
-    if isinstance(dataset, (ImageDatasetConfig, TextDatasetConfig)):
-        require(
-            0 < dataset.eval_fraction < 1,
-            "dataset.eval_fraction must lie strictly between 0 and 1",
-        )
-    if isinstance(dataset, TOKEN_DATASETS):
-        require(
-            dataset.seq_len is None or dataset.seq_len > 0,
-            f"dataset.seq_len={dataset.seq_len} must be positive or null",
-        )
     if isinstance(dataset, SyntheticTokensConfig):
         require(dataset.vocab_size >= 2, "dataset.vocab_size must be 2 or more")
         require(
@@ -315,10 +256,6 @@ def _check_dataset(dataset: DatasetConfig) -> None:
             f"dataset.branching={dataset.branching} must lie in [1, dataset.vocab_size]",
         )
     if isinstance(dataset, CustomDatasetConfig):
-        require(
-            dataset.num_classes is None or dataset.num_classes > 0,
-            f"dataset.num_classes={dataset.num_classes} must be positive or null",
-        )
         require(
             dataset.vocab_size is None or dataset.vocab_size >= 2,
             f"dataset.vocab_size={dataset.vocab_size} must be 2 or more, or null",
@@ -343,12 +280,7 @@ def _check_target(section: str, target: str) -> None:
 
 
 def _check_model(model: ModelConfig) -> None:
-    if isinstance(model, TinyCNNConfig):
-        require(model.width > 0, "model.width must be a positive integer")
-    elif isinstance(model, MLPConfig):
-        require(model.hidden_dim > 0, "model.hidden_dim must be a positive integer")
-        require(model.depth >= 0, "model.depth must be 0 or more")
-    elif isinstance(model, GPTConfig):
+    if isinstance(model, GPTConfig):
         require(
             model.d_model % model.n_head == 0,
             f"model.d_model={model.d_model} must be a multiple of model.n_head={model.n_head}",
@@ -357,7 +289,6 @@ def _check_model(model: ModelConfig) -> None:
             model.vocab_size is None or model.vocab_size > 0,
             "model.vocab_size must be positive or null (the dataset's)",
         )
-        require(0 <= model.dropout < 1, "model.dropout must lie in [0, 1)")
     elif isinstance(model, TimmModelConfig):
         try:
             import timm

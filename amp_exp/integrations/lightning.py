@@ -24,6 +24,7 @@ records.
 from __future__ import annotations
 
 import os
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,26 +55,22 @@ def batch_size(batch: Any) -> int:
     return int(tensors[0].shape[0]) if tensors else 0
 
 
+@dataclass(eq=False)  # eq=False: a callback stays hashable, compared by identity
 class AmpExpCallback(L.Callback):
     """Records a ``lightning.Trainer`` fit into ``run_dir``. ``task``: classification or lm;
     ``name``: the model's name runs are paired by (default: the LightningModule's class);
     ``warmup_steps``: left out of throughput (default: ``log_every_n_steps``)."""
 
-    def __init__(
-        self,
-        run_dir: Path | str | None = None,
-        *,
-        task: Any = "classification",
-        name: str | None = None,
-        seed: int | None = None,
-        warmup_steps: int | None = None,
-        resume: bool = False,
-    ) -> None:
-        self.run_dir, self.task, self.name, self.seed = run_dir, task, name, seed
-        self.warmup_steps, self.resume = warmup_steps, resume
-        self.recorder: Recorder | None = None
-        self._samples = 0
-        self._step_seen = 0
+    run_dir: Path | str | None = None
+    _: KW_ONLY
+    task: Any = "classification"
+    name: str | None = None
+    seed: int | None = None
+    warmup_steps: int | None = None
+    resume: bool = False
+    recorder: Recorder | None = field(default=None, init=False)
+    _samples: int = field(default=0, init=False)
+    _step_seen: int = field(default=0, init=False)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:

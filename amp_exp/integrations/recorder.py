@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from amp_exp.config.precisions import get, names
-from amp_exp.errors import ConfigError, NumericalFault, RunRefused, first_line
+from amp_exp.errors import NumericalFault, RunRefused, first_line, require_choice
 from amp_exp.integrations.audited_step import AuditedStep
 from amp_exp.integrations.facts import RunFacts, plain, unwrapped_optimizer
 from amp_exp.integrations.interval import Interval
@@ -73,11 +73,7 @@ class Recorder:
         facts: RunFacts,
         scaler: Any = None,
     ) -> None:
-        if facts.precision not in names():
-            raise ConfigError(
-                f"precision={facts.precision!r} is not an option; valid choices: "
-                f"{', '.join(names())}"
-            )
+        require_choice(facts.precision, names(), f"precision={facts.precision!r} is not an option")
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.model, self.facts, self.scaler = model, facts, scaler
         self.optimizer = unwrapped_optimizer(optimizer)

@@ -22,6 +22,7 @@ record there is refused, as amp_exp's own runs refuse theirs. Only the main proc
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,28 +79,24 @@ def model_name(model: Any) -> str:
     )
 
 
+@dataclass(eq=False)  # eq=False: a callback stays hashable, compared by identity
 class AmpExpCallback(TrainerCallback):
     """Records a ``transformers.Trainer`` run into ``run_dir`` (default
     ``args.output_dir/amp_exp``). ``task``: classification or lm (default: from the model's
     class); ``name``: the model's name runs are paired by (default: its config's
     ``name_or_path``); ``warmup_steps``: left out of throughput (default: ``logging_steps``)."""
 
-    def __init__(
-        self,
-        run_dir: Path | str | None = None,
-        *,
-        task: Any = None,
-        name: str | None = None,
-        warmup_steps: int | None = None,
-        resume: bool = False,
-    ) -> None:
-        self.run_dir, self.task, self.name = run_dir, task, name
-        self.warmup_steps, self.resume = warmup_steps, resume
-        self.recorder: Recorder | None = None
-        # The record once training ended: an evaluation after train() reopens it.
-        self.closed: Recorder | None = None
-        self._losses: list[Any] = []
-        self._hook: Any = None
+    run_dir: Path | str | None = None
+    _: KW_ONLY
+    task: Any = None
+    name: str | None = None
+    warmup_steps: int | None = None
+    resume: bool = False
+    recorder: Recorder | None = field(default=None, init=False)
+    # The record once training ended: an evaluation after train() reopens it.
+    closed: Recorder | None = field(default=None, init=False)
+    _losses: list[Any] = field(default_factory=list, init=False)
+    _hook: Any = field(default=None, init=False)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if not state.is_world_process_zero:

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -96,6 +97,7 @@ def check_plugin_state(precision: str, plugin_state: Any) -> None:
 UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
 
 
+@dataclass
 class Checkpointer:
     """Saves every ``every_steps`` steps (0: only at the end) and when the run stops early.
 
@@ -104,17 +106,12 @@ class Checkpointer:
     saving); the replicas are identical, so only the main rank writes.
     """
 
-    def __init__(
-        self,
-        directory: Path,
-        every_steps: int,
-        keep: int,
-        metadata: dict[str, Any],
-        writes: bool = True,
-    ) -> None:
-        self.directory, self.every_steps, self.keep = directory, every_steps, keep
-        self.metadata, self.writes = metadata, writes
-        self.plugin_state_checked = False
+    directory: Path
+    every_steps: int
+    keep: int
+    metadata: dict[str, Any]
+    writes: bool = True
+    plugin_state_checked: bool = field(default=False, init=False)
 
     def is_due(self, progress: Progress, last: bool) -> bool:
         if last:

@@ -14,10 +14,8 @@ import errno
 import json
 import math
 import os
-import re
 import stat
 from collections.abc import Callable
-from itertools import accumulate
 from pathlib import Path
 from typing import IO, Any
 
@@ -171,34 +169,29 @@ def read_data(path: Path, limit: int = JSON_LIMIT) -> bytes:
     return data
 
 
-# A JSON string (escapes included), and everything that is not a bracket: what ``nests_too_deep``
-# strips before counting, so a bracket inside a string does not count. A string left open runs
-# to the end of the data, so that every quote matches at its first try: a pattern that must find
-# the closing quote retries from each quote inside an open one, quadratic in the file's size.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:\\\Z)?(?:"|\Z)', re.DOTALL)
-_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
-_BRACKET_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
-
-
-def nests_too_deep(data: bytes) -> bool:
-    """Whether ``data``'s arrays and objects nest deeper than ``MAX_DEPTH``: checked before
-    parsing, because Python's parser recurses once a level and a deep enough file exhausts it."""
-    if data.count(b"[") + data.count(b"{") <= MAX_DEPTH:
-        return False  # too few brackets to nest that deep
-    brackets = _NOT_BRACKET.sub(b"", _JSON_STRING.sub(b"", data))
-    return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0) > MAX_DEPTH
+def depth(value: Any) -> int:
+    """How deep ``value``'s lists and dicts nest (a scalar: 0)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    return 1 + max(map(depth, value), default=0) if isinstance(value, list) else 0
 
 
 def parse_json(data: bytes, path: Path) -> Any:
     """``data`` (read from ``path``) parsed as JSON; ``UntrustedFile`` when it nests deeper
     than ``MAX_DEPTH``, ``ValueError`` when it is no JSON (``UnicodeDecodeError`` and
-    ``json.JSONDecodeError`` both are)."""
-    if nests_too_deep(data):
+    ``json.JSONDecodeError`` both are). A file nested deeper than Python's recursion limit makes
+    the parser raise ``RecursionError``: that too is too deep."""
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+        too_deep = depth(parsed) > MAX_DEPTH
+    except RecursionError:
+        too_deep = True
+    if too_deep:
         raise UntrustedFile(
             f"{path} nests deeper than {MAX_DEPTH} levels, deeper than anything amp_exp writes; "
             "remove it"
         )
-    return json.loads(data.decode("utf-8"))
+    return parsed
 
 
 def read_json(path: Path, limit: int = JSON_LIMIT) -> Any:

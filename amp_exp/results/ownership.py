@@ -49,6 +49,7 @@ from amp_exp.results.files import (
     SENSITIVITY_JSON,
     SPEED_JSON,
     open_data,
+    read_json,
 )
 from amp_exp.results.recorded import job_config
 from amp_exp.results.resume import (
@@ -383,7 +384,7 @@ def read_evidence_plan(directory: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        found = json.loads(path.read_text(encoding="utf-8"))
+        found = read_json(path)  # read as data: the file may be anything
     except (OSError, ValueError) as error:
         raise RunRefused(f"{path} cannot be read ({error}); nothing was changed") from None
     return found if isinstance(found, dict) else {}

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
+from amp_exp.config.preflight import without_hydra
 from amp_exp.results.recorded import as_recorded, job_config
 from amp_exp.results.resume import trained_values
 from amp_exp.results.summary import completed_summary
@@ -64,10 +65,7 @@ class Placement:
     def directory(self, overrides: list[str]) -> tuple[str, dict[str, Any]]:
         """The job's directory name (its own, or the next free number) and its config, as a
         summary records it, composed from the sweep's command line."""
-        cfg = self.compose(list(overrides))
-        with open_dict(cfg):
-            del cfg["hydra"]
-        config = as_recorded(cfg)
+        config = as_recorded(without_hydra(self.compose(list(overrides))))
         name = self.held.get(identity(config))
         if name is None:
             name = str(next(n for n in range(len(self.used) + 1) if str(n) not in self.used))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -137,15 +136,14 @@ def build_timm(
 
 
 def build_model(cfg: ModelConfig, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    builders: dict[type, Callable[..., nn.Module]] = {
-        TinyCNNConfig: lambda: TinyCNN(
-            input_shape[0], num_classes, cfg.width, cfg.normalize_features
-        ),
-        MLPConfig: lambda: build_mlp(input_shape, num_classes, cfg),
-        TorchvisionModelConfig: lambda: build_torchvision(input_shape, num_classes, cfg),
-        TimmModelConfig: lambda: build_timm(input_shape, num_classes, cfg),
+    if isinstance(cfg, TinyCNNConfig):
+        return TinyCNN(input_shape[0], num_classes, cfg.width, cfg.normalize_features)
+    builders = {
+        MLPConfig: build_mlp,
+        TorchvisionModelConfig: build_torchvision,
+        TimmModelConfig: build_timm,
     }
-    return builders[type(cfg)]()
+    return builders[type(cfg)](input_shape, num_classes, cfg)
 
 
 def is_convolutional(model: nn.Module) -> bool:
