@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from amp_exp.capability.cache import cache_dir, read_entries, write_entries
 from amp_exp.config.precisions import REFERENCE, get
 from amp_exp.runtime.hardware import cpu_flags, device_name
-from amp_exp.training.meters import synchronize
+from amp_exp.training.timing import StepClock, time_steps
 
 log = logging.getLogger("amp_exp")
 
@@ -173,12 +173,8 @@ def _forward_backward(
     forward: Callable[[], torch.Tensor],
     leaves: tuple[torch.Tensor, ...],
 ) -> float:
-    """Seconds for one ``_run``."""
-    synchronize(device)
-    tick = time.perf_counter()
-    _run(device, precision, forward, leaves)
-    synchronize(device)
-    return time.perf_counter() - tick
+    """Seconds for one ``_run``, clocked as the speed trial clocks a step."""
+    return time_steps(lambda: _run(device, precision, forward, leaves), StepClock(device), 1)[0]
 
 
 def kernel_pass(

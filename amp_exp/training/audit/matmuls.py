@@ -133,26 +133,7 @@ class MatmulFlops:
         return cls(flops)
 
 
-class _Recording(TorchDispatchMode):
-    def __init__(self, recorder: MatmulRecorder) -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        recorder = self.recorder
-        recorder.backward_started = (
-            recorder.backward_started or torch._C._current_autograd_node() is not None
-        )
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        formula = FORMULAS.get(packet)
-        if formula is not None:
-            recorder.record(packet, formula(*args, **kwargs, out_val=out), args)
-        return out
-
-
-class MatmulRecorder:
+class MatmulRecorder(TorchDispatchMode):
     """Records every matmul-class op run while it is entered: its FLOPs, dtype and module.
 
     ``model`` is what trains (maybe wrapped by DDP); ``inner`` is the module inside the
@@ -161,24 +142,31 @@ class MatmulRecorder:
     """
 
     def __init__(self, model: nn.Module, inner: nn.Module) -> None:
+        super().__init__()
         self.modules = ModuleOps(inner)
         self.flops = MatmulFlops()
-        self._mode = _Recording(self)
         # Whether any op of a backward has run yet (the saved-tensor count stops there).
         self.backward_started = False
 
-    def record(self, packet: Any, flops: int, args: tuple) -> None:
-        module, phase = self.modules.current()
-        dtype = _COMPUTED_AS.get() or dtype_name(operand_dtype(packet, args))
-        self.flops.flops[(module, phase, dtype)] += flops
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        in_backward = torch._C._current_autograd_node() is not None
+        self.backward_started = self.backward_started or in_backward
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        formula = FORMULAS.get(packet)
+        if formula is not None:
+            module, phase = self.modules.current()
+            dtype = _COMPUTED_AS.get() or dtype_name(operand_dtype(packet, args))
+            self.flops.flops[(module, phase, dtype)] += formula(*args, **kwargs, out_val=out)
+        return out
 
     def __enter__(self) -> MatmulRecorder:
         self.modules.__enter__()
-        self._mode.__enter__()
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        self._mode.__exit__(*exc)
+        super().__exit__(*exc)
         self.modules.__exit__(*exc)
 
 
