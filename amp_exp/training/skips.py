@@ -69,11 +69,7 @@ class SkipRecord:
         self.record[FIRST_STEP] = -1
 
     def add(
-        self,
-        step: int,
-        found_inf: torch.Tensor,
-        loss: torch.Tensor,
-        nonfinite: torch.Tensor,
+        self, step: int, found_inf: torch.Tensor, loss: torch.Tensor, nonfinite: torch.Tensor
     ) -> None:
         """Record optimizer step ``step``: ``found_inf`` is 1.0 if it was skipped, ``loss`` its
         loss and ``nonfinite`` one flag per parameter (all on the device)."""

@@ -30,14 +30,7 @@ from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from amp_exp.config.plain import plain_run_config
-from amp_exp.config.precisions import (
-    DType,
-    Engagement,
-    PluginHook,
-    PrecisionSpec,
-    get,
-    options_of,
-)
+from amp_exp.config.precisions import DType, Engagement, PluginHook, PrecisionSpec, get, options_of
 from amp_exp.errors import ConfigError, require
 
 if TYPE_CHECKING:
@@ -172,11 +165,8 @@ class PrecisionPlugin:
         """
         import torch
 
-        self.cfg = cfg
-        self.device = device
-        self.kept_fp32 = list(kept_fp32)
-        self.params_cast = params_cast
-        self.guard_nonfinite = guard_nonfinite
+        self.cfg, self.device, self.kept_fp32 = cfg, device, list(kept_fp32)
+        self.params_cast, self.guard_nonfinite = params_cast, guard_nonfinite
         self.options = self.options_for(cfg)
         self.scaler: torch.amp.GradScaler | None = None
         if self.spec.grad_scaler:
