@@ -209,25 +209,19 @@ def measure(
     precisions = list(precisions)
     kernels = _kernels(shapes or SHAPES[device.type], device)
     # Each precision's fastest pass of each kernel in each round after the first.
-    fastest: dict[str, dict[str, list[float]]] = {
-        p: {name: [] for name in kernels} for p in precisions
-    }
+    fastest: dict[str, dict[str, list[float]]] = {p: {k: [] for k in kernels} for p in precisions}
     for name, (forward, leaves, _) in kernels.items():
-        started = time.perf_counter()
-        rounds = 0
-        while rounds < min_rounds or (
-            rounds < max_rounds and time.perf_counter() - started < budget_s * len(precisions)
-        ):
+        ends = time.perf_counter() + budget_s * len(precisions)
+        for rounds in range(max(min_rounds, max_rounds)):
+            if rounds >= min_rounds and time.perf_counter() >= ends:
+                break
             for precision in precisions:
                 turn_ends = time.perf_counter() + budget_s / 4
-                turn = math.inf
-                while True:
+                turn = _forward_backward(device, precision, forward, leaves)
+                while time.perf_counter() < turn_ends:
                     turn = min(turn, _forward_backward(device, precision, forward, leaves))
-                    if time.perf_counter() >= turn_ends:
-                        break
                 if rounds:
                     fastest[precision][name].append(turn)
-            rounds += 1
     # Without fp32 in the same rounds, a precision's spread is that of its own rounds.
     baseline = fastest.get(REFERENCE)
     return {

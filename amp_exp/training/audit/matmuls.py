@@ -78,16 +78,13 @@ def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [plain for name in names for plain in plain_tensors(getattr(tensor, name))]
 
 
-def stored_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype a tensor's values are held in: for a wrapper subclass (torchao's float8
-    tensors), that of the largest tensor it wraps (its data, not its scale)."""
-    return max(plain_tensors(tensor), key=lambda plain: plain.numel()).dtype
-
-
 def operand_dtype(packet: Any, args: tuple) -> torch.dtype:
     """The dtype a matmul computed in: that of its widest operand (float8 e5m2 gradients meet
-    e4m3 weights in torchao's backward; the first operand names such a tie)."""
-    dtypes = [stored_dtype(args[i]) for i in OPERANDS.get(packet, (0, 1)) if i < len(args)]
+    e4m3 weights in torchao's backward; the first operand names such a tie). An operand's dtype
+    is the one its values are held in: for a wrapper subclass (torchao's float8 tensors), that of
+    the largest tensor it wraps (its data, not its scale)."""
+    operands = [plain_tensors(args[i]) for i in OPERANDS.get(packet, (0, 1)) if i < len(args)]
+    dtypes = [max(plains, key=lambda plain: plain.numel()).dtype for plains in operands]
     return max(dtypes, key=lambda dtype: dtype.itemsize)
 
 
