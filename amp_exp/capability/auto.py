@@ -121,8 +121,7 @@ def cached_speedups(key: str, candidates: Sequence[str]) -> dict[str, Found] | N
     except KeyError:
         # An entry of an amp_exp that timed by fastest passes: no trial's figure to reuse.
         return None
-    why = implausible_speedup(found)
-    if why:
+    if why := implausible_speedup(found):
         log.warning(
             "%s holds speedups for this model that are no measurement (%s); timing again",
             cache_dir() / CACHE_FILE,

@@ -293,8 +293,7 @@ def probe(
             cells = entry["kernels"]
             found[precision] = {k: KernelTime(**{f: cells[k][f] for f in FIELDS}) for k in KERNELS}
             measured_again |= entry.get("measured_again") is True
-    stale = stale_timings(found)
-    if stale:
+    if stale := stale_timings(found):
         log.warning(
             "%s holds timings that are no measurement (%s); measuring again",
             cache_dir() / CACHE_FILE,
