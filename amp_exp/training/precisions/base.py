@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from amp_exp.config.plain import plain_run_config
 from amp_exp.config.precisions import DType, Engagement, PluginHook, PrecisionSpec, get, options_of
-from amp_exp.errors import ConfigError, require
+from amp_exp.errors import require
 
 if TYPE_CHECKING:
     import torch
@@ -482,12 +482,12 @@ class LinearFormatPlugin(PrecisionPlugin):
         self.conversion = conversion
         conversion.emulated = self.emulated
         skipped = ", ".join(f"{name}: {why}" for name, why in conversion.skipped.items())
-        if not conversion.converted:
-            raise ConfigError(
-                f"precision={self.spec.name} converted no linear layer ("
-                f"{skipped or 'the model has none'}), so no matmul would run in "
-                f"{self.spec.name}; use precision=bf16"
-            )
+        require(
+            bool(conversion.converted),
+            f"precision={self.spec.name} converted no linear layer ("
+            f"{skipped or 'the model has none'}), so no matmul would run in "
+            f"{self.spec.name}; use precision=bf16",
+        )
         if self.emulated:
             log.warning(
                 "%s is emulated (precision.emulate=true): slow, so not timed", self.spec.name
