@@ -32,13 +32,7 @@ from torch import nn
 
 from amp_exp.capability.cache import cache_dir, read_entries, write_entries
 from amp_exp.capability.device import THE_MODEL, Capability, Found, kernels_of, recommend
-from amp_exp.config.precisions import (
-    AUTO,
-    REFERENCE,
-    ResolvedPrecision,
-    auto_candidates,
-    get,
-)
+from amp_exp.config.precisions import AUTO, REFERENCE, ResolvedPrecision, auto_candidates, get
 from amp_exp.config.schema import PrecisionConfig, RunConfig
 from amp_exp.report.words import show_speedup
 from amp_exp.runtime.distributed import Distributed
@@ -127,8 +121,7 @@ def cached_speedups(key: str, candidates: Sequence[str]) -> dict[str, Found] | N
     except KeyError:
         # An entry of an amp_exp that timed by fastest passes: no trial's figure to reuse.
         return None
-    why = implausible_speedup(found)
-    if why:
+    if why := implausible_speedup(found):
         log.warning(
             "%s holds speedups for this model that are no measurement (%s); timing again",
             cache_dir() / CACHE_FILE,
@@ -189,11 +182,7 @@ def batch_shapes(batch: Batch) -> Any:
 
 
 def time_candidates(
-    model: nn.Module,
-    task: Task,
-    batch: Batch,
-    candidates: Sequence[str],
-    measure: Measure,
+    model: nn.Module, task: Task, batch: Batch, candidates: Sequence[str], measure: Measure
 ) -> dict[str, Found]:
     """Each low candidate's speedup over fp32 on ``model``'s forward+backward on ``batch``, each
     pass under its candidate's autocast, as ``measure`` (the speed trial's rounds) finds it.

@@ -261,10 +261,7 @@ class Capability:
             "name": self.name,
             "facts": self.facts,
             "measured": {
-                p: {
-                    "tflops": self.tflops(p),
-                    "kernels": {k: vars(t) for k, t in timing.items()},
-                }
+                p: {"tflops": self.tflops(p), "kernels": {k: vars(t) for k, t in timing.items()}}
                 for p, timing in self.measured.items()
             },
             "verdicts": self.verdicts(trials, timed),

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from amp_exp.capability.cache import cache_dir, read_entries, write_entries
 from amp_exp.config.precisions import REFERENCE, get
 from amp_exp.runtime.hardware import cpu_flags, device_name
-from amp_exp.training.meters import synchronize
+from amp_exp.training.timing import StepClock, time_steps
 
 log = logging.getLogger("amp_exp")
 
@@ -173,12 +173,8 @@ def _forward_backward(
     forward: Callable[[], torch.Tensor],
     leaves: tuple[torch.Tensor, ...],
 ) -> float:
-    """Seconds for one ``_run``."""
-    synchronize(device)
-    tick = time.perf_counter()
-    _run(device, precision, forward, leaves)
-    synchronize(device)
-    return time.perf_counter() - tick
+    """Seconds for one ``_run``, clocked as the speed trial clocks a step."""
+    return time_steps(lambda: _run(device, precision, forward, leaves), StepClock(device), 1)[0]
 
 
 def kernel_pass(
@@ -213,25 +209,19 @@ def measure(
     precisions = list(precisions)
     kernels = _kernels(shapes or SHAPES[device.type], device)
     # Each precision's fastest pass of each kernel in each round after the first.
-    fastest: dict[str, dict[str, list[float]]] = {
-        p: {name: [] for name in kernels} for p in precisions
-    }
+    fastest: dict[str, dict[str, list[float]]] = {p: {k: [] for k in kernels} for p in precisions}
     for name, (forward, leaves, _) in kernels.items():
-        started = time.perf_counter()
-        rounds = 0
-        while rounds < min_rounds or (
-            rounds < max_rounds and time.perf_counter() - started < budget_s * len(precisions)
-        ):
+        ends = time.perf_counter() + budget_s * len(precisions)
+        for rounds in range(max(min_rounds, max_rounds)):
+            if rounds >= min_rounds and time.perf_counter() >= ends:
+                break
             for precision in precisions:
                 turn_ends = time.perf_counter() + budget_s / 4
-                turn = math.inf
-                while True:
+                turn = _forward_backward(device, precision, forward, leaves)
+                while time.perf_counter() < turn_ends:
                     turn = min(turn, _forward_backward(device, precision, forward, leaves))
-                    if time.perf_counter() >= turn_ends:
-                        break
                 if rounds:
                     fastest[precision][name].append(turn)
-            rounds += 1
     # Without fp32 in the same rounds, a precision's spread is that of its own rounds.
     baseline = fastest.get(REFERENCE)
     return {
@@ -303,8 +293,7 @@ def probe(
             cells = entry["kernels"]
             found[precision] = {k: KernelTime(**{f: cells[k][f] for f in FIELDS}) for k in KERNELS}
             measured_again |= entry.get("measured_again") is True
-    stale = stale_timings(found)
-    if stale:
+    if stale := stale_timings(found):
         log.warning(
             "%s holds timings that are no measurement (%s); measuring again",
             cache_dir() / CACHE_FILE,

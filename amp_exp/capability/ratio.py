@@ -50,10 +50,6 @@ def orders(n: int) -> np.ndarray:
     return np.where(np.arange(n) % 2 == 0, AB, BA)
 
 
-def hac_lag(n: int) -> int:
-    return max(1, round(math.sqrt(n)))
-
-
 def fit(logs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(a, its Newey-West standard error, b) of log ratio = a + b * order, along the last axis
     (many trials at once in simulation)."""
@@ -63,7 +59,7 @@ def fit(logs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     inverse = np.linalg.inv(design.T @ design)
     beta = logs @ design @ inverse
     scores = (logs - beta @ design.T)[..., :, None] * design
-    lag = hac_lag(n)
+    lag = max(1, round(math.sqrt(n)))
     spread = np.einsum("...ti,...tj->...ij", scores, scores)
     for step in range(1, lag + 1):
         ahead = np.einsum("...ti,...tj->...ij", scores[..., step:, :], scores[..., :-step, :])

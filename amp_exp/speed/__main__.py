@@ -39,11 +39,9 @@ register_configs()
 
 def candidates(cfg: RunConfig) -> dict[str, RunConfig]:
     """The run in each precision of ``speed.precisions``, fp32 first."""
-    precisions = dict.fromkeys([REFERENCE, *cfg.speed.precisions])
-    configs = {}
-    for precision in precisions:
-        configs[precision] = copy.deepcopy(cfg)
-        configs[precision].precision.name = precision
+    configs = {p: copy.deepcopy(cfg) for p in dict.fromkeys([REFERENCE, *cfg.speed.precisions])}
+    for precision, config in configs.items():
+        config.precision.name = precision
     return configs
 
 

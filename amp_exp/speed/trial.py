@@ -128,15 +128,16 @@ def compile_variants(configs: Mapping[str, RunConfig], speed: SpeedConfig) -> di
     one against eager fp32, so that the eager and the compiled speedups share a baseline."""
     if speed.compile is None:
         return dict(configs)
-    variants = {BASELINE: dataclasses.replace(configs[BASELINE])}
-    variants[BASELINE].trainer = dataclasses.replace(configs[BASELINE].trainer, compile=False)
+
+    def compiled_as(cfg: RunConfig, compiled: bool) -> RunConfig:
+        return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, compile=compiled))
+
+    variants = {BASELINE: compiled_as(configs[BASELINE], False)}
     for label, cfg in configs.items():
         for compiled in dict.fromkeys(speed.compile):
-            key = f"{label} {COMPILED}" if compiled else label
-            if key == BASELINE:
-                continue
-            variants[key] = dataclasses.replace(cfg)
-            variants[key].trainer = dataclasses.replace(cfg.trainer, compile=compiled)
+            variants.setdefault(
+                f"{label} {COMPILED}" if compiled else label, compiled_as(cfg, compiled)
+            )
     return variants
 
 
@@ -147,8 +148,6 @@ def run_trial(
     each against fp32 in a pair of its own; returns the trial as speed.json records it.
     ``stand_in`` says what the single process stands in for (a torchrun job's world size and
     strategy): such a trial is shown, labelled, and kept out of the report's verdicts."""
-    if BASELINE not in configs:
-        raise ValueError(f"a speed trial needs {BASELINE} to compare with")
     configs = compile_variants(configs, speed)
     baseline = configs[BASELINE]
     device = resolve_device(baseline.trainer.device)
@@ -175,14 +174,13 @@ def run_trial(
             continue
         speedups[label] = found.pop("speedup")
         pairs[label] = found
-    samples_per_step = global_batch_size(baseline, 1)
     trial = {
         "model": baseline.model.name,
         "setting": "",
         "device": device.type,
         "device_name": device_name(device),
         "stand_in": stand_in,
-        "samples_per_step": samples_per_step,
+        "samples_per_step": global_batch_size(baseline, 1),
         "max_warmup_steps": speed.max_warmup_steps,
         # Warm-up ended where the Mann-Kendall test found no trend at this level.
         "warmup_level": WARMUP_LEVEL,
@@ -235,11 +233,8 @@ def trial_markdown(trials: list[dict[str, Any]]) -> str:
             "|---|---|---|---|---|",
         ]
         for label, pair in trial["pairs"].items():
-            ms, warm, skipped = (
-                pair["ms_per_applied_step"],
-                pair["warmup_steps"],
-                pair["skipped_steps"],
-            )
+            columns = ("ms_per_applied_step", "warmup_steps", "skipped_steps")
+            ms, warm, skipped = (pair[column] for column in columns)
             unsteady = [key for key, steady in pair["steady"].items() if not steady]
             lines.append(
                 f"| {md_text(label)} | {ms[BASELINE]:.3g} / {ms[label]:.3g} | "

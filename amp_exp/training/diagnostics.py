@@ -159,14 +159,13 @@ class Diagnostics(StepCallback):
             return  # most steps: nothing to look at, not even the list of gradients
         grads = [(n, local(p.grad)) for n, p in self.named_parameters if p.grad is not None]
         if checking and grads:
-            wrong_dtype = self.fp32_weights
             # Non-finite gradients fail the check only in a step that applies them: the device
             # skips those of an fp16 scale search or of the non-finite guard.
             applied = True if gradients.found_inf is None else gradients.found_inf == 0
             bad = torch.stack(
                 [
                     (~torch.isfinite(grad).all() & applied)
-                    | (wrong_dtype and grad.dtype != torch.float32)
+                    | (self.fp32_weights and grad.dtype != torch.float32)
                     for _, grad in grads
                 ]
             )

@@ -105,7 +105,7 @@ class AutocastOff:
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.enabled_before.append(torch.is_autocast_enabled(self.device_type))
         torch.set_autocast_enabled(self.device_type, False)
-        return cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)
+        return cast_floats((args, kwargs), torch.float32)
 
     def leave(self, module: nn.Module, args: tuple, output) -> None:
         torch.set_autocast_enabled(self.device_type, self.enabled_before.pop())

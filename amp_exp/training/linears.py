@@ -97,9 +97,7 @@ def plan_linears(
 def as_linear_shape(module: nn.Module) -> nn.Module:
     """``module`` as torchao's size filters take it: an ``nn.Linear`` (on the meta device, for
     its shape alone) where it is a ``Conv1D``."""
-    if not is_conv1d(module):
-        return module
-    return nn.Linear(*linear_features(module), device="meta")
+    return nn.Linear(*linear_features(module), device="meta") if is_conv1d(module) else module
 
 
 def replacement(linear: nn.Module, layer_class: type[nn.Module], **options: Any) -> nn.Module:

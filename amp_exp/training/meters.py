@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -163,14 +164,9 @@ class Throughput:
     def _in_this_precision(self) -> tuple[float, int, int]:
         """Timed seconds, samples and steps of this attempt and the unbroken run of earlier
         attempts in the same precision just before it."""
-        seconds, samples, steps = self.seconds, self.samples, self.steps
-        for attempt in reversed(self.earlier):
-            if attempt["precision"] != self.precision:
-                break
-            seconds += attempt["seconds"]
-            samples += attempt["samples"]
-            steps += attempt["timed_steps"]
-        return seconds, samples, steps
+        same = takewhile(lambda a: a["precision"] == self.precision, reversed(self.earlier))
+        attempts = [self._attempt(0), *same]
+        return tuple(sum(a[key] for a in attempts) for key in ("seconds", "samples", "timed_steps"))
 
     def samples_per_s(self) -> float | None:
         return _rates(self.timed, *self._in_this_precision())[0]

@@ -92,11 +92,8 @@ def signal_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     blocks = model_blocks(model)
     if blocks is not None:
         return [(names[id(block)], block) for block in blocks]
-    return [
-        (name, child)
-        for name, child in model.named_children()
-        if any(True for _ in child.parameters())
-    ]
+    children = model.named_children()
+    return [(name, child) for name, child in children if next(child.parameters(), None) is not None]
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:

@@ -69,11 +69,7 @@ class SkipRecord:
         self.record[FIRST_STEP] = -1
 
     def add(
-        self,
-        step: int,
-        found_inf: torch.Tensor,
-        loss: torch.Tensor,
-        nonfinite: torch.Tensor,
+        self, step: int, found_inf: torch.Tensor, loss: torch.Tensor, nonfinite: torch.Tensor
     ) -> None:
         """Record optimizer step ``step``: ``found_inf`` is 1.0 if it was skipped, ``loss`` its
         loss and ``nonfinite`` one flag per parameter (all on the device)."""
@@ -156,8 +152,7 @@ class SkipMonitor:
         step = skipped.first_step
         if not skipped.carried_run:
             # A run of skips began in this interval: its first step names the culprits.
-            self.first_nonfinite = skipped.nonfinite
-            self.first_loss_finite = skipped.loss_finite
+            self.first_nonfinite, self.first_loss_finite = skipped.nonfinite, skipped.loss_finite
         if progress.first_overflow is None:
             progress.first_overflow = {
                 "step": step,
@@ -197,11 +192,9 @@ class SkipMonitor:
             return
         self.scale_history.append(f"{progress.step}:{scale:g}")
         if too_many or scale < self.min_scale:
-            reason = (
-                f"{skipped.longest_run} consecutive skipped steps"
-                if too_many
-                else f"loss scale {scale:g} fell below precision.min_scale"
-            )
+            reason = f"{skipped.longest_run} consecutive skipped steps"
+            if not too_many:
+                reason = f"loss scale {scale:g} fell below precision.min_scale"
             raise NumericalFault(
                 f"fp16 loss scaling collapsed by step {progress.step}: {reason}. Scale history "
                 f"(step:scale): {', '.join(self.scale_history)}. {self._where()}. Try a lower "

@@ -78,16 +78,13 @@ def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [plain for name in names for plain in plain_tensors(getattr(tensor, name))]
 
 
-def stored_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype a tensor's values are held in: for a wrapper subclass (torchao's float8
-    tensors), that of the largest tensor it wraps (its data, not its scale)."""
-    return max(plain_tensors(tensor), key=lambda plain: plain.numel()).dtype
-
-
 def operand_dtype(packet: Any, args: tuple) -> torch.dtype:
     """The dtype a matmul computed in: that of its widest operand (float8 e5m2 gradients meet
-    e4m3 weights in torchao's backward; the first operand names such a tie)."""
-    dtypes = [stored_dtype(args[i]) for i in OPERANDS.get(packet, (0, 1)) if i < len(args)]
+    e4m3 weights in torchao's backward; the first operand names such a tie). An operand's dtype
+    is the one its values are held in: for a wrapper subclass (torchao's float8 tensors), that of
+    the largest tensor it wraps (its data, not its scale)."""
+    operands = [plain_tensors(args[i]) for i in OPERANDS.get(packet, (0, 1)) if i < len(args)]
+    dtypes = [max(plains, key=lambda plain: plain.numel()).dtype for plains in operands]
     return max(dtypes, key=lambda dtype: dtype.itemsize)
 
 
@@ -133,26 +130,7 @@ class MatmulFlops:
         return cls(flops)
 
 
-class _Recording(TorchDispatchMode):
-    def __init__(self, recorder: MatmulRecorder) -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        recorder = self.recorder
-        recorder.backward_started = (
-            recorder.backward_started or torch._C._current_autograd_node() is not None
-        )
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        formula = FORMULAS.get(packet)
-        if formula is not None:
-            recorder.record(packet, formula(*args, **kwargs, out_val=out), args)
-        return out
-
-
-class MatmulRecorder:
+class MatmulRecorder(TorchDispatchMode):
     """Records every matmul-class op run while it is entered: its FLOPs, dtype and module.
 
     ``model`` is what trains (maybe wrapped by DDP); ``inner`` is the module inside the
@@ -161,24 +139,31 @@ class MatmulRecorder:
     """
 
     def __init__(self, model: nn.Module, inner: nn.Module) -> None:
+        super().__init__()
         self.modules = ModuleOps(inner)
         self.flops = MatmulFlops()
-        self._mode = _Recording(self)
         # Whether any op of a backward has run yet (the saved-tensor count stops there).
         self.backward_started = False
 
-    def record(self, packet: Any, flops: int, args: tuple) -> None:
-        module, phase = self.modules.current()
-        dtype = _COMPUTED_AS.get() or dtype_name(operand_dtype(packet, args))
-        self.flops.flops[(module, phase, dtype)] += flops
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        in_backward = torch._C._current_autograd_node() is not None
+        self.backward_started = self.backward_started or in_backward
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        formula = FORMULAS.get(packet)
+        if formula is not None:
+            module, phase = self.modules.current()
+            dtype = _COMPUTED_AS.get() or dtype_name(operand_dtype(packet, args))
+            self.flops.flops[(module, phase, dtype)] += formula(*args, **kwargs, out_val=out)
+        return out
 
     def __enter__(self) -> MatmulRecorder:
         self.modules.__enter__()
-        self._mode.__enter__()
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        self._mode.__exit__(*exc)
+        super().__exit__(*exc)
         self.modules.__exit__(*exc)
 
 

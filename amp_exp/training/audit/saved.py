@@ -22,10 +22,6 @@ from torch.autograd.graph import saved_tensors_hooks
 from amp_exp.training.audit.matmuls import dtype_name, plain_tensors
 
 
-def _is_parameter(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
-
-
 class SavedActivations:
     """Counts the storages the forward saves for backward while it is entered.
 
@@ -39,7 +35,9 @@ class SavedActivations:
         self._hooks = saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.stopped() or _is_parameter(tensor):
+        # A parameter, or a view of one (not a copy autocast made).
+        parameter = isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+        if self.stopped() or parameter:
             return tensor
         for plain in plain_tensors(tensor):
             storage = plain.untyped_storage()

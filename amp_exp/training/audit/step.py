@@ -118,17 +118,15 @@ class PrecisionAudit:
         }
 
     def _recorded(self, step: int, figures: dict[str, Any]) -> dict[str, Any]:
-        engine = self.engine
-        precision = engine.precision
-        kept = precision.kept_fp32
-        record = audit_record(
-            step, precision.spec, figures, precision.converted_linears(), kept, self.eager
-        )
+        precision, distributed = self.engine.precision, self.engine.distributed
+        converted, kept = precision.converted_linears(), precision.kept_fp32
+        record = audit_record(step, precision.spec, figures, converted, kept, self.eager)
         record["tf32"] = TF32_NOTE if self._tf32(record["flops_by_dtype"]) else None
-        is_main = engine.distributed is None or engine.distributed.is_main
+        is_main = distributed is None or distributed.is_main
         if is_main:
-            kept_share = record["keep_fp32_flop_share"]
-            line = described(step, record["flops_by_dtype"], figures, kept_share)
+            line = described(
+                step, record["flops_by_dtype"], figures, record["keep_fp32_flop_share"]
+            )
             log.info("%s%s", line, " (an eager step of the compiled run)" if self.eager else "")
         if record["engaged"] is False and is_main:
             log.warning("%s", warning_text(precision.spec.name, verdict_of(record)))

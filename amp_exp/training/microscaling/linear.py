@@ -29,11 +29,7 @@ from torchao.prototype.mx_formats.config import ScaleCalculationMode
 
 from amp_exp.config.precisions import DType
 from amp_exp.training.audit.matmuls import computed_as
-from amp_exp.training.microscaling.formats import (
-    hadamard_rotation,
-    quantized,
-    rotate_rows,
-)
+from amp_exp.training.microscaling.formats import hadamard_rotation, quantized, rotate_rows
 
 
 @dataclass(frozen=True)

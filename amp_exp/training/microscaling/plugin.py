@@ -18,7 +18,7 @@ from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from amp_exp.config.precisions import DType
-from amp_exp.errors import ConfigError, require
+from amp_exp.errors import require
 from amp_exp.training.precisions.base import LinearFormatPlugin, linear_format_spec
 
 if TYPE_CHECKING:
@@ -102,10 +102,9 @@ class MicroscalingPlugin(LinearFormatPlugin):
     @classmethod
     def check_device(cls, device: torch.device, cfg: PrecisionConfig) -> None:
         lacking = cls.lacks(device)
-        if lacking is None or cfg.emulate:
-            return
-        raise ConfigError(
-            f"precision={cls.spec.name} cannot run for real here: {lacking}; " + cls.EMULATE
+        require(
+            lacking is None or cfg.emulate,
+            f"precision={cls.spec.name} cannot run for real here: {lacking}; " + cls.EMULATE,
         )
 
     @property

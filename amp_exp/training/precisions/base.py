@@ -30,15 +30,8 @@ from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from amp_exp.config.plain import plain_run_config
-from amp_exp.config.precisions import (
-    DType,
-    Engagement,
-    PluginHook,
-    PrecisionSpec,
-    get,
-    options_of,
-)
-from amp_exp.errors import ConfigError, require
+from amp_exp.config.precisions import DType, Engagement, PluginHook, PrecisionSpec, get, options_of
+from amp_exp.errors import require
 
 if TYPE_CHECKING:
     import torch
@@ -172,11 +165,8 @@ class PrecisionPlugin:
         """
         import torch
 
-        self.cfg = cfg
-        self.device = device
-        self.kept_fp32 = list(kept_fp32)
-        self.params_cast = params_cast
-        self.guard_nonfinite = guard_nonfinite
+        self.cfg, self.device, self.kept_fp32 = cfg, device, list(kept_fp32)
+        self.params_cast, self.guard_nonfinite = params_cast, guard_nonfinite
         self.options = self.options_for(cfg)
         self.scaler: torch.amp.GradScaler | None = None
         if self.spec.grad_scaler:
@@ -492,12 +482,12 @@ class LinearFormatPlugin(PrecisionPlugin):
         self.conversion = conversion
         conversion.emulated = self.emulated
         skipped = ", ".join(f"{name}: {why}" for name, why in conversion.skipped.items())
-        if not conversion.converted:
-            raise ConfigError(
-                f"precision={self.spec.name} converted no linear layer ("
-                f"{skipped or 'the model has none'}), so no matmul would run in "
-                f"{self.spec.name}; use precision=bf16"
-            )
+        require(
+            bool(conversion.converted),
+            f"precision={self.spec.name} converted no linear layer ("
+            f"{skipped or 'the model has none'}), so no matmul would run in "
+            f"{self.spec.name}; use precision=bf16",
+        )
         if self.emulated:
             log.warning(
                 "%s is emulated (precision.emulate=true): slow, so not timed", self.spec.name

@@ -11,6 +11,7 @@ log-sum-exp over many classes loses digits in bf16).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -88,16 +89,10 @@ class Bf16True(PrecisionPlugin):
         from amp_exp.training.keep_fp32 import cast_floats, is_within, keeps_fp32, outermost
 
         def cast_inputs(dtype: torch.dtype):
-            return lambda module, args, kwargs: (
-                cast_floats(args, dtype),
-                cast_floats(kwargs, dtype),
-            )
+            return lambda module, args, kwargs: cast_floats((args, kwargs), dtype)
 
         def cast_output(dtype: torch.dtype):
             return lambda module, args, output: cast_floats(output, dtype)
-
-        def to_bf16(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
 
         fp32_names = [name for name, module in model.named_modules() if name and keeps_fp32(module)]
         kept = outermost([*fp32_names, *self.kept_fp32])
@@ -106,7 +101,7 @@ class Bf16True(PrecisionPlugin):
                 # Only the module's own tensors: a kept module is never rounded through bf16,
                 # which would lose digits of loaded weights and of buffers such as rotary
                 # frequencies.
-                module._apply(to_bf16, recurse=False)
+                module._apply(functools.partial(cast_floats, dtype=torch.bfloat16), recurse=False)
         for name in kept:
             module = model.get_submodule(name).float()
             module.register_forward_pre_hook(cast_inputs(torch.float32), with_kwargs=True)

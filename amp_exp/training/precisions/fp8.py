@@ -20,11 +20,7 @@ from typing import TYPE_CHECKING, Any
 from amp_exp.config.precisions import DType
 from amp_exp.config.schema import DeviceChoice, Strategy
 from amp_exp.errors import ConfigError, require
-from amp_exp.training.precisions.base import (
-    LinearFormatPlugin,
-    LinearOptions,
-    linear_format_spec,
-)
+from amp_exp.training.precisions.base import LinearFormatPlugin, LinearOptions, linear_format_spec
 
 if TYPE_CHECKING:
     import torch

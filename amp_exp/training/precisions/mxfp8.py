@@ -25,11 +25,7 @@ class Mxfp8(MicroscalingPlugin):
     elements = DType.mxfp8_e4m3
     Options = Mxfp8Options
     spec = microscaling_spec(
-        "mxfp8",
-        (DType.mxfp8_e4m3, DType.mxfp8_e5m2),
-        peak_math="fp8",
-        order=5,
-        colour="#937860",
+        "mxfp8", (DType.mxfp8_e4m3, DType.mxfp8_e5m2), peak_math="fp8", order=5, colour="#937860"
     )
 
     def gradients(self) -> DType:
