@@ -1,6 +1,6 @@
-"""Data-parallel jobs that stop and go on: a resume, a torchrun restart, SIGTERM. Apart from
-tests/test_ddp.py so that pytest-xdist gives the two files two workers (submitit's tasks as a
-job's ranks: tests/test_slurm.py)."""
+"""Data-parallel jobs that stop and go on: a resume, a torchrun restart (jobs of the session's
+shared launch, tests/ddp_jobs.py), SIGTERM to torchrun (submitit's tasks as a job's ranks:
+tests/test_slurm.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """FSDP2 jobs whose ranks see different things: a block-scaled format quantizing gathered
-weights, a rank that dies (an inf in one rank's shard: tests/test_fsdp.py). Apart from
-tests/test_fsdp.py so that pytest-xdist gives the two files two workers."""
+weights (jobs of the session's shared launch, tests/ddp_jobs.py), a rank that dies (an inf in
+one rank's shard: tests/test_fsdp.py)."""
 
 from __future__ import annotations
 

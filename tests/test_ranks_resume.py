@@ -1,6 +1,6 @@
 """Each rank resumes its own random generators, and a preempted job stops within
-STOP_CHECK_STEPS steps, not at a log step: two gloo ranks under torchrun. Apart from
-tests/test_ranks.py so that pytest-xdist gives the two files two workers."""
+STOP_CHECK_STEPS steps, not at a log step: two gloo ranks under torchrun, in the session's
+shared launch (tests/ddp_jobs.py)."""
 
 from __future__ import annotations
 
