@@ -51,11 +51,14 @@ def state_file(states: Path, job: int, rank: int) -> Path:
     return states / f"{job}.rank{rank}.pt"
 
 
-def run_jobs(states: Path, *jobs: list[str], restarts: int = 0) -> list[dict[int, dict]]:
+def run_jobs(
+    states: Path, *jobs: list[str], restarts: int = 0, timeout: int = 300
+) -> list[dict[int, dict]]:
     """Each job's ranks' final states (as ddp_worker.py saves them), from one two-rank launch;
-    ``jobs``: ddp_worker.py command lines, ``states``: where their states go."""
+    ``jobs``: ddp_worker.py command lines, ``states``: where their states go; ``timeout``: the
+    launch's, in seconds."""
     states.mkdir(parents=True, exist_ok=True)
-    torchrun(f"--max-restarts={restarts}", __file__, str(states), json.dumps(jobs))
+    torchrun(f"--max-restarts={restarts}", __file__, str(states), json.dumps(jobs), timeout=timeout)
     return [
         {rank: torch.load(state_file(states, job, rank), weights_only=False) for rank in RANKS}
         for job in range(len(jobs))
@@ -102,8 +105,10 @@ def shared_jobs(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
                     ),
                     # A job whose rank dies in the first attempt wants torchrun's restart.
                     restarts=int(any("--die-at" in args for *_, args in DECLARED.values())),
+                    # Some twenty jobs one after another: minutes on a loaded machine.
+                    timeout=1200,
                 )
-            except AssertionError as error:
+            except Exception as error:  # a failed job, or the launch ran out of time
                 root.mkdir(parents=True, exist_ok=True)
                 failed.write_text(str(error)[-3000:])
                 raise
