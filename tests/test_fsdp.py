@@ -16,15 +16,12 @@ from amp_exp.results.resume import find_checkpoint, resume
 from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import whole
-from helpers.runs import FAST, TINY_MLP, read_jsonl
-from helpers.torchrun import assert_bitwise_equal, torchrun
+from helpers.runs import TINY_MLP, read_jsonl
+from helpers.torchrun import FSDP_RUN, assert_bitwise_equal, torchrun
 
 pytestmark = pytest.mark.slow
 
 
-# Two ranks of 16 each draw from 256 training samples: 8 steps per epoch. The one-layer MLP: fp16
-# convolutions on this CPU cost far more a step, and sharding is the same for any model.
-FSDP_RUN = [*FAST, *TINY_MLP, "trainer.strategy=fsdp2", "scheduler=none"]
 # One eval sample for two ranks: rank 1 evaluates nothing, and no one may wait in a collective.
 SWEEP_EVAL = ["dataset.eval_size=1", "trainer.eval_every=2"]
 
