@@ -219,3 +219,12 @@ def command_main(monkeypatch, capfd):
         return subprocess.CompletedProcess([command, *args], status or 0, stdout, stderr)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def shared_rank_jobs(tmp_path_factory) -> tuple:
+    """``(root, states)``: the two-rank jobs the test modules declared (tests/ddp_jobs.py
+    ``declare``), run in one torchrun launch for the session, as ``ddp_jobs.shared_jobs``."""
+    from ddp_jobs import shared_jobs
+
+    return shared_jobs(tmp_path_factory)

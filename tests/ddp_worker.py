@@ -2,7 +2,7 @@
 
 Usage: torchrun --standalone --nproc_per_node=2 tests/ddp_worker.py OUTPUT_DIR [--inf-at STEP]
 [--inf-in-shard-at STEP] [--signal-at CALL [--stop-signal NAME]] [--die-at CALL]
-[--peak-tflops PEAK] [--ticking-clock] [--linear-dtypes] [OVERRIDE ...]
+[--peak-tflops PEAK] [--ticking-clock] [--linear-dtypes] [--probe SPEEDS_JSON] [OVERRIDE ...]
 
 Run as a script, its directory (tests/) is on sys.path, so it imports tests/helpers/.
 Faults are injected on rank 1 only. Each rank saves what it ended with to OUTPUT_DIR/rank<r>.pt
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 from pathlib import Path
@@ -32,6 +33,7 @@ from amp_exp.tasks import workload
 from amp_exp.training.engine import Engine
 from amp_exp.training.meters import Throughput
 from helpers.matmul_dtypes import linear_dtypes
+from helpers.probes import inject_probe
 from helpers.runs import (
     inf_loss_at,
     meter_with_peak,
@@ -95,6 +97,11 @@ def main() -> None:
     parser.add_argument(
         "--linear-dtypes", action="store_true", help="save each linear's output dtype in training"
     )
+    parser.add_argument(
+        "--probe",
+        type=json.loads,
+        help="each precision's speed relative to fp32's, as a probe cached for this job measured",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     rank = int(os.environ["RANK"])
@@ -111,6 +118,10 @@ def main() -> None:
     if rank == 1 and args.die_at is not None and first_attempt:
         loss_fn = die_at_call(args.die_at)
 
+    if args.probe is not None:
+        # A cache of this rank's own, so the ranks never write one file at once.
+        os.environ["XDG_CACHE_HOME"] = str(args.output_dir / f"cache.rank{rank}")
+        inject_probe(args.probe)
     if args.peak_tflops is not None:
         amp_exp.build.meter = meter_with_peak(args.peak_tflops)
     if args.ticking_clock:

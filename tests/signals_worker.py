@@ -1,10 +1,9 @@
 """One rank of the two-process signals test (tests/test_signals.py): each rank measures its own
-batch, rank 1's ten times larger; every rank writes the row it collected and the figures of both
-ranks' batches pooled, computed by hand."""
+batch, rank 1's ten times larger; every rank saves the row it collected and the figures of both
+ranks' batches pooled, computed by hand, to OUTPUT_DIR/rank<r>.pt (a job of tests/ddp_jobs.py)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -39,7 +38,8 @@ def main(output_dir: Path) -> None:
         "logit_max": logits.max().item(),
         "logit_mean": logits.mean().item(),
     }
-    (output_dir / f"rank{rank}.json").write_text(json.dumps({"row": row, "expected": expected}))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"row": row, "expected": expected}, output_dir / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+import ddp_jobs
 from amp_exp.config.precisions import get
 from amp_exp.errors import ConfigError
 from amp_exp.run import build, train
@@ -325,15 +326,20 @@ def test_emulated_fp8_engages_with_checkpointing(compose_cfg, tmp_path) -> None:
     assert not any("_checkpoint_wrapped_module" in name for name in audit["modules"])
 
 
+# gpt_tiny's small run in bf16 under FSDP2, in one process and (in the session's shared launch,
+# tests/ddp_jobs.py) on two ranks.
+FSDP2_AUDIT_RUN = [*FAST_LM, "precision=bf16", "trainer.strategy=fsdp2", "trainer.eval_every=null"]
+FSDP2_AUDIT = ddp_jobs.declare("audit_fsdp2", *FSDP2_AUDIT_RUN)
+
+
 @pytest.mark.slow
-def test_two_fsdp2_ranks_count_each_module_as_one_rank_does_times_two(compose_cfg, tmp_path):
+def test_two_fsdp2_ranks_count_each_module_as_one_rank_does_times_two(
+    compose_cfg, tmp_path, shared_rank_jobs
+):
     """Before, the FSDP2 hooks moved backward matmuls between modules: mlp.fc and mlp.proj,
     the same shape, got 134M and 67M FLOPs."""
-    from helpers.torchrun import run_worker
-
-    run = [*FAST_LM, "precision=bf16", "trainer.strategy=fsdp2", "trainer.eval_every=null"]
-    one = train(validate_lm(compose_cfg, *run), tmp_path / "one")["precision_audit"]
-    ranks = run_worker(tmp_path / "two", *run)
+    one = train(validate_lm(compose_cfg, *FSDP2_AUDIT_RUN), tmp_path / "one")["precision_audit"]
+    ranks = shared_rank_jobs[1][FSDP2_AUDIT]
     two = ranks[0]["summary"]["precision_audit"]
     assert two["ranks"] == 2
     assert two["modules"] == {

@@ -7,10 +7,9 @@ import json
 
 import pytest
 
+import ddp_jobs
 from amp_exp.run import train
-from ddp_jobs import run_jobs
-from helpers.probes import inject_probe
-from helpers.runs import FAST_LM, TINY, meter_with_peak, read_jsonl, ticking_clock
+from helpers.runs import FAST_LM, TINY_MLP, meter_with_peak, read_jsonl, ticking_clock
 from helpers.torchrun import DDP_RUN, assert_bitwise_equal, torchrun
 from helpers.wandb_records import read_only_run
 
@@ -27,7 +26,7 @@ def torchrun_job(tmp_path_factory):
         "amp_exp",
         *DDP_RUN,
         "precision=bf16",
-        *TINY,
+        *TINY_MLP,
         "wandb.mode=offline",
         "dataset.eval_size=1",
         "trainer.eval_every=2",
@@ -89,7 +88,7 @@ def test_each_rank_audits_its_step_and_the_summary_holds_one_audit_of_both(
         "allreduce_dtypes": ["float32"],
         "comm_hooks": [],
     }
-    alone = train(run_cfg(*DDP_RUN, "precision=bf16", *TINY), tmp_path)["precision_audit"]
+    alone = train(run_cfg(*DDP_RUN, "precision=bf16", *TINY_MLP), tmp_path)["precision_audit"]
     assert audit["matmul_flops"] == 2 * alone["matmul_flops"]
     assert audit["saved_activation_bytes"] == alone["saved_activation_bytes"]
 
@@ -105,22 +104,25 @@ LM_RANK_RUN = [
 ]
 
 
+# In the session's shared launch (tests/ddp_jobs.py): precision=auto, with a probe cached that
+# makes fp32 and bf16 worth a trial; fp16 with an inf loss on rank 1 at step 2; the language model
+# of LM_RANK_RUN, two ranks of 4 sequences each.
+AUTO = ddp_jobs.declare(
+    "ddp_auto",
+    "--probe",
+    json.dumps({"fp32": 1.0, "bf16": 1.0, "fp16": 0.02}),
+    *DDP_RUN,
+    *TINY_MLP,
+    "precision=auto",
+)
+INF = ddp_jobs.declare("ddp_inf", "--inf-at", "2", *DDP_RUN, "precision=fp16", *TINY_MLP)
+LM = ddp_jobs.declare("ddp_lm", *LM_RANK_RUN)
+
+
 @pytest.fixture(scope="module")
-def worker_jobs(tmp_path_factory):
-    """One launch of tests/ddp_worker.py jobs: precision=auto; fp16 with an inf loss on rank 1 at
-    step 2; the language model of LM_RANK_RUN, two ranks of 4 sequences each. The probe cached
-    for them makes fp32 and bf16 worth a trial."""
-    root = tmp_path_factory.mktemp("worker_jobs")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("XDG_CACHE_HOME", str(root / "cache"))
-        inject_probe({"fp32": 1.0, "bf16": 1.0, "fp16": 0.02})
-        auto, inf, lm = run_jobs(
-            root / "states",
-            [str(root / "auto"), *DDP_RUN, *TINY, "precision=auto"],
-            [str(root / "inf"), "--inf-at", "2", *DDP_RUN, "precision=fp16", *TINY],
-            [str(root / "lm"), *LM_RANK_RUN],
-        )
-    return {"auto": auto, "inf": inf, "lm": lm, "lm_dir": root / "lm"}
+def worker_jobs(shared_rank_jobs):
+    root, states = shared_rank_jobs
+    return {"auto": states[AUTO], "inf": states[INF], "lm": states[LM], "lm_dir": root / LM}
 
 
 def test_under_torchrun_rank_0_times_the_model_and_every_rank_trains_its_choice(worker_jobs):
@@ -143,9 +145,11 @@ def torchrun_sweep(tmp_path_factory):
         "-m",
         f"hydra.sweep.dir={sweep_dir}",
         *DDP_RUN,
-        *TINY,
+        *TINY_MLP,
         "precision=bf16_true",
         "seed=0,1",
+        # The report's speed trial would time the precision again; no test here reads it.
+        "report.speed_trial=false",
     )
     return sweep_dir
 

@@ -1,6 +1,6 @@
-"""Data-parallel jobs that stop and go on: a resume, a torchrun restart, SIGTERM. Apart from
-tests/test_ddp.py so that pytest-xdist gives the two files two workers (submitit's tasks as a
-job's ranks: tests/test_slurm.py)."""
+"""Data-parallel jobs that stop and go on: a resume, a torchrun restart (jobs of the session's
+shared launch, tests/ddp_jobs.py), SIGTERM to torchrun (submitit's tasks as a job's ranks:
+tests/test_slurm.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from ddp_jobs import run_jobs
+import ddp_jobs
 from helpers.runs import FAST, TINY, read_jsonl
 from helpers.torchrun import DDP_RUN, TORCHRUN_TWO_RANKS, assert_bitwise_equal
 from helpers.warm_python import start_python_m
@@ -23,34 +23,31 @@ pytestmark = pytest.mark.slow
 KEEP = ["checkpoint.keep=2"]
 
 
+# In the session's shared launch (tests/ddp_jobs.py): DDP_RUN uninterrupted; stopped by SIGUSR1
+# to rank 1 alone during step 3 (the ranks agree to stop at log step 4); resumed in place with
+# resume=auto; and a job whose rank 1 dies in step 5 of torchrun's first attempt, which torchrun
+# restarts.
+STRAIGHT = ddp_jobs.declare("ddp_straight", *DDP_RUN)
+STOPPED = ddp_jobs.declare(
+    "ddp_stopped", "--signal-at", "3", *DDP_RUN, *KEEP, directory="ddp_interrupted"
+)
+RESUMED = ddp_jobs.declare(
+    "ddp_resumed", *DDP_RUN, *KEEP, "resume=auto", directory="ddp_interrupted"
+)
+RESTARTED = ddp_jobs.declare(
+    "ddp_restarted", "--die-at", "5", *DDP_RUN, "checkpoint.every_steps=2", "resume=auto"
+)
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """One launch, four jobs: DDP_RUN uninterrupted; stopped by SIGUSR1 to rank 1 alone during
-    step 3 (the ranks agree to stop at log step 4); resumed in place with resume=auto; and a job
-    whose rank 1 dies in step 5 of torchrun's first attempt, which torchrun restarts."""
-    root = tmp_path_factory.mktemp("ddp_jobs")
-    interrupted = root / "interrupted"
-    straight, stopped, resumed, restarted = run_jobs(
-        root / "states",
-        [str(root / "straight"), *DDP_RUN],
-        [str(interrupted), "--signal-at", "3", *DDP_RUN, *KEEP],
-        [str(interrupted), *DDP_RUN, *KEEP, "resume=auto"],
-        [
-            str(root / "restarted"),
-            "--die-at",
-            "5",
-            *DDP_RUN,
-            "checkpoint.every_steps=2",
-            "resume=auto",
-        ],
-        restarts=1,
-    )
-    return root, straight, stopped, resumed, restarted
+def jobs(shared_rank_jobs):
+    root, states = shared_rank_jobs
+    return root, *(states[job] for job in (STRAIGHT, STOPPED, RESUMED, RESTARTED))
 
 
 def test_stopped_and_resumed_job_ends_where_an_uninterrupted_one_does(jobs):
     root, straight, stopped, resumed, _ = jobs
-    interrupted = root / "interrupted"
+    interrupted = root / "ddp_interrupted"
     for state in stopped.values():
         assert state["summary"]["status"] == "stopped"
         assert state["summary"]["steps"] == 4
@@ -74,7 +71,7 @@ def test_a_worker_group_that_torchrun_restarts_resumes_where_it_failed(jobs):
     the step-4 checkpoint (and meet in a process group of their own, not the dead one's)."""
     root, straight, *_, restarted = jobs
     summary = restarted[0]["summary"]
-    assert summary["resumed_from"] == str(root / "restarted" / "checkpoints" / "last.pt")
+    assert summary["resumed_from"] == str(root / "ddp_restarted" / "checkpoints" / "last.pt")
     assert (summary["status"], summary["steps"]) == ("completed", 8)
     assert_bitwise_equal(restarted[0]["model"], restarted[1]["model"])
     assert_bitwise_equal(restarted[0]["model"], straight[0]["model"])

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import ddp_jobs
 from amp_exp.results.resume import find_checkpoint, resume
 from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import whole
-from ddp_jobs import run_jobs
-from helpers.runs import TINY, read_jsonl
+from helpers.runs import TINY_MLP, read_jsonl
 from helpers.torchrun import FSDP_RUN, assert_bitwise_equal, torchrun
 
 pytestmark = pytest.mark.slow
@@ -38,6 +38,8 @@ def fsdp_sweep(tmp_path_factory):
         *FSDP_RUN,
         *SWEEP_EVAL,
         "precision=fp32,bf16,fp16",
+        # The report's speed trial would time each precision again; no test here reads it.
+        "report.speed_trial=false",
         timeout=400,
     )
     return sweep_dir
@@ -102,21 +104,29 @@ RESUMED_RUN = [
 ]
 
 
+# In the session's shared launch (tests/ddp_jobs.py): RESUMED_RUN uninterrupted; stopped by
+# SIGTERM to rank 1 during step 3; resumed in place with resume=auto; and an fp16 run in which
+# rank 1 puts an inf into its own shard of a gradient at step 2.
+STRAIGHT = ddp_jobs.declare("fsdp_straight", *RESUMED_RUN)
+STOPPED = ddp_jobs.declare(
+    "fsdp_stopped",
+    "--signal-at",
+    "5",
+    "--stop-signal",
+    "SIGTERM",
+    *RESUMED_RUN,
+    directory="fsdp_interrupted",
+)
+RESUMED = ddp_jobs.declare(
+    "fsdp_resumed", *RESUMED_RUN, "resume=auto", directory="fsdp_interrupted"
+)
+INF_IN_SHARD = ddp_jobs.declare("fsdp_inf", "--inf-in-shard-at", "2", *FSDP_RUN, "precision=fp16")
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """One launch, four jobs: RESUMED_RUN uninterrupted; stopped by SIGTERM to rank 1 during
-    step 3; resumed in place with resume=auto; and an fp16 run in which rank 1 puts an inf into
-    its own shard of a gradient at step 2."""
-    root = tmp_path_factory.mktemp("fsdp_jobs")
-    interrupted = str(root / "interrupted")
-    states = run_jobs(
-        root / "states",
-        [str(root / "straight"), *RESUMED_RUN],
-        [interrupted, "--signal-at", "5", "--stop-signal", "SIGTERM", *RESUMED_RUN],
-        [interrupted, *RESUMED_RUN, "resume=auto"],
-        [str(root / "inf"), "--inf-in-shard-at", "2", *FSDP_RUN, "precision=fp16"],
-    )
-    return root, *states
+def jobs(shared_rank_jobs):
+    root, states = shared_rank_jobs
+    return root, *(states[job] for job in (STRAIGHT, STOPPED, RESUMED, INF_IN_SHARD))
 
 
 def test_sigterm_then_resume_auto_ends_bit_exact_with_an_uninterrupted_run(jobs):
@@ -124,7 +134,7 @@ def test_sigterm_then_resume_auto_ends_bit_exact_with_an_uninterrupted_run(jobs)
     checkpoint; resume=auto trains on to step 8 and ends bit for bit where a run that never
     stopped ends, on both ranks."""
     root, straight, stopped, resumed, _ = jobs
-    interrupted = root / "interrupted"
+    interrupted = root / "fsdp_interrupted"
     for state in stopped.values():
         assert (state["summary"]["status"], state["summary"]["stop_signal"]) == (
             "stopped",
@@ -155,7 +165,7 @@ def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(jobs):
     for state in ranks.values():
         assert state["summary"]["skipped_steps"] == 1
         overflow = state["summary"]["first_overflow"]
-        assert (overflow["step"], overflow["parameters"]) == (2, ["features.0.weight"])
+        assert (overflow["step"], overflow["parameters"]) == (2, ["1.weight"])
         assert overflow["loss_finite"] is True
     assert ranks[0]["scale"] == ranks[1]["scale"] == 65536.0 / 2
     assert ranks[0]["summary"]["replicas_identical"] is True
@@ -171,7 +181,9 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path, run_cfg, fsd
     dcp_to_torch_save(checkpoint, tmp_path / "offline.pt")
     saved = torch.load(tmp_path / "offline.pt", weights_only=True)["model"]
 
-    cfg = run_cfg(*TINY, "trainer.strategy=fsdp2", "scheduler=none", "precision=bf16", *SWEEP_EVAL)
+    cfg = run_cfg(
+        *TINY_MLP, "trainer.strategy=fsdp2", "scheduler=none", "precision=bf16", *SWEEP_EVAL
+    )
     cfg.trainer.max_steps, cfg.resume = 8, "auto"
     with process_group(cfg.trainer.device, cfg.trainer.strategy) as alone:
         built = build(cfg, distributed=alone)

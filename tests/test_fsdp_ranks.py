@@ -1,6 +1,6 @@
 """FSDP2 jobs whose ranks see different things: a block-scaled format quantizing gathered
-weights, a rank that dies (an inf in one rank's shard: tests/test_fsdp.py). Apart from
-tests/test_fsdp.py so that pytest-xdist gives the two files two workers."""
+weights (jobs of the session's shared launch, tests/ddp_jobs.py), a rank that dies (an inf in
+one rank's shard: tests/test_fsdp.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import ddp_jobs
 from helpers.runs import FAST, FAST_TRAINER
-from helpers.torchrun import TORCHRUN_TWO_RANKS, WARM_RANK, torchrun
+from helpers.torchrun import TORCHRUN_TWO_RANKS, WARM_RANK
 from helpers.warm_python import RANKS_ENV, python_m, rank_socket
 
 pytestmark = pytest.mark.slow
@@ -27,44 +28,41 @@ MICROSCALING_RUN = [
     "dataset.eval_size=16",
     "dataset.batch_size=4",
     "scheduler=none",
-    "precision.emulate=true",
 ]
 
 
 FORMATS = ("mxfp8", "nvfp4")
 
 
-@pytest.fixture(scope="module")
-def formats_sweep(tmp_path_factory):
-    """One sweep under torchrun: each format under DDP, then under FSDP2 (jobs 0 to 3)."""
-    sweep_dir = tmp_path_factory.mktemp("formats_sweep")
-    torchrun(
-        "-m",
-        "amp_exp",
-        "-m",
-        f"hydra.sweep.dir={sweep_dir}",
+# Each format under DDP and under FSDP2, in the session's shared launch (tests/ddp_jobs.py).
+FORMAT_JOBS = {
+    (precision, strategy): ddp_jobs.declare(
+        f"formats_{precision}_{strategy}",
         *MICROSCALING_RUN,
-        f"precision={','.join(FORMATS)}",
-        "trainer.strategy=ddp,fsdp2",
-        "report.speed_trial=false",
-        timeout=400,
+        f"precision={precision}",
+        "precision.emulate=true",
+        f"trainer.strategy={strategy}",
     )
-    return sweep_dir
+    for precision in FORMATS
+    for strategy in ("ddp", "fsdp2")
+}
 
 
 @pytest.mark.parametrize("precision", FORMATS)
-def test_a_block_scaled_format_sharded_over_two_ranks_trains_as_ddp_does(precision, formats_sweep):
+def test_a_block_scaled_format_sharded_over_two_ranks_trains_as_ddp_does(
+    precision, shared_rank_jobs
+):
     """Each converted linear quantizes the whole weight its all-gather brings in, while the
     optimizer steps each rank's fp32 shard: the sharded run engages as the DDP run does (same
     formats, same modules) and ends at its loss. Were a rank to quantize only its own shard,
     nvfp4's per-tensor scale would come from half the weight and its loss would drift (mxfp8's
     32-blocks happen to fit these shards); were the master weights left whole, each rank's
     optimizer would hold all of them."""
-    summaries = [json.loads(p.read_text()) for p in formats_sweep.glob("*/summary.json")]
     ddp, fsdp = (
-        next(s for s in summaries if (s["precision"], s["strategy"]) == (precision, strategy))
+        shared_rank_jobs[1][FORMAT_JOBS[precision, strategy]][0]["summary"]
         for strategy in ("ddp", "fsdp2")
     )
+    assert (ddp["precision"], ddp["strategy"], fsdp["strategy"]) == (precision, "ddp", "fsdp2")
     assert fsdp["world_size"] == 2
     audit = fsdp["precision_audit"]
     assert audit["engaged"] is True, audit["shortfalls"]

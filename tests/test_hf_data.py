@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddp_jobs
 from amp_exp.config.preflight import check_overrides
 from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
@@ -17,7 +18,6 @@ from amp_exp.run import train
 from amp_exp.tasks.sampling import Placement
 from amp_exp.tasks.workload import build_workload
 from helpers.runs import FAST_TRAINER, TINY_TOKENS
-from helpers.torchrun import torchrun
 from helpers.warm_python import python_m
 
 transformers = pytest.importorskip("transformers")
@@ -162,19 +162,22 @@ def test_a_text_model_classifies_the_users_token_sequences(hf_cfg, tmp_path):
     assert summary["status"] == "completed" and summary["eval_acc"] is not None
 
 
+# In the session's shared launch (tests/ddp_jobs.py).
+SHARDED_LLAMA = ddp_jobs.declare(
+    "hf_llama_fsdp2",
+    *FAST_TRAINER,
+    "model=hf_llama_tiny",
+    *TINY_TOKENS,
+    "trainer.strategy=fsdp2",
+    "precision=bf16",
+)
+
+
 @pytest.mark.slow
-def test_two_ranks_train_the_llama_sharded_under_fsdp2(tmp_path):
-    torchrun(
-        "-m",
-        "amp_exp",
-        f"hydra.run.dir={tmp_path}",
-        *FAST_TRAINER,
-        "model=hf_llama_tiny",
-        *TINY_TOKENS,
-        "trainer.strategy=fsdp2",
-        "precision=bf16",
-    )
-    summary = json.loads((tmp_path / "summary.json").read_text())
+def test_two_ranks_train_the_llama_sharded_under_fsdp2(shared_rank_jobs):
+    root, states = shared_rank_jobs
+    assert states[SHARDED_LLAMA][1]["summary"]["world_size"] == 2
+    summary = json.loads((root / "hf_llama_fsdp2" / "summary.json").read_text())
     assert (summary["status"], summary["strategy"], summary["world_size"]) == (
         "completed",
         "fsdp2",

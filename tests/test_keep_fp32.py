@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ddp_jobs
 from amp_exp.build import build
 from amp_exp.config.schema import DeviceChoice, Strategy
 from amp_exp.config.values import validate
@@ -17,7 +18,6 @@ from amp_exp.tasks.gpt import GPT
 from amp_exp.training.keep_fp32 import match_keep_fp32
 from helpers.matmul_dtypes import linear_dtypes
 from helpers.runs import FAST_LM, TINY_GPT
-from helpers.torchrun import run_worker
 
 KEPT = ["blocks.0.mlp.fc", "blocks.0.mlp.proj"]
 LOW = {
@@ -111,22 +111,26 @@ def test_an_fsdp2_run_trains_with_kept_modules(compose_cfg, tmp_path) -> None:
     assert summary["keep_fp32_modules"] == ["blocks.0.mlp", "blocks.1.mlp"]
 
 
+# In the session's shared launch (tests/ddp_jobs.py).
+DDP_KEPT = ddp_jobs.declare(
+    "keep_fp32_ddp",
+    "--linear-dtypes",
+    "trainer.device=cpu",
+    "trainer.max_steps=2",
+    "wandb.mode=disabled",
+    *TINY_GPT,
+    "dataset=synthetic_tokens",
+    "dataset.vocab_size=32",
+    "dataset.train_size=64",
+    "dataset.batch_size=8",
+    "precision=bf16",
+    "precision.keep_fp32=[blocks.0.mlp]",
+)
+
+
 @pytest.mark.slow
-def test_ddp_ranks_compute_kept_modules_in_fp32(tmp_path) -> None:
-    ranks = run_worker(
-        tmp_path,
-        "--linear-dtypes",
-        "trainer.device=cpu",
-        "trainer.max_steps=2",
-        "wandb.mode=disabled",
-        *TINY_GPT,
-        "dataset=synthetic_tokens",
-        "dataset.vocab_size=32",
-        "dataset.train_size=64",
-        "dataset.batch_size=8",
-        "precision=bf16",
-        "precision.keep_fp32=[blocks.0.mlp]",
-    )
+def test_ddp_ranks_compute_kept_modules_in_fp32(shared_rank_jobs) -> None:
+    ranks = shared_rank_jobs[1][DDP_KEPT]
     for rank in (0, 1):
         seen = ranks[rank]["linear_dtypes"]
         assert seen["blocks.0.mlp.fc"] == "torch.float32"

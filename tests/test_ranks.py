@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import amp_exp.run as run
+import ddp_jobs
 from amp_exp.config.values import validate
-from ddp_jobs import run_jobs
 from helpers.runs import FAST_TRAINER, composed
 from helpers.torchrun import assert_bitwise_equal
 
@@ -59,8 +59,19 @@ def one_process(out: Path, *overrides: str) -> tuple[dict, dict[str, torch.Tenso
     return summary, kept
 
 
+# The two-rank jobs, in the session's shared launch (tests/ddp_jobs.py).
+RANK_JOBS = {
+    name: ddp_jobs.declare(f"ranks_{name}", *GPT, *TWO_RANKS, *overrides)
+    for name, overrides in {
+        "ddp_bf16": ["precision=bf16"],
+        "fsdp2_bf16": ["precision=bf16", "trainer.strategy=fsdp2"],
+        "fsdp2_fp32": ["precision=fp32", "trainer.strategy=fsdp2"],
+    }.items()
+}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
+def runs(tmp_path_factory, shared_rank_jobs) -> dict[str, dict]:
     """gpt_tiny in bf16 in one process, under DDP and under FSDP2; and in fp32 (whose gradients
     do not depend on how the batch is split) in one process and under FSDP2."""
     out = tmp_path_factory.mktemp("ranks")
@@ -68,16 +79,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     for precision in ("bf16", "fp32"):
         summary, weights = one_process(out / f"one_{precision}", f"precision={precision}")
         found[f"one_{precision}"] = {"summary": summary, "model": weights}
-    jobs = {
-        "ddp_bf16": ["precision=bf16"],
-        "fsdp2_bf16": ["precision=bf16", "trainer.strategy=fsdp2"],
-        "fsdp2_fp32": ["precision=fp32", "trainer.strategy=fsdp2"],
-    }
-    ranks = run_jobs(
-        out / "states",
-        *([str(out / name), *GPT, *TWO_RANKS, *overrides] for name, overrides in jobs.items()),
-    )
-    found.update((name, job[0]) for name, job in zip(jobs, ranks, strict=True))
+    _, states = shared_rank_jobs
+    found.update((name, states[job][0]) for name, job in RANK_JOBS.items())
     return found
 
 

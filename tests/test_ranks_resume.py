@@ -1,14 +1,14 @@
 """Each rank resumes its own random generators, and a preempted job stops within
-STOP_CHECK_STEPS steps, not at a log step: two gloo ranks under torchrun. Apart from
-tests/test_ranks.py so that pytest-xdist gives the two files two workers."""
+STOP_CHECK_STEPS steps, not at a log step: two gloo ranks under torchrun, in the session's
+shared launch (tests/ddp_jobs.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import ddp_jobs
 from amp_exp.training.loop import STOP_CHECK_STEPS
-from ddp_jobs import run_jobs
 from helpers.runs import FAST_LM, read_jsonl
 from helpers.torchrun import assert_bitwise_equal
 
@@ -28,20 +28,32 @@ DROPOUT_RUN = [
 ]
 
 
+# The stopped job and its resume write one directory.
+STRAIGHT = ddp_jobs.declare("ranks_resume_straight", *DROPOUT_RUN)
+STOPPED = ddp_jobs.declare(
+    "ranks_resume_stopped",
+    "--signal-at",
+    "3",
+    "--stop-signal",
+    "SIGTERM",
+    *DROPOUT_RUN,
+    directory="ranks_resume_interrupted",
+)
+RESUMED = ddp_jobs.declare(
+    "ranks_resume_resumed", *DROPOUT_RUN, "resume=auto", directory="ranks_resume_interrupted"
+)
+
+
 def test_a_preempted_dropout_run_in_bf16_true_resumes_bit_exact_with_identical_replicas(
-    tmp_path,
+    shared_rank_jobs,
 ) -> None:
     """SIGTERM reaches rank 1 in step 3; with log_every=1000 the ranks still agree to stop at the
     first stop check, step STOP_CHECK_STEPS. Each rank saved and restores its own generators,
     so the resumed run draws the dropout masks and rounding bits an uninterrupted run draws.
-    The three jobs run one after another in one torchrun launch (tests/ddp_jobs.py)."""
-    interrupted = tmp_path / "interrupted"
-    straight, stopped, resumed = run_jobs(
-        tmp_path / "states",
-        [str(tmp_path / "straight"), *DROPOUT_RUN],
-        [str(interrupted), "--signal-at", "3", "--stop-signal", "SIGTERM", *DROPOUT_RUN],
-        [str(interrupted), *DROPOUT_RUN, "resume=auto"],
-    )
+    The three jobs run one after another in the session's shared launch (tests/ddp_jobs.py)."""
+    root, states = shared_rank_jobs
+    interrupted = root / "ranks_resume_interrupted"
+    straight, stopped, resumed = states[STRAIGHT], states[STOPPED], states[RESUMED]
     for state in stopped.values():
         summary = state["summary"]
         assert (summary["status"], summary["stop_signal"]) == ("stopped", "SIGTERM")

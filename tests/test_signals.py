@@ -3,7 +3,6 @@ hooks exist only on armed steps, and a run writes a signals row at every log ste
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -13,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import ddp_jobs
 from amp_exp.config.precisions import get
 from amp_exp.config.values import validate
 from amp_exp.run import build
 from amp_exp.training.signals import Limits, SignalCollector, attention_logit_max
 from helpers.runs import FAST_LM
-from helpers.torchrun import torchrun
 
 
 class Attention(nn.Module):
@@ -189,12 +188,15 @@ def test_signals_can_be_turned_off(compose_cfg) -> None:
     assert not [row for row in rows if row["kind"] == "signals"]
 
 
+# tests/signals_worker.py's two ranks, in the session's shared launch (tests/ddp_jobs.py).
+POOLED = ddp_jobs.declare("signals_pooled", script=Path(__file__).with_name("signals_worker.py"))
+
+
 @pytest.mark.slow
-def test_two_ranks_report_the_signals_of_their_pooled_batches(tmp_path) -> None:
+def test_two_ranks_report_the_signals_of_their_pooled_batches(shared_rank_jobs) -> None:
     """Over gloo, each rank's row holds the largest value and the kurtosis of both ranks' batches
     together: an unreduced rank 0 would report its own batch, ten times smaller."""
-    torchrun(str(Path(__file__).with_name("signals_worker.py")), str(tmp_path))
     for rank in (0, 1):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        result = shared_rank_jobs[1][POOLED][rank]
         for key, value in result["expected"].items():
             assert result["row"][key] == pytest.approx(value, rel=1e-6), (rank, key)
