@@ -13,8 +13,6 @@ import torch
 from helpers.runs import FAST, TINY_MLP
 from helpers.warm_python import RANKS_ENV, python_m, rank_socket
 
-# One rank of a torchrun test job (tests/test_ddp.py, tests/test_fsdp.py), and how to start two.
-WORKER = Path(__file__).resolve().parent.parent / "ddp_worker.py"
 
 
 TORCHRUN_TWO_RANKS = ["--standalone", "--nproc_per_node=2"]
@@ -60,12 +58,6 @@ def torchrun(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
-
-
-def run_worker(output_dir: Path, *args: str, restarts: int = 0) -> dict[int, dict]:
-    """Both ranks' final state, as tests/ddp_worker.py saved it."""
-    torchrun(f"--max-restarts={restarts}", str(WORKER), str(output_dir), *args)
-    return {rank: torch.load(output_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)}
 
 
 def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
