@@ -13,8 +13,6 @@ import torch
 from helpers.runs import FAST, TINY_MLP
 from helpers.warm_python import RANKS_ENV, python_m, rank_socket
 
-
-
 TORCHRUN_TWO_RANKS = ["--standalone", "--nproc_per_node=2"]
 # What torchrun runs in place of python -u: isolated (-I) and without site (-S), it starts at once.
 WARM_RANK = ["-I", "-S", str(Path(__file__).with_name("warm_rank.py"))]
