@@ -34,6 +34,7 @@ from amp_exp.report.words import (
     describe_end,
     md_table,
     md_text,
+    memory_ratios,
     show_delta,
     show_interval,
     show_level,
@@ -404,9 +405,7 @@ def speedup(row: dict[str, Any]) -> str:
 
 def memory(row: dict[str, Any]) -> str:
     """What the precision changes in memory against fp32: saved activations, weights + state."""
-    ratios = [(row["activation_ratio"], "act."), (row["state_ratio"], "state")]
-    shown = [f"{ratio:.2f}x {what}" for ratio, what in ratios if ratio is not None]
-    return ", ".join(shown) or "-"
+    return memory_ratios(row, {"activation_ratio": "act.", "state_ratio": "state"}) or "-"
 
 
 def quality(row: dict[str, Any]) -> str:
