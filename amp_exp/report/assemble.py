@@ -32,7 +32,7 @@ from amp_exp.report.compare import (
     troubles,
 )
 from amp_exp.report.decision import DEFAULT_FAMILYWISE
-from amp_exp.report.evidence import fixed_level, gather, trial_speedup
+from amp_exp.report.evidence import fixed_level, gather, of_setting, trial_speedup
 from amp_exp.report.forecasts import long_run_forecasts
 from amp_exp.report.markdown import write_report
 from amp_exp.report.recommend import recommendations
@@ -68,16 +68,12 @@ def predicted_speedups(
 ) -> dict[str, dict[str, Any]]:
     """Per GPU, the predicted speedup over fp32 of a cell's precision (``speedup_vs_fp32``), or
     why there is none (``unavailable``), keyed by the GPU's label; empty without a prediction."""
-    model, setting, label = key
-    for prediction in predictions:
-        if (prediction.get("model"), prediction.get("setting", "")) != (model, setting):
-            continue
-        return {
-            device["label"]: device["precisions"][label]
-            for device in (prediction.get("devices") or {}).values()
-            if label in device["precisions"]
-        }
-    return {}
+    prediction, label = next(iter(of_setting(predictions, key)), {}), key[2]
+    return {
+        device["label"]: device["precisions"][label]
+        for device in (prediction.get("devices") or {}).values()
+        if label in device["precisions"]
+    }
 
 
 def draw_plots(

@@ -60,11 +60,8 @@ CellKey = tuple[str, str, str]
 
 
 def _override_value(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
+    # null, true and false as a Hydra override spells them.
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
 
 
 def varied_keys(runs: list[Run]) -> list[str]:

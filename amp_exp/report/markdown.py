@@ -108,9 +108,7 @@ def difference(mean: float | None, ci: list[float] | None, unit: ToleranceUnit) 
 
 def attempted(comparison: dict[str, Any]) -> str:
     """Beside n, " of 3 attempted" where a seed attempted gave no result."""
-    if not comparison.get("failed_seeds"):
-        return ""
-    return f" of {comparison['n_attempted']} attempted"
+    return f" of {comparison['n_attempted']} attempted" if comparison.get("failed_seeds") else ""
 
 
 def claim_p(comparison: dict[str, Any]) -> float | None:
@@ -149,11 +147,8 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     for cell in report["cells"]:
         found = compared.get(cell_key(cell), {})
         metric = cell["metric"]
-        mean = _estimate(cell if metric else None, formats.get(metric, ".4g"))
         unit = ToleranceUnit(found.get("unit") or ToleranceUnit.relative.value)
-        delta = difference(found.get("delta_mean"), found.get("delta_ci95"), unit)
         gap = found.get("loss_gap_rel") or {}
-        p_value = claim_p(found)
         body.append(
             [
                 md_text(cell["model"]),
@@ -161,9 +156,9 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
                 md_text(cell["label"]),
                 str(cell["n"]) + attempted(found),
                 md_text(metric or "-"),
-                mean,
-                delta,
-                "-" if p_value is None else f"{p_value:.2g}",
+                _estimate(cell if metric else None, formats.get(metric, ".4g")),
+                difference(found.get("delta_mean"), found.get("delta_ci95"), unit),
+                shown(claim_p(found), ".2g"),
                 found.get("verdict") or "-",
                 difference(gap.get("mean"), gap.get("ci95"), ToleranceUnit.relative),
                 speedup_cell(found.get("speedup")),
