@@ -481,11 +481,9 @@ def runs_csv(rows: list[dict[str, Any]]) -> str:
     writer = csv.DictWriter(out, fields, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        trial = row["trial_speedup"]
         evals = {f"eval.{name}": value for name, value in row["eval"].items()}
-        writer.writerow(
-            {**row, **evals, "trial_speedup": None if trial is None else trial["ratio"]}
-        )
+        trial = (row["trial_speedup"] or {}).get("ratio")
+        writer.writerow({**row, **evals, "trial_speedup": trial})
     return out.getvalue()
 
 

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, FIX, cell_key, group_cells, setting_key, subject
+from amp_exp.report.compare import BASELINE, FIX, Row, cell_key, group_cells, setting_key, subject
 from amp_exp.report.decision import established, trial_interval
 from amp_exp.report.words import CONTINUE, VERDICT_WORDS, ci_span, md_text
 
-Row = dict[str, Any]
 # How a run ends when it was stopped from outside (a signal, a kill): its sweep can go on.
 INTERRUPTED = ("killed", "stopped")
 RESUME = (

@@ -20,13 +20,12 @@ import re
 from typing import Any
 
 from amp_exp.config.precisions import REFERENCE
-from amp_exp.report.compare import BASELINE, FIX, cell_key, group_cells, setting_key, subject
+from amp_exp.report.compare import BASELINE, FIX, Row, cell_key, group_cells, setting_key, subject
 from amp_exp.report.decision import CLAIM_P, WITHHELD_FAMILY, WITHHELD_SHAPE, trial_interval
 from amp_exp.report.runs import report_plugin
 from amp_exp.report.stats import MAX_SEEDS
 from amp_exp.tasks.metrics import ToleranceUnit
 
-Row = dict[str, Any]
 # The advice for an open verdict: seeds added under looks that keep the error rate, never a
 # larger fixed sweep re-read at the nominal 95% (which claims 4-9% of the time, not 2.5%).
 CONTINUE = (
