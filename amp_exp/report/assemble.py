@@ -32,7 +32,7 @@ from amp_exp.report.compare import (
     troubles,
 )
 from amp_exp.report.decision import DEFAULT_FAMILYWISE
-from amp_exp.report.evidence import fixed_level, gather, trial_speedup
+from amp_exp.report.evidence import fixed_level, gather, of_setting, trial_speedup
 from amp_exp.report.forecasts import long_run_forecasts
 from amp_exp.report.markdown import write_report
 from amp_exp.report.recommend import recommendations
@@ -68,16 +68,12 @@ def predicted_speedups(
 ) -> dict[str, dict[str, Any]]:
     """Per GPU, the predicted speedup over fp32 of a cell's precision (``speedup_vs_fp32``), or
     why there is none (``unavailable``), keyed by the GPU's label; empty without a prediction."""
-    model, setting, label = key
-    for prediction in predictions:
-        if (prediction.get("model"), prediction.get("setting", "")) != (model, setting):
-            continue
-        return {
-            device["label"]: device["precisions"][label]
-            for device in (prediction.get("devices") or {}).values()
-            if label in device["precisions"]
-        }
-    return {}
+    prediction, label = next(iter(of_setting(predictions, key)), {}), key[2]
+    return {
+        device["label"]: device["precisions"][label]
+        for device in (prediction.get("devices") or {}).values()
+        if label in device["precisions"]
+    }
 
 
 def draw_plots(
@@ -277,13 +273,10 @@ class SweepReport(Callback):
         if rank is not None and not rank.is_main:
             return  # under torchrun every rank runs the sweep; rank 0 alone writes its report
 
-        stopped = self.time_speed()
-        if stopped is None and self.settings.predict and self.predict_sweep is not None:
-            try:
-                self.predict_sweep(self.sweep_dir, self.settings.predict, self.trusted)
-            except Exception as error:
-                # A prediction is an extra column: without it the report is the measured one.
-                log.warning("no prediction: %s", error)
+        stopped, predict = self.time_speed(), self.settings.predict
+        if stopped is None and predict and self.predict_sweep is not None:
+            # A prediction is an extra column: without it the report is the measured one.
+            attempt("prediction", self.predict_sweep, self.sweep_dir, predict, self.trusted)
         self.report()
         if stopped is not None:
             raise stopped
@@ -303,50 +296,48 @@ class SweepReport(Callback):
             return None
         try:
             with stop_on_signals():
-                self.speed_trial(self.sweep_dir, self.trusted)
+                # Without it the report shows the jobs' own timings, labelled as such.
+                attempt("speed trial", self.speed_trial, self.sweep_dir, self.trusted)
         except Stopped as stopped:
             log.error(
                 "speed trial stopped by %s: the report shows the rounds it measured",
                 stopped.received.name,
             )
             return stopped
-        except Exception as error:
-            # Without it the report shows the jobs' own timings, labelled as such.
-            log.warning("no speed trial: %s", error)
         return None
 
     def report(self) -> None:
-        try:
-            report = build_report(
-                [self.sweep_dir],
-                self.sweep_dir,
-                self.settings.tolerance,
-                self.settings.familywise,
-                self.settings.forecast_steps,
-            )
-        except Exception as error:
-            # The report is a by-product: it never turns a finished sweep into a failed one.
-            log.warning("no sweep report: %s", error)
+        # The report is a by-product: it never turns a finished sweep into a failed one.
+        settings = self.settings
+        report = attempt(
+            "sweep report",
+            build_report,
+            [self.sweep_dir],
+            self.sweep_dir,
+            settings.tolerance,
+            settings.familywise,
+            settings.forecast_steps,
+        )
+        if report is None:
             return
         for line in report["verdicts"]:
             log.info("%s", line)
         log.info("sweep report: %s", self.sweep_dir / "report.md")
-        if self.settings.wandb:
-            self.publish(report)
+        if settings.wandb:
+            from amp_exp.report.wandb_report import publish_report
 
-    def publish(self, report: dict[str, Any]) -> None:
-        from amp_exp.report.wandb_report import publish_report
-
-        try:
-            url = publish_report(
-                [self.sweep_dir],
-                self.sweep_dir,
-                report,
-                self.settings.wandb_timeout,
-                require_online=True,
-            )
-        except Exception as error:
             # Like the report itself: a dashboard that cannot be made never fails the sweep.
-            log.warning("no W&B report: %s", error)
-            return
-        log.info("W&B report: %s", url)
+            dirs, timeout = [self.sweep_dir], settings.wandb_timeout
+            url = attempt("W&B report", publish_report, dirs, self.sweep_dir, report, timeout, True)
+            if url is not None:
+                log.info("W&B report: %s", url)
+
+
+def attempt(what: str, step: Callable[..., Any], *args: Any) -> Any:
+    """``step(*args)``, or None with a warning ("no speed trial: ...") where it fails: the sweep's
+    optional parts never fail the sweep. A signal (``Stopped``) passes through."""
+    try:
+        return step(*args)
+    except Exception as error:
+        log.warning("no %s: %s", what, error)
+        return None

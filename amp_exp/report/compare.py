@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,8 @@ def is_compared(key: str) -> bool:
     return (
         key in {"model.name", "precision.name", "precision._target_", REPLICATE_KEY}
         or key.startswith("precision.options.")
-        or key.removeprefix("precision.") in variant_keys()
+        or any(key.removeprefix("precision.") in get(name).variant_keys for name in names())
     )
-
-
-def variant_keys() -> set[str]:
-    return {key for name in names() for key in get(name).variant_keys}
 
 
 # Options that change nothing trained: how a run is reported, timed, logged and checkpointed. They
@@ -63,11 +60,8 @@ CellKey = tuple[str, str, str]
 
 
 def _override_value(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
+    # null, true and false as a Hydra override spells them.
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
 
 
 def varied_keys(runs: list[Run]) -> list[str]:
@@ -287,9 +281,18 @@ def quality_entry(declared: dict[str, Any]) -> dict[str, Any]:
     return next(m for m in declared["metrics"] if m["name"] == declared["quality"])
 
 
+def recorded(summary: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """The summary's values of ``keys`` as the row keeps them (None where not recorded)."""
+    return {key: summary.get(key) for key in keys}
+
+
 def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, Any]:
     summary = run.summary
     base = baseline.summary if baseline is not None else {}
+
+    def ratio(key: str) -> float | None:
+        return _ratio(summary.get(key), base.get(key))
+
     return {
         "run": os.path.relpath(run.path, out_dir),
         "status": summary.get("status"),
@@ -303,34 +306,26 @@ def comparison_row(run: Run, baseline: Run | None, out_dir: Path) -> dict[str, A
         "seed": seed_of(run),
         "steps": summary.get("steps"),
         "world_size": summary.get("world_size", 1),
-        "strategy": summary.get("strategy"),
-        "param_dtype": summary.get("param_dtype"),
-        "reduce_dtype": summary.get("reduce_dtype"),
-        "samples_per_s": summary.get("samples_per_s"),
+        **recorded(summary, "strategy", "param_dtype", "reduce_dtype", "samples_per_s"),
         # Timed beside other jobs on its node (hydra/launcher=node): under contention.
         "contended": (summary.get("launch_slot") or {}).get("parallel_jobs", 1) > 1,
-        "tokens_per_s": summary.get("tokens_per_s"),
-        "mfu": summary.get("mfu"),
-        "speedup": _ratio(summary.get("samples_per_s"), base.get("samples_per_s")),
+        **recorded(summary, "tokens_per_s", "mfu"),
+        "speedup": ratio("samples_per_s"),
         "peak_mem_bytes": summary.get("peak_mem_bytes"),
-        "peak_mem_ratio": _ratio(summary.get("peak_mem_bytes"), base.get("peak_mem_bytes")),
+        "peak_mem_ratio": ratio("peak_mem_bytes"),
         "peak_mem_kind": summary.get("peak_mem_kind"),
         **memory_fields(summary, base),
         "state_bytes": summary.get("state_bytes"),
-        "state_ratio": _ratio(summary.get("state_bytes"), base.get("state_bytes")),
+        "state_ratio": ratio("state_bytes"),
         "engaged": engaged(summary),
         "audit": audit_health(summary),
         "emulated": bool(details_of(summary).get("emulated")),
-        "stale_weight_frac": summary.get("stale_weight_frac"),
-        "final_loss": summary.get("final_loss"),
-        # The best loss the data allows, where it knows one (``learned`` below reads it).
-        "loss_floor": summary.get("loss_floor"),
+        # loss_floor: the best loss the data allows, where it knows one (``learned`` reads it).
+        **recorded(summary, "stale_weight_frac", "final_loss", "loss_floor"),
         **quality_fields(summary, base),
-        "skipped_steps": summary.get("skipped_steps"),
-        "loss_scale": summary.get("loss_scale"),
+        **recorded(summary, "skipped_steps", "loss_scale"),
         "baseline": None if baseline is None else os.path.relpath(baseline.path, out_dir),
-        "device_name": summary.get("device_name"),
-        "error": summary.get("error"),
+        **recorded(summary, "device_name", "error"),
         "health": amp_health(summary),
     }
 
@@ -367,15 +362,21 @@ def tolerance_for(row: dict[str, Any], tolerance: float | None) -> float | None:
     return declared["default_tolerance"]
 
 
+def setting_key(row: Row) -> tuple[str, str]:
+    """A model and setting: the runs (or comparisons) that share an fp32 baseline."""
+    return row["model"], row["setting"]
+
+
 def cell_key(row: Row) -> CellKey:
     return row["model"], row["setting"], row["label"]
 
 
-def group_cells(rows: list[Row]) -> dict[CellKey, list[Row]]:
-    """The rows of each cell, in the order first seen: its seeds are the replicates."""
-    cells: dict[CellKey, list[Row]] = {}
+def group_cells(rows: list[Row], key: Callable[[Row], Any] = cell_key) -> dict[Any, list[Row]]:
+    """The rows of each cell (or of each ``key``), in the order first seen: a cell's seeds are
+    its replicates."""
+    cells: dict[Any, list[Row]] = {}
     for row in rows:
-        cells.setdefault(cell_key(row), []).append(row)
+        cells.setdefault(key(row), []).append(row)
     return cells
 
 
@@ -455,10 +456,6 @@ def first_nonfinite_step(metrics: list[dict[str, Any]]) -> int | None:
     return None
 
 
-def last_step(metrics: list[dict[str, Any]]) -> int | None:
-    return max((int(row["step"]) for row in metrics if "step" in row), default=None)
-
-
 def failure(row: Row, metrics: dict[str, list]) -> dict[str, Any] | None:
     """How a run gave no usable result: ``status`` (``PRECISION_FAILURES``, or the run's own
     status: failed, killed, stopped), ``reason`` and the ``step``; None for a usable run."""
@@ -483,7 +480,8 @@ def failure(row: Row, metrics: dict[str, list]) -> dict[str, Any] | None:
     else:
         status = str(row["status"])
     named = STEP_IN_MESSAGE.search(error)
-    step = int(named.group(1)) if named else last_step(logged)
+    last = max((int(row["step"]) for row in logged if "step" in row), default=None)
+    step = int(named.group(1)) if named else last
     return {"status": status, "reason": error or status, "step": step}
 
 

@@ -251,15 +251,14 @@ def loss_evidence(paired: list[Row], metrics: dict[str, list]) -> dict[str, Any]
 def trial_speedup(trials: list[dict[str, Any]], key: CellKey) -> dict[str, Any] | None:
     """The speed trial's speedup of a cell's precision against fp32, from speed.json; a
     single-process stand-in for a torchrun job's speed is no evidence of it."""
-    model, setting, label = key
-    for trial in trials:
-        if trial.get("stand_in"):
-            continue
-        if (trial.get("model"), trial.get("setting", "")) == (model, setting):
-            found = (trial.get("speedup") or {}).get(label)
-            if found is not None:
-                return found
-    return None
+    timed = [trial for trial in of_setting(trials, key) if not trial.get("stand_in")]
+    found = ((trial.get("speedup") or {}).get(key[2]) for trial in timed)
+    return next((speedup for speedup in found if speedup is not None), None)
+
+
+def of_setting(entries: list[dict[str, Any]], key: CellKey) -> list[dict[str, Any]]:
+    """The entries of speed.json or predicted.json made for the model and setting of ``key``."""
+    return [entry for entry in entries if (entry.get("model"), entry.get("setting", "")) == key[:2]]
 
 
 def job_speedup(paired: list[Row]) -> dict[str, Any] | None:

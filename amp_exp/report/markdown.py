@@ -34,6 +34,7 @@ from amp_exp.report.words import (
     describe_end,
     md_table,
     md_text,
+    memory_ratios,
     show_delta,
     show_interval,
     show_level,
@@ -107,9 +108,7 @@ def difference(mean: float | None, ci: list[float] | None, unit: ToleranceUnit) 
 
 def attempted(comparison: dict[str, Any]) -> str:
     """Beside n, " of 3 attempted" where a seed attempted gave no result."""
-    if not comparison.get("failed_seeds"):
-        return ""
-    return f" of {comparison['n_attempted']} attempted"
+    return f" of {comparison['n_attempted']} attempted" if comparison.get("failed_seeds") else ""
 
 
 def claim_p(comparison: dict[str, Any]) -> float | None:
@@ -148,11 +147,8 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
     for cell in report["cells"]:
         found = compared.get(cell_key(cell), {})
         metric = cell["metric"]
-        mean = _estimate(cell if metric else None, formats.get(metric, ".4g"))
         unit = ToleranceUnit(found.get("unit") or ToleranceUnit.relative.value)
-        delta = difference(found.get("delta_mean"), found.get("delta_ci95"), unit)
         gap = found.get("loss_gap_rel") or {}
-        p_value = claim_p(found)
         body.append(
             [
                 md_text(cell["model"]),
@@ -160,9 +156,9 @@ def evidence_table(report: dict[str, Any]) -> list[str]:
                 md_text(cell["label"]),
                 str(cell["n"]) + attempted(found),
                 md_text(metric or "-"),
-                mean,
-                delta,
-                "-" if p_value is None else f"{p_value:.2g}",
+                _estimate(cell if metric else None, formats.get(metric, ".4g")),
+                difference(found.get("delta_mean"), found.get("delta_ci95"), unit),
+                shown(claim_p(found), ".2g"),
                 found.get("verdict") or "-",
                 difference(gap.get("mean"), gap.get("ci95"), ToleranceUnit.relative),
                 speedup_cell(found.get("speedup")),
@@ -404,9 +400,7 @@ def speedup(row: dict[str, Any]) -> str:
 
 def memory(row: dict[str, Any]) -> str:
     """What the precision changes in memory against fp32: saved activations, weights + state."""
-    ratios = [(row["activation_ratio"], "act."), (row["state_ratio"], "state")]
-    shown = [f"{ratio:.2f}x {what}" for ratio, what in ratios if ratio is not None]
-    return ", ".join(shown) or "-"
+    return memory_ratios(row, {"activation_ratio": "act.", "state_ratio": "state"}) or "-"
 
 
 def quality(row: dict[str, Any]) -> str:
@@ -487,11 +481,9 @@ def runs_csv(rows: list[dict[str, Any]]) -> str:
     writer = csv.DictWriter(out, fields, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        trial = row["trial_speedup"]
         evals = {f"eval.{name}": value for name, value in row["eval"].items()}
-        writer.writerow(
-            {**row, **evals, "trial_speedup": None if trial is None else trial["ratio"]}
-        )
+        trial = (row["trial_speedup"] or {}).get("ratio")
+        writer.writerow({**row, **evals, "trial_speedup": trial})
     return out.getvalue()
 
 

@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from amp_exp.report import stats
 from amp_exp.report.compare import BASELINE, cell_key, group_cells
 from amp_exp.report.decision import trial_interval
+from amp_exp.report.evidence import curve_of
 from amp_exp.report.runs import report_plugin
 from amp_exp.report.words import speedup_cell, trial_levels
 
@@ -40,12 +41,6 @@ def _label(row: dict[str, Any], with_model: bool) -> str:
     status = "" if row["status"] == "completed" else f"({row['status']})"
     parts = [row["model"] if with_model else "", row["label"], row["setting"], status]
     return " ".join(part for part in parts if part)
-
-
-def _train_rows(metrics: Metrics, row: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        m for m in metrics.get(row["run"], []) if m["kind"] == "train" and m["loss"] is not None
-    ]
 
 
 def _model_panels(
@@ -101,17 +96,14 @@ def _draw_cell(ax: Any, cell: Rows, metrics: Metrics) -> None:
     """One precision's loss: a line per seed, their mean over them; a run that did not complete
     dashed. A picture only: the paired loss gap (loss_gap.png, the verdicts) is the evidence."""
     color = precision_color(cell[0]["precision"])
-    done = [
-        stats.train_curve(metrics.get(r["run"], [])) for r in cell if r["status"] == "completed"
-    ]
-    done = [curve for curve in done if curve]
-    for row in cell:
-        points = _train_rows(metrics, row)
+    curves = [(row, curve_of(metrics, row["run"])) for row in cell]
+    done = [curve for row, curve in curves if curve and row["status"] == "completed"]
+    for row, curve in curves:
         completed = row["status"] == "completed"
-        if points and (not completed or len(done) > 1):
-            ax.plot(
-                [p["step"] for p in points],
-                [p["loss"] for p in points],
+        if curve and (not completed or len(done) > 1):
+            _line(
+                ax,
+                curve,
                 color=color,
                 alpha=0.35 if completed else 0.8,
                 linewidth=0.8,
@@ -135,18 +127,19 @@ def _draw_cell(ax: Any, cell: Rows, metrics: Metrics) -> None:
 def loss_curves(rows: Rows, metrics: Metrics) -> Figure | None:
     """Training loss, one panel per model: the band of fp32's seeds (lowest to highest) with
     each precision's mean over its seeds drawn over it; a single seed is its own line."""
-    shown = [row for row in rows if _train_rows(metrics, row)]
+    shown = [row for row in rows if curve_of(metrics, row["run"])]
     figure, panels = _model_panels([row["model"] for row in shown], (5.2, 3.8))
     cells = group_cells(shown)
     for ax, model in panels:
         panel = [row for row in shown if row["model"] == model]
-        losses = [p["loss"] for row in panel for p in _train_rows(metrics, row) if p["loss"] > 0]
+        losses = [loss for row in panel for loss in curve_of(metrics, row["run"]).values()]
+        losses = [loss for loss in losses if loss > 0]
         if losses and max(losses) > 100 * min(losses):
             # A run that blows up would flatten every other curve on a linear axis.
             ax.set_yscale("log")
         for setting in dict.fromkeys(row["setting"] for row in panel):
             fp32 = [
-                stats.train_curve(metrics.get(r["run"], []))
+                curve_of(metrics, r["run"])
                 for r in cells.get((model, setting, BASELINE), [])
                 if r["status"] == "completed"
             ]
@@ -215,10 +208,7 @@ def loss_gap(rows: Rows, metrics: Metrics) -> Figure | None:
     for row in rows:
         if row["status"] != "completed" or row["baseline"] is None:
             continue
-        gap = stats.gap_curve(
-            stats.train_curve(metrics.get(row["run"], [])),
-            stats.train_curve(metrics.get(row["baseline"], [])),
-        )
+        gap = stats.gap_curve(curve_of(metrics, row["run"]), curve_of(metrics, row["baseline"]))
         finite = {step: value for step, value in gap.items() if math.isfinite(value)}
         if finite and row["label"] != BASELINE:
             pairs.setdefault(cell_key(row), []).append(finite)

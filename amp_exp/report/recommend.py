@@ -19,11 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_exp.report.compare import BASELINE, FIX, cell_key, subject
+from amp_exp.report.compare import BASELINE, FIX, Row, cell_key, group_cells, setting_key, subject
 from amp_exp.report.decision import established, trial_interval
-from amp_exp.report.words import CONTINUE, VERDICT_WORDS, md_text, show_level
+from amp_exp.report.words import CONTINUE, VERDICT_WORDS, ci_span, md_text
 
-Row = dict[str, Any]
 # How a run ends when it was stopped from outside (a signal, a kill): its sweep can go on.
 INTERRUPTED = ("killed", "stopped")
 RESUME = (
@@ -57,12 +56,10 @@ def shown_speed(comparison: dict[str, Any]) -> str:
         return "speed not measured"
     trial, jobs = comparison.get("speedup"), comparison.get("job_speedup")
     if trial is not None:
-        low, high, level = trial_interval(trial)
         trend = "; its rounds trend" if (trial.get("trend") or {}).get("flag") else ""
-        where = f"speed trial, {show_level(level)} CI {low:.2f}x to {high:.2f}x{trend}"
+        where = f"speed trial, {ci_span(trial)}{trend}"
     elif jobs["ci"] is not None:
-        low, high = jobs["ci"]
-        where = f"{jobs['source']}, {show_level(jobs['confidence'])} CI {low:.2f}x to {high:.2f}x"
+        where = f"{jobs['source']}, {ci_span(jobs)}"
     else:
         where = "one seed's throughput, no interval"
     return f"{ratio:.2f}x {BASELINE}'s speed ({where})"
@@ -183,14 +180,10 @@ def recommendations(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[
     """One per model and setting: ``precision`` (None while not decided), ``reason`` and the
     ``evidence`` of each precision compared."""
     found = []
-    for model, setting in dict.fromkeys((row["model"], row["setting"]) for row in rows):
-        group = [
-            {**c, "costs": costs(c, rows)}
-            for c in comparisons
-            if (c["model"], c["setting"]) == (model, setting)
-        ]
+    compared = group_cells(comparisons, setting_key)
+    for (model, setting), ended in group_cells(rows, setting_key).items():
+        group = [{**c, "costs": costs(c, rows)} for c in compared.get((model, setting), [])]
         precision, reason = recommend_group(group)
-        ended = [r for r in rows if (r["model"], r["setting"]) == (model, setting)]
         if any(row["status"] in INTERRUPTED for row in ended):
             reason += f"; {RESUME}"
         found.append(

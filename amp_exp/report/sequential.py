@@ -27,7 +27,7 @@ from typing import Any
 from amp_exp.config.adaptive import EvidenceConfig
 from amp_exp.config.cross_checks import check_resumed_plan
 from amp_exp.errors import ConfigError, first_line
-from amp_exp.report.compare import BASELINE, cell_key
+from amp_exp.report.compare import BASELINE, cell_key, group_cells
 from amp_exp.report.runs import NUMBER, Nullable, conforms
 from amp_exp.report.stats import Verdict, calibration
 from amp_exp.results.files import EVIDENCE_JSON, UntrustedFile, damaged, read_json, write_json
@@ -202,9 +202,8 @@ def record(
             for c in report["comparisons"]
         }
     )
-    seeds: dict[str, set[int]] = {}
-    for row in report["runs"]:
-        seeds.setdefault("|".join(cell_key(row)), set()).add(row["seed"])
+    cells = group_cells(report["runs"])
+    seeds = {"|".join(key): {row["seed"] for row in rows} for key, rows in cells.items()}
     steps = [row["steps"] for row in report["runs"] if row.get("steps")]
     found = {
         "plan": asdict(plan),

@@ -20,13 +20,12 @@ import re
 from typing import Any
 
 from amp_exp.config.precisions import REFERENCE
-from amp_exp.report.compare import BASELINE, FIX, cell_key, group_cells, subject
+from amp_exp.report.compare import BASELINE, FIX, Row, cell_key, group_cells, setting_key, subject
 from amp_exp.report.decision import CLAIM_P, WITHHELD_FAMILY, WITHHELD_SHAPE, trial_interval
 from amp_exp.report.runs import report_plugin
 from amp_exp.report.stats import MAX_SEEDS
 from amp_exp.tasks.metrics import ToleranceUnit
 
-Row = dict[str, Any]
 # The advice for an open verdict: seeds added under looks that keep the error rate, never a
 # larger fixed sweep re-read at the nominal 95% (which claims 4-9% of the time, not 2.5%).
 CONTINUE = (
@@ -91,18 +90,20 @@ def decimals(interval: list[float] | None, unit: ToleranceUnit) -> int:
     return places
 
 
+def signed(value: float, unit: ToleranceUnit, places: int) -> str:
+    """A difference's number: +0.5000 accuracy points, +0.51% of a relative one."""
+    return f"{value:+.{places}f}" if unit is ToleranceUnit.points else f"{value:+.{places}%}"
+
+
 def show_delta(delta: float, unit: ToleranceUnit, interval: list[float] | None = None) -> str:
     """A difference, at as many decimals as its ``interval`` needs."""
-    places = decimals(interval, unit)
-    return f"{delta:+.{places}f} points" if unit is ToleranceUnit.points else f"{delta:+.{places}%}"
+    shown = signed(delta, unit, decimals(interval, unit))
+    return f"{shown} points" if unit is ToleranceUnit.points else shown
 
 
 def show_interval(interval: list[float], unit: ToleranceUnit) -> str:
     places = decimals(interval, unit)
-    low, high = interval
-    if unit is ToleranceUnit.points:
-        return f"[{low:+.{places}f}, {high:+.{places}f}]"
-    return f"[{low:+.{places}%}, {high:+.{places}%}]"
+    return f"[{', '.join(signed(bound, unit, places) for bound in interval)}]"
 
 
 def show_tolerance(tolerance: float, unit: ToleranceUnit) -> str:
@@ -161,33 +162,32 @@ def show_speedup(found: dict[str, Any]) -> str:
     )
 
 
+def ci_span(found: dict[str, Any]) -> str:
+    """A speedup's interval in words: 97.5% CI 1.40x to 1.65x (a trial's, or the jobs')."""
+    low, high, level = trial_interval(found)
+    return f"{show_level(level)} CI {low:.2f}x to {high:.2f}x"
+
+
 def speed_phrase(comparison: dict[str, Any], emulated: bool) -> str:
     """The interleaved trial's speedup and its interval; else the interval of the paired per-seed
     throughput ratios, labelled as such (report/evidence.py's job_speedup)."""
     if emulated:
         return "emulated, not timed"
-    trial = comparison["speedup"]
-    if trial is not None:
-        low, high, level = trial_interval(trial)
-        return (
-            f"{trial['ratio']:.2f}x {BASELINE}'s speed ({show_level(level)} CI {low:.2f}x to "
-            f"{high:.2f}x, {rounds_phrase(trial)}; total time {trial['total_time_ratio']:.2f}x)"
-        )
-    jobs = comparison["job_speedup"]
-    if jobs is None:
+    trial, jobs = comparison["speedup"], comparison["job_speedup"]
+    if trial is None and jobs is None:
         return "throughput not measured"
+    speed = f"{(trial or jobs)['ratio']:.2f}x {BASELINE}'s speed"
+    if trial is not None:
+        total = trial["total_time_ratio"]
+        return f"{speed} ({ci_span(trial)}, {rounds_phrase(trial)}; total time {total:.2f}x)"
     how = (
         "jobs timed in parallel on one node, under contention"
         if comparison.get("contended")
         else "jobs timed one after another"
     )
     if jobs["ci"] is None:
-        return f"{jobs['ratio']:.2f}x {BASELINE}'s speed (one seed's {how}: no interval)"
-    low, high = jobs["ci"]
-    return (
-        f"{jobs['ratio']:.2f}x {BASELINE}'s speed ({show_level(jobs['confidence'])} CI "
-        f"{low:.2f}x to {high:.2f}x of the {jobs['source']}, n = {jobs['n']}; {how})"
-    )
+        return f"{speed} (one seed's {how}: no interval)"
+    return f"{speed} ({ci_span(jobs)} of the {jobs['source']}, n = {jobs['n']}; {how})"
 
 
 # How a seed's attempt ended (report/evidence.py's failure statuses), as the lines say it.
@@ -354,15 +354,20 @@ def notes(row: Row) -> list[str]:
     return [*found, stall] if stall else found
 
 
-def memory_phrase(row: Row) -> str:
-    """The saved activations, the state and (CUDA) the peak against fp32's (precision audit)."""
-    ratios = [
-        (row["activation_ratio"], "the saved activations"),
-        (row["state_ratio"], "the weights and optimizer state"),
-        (row["cuda_peak_ratio"], "the CUDA peak"),
-    ]
-    shown = ", ".join(f"{ratio:.2f}x {what}" for ratio, what in ratios if ratio is not None)
-    return shown or "memory not measured"
+# What a precision changes in memory against fp32, by the row's ratio: the verdict lines' words.
+MEMORY_WORDS = {
+    "activation_ratio": "the saved activations",
+    "state_ratio": "the weights and optimizer state",
+    "cuda_peak_ratio": "the CUDA peak",
+}
+
+
+def memory_ratios(row: Row, words: dict[str, str]) -> str:
+    """The row's memory ratios to fp32 named by ``words`` (ratio key -> what it measures), those
+    measured: "0.50x the saved activations, 1.00x the CUDA peak"; "" where none was."""
+    return ", ".join(
+        f"{row[key]:.2f}x {what}" for key, what in words.items() if row[key] is not None
+    )
 
 
 def named(row: Row, replicated: bool) -> str:
@@ -380,9 +385,10 @@ def cell_phrase(comparison: dict[str, Any], paired: list[Row], replicated: bool)
             found += f"; seed {row['seed']}: " if replicated else ", "
             found += ", ".join(notes(row))
     # The memory of a precision does not change with the seed: its first run stands for all.
+    memory = memory_ratios(paired[0], MEMORY_WORDS) or "memory not measured"
     return (
         f"{quality_phrase(comparison)}; {speed_phrase(comparison, paired[0]['emulated'])}, "
-        f"{memory_phrase(paired[0])} of {BASELINE}{loss_phrase(comparison)}{found}"
+        f"{memory} of {BASELINE}{loss_phrase(comparison)}{found}"
     )
 
 
@@ -431,8 +437,7 @@ def verdicts(rows: list[Row], comparisons: list[dict[str, Any]]) -> list[str]:
     """A line per precision of each model and setting (``rows`` are compare.comparison_rows')."""
     compared = {cell_key(c): c for c in comparisons}
     lines = []
-    for model, setting in dict.fromkeys((row["model"], row["setting"]) for row in rows):
-        group = [row for row in rows if (row["model"], row["setting"]) == (model, setting)]
+    for (model, setting), group in group_cells(rows, setting_key).items():
         who = subject(model, setting)
         replicated = len({row["seed"] for row in group}) > 1
         if not any(r["label"] == BASELINE and r["status"] == "completed" for r in group):
