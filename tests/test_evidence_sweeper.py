@@ -21,7 +21,7 @@ from amp_exp.report.markdown import evidence_sweep_section
 from amp_exp.report.stats import CODE, ONE_SIDED, Verdict, simulate
 from amp_exp.report.words import show_level
 from amp_exp.results.files import EVIDENCE_JSON, write_json
-from helpers.runs import FAST, TINY, run_cli
+from helpers.runs import FAST, TINY
 from hydra_plugins._amp_exp_evidence import EvidenceSweeper
 
 REPETITIONS = 20_000
@@ -194,12 +194,16 @@ def test_only_open_cells_get_their_next_seed_with_their_fp32_pair() -> None:
 
 
 @pytest.mark.slow
-def test_a_sweep_freezes_a_decided_cell_and_reports_seeds_and_level(tmp_path: Path) -> None:
+def test_a_sweep_freezes_a_decided_cell_and_reports_seeds_and_level(
+    tmp_path: Path, command_main, pngs_not_rasterized
+) -> None:
     """tiny_cnn on 4 steps, judged by accuracy at report.tolerance=50 points: bf16 cannot be
     judged at 2 seeds (an accuracy cell's first look is at 3) and matches at 3, so the sweep
     must stop there, below max_seeds=4, and its report name the seeds, the rule and the levels
-    (accuracy cells: calibrated for looks at 3 and 4)."""
-    run_cli(
+    (accuracy cells: calibrated for looks at 3 and 4). Through amp_exp's entry point in this
+    process: what is checked is the sweeper's plan and report, not a process's exit."""
+    result = command_main(
+        "amp_exp",
         "-m",
         "hydra/sweeper=evidence",
         "precision=fp32,bf16",
@@ -209,8 +213,8 @@ def test_a_sweep_freezes_a_decided_cell_and_reports_seeds_and_level(tmp_path: Pa
         *FAST,
         *TINY,
         f"hydra.sweep.dir={tmp_path}",
-        timeout=600,
     )
+    assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads((tmp_path / EVIDENCE_JSON).read_text())
     assert plan["seeds"] == {"tiny_cnn||fp32": 3, "tiny_cnn||bf16": 3} and plan["jobs"] == 6
     looks = [look["tiny_cnn||bf16"] for look in plan["looks"]]

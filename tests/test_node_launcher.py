@@ -63,24 +63,25 @@ def test_a_cpu_node_runs_n_jobs_with_a_share_of_the_cores_each(monkeypatch) -> N
 
 @pytest.mark.slow
 def test_two_parallel_cpu_jobs_complete_with_a_correct_report(tmp_path: Path) -> None:
+    """Two jobs, one seed: the slots and the queue are the unit tests' above; this one is about
+    the jobs the real launcher starts, each told it shares the node, and the report's words."""
     run_cli(
         "-m",
         "hydra/launcher=node",
         "hydra.launcher.n_jobs=2",
         "hydra.launcher.gpus=0",
         "precision=fp32,bf16",
-        "seed=0,1",
         "report.speed_trial=false",
         *FAST,
         *TINY_MLP,
         f"hydra.sweep.dir={tmp_path}",
         timeout=600,
     )
-    for job in ("0", "1", "2", "3"):
+    for job in ("0", "1"):
         summary = json.loads((tmp_path / job / "summary.json").read_text())
         assert summary["status"] == "completed"
         assert summary["launch_slot"]["parallel_jobs"] == 2
     report = json.loads((tmp_path / "report.json").read_text())
-    assert [row["contended"] for row in report["runs"]] == [True] * 4
+    assert [row["contended"] for row in report["runs"]] == [True] * 2
     (line,) = report["verdicts"]
     assert line.startswith("mlp: bf16 ") and "jobs timed in parallel on one node, under" in line

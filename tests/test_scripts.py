@@ -1,17 +1,14 @@
 """The benchmark scripts run end to end on the CPU (their figures live in docs/benchmarks.md);
-those run as processes of their own: tests/test_scripts_processes.py."""
+those that start their sides as processes: tests/test_scripts_processes.py."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import subprocess
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+
+from test_scripts_processes import SidesHere
 
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -29,19 +26,9 @@ def test_gpu_bench_smoke_writes_both_tables_and_checks_parity(
     # figures.
     monkeypatch.setattr(gpu_bench, "run_module", command_main)
 
-    def parity(command: list[str], **kwargs) -> subprocess.CompletedProcess:
-        """The parity script, and each side it spawns, through its main in this process."""
-        assert Path(command[1]) == SCRIPTS / "bench_parity.py"
-        argv, sys.argv = sys.argv, command[1:]
-        try:
-            with contextlib.redirect_stdout(io.StringIO()) as printed:
-                bench_parity.main()
-        finally:
-            sys.argv = argv  # the driver builds each side's command from its own argv
-        return subprocess.CompletedProcess(command, 0, printed.getvalue(), "")
-
-    monkeypatch.setattr(bench_parity, "subprocess", SimpleNamespace(run=parity))
-    monkeypatch.setattr(gpu_bench, "subprocess", SimpleNamespace(run=parity))
+    # The parity script, and each side it spawns, through its main in this process too.
+    monkeypatch.setattr(bench_parity, "subprocess", SidesHere())
+    monkeypatch.setattr(gpu_bench, "subprocess", SidesHere())
     gpu_bench.main(["--smoke", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "gpu_bench.json").read_text())
     cells = results["images"]

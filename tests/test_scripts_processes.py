@@ -1,33 +1,50 @@
-"""The benchmark scripts whose sides run as processes of their own, and the causal check's: each
-script's ``main`` runs in this process, and each side it starts comes from the warm interpreter
-(helpers/warm_python.py) in place of a fresh one: the figures don't matter here, what the sides
-agree on does. Apart from tests/test_scripts.py so that pytest-xdist gives the two files two
-workers."""
+"""The benchmark scripts that start their sides as processes of their own, and the causal check's:
+each script's ``main`` runs in this process, and so does each side it starts, through the same
+``main`` with the side's command line: the figures don't matter here, what the sides agree on
+does. Apart from tests/test_scripts.py so that pytest-xdist gives the two files two workers."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.warm_python import python_m
-
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
-class WarmSides:
+class SidesHere:
     """A script's ``subprocess`` for the sides it starts as ``[python, script, *args]``: each
-    runs as ``python -m scripts.<script>`` from the warm interpreter, in the same directory."""
+    runs through the script's ``main`` in this process, in the side's directory and with its
+    argv, where a process would pay seconds of CPU to import torch and transformers before a
+    few steps that take milliseconds. Sides run one after another, as the scripts run them."""
 
-    def run(self, command: list[str], cwd: Path, **_: object) -> subprocess.CompletedProcess:
+    def run(
+        self, command: list[str], cwd: Path | None = None, **_: object
+    ) -> subprocess.CompletedProcess:
         python, script, *args = command
         assert python == sys.executable and Path(script).parent == SCRIPTS, command
-        return python_m(f"{SCRIPTS.name}.{Path(script).stem}", *args, cwd=cwd)
+        side = importlib.import_module(Path(script).stem)
+        argv, here = sys.argv, os.getcwd()
+        status = 0
+        sys.argv = [script, *args]
+        os.chdir(cwd or here)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                side.main()
+        except SystemExit as exited:
+            status = exited.code if isinstance(exited.code, int) else 1
+        finally:
+            sys.argv = argv  # the script builds each side's command from its own argv
+            os.chdir(here)
+        return subprocess.CompletedProcess(command, status, printed.getvalue(), "")
 
 
 @pytest.fixture
@@ -40,7 +57,7 @@ def run_script(monkeypatch, capsys):
         script = importlib.import_module(name)
         monkeypatch.setattr(sys, "argv", [str(SCRIPTS / f"{name}.py"), *args])
         if hasattr(script, "subprocess"):
-            monkeypatch.setattr(script, "subprocess", WarmSides())
+            monkeypatch.setattr(script, "subprocess", SidesHere())
         script.main()
         return json.loads(capsys.readouterr().out)
 

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,9 @@ from hydra.core.plugins import Plugins
 from omegaconf import DictConfig
 
 from amp_exp.config.preflight import CONF_DIR, CONFIG_NAME
-from helpers.runs import FAST, TINY, read_jsonl, run_cli
+from helpers.runs import FAST, TINY, TINY_MLP, read_jsonl, run_cli
 from helpers.torchrun import DDP_RUN
+from helpers.warm_python import start_python_m
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -32,15 +34,18 @@ TESTS_DIR = Path(__file__).resolve().parent
 LAUNCHERS = "hydra_plugins._amp_exp_submitit"
 
 
-def amp_exp(
-    *args: str, expect_rc: int = 0, timeout: int = 300, cwd: Path | None = None
-) -> subprocess.CompletedProcess:
+def job_env() -> dict[str, str]:
     # The jobs import tests/requeue_pace.py, which the requeue test names as a Hydra callback.
     path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     # One torch thread per job: on a busy 2-core machine, two threads per tiny job ran up to 20x
     # slower (each step waits for whichever thread was descheduled), and timings here matter.
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    return run_cli(*args, expect_rc=expect_rc, timeout=timeout, env=env, cwd=cwd)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+def amp_exp(
+    *args: str, expect_rc: int = 0, timeout: int = 300, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    return run_cli(*args, expect_rc=expect_rc, timeout=timeout, env=job_env(), cwd=cwd)
 
 
 # --- the pieces ----------------------------------------------------------------------------------
@@ -171,8 +176,13 @@ def test_submitit_local_sweep_reports_every_job_whose_two_tasks_are_its_ranks(
         "hydra/launcher=submitit_local",
         "hydra.launcher.tasks_per_node=2",
         *DDP_RUN,
-        *TINY,
+        # An MLP: what is checked is who trains and who reports, not a model (bf16 convolutions
+        # cost this CPU far more a step than the MLP's matmuls).
+        *TINY_MLP,
         "precision=fp32,bf16",
+        # The speed trial at the sweep's end times the model in the sweep's own process, apart
+        # from the launcher (tests/test_speed.py, tests/test_sweep.py).
+        "report.speed_trial=false",
         cwd=tmp_path,
     )
     (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
@@ -187,8 +197,8 @@ def test_submitit_local_sweep_reports_every_job_whose_two_tasks_are_its_ranks(
     }
     assert jobs == {"0": ("fp32", "completed", 2), "1": ("bf16", "completed", 2)}
     table = (sweep_dir / "report.md").read_text()
-    assert "| 0 | tiny_cnn | fp32 [2 ranks] |" in table
-    assert "| 1 | tiny_cnn | bf16 [2 ranks] |" in table
+    assert "| 0 | mlp | fp32 [2 ranks] |" in table
+    assert "| 1 | mlp | bf16 [2 ranks] |" in table
     # submitit's own files: one folder per job, with each task's stdout and stderr.
     assert len(list(sweep_dir.glob(".submitit/*/*_0_log.out"))) == 2
     assert len(list(sweep_dir.glob(".submitit/*/*_1_log.out"))) == 2
@@ -196,18 +206,25 @@ def test_submitit_local_sweep_reports_every_job_whose_two_tasks_are_its_ranks(
 
 @slow
 def test_a_job_signalled_before_its_time_limit_is_requeued_and_resumes(tmp_path: Path) -> None:
+    """SIGUSR2 while the job trains, as SLURM (or submitit's local controller, ``signal_delay_s``
+    before ``timeout_min``) warns a job: caught, a job that ends without a checkpoint, is not
+    requeued, or starts over instead of resuming in its own directory."""
     steps, log_every = 200, 20
-    # The controller signals at 60 - 40 = 20 s after a start. The first attempt needs at least
-    # 200 x 0.15 s = 30 s (tests/requeue_pace.py), so the signal finds it training however fast
-    # the machine; the requeued attempt trains at full speed, in about a second here.
-    amp_exp(
+    marker, sweeps = tmp_path / "training", tmp_path / "sweeps"
+    # The first attempt writes the marker at its first step, then needs at least 200 x 0.15 s =
+    # 30 s (tests/requeue_pace.py): the signal, sent once the marker is there, finds it training
+    # however fast the machine. The controller's own signal would come 5 minutes after a start,
+    # never before the job ends; the requeued attempt trains at full speed, in about a second.
+    sweep = start_python_m(
+        "amp_exp",
         "-m",
         "hydra/launcher=submitit_local",
-        "hydra.launcher.timeout_min=1",
-        "hydra.launcher.signal_delay_s=40",
+        "hydra.launcher.timeout_min=6",
+        "hydra.launcher.signal_delay_s=60",
         "hydra.launcher.max_num_timeout=5",
         "+hydra.callbacks.pace._target_=requeue_pace.SlowFirstAttempt",
         "+hydra.callbacks.pace.seconds_per_step=0.15",
+        f"+hydra.callbacks.pace.marker={marker}",
         "precision=fp32",
         *FAST,
         *TINY,
@@ -215,10 +232,18 @@ def test_a_job_signalled_before_its_time_limit_is_requeued_and_resumes(tmp_path:
         f"trainer.log_every={log_every}",
         # A sweep directory that a requeued job re-resolved would differ by microseconds; this is
         # the default one's resolver, with microseconds.
-        f"hydra.sweep.dir={tmp_path}/${{amp_exp.launch_time:%H-%M-%S-%f}}",
+        f"hydra.sweep.dir={sweeps}/${{amp_exp.launch_time:%H-%M-%S-%f}}",
+        env=job_env(),
         timeout=240,
     )
-    (sweep_dir,) = tmp_path.iterdir()
+    deadline = time.monotonic() + 180
+    while not marker.exists():
+        assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()
+        time.sleep(0.02)
+    os.kill(int(marker.read_text()), signal.SIGUSR2)
+    _, stderr = sweep.communicate()
+    assert sweep.returncode == 0, stderr[-3000:]
+    (sweep_dir,) = sweeps.iterdir()
     job_dir = sweep_dir / "0"
     log = "".join(p.read_text() for p in sweep_dir.glob(".submitit/*/*_0_log.*"))
     assert "SIGUSR2 received" in log and "Requeued job" in log, log[-3000:]

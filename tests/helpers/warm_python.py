@@ -11,9 +11,9 @@ the heavy third-party packages, then forks one child per command. The child beco
 
 Use :func:`python_m` where a test wants a command's exit status, output and files, and
 :func:`start_python_m` where it signals the command while it runs (the child's pid is the
-command's). Tests that give a process a terminal start a fresh one, and the processes a command
-starts itself (submitit's tasks, the benchmark's parity sides) are fresh as always, but for
-torchrun's ranks under helpers/torchrun.py: a second process forked at the server's start, the
+command's), and with a pseudo-terminal for its streams where a test wants one. The processes a
+command starts itself (submitit's tasks, the benchmark's parity sides) are fresh as always, but
+for torchrun's ranks under helpers/torchrun.py: a second process forked at the server's start, the
 rank zygote, forks each of them for helpers/warm_rank.py, which torchrun runs in place of
 ``python -u``.
 """
@@ -285,6 +285,8 @@ class WarmProcess:
         self._ended = False
         self._output: tuple[str, str] | None = None
         streams = {"stdout": str(self._out), "stderr": str(self._err), "stdin": str(stdin)}
+        if request.get("terminal"):  # all three streams at the terminal, as a shell starts it
+            streams = dict.fromkeys(streams, request["terminal"])
         self.pid = self._server.start({**request, **streams})
 
     def send_signal(self, signum: int) -> None:
@@ -330,11 +332,13 @@ def start_python_m(
     timeout: float = 300,
     input: str | None = None,
     start_new_session: bool = False,
+    terminal: str | None = None,
 ) -> WarmProcess:
     """``python -m module args`` forked from the warm interpreter and left running, as
     ``subprocess.Popen`` starts it; the server kills it after ``timeout`` seconds (``wait`` then
     raises ``subprocess.TimeoutExpired``). Without ``input`` the command reads an empty
-    stdin."""
+    stdin. ``terminal``: the path of a pseudo-terminal (``os.ttyname``) for its stdin, stdout
+    and stderr instead, which the caller reads."""
     request = {
         "module": module,
         "args": list(args),
@@ -342,6 +346,7 @@ def start_python_m(
         "env": dict(os.environ if env is None else env),
         "timeout": timeout,
         "new_session": start_new_session,
+        "terminal": terminal,
     }
     return WarmProcess(module, args, request, input)
 
