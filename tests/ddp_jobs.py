@@ -38,7 +38,7 @@ from helpers.torchrun import torchrun
 
 # What ddp_worker.main replaces for its job's faults and meters.
 PATCHED = (
-    (amp_exp.build, "meter"),
+    (amp_exp.build, "Meter"),
     (Throughput, "_now"),
     (run, "build"),
     (run, "train_built"),

@@ -123,7 +123,7 @@ def main() -> None:
         os.environ["XDG_CACHE_HOME"] = str(args.output_dir / f"cache.rank{rank}")
         inject_probe(args.probe)
     if args.peak_tflops is not None:
-        amp_exp.build.meter = meter_with_peak(args.peak_tflops)
+        amp_exp.build.Meter = meter_with_peak(args.peak_tflops)
     if args.ticking_clock:
         Throughput._now = ticking_clock()
     real_build, real_train_built = run.build, run.train_built

@@ -193,7 +193,7 @@ def test_tflops_and_mfu_are_per_device_and_tokens_per_second_global(
     from amp_exp.config.values import validate
     from amp_exp.training.meters import Throughput
 
-    monkeypatch.setattr(amp_exp.build, "meter", meter_with_peak(1.0))
+    monkeypatch.setattr(amp_exp.build, "Meter", meter_with_peak(1.0))
     monkeypatch.setattr(Throughput, "_now", ticking_clock())
     alone = train(validate(compose_cfg(*LM_RUN, fast=False)), tmp_path / "alone")
     two = worker_jobs["lm"][0]["summary"]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
-from amp_exp.predict.predict import predict
+from amp_exp.predict.predict import predict_trace
 from amp_exp.predict.trace import fused_attention, trace_step
 from amp_exp.run import train
 from amp_exp.sensitivity.command import run_sensitivity
@@ -278,6 +278,11 @@ def test_only_a_value_above_the_formats_largest_is_said_to_exceed_it(value, said
 
 
 # --- predict takes what training takes ---------------------------------------------------------
+
+
+def predict(cfg):
+    """What ``python -m amp_exp.predict`` computes for ``cfg``: its step traced, then priced."""
+    return predict_trace(cfg, trace_step(cfg))
 
 
 def test_predict_builds_a_save_pretrained_folder_from_its_config(tmp_path) -> None:

@@ -162,11 +162,11 @@ def ticking_clock() -> Callable[[Any], float]:
 
 
 def meter_with_peak(peak_tflops: float) -> Callable[..., Any]:
-    """A stand-in for ``amp_exp.build.meter`` that gives the run's meter a device peak (no CPU
-    has one), so that a CPU run reports MFU."""
+    """A stand-in for the ``Meter`` that ``amp_exp.build`` makes, giving the run's meter a device
+    peak (no CPU has one), so that a CPU run reports MFU."""
     import amp_exp.build
 
-    real = amp_exp.build.meter
+    real = amp_exp.build.Meter
 
     def meter(*args: Any) -> Any:
         return dataclasses.replace(

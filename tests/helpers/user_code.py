@@ -21,6 +21,25 @@ def make_classifier(input_shape: tuple[int, ...], num_classes: int, hidden: int 
     )
 
 
+def make_classifier_met_by(
+    input_shape: tuple[int, ...], num_classes: int, rendezvous: str, jobs: int
+) -> nn.Module:
+    """make_classifier's model, built only once ``jobs`` jobs are building theirs at the same
+    time: each leaves its pid in ``rendezvous`` and waits (at most 60 s) for the others'. Jobs
+    run one after another never meet, so the first fails: parallelism proved without a clock."""
+    import time
+    from pathlib import Path
+
+    folder = Path(rendezvous)
+    (folder / str(os.getpid())).touch()
+    deadline = time.monotonic() + 60
+    while len(list(folder.iterdir())) < jobs:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {jobs} jobs met in {folder} within 60 s")
+        time.sleep(0.05)
+    return make_classifier(input_shape, num_classes)
+
+
 class TinyLM(nn.Module):
     """An embedding and a linear head: enough to learn which token follows which."""
 
