@@ -242,6 +242,7 @@ def test_the_command_writes_its_files_and_refuses_to_overwrite_them(tmp_path, co
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("pngs_not_rasterized")  # read for its words (conftest)
 def test_a_sweep_report_shows_the_prediction_beside_the_measured_trial(
     tmp_path, amp_exp_here
 ) -> None:

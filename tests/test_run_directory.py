@@ -195,6 +195,7 @@ def test_resuming_a_completed_cli_run_does_nothing_and_writes_nothing(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("pngs_not_rasterized")  # read for its words (conftest)
 def test_a_second_sweep_into_a_sweep_directory_is_refused_unless_it_resumes(
     tmp_path, amp_exp_here
 ) -> None:
