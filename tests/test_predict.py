@@ -18,7 +18,6 @@ from amp_exp.predict.predict import predict_trace
 from amp_exp.predict.trace import StepTrace, trace_step
 from amp_exp.results.files import PREDICT_JSON, PREDICT_MD
 from helpers.runs import FAST_TRAINER, composed
-from helpers.warm_python import python_m
 
 TINY_LM = ["model=gpt_tiny", "dataset=synthetic_tokens"]
 
@@ -243,14 +242,17 @@ def test_the_command_writes_its_files_and_refuses_to_overwrite_them(tmp_path, co
 
 
 @pytest.mark.slow
-def test_a_sweep_report_shows_the_prediction_beside_the_measured_trial(tmp_path) -> None:
+@pytest.mark.usefixtures("pngs_not_rasterized")  # read for its words (conftest)
+def test_a_sweep_report_shows_the_prediction_beside_the_measured_trial(
+    tmp_path, amp_exp_here
+) -> None:
     """``report.predict=[h100,a100]``: the sweep's report adds a column per GPU, each figure
     labelled as predicted and equal to what python -m amp_exp.predict gives for the same run.
     Caught: a prediction shown without its label, or one that is not the command's (a trace of
-    another config, a speedup against the wrong baseline, GPUs swapped)."""
+    another config, a speedup against the wrong baseline, GPUs swapped). The sweep runs through
+    the entry point, in this process."""
     sweep_dir = tmp_path / "sweep"
-    result = python_m(
-        "amp_exp",
+    result = amp_exp_here(
         "-m",
         *TINY_LM,
         *FAST_TRAINER,
@@ -259,7 +261,6 @@ def test_a_sweep_report_shows_the_prediction_beside_the_measured_trial(tmp_path)
         "report.speed_trial=false",
         "report.predict=[h100,a100]",
         f"hydra.sweep.dir={sweep_dir}",
-        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((sweep_dir / "report.json").read_text())
