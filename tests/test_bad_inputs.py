@@ -304,6 +304,8 @@ def test_cli_a_metrics_link_is_refused_in_one_line_beside_a_log_the_disk_refuses
     run_dir.mkdir()
     for name in ("metrics.jsonl", "train.log"):
         (run_dir / name).symlink_to(FULL)
+    # A process of its own: the log on a disk that refuses it is closed as a process's exit
+    # closes it, where a failed close is no error.
     result = python_m("amp_exp", *FAST, *FP32_MLP, f"hydra.run.dir={run_dir}", timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     output = result.stdout + result.stderr
@@ -354,7 +356,8 @@ def test_cli_on_a_full_disk_exits_4_in_one_line(amp_exp_here, tmp_path, leave_ki
             f"hydra.run.dir={run_dir}",
         )
         trains = leave_kib > 1024
-        if trains:  # Hydra's run takes over the logging of its process: a process of its own
+        if trains:  # the log on the disk that fills is closed as a process's exit closes it,
+            # where a failed close is no error: a process of its own
             filler = fill_once_training(disk, run_dir / "metrics.jsonl")
             result = python_m("amp_exp", *argv, timeout=300)
             filler.join()
@@ -380,11 +383,13 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     }
 
 
-def run_bad(workspace: Path, *argv: str, run_dir: str = "run") -> subprocess.CompletedProcess:
-    """``python -m amp_exp`` from ``workspace``; fails the test unless it exits 2 and leaves every
-    file outside ``run_dir`` as it was."""
+def run_bad(
+    amp_exp_here, workspace: Path, *argv: str, run_dir: str = "run"
+) -> subprocess.CompletedProcess:
+    """``python -m amp_exp`` from ``workspace``, through its entry point in this process; fails
+    the test unless it exits 2 and leaves every file outside ``run_dir`` as it was."""
     before = snapshot(workspace)
-    result = python_m("amp_exp", *argv, f"hydra.run.dir={run_dir}", timeout=300, cwd=workspace)
+    result = amp_exp_here(*argv, f"hydra.run.dir={run_dir}")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stdout + result.stderr
     after = {k: v for k, v in snapshot(workspace).items() if not k.startswith(f"{run_dir}/")}
@@ -434,10 +439,13 @@ def test_cli_rejects_an_output_dir_through_a_file(workspace, amp_exp_here) -> No
 
 
 @pytest.mark.slow
-def test_cli_stops_at_an_unreadable_image_with_one_line_and_a_failed_summary(workspace) -> None:
+def test_cli_stops_at_an_unreadable_image_with_one_line_and_a_failed_summary(
+    workspace, amp_exp_here
+) -> None:
     for image in (workspace / "images").rglob("*.png"):
         image.write_bytes(b"not a png")
     result = run_bad(
+        amp_exp_here,
         workspace,
         *FAST,
         *FP32_MLP,

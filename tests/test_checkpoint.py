@@ -29,7 +29,7 @@ from amp_exp.results.dcp_reader import read_metadata
 from amp_exp.run import build, train
 from amp_exp.runtime.distributed import process_group
 from amp_exp.runtime.fsdp import state_template
-from helpers.runs import FAST, TINY, read_jsonl, run_cli, signal_self_at_call
+from helpers.runs import FAST, TINY, read_jsonl, signal_self_at_call
 from helpers.warm_python import start_python_m
 
 # The shared tiny run at batch 32: 256 samples make 8 batches an epoch.
@@ -293,13 +293,15 @@ def test_a_dcp_value_that_smuggles_code_is_refused_and_never_runs(
 
 @pytest.mark.slow
 def test_cli_resume_from_a_smuggling_dcp_checkpoint_exits_4_in_one_line(
-    tmp_path, sharded_run
+    tmp_path, sharded_run, amp_exp_here
 ) -> None:
-    """The run trained in this process (sharded_run); its resume from the command line."""
+    """The run trained in this process (sharded_run); its resume from the command line,
+    through the entry point, in this process."""
     run = [*FAST, *SHARDED, f"hydra.run.dir={tmp_path}"]
     marker = tmp_path / "payload-ran"
     (sharded_run / ".metadata").write_bytes(pickle.dumps(ShellPayload(marker)))
-    result = run_cli(*run, "resume=auto", "trainer.max_steps=6", expect_rc=4)
+    result = amp_exp_here(*run, "resume=auto", "trainer.max_steps=6")
+    assert result.returncode == 4, result.stderr[-3000:]
     [line] = result.stderr.splitlines()
     assert (
         line.startswith("amp_exp: error: resume=auto: no checkpoint in") and "posix.system" in line
@@ -436,7 +438,10 @@ def test_nan_loss_in_fp32_with_stop_stops(run_cfg, override_loss) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path) -> None:
+def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path, amp_exp_here) -> None:
+    """The run that is signalled has a process of its own (its exit status is the process's);
+    the resume runs through the entry point, in this process."""
+
     def overrides(max_steps: int, *extra: str) -> list[str]:
         return [
             *FAST,
@@ -462,7 +467,8 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path) -> None:
     assert stopped_at >= 10
 
     finish = (stopped_at // 10 + 3) * 10
-    run_cli(*overrides(finish, "resume=auto"))
+    resumed = amp_exp_here(*overrides(finish, "resume=auto"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [r["step"] for r in read_jsonl(metrics) if "loss" in r]
     assert steps == list(range(10, finish + 1, 10))
 

@@ -1,4 +1,6 @@
-"""End to end: ``python -m amp_exp`` as a user runs it, results read back from disk."""
+"""End to end: ``python -m amp_exp`` as a user runs it, results read back from disk. The runs go
+through the command's entry point in this process (what a process of their own adds, its exit
+status, is test_console_script_is_installed's)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import FAST, read_jsonl, run_cli
+from helpers.runs import FAST, read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +46,21 @@ SUMMARY_KEYS = {
 }
 
 
-def test_run_writes_metrics_summary_config_and_log(tmp_path: Path) -> None:
-    run_cli(
+@pytest.fixture
+def run_here(amp_exp_here):
+    """``run_here(*args)``: ``python -m amp_exp args`` through its entry point in this process;
+    fails the test unless it exits 0."""
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        result = amp_exp_here(*args)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result
+
+    return run
+
+
+def test_run_writes_metrics_summary_config_and_log(tmp_path: Path, run_here) -> None:
+    run_here(
         *FAST,
         "precision=bf16",
         "model.width=4",  # bf16 convolutions take a tenth of a second a CPU step at width 32
@@ -74,8 +89,8 @@ def test_run_writes_metrics_summary_config_and_log(tmp_path: Path) -> None:
     assert "[####################] 6/6" in log
 
 
-def test_fp16_run_logs_the_loss_scale(tmp_path: Path) -> None:
-    run_cli(
+def test_fp16_run_logs_the_loss_scale(tmp_path: Path, run_here) -> None:
+    run_here(
         *FAST,
         "precision=fp16",
         "model.width=4",
@@ -144,15 +159,17 @@ def test_the_training_help_lists_every_option_of_every_group_a_user_picks_from(
     assert "--cfg job" in text
 
 
-def test_a_language_model_alone_trains_on_tokens_and_says_so_in_one_line(tmp_path: Path) -> None:
+def test_a_language_model_alone_trains_on_tokens_and_says_so_in_one_line(
+    tmp_path: Path, run_here
+) -> None:
     """Issue 37: model=gpt_tiny alone failed, the dataset defaulting to images."""
     tokens = ["dataset.train_size=64", "dataset.eval_size=16", "model.d_model=16"]
-    result = run_cli("model=gpt_tiny", *FAST[:5], *tokens, f"hydra.run.dir={tmp_path}")
+    result = run_here("model=gpt_tiny", *FAST[:5], *tokens, f"hydra.run.dir={tmp_path}")
     note = "amp_exp: dataset=synthetic_tokens: the default for model=gpt_tiny, a language model"
     assert result.stderr.count(note) == 1
     assert json.loads((tmp_path / "summary.json").read_text())["dataset"] == "synthetic_tokens"
     # Named, the dataset is the user's, and nothing is said.
-    named = run_cli(
+    named = run_here(
         "model=gpt_tiny",
         "dataset=synthetic_tokens",
         *FAST[:5],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from amp_exp.errors import ConfigError, RuntimeFault
 from amp_exp.run import build, train
 from amp_exp.tasks.custom import accepted
 from helpers.runs import FAST_TRAINER, TINY_GPT, TINY_TOKENS
-from helpers.warm_python import python_m
 
 HELPERS = "helpers.user_code"
 TESTS_DIR = Path(__file__).resolve().parent
@@ -318,36 +316,31 @@ def test_the_output_check_leaves_no_trace_in_batchnorm_statistics(run_cfg) -> No
     ],
     ids=["classification", "lm"],
 )
-def test_cli_trains_a_model_from_a_module_on_pythonpath(tmp_path, task_overrides) -> None:
-    paths = [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+def test_cli_trains_a_model_from_a_module_on_pythonpath(
+    tmp_path, monkeypatch, amp_exp_here, task_overrides
+) -> None:
+    """Through the entry point, in this process, with the tests' folder on its path as
+    PYTHONPATH puts a user's module on a process's."""
+    monkeypatch.syspath_prepend(str(TESTS_DIR))
     shrink = [] if "dataset=synthetic_tokens" in task_overrides else ["dataset.image_size=8"]
-    result = python_m(
-        "amp_exp",
-        *FAST_TRAINER,
-        *task_overrides,
-        *shrink,
-        f"hydra.run.dir={tmp_path}",
-        timeout=300,
-        env=env,
-    )
+    result = amp_exp_here(*FAST_TRAINER, *task_overrides, *shrink, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
 
 
 @pytest.mark.slow
-def test_cli_a_model_that_calls_sys_exit_exits_4_with_one_line_and_a_summary(tmp_path) -> None:
-    paths = [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    result = python_m(
-        "amp_exp",
+def test_cli_a_model_that_calls_sys_exit_exits_4_with_one_line_and_a_summary(
+    tmp_path, monkeypatch, amp_exp_here
+) -> None:
+    """Through the entry point, in this process: a SystemExit the model raises is the run's
+    failure (exit 4), not the end of the process that runs it."""
+    monkeypatch.syspath_prepend(str(TESTS_DIR))
+    result = amp_exp_here(
         *FAST_TRAINER,
         *custom_model("make_exiting"),
         "+model.kwargs.exit_at=3",
         "dataset.image_size=8",
         f"hydra.run.dir={tmp_path}",
-        timeout=300,
-        env=env,
     )
     assert result.returncode == 4, result.stderr[-2000:]
     errors = [line for line in result.stdout.splitlines() if "[ERROR]" in line]

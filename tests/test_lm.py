@@ -30,7 +30,7 @@ from amp_exp.tasks.tokens import (
 from amp_exp.tasks.workload import build_data
 from amp_exp.training.flops import peak_tflops
 from amp_exp.training.meters import Meter
-from helpers.runs import FAST_LM, read_jsonl, run_cli, signal_self_at_call
+from helpers.runs import FAST_LM, read_jsonl, signal_self_at_call
 from helpers.wandb_records import read_only_run
 from test_checkpoint import assert_same_state, without_timing
 
@@ -379,8 +379,10 @@ def test_report_of_image_runs_has_no_lm_columns(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_cli_lm_run_logs_tokens_per_second_and_perplexity(tmp_path) -> None:
-    ok = run_cli(*FAST_LM, "precision=bf16", f"hydra.run.dir={tmp_path / 'ok'}")
+def test_cli_lm_run_logs_tokens_per_second_and_perplexity(tmp_path, amp_exp_here) -> None:
+    """Through the entry point, in this process."""
+    ok = amp_exp_here(*FAST_LM, "precision=bf16", f"hydra.run.dir={tmp_path / 'ok'}")
+    assert ok.returncode == 0, ok.stderr[-3000:]
     # Hydra's console log goes to stdout.
     assert "tokens/s" in ok.stdout and "eval loss" in ok.stdout and "perplexity" in ok.stdout
     summary = json.loads((tmp_path / "ok" / "summary.json").read_text())

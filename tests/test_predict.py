@@ -18,7 +18,6 @@ from amp_exp.predict.predict import predict_trace
 from amp_exp.predict.trace import StepTrace, trace_step
 from amp_exp.results.files import PREDICT_JSON, PREDICT_MD
 from helpers.runs import FAST_TRAINER, composed
-from helpers.warm_python import python_m
 
 TINY_LM = ["model=gpt_tiny", "dataset=synthetic_tokens"]
 
@@ -213,7 +212,8 @@ def test_bad_predict_values_name_the_valid_choices(override, message) -> None:
 
 
 @pytest.mark.slow
-def test_the_command_writes_its_files_and_refuses_to_overwrite_them(tmp_path) -> None:
+def test_the_command_writes_its_files_and_refuses_to_overwrite_them(tmp_path, command_main) -> None:
+    """Through the command's entry point, in this process: its exit statuses and files."""
     run_dir = tmp_path / "predict"
     args = [
         *TINY_LM,
@@ -221,7 +221,7 @@ def test_the_command_writes_its_files_and_refuses_to_overwrite_them(tmp_path) ->
         "predict.devices=[h100,b200]",
         f"hydra.run.dir={run_dir}",
     ]
-    result = python_m("amp_exp.predict", *args, timeout=240)
+    result = command_main("amp_exp.predict", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads((run_dir / PREDICT_JSON).read_text())
     for device in ("h100", "b200"):
@@ -236,20 +236,23 @@ def test_the_command_writes_its_files_and_refuses_to_overwrite_them(tmp_path) ->
             } <= set(entry)
             assert set(entry["memory_bytes"]) == {"weights", "grads", "optimizer", "activations"}
     assert "a roofline, not a measurement" in (run_dir / PREDICT_MD).read_text()
-    again = python_m("amp_exp.predict", *args, timeout=240)
+    again = command_main("amp_exp.predict", *args)
     assert again.returncode == 2
     assert "pass --force to replace them" in again.stderr
 
 
 @pytest.mark.slow
-def test_a_sweep_report_shows_the_prediction_beside_the_measured_trial(tmp_path) -> None:
+@pytest.mark.usefixtures("pngs_not_rasterized")  # read for its words (conftest)
+def test_a_sweep_report_shows_the_prediction_beside_the_measured_trial(
+    tmp_path, amp_exp_here
+) -> None:
     """``report.predict=[h100,a100]``: the sweep's report adds a column per GPU, each figure
     labelled as predicted and equal to what python -m amp_exp.predict gives for the same run.
     Caught: a prediction shown without its label, or one that is not the command's (a trace of
-    another config, a speedup against the wrong baseline, GPUs swapped)."""
+    another config, a speedup against the wrong baseline, GPUs swapped). The sweep runs through
+    the entry point, in this process."""
     sweep_dir = tmp_path / "sweep"
-    result = python_m(
-        "amp_exp",
+    result = amp_exp_here(
         "-m",
         *TINY_LM,
         *FAST_TRAINER,
@@ -258,7 +261,6 @@ def test_a_sweep_report_shows_the_prediction_beside_the_measured_trial(tmp_path)
         "report.speed_trial=false",
         "report.predict=[h100,a100]",
         f"hydra.sweep.dir={sweep_dir}",
-        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((sweep_dir / "report.json").read_text())

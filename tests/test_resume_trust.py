@@ -89,10 +89,17 @@ def test_the_canary_is_imported_when_named_on_the_path(tmp_path: Path) -> None:
     assert result.returncode == 0 and marker.exists()
 
 
-def test_a_report_over_runs_naming_a_canary_never_imports_it(run_cfg, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("pngs_not_rasterized")  # read for its words (conftest)
+def test_a_report_over_runs_naming_a_canary_never_imports_it(
+    run_cfg, tmp_path: Path, monkeypatch, command_main
+) -> None:
     """A completed run's summary.json names the canary as its precision plugin (with the facts
     its run recorded) and a killed job's saved config names it as model and precision: the
-    report shows the run by its recorded label, and nothing imports the canary."""
+    report shows the run by its recorded label, and nothing imports the canary. The report
+    runs through its entry point in this process, the canary's folder on the path as
+    ``amp_exp`` puts it (and no canary imported before, whose cached module would import
+    without leaving its file)."""
+    assert CANARY_MODULE not in sys.modules
     marker = plant_canary(tmp_path)
     runs = tmp_path / "runs"
     train(run_cfg(*FAST, *TINY, "precision=fp32"), runs / "fp32")
@@ -114,7 +121,8 @@ def test_a_report_over_runs_naming_a_canary_never_imports_it(run_cfg, tmp_path: 
     config["model"] = {"name": "custom", "_target_": CANARY, "kwargs": {}}
     (killed / "config.yaml").write_text(yaml.safe_dump(config))
 
-    result = amp_exp("amp_exp.report", str(runs), canary_dir=tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = command_main("amp_exp.report", str(runs))
     assert result.returncode == 0, result.stderr[-2000:]
     assert not marker.exists()
     assert "mine (recorded label)" in (runs / "report.md").read_text()
@@ -165,6 +173,7 @@ def outcome(sweep_dir: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("pngs_not_rasterized")  # read for its words (conftest)
 def test_an_evidence_sweep_killed_in_its_second_look_resumes_to_the_same_answer(
     tmp_path: Path, monkeypatch, amp_exp_here
 ) -> None:
@@ -214,6 +223,7 @@ def files_of(directory: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("pngs_not_rasterized")  # read for its words (conftest)
 def test_a_sweep_resumed_with_its_values_reordered_finds_each_jobs_own_directory(
     tmp_path: Path, monkeypatch, amp_exp_here
 ) -> None:

@@ -43,6 +43,12 @@ def amp_exp_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return python_m("amp_exp", *FAST, *overrides, f"hydra.run.dir={run_dir}", timeout=300)
 
 
+def amp_exp_in(amp_exp_here, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``amp_exp_cli`` through the command's entry point in this process: for the exit statuses
+    and lines of commands the pre-flight answers, which no process of their own changes."""
+    return amp_exp_here(*FAST, *overrides, f"hydra.run.dir={run_dir}")
+
+
 def test_a_second_process_is_refused_while_the_first_holds_the_directory(
     tmp_path, lock_elsewhere
 ) -> None:
@@ -140,36 +146,46 @@ def test_a_run_in_a_busy_directory_exits_2_in_one_line_and_touches_nothing(finis
         (["resume=auto", "seed=1"], 2, "belongs to another experiment (seed: 0 -> 1)"),
     ],
 )
-def test_a_refused_command_writes_nothing(finished_copy, overrides, status, says) -> None:
+def test_a_refused_command_writes_nothing(
+    finished_copy, overrides, status, says, amp_exp_here
+) -> None:
     before = snapshot(finished_copy)
-    result = amp_exp_cli(finished_copy, *SHORT, "checkpoint.every_steps=2", *overrides)
+    result = amp_exp_in(amp_exp_here, finished_copy, *SHORT, "checkpoint.every_steps=2", *overrides)
     assert_refused_in_one_line(result, status, says)
     assert snapshot(finished_copy) == before
 
 
 @pytest.mark.slow
-def test_a_resume_where_no_checkpoint_loads_exits_4_and_writes_nothing(finished_copy) -> None:
+def test_a_resume_where_no_checkpoint_loads_exits_4_and_writes_nothing(
+    finished_copy, amp_exp_here
+) -> None:
     (finished_copy / "summary.json").unlink()  # killed after its last checkpoint
     for checkpoint in (finished_copy / "checkpoints").iterdir():
         checkpoint.write_bytes(b"not a checkpoint")
     before = snapshot(finished_copy)
-    result = amp_exp_cli(finished_copy, *SHORT, "resume=auto", "trainer.max_steps=6")
+    result = amp_exp_in(amp_exp_here, finished_copy, *SHORT, "resume=auto", "trainer.max_steps=6")
     assert_refused_in_one_line(result, 4, "no checkpoint in")
     assert snapshot(finished_copy) == before  # no failed summary.json either
 
 
 @pytest.mark.slow
-def test_a_refused_resume_into_a_new_directory_leaves_no_directory(finished_run, tmp_path) -> None:
+def test_a_refused_resume_into_a_new_directory_leaves_no_directory(
+    finished_run, tmp_path, amp_exp_here
+) -> None:
     new_dir = tmp_path / "new" / "run"
-    result = amp_exp_cli(new_dir, *SHORT, f"resume={finished_run}", "seed=1")
+    result = amp_exp_in(amp_exp_here, new_dir, *SHORT, f"resume={finished_run}", "seed=1")
     assert_refused_in_one_line(result, 2, "belongs to another experiment")
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
-def test_resuming_a_completed_cli_run_does_nothing_and_writes_nothing(finished_copy) -> None:
+def test_resuming_a_completed_cli_run_does_nothing_and_writes_nothing(
+    finished_copy, amp_exp_here
+) -> None:
     before = snapshot(finished_copy)
-    result = amp_exp_cli(finished_copy, *SHORT, "checkpoint.every_steps=2", "resume=auto")
+    result = amp_exp_in(
+        amp_exp_here, finished_copy, *SHORT, "checkpoint.every_steps=2", "resume=auto"
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == (
         "amp_exp: resume=auto: this run completed at step 4; nothing to do, its results stay "
@@ -179,17 +195,20 @@ def test_resuming_a_completed_cli_run_does_nothing_and_writes_nothing(finished_c
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("pngs_not_rasterized")  # read for its words (conftest)
 def test_a_second_sweep_into_a_sweep_directory_is_refused_unless_it_resumes(
     tmp_path, amp_exp_here
 ) -> None:
     sweep = [*FAST, *SHORT, "seed=0,1", f"hydra.sweep.dir={tmp_path}"]
-    first = python_m("amp_exp", "-m", *sweep, timeout=300)
+    # Through the entry point in this process: the refusal and the resume are the pre-flight's
+    # and the sweeper's, the same in a process of their own.
+    first = amp_exp_here("-m", *sweep)
     assert first.returncode == 0, first.stderr[-2000:]
     before = snapshot(tmp_path)
-    again = amp_exp_here("-m", *sweep)  # refused by the pre-flight, in this process
+    again = amp_exp_here("-m", *sweep)  # refused by the pre-flight
     assert_refused_in_one_line(again, 2, "holds the results of an earlier sweep (jobs 0, 1)")
     assert snapshot(tmp_path) == before
-    resumed = python_m("amp_exp", "-m", *sweep, "resume=auto", timeout=300)
+    resumed = amp_exp_here("-m", *sweep, "resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert resumed.stdout.count("this run completed at step 4; nothing to do") == 2
     for job in ("0", "1"):

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from amp_exp.sensitivity.reference import true_fp32
 from amp_exp.sensitivity.repair import is_sliver, search, sliver_conclusion
 from amp_exp.training.skips import suspect_modules
 from helpers.runs import FAST, FAST_LM, FAST_TRAINER, TINY_TOKENS, composed
-from helpers.warm_python import python_m, start_python_m
+from helpers.warm_python import start_python_m
 
 TESTS_DIR = Path(__file__).resolve().parent
 PLANTED = [
@@ -566,15 +565,18 @@ def with_helpers() -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_the_command_composes_like_a_run_and_writes_its_own_run_directory(tmp_path) -> None:
-    result = python_m(
+def test_the_command_composes_like_a_run_and_writes_its_own_run_directory(
+    tmp_path, monkeypatch, command_main
+) -> None:
+    """Through the entry point, in this process (the tests' helpers on its path, as
+    ``with_helpers`` puts them on a process's path)."""
+    monkeypatch.chdir(tmp_path)
+    result = command_main(
         "amp_exp.sensitivity",
         "trainer.device=cpu",
         *PLANTED,
         "dataset.num_workers=0",
         "wandb.mode=disabled",
-        cwd=tmp_path,
-        env=with_helpers(),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = (tmp_path / "outputs" / "sensitivity").glob("*/*")
@@ -583,54 +585,39 @@ def test_the_command_composes_like_a_run_and_writes_its_own_run_directory(tmp_pa
     assert "first out of range: big: addmm output" in result.stdout
 
 
-def sensitivity_main(monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    """``python -m amp_exp.sensitivity args`` through its entry point, in this process: its exit
-    status and what it wrote to stderr."""
-    from amp_exp.sensitivity.__main__ import main
-
-    capsys.readouterr()
-    monkeypatch.setattr(sys, "argv", ["amp_exp.sensitivity", *args])
-    with pytest.raises(SystemExit) as exited:
-        main()
-    return exited.value.code, capsys.readouterr().err
-
-
 @pytest.mark.slow
-def test_refusals_are_one_line_with_exit_status_2(tmp_path, monkeypatch, capsys) -> None:
-    """The refusals before Hydra starts through the entry point, in this process; the one that
-    Hydra's run reaches, from a process of its own."""
+def test_refusals_are_one_line_with_exit_status_2(tmp_path, monkeypatch, command_main) -> None:
+    """Every refusal through the entry point, in this process: those before Hydra starts and the
+    one that Hydra's run reaches."""
     monkeypatch.chdir(tmp_path)
-    status, err = sensitivity_main(monkeypatch, capsys, "-m", "seed=1,2")
-    assert status == 2
-    assert err.strip().splitlines() == [
+    refused = command_main("amp_exp.sensitivity", "-m", "seed=1,2")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
         "amp_exp.sensitivity: error: the sensitivity command measures one configuration; drop "
         "-m and run it once per configuration"
     ]
     monkeypatch.setenv("WORLD_SIZE", "2")
-    status, err = sensitivity_main(monkeypatch, capsys)
-    assert status == 2
-    assert err.strip().splitlines() == [
+    refused = command_main("amp_exp.sensitivity")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
         "amp_exp.sensitivity: error: the sensitivity command runs in one process; start it "
         "without torchrun"
     ]
     monkeypatch.delenv("WORLD_SIZE")
     assert not (tmp_path / "outputs").exists()
-    unmatched = python_m(
-        "amp_exp.sensitivity", *PLANTED, "precision.keep_fp32=[bgi]", "wandb.mode=disabled",
-        cwd=tmp_path, env=with_helpers(),
-    )  # fmt: skip
+    unmatched = command_main(
+        "amp_exp.sensitivity", *PLANTED, "precision.keep_fp32=[bgi]", "wandb.mode=disabled"
+    )
     assert unmatched.returncode == 2
     last = unmatched.stdout.strip().splitlines()[-1]
     assert last.endswith("'bgi' matches no module of the model; nearest names: big, offset, norm")
 
 
 @pytest.mark.slow
-def test_an_fp16_numerical_fault_points_to_the_sensitivity_command(tmp_path) -> None:
+def test_an_fp16_numerical_fault_points_to_the_sensitivity_command(tmp_path, amp_exp_here) -> None:
+    """Exit 3 and its last line through the entry point, in this process."""
     overrides = [*PLANTED, "trainer.device=cpu", "dataset.num_workers=0", "wandb.mode=disabled"]
-    result = python_m(
-        "amp_exp", *overrides, "trainer.max_steps=30", f"hydra.run.dir={tmp_path}",
-        env=with_helpers(),
-    )  # fmt: skip
+    result = amp_exp_here(*overrides, "trainer.max_steps=30", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 3, result.stderr[-2000:]
     message = result.stdout.strip().splitlines()[-1]
     assert "fp16 loss scaling collapsed" in message
