@@ -79,6 +79,30 @@ def declare(name: str, *args: str, directory: str | None = None, script: Path | 
     return name
 
 
+def declare_stop_and_resume(
+    name: str, *run: str, signal_at: int, stop: tuple[str, ...] = (), stop_signal: str | None = None
+) -> tuple[str, str, str]:
+    """Three jobs of ``run``: NAME_straight uninterrupted; NAME_stopped by ``stop_signal``
+    (ddp_worker's default when None) to rank 1 during call ``signal_at`` of its loss, with ``stop``
+    added; NAME_resumed in the stopped job's directory with ``stop`` and resume=auto. Returns
+    their names: (straight, stopped, resumed)."""
+    signal = ("--stop-signal", stop_signal) if stop_signal else ()
+    directory = f"{name}_interrupted"
+    return (
+        declare(f"{name}_straight", *run),
+        declare(
+            f"{name}_stopped",
+            "--signal-at",
+            str(signal_at),
+            *signal,
+            *run,
+            *stop,
+            directory=directory,
+        ),
+        declare(f"{name}_resumed", *run, *stop, "resume=auto", directory=directory),
+    )
+
+
 def shared_jobs(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     """The root of the shared jobs' output directories and each declared job's ranks' final
     states, by name, from one two-rank launch per test session (``tmp_path_factory``: the

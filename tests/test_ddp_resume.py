@@ -27,12 +27,8 @@ KEEP = ["checkpoint.keep=2"]
 # to rank 1 alone during step 3 (the ranks agree to stop at log step 4); resumed in place with
 # resume=auto; and a job whose rank 1 dies in step 5 of torchrun's first attempt, which torchrun
 # restarts.
-STRAIGHT = ddp_jobs.declare("ddp_straight", *DDP_RUN)
-STOPPED = ddp_jobs.declare(
-    "ddp_stopped", "--signal-at", "3", *DDP_RUN, *KEEP, directory="ddp_interrupted"
-)
-RESUMED = ddp_jobs.declare(
-    "ddp_resumed", *DDP_RUN, *KEEP, "resume=auto", directory="ddp_interrupted"
+STRAIGHT, STOPPED, RESUMED = ddp_jobs.declare_stop_and_resume(
+    "ddp", *DDP_RUN, signal_at=3, stop=KEEP
 )
 RESTARTED = ddp_jobs.declare(
     "ddp_restarted", "--die-at", "5", *DDP_RUN, "checkpoint.every_steps=2", "resume=auto"

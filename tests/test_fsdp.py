@@ -107,18 +107,8 @@ RESUMED_RUN = [
 # In the session's shared launch (tests/ddp_jobs.py): RESUMED_RUN uninterrupted; stopped by
 # SIGTERM to rank 1 during step 3; resumed in place with resume=auto; and an fp16 run in which
 # rank 1 puts an inf into its own shard of a gradient at step 2.
-STRAIGHT = ddp_jobs.declare("fsdp_straight", *RESUMED_RUN)
-STOPPED = ddp_jobs.declare(
-    "fsdp_stopped",
-    "--signal-at",
-    "5",
-    "--stop-signal",
-    "SIGTERM",
-    *RESUMED_RUN,
-    directory="fsdp_interrupted",
-)
-RESUMED = ddp_jobs.declare(
-    "fsdp_resumed", *RESUMED_RUN, "resume=auto", directory="fsdp_interrupted"
+STRAIGHT, STOPPED, RESUMED = ddp_jobs.declare_stop_and_resume(
+    "fsdp", *RESUMED_RUN, signal_at=5, stop_signal="SIGTERM"
 )
 INF_IN_SHARD = ddp_jobs.declare("fsdp_inf", "--inf-in-shard-at", "2", *FSDP_RUN, "precision=fp16")
 

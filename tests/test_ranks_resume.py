@@ -29,18 +29,8 @@ DROPOUT_RUN = [
 
 
 # The stopped job and its resume write one directory.
-STRAIGHT = ddp_jobs.declare("ranks_resume_straight", *DROPOUT_RUN)
-STOPPED = ddp_jobs.declare(
-    "ranks_resume_stopped",
-    "--signal-at",
-    "3",
-    "--stop-signal",
-    "SIGTERM",
-    *DROPOUT_RUN,
-    directory="ranks_resume_interrupted",
-)
-RESUMED = ddp_jobs.declare(
-    "ranks_resume_resumed", *DROPOUT_RUN, "resume=auto", directory="ranks_resume_interrupted"
+STRAIGHT, STOPPED, RESUMED = ddp_jobs.declare_stop_and_resume(
+    "ranks_resume", *DROPOUT_RUN, signal_at=3, stop_signal="SIGTERM"
 )
 
 
