@@ -74,7 +74,7 @@ class Engine:
         """``model`` is what trains (it may be wrapped by DDP or torch.compile, or sharded by
         FSDP2); state dicts are taken from the module inside the wrappers, or (FSDP2) are this
         rank's shards, keyed by parameter name. ``meter`` turns samples/s into the task's units,
-        FLOPs and MFU (build.meter); without one, rows count samples only."""
+        FLOPs and MFU (the Meter that build makes); without one, rows count samples only."""
         self.model, self.task, self.data, self.eval_data = model, task, data, eval_data
         self.optimizer, self.precision, self.plan = optimizer, precision, plan
         self.scheduler = scheduler
