@@ -29,12 +29,17 @@ from amp_exp.capability.device import (
     unprobed_verdicts,
 )
 from amp_exp.capability.probe import CACHE_FILE, KERNELS, kernel_pass
-from amp_exp.capability.rounds import pass_trials
+from amp_exp.capability.rounds import TRIAL_WARMUP_STEPS, pass_trials
 from amp_exp.config.precisions import probed_low
 from amp_exp.config.schema import DeviceChoice, TrainerConfig
 from amp_exp.report.compare import BASELINE
 from amp_exp.results.contract import OneLineParser, enter
 from amp_exp.runtime.hardware import configure_backends, resolve_device
+from amp_exp.training.timing import WARMUP_LEVEL
+
+# The trial's warm-up rule, as speed.json states its own: each side warms up until the
+# Mann-Kendall test finds no trend in its step times at this level, or for at most this many steps.
+WARMUP = {"max_steps": TRIAL_WARMUP_STEPS, "level": WARMUP_LEVEL}
 
 
 def speed_trials(device: torch.device, precisions: list[str]) -> dict[str, dict[str, Any]]:
@@ -110,7 +115,7 @@ def diagnose(argv: list[str] | None) -> None:
     trials = speed_trials(device, low)
     if args.json:
         # The probe's kernel times and rates, the trials, the verdicts and the recommendation.
-        found = {**capability.as_dict(trials), "trial": trials}
+        found = {**capability.as_dict(trials), "trial": trials, "warmup": WARMUP}
         print(json.dumps({**found, "not_probed": unprobed_verdicts(device)}, indent=2))
     else:
         print("\n".join(report(capability, device, trials)))

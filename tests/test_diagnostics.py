@@ -305,13 +305,15 @@ def test_doctor_json_holds_the_kernels_the_trials_and_the_recommendation(trials,
     assert found["recommended"] == "fp32"
     assert found["reason"].startswith("no lower precision's interval lies above fp32's speed")
     assert set(found["not_probed"]) == {"fp8", "mxfp8", "mxfp4", "nvfp4"}
+    assert found["warmup"] == {"max_steps": 10, "level": 0.05}
 
 
 def test_the_doctors_trial_is_the_speed_trials_rounds_with_their_interval(
     monkeypatch, capsys, caplog
 ) -> None:
     """Caught: the doctor timing by its own method (fastest round) instead of the speed trial's
-    AB/BA rounds and interval (amp_exp/capability/rounds.py), or no progress line per round."""
+    AB/BA rounds and interval (amp_exp/capability/rounds.py), no progress line per round, or no
+    record of how long each side warmed up."""
     small = amp_exp.capability.probe.Shapes(16, (1, 2, 4), (1, 4, 8, 1))
     real = amp_exp.capability.probe.kernel_pass
     monkeypatch.setattr(amp_exp.doctor, "kernel_pass", lambda d, p: real(d, p, small))
@@ -325,6 +327,9 @@ def test_the_doctors_trial_is_the_speed_trials_rounds_with_their_interval(
         assert trial["rounds"] == 4 and trial["confidence"] == 0.975
         assert found["verdicts"][precision] == trial_verdict(trial)
         assert "(97.5% CI, 4 AB/BA rounds), total time" in found["verdicts"][precision]
+        # Each side's warm-up, as the speed trial records its pairs' (caught: none recorded).
+        assert set(trial["warmup_steps"]) == set(trial["steady"]) == {"fp32", precision}
+        assert all(0 <= steps <= 10 for steps in trial["warmup_steps"].values())
     rounds = [r.message for r in caplog.records if r.message.startswith("speed bf16 vs fp32")]
     assert len(rounds) == 4
 

@@ -168,4 +168,8 @@ def pass_trials(
             found[precision] = pair_speedup(sides, precision).as_dict()
         except ValueError as error:
             found[precision] = {"not_measured": str(error)}
+        # As the speed trial records its pairs: how long each side warmed up, and whether it
+        # settled (a side still trending at TRIAL_WARMUP_STEPS is timed anyway, and says so).
+        found[precision]["warmup_steps"] = {p: side.warmup_steps for p, side in sides.items()}
+        found[precision]["steady"] = {p: side.steady for p, side in sides.items()}
     return found
