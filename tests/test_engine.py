@@ -48,6 +48,28 @@ def test_forced_overflow_is_skipped_counted_and_holds_the_scheduler(override_los
     assert [r["skipped_steps"] for r in rows if "loss" in r] == [1, 1]
 
 
+def test_fp16_rows_log_the_scale_and_its_geometric_mean_over_the_interval(
+    override_loss, run_cfg
+) -> None:
+    """Steps 1 and 2 leave the scale at 1024, then 512 (step 2 overflows): the row at step 2
+    reads 512 and a mean of 2^9.5 (not the read, nor the arithmetic mean 768); the next
+    interval's mean starts anew at 512 (a record never reset would give 2^9.25)."""
+    cfg = run_cfg(
+        *TINY,
+        "precision=fp16",
+        "precision.init_scale=1024",
+        "trainer.max_steps=4",
+        "trainer.log_every=2",
+    )
+    override_loss(inf_loss_at({2}))
+    rows: list[dict] = []
+    build(cfg).engine.fit(rows.append)
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [(r["step"], r["scale"]) for r in train_rows] == [(2, 512.0), (4, 512.0)]
+    assert train_rows[0]["scale_mean"] == pytest.approx(2**9.5)
+    assert train_rows[1]["scale_mean"] == pytest.approx(512.0)
+
+
 def test_overflowed_step_leaves_the_parameters_alone(override_loss, run_cfg) -> None:
     cfg = run_cfg("precision=fp16", "trainer.max_steps=1", *TINY)
     override_loss(inf_loss_at({1}))

@@ -365,6 +365,23 @@ def test_a_falling_loss_scale_is_forecast_to_reach_the_floor() -> None:
     assert covers(first["interval"], 640)
 
 
+def test_the_loss_scale_is_forecast_from_its_mean_over_each_interval_not_from_one_read() -> None:
+    """fp16's scale flips a level or two from one log step to the next: here the reads swing
+    between 2^20 and 2^16 with no trend, while the level they sample (``scale_mean``, the
+    geometric mean over each interval) falls from 2^18 by one halving per 500 steps, to the
+    floor 2^16 at step 1000. A forecast of the reads would be silent."""
+    steps = np.arange(LOG_EVERY, 501, LOG_EVERY, dtype=float)
+    rng = np.random.default_rng(1)
+    level = 18 - steps / 500 + rng.normal(0, 0.05, len(steps))
+    reads = 2.0 ** (18 + 2 * (-1) ** np.arange(len(steps)))
+    rows = rows_of({}, steps, scale=reads)
+    for row in rows:
+        if row["kind"] == "train":
+            row["scale_mean"] = float(2.0 ** level[list(steps).index(row["step"])])
+    first = forecast_run(rows, 2000, min_scale=2.0**16)["first_crossing"]
+    assert first["signal"] == "scale" and covers(first["interval"], 1000)
+
+
 def test_too_few_log_points_are_unforecastable_never_extrapolated() -> None:
     """A steep trend over MIN_POINTS - 1 points: no crossing, and the signal is named."""
     steps = np.arange(1, MIN_POINTS, dtype=float) * LOG_EVERY

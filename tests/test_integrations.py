@@ -128,6 +128,18 @@ def test_fp16_skipped_steps_and_the_loss_scale_come_from_the_scaler(tmp_path) ->
     assert summary["loss_scale"] == 2.0**15
 
 
+def test_a_recorded_fp16_loop_logs_the_scale_s_geometric_mean_over_each_interval(
+    tmp_path,
+) -> None:
+    """The engine's ScaleRecord, fed by the trainer's own scaler: steps 1 and 2 leave 2^16 and
+    2^15 (step 2 overflows), so the row at step 2 has a mean of 2^15.5, not the read 2^15; the
+    next interval starts anew."""
+    plain_loop(tmp_path, "fp16", inf_at={2}, steps=4)
+    train_rows = rows(tmp_path, "train")
+    assert [row["scale"] for row in train_rows] == [2.0**15, 2.0**15]
+    assert [row["scale_mean"] for row in train_rows] == pytest.approx([2.0**15.5, 2.0**15])
+
+
 def test_a_loss_scale_collapse_is_a_numerical_fault_in_the_summary(tmp_path) -> None:
     with pytest.raises(NumericalFault, match="fp16 loss scaling collapsed by step 4"):
         plain_loop(tmp_path, "fp16", inf_at=set(range(1, 9)), init_scale=8.0)

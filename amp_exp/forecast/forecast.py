@@ -33,9 +33,10 @@ enough not to cross.
 **Limits.** A block's largest activation against the largest value of its format
 (``format_max``), its attention logits against the logit at which the softmax saturates
 (``attn_logit_limit``; both from the run's signals rows, training/signals.py), and an fp16 loss
-scale against ``precision.min_scale``, below which the run stops. A crossing is claimed where the
-deciding line's rise from the last point to the planned end (a line's slope: the same t-test)
-differs from zero at a two-sided ``alpha / m`` toward the limit (Bonferroni
+scale against ``precision.min_scale``, below which the run stops (fitted to the scale's
+geometric mean over each log interval where the run logged it, ``scale_mean``). A crossing is
+claimed where the deciding line's rise from the last point to the planned end (a line's slope:
+the same t-test) differs from zero at a two-sided ``alpha / m`` toward the limit (Bonferroni
 over the run's m limited signals), so a run whose signals are all flat raises a false alarm with
 probability at most ``alpha / 2``. The other signals are fitted and shown.
 """
@@ -104,8 +105,11 @@ def _series_rows(rows: list[dict[str, Any]]) -> dict[tuple[str, str | None], dic
                     signal, _, module = key.partition("/")
                     found[(signal, module or None)][step] = value
         elif row["kind"] == "train":
-            for key in ("grad_norm", "scale"):
-                found[(key, None)][step] = row.get(key)
+            found[("grad_norm", None)][step] = row.get("grad_norm")
+            # The level the scale held over the interval (its geometric mean), where the run
+            # logged it: a single read of a scale that flips a level from one log step to the
+            # next is mostly that flip (training/skips.py ScaleRecord).
+            found[("scale", None)][step] = row.get("scale_mean", row.get("scale"))
             skipped = row.get("skipped_steps")
             if isinstance(skipped, int) and step > last_skipped[0]:
                 rate = (skipped - last_skipped[1]) / (step - last_skipped[0])

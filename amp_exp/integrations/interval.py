@@ -1,22 +1,24 @@
-"""The steps between two log steps of a recorded run: the loss summed on the device, and the
-steps the scaler skipped, counted on the host (the optimizer step hook did not fire for them),
-handed to the engine's ``SkipMonitor`` as the ``SkippedSteps`` its rule reads."""
+"""The steps between two log steps of a recorded run: the loss summed on the device, the loss
+scale's record (the engine's ``ScaleRecord``), and the steps the scaler skipped, counted on the
+host (the optimizer step hook did not fire for them), handed to the engine's ``SkipMonitor`` as
+the ``SkippedSteps`` its rule reads."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from amp_exp.training.loop import Progress
-from amp_exp.training.skips import SkippedSteps
+from amp_exp.training.skips import ScaleRecord, SkippedSteps
 
 
 @dataclass
 class Interval:
-    """The steps since the last log step: the loss summed on the device, the skipped steps."""
+    """The steps since the last log step: the loss summed on the device, the loss scale, the
+    skipped steps."""
 
     carried_run: int = 0
     steps: int = 0
@@ -26,9 +28,13 @@ class Interval:
     first_skipped: int = 0
     first_skipped_loss: Any = None
     longest_run: int = 0
+    scale: ScaleRecord = field(default_factory=ScaleRecord)
 
-    def add(self, progress: Progress, loss: Any, skipped: bool) -> None:
+    def add(self, progress: Progress, loss: Any, skipped: bool, scaler: Any = None) -> None:
+        """One optimizer step: its loss, whether the scaler skipped it; the scale it left."""
         self.steps += 1
+        if scaler is not None:
+            self.scale.add(scaler)
         if self.steps == 1 and not skipped:
             self.carried_run = 0  # the run of skips before the interval ended with it
         if loss is not None:  # a trainer that hands no loss over (a custom compute_loss)

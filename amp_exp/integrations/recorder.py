@@ -208,7 +208,8 @@ class Recorder:
             self._first_batch = samples
         skipped = self._applied == self._applied_before
         self._applied_before = self._applied
-        self._interval.add(progress, loss, skipped and self._scaling())
+        scaling = self._scaling()
+        self._interval.add(progress, loss, skipped and scaling, self.scaler if scaling else None)
         if grad_norm is not None:
             self._grad_norm = grad_norm
         if progress.step == warm_until:
@@ -306,7 +307,7 @@ class Recorder:
         progress, interval = self.progress, self._interval
         loss = float(interval.loss_sum) / interval.losses if interval.losses else None
         progress.final_loss = loss
-        scale = float(self.scaler.get_scale()) if self._scaling() else None
+        scale, scale_mean = interval.scale.read(self.scaler) if self._scaling() else (None, None)
         samples_per_s, step_time_ms = self.throughput.lap(progress.samples, progress.step)
         grad_norm = None if self._grad_norm is None else float(self._grad_norm)
         assert self._logger is not None
@@ -320,6 +321,7 @@ class Recorder:
                 "lr": self.optimizer.param_groups[0]["lr"],
                 "grad_norm": grad_norm,
                 "scale": scale,
+                "scale_mean": scale_mean,
                 "skipped_steps": progress.skipped_steps,
                 "samples_per_s": samples_per_s,
                 "step_time_ms": step_time_ms,

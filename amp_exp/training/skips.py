@@ -1,5 +1,5 @@
-"""Skipped steps: what the device records of them, and what to do when a step's gradients are
-not finite.
+"""Skipped steps and the loss scale: what the device records of them between two reads, and what
+to do when a step's gradients are not finite.
 
 A step whose gradients are not finite is skipped on the device: a fused optimizer takes the
 ``found_inf`` flag into its kernel, as it does from a GradScaler. The host learns of it only
@@ -117,6 +117,54 @@ class SkipRecord:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.record.copy_(state["record"])
+
+
+class ScaleRecord:
+    """fp16's loss scale over the steps since the last read: the sum of its log2, on the device.
+
+    The scale a log step reads is one sample of a staircase that the GradScaler moves a factor at
+    a time (halved at an overflow, doubled after ``growth_interval`` finite steps), and it can
+    flip a level from one log step to the next: a trend fitted to such samples is mostly their
+    noise. The geometric mean over every step of the interval is the level the scale held, which
+    the long-run forecast fits (docs/forecast.md). ``add`` is one device op a step, ``read`` one
+    host read.
+    """
+
+    def __init__(self) -> None:
+        self.log2_sum: torch.Tensor | None = None
+        self.steps = 0
+
+    def add(self, scaler: torch.amp.GradScaler) -> None:
+        """Take in the scale a step left."""
+        # The device tensor itself, without the host read get_scale() makes (None until the
+        # scaler's first scale()).
+        scale = scaler._get_scale_async()
+        if scale is None:
+            return
+        log2 = torch.log2(scale.reshape(()).double())
+        self.log2_sum = log2 if self.log2_sum is None else self.log2_sum + log2
+        self.steps += 1
+
+    def read(self, scaler: torch.amp.GradScaler) -> tuple[float, float | None]:
+        """The scale now and its geometric mean since the last read (None: no step), in one host
+        read; starts anew."""
+        if self.log2_sum is None:
+            return float(scaler.get_scale()), None
+        now = scaler._get_scale_async().reshape(()).double()
+        now_value, log2_sum = torch.stack([now, self.log2_sum]).tolist()
+        mean = 2.0 ** (log2_sum / self.steps)
+        self.log2_sum, self.steps = None, 0
+        return now_value, mean
+
+    def state_dict(self) -> dict[str, Any]:
+        """The interval not yet read, so that a resumed run logs what an uninterrupted one does."""
+        total = None if self.log2_sum is None else self.log2_sum.item()
+        return {"log2_sum": total, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        total = state["log2_sum"]
+        self.steps = state["steps"]
+        self.log2_sum = None if total is None else torch.tensor(total, device=device).double()
 
 
 @dataclass

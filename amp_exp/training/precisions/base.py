@@ -165,6 +165,8 @@ class PrecisionPlugin:
         """
         import torch
 
+        from amp_exp.training.skips import ScaleRecord
+
         self.cfg, self.device, self.kept_fp32 = cfg, device, list(kept_fp32)
         self.params_cast, self.guard_nonfinite = params_cast, guard_nonfinite
         self.options = self.options_for(cfg)
@@ -173,6 +175,7 @@ class PrecisionPlugin:
             # The precision.* keys of the same names.
             knobs = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
             self.scaler = torch.amp.GradScaler(device.type, **{k: getattr(cfg, k) for k in knobs})
+        self.scale_record = None if self.scaler is None else ScaleRecord()
         # Set when the optimizer's own kernels cannot round bf16 updates stochastically.
         self.rounding: StochasticRoundingStep | None = None
         # The flag of a parameter without a gradient this step.
@@ -347,16 +350,23 @@ class PrecisionPlugin:
         ``growth_interval`` finite ones; on the device, no read."""
         if self.scaler is not None:
             self.scaler.update()
+            self.scale_record.add(self.scaler)
 
     def scale(self) -> float | None:
         """The current loss scale; reads the device, so call it only at log intervals."""
         return None if self.scaler is None else self.scaler.get_scale()
+
+    def scale_reading(self) -> tuple[float | None, float | None]:
+        """The current loss scale and its geometric mean over the steps since the last reading
+        (None, None without a scaler); one host read, so call it only at log intervals."""
+        return (None, None) if self.scaler is None else self.scale_record.read(self.scaler)
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps of the precision: its name, the scaler's and its own state."""
         return {
             "precision": self.spec.name,
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "scale_record": None if self.scale_record is None else self.scale_record.state_dict(),
             "plugin": self.state_dict(),
         }
 
@@ -365,6 +375,9 @@ class PrecisionPlugin:
         if state["precision"] == self.spec.name:
             if self.scaler is not None:
                 self.scaler.load_state_dict(state["scaler"])
+                # A checkpoint from before the record keeps none: the interval starts anew.
+                if state.get("scale_record") is not None:
+                    self.scale_record.load_state_dict(state["scale_record"], self.device)
             self.load_state_dict(state.get("plugin", {}))
             return
         if self.scaler is not None:
