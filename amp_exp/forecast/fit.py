@@ -258,22 +258,21 @@ def bend_of(shape: str) -> str:
 
 
 def likeliest_line(
-    axes: list[np.ndarray], values: np.ndarray, try_log: bool
+    axes: list[np.ndarray], values: np.ndarray, spaces: tuple[bool, ...]
 ) -> tuple[str, tuple[int, ...], bool]:
-    """The shape, axes and space (log: growth by factors) of the line that is the likeliest
-    model of all the points (the AIC's pick: the mixed line pays for its third parameter; a tie
-    goes to log space and to the first axis). Over all the points, each line alike: a
-    changepoint found for one only would compare them on different spans. The first axis is the
-    method's (forecast.py: the cumulative rate); a line with the step in it (over the step, or
-    the mixed line) is an alternative that decides only where it holds over all the points: with
-    the step's square added it bends neither way at the changepoint test's level. A growth per
-    step whatever the rate goes on alike through warm-up, peak and decay; a rise that starts
-    late in a decay to zero is no such growth. The mixed line decides only where its two parts
-    go the same way (a growth, or a fall, both per unit of rate and per step): parts that pull
-    against each other (a fall per unit of rate that a rise per step makes up) follow the
-    schedule's shape, not a growth of either kind; the stretched plan would multiply the
-    difference, and a rise late in a decay to zero is fitted so."""
-    spaces = (True, False) if try_log else (False,)
+    """The shape, axes and space (log: growth by factors; ``spaces``, those allowed) of the line
+    that is the likeliest model of all the points (the AIC's pick: the mixed line pays for its third
+    parameter; a tie goes to log space and to the first axis). Over all the points, each line alike:
+    a changepoint found for one only would compare them on different spans. The first axis is the
+    method's (forecast.py: the cumulative rate); a line with the step in it (over the step, or the
+    mixed line) is an alternative that decides only where it holds over all the points: with the
+    step's square added it bends neither way at the changepoint test's level. A growth per step
+    whatever the rate goes on alike through warm-up, peak and decay; a rise that starts late in a
+    decay to zero is no such growth. The mixed line decides only where its two parts go the same way
+    (a growth, or a fall, both per unit of rate and per step): parts that pull against each other (a
+    fall per unit of rate that a rise per step makes up) follow the schedule's shape, not a growth
+    of either kind; the stretched plan would multiply the difference, and a rise late in a decay to
+    zero is fitted so."""
 
     def holds(shape: str, along: tuple[int, ...], log: bool) -> bool:
         bend = fit_form(bend_of(shape), log, axes, values, along)

@@ -141,6 +141,11 @@ LOG_SIGNALS = frozenset(
 # while the weights leave their start, is in that early phase, not on a trend to carry on
 # (docs/forecast.md, planted seed 2); the log forms stay in the interval, as every plausible form.
 OWN_UNITS = frozenset({"attn_logit_max"})
+# Decided by a line in log space only: fp16's GradScaler moves the scale by factors (halved at
+# an overflow, doubled after a run of finite steps), so its log2 is what moves by steps and a
+# straight fall in its own units, which would reach zero, is no trend it can follow. Its forms
+# in its own units stay in the interval, as every plausible form.
+FACTOR_UNITS = frozenset({"scale"})
 # act_absmax's share of the format says the same as act_absmax: not fitted twice.
 DERIVED = frozenset({"act_range_frac"})
 
@@ -214,10 +219,13 @@ def _trend(series: Series, axes: tuple[Axis, ...]) -> tuple[Trend, np.ndarray]:
     steps, values = series.steps[finite], series.values[finite]
     us = [axis.observed(steps) for axis in axes]
     try_log = series.log and len(steps) >= MIN_POINTS and bool((values > 0).all())
-    by_factors = try_log and series.signal not in OWN_UNITS
     if len(steps) < MIN_POINTS:
         return fit_trend(us, values, False, try_log), steps
-    shape, along, log = likeliest_line(us, values, by_factors)
+    if not try_log or series.signal in OWN_UNITS:
+        spaces: tuple[bool, ...] = (False,)
+    else:
+        spaces = (True,) if series.signal in FACTOR_UNITS else (True, False)
+    shape, along, log = likeliest_line(us, values, spaces)
     return fit_trend(us, values, log, try_log, shape, along), steps
 
 
