@@ -15,7 +15,9 @@ at once (fit.py), for a growth that is part per unit of rate and part per step.
 **The deciding trend** is chosen per signal over all its points: log-linear growth (a factor per
 unit of the axis) or a straight line, over either axis or (the mixed line) both, whichever is the
 likelier model of the values (the AIC's pick, which charges the mixed line its third parameter);
-the crossing says which (``decided_by``). Its rise along the planned run (a line's slope) decides
+for a block's activations also the power law of the cumulative rate (growth by a power of it,
+as a product of weight matrices moved by bounded steps grows: fit.py); the crossing says which
+(``decided_by``). Its rise along the planned run (a line's slope) decides
 whether a limit is forecast to be crossed
 and its centre gives the step, unless the growth is slowing (``Trend.decider``: the quadratic over
 the same points bends away from the limit, one-sided at fit.CHANGEPOINT_ALPHA / 2): then the
@@ -137,6 +139,9 @@ LOG_SIGNALS = frozenset(
 # while the weights leave their start, is in that early phase, not on a trend to carry on
 # (docs/forecast.md, planted seed 2); the log forms stay in the interval, as every plausible form.
 OWN_UNITS = frozenset({"attn_logit_max"})
+# Made by the weights from fixed data, so grown at most as a polynomial of the cumulative rate
+# (fit.py, "Power of the rate"): the power law of the rate, in log space, may decide their trend.
+POWERS_OF_RATE = frozenset({"act_absmax"})
 # act_absmax's share of the format says the same as act_absmax: not fitted twice.
 DERIVED = frozenset({"act_range_frac"})
 
@@ -213,7 +218,8 @@ def _trend(series: Series, axes: tuple[Axis, ...]) -> tuple[Trend, np.ndarray]:
     by_factors = try_log and series.signal not in OWN_UNITS
     if len(steps) < MIN_POINTS:
         return fit_trend(us, values, False, try_log), steps
-    shape, along, log = likeliest_line(us, values, by_factors)
+    powers = by_factors and series.signal in POWERS_OF_RATE
+    shape, along, log = likeliest_line(us, values, by_factors, powers)
     return fit_trend(us, values, log, try_log, shape, along), steps
 
 
@@ -280,8 +286,12 @@ def forecast_series(
         "axis": _axis_name(line, axes),
         "fit_from_step": float(steps[trend.start]),
         "changepoint_p": trend.changepoint_p,
-        # Per unit of each of the deciding line's axes (two for the mixed line).
-        "slope": {axes[a].name: v for a, v in zip(line.axes, line.slopes, strict=True)},
+        # Per unit of each of the deciding line's axes (two for the mixed line; of the axis's log
+        # for the power law: its exponent).
+        "slope": {
+            ("log " if line.shape == "power" else "") + axes[a].name: v
+            for a, v in zip(line.axes, line.slopes, strict=True)
+        },
         "intercept": line.intercept,
         "residual_sd": line.residual_sd,
         "residual_autocorrelation": line.autocorrelation,
