@@ -10,6 +10,17 @@ a changepoint test, with their bands and where each meets a limit.
   them). ``AIC`` compares them on the values, the log forms' likelihoods with their Jacobian, so
   forms fitted in different spaces or over different axes are comparable, and the mixed line
   pays for its third parameter.
+- **Power of the rate.** Under Adam each weight moves by at most a small multiple of the learning
+  rate a step (the update is the rate times m/sqrt(v), which is bounded; decoupled weight decay only
+  shrinks), so a weight matrix grows at most linearly in the cumulative rate ``u``, and a block's
+  output (a product of the matrices before it, on fixed data) at most as a polynomial in it; once it
+  has grown well past its start, as a power of ``u``: log y linear in log u, not in u. A growth by a
+  factor per unit of rate needs a feedback the bounded steps do not make (a planted one does, and
+  the points tell the two forms apart). So for such signals (forecast.py) the power law of the
+  cumulative rate, in log space, is a candidate to decide beside the lines; a log line through a
+  power law's points bends down (slowing) over a long span, and over a short one, after a
+  changepoint that is only its curvature, it extrapolates the local rate by factors: a false alarm
+  (docs/forecast.md, the fp16 MLP).
 - **Changepoint.** A run's signals often move fast early (warm-up, the first steps of a loss
   scale) and settle into a slower trend; extrapolating the whole run would carry the early
   slope forward. Every break that leaves ``MIN_POINTS`` and a quarter of every axis's span on
@@ -55,6 +66,8 @@ SHAPES = ("line", "power", "quadratic")
 # The line over both axes, and the same with the step's square: how it is checked to hold and
 # whether it slows (``likeliest_line``, ``Trend.decider``), as a one-axis line's quadratic does.
 MIXED, MIXED_BEND = "mixed", "mixed quadratic"
+# The power law with the square of log u: whether a power law holds its exponent or slows.
+POWER_BEND = "power quadratic"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -88,8 +101,10 @@ class Fit:
 
     def design(self, us: list[np.ndarray]) -> np.ndarray:
         us = [np.atleast_1d(np.asarray(us[a], dtype=float)) for a in self.axes]
-        if self.shape == "power":
-            return np.column_stack([np.ones_like(us[0]), np.log(us[0])])
+        if self.shape.startswith("power"):
+            z = np.log(us[0])
+            square = [z * z] if self.shape == POWER_BEND else []
+            return np.column_stack([np.ones_like(z), z, *square])
         zs = [(u - c) / s for u, c, s in zip(us, self.centre, self.scale, strict=True)]
         # A quadratic's square is of its last axis: the step, for the mixed line's.
         square = [zs[-1] * zs[-1]] if self.shape.endswith("quadratic") else []
@@ -99,14 +114,14 @@ class Fit:
     def slopes(self) -> tuple[float, ...]:
         """The trend's slope per unit of each of its axes at the centre of the fitted points (per
         unit of log ``u`` for the power law)."""
-        if self.shape == "power":
+        if self.shape.startswith("power"):
             return (float(self.coefficients[1]),)
         return tuple(float(self.coefficients[1 + i]) / s for i, s in enumerate(self.scale))
 
     @property
     def intercept(self) -> float:
         """The trend at u = 0 on its axes (log u = 0 for the power law)."""
-        origin = np.array([1.0 if self.shape == "power" else 0.0])
+        origin = np.array([1.0 if self.shape.startswith("power") else 0.0])
         return float(self.at([origin] * (max(self.axes) + 1))[0])
 
     def at(self, us: list[np.ndarray]) -> np.ndarray:
@@ -254,25 +269,28 @@ def line_forms(count: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def bend_of(shape: str) -> str:
-    return MIXED_BEND if shape == MIXED else "quadratic"
+    """The deciding form with its last axis's square added (log u's for the power law)."""
+    return {MIXED: MIXED_BEND, "power": POWER_BEND}.get(shape, "quadratic")
 
 
 def likeliest_line(
-    axes: list[np.ndarray], values: np.ndarray, spaces: tuple[bool, ...]
+    axes: list[np.ndarray], values: np.ndarray, spaces: tuple[bool, ...], powers: bool = False
 ) -> tuple[str, tuple[int, ...], bool]:
     """The shape, axes and space (log: growth by factors; ``spaces``, those allowed) of the line
     that is the likeliest model of all the points (the AIC's pick: the mixed line pays for its third
-    parameter; a tie goes to log space and to the first axis). Over all the points, each line alike:
-    a changepoint found for one only would compare them on different spans. The first axis is the
-    method's (forecast.py: the cumulative rate); a line with the step in it (over the step, or the
-    mixed line) is an alternative that decides only where it holds over all the points: with the
-    step's square added it bends neither way at the changepoint test's level. A growth per step
-    whatever the rate goes on alike through warm-up, peak and decay; a rise that starts late in a
-    decay to zero is no such growth. The mixed line decides only where its two parts go the same way
-    (a growth, or a fall, both per unit of rate and per step): parts that pull against each other (a
-    fall per unit of rate that a rise per step makes up) follow the schedule's shape, not a growth
-    of either kind; the stretched plan would multiply the difference, and a rise late in a decay to
-    zero is fitted so."""
+    parameter; a tie goes to log space, to the first axis and to a line over a power law); where
+    ``powers``, the power law of the first axis in log space (a line in log u: growth by a power of
+    the cumulative rate, not by a factor per unit of it) is a candidate too. Over all the points,
+    each line alike: a changepoint found for one only would compare them on different spans. The
+    first axis is the method's (forecast.py: the cumulative rate); a line with the step in it (over
+    the step, or the mixed line) is an alternative that decides only where it holds over all the
+    points: with the step's square added it bends neither way at the changepoint test's level. A
+    growth per step whatever the rate goes on alike through warm-up, peak and decay; a rise that
+    starts late in a decay to zero is no such growth. The mixed line decides only where its two
+    parts go the same way (a growth, or a fall, both per unit of rate and per step): parts that pull
+    against each other (a fall per unit of rate that a rise per step makes up) follow the schedule's
+    shape, not a growth of either kind; the stretched plan would multiply the difference, and a rise
+    late in a decay to zero is fitted so."""
 
     def holds(shape: str, along: tuple[int, ...], log: bool) -> bool:
         bend = fit_form(bend_of(shape), log, axes, values, along)
@@ -286,6 +304,8 @@ def likeliest_line(
         for log in spaces
         if along == (0,) or holds(shape, along, log)
     ]
+    if powers and axes[0][0] > 0:
+        candidates.append(("power", (0,), True))
     return min(candidates, key=lambda c: fit_form(c[0], c[2], axes, values, c[1]).aic)
 
 
@@ -331,10 +351,10 @@ def fit_trend(
     along: tuple[int, ...] = (0,),
 ) -> Trend:
     """The trend of ``values`` (only usable points) over the candidate time ``axes`` (each the
-    points' places on one axis), fitted after the changepoint found for the deciding line: in
-    log space where ``log``, the ``shape`` (a line, or the mixed line) over ``axes[along]``;
-    ``try_log``: the log forms are candidates too (the values are positive and may grow by
-    factors). Every form is fitted over the same points, after that changepoint, on every
+    points' places on one axis), fitted after the changepoint found for the deciding line: in log
+    space where ``log``, the ``shape`` (a line, the mixed line, or the power law) over
+    ``axes[along]``; ``try_log``: the log forms are candidates too (the values are positive and may
+    grow by factors). Every form is fitted over the same points, after that changepoint, on every
     axis."""
     n = len(values)
     if n < MIN_POINTS:

@@ -15,7 +15,9 @@ at once (fit.py), for a growth that is part per unit of rate and part per step.
 **The deciding trend** is chosen per signal over all its points: log-linear growth (a factor per
 unit of the axis) or a straight line, over either axis or (the mixed line) both, whichever is the
 likelier model of the values (the AIC's pick, which charges the mixed line its third parameter);
-the crossing says which (``decided_by``). Its rise along the planned run (a line's slope) decides
+for a block's activations also the power law of the cumulative rate (growth by a power of it,
+as a product of weight matrices moved by bounded steps grows: fit.py); the crossing says which
+(``decided_by``). Its rise along the planned run (a line's slope) decides
 whether a limit is forecast to be crossed
 and its centre gives the step, unless the growth is slowing (``Trend.decider``: the quadratic over
 the same points bends away from the limit, one-sided at fit.CHANGEPOINT_ALPHA / 2): then the
@@ -146,6 +148,9 @@ OWN_UNITS = frozenset({"attn_logit_max"})
 # straight fall in its own units, which would reach zero, is no trend it can follow. Its forms
 # in its own units stay in the interval, as every plausible form.
 FACTOR_UNITS = frozenset({"scale"})
+# Made by the weights from fixed data, so grown at most as a polynomial of the cumulative rate
+# (fit.py, "Power of the rate"): the power law of the rate, in log space, may decide their trend.
+POWERS_OF_RATE = frozenset({"act_absmax"})
 # act_absmax's share of the format says the same as act_absmax: not fitted twice.
 DERIVED = frozenset({"act_range_frac"})
 
@@ -225,7 +230,8 @@ def _trend(series: Series, axes: tuple[Axis, ...]) -> tuple[Trend, np.ndarray]:
         spaces: tuple[bool, ...] = (False,)
     else:
         spaces = (True,) if series.signal in FACTOR_UNITS else (True, False)
-    shape, along, log = likeliest_line(us, values, spaces)
+    powers = True in spaces and series.signal in POWERS_OF_RATE
+    shape, along, log = likeliest_line(us, values, spaces, powers)
     return fit_trend(us, values, log, try_log, shape, along), steps
 
 
@@ -292,8 +298,12 @@ def forecast_series(
         "axis": _axis_name(line, axes),
         "fit_from_step": float(steps[trend.start]),
         "changepoint_p": trend.changepoint_p,
-        # Per unit of each of the deciding line's axes (two for the mixed line).
-        "slope": {axes[a].name: v for a, v in zip(line.axes, line.slopes, strict=True)},
+        # Per unit of each of the deciding line's axes (two for the mixed line; of the axis's log
+        # for the power law: its exponent).
+        "slope": {
+            ("log " if line.shape == "power" else "") + axes[a].name: v
+            for a, v in zip(line.axes, line.slopes, strict=True)
+        },
         "intercept": line.intercept,
         "residual_sd": line.residual_sd,
         "residual_autocorrelation": line.autocorrelation,
