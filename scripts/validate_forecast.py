@@ -213,6 +213,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--drift-steps", type=int, default=2000, help="the fp16 drift's full run")
+    parser.add_argument(
+        "--drift-seeds", type=int, nargs="*", default=[0, 1], help="the fp16 drift's seeds"
+    )
     parser.add_argument("--rows", default=None, help="also write each case's rows here (JSON)")
     parser.add_argument("--cases", nargs="*", help="run only these cases (default: all)")
     parser.add_argument(
@@ -254,7 +257,7 @@ def main() -> None:
         case(name, steps, [*overrides, *logging], rate, args.train_on)
         for name, overrides, rate in cases
     ]
-    for seed in (0, 1):
+    for seed in args.drift_seeds:
         for floor in DRIFT_FLOORS:
             name = f"fp16_drift_floor{floor}" + (f"_seed{seed}" if seed else "")
             if not args.cases or name in args.cases:
