@@ -150,9 +150,7 @@ OWN_UNITS = frozenset({"attn_logit_max"})
 FACTOR_UNITS = frozenset({"scale"})
 # Made by the weights from fixed data, so grown at most as a polynomial of the cumulative rate
 # (fit.py, "Power of the rate"): the power law of the rate, in log space, may decide their trend.
-# So may fp16's loss scale: it settles where the largest scaled gradient just fits the format,
-# about 65504 over the largest gradient, which the same weights make.
-POWERS_OF_RATE = frozenset({"act_absmax", "scale"})
+POWERS_OF_RATE = frozenset({"act_absmax"})
 # act_absmax's share of the format says the same as act_absmax: not fitted twice.
 DERIVED = frozenset({"act_range_frac"})
 
