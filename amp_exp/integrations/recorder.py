@@ -56,7 +56,7 @@ from amp_exp.training.audit.matmuls import dtype_name
 from amp_exp.training.loop import Progress
 from amp_exp.training.meters import Throughput, peak_memory_bytes, state_bytes
 from amp_exp.training.signals import Limits, SignalCollector, distributed
-from amp_exp.training.skips import SkipMonitor
+from amp_exp.training.skips import ScaleReading, SkipMonitor
 
 log = logging.getLogger("amp_exp")
 
@@ -307,7 +307,8 @@ class Recorder:
         progress, interval = self.progress, self._interval
         loss = float(interval.loss_sum) / interval.losses if interval.losses else None
         progress.final_loss = loss
-        scale, scale_mean = interval.scale.read(self.scaler) if self._scaling() else (None, None)
+        reading = interval.scale.read(self.scaler) if self._scaling() else None
+        scale = None if reading is None else reading.now
         samples_per_s, step_time_ms = self.throughput.lap(progress.samples, progress.step)
         grad_norm = None if self._grad_norm is None else float(self._grad_norm)
         assert self._logger is not None
@@ -320,8 +321,7 @@ class Recorder:
                 "loss": loss,
                 "lr": self.optimizer.param_groups[0]["lr"],
                 "grad_norm": grad_norm,
-                "scale": scale,
-                "scale_mean": scale_mean,
+                **ScaleReading.fields(reading),
                 "skipped_steps": progress.skipped_steps,
                 "samples_per_s": samples_per_s,
                 "step_time_ms": step_time_ms,
