@@ -56,7 +56,7 @@ from amp_exp.training.audit.matmuls import dtype_name
 from amp_exp.training.loop import Progress
 from amp_exp.training.meters import Throughput, peak_memory_bytes, state_bytes
 from amp_exp.training.signals import Limits, SignalCollector, distributed
-from amp_exp.training.skips import ScaleReading, SkipMonitor
+from amp_exp.training.skips import SkipMonitor
 
 log = logging.getLogger("amp_exp")
 
@@ -307,8 +307,7 @@ class Recorder:
         progress, interval = self.progress, self._interval
         loss = float(interval.loss_sum) / interval.losses if interval.losses else None
         progress.final_loss = loss
-        reading = interval.scale.read(self.scaler) if self._scaling() else None
-        scale = None if reading is None else reading.now
+        scale, scale_mean = interval.scale.read(self.scaler) if self._scaling() else (None, None)
         samples_per_s, step_time_ms = self.throughput.lap(progress.samples, progress.step)
         grad_norm = None if self._grad_norm is None else float(self._grad_norm)
         assert self._logger is not None
@@ -321,7 +320,8 @@ class Recorder:
                 "loss": loss,
                 "lr": self.optimizer.param_groups[0]["lr"],
                 "grad_norm": grad_norm,
-                **ScaleReading.fields(reading),
+                "scale": scale,
+                "scale_mean": scale_mean,
                 "skipped_steps": progress.skipped_steps,
                 "samples_per_s": samples_per_s,
                 "step_time_ms": step_time_ms,

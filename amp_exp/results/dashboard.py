@@ -26,7 +26,6 @@ WANDB_KEYS = {
     "grad_norm": "train/grad_norm",
     "scale": "amp/scale",
     "scale_mean": "amp/scale_mean",
-    "scale_min": "amp/scale_min",
     "skipped_steps": "amp/skipped_steps",
     "samples_per_s": "perf/samples_per_s",
     "tokens_per_s": "perf/tokens_per_s",

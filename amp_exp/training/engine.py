@@ -40,7 +40,7 @@ from amp_exp.training.meters import (
 from amp_exp.training.precisions.base import PrecisionPlugin
 from amp_exp.training.rng import own_rng_state, restore_rng_state, rng_state
 from amp_exp.training.signals import SignalCollector
-from amp_exp.training.skips import ScaleReading, SkipMonitor, SkipRecord
+from amp_exp.training.skips import SkipMonitor, SkipRecord
 
 Emit = Callable[[dict], None]
 StepInstrument = Callable[[int, int], contextlib.AbstractContextManager]
@@ -253,6 +253,7 @@ class Engine:
         interval_total = self._sum_over_ranks(interval_loss).item()
         progress.final_loss = interval_total / (progress.interval_steps * self.world_size)
         samples_per_s, step_time_ms = rates
+        scale, scale_mean = self.precision.scale_reading()
         return {
             "kind": "train",
             "step": progress.step,
@@ -262,7 +263,8 @@ class Engine:
             # float(): torchao's optimizers keep the learning rate in a (CPU) tensor.
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "grad_norm": None if grad_norm is None else grad_norm.item(),
-            **ScaleReading.fields(self.precision.scale_reading()),
+            "scale": scale,
+            "scale_mean": scale_mean,
             "skipped_steps": progress.skipped_steps,
             **self.meter.rates(samples_per_s),
             "step_time_ms": step_time_ms,

@@ -120,20 +120,18 @@ class SkipRecord:
 
 
 class ScaleRecord:
-    """fp16's loss scale over the steps since the last read, on the device: the sum of its log2
-    and its least value.
+    """fp16's loss scale over the steps since the last read: the sum of its log2, on the device.
 
     The scale a log step reads is one sample of a staircase that the GradScaler moves a factor at
     a time (halved at an overflow, doubled after ``growth_interval`` finite steps), and it can
     flip a level from one log step to the next: a trend fitted to such samples is mostly their
     noise. The geometric mean over every step of the interval is the level the scale held, which
-    the long-run forecast fits; the least value is how low it went, whatever step a log step
-    falls on (docs/forecast.md). ``add`` is two device ops a step, ``read`` one host read.
+    the long-run forecast fits (docs/forecast.md). ``add`` is one device op a step, ``read`` one
+    host read.
     """
 
     def __init__(self) -> None:
         self.log2_sum: torch.Tensor | None = None
-        self.least: torch.Tensor | None = None
         self.steps = 0
 
     def add(self, scaler: torch.amp.GradScaler) -> None:
@@ -143,54 +141,30 @@ class ScaleRecord:
         scale = scaler._get_scale_async()
         if scale is None:
             return
-        scale = scale.reshape(()).double()
-        if self.log2_sum is None:
-            self.log2_sum, self.least = torch.log2(scale), scale
-        else:
-            self.log2_sum = self.log2_sum + torch.log2(scale)
-            self.least = torch.minimum(self.least, scale)
+        log2 = torch.log2(scale.reshape(()).double())
+        self.log2_sum = log2 if self.log2_sum is None else self.log2_sum + log2
         self.steps += 1
 
-    def read(self, scaler: torch.amp.GradScaler) -> ScaleReading:
-        """The scale now, its geometric mean and its least value since the last read (None: no
-        step), in one host read; starts anew."""
+    def read(self, scaler: torch.amp.GradScaler) -> tuple[float, float | None]:
+        """The scale now and its geometric mean since the last read (None: no step), in one host
+        read; starts anew."""
         if self.log2_sum is None:
-            return ScaleReading(float(scaler.get_scale()), None, None)
+            return float(scaler.get_scale()), None
         now = scaler._get_scale_async().reshape(()).double()
-        now_value, log2_sum, least = torch.stack([now, self.log2_sum, self.least]).tolist()
+        now_value, log2_sum = torch.stack([now, self.log2_sum]).tolist()
         mean = 2.0 ** (log2_sum / self.steps)
-        self.log2_sum, self.least, self.steps = None, None, 0
-        return ScaleReading(now_value, mean, least)
+        self.log2_sum, self.steps = None, 0
+        return now_value, mean
 
     def state_dict(self) -> dict[str, Any]:
         """The interval not yet read, so that a resumed run logs what an uninterrupted one does."""
-        if self.log2_sum is None:
-            return {"log2_sum": None, "least": None, "steps": 0}
-        return {"log2_sum": self.log2_sum.item(), "least": self.least.item(), "steps": self.steps}
+        total = None if self.log2_sum is None else self.log2_sum.item()
+        return {"log2_sum": total, "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        total = state["log2_sum"]
         self.steps = state["steps"]
-        self.log2_sum = self.least = None
-        if state["log2_sum"] is not None:
-            self.log2_sum = torch.tensor(state["log2_sum"], device=device).double()
-            self.least = torch.tensor(state["least"], device=device).double()
-
-
-@dataclass(frozen=True)
-class ScaleReading:
-    """A log step's reading of the loss scale: now, and over the interval its geometric mean and
-    its least value (None where no step was recorded)."""
-
-    now: float
-    mean: float | None
-    least: float | None
-
-    @staticmethod
-    def fields(reading: ScaleReading | None) -> dict[str, float | None]:
-        """A train row's loss-scale fields; None each without a scaler."""
-        if reading is None:
-            return {"scale": None, "scale_mean": None, "scale_min": None}
-        return {"scale": reading.now, "scale_mean": reading.mean, "scale_min": reading.least}
+        self.log2_sum = None if total is None else torch.tensor(total, device=device).double()
 
 
 @dataclass

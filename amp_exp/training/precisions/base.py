@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
     from amp_exp.config.schema import PrecisionConfig, TrainerConfig
     from amp_exp.training.linears import LinearConversion
-    from amp_exp.training.skips import ScaleReading
     from amp_exp.training.stochastic_rounding import StochasticRoundingStep
 
 log = logging.getLogger(__name__)
@@ -357,10 +356,10 @@ class PrecisionPlugin:
         """The current loss scale; reads the device, so call it only at log intervals."""
         return None if self.scaler is None else self.scaler.get_scale()
 
-    def scale_reading(self) -> ScaleReading | None:
-        """The loss scale now, and its geometric mean and least value over the steps since the
-        last reading (None without a scaler); one host read, so call it only at log intervals."""
-        return None if self.scaler is None else self.scale_record.read(self.scaler)
+    def scale_reading(self) -> tuple[float | None, float | None]:
+        """The current loss scale and its geometric mean over the steps since the last reading
+        (None, None without a scaler); one host read, so call it only at log intervals."""
+        return (None, None) if self.scaler is None else self.scale_record.read(self.scaler)
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps of the precision: its name, the scaler's and its own state."""
