@@ -51,23 +51,24 @@ def test_forced_overflow_is_skipped_counted_and_holds_the_scheduler(override_los
 def test_fp16_rows_log_the_scale_and_its_geometric_mean_over_the_interval(
     override_loss, run_cfg
 ) -> None:
-    """Steps 1 and 2 leave the scale at 1024, then 512 (step 2 overflows): the row at step 2
-    reads 512 and a mean of 2^9.5 (not the read, nor the arithmetic mean 768); the next
-    interval's mean starts anew at 512 (a record never reset would give 2^9.25)."""
+    """Step 1 overflows (1024 backs off to 512), then each finite step doubles the scale
+    (growth_interval 1): steps 1 to 4 leave 512, 1024, 2048, 4096. The row at step 2 reads 1024
+    and a mean of 2^9.5; the next interval starts anew (4096, 2^11.5): a record that kept the
+    read, an arithmetic mean (768) or an unreset sum fails."""
     cfg = run_cfg(
         *TINY,
         "precision=fp16",
         "precision.init_scale=1024",
+        "precision.growth_interval=1",
         "trainer.max_steps=4",
         "trainer.log_every=2",
     )
-    override_loss(inf_loss_at({2}))
+    override_loss(inf_loss_at({1}))
     rows: list[dict] = []
     build(cfg).engine.fit(rows.append)
     train_rows = [r for r in rows if r["kind"] == "train"]
-    assert [(r["step"], r["scale"]) for r in train_rows] == [(2, 512.0), (4, 512.0)]
-    assert train_rows[0]["scale_mean"] == pytest.approx(2**9.5)
-    assert train_rows[1]["scale_mean"] == pytest.approx(512.0)
+    assert [(r["step"], r["scale"]) for r in train_rows] == [(2, 1024.0), (4, 4096.0)]
+    assert [r["scale_mean"] for r in train_rows] == pytest.approx([2**9.5, 2**11.5])
 
 
 def test_overflowed_step_leaves_the_parameters_alone(override_loss, run_cfg) -> None:
