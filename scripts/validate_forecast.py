@@ -31,12 +31,12 @@ Cases:
 - ``planted``: block 0's output multiplied by exp(rate * step), so its largest activation grows
   steadily toward fp16's 65504 (the signals are measured against fp16's range while the run
   trains in fp32: fp16 on this CPU is 20-140x slower).
-- ``fp16_drift_floor*`` (seeds 0 and 1): a real slow drift of the fp16 loss scale. An MLP small
-  enough to train fp16 quickly on a CPU (8x8 one-channel synthetic images, 4 hidden layers of
-  64, AdamW at 1e-2 without weight decay, a short growth interval so that the scale tracks its
-  equilibrium) whose gradients grow over ``--drift-steps`` (2,000) steps, so that its scale falls
-  by halvings; logged every 25 steps. The run trains with the default min_scale (1: it never
-  stops); the forecast and the check read the loss-scale floor given in the case's name
+- ``fp16_drift_floor*`` (``--drift-seeds``, by default 0 and 1): a real slow drift of the fp16 loss
+  scale. An MLP small enough to train fp16 quickly on a CPU (8x8 one-channel synthetic images, 4
+  hidden layers of 64, AdamW at 1e-2 without weight decay, a short growth interval so that the scale
+  tracks its equilibrium) whose gradients grow over ``--drift-steps`` (2,000) steps, so that its
+  scale falls by halvings; logged every 25 steps. The run trains with the default min_scale (1: it
+  never stops); the forecast and the check read the loss-scale floor given in the case's name
   (``forecast_run``'s min_scale, as ``precision.min_scale`` would set it).
 - ``*_cosine_seed*``: more seeds of the cosine cases (the step as a second time axis).
 - every run that crosses nothing is a healthy run: forecast from all of it to 4x and 10x its
