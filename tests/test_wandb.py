@@ -29,6 +29,7 @@ TRAIN_KEYS = {
     "train/lr",
     "train/grad_norm",
     "amp/scale",
+    "amp/scale_mean",
     "amp/skipped_steps",
     "amp/skip_rate",
     "perf/samples_per_s",
@@ -57,6 +58,7 @@ def test_fp16_run_logs_every_key_at_its_steps_and_the_scale_falls_on_overflow(
     assert all(row.keys() >= TRAIN_KEYS for row in run.history)
     assert EVAL_KEYS.isdisjoint(run.history[0]) and run.history[1].keys() >= EVAL_KEYS
     assert [row["amp/scale"] for row in run.history] == [1024.0, 512.0]
+    assert [row["amp/scale_mean"] for row in run.history] == [1024.0, 512.0]
     assert [row["amp/skipped_steps"] for row in run.history] == [0, 1]
     assert [row["amp/skip_rate"] for row in run.history] == [0.0, 0.5]
     train_rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]

@@ -132,7 +132,7 @@ def test_the_page_charts_loss_scale_skips_accuracy_throughput_memory_and_the_swe
     assert {line["xAxis"] for line in lines} == {"samples"}
     assert [line["metrics"] for line in lines] == [
         ["train/loss"],
-        ["amp/scale"],
+        ["amp/scale", "amp/scale_mean"],
         ["amp/skip_rate"],
         ["eval/acc"],
     ]

@@ -178,8 +178,13 @@ def _panels(wr: Any, page: SweepPage) -> list[Any]:
     seeds = {"groupby_aggfunc": "mean", "groupby_rangefunc": "minmax"}
     charts = [
         wr.LinePlot(title="training loss", x=X_AXIS, y=[WANDB_KEYS["loss"]], **seeds),
+        # As read at each log step, and its geometric mean over the steps since the last.
         wr.LinePlot(
-            title="fp16 loss scale", x=X_AXIS, y=[WANDB_KEYS["scale"]], log_y=True, **seeds
+            title="fp16 loss scale",
+            x=X_AXIS,
+            y=[WANDB_KEYS["scale"], WANDB_KEYS["scale_mean"]],
+            log_y=True,
+            **seeds,
         ),
         wr.LinePlot(title="share of steps skipped", x=X_AXIS, y=[SKIP_RATE], **seeds),
         wr.LinePlot(title=page.eval_key, x=X_AXIS, y=[page.eval_key], **seeds),
