@@ -266,18 +266,17 @@ class SignalCollector:
         _fold_max(self._largest[row, ABSMAX], largest)
         self._sums[row, COUNT : S1 + len(sums)].add_(torch.stack([count, *sums]))
 
-    @torch.no_grad()
     def before_update(self) -> None:
         """The gradients are final and the weights not yet updated: keep one flat copy of the
         blocks' weights (this rank's shards) until ``after_update``, and each block's norm."""
-        if not self.armed or not self._weights:
+        if not self.armed or not self._weights:  # every step calls it: return at once
             return
-        weights = [local(p).flatten() for p in self._weights]
-        copy = weights[0].new_empty(sum(self._sizes), dtype=self._copy_dtype)
-        self._before = torch.cat(weights, out=copy)
-        self._weight_norms = torch._foreach_norm(copy.split(self._sizes), dtype=torch.float64)
+        with torch.no_grad():
+            weights = [local(p).flatten() for p in self._weights]
+            copy = weights[0].new_empty(sum(self._sizes), dtype=self._copy_dtype)
+            self._before = torch.cat(weights, out=copy)
+            self._weight_norms = torch._foreach_norm(copy.split(self._sizes), dtype=torch.float64)
 
-    @torch.no_grad()
     def after_update(self) -> None:
         """The optimizer stepped: each block's squared update and weight norms, on the device.
         The copy becomes minus the update in place, so no second copy of the weights is made:
@@ -285,10 +284,11 @@ class SignalCollector:
         are summed in float64."""
         if not self.armed or self._before is None:
             return
-        weights = [local(p).flatten() for p in self._weights]
-        pieces = self._before.split([weight.numel() for weight in weights])
-        torch._foreach_sub_(list(pieces), weights)
-        norms = torch._foreach_norm(self._before.split(self._sizes), dtype=torch.float64)
+        with torch.no_grad():
+            weights = [local(p).flatten() for p in self._weights]
+            pieces = self._before.split([weight.numel() for weight in weights])
+            torch._foreach_sub_(list(pieces), weights)
+            norms = torch._foreach_norm(self._before.split(self._sizes), dtype=torch.float64)
         # (blocks, 2): update, weight. A block without trainable weights has 0 and 0: its
         # ratio 0/0 reads as None.
         self._updates = torch.stack([*norms, *self._weight_norms]).view(2, -1).T.square()
