@@ -119,6 +119,34 @@ def test_an_armed_step_measures_each_block_as_computed_by_hand() -> None:
     assert row["format"] == "fp16" and row["format_max"] == 65504.0
 
 
+def test_the_update_ratio_of_bf16_weights_is_exact_and_a_frozen_block_has_none() -> None:
+    """bf16 weights (bf16_true): the update is the exact difference of the weights, as computed
+    by hand in float64 (a copy kept in bf16 would round the updates of the weights that change by
+    more than half, here 4e-4 of the ratio); a block without trainable weights reads None, not 0
+    or a neighbour's ratio."""
+    torch.manual_seed(0)
+    model = Tiny(layers=3).to(torch.bfloat16)
+    model.blocks[1].requires_grad_(False)
+    collector = fp16_collector(model)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    before = [[p.detach().double() for p in block.parameters()] for block in model.blocks]
+
+    collector.arm()
+    model(torch.randn(4, 6, 8, dtype=torch.bfloat16)).sum().backward()
+    collector.before_update()
+    optimizer.step()
+    collector.after_update()
+    row = collector.collect()
+
+    for index in (0, 2):
+        after = [p.detach().double() for p in model.blocks[index].parameters()]
+        pairs = list(zip(after, before[index], strict=True))
+        update = math.sqrt(sum((a - b).square().sum().item() for a, b in pairs))
+        weight = math.sqrt(sum(b.square().sum().item() for b in before[index]))
+        assert row[f"update_ratio/blocks.{index}"] == pytest.approx(update / weight, rel=1e-9)
+    assert row["update_ratio/blocks.1"] is None
+
+
 def test_hooks_exist_only_between_arm_and_collect() -> None:
     """Unarmed steps run without a hook (and measure nothing); a hook left behind would cost
     every step."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import partial, reduce
 from typing import Any
 
 import torch
@@ -125,24 +125,32 @@ def attention_logit_max(
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
     rows, cols = query.shape[-2], key.shape[-2]
-    keep = torch.ones(rows, cols, dtype=torch.bool, device=query.device).tril()
+    if is_causal:  # SDPA's causal mask: query i sees keys 0..i
+        future = torch.ones(rows, cols, dtype=torch.bool, device=query.device).triu(1)
     per_sample = query[:1].numel() // query.shape[-1] * cols
     chunk = max(1, SCORES_HELD // max(per_sample, 1))
     largest = torch.full((), -math.inf, device=query.device)
     for start in range(0, query.shape[0], chunk):
         part = slice(start, start + chunk)
-        scores = (query[part].float() @ key[part].float().transpose(-2, -1)) * scale
+        scores = query[part].float() @ key[part].float().transpose(-2, -1)
+        scores.mul_(scale)  # in place, as below: the scores are this chunk's own
         if is_causal:
-            scores = scores.masked_fill(~keep, -math.inf)
+            scores.masked_fill_(future, -math.inf)
         if attn_mask is not None:
             per_sample_mask = attn_mask.dim() == query.dim() and attn_mask.shape[0] > 1
             mask = attn_mask[part] if per_sample_mask else attn_mask
             if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, -math.inf)
+                scores.masked_fill_(~mask, -math.inf)
             else:
                 scores = scores + mask.float()
         largest = torch.maximum(largest, scores.amax())
     return largest
+
+
+def _fold_max(largest: torch.Tensor, value: torch.Tensor) -> None:
+    """Make ``largest`` (a view into a collector's table) the larger of itself and ``value``,
+    in place, a NaN winning as in ``torch.maximum``."""
+    torch.maximum(largest, value, out=largest)
 
 
 class _AttentionLogits(TorchFunctionMode):
@@ -156,8 +164,7 @@ class _AttentionLogits(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             with torch.no_grad():
-                largest = attention_logit_max(*args, **kwargs).double()
-                self.largest[ATTN] = torch.maximum(self.largest[ATTN], largest)
+                _fold_max(self.largest[ATTN], attention_logit_max(*args, **kwargs))
         return func(*args, **kwargs)
 
 
@@ -167,13 +174,19 @@ class SignalCollector:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.blocks: list[tuple[str, nn.Module]] = []
+        # The blocks' trainable weights, block after block; how many elements each block has
+        # (of this rank's shards); the dtype their copy is kept in.
+        self._weights: list[nn.Parameter] = []
+        self._sizes: list[int] = []
+        self._copy_dtype = torch.float32
         self.model: nn.Module | None = None
         self.device = torch.device("cpu")
         self.armed = False
         self.activations = True
         self._handles: list[RemovableHandle] = []
         self._modes: dict[int, _AttentionLogits] = {}
-        self._before: list[list[torch.Tensor]] | None = None
+        self._before: torch.Tensor | None = None
+        self._weight_norms: tuple[torch.Tensor, ...] = ()
         self._updates: torch.Tensor | None = None
         self._start()
 
@@ -185,6 +198,12 @@ class SignalCollector:
         self.model = model
         self.activations = activations
         self.blocks = signal_blocks(model)
+        trainable = [[p for p in block.parameters() if p.requires_grad] for _, block in self.blocks]
+        self._weights = [p for weights in trainable for p in weights]
+        self._sizes = [sum(local(p).numel() for p in weights) for weights in trainable]
+        # At least float32, where the difference of two bf16 or fp16 weights is exact.
+        dtypes = (local(p).dtype for p in self._weights)
+        self._copy_dtype = reduce(torch.promote_types, dtypes, torch.float32)
         first = next(model.parameters(), None)
         self.device = torch.device("cpu") if first is None else local(first).device
         self._start()
@@ -223,55 +242,57 @@ class SignalCollector:
         mode = self._modes.pop(index, None)
         if mode is not None:
             mode.__exit__(None, None, None)
-        self._record(index, output, moments=4)
+        self._record(index, output)
 
     @torch.compiler.disable
     def _model_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._record(len(self.blocks), output, moments=1)
+        self._record(len(self.blocks), output)
 
     @torch.no_grad()
-    def _record(self, row: int, output: Any, moments: int) -> None:
-        """Fold a module's float output into row ``row``: its largest magnitude (of the logits,
-        their largest value), its count and its first ``moments`` power sums."""
+    def _record(self, row: int, output: Any) -> None:
+        """Fold a module's float output into row ``row``: a block's largest magnitude, count and
+        first four power sums; the logits' largest value, count and sum."""
         tensor = _first_tensor(output)
         if tensor is None or not tensor.is_floating_point():
             return
-        values = tensor.detach().double().flatten()
-        largest = values.amax() if row == len(self.blocks) else values.abs().amax()
-        self._largest[row, ABSMAX] = torch.maximum(self._largest[row, ABSMAX], largest)
-        sums = self._sums[row]
-        sums[COUNT] += values.numel()
-        power = values
-        for moment in range(S1, S1 + moments):
-            sums[moment] += power.sum()
-            if moment < moments:
-                power = power * values
+        if row == len(self.blocks):
+            largest, sums = tensor.amax(), [tensor.sum(dtype=torch.float64)]
+        else:
+            values = tensor.double().flatten()
+            square = values.square()
+            largest = tensor.abs().amax()
+            sums = [values.sum(), square.sum(), square.dot(values), square.dot(square)]
+        count = torch.full_like(sums[0], tensor.numel())
+        _fold_max(self._largest[row, ABSMAX], largest)
+        self._sums[row, COUNT : S1 + len(sums)].add_(torch.stack([count, *sums]))
 
     def before_update(self) -> None:
-        """The gradients are final and the weights not yet updated: keep a copy of each block's
-        weights (this rank's shards) until ``after_update``."""
-        if not self.armed:
+        """The gradients are final and the weights not yet updated: keep one flat copy of the
+        blocks' weights (this rank's shards) until ``after_update``, and each block's norm."""
+        if not self.armed or not self._weights:  # every step calls it: return at once
             return
-        self._before = [
-            [local(p).detach().clone() for p in block.parameters() if p.requires_grad]
-            for _, block in self.blocks
-        ]
+        with torch.no_grad():
+            weights = [local(p).flatten() for p in self._weights]
+            copy = weights[0].new_empty(sum(self._sizes), dtype=self._copy_dtype)
+            self._before = torch.cat(weights, out=copy)
+            self._weight_norms = torch._foreach_norm(copy.split(self._sizes), dtype=torch.float64)
 
     def after_update(self) -> None:
-        """The optimizer stepped: each block's squared update and weight norms, on the device."""
+        """The optimizer stepped: each block's squared update and weight norms, on the device.
+        The copy becomes minus the update in place, so no second copy of the weights is made:
+        exact for bf16 and fp16 weights, rounded as float32 rounds for float32 ones. The squares
+        are summed in float64."""
         if not self.armed or self._before is None:
             return
-        sums = []
-        for (_, block), before in zip(self.blocks, self._before, strict=True):
-            after = [local(p).detach() for p in block.parameters() if p.requires_grad]
-            squares = [
-                torch.stack([(a.double() - b.double()).square().sum(), b.double().square().sum()])
-                for a, b in zip(after, before, strict=True)
-            ]
-            # A block without trainable weights has no ratio: 0/0 reads as None.
-            sums.append(torch.stack(squares).sum(dim=0) if squares else self._sums.new_zeros(2))
+        with torch.no_grad():
+            weights = [local(p).flatten() for p in self._weights]
+            pieces = self._before.split([weight.numel() for weight in weights])
+            torch._foreach_sub_(list(pieces), weights)
+            norms = torch._foreach_norm(self._before.split(self._sizes), dtype=torch.float64)
+        # (blocks, 2): update, weight. A block without trainable weights has 0 and 0: its
+        # ratio 0/0 reads as None.
+        self._updates = torch.stack([*norms, *self._weight_norms]).view(2, -1).T.square()
         self._before = None
-        self._updates = torch.stack(sums)
 
     def collect(self) -> dict[str, Any]:
         """The step's signals as a row's fields (plain numbers, None where nothing was measured),
