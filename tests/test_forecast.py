@@ -440,6 +440,20 @@ def test_the_loss_scale_is_forecast_from_its_mean_over_each_interval_not_from_on
     assert first["signal"] == "scale" and covers(first["interval"], 1000)
 
 
+def test_a_block_scaled_run_s_block_spread_is_forecast_against_its_scale_range() -> None:
+    """NVFP4's blocks' maxima spreading by factors toward the 229,376 its E4M3 scales span: the
+    crossing is named against that range (a run without ``scale_range`` has no such limit)."""
+    steps = np.arange(LOG_EVERY, 301, LOG_EVERY, dtype=float)
+    spread = growing(steps, np.random.default_rng(0), 100, 1 / 60, 0.1)
+    rows = rows_of({"act_block_spread/blocks.0": spread}, steps)
+    for row in rows:
+        if row["kind"] == "signals":
+            row |= {"block_format": "nvfp4", "scale_range": 448 * 2**9}
+    first = forecast_run(rows, 1000)["first_crossing"]
+    assert (first["signal"], first["limit"]) == ("act_block_spread", "nvfp4 block-scale range")
+    assert covers(first["interval"], 60 * math.log(448 * 2**9 / 100))
+
+
 def test_too_few_log_points_are_unforecastable_never_extrapolated() -> None:
     """A steep trend over MIN_POINTS - 1 points: no crossing, and the signal is named."""
     steps = np.arange(1, MIN_POINTS, dtype=float) * LOG_EVERY

@@ -5,7 +5,9 @@ random parts, and under FSDP2."""
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from amp_exp.config.values import validate
 from amp_exp.errors import ConfigError
 from amp_exp.run import train
-from helpers.runs import FAST_LM, composed
+from helpers.runs import FAST_LM, composed, read_jsonl
 from test_checkpoint import MODES, assert_resume_is_exact
 
 # The formats a converted linear's matmuls are counted in: forward, and the gradients'.
@@ -38,15 +40,29 @@ def emulated(tmp_path_factory) -> Callable[[str], dict]:
     """``emulated(precision)``: the summary of gpt_tiny's run in that format, emulated, trained
     once for this module's tests of it."""
     summaries: dict[str, dict] = {}
+    run_dirs: dict[str, Path] = {}
 
     def summary(precision: str) -> dict:
         if precision not in summaries:
             overrides = (*GPT, f"precision={precision}", "precision.emulate=true")
             cfg = validate(copy.deepcopy(composed(overrides)))
-            summaries[precision] = train(cfg, tmp_path_factory.mktemp(precision))
+            run_dirs[precision] = tmp_path_factory.mktemp(precision)
+            summaries[precision] = train(cfg, run_dirs[precision])
         return summaries[precision]
 
+    summary.run_dirs = run_dirs  # type: ignore[attr-defined]
     return summary
+
+
+def test_a_block_scaled_run_logs_its_blocks_spread_against_the_scale_range(emulated) -> None:
+    """NVFP4's signals rows carry its scale range (448 / 2^-9) and, per block, how far apart its
+    16-element blocks' maxima are: at least 1 (the largest over the least), finite."""
+    emulated("nvfp4")
+    rows = read_jsonl(emulated.run_dirs["nvfp4"] / "metrics.jsonl")
+    signals = [row for row in rows if row["kind"] == "signals"]
+    assert signals and all(row["scale_range"] == 448 * 2**9 for row in signals)
+    spreads = [v for row in signals for k, v in row.items() if k.startswith("act_block_spread/")]
+    assert len(spreads) == 2 * len(signals) and all(1 <= v < math.inf for v in spreads)
 
 
 @pytest.mark.parametrize("precision", sorted(FORMATS))

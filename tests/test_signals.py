@@ -60,6 +60,46 @@ def test_limits_come_from_the_precisions_formats() -> None:
     assert Limits.of(get("fp16").spec).attn_logit_limit == pytest.approx(24 * math.log(2))
 
 
+def test_block_scaled_formats_bring_their_block_size_and_scale_range() -> None:
+    """NVFP4's 16-element blocks with E4M3 scales under a tensor scale (448 / 2^-9 apart), MX's
+    32-element blocks with E8M0 scales (2^254): an element format's range here (6 for E2M1)
+    would put every run past its limit; fp16 has no blocks."""
+    nvfp4, mxfp8, fp16 = (Limits.of(get(name).spec) for name in ("nvfp4", "mxfp8", "fp16"))
+    assert (nvfp4.block_format, nvfp4.block_size, nvfp4.scale_range) == ("nvfp4", 16, 448 * 2**9)
+    assert (mxfp8.block_size, mxfp8.scale_range) == (32, 2.0**254)
+    assert (fp16.block_size, fp16.scale_range) == (None, None)
+
+
+class Emits(nn.Module):
+    """A block whose output is the given tensor (times a weight of 1, so it counts as a block)."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__()
+        self.output, self.weight = output, nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output * self.weight
+
+
+def test_the_block_spread_is_the_largest_block_maximum_over_the_least_nonzero_one() -> None:
+    """NVFP4's blocks are 16 elements of a row: rows of 20 are padded to two blocks. Row 0's
+    blocks peak at 8 and 0.002, row 1's at -1 and 0 (all zero: no scale to underflow, left
+    out): 8 / 0.002 = 4,000. A spread over elements (8 / 0.0001) or over blocks that span rows
+    would differ, and counting the zero block would give inf."""
+    output = torch.zeros(2, 20)
+    output[0, 3], output[0, 16], output[0, 17] = 8.0, 0.002, 0.0001
+    output[1, 0] = -1.0
+    model = nn.Sequential(Emits(output))
+    collector = SignalCollector(Limits.of(get("nvfp4").spec)).attach(model)
+    collector.arm()
+    model(torch.zeros(1))
+    row = collector.collect()
+    assert row["act_block_spread/0"] == pytest.approx(4000.0)
+    assert row["scale_range"] == 448 * 2**9 and "act_block_spread/0" not in (
+        SignalCollector(Limits.of(get("fp16").spec)).attach(model).collect()
+    )
+
+
 def test_attention_logit_max_is_the_largest_unmasked_scaled_score() -> None:
     """Against the T x T scores built by hand; a causal mask leaves the future out (a missing
     mask would report a larger, never-used score)."""

@@ -72,13 +72,18 @@ class DType(str, Enum):
 
     @property
     def block_scaled(self) -> bool:
-        return self in BLOCK_SCALED_BITS
+        return self in BLOCK_FORMATS
+
+    @property
+    def block(self) -> BlockFormat:
+        """A block-scaled format's layout (raises for a torch dtype)."""
+        return BLOCK_FORMATS[self]
 
     @property
     def itemsize(self) -> float:
         """Bytes per element (a block-scaled format's elements, without their scales)."""
         if self.block_scaled:
-            return BLOCK_SCALED_BITS[self] / 8
+            return self.block.bits / 8
         return self.torch.itemsize
 
     @property
@@ -92,7 +97,29 @@ class DType(str, Enum):
         return cls(str(dtype).removeprefix("torch."))
 
 
-BLOCK_SCALED_BITS = {DType.mxfp8_e4m3: 8, DType.mxfp8_e5m2: 8, DType.mxfp4: 4, DType.nvfp4: 4}
+@dataclass(frozen=True)
+class BlockFormat:
+    """How a block-scaled format stores a tensor: ``bits`` per element, one scale per ``size``
+    consecutive elements of a row, and ``scale_range``, the largest block scale over the smallest
+    positive one. A block's scale follows its own maximum, so no element runs out of the
+    element format's range; the scales can: a tensor whose blocks' maxima spread wider than
+    ``scale_range`` flushes its smallest blocks to zero."""
+
+    bits: int
+    size: int
+    scale_range: float
+
+
+# MX (OCP Microscaling v1.0): 32-element blocks, E8M0 scales 2^-127 to 2^127. NVFP4: 16-element
+# blocks, E4M3 scales under a tensor scale that puts the largest at E4M3's 448, the smallest
+# positive being its subnormal 2^-9.
+_MX_SCALES, _NVFP4_SCALES = 2.0**254, 448 * 2.0**9
+BLOCK_FORMATS = {
+    DType.mxfp8_e4m3: BlockFormat(8, 32, _MX_SCALES),
+    DType.mxfp8_e5m2: BlockFormat(8, 32, _MX_SCALES),
+    DType.mxfp4: BlockFormat(4, 32, _MX_SCALES),
+    DType.nvfp4: BlockFormat(4, 16, _NVFP4_SCALES),
+}
 SHORT_NAMES = {DType.float32: "fp32", DType.bfloat16: "bf16", DType.float16: "fp16"}
 
 

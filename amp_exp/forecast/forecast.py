@@ -34,7 +34,9 @@ enough not to cross.
 
 **Limits.** A block's largest activation against the largest value of its format
 (``format_max``), its attention logits against the logit at which the softmax saturates
-(``attn_logit_limit``; both from the run's signals rows, training/signals.py), and an fp16 loss
+(``attn_logit_limit``), in a block-scaled format the spread of its blocks' maxima against the
+range of the block scales (``scale_range``; all from the run's signals rows,
+training/signals.py), and an fp16 loss
 scale against ``precision.min_scale``, below which the run stops (fitted to the scale's
 geometric mean over each log interval where the run logged it, ``scale_mean``). A crossing is
 claimed where the deciding line's rise from the last point to the planned end (a line's slope:
@@ -128,13 +130,24 @@ def limits_of(rows: list[dict[str, Any]], min_scale: float) -> dict[str, Limit]:
         limits["act_absmax"] = Limit(f"{facts.get('format')} range", facts["format_max"], +1)
     if isinstance(facts.get("attn_logit_limit"), (int, float)):
         limits["attn_logit_max"] = Limit("softmax saturation", facts["attn_logit_limit"], +1)
+    if isinstance(facts.get("scale_range"), (int, float)):
+        name = f"{facts.get('block_format')} block-scale range"
+        limits["act_block_spread"] = Limit(name, facts["scale_range"], +1)
     return limits
 
 
 # Fitted in log space too: what grows or shrinks by factors. The rest (logit_mean, skip_rate, and
 # the share act_range_frac, which is act_absmax over a constant) linearly.
 LOG_SIGNALS = frozenset(
-    {"act_absmax", "act_kurtosis", "attn_logit_max", "update_ratio", "grad_norm", "scale"}
+    {
+        "act_absmax",
+        "act_block_spread",
+        "act_kurtosis",
+        "attn_logit_max",
+        "update_ratio",
+        "grad_norm",
+        "scale",
+    }
 )
 # Decided by a line in their own units, as the output logits are fitted: a logit is a log
 # already (a difference of two is the log of a ratio of softmax weights, and the saturation limit

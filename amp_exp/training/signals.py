@@ -52,10 +52,11 @@ from amp_exp.training.callbacks import StepCallback
 from amp_exp.training.precisions.base import Gradients
 
 # The statistics of each block's output, and in a last row the model's output logits: the
-# largest values (MAX over the ranks): a block's largest magnitude and its attention logit, the
-# logits' largest value; the sums (SUM over the ranks): the element count and the first four power
-# sums (of the logits, count and sum only).
-ABSMAX, ATTN = range(2)
+# largest values (MAX over the ranks): a block's largest magnitude, its attention logit and (in a
+# block-scaled format, negated so that the MAX is the least) the least of its quantization blocks'
+# nonzero maxima; the logits' largest value; the sums (SUM over the ranks): the element count and
+# the first four power sums (of the logits, count and sum only).
+ABSMAX, ATTN, NEG_LEAST_BLOCK = range(3)
 COUNT, S1, S2, S3, S4 = range(5)
 # The most attention scores recomputed at once (64 MiB in fp32).
 SCORES_HELD = 2**24
@@ -73,16 +74,31 @@ class Limits:
     # The attention logit at which a key scored 0 gets a softmax weight below the compute
     # dtype's smallest subnormal, so it rounds to zero: the softmax has saturated to one-hot.
     attn_logit_limit: float
+    # A block-scaled format's (config.precisions.BlockFormat): its name, the elements a scale
+    # covers and the range of its scales, which bounds how far its blocks' maxima may spread.
+    block_format: str | None = None
+    block_size: int | None = None
+    scale_range: float | None = None
 
     @classmethod
     def of(cls, spec: PrecisionSpec) -> Limits:
         converted = [d for d in spec.engaged.converted_dtypes if not d.block_scaled]
         matmul = converted[0] if converted else spec.compute_dtype
         compute = torch.finfo(spec.compute_dtype.torch)
+        scaled = [d for d in spec.engaged.converted_dtypes if d.block_scaled]
         return cls(
             format=matmul.short,
             format_max=float(torch.finfo(matmul.torch).max),
             attn_logit_limit=-math.log(compute.tiny * compute.eps),
+            **(
+                {}
+                if not scaled
+                else {
+                    "block_format": scaled[0].value,
+                    "block_size": scaled[0].block.size,
+                    "scale_range": scaled[0].block.scale_range,
+                }
+            ),
         )
 
 
@@ -153,6 +169,16 @@ def _fold_max(largest: torch.Tensor, value: torch.Tensor) -> None:
     torch.maximum(largest, value, out=largest)
 
 
+def _least_block_max(tensor: torch.Tensor, size: int) -> torch.Tensor:
+    """The least nonzero maximum magnitude over the tensor's quantization blocks (``size``
+    consecutive elements of a row of its last dimension, zero-padded as the block-scaled casts
+    pad them); inf where every block is zero."""
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    rows = F.pad(rows, (0, -rows.shape[-1] % size))
+    maxima = rows.reshape(-1, size).abs().amax(dim=1).double()
+    return torch.where(maxima > 0, maxima, math.inf).amin()
+
+
 class _AttentionLogits(TorchFunctionMode):
     """Inside one block's forward on a logged step: each SDPA call also records its max logit."""
 
@@ -212,7 +238,7 @@ class SignalCollector:
     def _start(self) -> None:
         """Nothing measured yet: a row per block and one for the logits; no update."""
         rows = len(self.blocks) + 1
-        self._largest = torch.full((rows, 2), -math.inf, device=self.device, dtype=torch.float64)
+        self._largest = torch.full((rows, 3), -math.inf, device=self.device, dtype=torch.float64)
         self._sums = torch.zeros(rows, 5, device=self.device, dtype=torch.float64)
         self._before, self._updates = None, None
 
@@ -262,6 +288,9 @@ class SignalCollector:
             square = values.square()
             largest = tensor.abs().amax()
             sums = [values.sum(), square.sum(), square.dot(values), square.dot(square)]
+            if self.limits.block_size is not None:
+                least = _least_block_max(tensor, self.limits.block_size)
+                _fold_max(self._largest[row, NEG_LEAST_BLOCK], -least)
         count = torch.full_like(sums[0], tensor.numel())
         _fold_max(self._largest[row, ABSMAX], largest)
         self._sums[row, COUNT : S1 + len(sums)].add_(torch.stack([count, *sums]))
@@ -312,8 +341,8 @@ class SignalCollector:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         values = torch.cat([largest.flatten(), sums]).tolist()  # the step's one host read
         rows = blocks + 1
-        largest, sums = _rows(values[: 2 * rows], 2), _rows(values[2 * rows : 7 * rows], 5)
-        updates = _rows(values[7 * rows :], 2)
+        largest, sums = _rows(values[: 3 * rows], 3), _rows(values[3 * rows : 8 * rows], 5)
+        updates = _rows(values[8 * rows :], 2)
         row: dict[str, Any] = asdict(self.limits)
         for (name, _), maxima, moments, (update_sq, weight_sq) in zip(
             self.blocks, largest[:-1], sums[:-1], updates, strict=True
@@ -326,11 +355,14 @@ class SignalCollector:
         return row
 
     def _block_fields(self, name: str, maxima: list[float], sums: list[float]) -> dict[str, Any]:
-        absmax = kurtosis = attn = None
+        absmax = kurtosis = attn = spread = None
         count = sums[COUNT]
         if count > 0:
             absmax = maxima[ABSMAX]
             attn = maxima[ATTN] if math.isfinite(maxima[ATTN]) else None
+            least = -maxima[NEG_LEAST_BLOCK]
+            # The spread the block scales must span: the largest block maximum over the least.
+            spread = absmax / least if 0 < least < math.inf else None
             mean = sums[S1] / count
             m2 = sums[S2] / count - mean**2
             m4 = (
@@ -345,6 +377,7 @@ class SignalCollector:
             f"act_range_frac/{name}": None if absmax is None else absmax / self.limits.format_max,
             f"act_kurtosis/{name}": kurtosis,
             f"attn_logit_max/{name}": attn,
+            **({} if self.limits.block_size is None else {f"act_block_spread/{name}": spread}),
         }
 
     def disarm(self) -> None:

@@ -32,8 +32,8 @@ from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_am
 
 from amp_exp.config.precisions import DType
 
-MX_BLOCK = 32
-NVFP4_BLOCK = 16
+MX_BLOCK = DType.mxfp4.block.size
+NVFP4_BLOCK = DType.nvfp4.block.size
 E2M1_MAX = 6.0
 # NVFP4's tensor scale of an all-zero tensor would be 0 and its reciprocal inf (0 x inf = NaN):
 # a floor on the amax keeps it finite. Values of a tensor whose amax is below it flush to zero.
