@@ -85,20 +85,16 @@ class Limits:
         converted = [d for d in spec.engaged.converted_dtypes if not d.block_scaled]
         matmul = converted[0] if converted else spec.compute_dtype
         compute = torch.finfo(spec.compute_dtype.torch)
-        scaled = [d for d in spec.engaged.converted_dtypes if d.block_scaled]
+        scaled = next((d for d in spec.engaged.converted_dtypes if d.block_scaled), None)
+        blocks: dict[str, Any] = {}
+        if scaled is not None:
+            size, scale_range = scaled.block.size, scaled.block.scale_range
+            blocks = {"block_format": scaled.value, "block_size": size, "scale_range": scale_range}
         return cls(
             format=matmul.short,
             format_max=float(torch.finfo(matmul.torch).max),
             attn_logit_limit=-math.log(compute.tiny * compute.eps),
-            **(
-                {}
-                if not scaled
-                else {
-                    "block_format": scaled[0].value,
-                    "block_size": scaled[0].block.size,
-                    "scale_range": scaled[0].block.scale_range,
-                }
-            ),
+            **blocks,
         )
 
 
