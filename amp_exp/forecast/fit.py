@@ -32,9 +32,16 @@ a changepoint test, with their bands and where each meets a limit.
 - **Autocorrelation.** Training signals are not independent from one log step to the next. The
   residuals' lag-1 autocorrelation rho (0 or more) widens every interval by sqrt((1+rho)/(1-rho))
   and cuts the degrees of freedom to the effective sample size, the AR(1) correction.
-- **Crossing.** Where a form's trend meets the limit ``L``: the set of axis values where L lies
-  inside the trend's pointwise confidence band. At the true crossing ``(trend - L) / se`` is
-  t-distributed, so the set covers it at the stated level (Fieller 1954, here on a grid so that
+- **Crossing.** What a limit is checked on is a logged value (the loss scale: its read at the
+  log step), not the trend: the first read past the limit comes where the trend plus the reads'
+  spread about it first passes, before the trend itself reaches it wherever the reads scatter.
+  ``Fit.passage`` takes each future read as the trend plus t-distributed noise of the reads'
+  spread about it (independent reads: the chance that none has passed is the product of each
+  one's), and gives the step where the first passage is as likely as not (the trend at its
+  centre), the earliest it may come (the trend at its confidence band's edge nearest the limit,
+  and a chance of (1 - level) / 2) and the step by which it surely has (the far edge, (1 +
+  level) / 2). With no spread this is where the trend, or its band's edge, reaches the limit:
+  the band's set covers the true crossing at its level (Fieller 1954, here on a grid so that
   every form is treated alike).
 - **Slowing.** A line carries its rate forward for good. Where the quadratic over the same
   points (after any changepoint) bends away from the limit, one-sided at the changepoint test's
@@ -172,19 +179,45 @@ class Fit:
         contrast[-1] = 1.0
         return self._contrast_p(contrast, towards)
 
-    def crossing(
-        self, us: list[np.ndarray], limit: float, direction: int, level: float
+    def read_sd(self, us: list[np.ndarray], reads: np.ndarray) -> float:
+        """The spread of the values a limit is checked on (``reads``, at the fitted points'
+        places ``us``, in this form's space) about this form's trend, on its degrees of
+        freedom."""
+        residuals = reads - self.at(us)
+        dof = max(len(reads) - len(self.coefficients), 1)
+        return math.sqrt(float(residuals @ residuals) / dof)
+
+    def passage(
+        self,
+        us: list[np.ndarray],
+        limit: float,
+        direction: int,
+        level: float,
+        sd: float,
+        reads: np.ndarray,
     ) -> tuple[int | None, int | None, int | None]:
-        """Indices into the increasing grid (its places on every axis: ``us``): where the trend
-        first reaches ``limit`` (crossed from below for ``direction`` +1, from above for -1),
-        where the band's near edge first does (the earliest crossing the band allows) and where
-        its far edge does (past which the limit is surely crossed); None where it does not within
-        the grid."""
+        """Indices into the increasing grid (its places on every axis: ``us``; ``reads``, the
+        number of log reads each grid point stands for, 0 where the run has already read): where
+        the first read past ``limit`` is as likely as not to have come, with the trend at its
+        centre; where it may have come (probability (1 - level) / 2), with the trend at its band's
+        edge nearest the limit; and where it surely has (probability (1 + level) / 2), with the
+        trend at the far edge. Each read is the trend plus t-distributed noise of spread ``sd``
+        (independent reads: the chance of no read past the limit is the product over them).
+        None where not within the grid."""
         low, high = self.confidence(us, level)
-        near, far = (high, low) if direction > 0 else (-low, -high)
-        reached = [direction * self.at(us) >= direction * limit, near >= direction * limit]
-        reached.append(far >= direction * limit)
-        return tuple(int(np.argmax(r)) if r.any() else None for r in reached)
+        near, far = (high, low) if direction > 0 else (low, high)
+        tail = (1 - level) / 2
+        found = []
+        for trend, probability in ((self.at(us), 0.5), (near, tail), (far, 1 - tail)):
+            if sd > 0:
+                gap = direction * (trend - limit) / sd
+                # log P(a read is not past the limit), per read, summed over the reads.
+                clear = np.cumsum(reads * scipy.stats.t.logcdf(-gap, self.dof))
+                reached = clear <= math.log1p(-probability)
+            else:
+                reached = (reads > 0) & (direction * trend >= direction * limit)
+            found.append(int(np.argmax(reached)) if reached.any() else None)
+        return tuple(found)
 
 
 def fit_form(

@@ -43,10 +43,20 @@ claimed where the deciding line's rise from the last point to the planned end (a
 the same t-test) differs from zero at a two-sided ``alpha / m`` toward the limit (Bonferroni
 over the run's m limited signals), so a run whose signals are all flat raises a false alarm with
 probability at most ``alpha / 2``. The other signals are fitted and shown.
+
+**The crossing is the first logged value past the limit** (``limit_crossing``): where the run
+has logged one already, that step, observed; else the step where the planned run's first read
+past it is as likely as not (fit.py ``Fit.passage``), from the deciding trend and the spread of
+the reads about it. The engine stops an fp16 run at the first log step whose scale, as read, is
+below ``precision.min_scale``, and the reads scatter a level or two about the trend of the
+interval means: the first one below comes well before the trend reaches the floor. A read that
+takes only a lattice's values (the scale: init_scale times powers of the growth factor) is a
+rounded one (``Checked``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -96,9 +106,13 @@ class Series:
     limit: Limit | None
     # Fitted in log space (growth by a factor per unit of time), else linearly.
     log: bool
+    # What the limit is checked on at each step, where that is not ``values``: the loss scale
+    # as read at the log step, against its fitted interval means.
+    reads: np.ndarray | None = None
 
 
 def _series_rows(rows: list[dict[str, Any]]) -> dict[tuple[str, str | None], dict[int, float]]:
+    """Each signal's values by step; the scale's reads under the key ("scale read", None)."""
     found: dict[tuple[str, str | None], dict[int, float]] = defaultdict(dict)
     last_skipped = (0, 0)
     for row in sorted(rows, key=lambda row: row["step"]):
@@ -114,6 +128,7 @@ def _series_rows(rows: list[dict[str, Any]]) -> dict[tuple[str, str | None], dic
             # logged it: a single read of a scale that flips a level from one log step to the
             # next is mostly that flip (training/skips.py ScaleRecord).
             found[("scale", None)][step] = row.get("scale_mean", row.get("scale"))
+            found[READS][step] = row.get("scale")
             skipped = row.get("skipped_steps")
             if isinstance(skipped, int) and step > last_skipped[0]:
                 rate = (skipped - last_skipped[1]) / (step - last_skipped[0])
@@ -163,22 +178,39 @@ OWN_UNITS = frozenset({"attn_logit_max"})
 FACTOR_UNITS = frozenset({"scale"})
 # Made by the weights from fixed data, so grown at most as a polynomial of the cumulative rate
 # (fit.py, "Power of the rate"): the power law of the rate, in log space, may decide their trend.
-POWERS_OF_RATE = frozenset({"act_absmax"})
+# The loss scale too: the GradScaler holds it near the largest the gradients allow, the inverse
+# of their largest element, a product of activations and weights grown so.
+POWERS_OF_RATE = frozenset({"act_absmax", "scale"})
+# The key the loss scale's reads are kept under, beside its interval means.
+READS = ("scale read", None)
 # act_absmax's share of the format says the same as act_absmax: not fitted twice.
 DERIVED = frozenset({"act_range_frac"})
 
 
+def _array(points: dict[int, float], steps: list[int]) -> np.ndarray:
+    return np.array([math.nan if points.get(s) is None else float(points[s]) for s in steps])
+
+
 def series_of(rows: list[dict[str, Any]], min_scale: float) -> list[Series]:
     limits = limits_of(rows, min_scale)
+    found = _series_rows(rows)
+    reads = found.pop(READS, {})
     out = []
-    for (signal, module), points in sorted(
-        _series_rows(rows).items(), key=lambda item: (item[0][0], item[0][1] or "")
-    ):
+    for (signal, module), points in sorted(found.items(), key=lambda i: (i[0][0], i[0][1] or "")):
         if signal in DERIVED or all(v is None for v in points.values()):
             continue
-        steps = np.array(list(points), dtype=float)
-        values = np.array([math.nan if v is None else float(v) for v in points.values()])
-        out.append(Series(signal, module, steps, values, limits.get(signal), signal in LOG_SIGNALS))
+        steps = list(points)
+        out.append(
+            Series(
+                signal,
+                module,
+                np.array(steps, dtype=float),
+                _array(points, steps),
+                limits.get(signal),
+                signal in LOG_SIGNALS,
+                _array(reads, steps) if signal == "scale" else None,
+            )
+        )
     return out
 
 
@@ -326,13 +358,104 @@ def forecast_series(
         "crossing": None,
     }
     if series.limit is not None:
-        grid = np.linspace(steps[trend.start], planned_steps, GRID)
-        now = [a.observed(steps[-1:]) for a in axes]
-        us = [a.planned(grid) for a in axes]
-        out["crossing"] = crossing(series, trend, grid, us, now, alpha)
-        if out["crossing"] is not None:
-            out["crossing"]["decided_by"] = _describe(trend.decider(series.limit.direction), axes)
+        out["crossing"] = limit_crossing(series, trend, steps, axes, planned_steps, alpha)
     return out
+
+
+def limit_crossing(
+    series: Series,
+    trend: Trend,
+    steps: np.ndarray,
+    axes: tuple[Axis, ...],
+    planned_steps: int,
+    alpha: float,
+) -> dict[str, Any] | None:
+    """The signal's crossing of its limit: observed, where a value the limit is checked on is
+    already past it (the first such step), else forecast (``crossing``) over the planned steps
+    after the fitted points' start (``steps``: those of the usable points)."""
+    limit = series.limit
+    assert limit is not None
+    checked = series.values if series.reads is None else series.reads
+    past = np.flatnonzero(limit.direction * (checked - limit.value) > 0)
+    if past.size:
+        step = float(series.steps[past[0]])
+        found: dict[str, Any] | None = {"step": step, "interval": [step, step], "observed": True}
+        return found | _limit_fields(series) | {"decided_by": None}
+    grid = np.linspace(steps[trend.start], planned_steps, GRID)
+    finite = np.isfinite(series.values)
+    at_fitted = checked[finite][trend.start :]
+    known = np.isfinite(at_fitted)
+    fitted = Checked([a.observed(steps[trend.start :])[known] for a in axes], at_fitted[known])
+    # Each grid point stands for its share of the log reads the planned run makes after this
+    # run's last (at this run's log interval); none before: this run has read them.
+    log_every = float(np.median(np.diff(series.steps))) if len(series.steps) > 1 else 1.0
+    reads = np.where(grid > steps[-1], (grid[1] - grid[0]) / log_every, 0.0)
+    now = [a.observed(steps[-1:]) for a in axes]
+    found = crossing(
+        series, trend, grid, [a.planned(grid) for a in axes], now, alpha, fitted, reads
+    )
+    if found is not None:
+        found["decided_by"] = _describe(trend.decider(limit.direction), axes)
+    return found
+
+
+def _limit_fields(series: Series) -> dict[str, Any]:
+    assert series.limit is not None
+    return {
+        "signal": series.signal,
+        "module": series.module,
+        "limit": series.limit.name,
+        "limit_value": series.limit.value,
+    }
+
+
+def lattice_of(values: np.ndarray) -> float | None:
+    """The spacing, in log units, of the one lattice of factors every positive value lies on
+    (values that move only by a factor and its inverse, as fp16's GradScaler moves the scale by
+    its growth factor and backs off by its inverse: powers of two times init_scale by default),
+    or None where they lie on none (or take fewer than two values)."""
+    known = values[np.isfinite(values) & (values > 0)]
+    logs = np.unique(np.round(np.log(known), 9))
+    if len(logs) < 2:
+        return None
+    spacing = float(np.diff(logs).min())
+    steps = (logs - logs[0]) / spacing
+    return spacing if np.allclose(steps, np.round(steps), atol=1e-6) else None
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The values a limit is checked on at the fitted points, and those points' places on every
+    axis: their spread about a form's trend is the reads' noise (``Fit.read_sd``). Reads that
+    take only the values of a lattice of factors (``lattice_of``) are a continuous read rounded
+    to it: a read is past the limit where the continuous one is past the midpoint between the
+    lattice's last value short of the limit and its first past it, and the continuous read's
+    spread is the rounded reads' less the rounding's (Sheppard's correction: spacing^2 / 12)."""
+
+    us: list[np.ndarray]
+    values: np.ndarray
+
+    @functools.cached_property
+    def lattice(self) -> float | None:
+        return lattice_of(self.values)
+
+    def sd(self, form: Fit) -> float:
+        sd = form.read_sd(self.us, np.log(self.values) if form.log else self.values)
+        if form.log and self.lattice is not None:
+            return math.sqrt(max(sd**2 - self.lattice**2 / 12, 0.0))
+        return sd
+
+    def boundary(self, limit: Limit, log: bool) -> float:
+        """Where a form in log space (``log``) or in the values' own units has a read cross
+        ``limit``."""
+        value = math.log(limit.value)
+        if self.lattice is not None:
+            origin = math.log(self.values[np.isfinite(self.values)][0])
+            # Lattice values counted from the first read toward the limit: the last one short
+            # of it (one on it is not past it: the check is strict).
+            short = math.floor((value - origin) / self.lattice * limit.direction + 1e-9)
+            value = origin + limit.direction * (short + 0.5) * self.lattice
+        return value if log else math.exp(value)
 
 
 def crossing(
@@ -342,6 +465,8 @@ def crossing(
     us: list[np.ndarray],
     now: list[np.ndarray],
     alpha: float,
+    checked: Checked,
+    reads: np.ndarray,
 ) -> dict[str, Any] | None:
     """When the deciding trend crosses the limit within the planned run (``steps``, at ``us`` on
     each axis), if the line's rise from the last point (``now``) to the planned end differs from
@@ -363,10 +488,15 @@ def crossing(
     lows, highs = [], []
     estimate = None
     for form in forms:
-        if form.log and limit.value <= 0:
-            continue
-        value = math.log(limit.value) if form.log else limit.value
-        centre, near, far = form.crossing(us, value, limit.direction, 1 - alpha)
+        if limit.value <= 0:
+            if form.log:
+                continue
+            value = limit.value
+        else:
+            value = checked.boundary(limit, form.log)
+        centre, near, far = form.passage(
+            us, value, limit.direction, 1 - alpha, checked.sd(form), reads
+        )
         if form is decider:
             if centre is None:
                 return None
@@ -376,14 +506,8 @@ def crossing(
         highs.append(None if far is None else float(steps[far]))
     if estimate is None:
         return None
-    return {
-        "step": estimate,
-        "interval": [min(lows), None if None in highs else max(highs)],
-        "signal": series.signal,
-        "module": series.module,
-        "limit": limit.name,
-        "limit_value": limit.value,
-    }
+    interval = [min(lows), None if None in highs else max(highs)]
+    return {"step": estimate, "interval": interval, "observed": False} | _limit_fields(series)
 
 
 def forecast_run(

@@ -27,6 +27,11 @@ def crossing_sentence(forecast: dict[str, Any]) -> str:
         return f"No signal is forecast to cross its limit by step {planned}{caveat}."
     low, high = first["interval"]
     where = f"{first['signal']}" + (f" of {first['module']}" if first["module"] else "")
+    if first.get("observed"):
+        return (
+            f"{where} already crossed its limit ({first['limit']}, "
+            f"{_number(first['limit_value'])}) at step {_step(first['step'])} of this run."
+        )
     form = first["decided_by"]
     return (
         f"{where} is forecast to cross its limit ({first['limit']}, "
@@ -49,10 +54,13 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
         "signal's own and in log space; over each time axis). A crossing is claimed only where "
         "the signal's trend "
         f"heads to its limit at a family-wise {forecast['familywise_alpha']:.0%} level "
-        "(Bonferroni over the limited signals); its interval, the same hull of each form's "
-        f"crossing set, covers the crossing at {1 - forecast['familywise_alpha']:.0%} or more "
-        "if one of the forms holds; 'beyond the plan' as its end means a form that slows "
-        "enough not to cross by the planned end is still plausible.",
+        "(Bonferroni over the limited signals). The crossing is the first logged value past "
+        "the limit (for the loss scale, its read at a log step): from the trend and the "
+        "values' spread about it, the step where that is as likely as not; its interval, "
+        "the same hull of each form's, covers it at "
+        f"{1 - forecast['familywise_alpha']:.0%} or more if one of the forms holds; 'beyond "
+        "the plan' as its end means a form that slows enough not to cross by the planned end "
+        "is still plausible.",
         "",
         "| signal | module | points | fit from step | slope | residual sd | forecast at end "
         "| interval | limit | crossing |",
