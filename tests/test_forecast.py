@@ -509,6 +509,25 @@ def test_a_loss_scale_falling_by_a_power_of_the_rate_is_carried_on_not_turned_ba
     assert covered >= at_least(1 - ALPHA, repetitions)
 
 
+def test_a_fall_by_a_power_of_the_rate_seen_over_a_quarter_is_not_carried_on_by_factors() -> None:
+    """The fp16 drift's level (2^17.7 at step 250, falling 0.45 of a level per doubling of the
+    step), its interval means as noisy as the drift's early ones (0.4 of a level), seen for 500
+    steps: its reads reach 2^14 near step 16,000, so a forecast to 2,000 must alarm in at most
+    5% of runs. Over 20 points the log line (a fall by factors) fits about as well and carries
+    the early fast fall on: with it deciding wherever the AIC picked it, 31 of 150 alarmed; with
+    the power law deciding wherever it is plausible, 7."""
+    steps = np.arange(25, 501, 25, dtype=float)
+    level = 17.7 - 0.45 * np.log2(steps / 250)
+    repetitions, alarms = 150, 0
+    for seed in range(repetitions):
+        rng = np.random.default_rng(seed)
+        means = level + rng.normal(0, 0.4, len(steps))
+        reads = np.round(level + rng.normal(0, 0.75, len(steps)))
+        rows = scale_rows(steps, means, reads)
+        alarms += forecast_run(rows, 2000, min_scale=2.0**14)["first_crossing"] is not None
+    assert alarms <= at_most(ALPHA, repetitions)
+
+
 def test_a_limit_already_past_in_the_run_is_its_observed_crossing_not_a_forecast() -> None:
     """An activation that logged a value past e4m3's 448 at step 30 and fell back: the crossing
     is that step, observed, whatever the trend (flat here) would say."""

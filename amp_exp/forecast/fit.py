@@ -311,9 +311,10 @@ def likeliest_line(
 ) -> tuple[str, tuple[int, ...], bool]:
     """The shape, axes and space (log: growth by factors; ``spaces``, those allowed) of the line
     that is the likeliest model of all the points (the AIC's pick: the mixed line pays for its third
-    parameter; a tie goes to log space, to the first axis and to a line over a power law); where
-    ``powers``, the power law of the first axis in log space (a line in log u: growth by a power of
-    the cumulative rate, not by a factor per unit of it) is a candidate too. Over all the points,
+    parameter; a tie goes to log space and to the first axis); where ``powers``, the power law of
+    the first axis in log space (a line in log u: growth by a power of the cumulative rate, not by
+    a factor per unit of it) decides wherever it is plausible beside the likeliest line (its
+    relative likelihood at least ``PLAUSIBLE``). Over all the points,
     each line alike: a changepoint found for one only would compare them on different spans. The
     first axis is the method's (forecast.py: the cumulative rate); a line with the step in it (over
     the step, or the mixed line) is an alternative that decides only where it holds over all the
@@ -337,9 +338,16 @@ def likeliest_line(
         for log in spaces
         if along == (0,) or holds(shape, along, log)
     ]
-    if powers and axes[0][0] > 0:
-        candidates.append(("power", (0,), True))
-    return min(candidates, key=lambda c: fit_form(c[0], c[2], axes, values, c[1]).aic)
+    likeliest = min(candidates, key=lambda c: fit_form(c[0], c[2], axes, values, c[1]).aic)
+    if not powers or axes[0][0] <= 0:
+        return likeliest
+    # The power law is what the bounded steps allow; growth by factors (the log line) needs a
+    # feedback beside them, so it decides only where the points all but rule the power law out,
+    # as the hull drops a form (PLAUSIBLE). Over a quarter the two are often alike, and the log
+    # line carries the early fast change on: the fp16 drift's early alarms (docs/forecast.md).
+    power = fit_form("power", True, axes, values, (0,)).aic
+    best = fit_form(likeliest[0], likeliest[2], axes, values, likeliest[1]).aic
+    return ("power", (0,), True) if math.exp((best - power) / 2) >= PLAUSIBLE else likeliest
 
 
 @dataclass(frozen=True)
