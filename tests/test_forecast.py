@@ -21,7 +21,7 @@ import scipy.stats
 
 from amp_exp.forecast.__main__ import FORECAST_JSON, FORECAST_MD, main
 from amp_exp.forecast.fit import CHANGEPOINT_ALPHA, MIN_POINTS, fit_trend
-from amp_exp.forecast.forecast import ALPHA, forecast_run
+from amp_exp.forecast.forecast import ALPHA, forecast_run, holm
 from amp_exp.training.optim import CosineWithWarmup
 
 FORMAT_MAX = 448.0
@@ -526,6 +526,16 @@ def test_a_fall_by_a_power_of_the_rate_seen_over_a_quarter_is_not_carried_on_by_
         rows = scale_rows(steps, means, reads)
         alarms += forecast_run(rows, 2000, min_scale=2.0**14)["first_crossing"] is not None
     assert alarms <= at_most(ALPHA, repetitions)
+
+
+def test_holm_rejects_step_down_where_bonferroni_would_stop() -> None:
+    """Holm's step-down at 5% over six tests: five p-values of 0.001 pass alpha / 6 to alpha / 2,
+    and 0.02 then passes alpha / 1 (Bonferroni's alpha / 6 would leave it: the fp16 drift's
+    scale beside five growing activations, which missed so); a p-value that fails its step
+    stops every larger one, whatever its order in the list."""
+    assert holm([0.001] * 5 + [0.02], 0.05) == [True] * 6
+    assert holm([0.03, 0.001, 0.02, 0.04], 0.05) == [False, True, False, False]
+    assert holm([0.5, 0.004, 0.01], 0.05) == [False, True, True]
 
 
 def test_a_limit_already_past_in_the_run_is_its_observed_crossing_not_a_forecast() -> None:

@@ -40,8 +40,9 @@ training/signals.py), and an fp16 loss
 scale against ``precision.min_scale``, below which the run stops (fitted to the scale's
 geometric mean over each log interval where the run logged it, ``scale_mean``). A crossing is
 claimed where the deciding line's rise from the last point to the planned end (a line's slope:
-the same t-test) differs from zero at a two-sided ``alpha / m`` toward the limit (Bonferroni
-over the run's m limited signals), so a run whose signals are all flat raises a false alarm with
+the same t-test) differs from zero toward the limit by Holm's step-down test over the run's m
+limited signals at family-wise ``alpha`` (two-sided; the intervals are at Bonferroni's
+``1 - alpha / m``), so a run whose signals are all flat raises a false alarm with
 probability at most ``alpha / 2``. The other signals are fitted and shown.
 
 **The crossing is the first logged value past the limit** (``limit_crossing``): where the run
@@ -310,11 +311,48 @@ def _describe(form: Fit, axes: tuple[Axis, ...]) -> dict[str, str]:
     }
 
 
+def rise_p(
+    series: Series, fitted: tuple[Trend, np.ndarray], axes: tuple[Axis, ...], planned_steps: int
+) -> float:
+    """The two-sided p-value that the deciding line does not move from the last point to the
+    planned end, where it moves toward the signal's limit (1 where it has no limit or no line):
+    for a one-axis line, whose axis only grows, its slope's t-test; for the mixed line, the test
+    of its rise along the planned run."""
+    (trend, steps), limit = fitted, series.limit
+    if limit is None or trend.line is None:
+        return 1.0
+    now = [a.observed(steps[-1:]) for a in axes]
+    end = [a.planned(np.array([float(planned_steps)])) for a in axes]
+    return min(1.0, 2 * trend.line.rise_p(now, end, limit.direction))
+
+
+def holm(p_values: list[float], alpha: float) -> list[bool]:
+    """Which of the hypotheses Holm's step-down procedure rejects at family-wise ``alpha``: the
+    smallest p-value against alpha / m, the next against alpha / (m - 1), and so on, stopping at
+    the first that is not below. The same family-wise error as Bonferroni's alpha / m, under any
+    dependence, and never fewer rejections (Holm 1979)."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    rejected = [False] * len(p_values)
+    for rank, index in enumerate(order):
+        if p_values[index] >= alpha / (len(p_values) - rank):
+            break
+        rejected[index] = True
+    return rejected
+
+
 def forecast_series(
-    series: Series, planned_steps: int, level: float, alpha: float, axes: tuple[Axis, ...]
+    series: Series,
+    fitted: tuple[Trend, np.ndarray],
+    planned_steps: int,
+    level: float,
+    alpha: float,
+    axes: tuple[Axis, ...],
+    claimable: bool,
 ) -> dict[str, Any]:
-    """One signal's fit, forecast at the planned end, and crossing (if forecast) as data."""
-    trend, steps = _trend(series, axes)
+    """One signal's fit (``fitted``: its trend and the steps of its usable points), forecast at
+    the planned end, and crossing as data: observed, or forecast where ``claimable`` (its line
+    moves toward the limit, by the run's multiple test), its interval at 1 - ``alpha``."""
+    trend, steps = fitted
     out: dict[str, Any] = {
         "signal": series.signal,
         "module": series.module,
@@ -358,22 +396,22 @@ def forecast_series(
         "crossing": None,
     }
     if series.limit is not None:
-        out["crossing"] = limit_crossing(series, trend, steps, axes, planned_steps, alpha)
+        out["crossing"] = limit_crossing(series, fitted, axes, planned_steps, alpha, claimable)
     return out
 
 
 def limit_crossing(
     series: Series,
-    trend: Trend,
-    steps: np.ndarray,
+    fitted: tuple[Trend, np.ndarray],
     axes: tuple[Axis, ...],
     planned_steps: int,
     alpha: float,
+    claimable: bool,
 ) -> dict[str, Any] | None:
     """The signal's crossing of its limit: observed, where a value the limit is checked on is
-    already past it (the first such step), else forecast (``crossing``) over the planned steps
-    after the fitted points' start (``steps``: those of the usable points)."""
-    limit = series.limit
+    already past it (the first such step), else, where ``claimable``, forecast (``crossing``)
+    over the planned steps after the fitted points' start."""
+    (trend, steps), limit = fitted, series.limit
     assert limit is not None
     checked = series.values if series.reads is None else series.reads
     past = np.flatnonzero(limit.direction * (checked - limit.value) > 0)
@@ -381,6 +419,8 @@ def limit_crossing(
         step = float(series.steps[past[0]])
         found: dict[str, Any] | None = {"step": step, "interval": [step, step], "observed": True}
         return found | _limit_fields(series) | {"decided_by": None}
+    if not claimable:
+        return None
     grid = np.linspace(steps[trend.start], planned_steps, GRID)
     finite = np.isfinite(series.values)
     at_fitted = checked[finite][trend.start :]
@@ -390,10 +430,7 @@ def limit_crossing(
     # run's last (at this run's log interval); none before: this run has read them.
     log_every = float(np.median(np.diff(series.steps))) if len(series.steps) > 1 else 1.0
     reads = np.where(grid > steps[-1], (grid[1] - grid[0]) / log_every, 0.0)
-    now = [a.observed(steps[-1:]) for a in axes]
-    found = crossing(
-        series, trend, grid, [a.planned(grid) for a in axes], now, alpha, fitted, reads
-    )
+    found = crossing(series, trend, grid, [a.planned(grid) for a in axes], alpha, fitted, reads)
     if found is not None:
         found["decided_by"] = _describe(trend.decider(limit.direction), axes)
     return found
@@ -463,25 +500,20 @@ def crossing(
     trend: Trend,
     steps: np.ndarray,
     us: list[np.ndarray],
-    now: list[np.ndarray],
     alpha: float,
     checked: Checked,
     reads: np.ndarray,
 ) -> dict[str, Any] | None:
     """When the deciding trend crosses the limit within the planned run (``steps``, at ``us`` on
-    each axis), if the line's rise from the last point (``now``) to the planned end differs from
-    zero toward it at a two-sided ``alpha`` (for a one-axis line its slope's test, as Fieller's
-    interval of the line is bounded). The deciding trend is the line, or its
+    each axis), for a signal whose line moves toward it (``rise_p``, the caller's test). The
+    deciding trend is the line, or its
     quadratic where that bends significantly away from the limit (``Trend.decider``: growth
     that has slowed is not carried forward at its average rate). The interval, at
     1 - ``alpha``, is the hull of every plausible form's crossing set (the decider's
     included): from the first step the band of any of them reaches the limit to the first step
     all of them are surely past it (None where one is not by the planned end)."""
-    limit, line = series.limit, trend.line
-    assert limit is not None and line is not None
-    end = [u[-1:] for u in us]
-    if line.rise_p(now, end, limit.direction) >= alpha / 2:
-        return None
+    limit = series.limit
+    assert limit is not None and trend.line is not None
     decider = trend.decider(limit.direction)
     # An implausible form's band is no part of the hull, unless it decides.
     forms = trend.forms if any(f is decider for f in trend.forms) else (*trend.forms, decider)
@@ -521,9 +553,17 @@ def forecast_run(
     observed = max(row["step"] for row in rows if row["kind"] == "train")
     axes = axes_of(rows, planned_steps)
     all_series = series_of(rows, min_scale)
-    limited = [s for s in all_series if s.limit is not None]
+    fits = [_trend(s, axes) for s in all_series]
+    limited = [i for i, s in enumerate(all_series) if s.limit is not None]
+    # Which limited signals move toward their limits: Holm's step-down over them, family-wise
+    # alpha; the intervals stay at Bonferroni's simultaneous 1 - alpha / m.
+    moving = holm([rise_p(all_series[i], fits[i], axes, planned_steps) for i in limited], alpha)
+    claimable = {i for i, rejected in zip(limited, moving, strict=True) if rejected}
     each_alpha = alpha / max(len(limited), 1)
-    signals = [forecast_series(s, planned_steps, level, each_alpha, axes) for s in all_series]
+    signals = [
+        forecast_series(s, fit, planned_steps, level, each_alpha, axes, i in claimable)
+        for i, (s, fit) in enumerate(zip(all_series, fits, strict=True))
+    ]
     crossings = [s["crossing"] for s in signals if s.get("crossing")]
     first = min(crossings, key=lambda c: c["step"], default=None)
     return {

@@ -54,7 +54,7 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
         "signal's own and in log space; over each time axis). A crossing is claimed only where "
         "the signal's trend "
         f"heads to its limit at a family-wise {forecast['familywise_alpha']:.0%} level "
-        "(Bonferroni over the limited signals). The crossing is the first logged value past "
+        "(Holm's step-down over the limited signals). The crossing is the first logged value past "
         "the limit (for the loss scale, its read at a log step): from the trend and the "
         "values' spread about it, the step where that is as likely as not; its interval, "
         "the same hull of each form's, covers it at "
