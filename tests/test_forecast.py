@@ -22,6 +22,7 @@ import scipy.stats
 from amp_exp.forecast.__main__ import FORECAST_JSON, FORECAST_MD, main
 from amp_exp.forecast.fit import CHANGEPOINT_ALPHA, MIN_POINTS, fit_trend
 from amp_exp.forecast.forecast import ALPHA, forecast_run, holm
+from amp_exp.forecast.markdown import crossing_sentence, forecast_markdown
 from amp_exp.training.optim import CosineWithWarmup
 
 FORMAT_MAX = 448.0
@@ -544,8 +545,11 @@ def test_a_limit_already_past_in_the_run_is_its_observed_crossing_not_a_forecast
     steps = np.arange(LOG_EVERY, 200, LOG_EVERY, dtype=float)
     values = np.full(len(steps), 100.0)
     values[2] = 500.0
-    first = forecast_run(rows_of({"act_absmax/blocks.0": values}, steps), 2000)["first_crossing"]
+    forecast = forecast_run(rows_of({"act_absmax/blocks.0": values}, steps), 2000)
+    first = forecast["first_crossing"]
     assert first["observed"] and first["step"] == 30 and first["interval"] == [30, 30]
+    assert "already crossed" in crossing_sentence(forecast)
+    assert "step 30 (observed)" in forecast_markdown("run", forecast)
 
 
 def test_a_block_scaled_run_s_block_spread_is_forecast_against_its_scale_range() -> None:

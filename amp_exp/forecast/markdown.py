@@ -78,6 +78,8 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
         end = signal["forecast"]
         crossing = signal["crossing"]
         crossing_text = "-" if crossing is None else f"step {_step(crossing['step'])}"
+        if crossing is not None and crossing.get("observed"):
+            crossing_text += " (observed)"
         lines.append(
             f"| {signal['signal']} | {signal['module'] or '-'} | {signal['points']} "
             f"| {signal['fit_from_step']:.0f} "
