@@ -38,6 +38,11 @@ Cases:
   scale falls by halvings; logged every 25 steps. The run trains with the default min_scale (1: it
   never stops); the forecast and the check read the loss-scale floor given in the case's name
   (``forecast_run``'s min_scale, as ``precision.min_scale`` would set it).
+  With ``--drift-horizons OBSERVED:PLANNED ...`` each drift seed is instead trained once to the
+  longest plan and forecast from each horizon's first OBSERVED steps to PLANNED, against both
+  floors, each forecast judged (hit, miss, early, right: ``judged``); docs/forecast.md's drift
+  tables are ``--threads 1 --cases none --drift-seeds 0 1 2 3 4 5 --drift-horizons 500:2000
+  2000:8000 2000:20000 5000:20000`` (and seeds 6 to 11, held out).
 - ``*_cosine_seed*``: more seeds of the cosine cases (the step as a second time axis).
 - every run that crosses nothing is a healthy run: forecast from all of it to 4x and 10x its
   length, where any crossing is a false alarm.
@@ -202,6 +207,43 @@ def case(
     return result
 
 
+def judged(forecast: dict | None, crossed: int | None, plan: int) -> str:
+    """A forecast's verdict against the step the run first logged a value past the limit:
+    "hit" (the crossing within the plan inside the forecast's interval), "miss", "early" (a
+    crossing claimed in a plan the run did not cross in), or "right" (silent, and none)."""
+    if crossed is not None and crossed <= plan:
+        if forecast is None:
+            return "miss"
+        low, high = forecast["interval"]
+        return "hit" if low <= crossed <= (math.inf if high is None else high) else "miss"
+    return "right" if forecast is None else "early"
+
+
+def drift_horizons(seed: int, horizons: list[tuple[int, int]]) -> list[dict]:
+    """The fp16 drift trained once to the longest plan, and forecast from each horizon's observed
+    steps to its planned ones against each floor of DRIFT_FLOORS."""
+    started = time.perf_counter()
+    longest = max(plan for _, plan in horizons)
+    rows = train(longest, ["trainer.log_every=25", f"seed={seed}"], None, FP16_DRIFT)
+    results = []
+    for floor in DRIFT_FLOORS:
+        crossed = first_crossed(rows, floor)
+        step = None if crossed is None else crossed["step"]
+        for observed, plan in horizons:
+            result = {"case": f"fp16_drift_seed{seed}", "floor": floor, "observed": observed}
+            result |= {"planned": plan, "crossed": step, "train_s": time.perf_counter() - started}
+            if step is not None and step <= observed:
+                # The short run itself would have stopped there: no forecast to judge.
+                result["verdict"] = "crossed before"
+            else:
+                seen = [row for row in rows if row["step"] <= observed]
+                first = forecast_run(seen, plan, min_scale=floor)["first_crossing"]
+                result |= {"forecast": first, "verdict": judged(first, step, plan)}
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    return results
+
+
 LR_HIGH, LR_LOW, COSINE = "optimizer.lr=3e-2", "optimizer.lr=1e-3", "scheduler=cosine"
 # The drift's loss-scale floors: one its full run falls below, one it stays above.
 DRIFT_FLOORS = (65536, 16384)
@@ -215,6 +257,14 @@ def main() -> None:
     parser.add_argument("--drift-steps", type=int, default=2000, help="the fp16 drift's full run")
     parser.add_argument(
         "--drift-seeds", type=int, nargs="*", default=[0, 1], help="the fp16 drift's seeds"
+    )
+    parser.add_argument(
+        "--drift-horizons",
+        nargs="*",
+        default=None,
+        metavar="OBSERVED:PLANNED",
+        help="instead of the drift cases: each drift seed trained once to the longest plan and "
+        "forecast from each horizon's observed steps to its planned ones (500:2000 5000:20000)",
     )
     parser.add_argument("--rows", default=None, help="also write each case's rows here (JSON)")
     parser.add_argument("--cases", nargs="*", help="run only these cases (default: all)")
@@ -257,7 +307,11 @@ def main() -> None:
         case(name, steps, [*overrides, *logging], rate, args.train_on)
         for name, overrides, rate in cases
     ]
-    for seed in args.drift_seeds:
+    if args.drift_horizons:
+        horizons = [tuple(int(v) for v in h.split(":")) for h in args.drift_horizons]
+        for seed in args.drift_seeds:
+            results.extend(drift_horizons(seed, horizons))
+    for seed in [] if args.drift_horizons else args.drift_seeds:
         for floor in DRIFT_FLOORS:
             name = f"fp16_drift_floor{floor}" + (f"_seed{seed}" if seed else "")
             if not args.cases or name in args.cases:
@@ -266,7 +320,7 @@ def main() -> None:
     if args.rows:
         # The runs' rows, so that a change to the forecast can be checked without training again.
         with open(args.rows, "w", encoding="utf-8") as out:
-            json.dump({result["case"]: result.pop("rows") for result in results}, out)
+            json.dump({r["case"]: r.pop("rows") for r in results if "rows" in r}, out)
     for result in results:
         result.pop("rows", None)
     if args.out:
