@@ -630,8 +630,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup, argv, says) -
 
 def test_the_report_gives_each_precision_its_forecast_and_names_the_crossing_run(tmp_path) -> None:
     """Two precisions of one model: the one whose activations grow toward e4m3's range is said
-    to cross on its run, the flat one to hold; an unfinished run is left out."""
-    from amp_exp.report.forecasts import forecast_section, long_run_forecasts
+    to cross on its run, the flat one to hold; an unfinished run is left out. Each precision
+    gets a plot per signal with its band, of its run that crosses first, linked in report.md."""
+    from amp_exp.report.forecasts import forecast_section, long_run_forecasts, plot_forecasts
     from amp_exp.report.runs import Run
 
     rng = np.random.default_rng(4)
@@ -659,3 +660,12 @@ def test_the_report_gives_each_precision_its_forecast_and_names_the_crossing_run
         in text
     )
     assert "**gpt_tiny, bf16** to 2,500 steps: no limit is forecast" in text
+    pytest.importorskip("matplotlib")
+    plot_forecasts(forecasts, {run.path.name: run.metrics for run in runs}, tmp_path)
+    for group in forecasts:
+        assert group["plots"]["run"] == group["label"].split()[0]
+        files = group["plots"]["files"]
+        assert any("act_absmax" in name for name in files)
+        assert all((tmp_path / name).read_bytes().startswith(b"\x89PNG") for name in files)
+    text = "\n".join(forecast_section(forecasts))
+    assert all(f"]({name})" in text for g in forecasts for name in g["plots"]["files"])

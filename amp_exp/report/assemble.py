@@ -33,7 +33,7 @@ from amp_exp.report.compare import (
 )
 from amp_exp.report.decision import DEFAULT_FAMILYWISE
 from amp_exp.report.evidence import fixed_level, gather, of_setting, trial_speedup
-from amp_exp.report.forecasts import long_run_forecasts
+from amp_exp.report.forecasts import long_run_forecasts, plot_forecasts
 from amp_exp.report.markdown import write_report
 from amp_exp.report.recommend import recommendations
 from amp_exp.report.runs import find_runs
@@ -214,6 +214,7 @@ def build_report(
     # The table is on disk before any plot is tried.
     write_report(out_dir, report)
     report["plots"], report["plot_errors"] = draw_plots(report["runs"], metrics, out_dir)
+    plot_forecasts(report["forecasts"], metrics, out_dir)
     write_report(out_dir, report)
     return report
 

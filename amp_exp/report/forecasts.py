@@ -11,6 +11,7 @@ a limit before then, on which seed, and when.
 from __future__ import annotations
 
 import os
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.forecast.forecast import forecast_run
 from amp_exp.forecast.markdown import crossing_sentence
+from amp_exp.forecast.plots import plot_forecast
 from amp_exp.report.compare import precision_knobs, variant_label
 from amp_exp.report.runs import Run
 from amp_exp.report.words import md_text
@@ -61,6 +63,7 @@ def long_run_forecasts(runs: list[Run], out_dir: Path, steps: int | None) -> lis
             {
                 "run": os.path.relpath(run.path, out_dir),
                 **{key: forecast[key] for key in KEPT},
+                "min_scale": _min_scale(run),
                 "sentence": crossing_sentence(forecast),
             }
         )
@@ -68,6 +71,24 @@ def long_run_forecasts(runs: list[Run], out_dir: Path, steps: int | None) -> lis
         {"model": model, "setting": setting, "label": label, "runs": found}
         for (model, setting, label), found in sorted(groups.items())
     ]
+
+
+def plot_forecasts(
+    forecasts: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any]]], out_dir: Path
+) -> None:
+    """Each precision's plots, a PNG per signal with its forecast band, of one of its runs: the
+    one forecast to cross a limit first, else the first; named in the group (``plots``). After
+    the report's table is on disk: a plot that fails costs nothing else (forecast/plots.py)."""
+    for index, group in enumerate(forecasts):
+        shown = min(group["runs"], key=lambda r: _crossing_step(r["first_crossing"]))
+        forecast = forecast_run(metrics[shown["run"]], shown["planned_steps"], shown["min_scale"])
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{group['model']}_{group['label']}")
+        drawn = plot_forecast(forecast, out_dir, f"forecast_{index}_{name}")
+        group["plots"] = {"run": shown["run"], "files": [path.name for path in drawn]}
+
+
+def _crossing_step(crossing: dict[str, Any] | None) -> float:
+    return float("inf") if crossing is None else crossing["step"]
 
 
 def forecast_section(forecasts: list[dict[str, Any]]) -> list[str]:
@@ -89,6 +110,10 @@ def forecast_section(forecasts: list[dict[str, Any]]) -> list[str]:
         who = f"{md_text(subject)}, {md_text(group['label'])}"
         lines.append(f"- **{who}** to {lengths} steps: {verdict}.")
         lines += [f"  - {md_text(r['run'])}: {md_text(r['sentence'])}" for r in runs]
+        plots = group.get("plots") or {"files": []}
+        if plots["files"]:
+            lines.append(f"  - each signal of {md_text(plots['run'])} with its forecast band:")
+            lines += [f"    ![{Path(name).stem}]({name})" for name in plots["files"]]
     lines += [
         "",
         "Each run's signals (per-block activation range and kurtosis, attention and output "
