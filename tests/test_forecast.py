@@ -12,6 +12,7 @@ simulation runs in a second or two.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -595,6 +596,9 @@ def test_the_command_writes_its_files_beside_the_run_and_a_rerun_replaces_them(t
     first = json.loads((run_dir / FORECAST_JSON).read_text())["first_crossing"]
     assert set(first) >= {"step", "interval", "signal", "module", "limit"}
     assert (run_dir / FORECAST_MD).read_text().startswith("# Forecast of run to 5,000 steps")
+    if importlib.util.find_spec("matplotlib"):
+        # A plot per signal, with its band and the crossing drawn.
+        assert (run_dir / "forecast_act_absmax.png").read_bytes().startswith(b"\x89PNG")
     assert main([str(run_dir), "--steps", "600"]) == 0
     forecast = json.loads((run_dir / FORECAST_JSON).read_text())
     assert forecast["planned_steps"] == 600 and forecast["first_crossing"] is None
