@@ -113,6 +113,31 @@ def test_attention_logit_max_is_the_largest_unmasked_scaled_score() -> None:
     assert attention_logit_max(q, k).item() == pytest.approx(scores.amax().item())
 
 
+def test_the_update_ratio_holds_for_weights_not_contiguous_in_memory() -> None:
+    """A channels_last convolution's weight (trainer.channels_last) is not contiguous: its flat
+    view is a copy, which the optimizer's in-place step leaves behind. The update ratio must be
+    the step's, computed by hand, not 0 from comparing the copy with itself."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3))
+    model = model.to(memory_format=torch.channels_last)
+    assert not model[0].weight.is_contiguous()
+    collector = fp16_collector(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model[0].parameters()]
+    collector.arm()
+    model(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    collector.before_update()
+    optimizer.step()
+    collector.after_update()
+    row = collector.collect()
+    update = torch.cat(
+        [(p.detach() - b).flatten() for p, b in zip(model[0].parameters(), before, strict=True)]
+    )
+    weight = torch.cat([b.flatten() for b in before])
+    expected = (update.norm() / weight.norm()).item()
+    assert row["update_ratio/0"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_an_armed_step_measures_each_block_as_computed_by_hand() -> None:
     """Absmax, kurtosis (scipy's Pearson kurtosis), attention logits, output logits and the
     update ratio of one armed step, against the same figures computed from the tensors."""
