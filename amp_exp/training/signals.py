@@ -237,7 +237,6 @@ class SignalCollector:
         self._before: torch.Tensor | None = None
         self._current: list[torch.Tensor] = []
         self._weight_norms: tuple[torch.Tensor, ...] = ()
-        self._updates: torch.Tensor | None = None
         self._start()
 
     def attach(self, model: nn.Module, activations: bool = True) -> SignalCollector:
@@ -262,17 +261,31 @@ class SignalCollector:
         return self
 
     def _start(self) -> None:
-        """Nothing measured yet: a row per block and one for the logits; no update."""
-        rows = len(self.blocks) + 1
-        self._largest = torch.full((rows, 3), -math.inf, device=self.device, dtype=torch.float64)
-        self._sums = torch.zeros(rows, 5, device=self.device, dtype=torch.float64)
-        self._before, self._updates = None, None
-        # Views made once a step, not once an output: each row's largest magnitude and sums, a
-        # scratch row the sums are written into (one add folds them in, no stack), the logits'.
+        """The step's table, made once per model: in one buffer, so that ``collect`` reduces it
+        in two parts and reads it in one, the largest values (a row of 3 per block and one for
+        the logits; MAX over the ranks), then the sums (a row of 5 each) and the squared update
+        and weight norms (2 rows of one per block; SUM)."""
+        rows, blocks = len(self.blocks) + 1, len(self.blocks)
+        table = torch.empty(8 * rows + 2 * blocks, device=self.device, dtype=torch.float64)
+        self._table, self._maxima, self._totals = table, table[: 3 * rows], table[3 * rows :]
+        self._largest = self._maxima.view(rows, 3)
+        self._sums = table[3 * rows : 8 * rows].view(rows, 5)
+        self._norms = table[8 * rows :]
+        # Views made once, not once an output: each row's largest magnitude, attention logit
+        # and sums, a scratch row the sums are written into (one add folds them in, no
+        # stack), the logits'.
         self._absmax = self._largest[:, ABSMAX].unbind()
+        self._attn = self._largest[:, ATTN].unbind()
         self._sum_rows = [*self._sums[:-1].unbind(), self._sums[-1, : S1 + 1]]
         self._scratch = torch.empty(5, device=self.device, dtype=torch.float64)
         self._scratch_parts = (*self._scratch.unbind(), self._scratch[: S1 + 1])
+        self._reset()
+
+    def _reset(self) -> None:
+        """Nothing measured yet; no update (a block without one reads 0 and 0: None)."""
+        self._maxima.fill_(-math.inf)
+        self._totals.zero_()
+        self._before = None
 
     # --- a logged step ---------------------------------------------------------------------
 
@@ -280,7 +293,7 @@ class SignalCollector:
         """Measure the next step's forward passes (every micro-batch of it)."""
         assert self.model is not None, "attach(model) first"
         self.armed = True
-        self._start()
+        self._reset()
         if not self.activations:
             return
         for (_, block), (entering, leaving) in zip(self.blocks, self._hooks, strict=True):
@@ -290,7 +303,7 @@ class SignalCollector:
 
     @torch.compiler.disable
     def _entering(self, index: int, module: nn.Module, args: Any) -> None:
-        mode = _AttentionLogits(self._largest[index, ATTN])
+        mode = _AttentionLogits(self._attn[index])
         mode.__enter__()
         self._modes[index] = mode
 
@@ -354,9 +367,9 @@ class SignalCollector:
             pieces = self._before.split([weight.numel() for weight in self._current])
             torch._foreach_sub_(list(pieces), self._current)
             norms = torch._foreach_norm(self._before.split(self._sizes), dtype=torch.float64)
-        # (2, blocks): the updates', then the weights'. A block without trainable weights has
-        # 0 and 0: its ratio 0/0 reads as None.
-        self._updates = torch.stack([*norms, *self._weight_norms]).square()
+            # The updates', then the weights'. A block without trainable weights has 0 and 0:
+            # its ratio 0/0 reads as None.
+            torch.stack([*norms, *self._weight_norms], out=self._norms).square_()
         self._before, self._current = None, []
 
     def collect(self) -> dict[str, Any]:
@@ -369,13 +382,10 @@ class SignalCollector:
         leaves their ratio as it is."""
         self.disarm()
         blocks = len(self.blocks)
-        largest = self._largest
-        updates = self._sums.new_zeros(2, blocks) if self._updates is None else self._updates
-        sums = torch.cat([self._sums.flatten(), updates.flatten()])
         if distributed():
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        values = torch.cat([largest.flatten(), sums]).tolist()  # the step's one host read
+            dist.all_reduce(self._maxima, op=dist.ReduceOp.MAX)
+            dist.all_reduce(self._totals, op=dist.ReduceOp.SUM)
+        values = self._table.tolist()  # the step's one host read
         rows = blocks + 1
         largest, sums = _rows(values[: 3 * rows], 3), _rows(values[3 * rows : 8 * rows], 5)
         update_sq, weight_sq = values[8 * rows : 8 * rows + blocks], values[8 * rows + blocks :]
