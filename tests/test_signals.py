@@ -138,6 +138,56 @@ def test_the_update_ratio_holds_for_weights_not_contiguous_in_memory() -> None:
     assert row["update_ratio/0"] == pytest.approx(expected, rel=1e-5)
 
 
+def test_the_kept_causal_mask_fits_each_shape_it_is_asked_for() -> None:
+    """The causal mask is kept between calls: a mask of another call's shape (a longer sequence
+    first, then a shorter one, then keys longer than queries) would hide the wrong scores or
+    fail to apply. Each against the scores built by hand."""
+    torch.manual_seed(2)
+    for rows, cols in ((9, 9), (5, 5), (4, 7), (9, 9)):
+        q, k = torch.randn(2, 3, rows, 4), torch.randn(2, 3, cols, 4)
+        k[..., -1, :] *= 50  # the last key scores highest; only a query that sees it may use it
+        scores = q @ k.transpose(-2, -1) / 2.0
+        hidden = torch.ones(rows, cols, dtype=torch.bool).triu(1)
+        expected = scores.masked_fill(hidden, -math.inf).amax()
+        assert attention_logit_max(q, k, is_causal=True).item() == pytest.approx(expected.item())
+
+
+def test_the_scale_applies_to_the_largest_score_only_where_that_is_exact() -> None:
+    """A positive scale multiplies the largest score, not every score: the same float32 value
+    to the bit. A negative scale reverses the order, and a float mask adds to scaled scores,
+    so there every score is scaled (the largest unscaled score times -1 would be the least)."""
+    torch.manual_seed(3)
+    q, k = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    scores = q @ k.transpose(-2, -1)
+    assert attention_logit_max(q, k, scale=0.3).item() == (scores * 0.3).amax().item()
+    assert attention_logit_max(q, k, scale=-0.3).item() == pytest.approx(
+        (scores * -0.3).amax().item()
+    )
+    bias = torch.randn(6, 6)
+    assert attention_logit_max(q, k, attn_mask=bias, scale=0.3).item() == pytest.approx(
+        (scores * 0.3 + bias).amax().item()
+    )
+
+
+def test_log_steps_of_different_shapes_read_as_fresh_collectors_do() -> None:
+    """The collector writes each output's sums into one scratch row and keeps its views for the
+    step: a second log step with another batch shape (and two micro-batches) must read exactly
+    as a fresh collector does, with nothing of the first step left in it."""
+    torch.manual_seed(4)
+    model = Tiny()
+    reused = fp16_collector(model)
+    steps = [[torch.randn(4, 6, 8)], [torch.randn(3, 5, 8), 5 * torch.randn(2, 5, 8)]]
+    for inputs in steps:
+        fresh = fp16_collector(model)
+        rows = []
+        for collector in (reused, fresh):
+            collector.arm()
+            for x in inputs:
+                model(x)
+            rows.append(collector.collect())
+        assert rows[0] == rows[1]
+
+
 def test_an_armed_step_measures_each_block_as_computed_by_hand() -> None:
     """Absmax, kurtosis (scipy's Pearson kurtosis), attention logits, output logits and the
     update ratio of one armed step, against the same figures computed from the tensors."""

@@ -34,8 +34,10 @@ forward and backward, ``before_update()``, the optimizer step, ``after_update()`
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from functools import partial, reduce
+from functools import lru_cache, partial, reduce
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -136,27 +138,45 @@ def attention_logit_max(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
-    rows, cols = query.shape[-2], key.shape[-2]
-    if is_causal:  # SDPA's causal mask: query i sees keys 0..i
-        future = torch.ones(rows, cols, dtype=torch.bool, device=query.device).triu(1)
-    per_sample = query[:1].numel() // query.shape[-1] * cols
+    future = _future(query.shape[-2], key.shape[-2], query.device) if is_causal else None
+    per_sample = math.prod(query.shape[1:-1]) * key.shape[-2]
     chunk = max(1, SCORES_HELD // max(per_sample, 1))
-    largest = torch.full((), -math.inf, device=query.device)
-    for start in range(0, query.shape[0], chunk):
-        part = slice(start, start + chunk)
-        scores = query[part].float() @ key[part].float().transpose(-2, -1)
-        scores.mul_(scale)  # in place, as below: the scores are this chunk's own
-        if is_causal:
+    parts: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    if query.shape[0] <= chunk:  # the common case: one chunk, without views made
+        parts = [(query, key, attn_mask)]
+    else:
+        per_sample_mask = attn_mask is not None and attn_mask.dim() == query.dim()
+        per_sample_mask = per_sample_mask and attn_mask.shape[0] > 1
+        masks = attn_mask.split(chunk) if per_sample_mask else repeat(attn_mask)
+        # the masks repeat when one serves every sample
+        parts = zip(query.split(chunk), key.split(chunk), masks, strict=False)
+    # A positive scale commutes with the max (rounding is monotonic), so it multiplies the one
+    # largest score instead of every score; a float mask adds to the scaled scores.
+    scale_each = scale <= 0 or (attn_mask is not None and attn_mask.dtype != torch.bool)
+    largest = None
+    for queries, keys, mask in parts:
+        scores = queries.float() @ keys.float().transpose(-2, -1)
+        if scale_each:
+            scores.mul_(scale)  # in place, as below: the scores are this chunk's own
+        if future is not None:
             scores.masked_fill_(future, -math.inf)
-        if attn_mask is not None:
-            per_sample_mask = attn_mask.dim() == query.dim() and attn_mask.shape[0] > 1
-            mask = attn_mask[part] if per_sample_mask else attn_mask
+        if mask is not None:
             if mask.dtype == torch.bool:
                 scores.masked_fill_(~mask, -math.inf)
             else:
                 scores = scores + mask.float()
-        largest = torch.maximum(largest, scores.amax())
-    return largest
+        top = scores.amax()
+        largest = top if largest is None else torch.maximum(largest, top)
+    if largest is None:
+        return torch.full((), -math.inf, device=query.device)
+    return largest if scale_each else largest * scale
+
+
+@lru_cache(maxsize=4)
+def _future(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """SDPA's causal mask as the positions it hides: query i sees keys 0..i. Kept for the next
+    block and log step (a model has one or two sequence lengths; seq_len² bytes each)."""
+    return torch.ones(rows, cols, dtype=torch.bool, device=device).triu(1)
 
 
 def _fold_max(largest: torch.Tensor, value: torch.Tensor) -> None:
@@ -175,6 +195,9 @@ def _least_block_max(tensor: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(maxima > 0, maxima, math.inf).amin()
 
 
+_SDPA = F.scaled_dot_product_attention
+
+
 class _AttentionLogits(TorchFunctionMode):
     """Inside one block's forward on a logged step: each SDPA call also records its max logit."""
 
@@ -183,11 +206,12 @@ class _AttentionLogits(TorchFunctionMode):
         self.largest = largest
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            with torch.no_grad():
-                _fold_max(self.largest[ATTN], attention_logit_max(*args, **kwargs))
-        return func(*args, **kwargs)
+        # Every op of the block passes here: the common case returns at once.
+        if func is not _SDPA:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        with torch.no_grad():
+            _fold_max(self.largest, attention_logit_max(*args, **(kwargs or {})))
+        return func(*args, **(kwargs or {}))
 
 
 class SignalCollector:
@@ -195,7 +219,10 @@ class SignalCollector:
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
+        self._limit_fields = asdict(limits)  # every row's first fields, made once
         self.blocks: list[tuple[str, nn.Module]] = []
+        # Each block's pre-hook and hook, made once: arm() only registers them.
+        self._hooks: list[tuple[partial, partial]] = []
         # The blocks' trainable weights, block after block; how many elements each block has
         # (of this rank's shards); the dtype their copy is kept in.
         self._weights: list[nn.Parameter] = []
@@ -208,8 +235,8 @@ class SignalCollector:
         self._handles: list[RemovableHandle] = []
         self._modes: dict[int, _AttentionLogits] = {}
         self._before: torch.Tensor | None = None
+        self._current: list[torch.Tensor] = []
         self._weight_norms: tuple[torch.Tensor, ...] = ()
-        self._updates: torch.Tensor | None = None
         self._start()
 
     def attach(self, model: nn.Module, activations: bool = True) -> SignalCollector:
@@ -220,6 +247,8 @@ class SignalCollector:
         self.model = model
         self.activations = activations
         self.blocks = signal_blocks(model)
+        indices = range(len(self.blocks))
+        self._hooks = [(partial(self._entering, i), partial(self._leaving, i)) for i in indices]
         trainable = [[p for p in block.parameters() if p.requires_grad] for _, block in self.blocks]
         self._weights = [p for weights in trainable for p in weights]
         self._sizes = [sum(local(p).numel() for p in weights) for weights in trainable]
@@ -232,11 +261,31 @@ class SignalCollector:
         return self
 
     def _start(self) -> None:
-        """Nothing measured yet: a row per block and one for the logits; no update."""
-        rows = len(self.blocks) + 1
-        self._largest = torch.full((rows, 3), -math.inf, device=self.device, dtype=torch.float64)
-        self._sums = torch.zeros(rows, 5, device=self.device, dtype=torch.float64)
-        self._before, self._updates = None, None
+        """The step's table, made once per model: in one buffer, so that ``collect`` reduces it
+        in two parts and reads it in one, the largest values (a row of 3 per block and one for
+        the logits; MAX over the ranks), then the sums (a row of 5 each) and the squared update
+        and weight norms (2 rows of one per block; SUM)."""
+        rows, blocks = len(self.blocks) + 1, len(self.blocks)
+        table = torch.empty(8 * rows + 2 * blocks, device=self.device, dtype=torch.float64)
+        self._table, self._maxima, self._totals = table, table[: 3 * rows], table[3 * rows :]
+        self._largest = self._maxima.view(rows, 3)
+        self._sums = table[3 * rows : 8 * rows].view(rows, 5)
+        self._norms = table[8 * rows :]
+        # Views made once, not once an output: each row's largest magnitude, attention logit
+        # and sums, a scratch row the sums are written into (one add folds them in, no
+        # stack), the logits'.
+        self._absmax = self._largest[:, ABSMAX].unbind()
+        self._attn = self._largest[:, ATTN].unbind()
+        self._sum_rows = [*self._sums[:-1].unbind(), self._sums[-1, : S1 + 1]]
+        self._scratch = torch.empty(5, device=self.device, dtype=torch.float64)
+        self._scratch_parts = (*self._scratch.unbind(), self._scratch[: S1 + 1])
+        self._reset()
+
+    def _reset(self) -> None:
+        """Nothing measured yet; no update (a block without one reads 0 and 0: None)."""
+        self._maxima.fill_(-math.inf)
+        self._totals.zero_()
+        self._before = None
 
     # --- a logged step ---------------------------------------------------------------------
 
@@ -244,18 +293,17 @@ class SignalCollector:
         """Measure the next step's forward passes (every micro-batch of it)."""
         assert self.model is not None, "attach(model) first"
         self.armed = True
-        self._start()
+        self._reset()
         if not self.activations:
             return
-        for index, (_, block) in enumerate(self.blocks):
-            entering, leaving = partial(self._entering, index), partial(self._leaving, index)
+        for (_, block), (entering, leaving) in zip(self.blocks, self._hooks, strict=True):
             self._handles.append(block.register_forward_pre_hook(entering))
             self._handles.append(block.register_forward_hook(leaving, always_call=True))
         self._handles.append(self.model.register_forward_hook(self._model_output))
 
     @torch.compiler.disable
     def _entering(self, index: int, module: nn.Module, args: Any) -> None:
-        mode = _AttentionLogits(self._largest[index])
+        mode = _AttentionLogits(self._attn[index])
         mode.__enter__()
         self._modes[index] = mode
 
@@ -277,19 +325,24 @@ class SignalCollector:
         tensor = _first_tensor(output)
         if tensor is None or not tensor.is_floating_point():
             return
+        count, s1, s2, s3, s4, logit_scratch = self._scratch_parts
         if row == len(self.blocks):
-            largest, sums = tensor.amax(), [tensor.sum(dtype=torch.float64)]
+            largest, scratch = tensor.amax(), logit_scratch
+            torch.sum(tensor.flatten(), 0, dtype=torch.float64, out=s1)
         else:
             values = tensor.double().flatten()
             square = values.square()
-            largest = tensor.abs().amax()
-            sums = [values.sum(), square.sum(), square.dot(values), square.dot(square)]
+            largest, scratch = tensor.abs().amax(), self._scratch
+            torch.sum(values, 0, out=s1)
+            torch.sum(square, 0, out=s2)
+            torch.dot(square, values, out=s3)
+            torch.dot(square, square, out=s4)
             if self.limits.block_size is not None:
                 least = _least_block_max(tensor, self.limits.block_size)
                 _fold_max(self._largest[row, NEG_LEAST_BLOCK], -least)
-        count = torch.full_like(sums[0], tensor.numel())
-        _fold_max(self._largest[row, ABSMAX], largest)
-        self._sums[row, COUNT : S1 + len(sums)].add_(torch.stack([count, *sums]))
+        count.fill_(tensor.numel())
+        _fold_max(self._absmax[row], largest)
+        self._sum_rows[row].add_(scratch)
 
     def before_update(self) -> None:
         """The gradients are final and the weights not yet updated: keep one flat copy of the
@@ -297,9 +350,12 @@ class SignalCollector:
         if not self.armed or not self._weights:  # every step calls it: return at once
             return
         with torch.no_grad():
-            weights = [local(p).flatten() for p in self._weights]
-            copy = weights[0].new_empty(sum(self._sizes), dtype=self._copy_dtype)
-            self._before = torch.cat(weights, out=copy)
+            # The same tensors after the update: the optimizer steps them in place. Kept as they
+            # are, not flattened: a weight not contiguous in memory (channels_last) flattens to
+            # a copy, which the step would leave behind.
+            self._current = [local(p) for p in self._weights]
+            copy = self._current[0].new_empty(sum(self._sizes), dtype=self._copy_dtype)
+            self._before = torch.cat([weight.flatten() for weight in self._current], out=copy)
             self._weight_norms = torch._foreach_norm(copy.split(self._sizes), dtype=torch.float64)
 
     def after_update(self) -> None:
@@ -310,14 +366,14 @@ class SignalCollector:
         if not self.armed or self._before is None:
             return
         with torch.no_grad():
-            weights = [local(p).flatten() for p in self._weights]
-            pieces = self._before.split([weight.numel() for weight in weights])
-            torch._foreach_sub_(list(pieces), weights)
+            pieces = self._before.split([weight.numel() for weight in self._current])
+            shaped = [piece.view(w.shape) for piece, w in zip(pieces, self._current, strict=True)]
+            torch._foreach_sub_(shaped, self._current)
             norms = torch._foreach_norm(self._before.split(self._sizes), dtype=torch.float64)
-        # (blocks, 2): update, weight. A block without trainable weights has 0 and 0: its
-        # ratio 0/0 reads as None.
-        self._updates = torch.stack([*norms, *self._weight_norms]).view(2, -1).T.square()
-        self._before = None
+            # The updates', then the weights'. A block without trainable weights has 0 and 0:
+            # its ratio 0/0 reads as None.
+            torch.stack([*norms, *self._weight_norms], out=self._norms).square_()
+        self._before, self._current = None, []
 
     def collect(self) -> dict[str, Any]:
         """The step's signals as a row's fields (plain numbers, None where nothing was measured),
@@ -329,22 +385,19 @@ class SignalCollector:
         leaves their ratio as it is."""
         self.disarm()
         blocks = len(self.blocks)
-        largest = self._largest
-        updates = self._sums.new_zeros(blocks, 2) if self._updates is None else self._updates
-        sums = torch.cat([self._sums.flatten(), updates.flatten()])
         if distributed():
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        values = torch.cat([largest.flatten(), sums]).tolist()  # the step's one host read
+            dist.all_reduce(self._maxima, op=dist.ReduceOp.MAX)
+            dist.all_reduce(self._totals, op=dist.ReduceOp.SUM)
+        values = self._table.tolist()  # the step's one host read
         rows = blocks + 1
         largest, sums = _rows(values[: 3 * rows], 3), _rows(values[3 * rows : 8 * rows], 5)
-        updates = _rows(values[8 * rows :], 2)
-        row: dict[str, Any] = asdict(self.limits)
-        for (name, _), maxima, moments, (update_sq, weight_sq) in zip(
-            self.blocks, largest[:-1], sums[:-1], updates, strict=True
+        update_sq, weight_sq = values[8 * rows : 8 * rows + blocks], values[8 * rows + blocks :]
+        row: dict[str, Any] = dict(self._limit_fields)
+        for (name, _), maxima, moments, update, weight in zip(
+            self.blocks, largest[:-1], sums[:-1], update_sq, weight_sq, strict=True
         ):
             row.update(self._block_fields(name, maxima, moments))
-            row[f"update_ratio/{name}"] = math.sqrt(update_sq / weight_sq) if weight_sq else None
+            row[f"update_ratio/{name}"] = math.sqrt(update / weight) if weight else None
         logit_count, logit_sum = sums[-1][COUNT], sums[-1][S1]
         row["logit_max"] = largest[-1][ABSMAX] if logit_count else None
         row["logit_mean"] = logit_sum / logit_count if logit_count else None
