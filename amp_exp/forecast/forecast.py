@@ -425,12 +425,12 @@ def limit_crossing(
     finite = np.isfinite(series.values)
     at_fitted = checked[finite][trend.start :]
     known = np.isfinite(at_fitted)
-    fitted = Checked([a.observed(steps[trend.start :])[known] for a in axes], at_fitted[known])
+    spread = Checked([a.observed(steps[trend.start :])[known] for a in axes], at_fitted[known])
     # Each grid point stands for its share of the log reads the planned run makes after this
     # run's last (at this run's log interval); none before: this run has read them.
     log_every = float(np.median(np.diff(series.steps))) if len(series.steps) > 1 else 1.0
     reads = np.where(grid > steps[-1], (grid[1] - grid[0]) / log_every, 0.0)
-    found = crossing(series, trend, grid, [a.planned(grid) for a in axes], alpha, fitted, reads)
+    found = crossing(series, trend, grid, [a.planned(grid) for a in axes], alpha, spread, reads)
     if found is not None:
         found["decided_by"] = _describe(trend.decider(limit.direction), axes)
     return found
