@@ -142,6 +142,18 @@ def first_crossed(rows: list[dict], floor: float = 1.0) -> dict | None:
     return None
 
 
+def judged(forecast: dict | None, crossed: int | None, plan: int) -> str:
+    """A forecast's verdict against the step the run first logged a value past the limit:
+    "hit" (the crossing within the plan inside the forecast's interval), "miss", "early" (a
+    crossing claimed in a plan the run did not cross in), or "right" (silent, and none)."""
+    if crossed is not None and crossed <= plan:
+        if forecast is None:
+            return "miss"
+        low, high = forecast["interval"]
+        return "hit" if low <= crossed <= (math.inf if high is None else high) else "miss"
+    return "right" if forecast is None else "early"
+
+
 def case(
     name: str,
     steps: int,
@@ -175,7 +187,7 @@ def case(
         result["hit"] = (
             short is not None
             and short["signal"] == actual["signal"]
-            and short["interval"][0] <= actual["step"] <= (short["interval"][1] or math.inf)
+            and judged(short, actual["step"], steps) == "hit"
         )
         result["seen_at_step"] = steps // 4
     else:
@@ -205,18 +217,6 @@ def case(
     print(json.dumps(result), flush=True)
     result["rows"] = {"full": rows, "quarter": quarter}
     return result
-
-
-def judged(forecast: dict | None, crossed: int | None, plan: int) -> str:
-    """A forecast's verdict against the step the run first logged a value past the limit:
-    "hit" (the crossing within the plan inside the forecast's interval), "miss", "early" (a
-    crossing claimed in a plan the run did not cross in), or "right" (silent, and none)."""
-    if crossed is not None and crossed <= plan:
-        if forecast is None:
-            return "miss"
-        low, high = forecast["interval"]
-        return "hit" if low <= crossed <= (math.inf if high is None else high) else "miss"
-    return "right" if forecast is None else "early"
 
 
 def drift_horizons(seed: int, horizons: list[tuple[int, int]]) -> list[dict]:
