@@ -486,6 +486,9 @@ def test_the_loss_scale_crossing_is_the_first_read_below_the_floor() -> None:
         truths.append(truth)
         estimates.append(math.inf if first is None else first["step"])
         covered += first is not None and covers(first["interval"], truth)
+        # The forecast step is where the first read below is as likely as not: by the planned
+        # end, then, at least that likely.
+        assert first is None or first["chance"]["value"] >= 0.5
     assert covered >= at_least(1 - ALPHA, repetitions)
     low, high = np.percentile(truths, [25, 75])
     assert low <= np.median(estimates) <= high
@@ -528,6 +531,43 @@ def test_a_fall_by_a_power_of_the_rate_seen_over_a_quarter_is_not_carried_on_by_
         rows = scale_rows(steps, means, reads)
         alarms += forecast_run(rows, 2000, min_scale=2.0**14)["first_crossing"] is not None
     assert alarms <= at_most(ALPHA, repetitions)
+
+
+@pytest.mark.parametrize(
+    ("level", "observed", "planned"),
+    [
+        # The reads reach the floor near the planned end: the true chance is 23%.
+        (lambda steps: 18 - steps / 1000, 2000, 3000),
+        # A flat scale 4.5 levels above the floor: passing it is a far tail, a chance of 1e-7.
+        (lambda steps: 18 + 0 * steps, 1000, 3000),
+    ],
+)
+def test_the_chance_of_a_crossing_by_the_end_lies_in_its_interval_at_its_stated_rate(
+    level, observed, planned
+) -> None:
+    """The chance that the planned run reads a scale below the floor by its end, with its
+    interval, against the true chance (the reads' noise is known here: 0.75 of a level, normal,
+    rounded to the lattice). The chance of a tail event turns on the reads' spread more than on
+    the trend: with the spread taken as known (its estimate), the interval covered 22 and 6 of
+    60; with t noise in the interval's bounds (counting the spread's uncertainty twice), the far
+    tail's covered 26 of 60."""
+    steps = np.arange(25, planned + 1, 25, dtype=float)
+    seen, truth = steps <= observed, level(steps)
+    chance = 1 - np.prod(scipy.stats.norm.cdf((truth[~seen] - 13.5) / 0.75))
+    repetitions, covered = 0, 0
+    for seed in range(60):
+        rng = np.random.default_rng(seed)
+        means = truth + rng.normal(0, 0.1, len(steps))
+        reads = np.round(truth + rng.normal(0, 0.75, len(steps)))
+        if (reads[seen] < 14).any():
+            continue  # crossed already: its chance is 1, observed
+        rows = scale_rows(steps[seen], means[seen], reads[seen])
+        signals = forecast_run(rows, planned, min_scale=2.0**14)["signals"]
+        (scale,) = [signal for signal in signals if signal["signal"] == "scale"]
+        repetitions += 1
+        covered += covers(scale["chance"]["interval"], chance)
+    assert repetitions >= 50
+    assert covered >= at_least(1 - ALPHA, repetitions)
 
 
 def test_holm_rejects_step_down_where_bonferroni_would_stop() -> None:

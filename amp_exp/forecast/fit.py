@@ -179,13 +179,18 @@ class Fit:
         contrast[-1] = 1.0
         return self._contrast_p(contrast, towards)
 
-    def read_sd(self, us: list[np.ndarray], reads: np.ndarray) -> float:
+    def read_spread(self, us: list[np.ndarray], reads: np.ndarray) -> tuple[float, float]:
         """The spread of the values a limit is checked on (``reads``, at the fitted points'
-        places ``us``, in this form's space) about this form's trend, on its degrees of
-        freedom."""
+        places ``us``, in this form's space) about this form's trend, and its degrees of
+        freedom: the reads' count less the coefficients, cut by their residuals' lag-1
+        autocorrelation as the fit's are (``fit_form``)."""
         residuals = reads - self.at(us)
-        dof = max(len(reads) - len(self.coefficients), 1)
-        return math.sqrt(float(residuals @ residuals) / dof)
+        k = len(self.coefficients)
+        rss = float(residuals @ residuals)
+        rho = float(residuals[1:] @ residuals[:-1]) / rss if len(reads) > 2 and rss > 0 else 0.0
+        rho = min(max(rho, 0.0), MAX_AUTOCORRELATION)
+        sd = math.sqrt(rss / max(len(reads) - k, 1))
+        return sd, max(len(reads) * (1 - rho) / (1 + rho) - k, 1.0)
 
     def passage(
         self,
@@ -218,6 +223,44 @@ class Fit:
                 reached = (reads > 0) & (direction * trend >= direction * limit)
             found.append(int(np.argmax(reached)) if reached.any() else None)
         return tuple(found)
+
+    def chance(
+        self,
+        us: list[np.ndarray],
+        limit: float,
+        direction: int,
+        sds: tuple[float, float, float],
+        reads: np.ndarray,
+        level: float,
+    ) -> tuple[float, float, float]:
+        """The chance that a read passes ``limit`` by the grid's end (``us``: the grid's places
+        on every axis; ``reads``: the number of log reads each grid point stands for; reads
+        independent, as in ``passage``), and the interval the true chance lies in at ``level``
+        or more. The chance: each read the trend plus t-distributed noise of the estimated
+        spread ``sds[0]`` (the prediction of a new read where the spread is estimated, as
+        ``passage``'s centre: the chance is one half where that is at the grid's end). The
+        interval: the trend anywhere in its band at ``(1 + level) / 2`` (its edge far from the
+        limit for the least chance, near for the most) and the spread anywhere in its own
+        interval at that level (``sds[1:]``), each read the trend plus normal noise of that
+        spread (the spread's uncertainty is the interval's own: a t would count it twice, and
+        its tails overstate a far one); each part misses at most half the rest."""
+        ahead = reads > 0
+        low, high = self.confidence(us, 1 - (1 - level) / 2)
+        near, far = (high, low) if direction > 0 else (low, high)
+
+        def by_end(trend: np.ndarray, sd: float, noise) -> float:
+            trend = trend[ahead]
+            if sd <= 0:
+                return float((direction * (trend - limit) >= 0).any())
+            clear = noise.logcdf(-direction * (trend - limit) / sd) @ reads[ahead]
+            return float(-math.expm1(clear))
+
+        normal = scipy.stats.norm()
+        return (
+            by_end(self.at(us), sds[0], scipy.stats.t(self.dof)),
+            min(by_end(far, sd, normal) for sd in sds[1:]),
+            max(by_end(near, sd, normal) for sd in sds[1:]),
+        )
 
 
 def fit_form(

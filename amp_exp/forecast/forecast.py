@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import scipy.stats
 
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.forecast.fit import MIN_POINTS, Fit, Trend, fit_trend, likeliest_line
@@ -86,7 +87,7 @@ AXIS_BOTH = (
     "step n*T/N), for growth per unit of learning rate, and the optimizer step, for growth per "
     "step whatever the rate"
 )
-# The planned steps each crossing is looked for at.
+# The planned steps each crossing, and its chance, is looked for at.
 GRID = 2001
 
 
@@ -397,7 +398,51 @@ def forecast_series(
     }
     if series.limit is not None:
         out["crossing"] = limit_crossing(series, fitted, axes, planned_steps, alpha, claimable)
+        out["chance"] = crossing_chance(series, fitted, axes, planned_steps, alpha)
+        if out["crossing"] is not None:
+            out["crossing"]["chance"] = out["chance"]
     return out
+
+
+@dataclass(frozen=True)
+class Future:
+    """The planned run from the fitted points' start to its end, on a grid of steps: the grid's
+    places on every axis (``us``), the values the limit is checked on at the fitted points
+    (``checked``: their spread about a trend is the reads' noise) and the number of the planned
+    run's log reads each grid point stands for (``reads``: its share of those after this run's
+    last, at this run's log interval; none before: this run has read them)."""
+
+    steps: np.ndarray
+    us: list[np.ndarray]
+    checked: Checked
+    reads: np.ndarray
+
+
+def future_of(
+    series: Series,
+    fitted: tuple[Trend, np.ndarray],
+    axes: tuple[Axis, ...],
+    planned_steps: int,
+    points: int,
+) -> Future:
+    trend, steps = fitted
+    checked = series.values if series.reads is None else series.reads
+    grid = np.linspace(steps[trend.start], planned_steps, points)
+    at_fitted = checked[np.isfinite(series.values)][trend.start :]
+    known = np.isfinite(at_fitted)
+    spread = Checked([a.observed(steps[trend.start :])[known] for a in axes], at_fitted[known])
+    log_every = float(np.median(np.diff(series.steps))) if len(series.steps) > 1 else 1.0
+    reads = np.where(grid > steps[-1], (grid[1] - grid[0]) / log_every, 0.0)
+    return Future(grid, [a.planned(grid) for a in axes], spread, reads)
+
+
+def first_past(series: Series) -> float | None:
+    """The first step whose value the limit is checked on (the loss scale: its read) is past it,
+    or None."""
+    assert series.limit is not None
+    checked = series.values if series.reads is None else series.reads
+    past = np.flatnonzero(series.limit.direction * (checked - series.limit.value) > 0)
+    return float(series.steps[past[0]]) if past.size else None
 
 
 def limit_crossing(
@@ -411,29 +456,44 @@ def limit_crossing(
     """The signal's crossing of its limit: observed, where a value the limit is checked on is
     already past it (the first such step), else, where ``claimable``, forecast (``crossing``)
     over the planned steps after the fitted points' start."""
-    (trend, steps), limit = fitted, series.limit
+    trend, limit = fitted[0], series.limit
     assert limit is not None
-    checked = series.values if series.reads is None else series.reads
-    past = np.flatnonzero(limit.direction * (checked - limit.value) > 0)
-    if past.size:
-        step = float(series.steps[past[0]])
+    step = first_past(series)
+    if step is not None:
         found: dict[str, Any] | None = {"step": step, "interval": [step, step], "observed": True}
         return found | _limit_fields(series) | {"decided_by": None}
     if not claimable:
         return None
-    grid = np.linspace(steps[trend.start], planned_steps, GRID)
-    finite = np.isfinite(series.values)
-    at_fitted = checked[finite][trend.start :]
-    known = np.isfinite(at_fitted)
-    spread = Checked([a.observed(steps[trend.start :])[known] for a in axes], at_fitted[known])
-    # Each grid point stands for its share of the log reads the planned run makes after this
-    # run's last (at this run's log interval); none before: this run has read them.
-    log_every = float(np.median(np.diff(series.steps))) if len(series.steps) > 1 else 1.0
-    reads = np.where(grid > steps[-1], (grid[1] - grid[0]) / log_every, 0.0)
-    found = crossing(series, trend, grid, [a.planned(grid) for a in axes], alpha, spread, reads)
+    future = future_of(series, fitted, axes, planned_steps, GRID)
+    found = crossing(series, trend, future.steps, future.us, alpha, future.checked, future.reads)
     if found is not None:
         found["decided_by"] = _describe(trend.decider(limit.direction), axes)
     return found
+
+
+def crossing_chance(
+    series: Series,
+    fitted: tuple[Trend, np.ndarray],
+    axes: tuple[Axis, ...],
+    planned_steps: int,
+    alpha: float,
+) -> dict[str, Any]:
+    """The chance that the planned run logs a value past the signal's limit by its end, under
+    the deciding trend and the reads' spread about it, with the interval the true chance lies in
+    at 1 - ``alpha`` (``Fit.chance``); 1 where this run already has. Whether or not a crossing
+    is claimed: a flat signal near its limit may pass it on its scatter alone."""
+    trend, limit = fitted[0], series.limit
+    assert limit is not None and trend.line is not None
+    if first_past(series) is not None:
+        return {"value": 1.0, "interval": [1.0, 1.0]}
+    form = trend.decider(limit.direction)
+    if limit.value <= 0 and form.log:
+        return {"value": 0.0, "interval": [0.0, 0.0]}
+    future = future_of(series, fitted, axes, planned_steps, GRID)
+    value = limit.value if limit.value <= 0 else future.checked.boundary(limit, form.log)
+    sds = future.checked.sds(form, 1 - alpha / 2)
+    chance, low, high = form.chance(future.us, value, limit.direction, sds, future.reads, 1 - alpha)
+    return {"value": chance, "interval": [low, high]}
 
 
 def _limit_fields(series: Series) -> dict[str, Any]:
@@ -476,11 +536,29 @@ class Checked:
     def lattice(self) -> float | None:
         return lattice_of(self.values)
 
-    def sd(self, form: Fit) -> float:
-        sd = form.read_sd(self.us, np.log(self.values) if form.log else self.values)
+    def _spread(self, form: Fit) -> tuple[float, float]:
+        return form.read_spread(self.us, np.log(self.values) if form.log else self.values)
+
+    def _continuous(self, form: Fit, sd: float) -> float:
+        """The continuous read's spread, where ``sd`` is the rounded reads' (Sheppard)."""
         if form.log and self.lattice is not None:
             return math.sqrt(max(sd**2 - self.lattice**2 / 12, 0.0))
         return sd
+
+    def sd(self, form: Fit) -> float:
+        return self._continuous(form, self._spread(form)[0])
+
+    def sds(self, form: Fit, level: float) -> tuple[float, float, float]:
+        """The reads' spread about ``form``'s trend, and the interval the true spread lies in at
+        ``level`` (chi-square, on the reads' degrees of freedom: ``Fit.read_spread``)."""
+        sd, dof = self._spread(form)
+        tail = (1 - level) / 2
+        spreads = (
+            sd,
+            sd * math.sqrt(dof / scipy.stats.chi2.isf(tail, dof)),
+            sd * math.sqrt(dof / scipy.stats.chi2.ppf(tail, dof)),
+        )
+        return tuple(self._continuous(form, s) for s in spreads)
 
     def boundary(self, limit: Limit, log: bool) -> float:
         """Where a form in log space (``log``) or in the values' own units has a read cross
@@ -566,6 +644,11 @@ def forecast_run(
     ]
     crossings = [s["crossing"] for s in signals if s.get("crossing")]
     first = min(crossings, key=lambda c: c["step"], default=None)
+    likeliest = max(
+        (s for s in signals if s.get("chance") is not None),
+        key=lambda s: s["chance"]["value"],
+        default=None,
+    )
     return {
         "observed_steps": observed,
         "planned_steps": planned_steps,
@@ -574,6 +657,14 @@ def forecast_run(
         "level": level,
         "familywise_alpha": alpha,
         "first_crossing": first,
+        "likeliest_crossing": None
+        if likeliest is None
+        else {
+            "signal": likeliest["signal"],
+            "module": likeliest["module"],
+            "limit": likeliest["limit"]["name"],
+            "chance": likeliest["chance"],
+        },
         "unforecastable": [
             _name(s) for s in signals if s["status"] == "unforecastable" and s["limit"]
         ],

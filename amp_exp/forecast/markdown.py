@@ -13,8 +13,21 @@ def _step(value: float | None) -> str:
     return "beyond the plan" if value is None else f"{value:,.0f}"
 
 
+def _percent(share: float) -> str:
+    return "under 1%" if share < 0.005 else "over 99%" if share > 0.995 else f"{share:.0%}"
+
+
+def _chance(chance: dict[str, Any]) -> str:
+    """A crossing's chance by the planned end, with its interval (``Fit.chance``)."""
+    low, high = chance["interval"]
+    if low == high:
+        return _percent(chance["value"])
+    return f"{_percent(chance['value'])} ({_percent(low)} to {_percent(high)})"
+
+
 def crossing_sentence(forecast: dict[str, Any]) -> str:
-    """One sentence: the first limit crossed and when, or that none is forecast."""
+    """One sentence: the first limit crossed and when, or that none is forecast and the chance
+    of the likeliest crossing all the same."""
     first = forecast["first_crossing"]
     planned = f"{forecast['planned_steps']:,}"
     if first is None:
@@ -24,9 +37,16 @@ def crossing_sentence(forecast: dict[str, Any]) -> str:
             if unforecastable
             else ""
         )
-        return f"No signal is forecast to cross its limit by step {planned}{caveat}."
+        likeliest = forecast.get("likeliest_crossing")
+        chance = (
+            ""
+            if likeliest is None
+            else f" The likeliest to is {_where(likeliest)} ({likeliest['limit']}): a chance of "
+            f"{_chance(likeliest['chance'])} by the planned end."
+        )
+        return f"No signal is forecast to cross its limit by step {planned}{caveat}.{chance}"
     low, high = first["interval"]
-    where = f"{first['signal']}" + (f" of {first['module']}" if first["module"] else "")
+    where = _where(first)
     if first.get("observed"):
         return (
             f"{where} already crossed its limit ({first['limit']}, "
@@ -37,8 +57,13 @@ def crossing_sentence(forecast: dict[str, Any]) -> str:
         f"{where} is forecast to cross its limit ({first['limit']}, "
         f"{_number(first['limit_value'])}) at step {_step(first['step'])} "
         f"(interval {_step(low)} to {_step(high)}) of a planned {planned}; the step is the "
-        f"{form['shape']}'s in {form['space']} space over the {form['axis']} axis."
+        f"{form['shape']}'s in {form['space']} space over the {form['axis']} axis; its chance "
+        f"by the planned end: {_chance(first['chance'])}."
     )
+
+
+def _where(crossing: dict[str, Any]) -> str:
+    return f"{crossing['signal']}" + (f" of {crossing['module']}" if crossing["module"] else "")
 
 
 def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
@@ -61,10 +86,15 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
         f"{1 - forecast['familywise_alpha']:.0%} or more if one of the forms holds; 'beyond "
         "the plan' as its end means a form that slows enough not to cross by the planned end "
         "is still plausible.",
+        "- Chance by the end: the chance that the planned run logs a value past the limit by "
+        "its last step, under the deciding trend (its coefficients drawn from their sampling "
+        "distribution) and the values' spread about it; given for every limited signal, named "
+        "crossing or not. On the fp16 loss-scale drift it runs low (docs/forecast.md, "
+        '"Chance by the end").',
         "",
         "| signal | module | points | fit from step | slope | residual sd | forecast at end "
-        "| interval | limit | crossing |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| interval | limit | crossing | chance by the end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for signal in forecast["signals"]:
         limit = signal["limit"]
@@ -72,7 +102,7 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
         if signal["status"] != "fitted":
             lines.append(
                 f"| {signal['signal']} | {signal['module'] or '-'} | {signal['points']} "
-                f"| unforecastable: {signal['reason']} | | | | | {limit_text} | |"
+                f"| unforecastable: {signal['reason']} | | | | | {limit_text} | | |"
             )
             continue
         end = signal["forecast"]
@@ -87,6 +117,7 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
             f"({signal['space']}) "
             f"| {signal['residual_sd']:.3g} | {_number(end['value'])} "
             f"| {_number(end['interval'][0])} to {_number(end['interval'][1])} "
-            f"| {limit_text} | {crossing_text} |"
+            f"| {limit_text} | {crossing_text} "
+            f"| {'-' if signal.get('chance') is None else _chance(signal['chance'])} |"
         )
     return "\n".join(lines) + "\n"

@@ -27,7 +27,13 @@ from amp_exp.report.words import md_text
 # The planned length, as a multiple of each run's, where report.forecast_steps is null.
 DEFAULT_STRETCH = 10
 # What the report keeps of a run's forecast: not the per-signal fits (forecast.json has those).
-KEPT = ("observed_steps", "planned_steps", "first_crossing", "unforecastable")
+KEPT = (
+    "observed_steps",
+    "planned_steps",
+    "first_crossing",
+    "likeliest_crossing",
+    "unforecastable",
+)
 
 
 def _min_scale(run: Run) -> float:
