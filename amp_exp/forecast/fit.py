@@ -51,6 +51,11 @@ a changepoint test, with their bands and where each meets a limit.
   crossed the limit, the quadratic does not. (Over the points of the regime the changepoint
   keeps only: a later regime that grows steadily after a fast start is extrapolated, as one real
   run that took off later showed it should be.)
+- **Chance.** ``Fit.chance`` gives the chance that some read passes the limit by the planned
+  end (one half exactly where ``passage``'s centre is the end) and the interval the true chance
+  lies in: the trend anywhere in its band and the reads' spread anywhere in its own chi-square
+  interval, each at half the miss rate. The chance of a far tail turns on the spread more than
+  on the trend; with the spread taken as known, such an interval covers a third of the time.
 - **Too few points** (fewer than ``MIN_POINTS`` usable values) are ``unforecastable``: nothing is
   extrapolated from them.
 """
@@ -253,7 +258,7 @@ class Fit:
             if sd <= 0:
                 return float((direction * (trend - limit) >= 0).any())
             clear = noise.logcdf(-direction * (trend - limit) / sd) @ reads[ahead]
-            return float(-math.expm1(clear))
+            return max(0.0, -math.expm1(clear))
 
         normal = scipy.stats.norm()
         return (

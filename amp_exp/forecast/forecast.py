@@ -53,6 +53,11 @@ below ``precision.min_scale``, and the reads scatter a level or two about the tr
 interval means: the first one below comes well before the trend reaches the floor. A read that
 takes only a lattice's values (the scale: init_scale times powers of the growth factor) is a
 rounded one (``Checked``).
+
+**The chance of each limit's crossing by the planned end** (``crossing_chance``, fit.py
+``Fit.chance``), with the interval the true chance lies in at ``1 - alpha / m``, is given for
+every limited signal, a crossing named or not: a silence is no promise where the reads scatter
+near a limit, and the interval says how little a short run may know of a tail.
 """
 
 from __future__ import annotations
@@ -479,21 +484,35 @@ def crossing_chance(
     alpha: float,
 ) -> dict[str, Any]:
     """The chance that the planned run logs a value past the signal's limit by its end, under
-    the deciding trend and the reads' spread about it, with the interval the true chance lies in
-    at 1 - ``alpha`` (``Fit.chance``); 1 where this run already has. Whether or not a crossing
-    is claimed: a flat signal near its limit may pass it on its scatter alone."""
+    the deciding trend and the reads' spread about it, and the interval the true chance lies in
+    at 1 - ``alpha``: the hull of every plausible form's (``Fit.chance``), as the crossing's
+    interval is; 1 where this run already has. Whether or not a crossing is claimed: a flat
+    signal near its limit may pass it on its scatter alone."""
     trend, limit = fitted[0], series.limit
     assert limit is not None and trend.line is not None
     if first_past(series) is not None:
         return {"value": 1.0, "interval": [1.0, 1.0]}
-    form = trend.decider(limit.direction)
-    if limit.value <= 0 and form.log:
-        return {"value": 0.0, "interval": [0.0, 0.0]}
     future = future_of(series, fitted, axes, planned_steps, GRID)
-    value = limit.value if limit.value <= 0 else future.checked.boundary(limit, form.log)
-    sds = future.checked.sds(form, 1 - alpha / 2)
-    chance, low, high = form.chance(future.us, value, limit.direction, sds, future.reads, 1 - alpha)
-    return {"value": chance, "interval": [low, high]}
+    decider = trend.decider(limit.direction)
+    value, lows, highs = 0.0, [], []
+    for form in hull_forms(trend, decider):
+        boundary = future.checked.boundary(limit, form.log)
+        if boundary is None:
+            continue
+        sds = future.checked.sds(form, 1 - alpha / 2)
+        chance, low, high = form.chance(
+            future.us, boundary, limit.direction, sds, future.reads, 1 - alpha
+        )
+        value = chance if form is decider else value
+        lows.append(low)
+        highs.append(high)
+    return {"value": value, "interval": [min(lows, default=0.0), max(highs, default=0.0)]}
+
+
+def hull_forms(trend: Trend, decider: Fit) -> tuple[Fit, ...]:
+    """The forms whose hull is an interval: every plausible one, and the decider (an implausible
+    form is no part of it, unless it decides)."""
+    return trend.forms if any(f is decider for f in trend.forms) else (*trend.forms, decider)
 
 
 def _limit_fields(series: Series) -> dict[str, Any]:
@@ -560,9 +579,11 @@ class Checked:
         )
         return tuple(self._continuous(form, s) for s in spreads)
 
-    def boundary(self, limit: Limit, log: bool) -> float:
+    def boundary(self, limit: Limit, log: bool) -> float | None:
         """Where a form in log space (``log``) or in the values' own units has a read cross
-        ``limit``."""
+        ``limit``; None where a log form never can (a limit of 0 or below)."""
+        if limit.value <= 0:
+            return None if log else limit.value
         value = math.log(limit.value)
         if self.lattice is not None:
             origin = math.log(self.values[np.isfinite(self.values)][0])
@@ -593,19 +614,14 @@ def crossing(
     limit = series.limit
     assert limit is not None and trend.line is not None
     decider = trend.decider(limit.direction)
-    # An implausible form's band is no part of the hull, unless it decides.
-    forms = trend.forms if any(f is decider for f in trend.forms) else (*trend.forms, decider)
     lows, highs = [], []
     estimate = None
-    for form in forms:
-        if limit.value <= 0:
-            if form.log:
-                continue
-            value = limit.value
-        else:
-            value = checked.boundary(limit, form.log)
+    for form in hull_forms(trend, decider):
+        boundary = checked.boundary(limit, form.log)
+        if boundary is None:
+            continue
         centre, near, far = form.passage(
-            us, value, limit.direction, 1 - alpha, checked.sd(form), reads
+            us, boundary, limit.direction, 1 - alpha, checked.sd(form), reads
         )
         if form is decider:
             if centre is None:

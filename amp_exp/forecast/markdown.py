@@ -87,10 +87,11 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
         "the plan' as its end means a form that slows enough not to cross by the planned end "
         "is still plausible.",
         "- Chance by the end: the chance that the planned run logs a value past the limit by "
-        "its last step, under the deciding trend (its coefficients drawn from their sampling "
-        "distribution) and the values' spread about it; given for every limited signal, named "
-        "crossing or not. On the fp16 loss-scale drift it runs low (docs/forecast.md, "
-        '"Chance by the end").',
+        "its last step, from the deciding trend and the values' spread about it (one half or "
+        "more exactly where a named crossing's step is within the plan), and in brackets the "
+        "interval the true chance lies in, at the crossings' level: the hull over the same "
+        "forms, each with its band and the spread's own interval; for every limited signal, "
+        "named crossing or not.",
         "",
         "| signal | module | points | fit from step | slope | residual sd | forecast at end "
         "| interval | limit | crossing | chance by the end |",
