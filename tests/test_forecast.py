@@ -562,10 +562,15 @@ def test_the_chance_of_a_crossing_by_the_end_lies_in_its_interval_at_its_stated_
         if (reads[seen] < 14).any():
             continue  # crossed already: its chance is 1, observed
         rows = scale_rows(steps[seen], means[seen], reads[seen])
-        signals = forecast_run(rows, planned, min_scale=2.0**14)["signals"]
-        (scale,) = [signal for signal in signals if signal["signal"] == "scale"]
+        forecast = forecast_run(rows, planned, min_scale=2.0**14)
+        (scale,) = [signal for signal in forecast["signals"] if signal["signal"] == "scale"]
         repetitions += 1
         covered += covers(scale["chance"]["interval"], chance)
+        if forecast["first_crossing"] is None:
+            # A silence still says the chance: it is no promise near the floor.
+            assert "The likeliest to is scale (precision.min_scale): a chance of" in (
+                crossing_sentence(forecast)
+            )
     assert repetitions >= 50
     assert covered >= at_least(1 - ALPHA, repetitions)
 
@@ -704,6 +709,9 @@ def test_the_report_gives_each_precision_its_forecast_and_names_the_crossing_run
         in text
     )
     assert "**gpt_tiny, bf16** to 2,500 steps: no limit is forecast" in text
+    # A silence says how likely a crossing is all the same: the flat run's is a far tail.
+    assert "the highest chance of one by then: under 1% (act_absmax of blocks.0 on bf16)" in text
+    assert "its chance by the planned end: over 99%" in by_label["fp8"][0]["sentence"]
     pytest.importorskip("matplotlib")
     plot_forecasts(forecasts, {run.path.name: run.metrics for run in runs}, tmp_path)
     for group in forecasts:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# What a chance's interval is, in a sentence.
+PLAUSIBLE_WORDS = " over the forms still plausible"
+
 
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
@@ -13,16 +16,16 @@ def _step(value: float | None) -> str:
     return "beyond the plan" if value is None else f"{value:,.0f}"
 
 
-def _percent(share: float) -> str:
+def percent(share: float) -> str:
+    """A chance as a whole percentage, its far ends as under 1% and over 99%."""
     return "under 1%" if share < 0.005 else "over 99%" if share > 0.995 else f"{share:.0%}"
 
 
-def _chance(chance: dict[str, Any]) -> str:
-    """A crossing's chance by the planned end, with its interval (``Fit.chance``)."""
-    low, high = chance["interval"]
-    if low == high:
-        return _percent(chance["value"])
-    return f"{_percent(chance['value'])} ({_percent(low)} to {_percent(high)})"
+def _chance(chance: dict[str, Any], words: str = "") -> str:
+    """A crossing's chance by the planned end, with its interval (``Fit.chance``); ``words``
+    after the interval say what it is, in a sentence."""
+    value, (low, high) = percent(chance["value"]), (percent(v) for v in chance["interval"])
+    return value if low == high else f"{value} ({low} to {high}{words})"
 
 
 def crossing_sentence(forecast: dict[str, Any]) -> str:
@@ -42,7 +45,7 @@ def crossing_sentence(forecast: dict[str, Any]) -> str:
             ""
             if likeliest is None
             else f" The likeliest to is {_where(likeliest)} ({likeliest['limit']}): a chance of "
-            f"{_chance(likeliest['chance'])} by the planned end."
+            f"{_chance(likeliest['chance'], PLAUSIBLE_WORDS)} by the planned end."
         )
         return f"No signal is forecast to cross its limit by step {planned}{caveat}.{chance}"
     low, high = first["interval"]
@@ -58,7 +61,7 @@ def crossing_sentence(forecast: dict[str, Any]) -> str:
         f"{_number(first['limit_value'])}) at step {_step(first['step'])} "
         f"(interval {_step(low)} to {_step(high)}) of a planned {planned}; the step is the "
         f"{form['shape']}'s in {form['space']} space over the {form['axis']} axis; its chance "
-        f"by the planned end: {_chance(first['chance'])}."
+        f"by the planned end: {_chance(first['chance'], PLAUSIBLE_WORDS)}."
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.forecast.forecast import forecast_run
-from amp_exp.forecast.markdown import crossing_sentence
+from amp_exp.forecast.markdown import crossing_sentence, percent
 from amp_exp.forecast.plots import plot_forecast
 from amp_exp.report.compare import precision_knobs, variant_label
 from amp_exp.report.runs import Run
@@ -97,6 +97,20 @@ def _crossing_step(crossing: dict[str, Any] | None) -> float:
     return float("inf") if crossing is None else crossing["step"]
 
 
+def _likeliest(runs: list[dict[str, Any]]) -> str:
+    """Where no crossing is named: the highest chance of one by the planned end over the runs
+    (a silence is no promise where a signal's reads scatter near its limit)."""
+    chances = [(r["likeliest_crossing"], r["run"]) for r in runs if r.get("likeliest_crossing")]
+    if not chances:
+        return ""
+    likeliest, run = max(chances, key=lambda c: c[0]["chance"]["value"])
+    signal = likeliest["signal"] + (f" of {likeliest['module']}" if likeliest["module"] else "")
+    return (
+        f"; the highest chance of one by then: {percent(likeliest['chance']['value'])} "
+        f"({md_text(signal)} on {md_text(run)})"
+    )
+
+
 def forecast_section(forecasts: list[dict[str, Any]]) -> list[str]:
     """report.md's lines: one per precision, then each run's sentence."""
     if not forecasts:
@@ -111,6 +125,7 @@ def forecast_section(forecasts: list[dict[str, Any]]) -> list[str]:
             f"a limit is forecast to be crossed on {len(crossing)} of {len(runs)} run(s)"
             if crossing
             else f"no limit is forecast to be crossed on any of its {len(runs)} run(s)"
+            + _likeliest(runs)
         )
         lengths = ", ".join(f"{p:,}" for p in planned)
         who = f"{md_text(subject)}, {md_text(group['label'])}"
