@@ -486,9 +486,6 @@ def test_the_loss_scale_crossing_is_the_first_read_below_the_floor() -> None:
         truths.append(truth)
         estimates.append(math.inf if first is None else first["step"])
         covered += first is not None and covers(first["interval"], truth)
-        # The forecast step is where the first read below is as likely as not: by the planned
-        # end, then, at least that likely.
-        assert first is None or first["chance"]["value"] >= 0.5
     assert covered >= at_least(1 - ALPHA, repetitions)
     low, high = np.percentile(truths, [25, 75])
     assert low <= np.median(estimates) <= high

@@ -52,10 +52,11 @@ a changepoint test, with their bands and where each meets a limit.
   keeps only: a later regime that grows steadily after a fast start is extrapolated, as one real
   run that took off later showed it should be.)
 - **Chance.** ``Fit.chance`` gives the chance that some read passes the limit by the planned
-  end (one half exactly where ``passage``'s centre is the end) and the interval the true chance
-  lies in: the trend anywhere in its band and the reads' spread anywhere in its own chi-square
-  interval, each at half the miss rate. The chance of a far tail turns on the spread more than
-  on the trend; with the spread taken as known, such an interval covers a third of the time.
+  end (normal reads about the trend; about one half where ``passage``'s centre, whose reads are
+  a t's, is the end) and the interval the true chance lies in: the trend anywhere in its band
+  and the reads' spread anywhere in its own chi-square interval, each at half the miss rate.
+  The chance of a far tail turns on the spread more than on the trend; with the spread taken as
+  known, such an interval covered the true chance a third of the time or less.
 - **Too few points** (fewer than ``MIN_POINTS`` usable values) are ``unforecastable``: nothing is
   extrapolated from them.
 """
@@ -241,30 +242,28 @@ class Fit:
         """The chance that a read passes ``limit`` by the grid's end (``us``: the grid's places
         on every axis; ``reads``: the number of log reads each grid point stands for; reads
         independent, as in ``passage``), and the interval the true chance lies in at ``level``
-        or more. The chance: each read the trend plus t-distributed noise of the estimated
-        spread ``sds[0]`` (the prediction of a new read where the spread is estimated, as
-        ``passage``'s centre: the chance is one half where that is at the grid's end). The
-        interval: the trend anywhere in its band at ``(1 + level) / 2`` (its edge far from the
-        limit for the least chance, near for the most) and the spread anywhere in its own
-        interval at that level (``sds[1:]``), each read the trend plus normal noise of that
-        spread (the spread's uncertainty is the interval's own: a t would count it twice, and
-        its tails overstate a far one); each part misses at most half the rest."""
+        or more. Each read is the trend plus normal noise: for the chance, the trend at its
+        centre and the spread ``sds[0]``; for the interval, the trend anywhere in its band at
+        ``(1 + level) / 2`` (its edge far from the limit for the least chance, near for the
+        most) and the spread anywhere in its own interval at that level (``sds[1:]``), each part
+        missing at most half the rest. The spread's uncertainty is the interval's, not the
+        noise's: a t would count it twice, and with the few degrees of freedom of an
+        autocorrelated signal its tails give a chance to a read 70 spreads from the trend."""
         ahead = reads > 0
         low, high = self.confidence(us, 1 - (1 - level) / 2)
         near, far = (high, low) if direction > 0 else (low, high)
 
-        def by_end(trend: np.ndarray, sd: float, noise) -> float:
+        def by_end(trend: np.ndarray, sd: float) -> float:
             trend = trend[ahead]
             if sd <= 0:
                 return float((direction * (trend - limit) >= 0).any())
-            clear = noise.logcdf(-direction * (trend - limit) / sd) @ reads[ahead]
+            clear = scipy.stats.norm.logcdf(-direction * (trend - limit) / sd) @ reads[ahead]
             return max(0.0, -math.expm1(clear))
 
-        normal = scipy.stats.norm()
         return (
-            by_end(self.at(us), sds[0], scipy.stats.t(self.dof)),
-            min(by_end(far, sd, normal) for sd in sds[1:]),
-            max(by_end(near, sd, normal) for sd in sds[1:]),
+            by_end(self.at(us), sds[0]),
+            min(by_end(far, sd) for sd in sds[1:]),
+            max(by_end(near, sd) for sd in sds[1:]),
         )
 
 
