@@ -117,6 +117,11 @@ class Series:
     # as read at the log step, against its fitted interval means.
     reads: np.ndarray | None = None
 
+    @property
+    def checked(self) -> np.ndarray:
+        """What the limit is checked on at each step: the reads where kept, else the values."""
+        return self.values if self.reads is None else self.reads
+
 
 def _series_rows(rows: list[dict[str, Any]]) -> dict[tuple[str, str | None], dict[int, float]]:
     """Each signal's values by step; the scale's reads under the key ("scale read", None)."""
@@ -424,16 +429,11 @@ class Future:
 
 
 def future_of(
-    series: Series,
-    fitted: tuple[Trend, np.ndarray],
-    axes: tuple[Axis, ...],
-    planned_steps: int,
-    points: int,
+    series: Series, fitted: tuple[Trend, np.ndarray], axes: tuple[Axis, ...], planned_steps: int
 ) -> Future:
     trend, steps = fitted
-    checked = series.values if series.reads is None else series.reads
-    grid = np.linspace(steps[trend.start], planned_steps, points)
-    at_fitted = checked[np.isfinite(series.values)][trend.start :]
+    grid = np.linspace(steps[trend.start], planned_steps, GRID)
+    at_fitted = series.checked[np.isfinite(series.values)][trend.start :]
     known = np.isfinite(at_fitted)
     spread = Checked([a.observed(steps[trend.start :])[known] for a in axes], at_fitted[known])
     log_every = float(np.median(np.diff(series.steps))) if len(series.steps) > 1 else 1.0
@@ -445,8 +445,7 @@ def first_past(series: Series) -> float | None:
     """The first step whose value the limit is checked on (the loss scale: its read) is past it,
     or None."""
     assert series.limit is not None
-    checked = series.values if series.reads is None else series.reads
-    past = np.flatnonzero(series.limit.direction * (checked - series.limit.value) > 0)
+    past = np.flatnonzero(series.limit.direction * (series.checked - series.limit.value) > 0)
     return float(series.steps[past[0]]) if past.size else None
 
 
@@ -469,7 +468,7 @@ def limit_crossing(
         return found | _limit_fields(series) | {"decided_by": None}
     if not claimable:
         return None
-    future = future_of(series, fitted, axes, planned_steps, GRID)
+    future = future_of(series, fitted, axes, planned_steps)
     found = crossing(series, trend, future.steps, future.us, alpha, future.checked, future.reads)
     if found is not None:
         found["decided_by"] = _describe(trend.decider(limit.direction), axes)
@@ -492,7 +491,7 @@ def crossing_chance(
     assert limit is not None and trend.line is not None
     if first_past(series) is not None:
         return {"value": 1.0, "interval": [1.0, 1.0]}
-    future = future_of(series, fitted, axes, planned_steps, GRID)
+    future = future_of(series, fitted, axes, planned_steps)
     decider = trend.decider(limit.direction)
     value, lows, highs = 0.0, [], []
     for form in hull_forms(trend, decider):
