@@ -42,7 +42,10 @@ Cases:
   longest plan and forecast from each horizon's first OBSERVED steps to PLANNED, against both
   floors, each forecast judged (hit, miss, early, right: ``judged``); docs/forecast.md's drift
   tables are ``--threads 1 --cases none --drift-seeds 0 1 2 3 4 5 --drift-horizons 500:2000
-  2000:8000 2000:20000 5000:20000`` (and seeds 6 to 11, held out).
+  2000:8000 2000:20000 5000:20000`` (and seeds 6 to 29, held out). Each drift forecast also
+  carries the chance of the scale's crossing by the plan's end, and the run ends with the table of
+  those chances against what the runs did (``reliability``; docs/forecast.md's is seeds 0 to 29
+  at 500:1000 500:2000 2000:4000 2000:8000 2000:12000 2000:20000 5000:10000 5000:20000).
 - ``*_cosine_seed*``: more seeds of the cosine cases (the step as a second time axis).
 - every run that crosses nothing is a healthy run: forecast from all of it to 4x and 10x its
   length, where any crossing is a false alarm.
@@ -51,6 +54,7 @@ Cases:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -237,13 +241,39 @@ def drift_horizons(seed: int, horizons: list[tuple[int, int]]) -> list[dict]:
                 result["verdict"] = "crossed before"
             else:
                 seen = [row for row in rows if row["step"] <= observed]
-                first = forecast_run(seen, plan, min_scale=floor)["first_crossing"]
+                forecast = forecast_run(seen, plan, min_scale=floor)
+                first = forecast["first_crossing"]
+                (scale,) = [s for s in forecast["signals"] if s["signal"] == "scale"]
                 result |= {"forecast": first, "verdict": judged(first, step, plan)}
+                result |= {"chance": scale.get("chance")}
             print(json.dumps(result), flush=True)
             results.append(result)
     return results
 
 
+def reliability(results: list[dict]) -> list[str]:
+    """The drift forecasts' chances of the scale's crossing by the plan's end against what the
+    runs did: per band of chance, the forecasts, their mean chance and the share that crossed
+    (docs/forecast.md, "Chance by the end, measured"), as a markdown table."""
+    judged_ones = [r for r in results if r.get("chance")]
+    lines = ["| chance | forecasts | mean chance | crossed |", "|---|---|---|---|"]
+    for low, high in itertools.pairwise(CHANCE_BANDS):
+        band = [
+            r
+            for r in judged_ones
+            if low <= r["chance"]["value"] < high or high == 1 == r["chance"]["value"]
+        ]
+        if band:
+            crossed = [r["crossed"] is not None and r["crossed"] <= r["planned"] for r in band]
+            mean = sum(r["chance"]["value"] for r in band) / len(band)
+            lines.append(
+                f"| {low:.0%} to {high:.0%} | {len(band)} | {mean:.0%} "
+                f"| {sum(crossed) / len(band):.0%} ({sum(crossed)}) |"
+            )
+    return lines
+
+
+CHANCE_BANDS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
 LR_HIGH, LR_LOW, COSINE = "optimizer.lr=3e-2", "optimizer.lr=1e-3", "scheduler=cosine"
 # The drift's loss-scale floors: one its full run falls below, one it stays above.
 DRIFT_FLOORS = (65536, 16384)
@@ -311,6 +341,7 @@ def main() -> None:
         horizons = [tuple(int(v) for v in h.split(":")) for h in args.drift_horizons]
         for seed in args.drift_seeds:
             results.extend(drift_horizons(seed, horizons))
+        print("\n".join(reliability(results)), flush=True)
     for seed in [] if args.drift_horizons else args.drift_seeds:
         for floor in DRIFT_FLOORS:
             name = f"fp16_drift_floor{floor}" + (f"_seed{seed}" if seed else "")
