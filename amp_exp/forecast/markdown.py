@@ -44,20 +44,20 @@ def crossing_sentence(forecast: dict[str, Any]) -> str:
         chance = (
             ""
             if likeliest is None
-            else f" The likeliest to is {_where(likeliest)} ({likeliest['limit']}): a chance of "
+            else f" The likeliest to is {where(likeliest)} ({likeliest['limit']}): a chance of "
             f"{_chance(likeliest['chance'], PLAUSIBLE_WORDS)} by the planned end."
         )
         return f"No signal is forecast to cross its limit by step {planned}{caveat}.{chance}"
     low, high = first["interval"]
-    where = _where(first)
+    subject = where(first)
     if first.get("observed"):
         return (
-            f"{where} already crossed its limit ({first['limit']}, "
+            f"{subject} already crossed its limit ({first['limit']}, "
             f"{_number(first['limit_value'])}) at step {_step(first['step'])} of this run."
         )
     form = first["decided_by"]
     return (
-        f"{where} is forecast to cross its limit ({first['limit']}, "
+        f"{subject} is forecast to cross its limit ({first['limit']}, "
         f"{_number(first['limit_value'])}) at step {_step(first['step'])} "
         f"(interval {_step(low)} to {_step(high)}) of a planned {planned}; the step is the "
         f"{form['shape']}'s in {form['space']} space over the {form['axis']} axis; its chance "
@@ -65,7 +65,8 @@ def crossing_sentence(forecast: dict[str, Any]) -> str:
     )
 
 
-def _where(crossing: dict[str, Any]) -> str:
+def where(crossing: dict[str, Any]) -> str:
+    """A crossing's signal, and its module where it has one."""
     return f"{crossing['signal']}" + (f" of {crossing['module']}" if crossing["module"] else "")
 
 
@@ -90,8 +91,8 @@ def forecast_markdown(run: str, forecast: dict[str, Any]) -> str:
         "the plan' as its end means a form that slows enough not to cross by the planned end "
         "is still plausible.",
         "- Chance by the end: the chance that the planned run logs a value past the limit by "
-        "its last step, from the deciding trend and the values' spread about it (one half or "
-        "more exactly where a named crossing's step is within the plan), and in brackets the "
+        "its last step, from the deciding trend and the values' spread about it (about one half "
+        "or more where a named crossing's step is within the plan), and in brackets the "
         "interval the true chance lies in, at the crossings' level: the hull over the same "
         "forms, each with its band and the spread's own interval; for every limited signal, "
         "named crossing or not.",

@@ -18,7 +18,7 @@ from typing import Any
 
 from amp_exp.config.schema import PrecisionConfig
 from amp_exp.forecast.forecast import forecast_run
-from amp_exp.forecast.markdown import crossing_sentence, percent
+from amp_exp.forecast.markdown import crossing_sentence, percent, where
 from amp_exp.forecast.plots import plot_forecast
 from amp_exp.report.compare import precision_knobs, variant_label
 from amp_exp.report.runs import Run
@@ -100,14 +100,13 @@ def _crossing_step(crossing: dict[str, Any] | None) -> float:
 def _likeliest(runs: list[dict[str, Any]]) -> str:
     """Where no crossing is named: the highest chance of one by the planned end over the runs
     (a silence is no promise where a signal's reads scatter near its limit)."""
-    chances = [(r["likeliest_crossing"], r["run"]) for r in runs if r.get("likeliest_crossing")]
+    chances = [(r["likeliest_crossing"], r["run"]) for r in runs if r["likeliest_crossing"]]
     if not chances:
         return ""
     likeliest, run = max(chances, key=lambda c: c[0]["chance"]["value"])
-    signal = likeliest["signal"] + (f" of {likeliest['module']}" if likeliest["module"] else "")
     return (
         f"; the highest chance of one by then: {percent(likeliest['chance']['value'])} "
-        f"({md_text(signal)} on {md_text(run)})"
+        f"({md_text(where(likeliest))} on {md_text(run)})"
     )
 
 
